@@ -1,0 +1,2 @@
+"""llmd: a local LLM serving daemon."""
+__version__ = "0.1.0"

@@ -1,0 +1,154 @@
+"""Attention over a paged KV cache: the one seam between the models and the engine.
+
+Every model layer calls `paged_attention(q, k, v, kv_cache, meta)`. The engine builds one `AttentionMetadata` per step
+for the whole flattened batch (decodes and prefill chunks mixed). K/V of the new tokens are written in place through
+`slot_mapping`; attention then reads each sequence's context through its block table.
+
+Cache layout, per layer: a pair (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+Slot s lives at block s // block_size, offset s % block_size.
+
+The Triton kernels (llmd.kernels) plug in through `set_attention_backend`; the torch functions here are the reference
+and the CPU path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one flattened batch of T new tokens belonging to B sequences (sequence order = token order)."""
+
+    slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
+    query_start_loc: torch.Tensor  # [B + 1] long: offsets of each sequence's new tokens in the flat batch
+    seq_lens: torch.Tensor  # [B] long: context length of each sequence after this step (cached + new)
+    block_tables: torch.Tensor  # [B, max_blocks] long: block ids, padded with 0
+    block_size: int
+    # Python copies of the small per-sequence values, so the torch path needs no device->host syncs.
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens_list)
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> "AttentionMetadata":
+        """Metadata for sequences whose new tokens occupy positions [seq_len - query_len, seq_len)."""
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+            for pos in range(s_len - q_len, s_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max((len(t) for t in block_tables), default=1) or 1
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        starts = [0]
+        for q_len in query_lens:
+            starts.append(starts[-1] + q_len)
+        as_long = dict(dtype=torch.long, device=device)
+        return cls(
+            slot_mapping=torch.tensor(slots, **as_long),
+            query_start_loc=torch.tensor(starts, **as_long),
+            seq_lens=torch.tensor(seq_lens, **as_long),
+            block_tables=torch.tensor(padded, **as_long),
+            block_size=block_size,
+            query_lens_list=list(query_lens),
+            seq_lens_list=list(seq_lens),
+        )
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K/V ([T, kv_heads, head_dim]) into their cache slots."""
+    k_cache, v_cache = kv_cache
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def gather_context(kv_cache: KVCache, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached K and V, [seq_len, kv_heads, head_dim] each."""
+    k_cache, v_cache = kv_cache
+    block_size = k_cache.shape[1]
+    n_blocks = (seq_len + block_size - 1) // block_size
+    ids = block_table[:n_blocks]
+    k = k_cache[ids].flatten(0, 1)[:seq_len]
+    v = v_cache[ids].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def torch_paged_attention(
+    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Reference attention for q [T, heads, head_dim] whose K/V are already in the cache. Returns [T, heads, head_dim].
+
+    Each sequence's queries sit at the end of its context, so query i of a chunk of length L attends to the
+    first seq_len - L + i + 1 context tokens (causal, including cached prefix blocks).
+    """
+    out = torch.empty_like(q)
+    num_heads = q.shape[1]
+    start = 0
+    for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+        if q_len == 0:
+            continue
+        k, v = gather_context(kv_cache, meta.block_tables[i], s_len)
+        group = num_heads // k.shape[1]
+        if group > 1:
+            k = k.repeat_interleave(group, dim=1)
+            v = v.repeat_interleave(group, dim=1)
+        qs = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, d]
+        ks, vs = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+        if q_len == 1:
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        else:
+            q_pos = torch.arange(s_len - q_len, s_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(s_len, device=q.device).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=k_pos <= q_pos, scale=scale)
+        out[start : start + q_len] = o.transpose(0, 1)
+        start += q_len
+    return out
+
+
+AttentionFn = Callable[[torch.Tensor, KVCache, AttentionMetadata, float], torch.Tensor]
+_backend: AttentionFn = torch_paged_attention
+
+
+def set_attention_backend(fn: AttentionFn | None) -> None:
+    """Swap the attention implementation (None restores the torch reference)."""
+    global _backend
+    _backend = fn or torch_paged_attention
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Write the new tokens' K/V into the cache, then attend. q [T, heads, d], k/v [T, kv_heads, d]."""
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    return _backend(q, kv_cache, meta, scale)
+
+
+def allocate_kv_cache(
+    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+    dtype: torch.dtype, device: torch.device | str = "cpu",
+) -> list[KVCache]:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
