@@ -28,3 +28,11 @@ class InvalidRequest(LlmdError):
     def __init__(self, message: str, field: str | None = None):
         self.field = field
         super().__init__(message)
+
+
+class QueueFull(LlmdError):
+    """The waiting queue is at its cap; the server answers 429 with Retry-After."""
+
+
+class EngineDead(LlmdError):
+    """The engine thread stopped after an internal error."""
