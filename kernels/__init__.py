@@ -1,0 +1,25 @@
+"""llmd.kernels: Triton kernels, each beside a pure-torch reference with the same signature.
+
+- quant_matmul: fused dequant + matmul for int8 (per-channel or group-wise) and int4 (group-wise, packed) weights.
+- paged_attention: decode attention over the paged KV cache (GQA-grouped, optional split-KV).
+
+The kernels run on CUDA; under TRITON_INTERPRET=1 they also run on CPU tensors (slowly, for tests).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def available() -> bool:
+    """True when the Triton kernels can run here: Triton is importable and a CUDA device is present (or the
+    interpreter is on)."""
+    from ._triton import HAVE_TRITON
+
+    if not HAVE_TRITON:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    import torch
+
+    return torch.cuda.is_available()

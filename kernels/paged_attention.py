@@ -1,0 +1,171 @@
+"""Decode attention over the paged KV cache (layout: llmd.model.attention), with a split-KV variant.
+
+One program handles one (sequence, KV head, split): it loads the query heads that share that KV head together, so
+each K/V row is read from memory once per group rather than once per query head, and streams the context through the
+block table with an online softmax. With several splits each program covers a slice of the context and writes its
+unnormalised partial result; a small combine step merges the slices (long contexts at small batch would otherwise
+leave most of the GPU idle).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ._triton import triton, tl, HAVE_TRITON
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """q [B, H, D] (one new token per sequence, already in the cache) -> [B, H, D]. num_splits does not change the
+    result; it is accepted so the signature matches the kernel."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    for b, s_len in enumerate(seq_lens.tolist()):
+        n_blocks = (s_len + block_size - 1) // block_size
+        ids = block_tables[b, :n_blocks]
+        k = k_cache[ids].flatten(0, 1)[:s_len].to(torch.float32).repeat_interleave(group, dim=1)  # [S, H, D]
+        v = v_cache[ids].flatten(0, 1)[:s_len].to(torch.float32).repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,shd->hs", q[b].to(torch.float32), k) * scale
+        out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), v).to(q.dtype)
+    return out
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _paged_decode_kernel(
+        q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, m_ptr, l_ptr, scale,
+        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
+        stride_ob, stride_oh, stride_os, block_size, tokens_per_split,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        BLOCK_T: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        seq_len = tl.load(sl_ptr + b).to(tl.int32)
+        start = sp * tokens_per_split
+        end = tl.minimum(start + tokens_per_split, seq_len)
+
+        g = tl.arange(0, GROUP_PAD)
+        heads = kvh * GROUP + g
+        h_mask = g < GROUP
+        d = tl.arange(0, D_PAD)
+        d_mask = d < HEAD_DIM
+        q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                    mask=h_mask[:, None] & d_mask[None, :], other=0.0)
+        q = (q.to(tl.float32) * scale).to(q_ptr.dtype.element_ty)
+
+        m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)
+        acc = tl.zeros((GROUP_PAD, D_PAD), dtype=tl.float32)
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + tl.arange(0, BLOCK_T)
+            t_mask = t < end
+            blk = tl.load(bt_ptr + b * stride_btb + t // block_size, mask=t_mask, other=0)
+            row = blk.to(tl.int64) * stride_kb + (t % block_size) * stride_kt + kvh * stride_kh
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)  # [GROUP_PAD, BLOCK_T]
+            s = tl.where(t_mask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
+            m_i = m_new
+
+        o_mask = h_mask[:, None] & d_mask[None, :]
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + d[None, :]
+        if SPLIT == 1:
+            tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
+        else:
+            tl.store(o_ptrs, acc, mask=o_mask)
+            ml_off = (b * tl.num_programs(1) * GROUP + heads) * SPLIT + sp
+            tl.store(m_ptr + ml_off, m_i, mask=h_mask)
+            tl.store(l_ptr + ml_off, l_i, mask=h_mask)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """Enough programs to fill the GPU (about two per SM), and no split shorter than 256 tokens."""
+    programs = batch * num_kv_heads
+    if programs >= 2 * num_sms:
+        return 1
+    by_length = max(1, max_seq_len // 256)
+    return max(1, min(16, by_length, (2 * num_sms + programs - 1) // programs))
+
+
+def paged_decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
+) -> torch.Tensor:
+    """Triton version of `paged_decode_attention_ref`. max_seq_len (a host int) sizes the splits without a sync."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads do not group onto {num_kv_heads} KV heads")
+    if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
+        raise ValueError("q and the KV cache must be contiguous in head_dim")
+    group = num_heads // num_kv_heads
+    interp = os.environ.get("TRITON_INTERPRET") == "1"
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if num_splits is None:
+        sms = 132 if interp or not q.is_cuda else torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, sms)
+    block_t = 32 if interp else 64
+    per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_t) * block_t
+    if num_splits == 1:
+        out = torch.empty_like(q)
+        part, m, l = out.unsqueeze(2), out, out  # m/l unused
+    else:
+        part = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, part, m, l, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        part.stride(0), part.stride(1), part.stride(2), block_size, per_split,
+        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
+        BLOCK_T=block_t, SPLIT=num_splits,
+        **({} if interp else {"num_warps": 4, "num_stages": 2}),
+    )
+    if num_splits == 1:
+        return out
+    # Merge the slices: weight each by exp(its max - overall max); empty slices have m = -inf and weigh 0.
+    m_all = m.amax(dim=-1, keepdim=True)
+    w = torch.exp(m - m_all)
+    return ((part * w.unsqueeze(-1)).sum(2) / (l * w).sum(-1, keepdim=True)).to(q.dtype)
+
+
+def triton_paged_attention(q: torch.Tensor, kv_cache, meta, scale: float) -> torch.Tensor:
+    """An llmd.model.attention backend: decode-only steps run the kernel; steps with prefill chunks use the torch
+    path (there is no Triton prefill kernel yet)."""
+    from llmd.model.attention import torch_paged_attention
+
+    if not meta.is_decode_only:
+        return torch_paged_attention(q, kv_cache, meta, scale)
+    k_cache, v_cache = kv_cache
+    return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
+                                  max_seq_len=max(meta.seq_lens_list))
+
+
+def enable_cuda_attention() -> bool:
+    """Route llmd's attention through the Triton kernel when CUDA and Triton are present. Returns whether it did."""
+    import llmd.kernels as kernels
+    from llmd.model.attention import set_attention_backend
+
+    if not (kernels.available() and torch.cuda.is_available()):
+        return False
+    set_attention_backend(triton_paged_attention)
+    return True
