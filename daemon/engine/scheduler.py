@@ -1,0 +1,171 @@
+"""Continuous-batching scheduler: picks, every step, which tokens of which sequences go into one forward.
+
+Order within a step, under the token budget `max_num_batched_tokens`:
+  1. running sequences that decode (one token each), interactive before batch, oldest first;
+  2. running sequences still prefilling (their next chunk);
+  3. waiting sequences, admitted head-first (interactive queue before batch queue, FCFS within each) while there
+     is budget, a free sequence slot, and KV blocks for the whole prompt (reserved at admission, so admitted
+     prompts never stall mid-prefill for lack of blocks).
+When a running sequence needs a new block and none is free, the lowest-priority, newest running sequence is
+preempted by recompute: its blocks are freed (full ones stay in the prefix cache, which makes recompute cheap) and
+it goes back to the head of its waiting queue.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SeqStatus
+from .types import Priority
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens of seq.token_ids[num_computed_tokens:] processed this step
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the token list, so the step yields a new token."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: dict[Priority, deque[Sequence]] = {p: deque() for p in Priority}
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ---- queue management -------------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self.waiting.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running) or self.num_waiting > 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting[seq.priority].append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of whatever queue it is in and release its blocks."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            try:
+                self.waiting[seq.priority].remove(seq)
+            except ValueError:
+                pass
+        self.release(seq)
+        seq.status = SeqStatus.FINISHED
+
+    def release(self, seq: Sequence) -> None:
+        if seq.block_ids:
+            self.bm.free(seq.block_ids)
+        seq.block_ids = []
+
+    # ---- scheduling -------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self.running.sort(key=lambda s: s.sort_key)
+        decodes = [s for s in self.running if not s.is_prefilling]
+        prefills = [s for s in self.running if s.is_prefilling]
+        scheduled: set[int] = set()
+        for seq in decodes + prefills:
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed, budget)
+            if not self._reserve(seq, seq.num_computed_tokens + n, out, scheduled):
+                continue  # seq itself was preempted
+            out.scheduled.append(ScheduledSeq(seq, n))
+            scheduled.add(id(seq))
+            budget -= n
+        if not out.preempted:  # admitting right after preempting would only thrash
+            budget = self._admit(out, budget)
+        return out
+
+    def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
+        """Make seq's block table cover num_tokens, preempting newer/lower-priority sequences if needed.
+
+        Victims come from the end of `running` (sorted: lowest priority, newest last), skipping sequences already
+        scheduled in this step; when none is left, seq itself is preempted.
+        """
+        need = self.bm.blocks_needed(num_tokens) - len(seq.block_ids)
+        while need > 0 and not self.bm.can_allocate(need):
+            victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        if need > 0:
+            seq.block_ids.extend(self.bm.allocate(need))
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.release(seq)
+        seq.reset_for_recompute()
+        seq.timings.num_preemptions += 1
+        self.waiting[seq.priority].appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        for prio in Priority:
+            queue = self.waiting[prio]
+            while queue and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = queue[0]
+                if not self._allocate_for_admission(seq):
+                    return budget  # head-of-line waits for blocks: FCFS, no overtaking
+                queue.popleft()
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                n = min(seq.num_uncomputed, budget)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        return budget
+
+    def _allocate_for_admission(self, seq: Sequence) -> bool:
+        """Reuse cached prefix blocks and reserve blocks for every remaining token of seq."""
+        bm = self.bm
+        total = bm.blocks_needed(seq.num_tokens)
+        # Leave at least one token to compute: its forward yields the logits of the next token.
+        match = bm.match_prefix(seq.token_ids, seq.num_tokens - 1)
+        fresh = total - match.num_blocks
+        if fresh > bm.num_free_blocks - bm.num_evictable_in(match.block_ids):
+            return False
+        bm.claim(match.block_ids)
+        seq.block_ids = match.block_ids + bm.allocate(fresh)
+        seq.block_hashes = list(match.hashes)
+        seq.num_computed_tokens = match.num_blocks * bm.block_size
+        bm.record_query(seq.num_tokens, seq.num_computed_tokens)
+        if not seq.admitted_once:
+            seq.timings.num_cached_tokens = seq.num_computed_tokens
+            seq.admitted_once = True
+        return True

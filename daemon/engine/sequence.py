@@ -1,0 +1,93 @@
+"""One request's state inside the engine.
+
+The KV state of a sequence is two explicit numbers over one token list: `token_ids` (prompt followed by every
+generated token) and `num_computed_tokens` (how many of them have K/V in the cache). Whatever remains,
+`token_ids[num_computed_tokens:]`, is what the next forward must process; when that forward reaches the end of the
+list, a new token is sampled. Prefill, chunked prefill, decode and recompute after preemption are all this one rule,
+and speculative decoding can append proposals and roll back by truncating both numbers (plus free_trailing blocks).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+
+import torch
+
+from .types import FinishReason, Priority, RequestTimings, SamplingParams, TokenLogprob
+
+_arrival_counter = itertools.count()
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority,
+        timings: RequestTimings,
+        generator: torch.Generator | None = None,
+    ):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # prefix-cache keys of this sequence's leading full blocks
+        self.params = params
+        self.priority = Priority(priority)
+        self.arrival_order = next(_arrival_counter)
+        self.status = SeqStatus.WAITING
+        self.timings = timings
+        self.generator = generator
+        self.finish_reason: FinishReason | None = None
+        self.admitted_once = False
+        # Output not yet handed to the caller (filled by the engine after sampling).
+        self.pending_token_ids: list[int] = []
+        self.pending_logprobs: list[TokenLogprob] = []
+        self.pending_text = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than one token lacks K/V (prompt, or recompute after preemption)."""
+        return self.num_uncomputed > 1
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: interactive before batch, then first come first served."""
+        return (int(self.priority), self.arrival_order)
+
+    def reset_for_recompute(self) -> None:
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        self.block_hashes = []
+        self.status = SeqStatus.WAITING
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
+            f"blocks={len(self.block_ids)}, {self.status.value})"
+        )

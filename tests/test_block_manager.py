@@ -1,0 +1,131 @@
+"""Block manager units: hash chain, collisions caught by the token check, LRU eviction order, shared-prefix refcounts."""
+
+import pytest
+
+from llmd.engine import block_manager as bm_mod
+from llmd.engine.block_manager import BlockManager
+
+BS = 4
+
+
+def fill(bm: BlockManager, tokens: list[int]) -> tuple[list[int], list[int]]:
+    """Simulate a sequence that computed `tokens` from scratch: allocate, then register its full blocks."""
+    blocks = bm.allocate(bm.blocks_needed(len(tokens)))
+    hashes: list[int] = []
+    bm.register_full_blocks(blocks, hashes, tokens, len(tokens))
+    return blocks, hashes
+
+
+def test_hash_chain_depends_on_parent_and_salt():
+    bm = BlockManager(8, BS, salt="m1")
+    a = bm.hash_chain([1, 2, 3, 4, 5, 6, 7, 8], 2)
+    b = bm.hash_chain([9, 9, 9, 9, 5, 6, 7, 8], 2)
+    assert a[0] != b[0]
+    assert a[1] != b[1], "same block tokens under a different parent must hash differently"
+    assert BlockManager(8, BS, salt="m2").hash_chain([1, 2, 3, 4], 1) != a[:1]
+    assert bm.hash_chain([1, 2, 3, 4, 5, 6, 7, 8], 2, start_hashes=a[:1]) == a
+
+
+def test_prefix_hit_shares_blocks_and_counts_refs():
+    bm = BlockManager(8, BS)
+    prompt = list(range(10))  # 2 full blocks + 2 tokens
+    blocks, _ = fill(bm, prompt)
+    assert bm.num_used_blocks == 3
+    match = bm.match_prefix(prompt[:8] + [99, 98], max_tokens=9)
+    assert match.block_ids == blocks[:2]
+    bm.claim(match.block_ids)
+    assert [bm.blocks[b].ref_count for b in blocks] == [2, 2, 1]
+    bm.free(blocks)
+    assert [bm.blocks[b].ref_count for b in blocks] == [1, 1, 0]
+    assert bm.num_cached_blocks == 0, "shared blocks are still in use"
+    bm.free(match.block_ids)
+    assert bm.num_cached_blocks == 2 and bm.num_used_blocks == 0
+    bm.check_idle()
+    # max_tokens limits the match to whole blocks within it
+    assert bm.match_prefix(prompt, max_tokens=7).block_ids == blocks[:1]
+
+
+def test_collision_is_caught_by_token_check(monkeypatch):
+    monkeypatch.setattr(bm_mod, "block_hash", lambda parent, tokens, salt: 42)
+    bm = BlockManager(8, BS)
+    blocks, _ = fill(bm, [1, 2, 3, 4])
+    bm.free(blocks)
+    assert bm.match_prefix([1, 2, 3, 4, 0], 4).block_ids == blocks
+    assert bm.match_prefix([5, 6, 7, 8, 0], 4).block_ids == [], "same hash, other tokens: must miss"
+    # a second-level block with equal tokens but a different parent must not be served either
+    a, _ = fill(bm, [1, 2, 3, 4, 5, 6, 7, 8])
+    bm.free(a)
+    assert bm.match_prefix([9, 9, 9, 9, 5, 6, 7, 8, 0], 8).block_ids == []
+
+
+def test_stale_child_after_parent_eviction_is_not_served(monkeypatch):
+    bm = BlockManager(3, BS)
+    a, _ = fill(bm, [1, 2, 3, 4, 5, 6, 7, 8])
+    bm.free(a)  # both cached; tail first in LRU so the child goes before its parent
+    assert bm.lru_order() == [a[1], a[0]]
+    # force the parent's eviction and reuse with other content
+    monkeypatch.setattr(bm_mod, "block_hash", lambda parent, tokens, salt: hash(tokens))  # parent-blind hash
+    bm._evictable.move_to_end(a[1])
+    x = bm.allocate(2)
+    assert a[0] in x
+    bm.register_full_blocks(x[:1] if x[0] == a[0] else x[1:], [], [1, 2, 3, 4], 4)
+    # the child still claims tokens 5..8 after a block with tokens 1..4, but its parent was reallocated
+    m = bm.match_prefix([1, 2, 3, 4, 5, 6, 7, 8, 0], 8)
+    assert a[1] not in m.block_ids
+    bm.free(x)
+
+
+def test_lru_eviction_order_and_counter():
+    bm = BlockManager(4, BS)
+    a, _ = fill(bm, [1, 1, 1, 1])
+    b, _ = fill(bm, [2, 2, 2, 2])
+    bm.free(a)
+    bm.free(b)
+    assert bm.lru_order() == [a[0], b[0]]
+    bm.touch(a)  # a used again recently
+    assert bm.lru_order() == [b[0], a[0]]
+    got = bm.allocate(2)  # the two plain free blocks go first, nothing evicted
+    assert bm.evictions == 0 and set(got).isdisjoint(a + b)
+    got2 = bm.allocate(1)
+    assert got2 == b and bm.evictions == 1
+    assert bm.match_prefix([2, 2, 2, 2, 0], 4).block_ids == [], "evicted content is gone"
+    assert bm.match_prefix([1, 1, 1, 1, 0], 4).block_ids == a
+    bm.free(got + got2)
+    bm.check_idle()
+
+
+def test_duplicate_content_is_not_registered_twice():
+    bm = BlockManager(4, BS)
+    a, _ = fill(bm, [7, 7, 7, 7])
+    b, _ = fill(bm, [7, 7, 7, 7])
+    bm.free(a)
+    bm.free(b)
+    assert bm.num_cached_blocks == 1 and bm.num_free_blocks == 4
+
+
+def test_double_free_and_exhaustion_are_errors():
+    bm = BlockManager(2, BS)
+    x = bm.allocate(2)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        bm.allocate(1)
+    bm.free(x)
+    with pytest.raises(RuntimeError, match="double free"):
+        bm.free(x[:1])
+
+
+def test_free_trailing_releases_only_the_tail():
+    bm = BlockManager(6, BS)
+    blocks = bm.allocate(5)
+    table = list(blocks)
+    bm.free_trailing(table, 2)
+    assert table == blocks[:2] and bm.num_used_blocks == 2
+    bm.free(table)
+    bm.check_idle()
+
+
+def test_disabled_cache_never_hits():
+    bm = BlockManager(4, BS, enable_prefix_caching=False)
+    a, _ = fill(bm, [1, 2, 3, 4])
+    bm.free(a)
+    assert bm.match_prefix([1, 2, 3, 4, 5], 4).block_ids == []
+    assert bm.num_cached_blocks == 0
