@@ -24,6 +24,37 @@ def smollm2_gguf() -> Path:
     return path
 
 
+# Tiny random-weight HF-layout models (config.json + safetensors + tokenizer.json + chat template), written once per
+# session by transformers' own classes; see tests/tiny_models.py. Kinds: llama, llama3_rope (tied, llama3 rope
+# scaling), qwen2 (qkv bias, tied), qwen3 (q/k norm, sharded safetensors with index), mistral.
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    from tiny_models import TINY_KINDS, write_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {kind: write_tiny_model(root / kind, kind, seed=i) for i, kind in enumerate(TINY_KINDS)}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_models) -> Path:
+    return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_rope(tiny_models) -> Path:
+    return tiny_models["llama3_rope"]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tiny_models) -> Path:
+    return tiny_models["qwen2"]
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_models) -> Path:
+    return tiny_models["qwen3"]
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

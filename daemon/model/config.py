@@ -1,0 +1,170 @@
+"""ModelConfig: the few hyperparameters our decoder needs, read from a Hugging Face config.json (or built by the GGUF
+loader from its metadata).
+
+Both config.json dialects are accepted: the classic one (`rope_theta` + `rope_scaling`, as on the hub) and the
+transformers >= 5 one (`rope_parameters` holding `rope_theta` and the scaling keys).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelFileError, UnsupportedArchitecture
+
+# HF architecture name -> the variant switches of our one decoder implementation. attention_bias None means "read
+# config.json's attention_bias"; True/False is what transformers hard-codes for that architecture.
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
+    "LlamaForCausalLM": {"attention_bias": None, "qk_norm": False},
+    "MistralForCausalLM": {"attention_bias": False, "qk_norm": False},
+    "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
+    "Qwen3ForCausalLM": {"attention_bias": None, "qk_norm": True},
+}
+
+# rope_scaling types we implement exactly as transformers does; anything else is refused rather than silently wrong.
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None  # None: same as num_attention_heads
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None for plain RoPE
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    mlp_bias: bool = False
+    torch_dtype: str | None = None  # dtype the checkpoint was saved in, for display only
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitecture(unsupported_message(self.architecture))
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ModelFileError(
+                "config", f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+        if self.rope_scaling is not None:
+            rope_type = rope_type_of(self.rope_scaling)
+            if rope_type == "default":
+                self.rope_scaling = None
+            elif rope_type not in SUPPORTED_ROPE_TYPES:
+                raise UnsupportedArchitecture(
+                    f"{self.architecture} with rope scaling type {rope_type!r} is not supported "
+                    f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                )
+        self.eos_token_ids = [int(i) for i in self.eos_token_ids]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K+V elements per token over all layers (multiply by the cache dtype's size)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
+        """Build from a parsed config.json (and optionally generation_config.json, whose eos ids are merged in)."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedArchitecture(unsupported_message(arch))
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedArchitecture(f"{arch} with hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+
+        rope_params = dict(cfg.get("rope_parameters") or {})
+        rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
+        rope_scaling = cfg.get("rope_scaling") or None
+        if rope_scaling is None and rope_params:
+            rest = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+            rope_scaling = rest if rope_type_of(rest) != "default" else None
+
+        max_pos = int(cfg.get("max_position_embeddings", 2048))
+        # Sliding-window attention is not implemented: cap the context at the window, where full attention is exact.
+        window = cfg.get("sliding_window")
+        uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+        if uses_window and window and int(window) < max_pos:
+            max_pos = int(window)
+
+        switches = SUPPORTED_ARCHITECTURES[arch]
+        return cls(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_attention_heads=int(cfg["num_attention_heads"]),
+            num_key_value_heads=cfg.get("num_key_value_heads"),
+            head_dim=cfg.get("head_dim"),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(
+                cfg.get("attention_bias", False) if switches["attention_bias"] is None else switches["attention_bias"]
+            ),
+            qk_norm=switches["qk_norm"],
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=_merge_eos(cfg.get("eos_token_id"), (generation_config or {}).get("eos_token_id")),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        )
+
+    @classmethod
+    def from_hf_folder(cls, folder: str | Path) -> "ModelConfig":
+        folder = Path(folder)
+        cfg = read_json(folder / "config.json")
+        gen_path = folder / "generation_config.json"
+        gen = read_json(gen_path) if gen_path.exists() else None
+        return cls.from_hf_config(cfg, gen)
+
+
+def rope_type_of(scaling: dict) -> str:
+    return str(scaling.get("rope_type") or scaling.get("type") or "default")
+
+
+def unsupported_message(arch: str | None) -> str:
+    return f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ModelFileError(path, "file not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelFileError(path, f"not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelFileError(path, "expected a JSON object")
+    return data
+
+
+def _arch_from_model_type(model_type: str | None) -> str | None:
+    by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+               "qwen3": "Qwen3ForCausalLM"}
+    return by_type.get(model_type or "", model_type)
+
+
+def _merge_eos(*values: Any) -> list[int]:
+    ids: list[int] = []
+    for value in values:
+        for i in value if isinstance(value, list) else [value]:
+            if i is not None and int(i) not in ids:
+                ids.append(int(i))
+    return ids

@@ -1,0 +1,84 @@
+"""load_model: files -> a ready model (weights in the compute dtype on the device) + its tokenizer and config."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import ModelFileError
+from .config import ModelConfig
+from .weights import LoadReport, build_empty, load_hf_weights, load_tensors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: Any  # llmd.model.tokenizer.Tokenizer
+    config: ModelConfig
+    name: str
+    dtype: torch.dtype
+    device: torch.device
+    load_seconds: float
+    report: LoadReport | None = None  # weight bytes and process memory after loading
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None = None) -> LoadedModel:
+    """Load a model from a `llmd.store.ModelFiles`, a folder in Hugging Face layout, a .gguf file, or a store name.
+
+    Default dtype: fp32 on CPU, bf16 on CUDA. Raises ModelFileError / UnsupportedArchitecture / ModelNotFound with a
+    message for the user.
+    """
+    kind, path, name = _describe(files)
+    device_t = torch.device(device or default_device())
+    dtype = dtype or default_dtype(device_t)
+    start = time.perf_counter()
+    if kind == "gguf":
+        from .gguf import load_gguf
+
+        gguf = load_gguf(path)
+        config, tokenizer = gguf.config, gguf.tokenizer
+        model = build_empty(config, dtype, device_t)
+        report = load_tensors(model, gguf.tensors, path)
+    else:
+        from .tokenizer import Tokenizer
+
+        config = ModelConfig.from_hf_folder(path)
+        model = build_empty(config, dtype, device_t)
+        report = load_hf_weights(model, path)
+        tokenizer = Tokenizer.from_hf_folder(path)
+    seconds = time.perf_counter() - start
+    report.seconds = seconds
+    log.info("loaded %s (%s, %s on %s): %s", name, config.architecture, dtype, device_t, report.summary())
+    return LoadedModel(model, tokenizer, config, name, dtype, device_t, seconds, report)
+
+
+def _describe(files: Any) -> tuple[str, Path, str]:
+    """(kind, path, display name) for a ModelFiles-like object, a path, or a store name."""
+    if hasattr(files, "kind") and hasattr(files, "path"):
+        return files.kind, Path(files.path), getattr(files, "name", None) or Path(files.path).name
+    path = Path(files)
+    if path.is_dir():
+        return "hf", path, path.name
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelFileError(path, "not a model: expected a .gguf file or a Hugging Face model folder")
+        return "gguf", path, path.stem
+    from ..store import resolve  # a name such as "smollm2:135m" or a hub repo id
+
+    return _describe(resolve(str(files)))
