@@ -1,0 +1,504 @@
+"""GGUF model files: validated reading, dequantization, HF-style tensor names, config and tokenizer.
+
+A GGUF file is untrusted input. `_parse_header` reads the whole header with bounds checks (every count, string
+length, dimension and tensor offset+size is checked against the file size before it is used), so a truncated or
+corrupt file becomes a `ModelFileError(path, problem)` instead of a crash or a hang. It is our own small parser
+rather than `gguf.GGUFReader` because that reader trusts counts (a corrupt array length makes it loop for ever) and
+takes ~6 s on SmolLM2's 100k-string vocabulary; the `gguf` package still supplies the type table (GGML_QUANT_SIZES)
+and is the reference that the tests compare our header and dequantization against.
+
+Two entry points:
+- `load_gguf(path) -> GGUFModel`: config, fp32 tensors (lazily, one at a time) under Hugging Face names, tokenizer.
+- `iter_raw_tensors(path)`: the tensors still packed in their GGML blocks, for quantized layers that keep them so.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from ..errors import ModelFileError, UnsupportedArchitecture
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+# ggml type name -> (elements per block, bytes per block)
+SUPPORTED_TYPES = {
+    "F32": (1, 4),
+    "F16": (1, 2),
+    "BF16": (1, 2),
+    "Q8_0": (32, 34),
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+}
+_GGUF_MAGIC = b"GGUF"
+_MAX_DIMS = 4
+_MAX_ARRAY_NESTING = 4
+
+# GGUF value type id -> struct format of a scalar (strings and arrays handled apart)
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Header: a bounds-checked parse, done before any tensor byte is read.
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type_id: int
+    dims: tuple[int, ...]  # GGUF order: dims[0] is the contiguous (innermost) axis
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return _ggml_type_name(self.type_id)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """PyTorch order (outermost first)."""
+        return tuple(reversed(self.dims))
+
+
+def _ggml_type_name(type_id: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(type_id).name
+    except ValueError:
+        return f"unknown type id {type_id}"
+
+
+class _Cursor:
+    """Reads little-endian values from a buffer and refuses to read past its end."""
+
+    def __init__(self, buf, path: Path):
+        self.buf, self.pos, self.size, self.path = buf, 0, len(buf), path
+
+    def need(self, n: int, what: str) -> None:
+        if n < 0 or self.pos + n > self.size:
+            raise ModelFileError(
+                self.path,
+                f"truncated or corrupt GGUF: {what} needs {n} bytes at offset {self.pos}, "
+                f"but the file is only {self.size} bytes",
+            )
+
+    def unpack(self, fmt: str, what: str):
+        n = struct.calcsize("<" + fmt)
+        self.need(n, what)
+        value = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
+        self.pos += n
+        return value
+
+    def string(self, what: str) -> str:
+        length = self.unpack("Q", f"{what} length")
+        self.need(length, what)
+        raw = bytes(self.buf[self.pos : self.pos + length])
+        self.pos += length
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ModelFileError(self.path, f"corrupt GGUF: {what} is not valid UTF-8") from None
+
+    def skip_string(self, what: str) -> None:
+        length = self.unpack("Q", f"{what} length")
+        self.need(length, what)
+        self.pos += length
+
+
+def _read_value(cur: _Cursor, type_id: int, key: str, depth: int = 0):
+    """Read one metadata value (scalar, string or array, as Python objects) with bounds checks."""
+    if type_id in _SCALAR_FORMATS:
+        return cur.unpack(_SCALAR_FORMATS[type_id], f"value of {key!r}")
+    if type_id == _STRING:
+        return cur.string(f"value of {key!r}")
+    if type_id == _ARRAY:
+        if depth >= _MAX_ARRAY_NESTING:
+            raise ModelFileError(cur.path, f"corrupt GGUF: arrays nested too deep in {key!r}")
+        item_type = cur.unpack("I", f"array type of {key!r}")
+        count = cur.unpack("Q", f"array length of {key!r}")
+        if item_type in _SCALAR_FORMATS:
+            fmt = _SCALAR_FORMATS[item_type]
+            nbytes = count * struct.calcsize("<" + fmt)
+            cur.need(nbytes, f"array {key!r} ({count} items)")
+            values = np.frombuffer(cur.buf, dtype=np.dtype("<" + fmt), count=count, offset=cur.pos).tolist()
+            cur.pos += nbytes
+            return values
+        if item_type == _STRING:
+            # each string takes at least its 8-byte length: a count that cannot fit is refused before looping
+            cur.need(count * 8, f"array {key!r} ({count} strings)")
+            return [cur.string(f"string in {key!r}") for _ in range(count)]
+        if item_type == _ARRAY:
+            cur.need(count * 12, f"array {key!r} ({count} arrays)")
+            return [_read_value(cur, _ARRAY, key, depth + 1) for _ in range(count)]
+        raise ModelFileError(cur.path, f"corrupt GGUF: unknown value type {item_type} in array {key!r}")
+    raise ModelFileError(cur.path, f"corrupt GGUF: unknown value type {type_id} for key {key!r}")
+
+
+def _parse_header(path: Path, buf) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """Parse the header with bounds checks: (metadata, every tensor's checked location)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    cur = _Cursor(buf, path)
+    if cur.size < 24:
+        raise ModelFileError(path, f"not a GGUF file: only {cur.size} bytes")
+    magic = bytes(buf[0:4])
+    if magic != _GGUF_MAGIC:
+        raise ModelFileError(path, f"not a GGUF file: bad magic {magic!r} (expected {_GGUF_MAGIC!r})")
+    cur.pos = 4
+    version = cur.unpack("I", "version")
+    if version not in (2, 3):
+        raise ModelFileError(path, f"unsupported GGUF version {version} (supported: 2, 3)")
+    tensor_count = cur.unpack("Q", "tensor count")
+    kv_count = cur.unpack("Q", "metadata count")
+    # smallest possible entries: a kv is 8 (key length) + 4 (type) + 1; a tensor info is 8 + 4 + 4 + 8
+    cur.need(kv_count * 13 + tensor_count * 24, f"{kv_count} metadata entries and {tensor_count} tensor infos")
+
+    alignment = 32
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key = cur.string("metadata key")
+        type_id = cur.unpack("I", f"type of {key!r}")
+        value = metadata[key] = _read_value(cur, type_id, key)
+        if key == "general.alignment":
+            if type_id != 4 or not value or value & (value - 1):
+                raise ModelFileError(path, f"corrupt GGUF: general.alignment {value!r} is not a power of two")
+            alignment = value
+
+    infos: list[tuple[str, int, tuple[int, ...], int]] = []
+    for _ in range(tensor_count):
+        name = cur.string("tensor name")
+        n_dims = cur.unpack("I", f"dimension count of {name!r}")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ModelFileError(path, f"corrupt GGUF: tensor {name!r} has {n_dims} dimensions (1..{_MAX_DIMS})")
+        dims = tuple(cur.unpack("Q", f"dimensions of {name!r}") for _ in range(n_dims))
+        type_id = cur.unpack("I", f"type of {name!r}")
+        rel_offset = cur.unpack("Q", f"data offset of {name!r}")
+        infos.append((name, type_id, dims, rel_offset))
+
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors, seen = [], set()
+    for name, type_id, dims, rel_offset in infos:
+        if name in seen:
+            raise ModelFileError(path, f"corrupt GGUF: tensor {name!r} appears twice")
+        seen.add(name)
+        try:
+            ggml_type = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise ModelFileError(path, f"tensor {name!r} has unknown tensor type id {type_id}") from None
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        if dims[0] % block:
+            raise ModelFileError(
+                path, f"corrupt GGUF: tensor {name!r} row of {dims[0]} is not a multiple of {ggml_type.name} blocks"
+            )
+        n_elements = 1
+        for d in dims:
+            n_elements *= d
+        nbytes = n_elements // block * type_size
+        offset = data_start + rel_offset
+        if offset + nbytes > cur.size:
+            raise ModelFileError(
+                path,
+                f"tensor {name!r} ({nbytes} bytes at offset {offset}) extends past the end of the file "
+                f"({cur.size} bytes): the file is truncated or corrupt",
+            )
+        tensors.append(TensorInfo(name, type_id, dims, offset, nbytes))
+    return metadata, tensors
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Opening
+
+
+class _GGUFFile:
+    """A checked GGUF file: its tensor table, its metadata and a mmap of its bytes."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            size = self.path.stat().st_size
+            if not self.path.is_file():
+                raise ModelFileError(self.path, "not a regular file")
+        except OSError as e:
+            raise ModelFileError(self.path, f"cannot read the file: {e.strerror or e}") from None
+        if size < 24:
+            raise ModelFileError(self.path, f"not a GGUF file: only {size} bytes")
+        try:
+            with open(self.path, "rb") as f:
+                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise ModelFileError(self.path, f"cannot map the file: {e}") from None
+        self.metadata, self.tensors = _parse_header(self.path, self._mmap)
+
+    def raw_bytes(self, info: TensorInfo) -> np.ndarray:
+        """The tensor's bytes (a read-only view of the mapped file), offsets already checked."""
+        return np.frombuffer(self._mmap, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Dequantization (vectorized over all blocks; matches gguf.quants.dequantize bit for bit)
+
+
+def _f16_scales(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    return blocks[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] packed bytes -> [n, 32] values: low nibbles are elements 0..15, high nibbles 16..31."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1).to(torch.float32)
+
+
+def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Packed GGML bytes -> fp32 tensor of `shape` (PyTorch order). Raises ValueError for other types."""
+    data = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True)).reshape(-1)
+    if type_name == "F32":
+        out = data.view(torch.float32)
+    elif type_name == "F16":
+        out = data.view(torch.float16).to(torch.float32)
+    elif type_name == "BF16":
+        out = data.view(torch.bfloat16).to(torch.float32)
+    elif type_name in ("Q8_0", "Q4_0", "Q4_1"):
+        blocks = data.reshape(-1, SUPPORTED_TYPES[type_name][1])
+        d = _f16_scales(blocks, 0)
+        if type_name == "Q8_0":
+            out = d * blocks[:, 2:].contiguous().view(torch.int8).to(torch.float32)
+        elif type_name == "Q4_0":
+            out = (_nibbles(blocks[:, 2:]) - 8.0) * d
+        else:
+            out = d * _nibbles(blocks[:, 4:]) + _f16_scales(blocks, 2)
+    else:
+        raise ValueError(f"unsupported tensor type {type_name}")
+    return out.reshape(shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Names, permutation and config
+
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+# tensors a llama GGUF may carry that our model does not load (rope_freqs is derived from the config)
+_IGNORED = {"rope_freqs.weight"}
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """llama.cpp tensor name -> Hugging Face name; None for tensors we do not load."""
+    if gguf_name in _IGNORED:
+        return None
+    m = _LAYER_RE.match(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    return None
+
+
+def unpermute_rows(w, n_heads: int):
+    """Undo llama.cpp's q/k row interleave (its converter reorders each head's rotary halves into pairs).
+
+    Works on any array whose first axis is the output dimension: fp weights, or packed GGML block rows (the
+    permutation only moves whole rows, and quantization blocks never cross rows).
+    """
+    rows = w.shape[0]
+    half = rows // n_heads // 2
+    # llama.cpp stored, per head, row (2*i + j) what HF keeps at (j*half + i); swap the two axes back
+    grouped = w.reshape(n_heads, half, 2, *w.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(w.shape)
+
+
+def _meta(meta: dict, key: str, default=None):
+    value = meta.get(key, default)
+    return default if value is None else value
+
+
+def hf_config_dict(meta: dict, tensor_names: set[str], path: Path) -> dict:
+    """GGUF metadata -> a Hugging Face style config.json dict (what ModelConfig.from_hf_config reads)."""
+    arch = meta.get("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    p = f"{arch}."
+    try:
+        hidden = int(meta[p + "embedding_length"])
+        heads = int(meta[p + "attention.head_count"])
+        cfg = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": hidden,
+            "intermediate_size": int(meta[p + "feed_forward_length"]),
+            "num_hidden_layers": int(meta[p + "block_count"]),
+            "num_attention_heads": heads,
+        }
+    except KeyError as e:
+        raise ModelFileError(path, f"GGUF metadata lacks {e.args[0]!r}") from None
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(path, f"GGUF metadata has a bad model size value: {e}") from None
+    tokens = meta.get("tokenizer.ggml.tokens") or []
+    cfg["num_key_value_heads"] = int(_meta(meta, p + "attention.head_count_kv", heads))
+    cfg["head_dim"] = int(_meta(meta, p + "attention.key_length", hidden // heads if heads else 0))
+    cfg["vocab_size"] = int(_meta(meta, p + "vocab_size", len(tokens)))
+    cfg["rms_norm_eps"] = float(_meta(meta, p + "attention.layer_norm_rms_epsilon", 1e-5))
+    cfg["rope_theta"] = float(_meta(meta, p + "rope.freq_base", 10000.0))
+    cfg["max_position_embeddings"] = int(_meta(meta, p + "context_length", 2048))
+    cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    scaling_type = meta.get(p + "rope.scaling.type")
+    factor = meta.get(p + "rope.scaling.factor")
+    cfg["rope_scaling"] = (
+        {"rope_type": scaling_type, "factor": float(factor)} if scaling_type == "linear" and factor else None
+    )
+    if not (heads and cfg["hidden_size"] and cfg["num_hidden_layers"] and cfg["num_key_value_heads"]):
+        raise ModelFileError(path, "GGUF metadata has a zero model size (heads, hidden size or layers)")
+    if heads % cfg["num_key_value_heads"]:
+        raise ModelFileError(path, f"GGUF metadata: {heads} heads is not a multiple of the KV head count")
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    eos_ids = [
+        int(meta[k])
+        for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if meta.get(k) is not None
+    ]
+    cfg["bos_token_id"] = None if bos is None else int(bos)
+    cfg["eos_token_id"] = list(dict.fromkeys(eos_ids))
+    return cfg
+
+
+def build_config(cfg: dict):
+    from .config import ModelConfig
+
+    return ModelConfig.from_hf_config(cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public API
+
+
+@dataclass
+class RawTensor:
+    """One tensor still packed as GGML blocks.
+
+    `name` is the Hugging Face name, `type_name` the ggml type ("Q8_0", "Q4_0", "Q4_1", "F16", ...), `shape` the
+    logical PyTorch shape (e.g. [out_features, in_features]), `data` a uint8 array [rows, row_bytes] with one
+    matrix row per line (rows of q_proj/k_proj already in Hugging Face order). For a 1-D tensor rows == 1.
+    Block layouts: Q8_0 = fp16 d + 32 int8 (x = d*q); Q4_0 = fp16 d + 16 bytes of nibbles (low nibbles are
+    elements 0..15, high ones 16..31; x = d*(q-8)); Q4_1 = fp16 d, fp16 m + 16 bytes (x = d*q + m).
+    """
+
+    name: str
+    type_name: str
+    shape: tuple[int, ...]
+    data: np.ndarray
+
+
+@dataclass
+class GGUFModel:
+    config: Any  # llmd.model.config.ModelConfig
+    tensors: Iterator[tuple[str, torch.Tensor]]
+    tokenizer: Any  # llmd.model.tokenizer.Tokenizer
+    metadata: dict = field(default_factory=dict)
+    hf_config: dict = field(default_factory=dict)
+
+
+def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> Iterator[tuple[TensorInfo, str, int | None]]:
+    """(info, hf name, heads to un-permute by or None) for each tensor we load; refuses unsupported types first."""
+    out = []
+    for info in gf.tensors:
+        name = hf_tensor_name(info.name)
+        if name is None:
+            continue
+        if info.type_name not in SUPPORTED_TYPES:
+            raise ModelFileError(
+                gf.path,
+                f"tensor {info.name!r} has type {info.type_name}, which llmd does not load "
+                f"(supported: {', '.join(SUPPORTED_TYPES)})",
+            )
+        heads = None
+        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+            heads = hf_cfg["num_attention_heads"]
+        elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
+            heads = hf_cfg["num_key_value_heads"]
+        if heads is not None and info.shape[0] % (2 * heads):
+            raise ModelFileError(gf.path, f"tensor {info.name!r} shape {info.shape} does not fit {heads} heads")
+        out.append((info, name, heads))
+    return out
+
+
+def _open(path) -> tuple[_GGUFFile, dict]:
+    gf = _GGUFFile(path)
+    hf_cfg = hf_config_dict(gf.metadata, {t.name for t in gf.tensors}, gf.path)
+    return gf, hf_cfg
+
+
+def iter_raw_tensors(path) -> Iterator[RawTensor]:
+    """Yield every model tensor of a checked GGUF file still packed (see RawTensor), in file order.
+
+    Types outside F32/F16/BF16/Q8_0/Q4_0/Q4_1 are refused (ModelFileError) before anything is yielded.
+    """
+    gf, hf_cfg = _open(path)
+    return _raw_generator(gf, _iter_checked(gf, hf_cfg))
+
+
+def _raw_generator(gf: _GGUFFile, checked) -> Iterator[RawTensor]:
+    for info, name, heads in checked:
+        rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
+        data = gf.raw_bytes(info).reshape(rows, -1)
+        if heads is not None:
+            data = unpermute_rows(data, heads)
+        yield RawTensor(name, info.type_name, info.shape, data)
+
+
+def _dequant_generator(gf: _GGUFFile, checked) -> Iterator[tuple[str, torch.Tensor]]:
+    for info, name, heads in checked:
+        w = dequantize(gf.raw_bytes(info), info.type_name, info.shape)
+        if heads is not None:
+            w = unpermute_rows(w, heads).contiguous()
+        yield name, w
+
+
+def _small_metadata(meta: dict) -> dict:
+    """Scalar keys only (no vocab arrays, no chat template) for display."""
+    return {
+        k: v
+        for k, v in meta.items()
+        if not isinstance(v, list) and not (isinstance(v, str) and len(v) > 200)
+    }
+
+
+def load_gguf(path) -> GGUFModel:
+    """Open and check a GGUF file; tensors are dequantized to fp32 one at a time as the iterator is consumed."""
+    from .tokenizer import Tokenizer
+
+    gf, hf_cfg = _open(path)
+    checked = _iter_checked(gf, hf_cfg)
+    tokenizer = Tokenizer.from_gguf(gf.metadata, path=gf.path)
+    return GGUFModel(
+        config=build_config(hf_cfg),
+        tensors=_dequant_generator(gf, checked),
+        tokenizer=tokenizer,
+        metadata=_small_metadata(gf.metadata),
+        hf_config=hf_cfg,
+    )
+
+
+def read_gguf_metadata(path) -> dict:
+    """All metadata of a checked GGUF file (arrays included), e.g. for `llmd show` and the store."""
+    return _GGUFFile(path).metadata
