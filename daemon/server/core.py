@@ -1,0 +1,236 @@
+"""What every dialect shares: the server state (engine or loading), model-name checks, prompt encoding, and
+`Generation`, which submits one request and guarantees it is aborted in the engine on every early exit."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field, replace
+
+from aiohttp import web
+
+from ..engine.types import FinishReason, Priority, RequestOutput, RequestTimings, SamplingParams
+from ..errors import EngineDead, InvalidRequest, LlmdError, QueueFull
+from .metrics import Metrics
+from .validation import ApiError
+
+RETRY_AFTER_QUEUE_S = 1
+RETRY_AFTER_LOADING_S = 2
+ENCODE_IN_THREAD_CHARS = 8192  # longer texts are tokenized off the event loop
+
+
+@dataclass
+class ServerState:
+    write_timeout: float = 30.0
+    shutdown_grace: float = 10.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    aliases: set[str] = field(default_factory=set)  # extra names clients may use for the served model
+    engine: object | None = None  # an AsyncEngine once loaded
+    model_name: str = ""
+    status: str = "loading"  # loading | ready | failed | draining
+    load_error: str | None = None
+    load_seconds: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+    started_wall: float = field(default_factory=time.time)
+    metrics: Metrics = field(default_factory=Metrics)
+    active: set = field(default_factory=set)  # running Generations, for the shutdown drain
+
+    # --- readiness and names ---
+
+    def require_engine(self):
+        if self.status == "ready" and self.engine is not None:
+            return self.engine
+        if self.status == "draining":
+            raise ApiError(503, "the server is shutting down", kind="service_unavailable",
+                           headers={"Retry-After": str(RETRY_AFTER_LOADING_S)})
+        if self.status == "failed":
+            raise ApiError(503, f"the model failed to load: {self.load_error}", kind="service_unavailable")
+        raise ApiError(503, "the model is still loading", kind="service_unavailable",
+                       headers={"Retry-After": str(RETRY_AFTER_LOADING_S)})
+
+    def names(self) -> set[str]:
+        return {self.model_name, *self.aliases} - {"", None}
+
+    def check_model(self, name, required: bool = False) -> None:
+        """Accept the served model's name (and its aliases, with or without an Ollama `:latest` tag)."""
+        if name is None or name == "":
+            if required:
+                raise ApiError(400, "model is required", param="model")
+            return
+        if not isinstance(name, str):
+            raise ApiError(400, "model must be a string", param="model")
+        base = name[:-len(":latest")] if name.endswith(":latest") else name
+        if name in self.names() or base in self.names():
+            return
+        raise ApiError(404, f"model {name!r} is not loaded; this daemon serves {self.model_name!r}", param="model",
+                       kind="model_not_found")
+
+    def max_model_len(self) -> int:
+        engine = self.require_engine()
+        inner = getattr(engine, "engine", None)
+        cfg = getattr(inner, "config", None)
+        if getattr(cfg, "max_model_len", None):
+            return int(cfg.max_model_len)
+        return int(engine.loaded.config.max_position_embeddings)
+
+    def stats(self) -> dict:
+        """The contract's /v1/llmd/stats object: engine stats + model + uptime (+ server counters)."""
+        out = dict(self.engine.stats()) if self.engine is not None else {}
+        out.update({"model": self.model_name, "status": self.status, "uptime_s": round(time.monotonic() - self.started, 3),
+                    "server": self.metrics.server_stats()})
+        return out
+
+    # --- prompts ---
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        tok = self.require_engine().tokenizer
+        if len(text) > ENCODE_IN_THREAD_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(None, tok.encode, text, add_special_tokens)
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+
+    async def encode_chat(self, messages: list[dict]) -> list[int]:
+        tok = self.require_engine().tokenizer
+        try:
+            if sum(len(m["content"]) for m in messages) > ENCODE_IN_THREAD_CHARS:
+                return await asyncio.get_running_loop().run_in_executor(None, tok.encode_chat, messages)
+            return tok.encode_chat(messages)
+        except LlmdError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        except Exception as exc:  # a template's own raise_exception() or a Jinja error: the client's messages
+            raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+
+    async def fim_prompt(self, prefix: str, suffix: str, extra: str = "", after_middle: str = "") -> list[int]:
+        """Prefix-suffix-middle order with the model's own FIM tokens; 400 when the model has none."""
+        tok = self.require_engine().tokenizer
+        fim = tok.fim_token_ids()
+        if not fim:
+            raise ApiError(400, f"model {self.model_name!r} has no fill-in-the-middle tokens; use a code model",
+                           param="suffix")
+        pre, suf, mid = fim
+        ids = [pre] + await self.encode(extra + prefix, False) + [suf] + await self.encode(suffix, False) + [mid]
+        if after_middle:
+            ids += await self.encode(after_middle, False)
+        return ids
+
+    def check_length(self, prompt_ids: list[int], params: SamplingParams, ctx_field: str | None = None,
+                     num_ctx: int | None = None) -> None:
+        limit = self.max_model_len() if num_ctx is None else min(num_ctx, self.max_model_len())
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        if len(prompt_ids) >= limit:
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the context holds {limit}",
+                           param=ctx_field or "prompt")
+        # Generation stops at the context end anyway; cap max_tokens so the engine never refuses for it.
+        params.max_tokens = max(1, min(params.max_tokens, limit - len(prompt_ids)))
+
+
+STATE = web.AppKey("llmd_state", ServerState)
+
+
+def state_of(request: web.Request) -> ServerState:
+    return request.app[STATE]
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    timings: RequestTimings | None
+    logprobs: list
+
+
+class Generation:
+    """One engine request. Use as `async with Generation(...) as gen: async for out in gen: ...`; leaving the block
+    before the last output (disconnect, stall, error, shutdown) aborts the request in the engine."""
+
+    def __init__(self, state: ServerState, request: web.Request, prompt_ids: list[int], params: SamplingParams,
+                 priority: Priority = Priority.INTERACTIVE):
+        self.state = state
+        self.request = request
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.priority = priority
+        self.stream = None
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.timings: RequestTimings | None = None
+        self.abort_reason = "disconnect"
+        self.time_limit_s: float | None = None  # llama.cpp t_max_predict_ms: cap on the decode phase
+        self._first_token_at: float | None = None
+
+    async def __aenter__(self) -> "Generation":
+        engine = self.state.require_engine()
+        try:
+            self.params.validate()
+            self.stream = engine.submit(self.prompt_ids, self.params, priority=self.priority)
+        except QueueFull as exc:
+            self.state.metrics.rejected_queue_full += 1
+            raise ApiError(429, f"too many requests waiting ({exc}); retry shortly", kind="rate_limit_exceeded",
+                           headers={"Retry-After": str(RETRY_AFTER_QUEUE_S)}) from None
+        except InvalidRequest as exc:
+            raise ApiError(400, str(exc), param=exc.field) from None
+        except EngineDead as exc:
+            raise ApiError(503, f"the engine stopped: {exc}", kind="service_unavailable") from None
+        self.state.active.add(self)
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.state.active.discard(self)
+        if not self.finished and self.stream is not None:
+            if exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+                self.abort_reason = "disconnect"
+            self.abort(self.abort_reason)
+        self.state.metrics.observe_request(self.timings, self.finish_reason if self.finished else "abort")
+        self.request["llmd_timings"] = self.timings
+        self.request["llmd_finish"] = self.finish_reason if self.finished else f"abort:{self.abort_reason}"
+
+    def abort(self, why: str) -> None:
+        if self.finished or self.stream is None:
+            return
+        self.abort_reason = why
+        self.finished = True
+        self.finish_reason = "abort"
+        self.stream.abort()
+        self.state.metrics.count_abort(why)
+
+    async def __aiter__(self):
+        async for out in self.stream:
+            if out.timings is not None:
+                self.timings = out.timings
+            if out.error:
+                self.finished = True
+                self.finish_reason = "error"
+                raise ApiError(500, f"generation failed: {out.error}", kind="server_error")
+            if out.finished:
+                self.finished = True
+                self.finish_reason = _reason(out.finish_reason)
+            elif self.time_limit_s is not None and out.new_token_ids:
+                now = time.monotonic()
+                self._first_token_at = self._first_token_at or now
+                if now - self._first_token_at > self.time_limit_s:
+                    self.abort("time_limit")
+                    self.finish_reason = "length"
+                    out = replace(out, finished=True, finish_reason=FinishReason.LENGTH)
+            yield out
+            if out.finished:
+                return
+
+    async def collect(self) -> GenerationResult:
+        parts, ids, logprobs = [], [], []
+        async for out in self:
+            parts.append(out.text_delta)
+            ids.extend(out.new_token_ids)
+            if out.logprobs:
+                logprobs.extend(out.logprobs)
+        return GenerationResult("".join(parts), ids, self.finish_reason, self.timings, logprobs)
+
+
+def _reason(reason) -> str | None:
+    if reason is None:
+        return None
+    return reason.value if isinstance(reason, FinishReason) else str(reason)
+
+
+def output_reason(out: RequestOutput) -> str | None:
+    return _reason(out.finish_reason) if out.finished else None

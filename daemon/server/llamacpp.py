@@ -1,0 +1,221 @@
+"""llama.cpp server dialect: /completion, /infill (what llama.vim and llama.vscode call), /tokenize, /detokenize,
+/props. Responses carry llama.cpp's native `timings` plus the contract's object as `llmd_timings`."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ..engine.types import SamplingParams
+from .core import Generation, ServerState, output_reason, state_of
+from .responses import timings_dict
+from .streaming import EventStream, pump
+from .validation import (LOGPROBS_TOP, MAX_INPUT_EXTRA, MAX_NEW_TOKENS, MAX_PROMPT_TOKEN_IDS, MIN_P, PENALTY,
+                         REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P, ApiError, Field, bad_field, check_fields,
+                         read_json, require)
+
+DEFAULT_N_PREDICT = 2048
+GEN_FIELDS = {
+    "n_predict": Field("int", -1, MAX_NEW_TOKENS),
+    "temperature": Field("number", 0, 100),
+    "top_k": TOP_K,
+    "top_p": TOP_P,
+    "min_p": MIN_P,
+    "repeat_penalty": REPEAT_PENALTY,
+    "presence_penalty": PENALTY,
+    "frequency_penalty": PENALTY,
+    "stop": STOP,
+    "seed": SEED,
+    "stream": Field("bool"),
+    "cache_prompt": Field("bool"),  # accepted; the prefix cache is always on
+    "n_probs": LOGPROBS_TOP,
+    "t_max_predict_ms": Field("int", 0, 24 * 3600 * 1000),
+    "model": Field("str", max_len=512),
+}
+COMPLETION_FIELDS = {**GEN_FIELDS, "prompt": Field("str|list")}
+INFILL_FIELDS = {**GEN_FIELDS, "input_prefix": TEXT, "input_suffix": TEXT, "prompt": TEXT,
+                 "input_extra": Field("list", max_len=MAX_INPUT_EXTRA)}
+
+
+def _params(f: dict) -> SamplingParams:
+    n = f.get("n_predict", DEFAULT_N_PREDICT)
+    return SamplingParams(
+        max_tokens=MAX_NEW_TOKENS if n in (-1, 0) else n,
+        temperature=float(f.get("temperature", 0.8)),
+        top_k=f.get("top_k", 40),
+        top_p=float(f.get("top_p", 0.95)) or 1e-6,
+        min_p=float(f.get("min_p", 0.05)),
+        repetition_penalty=float(f.get("repeat_penalty", 1.0)) or 1.0,
+        presence_penalty=float(f.get("presence_penalty", 0.0)),
+        frequency_penalty=float(f.get("frequency_penalty", 0.0)),
+        seed=None if f.get("seed", -1) == -1 else f.get("seed"),
+        stop=f.get("stop", []),
+        logprobs=f.get("n_probs") or None,
+    )
+
+
+def _native_timings(gen: Generation) -> dict:
+    t = gen.timings
+    if t is None:
+        return {}
+    prompt_ms = (t.ttft or 0.0) * 1000
+    predicted_ms = (t.decode_time or 0.0) * 1000
+    n_prompt = max(t.num_prompt_tokens - t.num_cached_tokens, 0)
+    n_pred = t.num_generated_tokens
+    return {"prompt_n": n_prompt, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / n_prompt if n_prompt else 0.0,
+            "prompt_per_second": 1000 * n_prompt / prompt_ms if prompt_ms else 0.0,
+            "predicted_n": n_pred, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / (n_pred - 1) if n_pred > 1 else 0.0,
+            "predicted_per_second": 1000 * (n_pred - 1) / predicted_ms if predicted_ms and n_pred > 1 else 0.0}
+
+
+def _probs(tok, items) -> list[dict]:
+    out = []
+    for lp in items or []:
+        piece = tok.decode([lp.token_id], skip_special_tokens=False)
+        out.append({"id": lp.token_id, "token": piece, "logprob": lp.logprob,
+                    "top_logprobs": [{"id": i, "token": tok.decode([i], skip_special_tokens=False), "logprob": v}
+                                     for i, v in lp.top]})
+    return out
+
+
+_STOP_TYPE = {"stop": "eos", "length": "limit", "abort": "none"}
+
+
+async def _generate(request: web.Request, state: ServerState, f: dict, prompt_ids: list[int]) -> web.StreamResponse:
+    params = _params(f)
+    state.check_length(prompt_ids, params)
+    tok = state.engine.tokenizer
+    time_limit = f.get("t_max_predict_ms")
+
+    def final(text: str) -> dict:
+        return {"content": text, "stop": True, "model": state.model_name, "stop_type": _STOP_TYPE.get(
+                    gen.finish_reason or "", "none"), "tokens_predicted": gen.timings.num_generated_tokens
+                if gen.timings else 0, "tokens_evaluated": len(prompt_ids),
+                "tokens_cached": gen.timings.num_cached_tokens if gen.timings else 0, "truncated": False,
+                "timings": _native_timings(gen), "llmd_timings": timings_dict(gen.timings)}
+
+    async with Generation(state, request, prompt_ids, params) as gen:
+        gen.time_limit_s = time_limit / 1000.0 if time_limit else None
+        if not f.get("stream"):
+            res = await gen.collect()
+            body = final(res.text)
+            if params.logprobs:
+                body["completion_probabilities"] = _probs(tok, res.logprobs)
+            return web.json_response(body)
+
+        def render(out):
+            events = []
+            if out.text_delta or out.logprobs:
+                ev = {"content": out.text_delta, "stop": False}
+                if params.logprobs and out.logprobs:
+                    ev["completion_probabilities"] = _probs(tok, out.logprobs)
+                events.append(ev)
+            if output_reason(out) is not None:
+                events.append(final(""))
+            return events
+
+        return await pump(gen, EventStream(request, "sse", state.write_timeout), render,
+                          on_error=lambda exc: {"error": {"code": 500, "message": exc.message, "type": "server_error"}})
+
+
+async def completion(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    body = await read_json(request, state.max_body_bytes)
+    require(body, "prompt")
+    f = check_fields(body, COMPLETION_FIELDS)
+    state.check_model(f.get("model"))
+    engine = state.require_engine()
+    prompt = f["prompt"]
+    if isinstance(prompt, list):
+        if any(not 0 <= t < engine.tokenizer.vocab_size for t in prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {engine.tokenizer.vocab_size})", param="prompt")
+        prompt_ids = prompt
+    else:
+        if len(prompt) > TEXT.max_len:
+            raise bad_field("prompt", f"must be at most {TEXT.max_len} characters")
+        prompt_ids = await state.encode(prompt, True)
+    return await _generate(request, state, f, prompt_ids)
+
+
+def _extra_context(chunks: list) -> str:
+    """input_extra: [{filename, text}] from other files, placed before the prefix as repository context."""
+    parts = []
+    total = 0
+    for i, chunk in enumerate(chunks):
+        c = check_fields(chunk, {"filename": Field("str", max_len=4096), "text": TEXT}, prefix=f"input_extra[{i}].") \
+            if isinstance(chunk, dict) else None
+        if c is None:
+            raise bad_field(f"input_extra[{i}]", "must be an object with filename and text")
+        total += len(c.get("text", ""))
+        if total > TEXT.max_len:
+            raise bad_field("input_extra", f"texts must total at most {TEXT.max_len} characters")
+        name = c.get("filename", "")
+        parts.append((f"{name}\n" if name else "") + c.get("text", "") + "\n\n")
+    return "".join(parts)
+
+
+async def infill(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    body = await read_json(request, state.max_body_bytes)
+    f = check_fields(body, INFILL_FIELDS)
+    if "input_prefix" not in f and "input_suffix" not in f:
+        raise ApiError(400, "input_prefix or input_suffix is required", param="input_prefix")
+    state.check_model(f.get("model"))
+    state.require_engine()
+    extra = _extra_context(f.get("input_extra", []))
+    prompt_ids = await state.fim_prompt(f.get("input_prefix", ""), f.get("input_suffix", ""), extra,
+                                        f.get("prompt", ""))
+    return await _generate(request, state, f, prompt_ids)
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = state_of(request)
+    body = await read_json(request, state.max_body_bytes)
+    require(body, "content")
+    f = check_fields(body, {"content": TEXT, "add_special": Field("bool"), "with_pieces": Field("bool")})
+    tok = state.require_engine().tokenizer
+    ids = await state.encode(f["content"], f.get("add_special", False))
+    if f.get("with_pieces"):
+        return web.json_response({"tokens": [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)}
+                                             for i in ids]})
+    return web.json_response({"tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = state_of(request)
+    body = await read_json(request, state.max_body_bytes)
+    require(body, "tokens")
+    tokens = body["tokens"]
+    if not isinstance(tokens, list) or len(tokens) > MAX_PROMPT_TOKEN_IDS:
+        raise bad_field("tokens", f"must be an array of at most {MAX_PROMPT_TOKEN_IDS} token ids")
+    tok = state.require_engine().tokenizer
+    if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < tok.vocab_size for t in tokens):
+        raise bad_field("tokens", f"must hold integers in [0, {tok.vocab_size})")
+    return web.json_response({"content": tok.decode(tokens, skip_special_tokens=False)})
+
+
+async def props(request: web.Request) -> web.Response:
+    state = state_of(request)
+    engine = state.require_engine()
+    stats = engine.stats()
+    return web.json_response({
+        "default_generation_settings": {"n_ctx": state.max_model_len(), "model": state.model_name,
+                                        "params": {"n_predict": DEFAULT_N_PREDICT, "temperature": 0.8, "top_k": 40,
+                                                   "top_p": 0.95, "min_p": 0.05}},
+        "total_slots": getattr(getattr(getattr(engine, "engine", None), "config", None), "max_num_seqs", None),
+        "model_path": state.model_name,
+        "chat_template": engine.tokenizer.chat_template or "",
+        "has_infill": bool(engine.tokenizer.fim_token_ids()),
+        "kv_blocks_free": stats.get("kv_blocks_free"),
+        "build_info": "llmd",
+    })
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_post("/completion", completion)
+    app.router.add_post("/completions", completion)
+    app.router.add_post("/infill", infill)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/props", props)

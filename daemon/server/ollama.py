@@ -1,0 +1,243 @@
+"""Ollama dialect: /api/chat, /api/generate (NDJSON streaming, native stats fields), /api/tags, /api/show, /api/ps,
+/api/version and `GET /`. Durations are nanoseconds, as Ollama reports them."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+from aiohttp import web
+
+from .. import __version__ as llmd_version
+from ..engine.types import SamplingParams
+from .core import Generation, ServerState, output_reason, state_of
+from .streaming import EventStream, pump
+from .validation import (MAX_NEW_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P, ApiError,
+                         Field, check_fields, parse_messages, read_json)
+
+# The Ollama API level this dialect follows; clients compare it to feature thresholds.
+OLLAMA_API_VERSION = "0.6.0"
+
+REQUEST_FIELDS = {
+    "model": Field("str", max_len=512),
+    "stream": Field("bool"),
+    "options": Field("dict"),
+    "raw": Field("bool"),
+    "system": TEXT,
+    "prompt": TEXT,
+    "suffix": TEXT,
+}
+# keep_alive is accepted in any form and ignored: the model stays loaded while the daemon runs.
+OPTION_FIELDS = {
+    "temperature": Field("number", 0, 100),
+    "top_k": TOP_K,
+    "top_p": TOP_P,
+    "min_p": MIN_P,
+    "num_predict": Field("int", -2, MAX_NEW_TOKENS),
+    "stop": STOP,
+    "seed": SEED,
+    "repeat_penalty": REPEAT_PENALTY,
+    "presence_penalty": PENALTY,
+    "frequency_penalty": PENALTY,
+    "num_ctx": Field("int", 1, 1 << 24),
+    "repeat_last_n": Field("int", -1, 1 << 24),  # accepted; penalties apply to the whole output
+    "num_keep": Field("int", -1, 1 << 24),
+}
+DEFAULT_NUM_PREDICT = 2048
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def _check_request(state: ServerState, body: dict) -> tuple[dict, dict]:
+    if body.get("format"):
+        raise ApiError(400, "format (structured output) is not supported", param="format")
+    if body.get("template"):
+        raise ApiError(400, "template overrides are not supported; the model's own chat template is used",
+                       param="template")
+    for unsupported in ("images", "tools"):
+        if body.get(unsupported):
+            raise ApiError(400, f"{unsupported} are not supported by this server", param=unsupported)
+    f = check_fields(body, REQUEST_FIELDS)
+    state.check_model(body.get("model"), required=True)
+    opts = check_fields(f.get("options") or {}, OPTION_FIELDS, prefix="options.")
+    return f, opts
+
+
+def _params(opts: dict) -> SamplingParams:
+    num_predict = opts.get("num_predict", DEFAULT_NUM_PREDICT)
+    if num_predict in (-1, -2, 0):  # -1: until done, -2: fill the context; both end at the context limit
+        num_predict = MAX_NEW_TOKENS
+    return SamplingParams(
+        max_tokens=num_predict,
+        temperature=float(opts.get("temperature", 0.8)),
+        top_k=opts.get("top_k", 40),
+        top_p=float(opts.get("top_p", 0.9)) or 1e-6,
+        min_p=float(opts.get("min_p", 0.0)),
+        repetition_penalty=float(opts.get("repeat_penalty", 1.1)) or 1.0,
+        presence_penalty=float(opts.get("presence_penalty", 0.0)),
+        frequency_penalty=float(opts.get("frequency_penalty", 0.0)),
+        seed=opts.get("seed"),
+        stop=opts.get("stop", []),
+    )
+
+
+def _final_stats(gen: Generation, started: float, prompt_len: int) -> dict:
+    t = gen.timings
+    ns = lambda s: int((s or 0.0) * 1e9)  # noqa: E731
+    return {
+        "done_reason": gen.finish_reason or "stop",
+        "total_duration": ns(time.monotonic() - started),
+        "load_duration": 0,  # the model is resident; loading happened at daemon start
+        "prompt_eval_count": (t.num_prompt_tokens if t else 0) or prompt_len,
+        "prompt_eval_duration": ns(t.ttft if t else 0),
+        "eval_count": t.num_generated_tokens if t else 0,
+        "eval_duration": ns(t.decode_time if t else 0),
+    }
+
+
+async def _run(request: web.Request, state: ServerState, prompt_ids: list[int], params: SamplingParams, stream: bool,
+               shape, started: float) -> web.StreamResponse:
+    """shape(text, done, extra) builds one response object (chat: a message; generate: a response string)."""
+    async with Generation(state, request, prompt_ids, params) as gen:
+        if not stream:
+            res = await gen.collect()
+            return web.json_response(shape(res.text, True, _final_stats(gen, started, len(prompt_ids))))
+
+        def render(out):
+            if output_reason(out) is not None:
+                events = [shape(out.text_delta, False, {})] if out.text_delta else []
+                return events + [shape("", True, _final_stats(gen, started, len(prompt_ids)))]
+            return [shape(out.text_delta, False, {})] if out.text_delta else []
+
+        return await pump(gen, EventStream(request, "ndjson", state.write_timeout), render,
+                          on_error=lambda exc: {"error": exc.message})
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    started = time.monotonic()
+    state = state_of(request)
+    body = await read_json(request, state.max_body_bytes)
+    f, opts = _check_request(state, body)
+    messages = parse_messages(body.get("messages"))
+    params = _params(opts)
+    state.require_engine()
+    prompt_ids = await state.encode_chat(messages)
+    state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else None, opts.get("num_ctx"))
+    model = body["model"]
+
+    def shape(text: str, done: bool, extra: dict) -> dict:
+        return {"model": model, "created_at": _now(), "message": {"role": "assistant", "content": text},
+                "done": done, **extra}
+
+    return await _run(request, state, prompt_ids, params, f.get("stream", True), shape, started)
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    started = time.monotonic()
+    state = state_of(request)
+    body = await read_json(request, state.max_body_bytes)
+    f, opts = _check_request(state, body)
+    model = body["model"]
+    prompt, suffix, system = f.get("prompt", ""), f.get("suffix", ""), f.get("system")
+    state.require_engine()
+    if not prompt and not suffix:  # Ollama's "load the model" request
+        return web.json_response({"model": model, "created_at": _now(), "response": "", "done": True,
+                                  "done_reason": "load"})
+    params = _params(opts)
+    if suffix:
+        prompt_ids = await state.fim_prompt(prompt, suffix)
+    elif f.get("raw"):
+        prompt_ids = await state.encode(prompt, True)
+    else:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        prompt_ids = await state.encode_chat(messages)
+    state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else None, opts.get("num_ctx"))
+
+    def shape(text: str, done: bool, extra: dict) -> dict:
+        return {"model": model, "created_at": _now(), "response": text, "done": done, **extra}
+
+    return await _run(request, state, prompt_ids, params, f.get("stream", True), shape, started)
+
+
+def _details(state: ServerState) -> dict:
+    loaded = state.engine.loaded
+    cfg = loaded.config
+    params = sum(p.numel() for p in loaded.model.parameters()) if hasattr(loaded.model, "parameters") else 0
+    return {"parent_model": "", "format": "gguf" if str(state.model_name).endswith(".gguf") else "llmd",
+            "family": str(cfg.architecture).lower(), "families": [str(cfg.architecture).lower()],
+            "parameter_size": f"{params / 1e6:.0f}M" if params < 1e9 else f"{params / 1e9:.1f}B",
+            "quantization_level": str(loaded.dtype).replace("torch.", "")}
+
+
+def _model_entry(state: ServerState) -> dict:
+    return {"name": state.model_name, "model": state.model_name,
+            "modified_at": datetime.fromtimestamp(state.started_wall, timezone.utc).isoformat(),
+            "size": 0, "digest": "", "details": _details(state)}
+
+
+def _capabilities(state: ServerState) -> list[str]:
+    tok = state.engine.tokenizer
+    caps = ["completion"]
+    if tok.fim_token_ids():
+        caps.append("insert")
+    return caps
+
+
+async def tags(request: web.Request) -> web.Response:
+    state = state_of(request)
+    return web.json_response({"models": [_model_entry(state)] if state.status == "ready" else []})
+
+
+async def ps(request: web.Request) -> web.Response:
+    state = state_of(request)
+    if state.status != "ready":
+        return web.json_response({"models": []})
+    entry = _model_entry(state)
+    stats = state.engine.stats()
+    entry.update({"expires_at": "9999-12-31T23:59:59Z", "size_vram": 0, "context_length": state.max_model_len(),
+                  "requests_running": stats.get("requests_running", 0),
+                  "requests_waiting": stats.get("requests_waiting", 0)})
+    return web.json_response({"models": [entry]})
+
+
+async def show(request: web.Request) -> web.Response:
+    state = state_of(request)
+    body = await read_json(request, state.max_body_bytes)
+    check_fields(body, {"model": Field("str", max_len=512), "name": Field("str", max_len=512),
+                        "verbose": Field("bool")})
+    name = body.get("model") or body.get("name")
+    state.check_model(name, required=True)
+    state.require_engine()
+    cfg = state.engine.loaded.config
+    arch = str(cfg.architecture).lower()
+    ctx = state.max_model_len()
+    return web.json_response({
+        "modelfile": "", "parameters": "", "template": state.engine.tokenizer.chat_template or "",
+        "details": _details(state),
+        "model_info": {"general.architecture": arch, f"{arch}.context_length": ctx,
+                       f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.block_count": cfg.num_hidden_layers,
+                       f"{arch}.attention.head_count": cfg.num_attention_heads,
+                       f"{arch}.attention.head_count_kv": cfg.num_key_value_heads},
+        "capabilities": _capabilities(state),
+        "modified_at": _model_entry(state)["modified_at"],
+    })
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": OLLAMA_API_VERSION, "llmd_version": llmd_version})
+
+
+async def root(request: web.Request) -> web.Response:
+    return web.Response(text="Ollama is running (llmd)")
+
+
+def setup_routes(app: web.Application) -> None:
+    app.router.add_post("/api/chat", chat)
+    app.router.add_post("/api/generate", generate)
+    app.router.add_get("/api/tags", tags)
+    app.router.add_get("/api/ps", ps)
+    app.router.add_post("/api/show", show)
+    app.router.add_get("/api/version", version)
+    app.router.add_get("/", root)
