@@ -26,9 +26,132 @@ def fail(message: str) -> None:
 # --- commands (each engineer inserts theirs below this line) ---
 
 
+# Model store and one-shot generation (llmd.store, llmd.generate).
+
+
+@app.command()
+def pull(name: str = typer.Argument(..., help="An alias (qwen2.5:0.5b), a repo id (Qwen/Qwen2.5-0.5B-Instruct), or OWNER/NAME:FILE.gguf.")):
+    """Download a model into the Hugging Face cache (safetensors and tokenizer files only)."""
+    from .store import pull as store_pull
+
+    files = store_pull(name)
+    typer.echo(f"pulled {files.name}: {files.path}")
+
+
+@app.command("list")
+def list_cmd():
+    """List the models available locally: the bundled default and what is in the Hugging Face cache."""
+    from .store import human_size, list_models
+
+    rows = [("NAME", "ARCHITECTURE", "SIZE", "QUANTIZATION")]
+    for m in list_models():
+        if m.info is None:
+            rows.append((m.name, f"unreadable: {m.problem}", human_size(m.size_bytes), "?"))
+            continue
+        quant = m.info.quantization or f"none ({(m.info.dtype or '?').split(' ')[0]})"
+        rows.append((m.name, m.info.architecture or "?", human_size(m.size_bytes), quant))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+
+
+@app.command()
+def show(name: str = typer.Argument(None, help="A model name, folder or .gguf file (default: the bundled model).")):
+    """Show a model's architecture, parameter count, dtype/quantization, context length, chat template and files."""
+    from .store import describe, human_count, human_size, resolve
+
+    info = describe(resolve(name))
+    f = info.files
+    typer.echo(f"name:            {f.name}")
+    typer.echo(f"source:          {f.repo_id or f.path} ({'GGUF' if f.kind == 'gguf' else 'Hugging Face folder'})")
+    typer.echo(f"path:            {f.path}")
+    typer.echo(f"architecture:    {info.architecture or '?'}")
+    params = f"{human_count(info.parameters)} ({info.parameters:,})" if info.parameters else "?"
+    typer.echo(f"parameters:      {params}")
+    typer.echo(f"dtype:           {info.dtype or '?'}")
+    typer.echo(f"quantization:    {info.quantization or 'none'}")
+    typer.echo(f"context length:  {info.context_length or '?'}")
+    typer.echo(f"chat template:   {'yes' if info.chat_template else 'no'}")
+    typer.echo(f"files:           {len(info.file_sizes)} ({human_size(info.size_bytes)})")
+    for rel, size in info.file_sizes:
+        typer.echo(f"  {rel}  {human_size(size)}")
+
+
+@app.command()
+def rm(name: str = typer.Argument(..., help="A pulled model: an alias or a repo id.")):
+    """Remove a pulled model from the Hugging Face cache."""
+    from .store import human_size, remove_model
+
+    repo_id, freed = remove_model(name)
+    typer.echo(f"removed {repo_id} ({human_size(freed)} freed)")
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="The prompt. Instruct models get it as a user turn in their chat template."),
+    model: str = typer.Option(None, "--model", "-m", help="Model name, folder or .gguf file (default: LLMD_MODEL, config.toml, else the bundled SmolLM2-135M-Instruct)."),
+    max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=1, max=1_000_000, help="Most tokens to generate."),
+    temperature: float = typer.Option(0.8, "--temperature", "-t", min=0.0, max=100.0, help="0 is greedy; the default 0.8 is llama.cpp's and Ollama's."),
+    top_k: int = typer.Option(40, "--top-k", min=0, help="Sample from the k most likely tokens (0: off)."),
+    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Nucleus sampling threshold."),
+    min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="Drop tokens below min_p x the top token's probability."),
+    seed: int = typer.Option(None, "--seed", "-s", help="Seed for reproducible sampling."),
+    raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
+    dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."),
+    device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+):
+    """Generate text from PROMPT and stream it to stdout (load time and speed go to stderr)."""
+    from .config import load_settings
+    from .engine.types import SamplingParams
+    from .generate import GenerationStats, generate_stream, prompt_token_ids, torch_dtype
+    from .model.loader import load_model
+    from .store import resolve
+
+    settings = load_settings(model=model, dtype=dtype, device=device)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p or 1.0,
+                            min_p=min_p, seed=seed).validate()
+    files = resolve(settings.model)
+    loaded = load_model(files, dtype=torch_dtype(settings.dtype), device=settings.device)
+    typer.echo(f"loaded {loaded.name} in {loaded.load_seconds:.2f} s ({loaded.device}, {str(loaded.dtype).removeprefix('torch.')})", err=True)
+    ids = prompt_token_ids(loaded.tokenizer, prompt, raw)
+    stats = GenerationStats()
+    for delta in generate_stream(loaded, ids, params, stats):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    speed = f", {stats.tokens_per_second:.1f} tok/s" if stats.tokens_per_second else ""
+    ttft = f", first token {stats.ttft_s:.2f} s" if stats.ttft_s is not None else ""
+    typer.echo(f"{stats.prompt_tokens} prompt + {stats.generated_tokens} generated tokens in {stats.total_s:.2f} s{ttft}{speed}", err=True)
+
+
+
 def main() -> None:
+    """Run the CLI. User errors (LlmdError, bad flags) print one line on stderr and exit 1, never a traceback."""
+    try:  # recent typer vendors click; older ones use click itself
+        from typer._click import exceptions as click_errors
+    except ImportError:  # pragma: no cover
+        from click import exceptions as click_errors
+
     try:
-        app()
+        code = app(standalone_mode=False, prog_name="llmd")
+    except click_errors.NoArgsIsHelpError as exc:  # `llmd` or a group with no command: show its help
+        typer.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+        code = 0
+    except click_errors.UsageError as exc:  # bad flag value, unknown option, missing argument
+        hint = f" (see: {exc.ctx.command_path} --help)" if exc.ctx else ""
+        typer.echo(f"error: {' '.join(exc.format_message().split())}{hint}", err=True)
+        code = 1
+    except click_errors.ClickException as exc:
+        typer.echo(f"error: {' '.join(exc.format_message().split())}", err=True)
+        code = 1
     except LlmdError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        sys.exit(1)
+        typer.echo(f"error: {' '.join(str(exc).split())}", err=True)
+        code = 1
+    except (KeyboardInterrupt, typer.Abort):
+        typer.echo("", err=True)
+        code = 130
+    except BrokenPipeError:  # `llmd generate ... | head`: the reader left
+        sys.stderr.close()
+        code = 1
+    sys.exit(code if isinstance(code, int) else 0)

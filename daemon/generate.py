@@ -1,0 +1,91 @@
+"""One-shot generation for `llmd generate`: load a model, run one request through the engine, stream its text."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from .errors import InvalidRequest, LlmdError
+
+# The defaults llama.cpp and Ollama users expect from a CLI: lightly sampled, not greedy.
+DEFAULT_TEMPERATURE = 0.8
+DEFAULT_TOP_K = 40
+DEFAULT_TOP_P = 0.95
+DEFAULT_MIN_P = 0.05
+DEFAULT_MAX_TOKENS = 256
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def torch_dtype(name: str | None):
+    """'bf16' -> torch.bfloat16 (None stays None: the loader's default for the device)."""
+    if name is None:
+        return None
+    import torch
+
+    if name.lower() not in _DTYPES:
+        raise InvalidRequest(f"unknown dtype {name!r}: use one of float32, bfloat16, float16", field="dtype")
+    return getattr(torch, _DTYPES[name.lower()])
+
+
+def prompt_token_ids(tokenizer, prompt: str, raw: bool) -> list[int]:
+    """Instruct models (those with a chat template) get the prompt as one user turn, unless `raw`."""
+    if not raw and tokenizer.chat_template:
+        return tokenizer.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return tokenizer.encode(prompt, add_special_tokens=True)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    ttft_s: float | None = None
+    total_s: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        decode = self.total_s - (self.ttft_s or 0.0)
+        if self.generated_tokens < 2 or decode <= 0:
+            return None
+        return (self.generated_tokens - 1) / decode
+
+
+def generate_stream(loaded, prompt_ids: list[int], params, stats: GenerationStats | None = None) -> Iterator[str]:
+    """Run one request on a private engine sized for it and yield text deltas as the engine produces them."""
+    from .engine import Engine, EngineConfig
+
+    stats = stats if stats is not None else GenerationStats()
+    max_len = loaded.config.max_position_embeddings
+    if len(prompt_ids) >= max_len:
+        raise InvalidRequest(f"the prompt is {len(prompt_ids)} tokens; the model's context is {max_len}", "prompt")
+    params.max_tokens = min(params.max_tokens, max_len - len(prompt_ids))
+    params.validate()
+    needed = len(prompt_ids) + params.max_tokens
+    block_size = 16
+    # One sequence: a KV pool just big enough for it, rather than the serving default.
+    config = EngineConfig(
+        block_size=block_size,
+        num_kv_blocks=math.ceil(needed / block_size) + 1,
+        max_num_seqs=1,
+        max_model_len=needed,
+    )
+    engine = Engine(loaded, config)
+    stats.prompt_tokens = len(prompt_ids)
+    start = time.perf_counter()
+    engine.add_request("generate", list(prompt_ids), params)
+    while engine.has_work():
+        for out in engine.step():
+            if out.error:
+                raise LlmdError(f"generation failed: {out.error}")
+            if out.new_token_ids and stats.ttft_s is None:
+                stats.ttft_s = time.perf_counter() - start
+            stats.generated_tokens += len(out.new_token_ids)
+            if out.text_delta:
+                yield out.text_delta
+            if out.finished:
+                stats.total_s = time.perf_counter() - start
+                return
+    stats.total_s = time.perf_counter() - start
