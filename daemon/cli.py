@@ -125,6 +125,46 @@ def generate(
     typer.echo(f"{stats.prompt_tokens} prompt + {stats.generated_tokens} generated tokens in {stats.total_s:.2f} s{ttft}{speed}", err=True)
 
 
+@app.command()
+def bench(
+    url: str = typer.Option(None, "--url", help="Server root or OpenAI base URL (default: the local llmd daemon)."),
+    model: str = typer.Option(None, "--model", help="Model name to request (default: the first in /v1/models)."),
+    api: str = typer.Option("chat", "--api", help="chat (/v1/chat/completions) or completions (/v1/completions)."),
+    api_key: str = typer.Option(None, "--api-key", envvar="LLMD_API_KEY", help="Bearer token, if the server needs one."),
+    workload: str = typer.Option("chat", "--workload", "-w", help="chat, shared-prefix, long-prompt or code-edit."),
+    prompts: str = typer.Option(None, "--prompts", help="JSONL file of your own prompts (overrides --workload)."),
+    requests: int = typer.Option(None, "--requests", "-n", help="Requests per load level (default 32; 16 in a sweep)."),
+    duration: float = typer.Option(None, "--duration", help="Seconds per load level (no new request after it)."),
+    concurrency: int = typer.Option(1, "--concurrency", "-c", help="Closed loop: clients sending back to back."),
+    rate: float = typer.Option(None, "--rate", "-r", help="Open loop: Poisson arrivals per second."),
+    sweep: str = typer.Option(None, "--sweep", help="Load levels: 1,2,4,8 or 1..16 (concurrency, or rates with --rate)."),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="Output tokens per request (cap)."),
+    prompt_words: int = typer.Option(None, "--prompt-words", help="Length of long prompts / the shared prefix."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the generated workload and arrivals."),
+    slo_ttft: float = typer.Option(500.0, "--slo-ttft-ms", help="Goodput SLO on time to first token (0: none)."),
+    slo_tpot: float = typer.Option(50.0, "--slo-tpot-ms", help="Goodput SLO on time per output token (0: none)."),
+    slo_e2e: float = typer.Option(0.0, "--slo-e2e-ms", help="Goodput SLO on end-to-end time (0: none)."),
+    json_out: str = typer.Option(None, "--json", help="Write the report as JSON to this file ('-': stdout)."),
+    plot: str = typer.Option(None, "--plot", help="Write PNG plots into this folder (needs matplotlib)."),
+    compare: tuple[str, str] = typer.Option(None, "--compare", help="Two URLs: the same workload on both, alternating."),
+    timeout: float = typer.Option(300.0, "--timeout", help="Seconds before one request is given up."),
+    progress: bool = typer.Option(None, "--progress/--no-progress", help="Progress bar (default: on a terminal)."),
+) -> None:
+    """Load-test an OpenAI-compatible server: per-stage latency, throughput, goodput and a diagnosis."""
+    from .bench.command import BenchOptions, run_bench
+    from .bench.report import Slo
+
+    opts = BenchOptions(
+        url=url, model=model, api=api, api_key=api_key, workload=workload, prompts_file=prompts, requests=requests,
+        duration_s=duration, concurrency=concurrency, rate=rate, sweep=sweep, max_tokens=max_tokens,
+        prompt_words=prompt_words, seed=seed, json_path=json_out, plot_dir=plot, compare=compare,
+        timeout_s=timeout, progress=progress,
+        slo=Slo(ttft_ms=slo_ttft or None, tpot_ms=slo_tpot or None, e2e_ms=slo_e2e or None),
+    )
+    code = run_bench(opts)
+    if code:
+        raise typer.Exit(code)
+
 
 def main() -> None:
     """Run the CLI. User errors (LlmdError, bad flags) print one line on stderr and exit 1, never a traceback."""
