@@ -26,6 +26,95 @@ def fail(message: str) -> None:
 # --- commands (each engineer inserts theirs below this line) ---
 
 
+# The daemon and the verbs around it (llmd.server.daemon, llmd.server.control, llmd.service).
+
+
+@app.command()
+def serve(
+    model: str = typer.Option(None, "--model", "-m", help="Model to serve (default: the bundled SmolLM2)."),
+    host: str = typer.Option(None, "--host", help="TCP address (default 127.0.0.1; anything else needs an API key)."),
+    port: int = typer.Option(None, "--port", "-p", help="TCP port (default 8471)."),
+    socket_path: str = typer.Option(None, "--socket", help="Unix socket path (default $XDG_RUNTIME_DIR/llmd.sock; 'off')."),
+    ollama_port: int = typer.Option(None, "--ollama-port", help="Also listen here for Ollama clients (e.g. 11434)."),
+    max_queue: int = typer.Option(None, "--max-queue", help="Waiting requests before 429 (default 64)."),
+    write_timeout: float = typer.Option(None, "--write-timeout", help="Seconds a client may stall a stream (default 30)."),
+    shutdown_grace: float = typer.Option(None, "--shutdown-grace", help="Seconds streams get to finish on SIGTERM (default 10)."),
+    api_key_file: str = typer.Option(None, "--api-key-file", help="File holding the bearer token (mode 0600)."),
+    device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: CUDA when available)."),
+    dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16."),
+    max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Sequences in one batch."),
+    kv_cache_bytes: int = typer.Option(None, "--kv-cache-bytes", help="KV-cache pool size in bytes."),
+    max_model_len: int = typer.Option(None, "--max-model-len", help="Context length cap."),
+) -> None:
+    """Run the daemon: OpenAI, Ollama and llama.cpp HTTP APIs on loopback and a Unix socket."""
+    from .config import load_settings
+    from .server.daemon import serve as run_daemon
+
+    settings = load_settings(model=model, host=host, port=port, socket_path=socket_path, ollama_port=ollama_port,
+                             max_queue=max_queue, write_timeout=write_timeout, shutdown_grace=shutdown_grace,
+                             api_key_file=api_key_file, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                             kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
+    raise typer.Exit(run_daemon(settings))
+
+
+@app.command()
+def ps() -> None:
+    """Show what the daemon has loaded, its memory and its running/waiting requests."""
+    from .config import load_settings
+    from .server.control import ps as daemon_ps
+
+    typer.echo(daemon_ps(load_settings()))
+
+
+@app.command()
+def stop() -> None:
+    """Stop the daemon gracefully (running streams get the grace period)."""
+    from .config import load_settings
+    from .server.control import stop as daemon_stop
+
+    typer.echo(daemon_stop(load_settings()))
+
+
+@app.command()
+def run(
+    model: str = typer.Argument(None, help="Model name (the daemon is started with it if none runs)."),
+    prompt: str = typer.Argument(None, help="Prompt; without it, read stdin or open a simple prompt loop."),
+) -> None:
+    """One-shot generation through the daemon, starting it if none runs."""
+    from .config import load_settings
+    from .server.control import run as daemon_run
+
+    daemon_run(load_settings(), model, prompt)
+
+
+service_app = typer.Typer(help="Install the daemon as a systemd user service.", no_args_is_help=True)
+app.add_typer(service_app, name="service")
+
+
+@service_app.command("install")
+def service_install(enable: bool = typer.Option(True, "--enable/--no-enable", help="Also enable and start it.")) -> None:
+    """Write ~/.config/systemd/user/llmd.service (Restart=on-failure, logs to journald)."""
+    from .service import install
+
+    typer.echo(install(enable=enable))
+
+
+@service_app.command("uninstall")
+def service_uninstall() -> None:
+    """Stop, disable and remove the user unit."""
+    from .service import uninstall
+
+    typer.echo(uninstall())
+
+
+@service_app.command("status")
+def service_status() -> None:
+    """Whether the unit is installed, and systemd's view of it."""
+    from .service import status
+
+    typer.echo(status())
+
+
 # Model store and one-shot generation (llmd.store, llmd.generate).
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -34,6 +35,7 @@ class ServerState:
     started_wall: float = field(default_factory=time.time)
     metrics: Metrics = field(default_factory=Metrics)
     active: set = field(default_factory=set)  # running Generations, for the shutdown drain
+    pid: int = field(default_factory=os.getpid)  # `llmd stop` signals it
 
     # --- readiness and names ---
 
@@ -77,6 +79,7 @@ class ServerState:
         """The contract's /v1/llmd/stats object: engine stats + model + uptime (+ server counters)."""
         out = dict(self.engine.stats()) if self.engine is not None else {}
         out.update({"model": self.model_name, "status": self.status, "uptime_s": round(time.monotonic() - self.started, 3),
+                    "pid": self.pid, "load_seconds": round(self.load_seconds, 3),
                     "server": self.metrics.server_stats()})
         return out
 

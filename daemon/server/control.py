@@ -1,0 +1,244 @@
+"""Client-side verbs around the daemon: `llmd ps`, `llmd stop`, `llmd run`. Plain http.client over the Unix socket
+(or TCP when there is no socket), so these commands start fast and need no event loop."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..config import state_dir
+from ..errors import LlmdError
+
+START_TIMEOUT_S = 300.0
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+class DaemonClient:
+    def __init__(self, settings, timeout: float = 600.0):
+        self.settings = settings
+        self.timeout = timeout
+        self.socket_path = settings.resolved_socket_path()
+
+    def _connection(self, timeout: float | None = None) -> http.client.HTTPConnection:
+        t = timeout or self.timeout
+        if self.socket_path is not None and self.socket_path.exists():
+            return _UnixConnection(str(self.socket_path), t)
+        host = self.settings.host if self.settings.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return http.client.HTTPConnection(host, self.settings.port, timeout=t)
+
+    def where(self) -> str:
+        if self.socket_path is not None and self.socket_path.exists():
+            return f"unix:{self.socket_path}"
+        return f"http://{self.settings.host}:{self.settings.port}"
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float | None = None):
+        conn = self._connection(timeout)
+        headers = {"Content-Type": "application/json"}
+        if self.settings.api_key:
+            headers["Authorization"] = f"Bearer {self.settings.api_key}"
+        try:
+            conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+            return conn, conn.getresponse()
+        except OSError:
+            conn.close()
+            raise
+
+    def get_json(self, path: str, timeout: float | None = None) -> tuple[int, dict]:
+        conn, resp = self.request("GET", path, timeout=timeout)
+        try:
+            data = resp.read()
+            return resp.status, json.loads(data or b"{}")
+        finally:
+            conn.close()
+
+    def health(self) -> tuple[int, dict] | None:
+        """(status, body) or None when no daemon answers."""
+        try:
+            return self.get_json("/health", timeout=5.0)
+        except (OSError, ValueError):
+            return None
+
+
+def _error_message(body: dict) -> str:
+    err = body.get("error")
+    if isinstance(err, dict):
+        return err.get("message", str(err))
+    return str(err or body)
+
+
+def ps(settings) -> str:
+    client = DaemonClient(settings)
+    if client.health() is None:
+        raise LlmdError(f"no llmd daemon is running ({client.where()}); start one with `llmd serve`")
+    status, stats = client.get_json("/v1/llmd/stats", timeout=10.0)
+    if status != 200:
+        raise LlmdError(_error_message(stats))
+    lines = [f"daemon      pid {stats.get('pid')} on {client.where()}, up {stats.get('uptime_s', 0):.0f}s, "
+             f"{stats.get('status')}"]
+    if stats.get("status") == "ready":
+        total = stats.get("kv_blocks_total") or 0
+        used = stats.get("kv_blocks_used") or 0
+        cached = stats.get("kv_blocks_cached") or 0
+        lines += [
+            f"model       {stats.get('model')} (loaded in {stats.get('load_seconds', 0):.1f}s)",
+            f"memory      KV cache {used}/{total} blocks used ({cached} cached for reuse); "
+            f"process RSS {_rss_mib(stats.get('pid'))}",
+            f"requests    {stats.get('requests_running', 0)} running, {stats.get('requests_waiting', 0)} waiting, "
+            f"{stats.get('requests_finished_total', 0)} finished",
+            f"throughput  {stats.get('tokens_per_second') or 0:.1f} tok/s (recent), prefix-cache hit rate "
+            f"{100 * (stats.get('prefix_cache_hit_rate') or 0):.0f}%",
+        ]
+    return "\n".join(lines)
+
+
+def _rss_mib(pid) -> str:
+    try:
+        with open(f"/proc/{int(pid)}/statm") as fh:
+            pages = int(fh.read().split()[1])
+        return f"{pages * os.sysconf('SC_PAGE_SIZE') / 2**20:.0f} MiB"
+    except (OSError, ValueError, TypeError):
+        return "unknown"
+
+
+def _owned_by_me(pid: int) -> bool:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def stop(settings, timeout: float | None = None) -> str:
+    """SIGTERM the daemon and wait for it to exit (its grace period plus a margin)."""
+    client = DaemonClient(settings)
+    if client.health() is None:
+        raise LlmdError(f"no llmd daemon is running ({client.where()})")
+    status, stats = client.get_json("/v1/llmd/stats", timeout=10.0)
+    pid = stats.get("pid")
+    if status != 200 or not isinstance(pid, int) or not _owned_by_me(pid):
+        raise LlmdError(f"cannot find the daemon's process: {_error_message(stats) if status != 200 else pid}")
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + (timeout or settings.shutdown_grace + 15.0)
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"stopped llmd (pid {pid})"
+        time.sleep(0.1)
+    raise LlmdError(f"llmd (pid {pid}) did not exit in time")
+
+
+def ensure_daemon(settings, model: str | None) -> DaemonClient:
+    """Return a client of a ready daemon, starting one in the background (logs in the state dir) if none runs."""
+    client = DaemonClient(settings)
+    answer = client.health()
+    proc = None
+    if answer is None:
+        log_dir = state_dir()
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / "llmd.log"
+        cmd = [sys.executable, "-c", "from llmd.cli import main; main()", "serve"]
+        if model:
+            cmd += ["--model", model]
+        print(f"starting llmd (log: {log_path}) ...", file=sys.stderr)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        answer = client.health()
+        if answer is not None and answer[0] == 200:
+            return client
+        if answer is not None and answer[1].get("status") == "failed":
+            raise LlmdError(f"the daemon could not load the model: {answer[1].get('error')}")
+        if proc is not None and proc.poll() is not None:
+            tail = _tail(state_dir() / "llmd.log")
+            raise LlmdError(f"the daemon exited at start: {tail}")
+        if time.monotonic() > deadline:
+            raise LlmdError("the daemon did not become ready in time")
+        time.sleep(0.2)
+
+
+def _tail(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+        return lines[-1] if lines else "(empty log)"
+    except OSError:
+        return "(no log)"
+
+
+def chat_once(client: DaemonClient, model: str | None, messages: list[dict], out=sys.stdout) -> str:
+    """Stream one chat completion to `out`; return the full reply."""
+    body = {"messages": messages, "stream": True}
+    if model:
+        body["model"] = model
+    conn, resp = client.request("POST", "/v1/chat/completions", body)
+    try:
+        if resp.status != 200:
+            data = resp.read()
+            try:
+                raise LlmdError(_error_message(json.loads(data)))
+            except ValueError:
+                raise LlmdError(f"HTTP {resp.status}: {data[:200]!r}") from None
+        parts = []
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.strip()
+            if not line.startswith(b"data: "):
+                continue
+            payload = line[6:]
+            if payload == b"[DONE]":
+                break
+            event = json.loads(payload)
+            if "error" in event:
+                raise LlmdError(_error_message(event))
+            for choice in event.get("choices", []):
+                text = choice.get("delta", {}).get("content") or ""
+                if text:
+                    parts.append(text)
+                    out.write(text)
+                    out.flush()
+        out.write("\n")
+        return "".join(parts)
+    finally:
+        conn.close()
+
+
+def run(settings, model: str | None, prompt: str | None) -> None:
+    """`llmd run MODEL [PROMPT]`: one-shot, or a simple prompt loop on a terminal (stdin is read when piped)."""
+    client = ensure_daemon(settings, model)
+    if prompt is None and not sys.stdin.isatty():
+        prompt = sys.stdin.read()
+    if prompt is not None:
+        chat_once(client, model, [{"role": "user", "content": prompt}])
+        return
+    history: list[dict] = []
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return
+        if line.strip() in ("/bye", "/exit", "/quit"):
+            return
+        if not line.strip():
+            continue
+        history.append({"role": "user", "content": line})
+        history.append({"role": "assistant", "content": chat_once(client, model, history)})

@@ -1,0 +1,210 @@
+"""`llmd serve`: the process lifecycle.
+
+Listen first (TCP on loopback + a 0600 Unix socket), answer /health 503 while the model loads in a thread, then 200.
+SIGTERM/SIGINT: stop accepting, give running streams `shutdown_grace` seconds, abort the rest, remove the socket file,
+exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from ..errors import LlmdError
+from .app import configure_logging, create_app
+from .core import ServerState
+from .security import SecurityPolicy, is_loopback_host, read_key_file
+
+log = logging.getLogger("llmd.server")
+
+ABORT_SETTLE_S = 3.0  # after aborting, how long handlers get to send their last event
+
+
+def _dtype(name: str | None):
+    if name is None:
+        return None
+    import torch
+
+    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+            "float16": torch.float16, "fp16": torch.float16}[name]
+
+
+def build_engine(settings):
+    """Resolve, load and wrap the model (runs in a worker thread while /health says loading)."""
+    from ..engine import Engine, EngineConfig
+    from ..model.loader import load_model
+    from ..store import resolve
+
+    files = resolve(settings.model)
+    loaded = load_model(files, dtype=_dtype(settings.dtype), device=settings.device)
+    cuda = str(loaded.device).startswith("cuda")
+    config = EngineConfig(
+        block_size=settings.block_size,
+        kv_cache_bytes=settings.kv_cache_bytes,
+        kv_cache_fraction=settings.kv_cache_fraction if cuda and settings.kv_cache_bytes is None else None,
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_model_len=settings.max_model_len,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        max_queue=settings.max_queue,
+        seed=settings.seed or 0,
+    )
+    return files, loaded, Engine(loaded, config)
+
+
+def security_policy(settings) -> SecurityPolicy:
+    api_key = settings.api_key
+    if settings.api_key_file:
+        api_key = read_key_file(settings.api_key_file)  # also refuses a key file others can read
+    extra_hosts = frozenset()
+    if not is_loopback_host(settings.host):
+        if not api_key:
+            raise LlmdError(f"refusing to listen on {settings.host} (not loopback) without an API key: "
+                            "set LLMD_API_KEY or api_key_file")
+        extra_hosts = frozenset({settings.host.lower()})
+    return SecurityPolicy(api_key=api_key, origins=tuple(settings.origins), extra_hosts=extra_hosts)
+
+
+def _prepare_socket_path(path: Path) -> None:
+    """Make the socket's folder (0700 if we create it) and clear a stale socket; refuse if a daemon answers on it."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if not (path.exists() or path.is_symlink()):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(str(path))
+    except OSError:
+        path.unlink(missing_ok=True)  # nobody listens: a leftover from a crash
+        return
+    finally:
+        probe.close()
+    raise LlmdError(f"another llmd is already serving on {path} (stop it with `llmd stop`)")
+
+
+class Daemon:
+    def __init__(self, settings):
+        self.settings = settings
+        self.policy = security_policy(settings)
+        self.socket_path = settings.resolved_socket_path()
+        self.state = ServerState(write_timeout=settings.write_timeout, shutdown_grace=settings.shutdown_grace,
+                                 max_body_bytes=settings.max_body_bytes)
+        self.stop_requested = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.sites: list[web.BaseSite] = []
+        self.exit_code = 0
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_requested.set)
+        app = create_app(self.state, self.policy)
+        # handler_cancellation: a client that disconnects cancels its handler, whose exit aborts the engine request
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=ABORT_SETTLE_S)
+        await self.runner.setup()
+        try:
+            await self._listen()
+            load = asyncio.create_task(self._load())
+            await self.stop_requested.wait()
+            if not load.done():
+                load.cancel()  # the loading thread cannot be interrupted; we exit without waiting for it
+            await self._drain()
+        finally:
+            await self.runner.cleanup()
+            if self.state.engine is not None:
+                await self.state.engine.shutdown()
+            if self.socket_path is not None:
+                self.socket_path.unlink(missing_ok=True)
+        log.info("stopped")
+        return self.exit_code
+
+    async def _listen(self) -> None:
+        s = self.settings
+        targets = [("tcp", s.host, s.port)]
+        if s.ollama_port:
+            targets.append(("tcp", s.host, s.ollama_port))
+        for _, host, port in targets:
+            site = web.TCPSite(self.runner, host, port, reuse_address=True)
+            try:
+                await site.start()
+            except OSError as exc:
+                raise LlmdError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+            self.sites.append(site)
+        where = [f"http://{s.host}:{s.port}"] + ([f"http://{s.host}:{s.ollama_port} (Ollama)"] if s.ollama_port else [])
+        if self.socket_path is not None:
+            _prepare_socket_path(self.socket_path)
+            old = os.umask(0o177)  # the socket is created 0600: only this user may talk to the daemon
+            try:
+                site = web.UnixSite(self.runner, str(self.socket_path))
+                await site.start()
+            finally:
+                os.umask(old)
+            os.chmod(self.socket_path, 0o600)
+            self.sites.append(site)
+            where.append(f"unix:{self.socket_path}")
+        log.info("listening on %s (pid %d)", ", ".join(where), os.getpid())
+
+    async def _load(self) -> None:
+        from ..engine import AsyncEngine
+
+        started = time.monotonic()
+        log.info("loading model %s", self.settings.model or "(bundled default)")
+        try:
+            files, loaded, engine = await asyncio.get_running_loop().run_in_executor(None, build_engine, self.settings)
+        except Exception as exc:  # noqa: BLE001 - any load failure ends the daemon with one clear line
+            message = str(exc) if isinstance(exc, (LlmdError, ValueError)) else f"{type(exc).__name__}: {exc}"
+            if not isinstance(exc, (LlmdError, ValueError)):
+                log.exception("model load failed")
+            log.error("cannot load the model: %s", message)
+            self.state.status, self.state.load_error = "failed", message
+            self.exit_code = 1
+            self.stop_requested.set()
+            return
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        st = self.state
+        st.engine, st.model_name, st.load_seconds = async_engine, loaded.name, time.monotonic() - started
+        names = {files.name, loaded.name, Path(files.path).name, Path(files.path).stem}
+        if self.settings.model:
+            names.add(self.settings.model)
+        if files.repo_id:
+            names.add(files.repo_id)
+        st.aliases = {n for n in names if n}
+        st.status = "ready"
+        log.info("model %s ready in %.1fs on %s (%s)", loaded.name, st.load_seconds, loaded.device,
+                 str(loaded.dtype).replace("torch.", ""))
+
+    async def _drain(self) -> None:
+        st = self.state
+        was_ready = st.status == "ready"
+        st.status = "draining"
+        for site in self.sites:
+            await site.stop()  # stop accepting; open connections keep their running streams
+        if not was_ready:
+            return
+        log.info("draining: %d running request(s), grace %.1fs", len(st.active), st.shutdown_grace)
+        deadline = time.monotonic() + st.shutdown_grace
+        while st.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if st.active:
+            log.info("grace period over: aborting %d request(s)", len(st.active))
+            for gen in list(st.active):
+                gen.abort("shutdown")
+            deadline = time.monotonic() + ABORT_SETTLE_S
+            while st.active and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+
+
+def serve(settings) -> int:
+    """Run the daemon until SIGTERM/SIGINT; return the exit code."""
+    configure_logging()
+    daemon = Daemon(settings)
+    return asyncio.run(daemon.run())
