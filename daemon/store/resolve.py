@@ -27,11 +27,11 @@ def resolve(name: str | None) -> ModelFiles:
         return local_folder(path)
     if path.is_file():
         return gguf_file(path)
-    if name.lower().endswith(".gguf") or _looks_like_path(name):
-        raise ModelNotFound(f"no such file or folder: {name}")
 
     repo_id, selector = parse_hub_name(name)
-    if repo_id is None:
+    if repo_id is None or _looks_like_path(name):
+        if name.lower().endswith(".gguf") or _looks_like_path(name) or os.sep in name:
+            raise ModelNotFound(f"no such file or folder: {name}")
         raise ModelNotFound(_unknown_name_message(name))
     snapshot = find_snapshot(repo_id)
     if snapshot is None:
