@@ -2,7 +2,7 @@
 
 Decoding each token alone is wrong twice over: a character can span tokens (emoji and CJK in byte-level BPE), and
 tokenizers strip or add spaces depending on what precedes a token (sentencepiece's leading '▁'). So each step
-decodes a short window that starts a little before the new tokens, and emits what the new tokens add to that
+decodes a short window that starts at the previously emitted tokens, and emits what the new tokens add to that
 window's text. When the text ends in U+FFFD (an unfinished byte sequence), nothing is emitted until the character
 completes. Work per token is O(window), not O(sequence).
 """
@@ -54,7 +54,8 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else full_text
 
     def _advance(self) -> None:
-        # keep the last emitted token as context for the next window; drop older ids (bounded memory)
-        keep_from = max(len(self._ids) - 1, 0)
-        self._ids = self._ids[keep_from:]
+        # The tokens just emitted become the next window's context. They start and end on character boundaries
+        # (text is only emitted once no character is left unfinished), so decoding them alone gives clean text;
+        # a window starting mid-character would break byte-fallback decoders, which reject a whole byte run.
+        self._ids = self._ids[self._read :]
         self._prefix, self._read = 0, len(self._ids)
