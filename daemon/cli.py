@@ -191,15 +191,18 @@ def generate(
 ):
     """Generate text from PROMPT and stream it to stdout (load time and speed go to stderr)."""
     from .config import load_settings
+    from .store import resolve
+
+    # Settings and the model name are checked before torch is imported, so those mistakes fail fast.
+    settings = load_settings(model=model, dtype=dtype, device=device)
+    files = resolve(settings.model)
+
     from .engine.types import SamplingParams
     from .generate import GenerationStats, generate_stream, prompt_token_ids, torch_dtype
     from .model.loader import load_model
-    from .store import resolve
 
-    settings = load_settings(model=model, dtype=dtype, device=device)
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p or 1.0,
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, seed=seed).validate()
-    files = resolve(settings.model)
     loaded = load_model(files, dtype=torch_dtype(settings.dtype), device=settings.device)
     typer.echo(f"loaded {loaded.name} in {loaded.load_seconds:.2f} s ({loaded.device}, {str(loaded.dtype).removeprefix('torch.')})", err=True)
     ids = prompt_token_ids(loaded.tokenizer, prompt, raw)
