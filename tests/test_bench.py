@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +21,11 @@ from llmd.bench.compare import compare, comparison, render_comparison
 from llmd.bench.report import Slo, diagnose, render, summarize, write_plots
 from llmd.bench.runner import LoadLevel, parse_levels, run_level, run_sweep
 from llmd.bench.workloads import WorkloadError, load_prompts_file, make_workload
+
+
+from pathlib import Path
+
+LLMD = str(Path(sys.executable).parent / "llmd")
 
 
 @dataclass
@@ -379,3 +386,11 @@ async def test_sweep_stops_when_server_is_gone(fake_server):
         runs = await run_sweep(client, make_workload("chat", 4), [LoadLevel("closed", concurrency=c) for c in (1, 2)],
                                num_requests=20, max_consecutive_errors=3)
     assert len(runs) == 1 and not runs[0].ok and len(runs[0].failed) == 3
+
+
+def test_unreachable_port_is_one_clear_line(tmp_path):
+    proc = subprocess.run([LLMD, "bench", "--url", f"127.0.0.1:{free_port()}", "-n", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0 and "cannot reach" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

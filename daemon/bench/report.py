@@ -53,26 +53,39 @@ def distribution(values: Sequence[float]) -> dict | None:
             "mean": sum(vals) / len(vals), "n": len(vals)}
 
 
-# What each stage means, and what to do when it dominates. Flags are `llmd serve` flags.
+# What each stage means, and what to do when it dominates: `llmd serve` flags, or LLMD_* settings (environment or
+# config.toml) for the knobs that have no flag.
 STAGES = {
     "queue": ("waiting for a batch slot",
               "the server is over capacity at this load: raise --max-num-seqs (more requests decoded together) if KV "
-              "memory allows, give the KV cache more memory with --kv-cache-fraction, or send less load; lower "
-              "--max-queue so clients get a quick 429 instead of a long wait"),
+              "memory allows, give the KV cache more memory (--kv-cache-bytes, or LLMD_KV_CACHE_FRACTION on CUDA), or "
+              "send less load; lower --max-queue so clients get a quick 429 instead of a long wait"),
     "prefill": ("processing the prompt",
-                "prompts are expensive: keep prefix caching on (--prefix-caching) and put shared text (system prompt, "
-                "documents) at the start so it hits; raise --max-num-batched-tokens so long prompts take fewer steps; "
-                "shorten prompts"),
+                "prompts are expensive: keep prefix caching on (LLMD_ENABLE_PREFIX_CACHING=true, the default) and put "
+                "shared text (system prompt, documents) first so it hits; raise LLMD_MAX_NUM_BATCHED_TOKENS so a long "
+                "prompt takes fewer prefill chunks; on a GPU serve with --dtype bfloat16; shorten prompts"),
     "decode": ("generating tokens",
-               "token generation dominates: batch more requests together (--max-num-seqs), quantize the weights "
-               "(--quantize int4 or int8: decode is memory-bound), and for few users try speculative decoding "
-               "(--speculative ngram, or --draft-model NAME)"),
+               "token generation dominates: batch more requests together (--max-num-seqs), serve a quantized model "
+               "(a Q4/Q8 GGUF: decode is memory-bound), and for few users enable speculative decoding "
+               "(LLMD_DRAFT_MODEL=NAME, LLMD_NUM_SPECULATIVE_TOKENS)"),
     "overhead": ("network, HTTP and client overhead",
-                 "time is lost outside the server: benchmark from the same machine, use the Unix socket, avoid proxies, "
-                 "and check the client is not CPU-starved"),
+                 "time is lost outside the server: benchmark from the same machine, connect over the Unix socket "
+                 "(--socket), avoid proxies, and check the client is not CPU-starved"),
     "first_token": ("waiting for the first token (queue + prefill; this server reports no stages)",
                     "queueing or prompt processing dominates: on llmd, the per-stage timings tell them apart"),
 }
+
+
+def _notes(diag: dict | None, prefix_hit: float | None, spec: float | None) -> list[str]:
+    """Hints that depend on the cache and speculation figures, not only on the dominant stage."""
+    notes = []
+    if diag and diag["stage"] == "prefill" and prefix_hit is not None and prefix_hit < 0.2:
+        notes.append(f"only {prefix_hit * 100:.0f}% of prompt tokens hit the prefix cache: these prompts share "
+                     "little prefix, so prefill cost is real work (shorter prompts or a faster device help)")
+    if spec is not None and spec < 0.3:
+        notes.append(f"speculation accepts only {spec * 100:.0f}% of drafts: it costs more than it saves here "
+                     "(unset LLMD_DRAFT_MODEL)")
+    return notes
 
 
 def _mean(values) -> float | None:
@@ -168,6 +181,9 @@ def summarize(run: RunResult, slo: Slo = Slo()) -> dict:
         spec = _ratio(sum(_server(r, "spec_accepted") or 0 for r in ok),
                       sum(_server(r, "spec_proposed") or 0 for r in ok))
     errors = Counter(r.error for r in failed)
+    diag = diagnose(ok)
+    if diag:
+        diag["notes"] = _notes(diag, prefix_hit, spec)
     return {
         "level": run.level.label, "mode": run.level.mode, "concurrency": run.level.concurrency,
         "rate": run.level.rate, "wall_s": run.wall_s,
@@ -191,7 +207,7 @@ def summarize(run: RunResult, slo: Slo = Slo()) -> dict:
         } if before and after else None,
         "errors": [{"error": e, "count": n} for e, n in errors.most_common(5)],
         "stopped": run.stopped,
-        "diagnosis": diagnose(ok),
+        "diagnosis": diag,
     }
 
 
@@ -265,7 +281,7 @@ def _diagnosis_lines(diag: dict | None) -> list[str]:
         f"diagnosis    {diag['stage']} dominates ({diag['share'] * 100:.0f}% of end-to-end time: {diag['meaning']})",
         f"             split: {split} ({diag['basis']})",
         f"remedy       {diag['remedy']}",
-    ]
+    ] + [f"note         {note}" for note in diag.get("notes", [])]
 
 
 def render_sweep(summaries: list[dict]) -> str:
