@@ -15,8 +15,8 @@ from aiohttp import web
 
 # Small buffers: a token event is a few hundred bytes, so these still hold many events, but a stalled reader is
 # noticed after tens of kilobytes instead of megabytes.
-TRANSPORT_HIGH_WATER = 16 * 1024
-SOCKET_SNDBUF = 32 * 1024
+TRANSPORT_HIGH_WATER = 8 * 1024
+SOCKET_SNDBUF = 16 * 1024
 
 
 class WriteStalled(Exception):

@@ -1,0 +1,388 @@
+"""The daemon's HTTP dialects, driven by real clients (openai, ollama, aiohttp, curl) against a real `llmd serve`
+process on the bundled SmolLM2 model. One daemon per module; generations stay short (2 shared CPU cores)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import subprocess
+import time
+
+import aiohttp
+import pytest
+
+from llmd_daemon_proc import start_daemon
+
+pytestmark = pytest.mark.slow
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+TIMING_KEYS = {"queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e_ms", "prompt_tokens",
+               "cached_prompt_tokens", "generated_tokens", "tokens_per_second", "spec_proposed", "spec_accepted"}
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("llmd_api"))
+    yield d
+    code = d.stop()
+    assert code == 0, d.log()
+    assert not d.socket_path.exists()
+
+
+@pytest.fixture(scope="module")
+def model_name(daemon):
+    return daemon.stats()["model"]
+
+
+def assert_no_leak(daemon):
+    s = daemon.wait_idle()
+    assert s["kv_blocks_used"] == s["kv_blocks_cached"], s  # at idle only evictable cached blocks are held
+
+
+def test_health_loading_then_ready_and_socket_mode(daemon, model_name):
+    assert daemon.saw_loading, "/health should answer 503 while the model loads"
+    status, body = daemon.get_json("/health")
+    assert status == 200 and body == {"status": "ok", "model": model_name}
+    assert daemon.socket_path.stat().st_mode & 0o777 == 0o600
+
+
+def test_openai_chat_non_streaming_and_streaming(daemon, model_name):
+    import openai
+
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [model_name]
+
+    resp = client.chat.completions.create(model=model_name, messages=FRANCE, max_tokens=8, temperature=0)
+    text = resp.choices[0].message.content
+    assert "Paris" in text
+    assert resp.choices[0].finish_reason in ("stop", "length")
+    assert resp.usage.completion_tokens <= 8 and resp.usage.prompt_tokens > 5
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    timings = resp.model_extra["timings"]
+    assert set(timings) == TIMING_KEYS
+    assert timings["generated_tokens"] == resp.usage.completion_tokens
+    assert timings["ttft_ms"] > 0 and timings["e2e_ms"] >= timings["ttft_ms"]
+
+    # Streaming, same greedy request: the same text, usage in a last chunk, timings on the finishing chunk.
+    chunks = list(client.chat.completions.create(model=model_name, messages=FRANCE, max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finishing) == 1 and finishing[0].choices[0].finish_reason == resp.choices[0].finish_reason
+    assert set(finishing[0].model_extra["timings"]) == TIMING_KEYS
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and usage.completion_tokens == resp.usage.completion_tokens
+    # The second identical prompt hits the prefix cache.
+    assert usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_openai_completions_and_fim(daemon, model_name):
+    import openai
+
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused")
+    resp = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=3,
+                                     temperature=0, logprobs=2)
+    assert resp.choices[0].text.strip()
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == resp.usage.completion_tokens and all(len(t) <= 2 for t in lp.top_logprobs)
+    assert "".join(lp.tokens) == resp.choices[0].text
+
+    # SmolLM2 has no fill-in-the-middle tokens: a clear 400 that says so (tests/test_server_fim.py covers a model
+    # that has them).
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model_name, prompt="def add(a, b):\n    return ", suffix="\n", max_tokens=2)
+    assert "fill-in-the-middle" in err.value.message and err.value.param == "suffix"
+
+
+def test_ollama_client(daemon, model_name):
+    import ollama
+
+    client = ollama.Client(host=daemon.url)
+    resp = client.chat(model=model_name, messages=FRANCE, options={"num_predict": 8, "temperature": 0})
+    assert "Paris" in resp.message.content
+    assert resp.done and resp.done_reason in ("stop", "length")
+    assert resp.eval_count >= 1 and resp.prompt_eval_count > 5 and resp.total_duration > 0
+    assert resp.eval_duration > 0 and resp.prompt_eval_duration > 0
+
+    parts = list(client.generate(model=model_name, prompt="Say hello.", stream=True,
+                                 options={"num_predict": 3, "temperature": 0, "seed": 1}))
+    assert parts[-1].done and parts[-1].eval_count == 3 and parts[-1].done_reason == "length"
+    assert all(not p.done for p in parts[:-1]) and "".join(p.response for p in parts).strip()
+
+    assert [m.model for m in client.list().models] == [model_name]
+    show = client.show(model_name)
+    assert show.capabilities == ["completion"] and show.modelinfo["general.architecture"] == "llama"
+    assert show.modelinfo["llama.context_length"] > 0
+    assert [m.model for m in client.ps().models] == [model_name]
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model="no-such-model", messages=FRANCE)
+    assert err.value.status_code == 404 and "no-such-model" in err.value.error
+
+
+async def test_llamacpp_dialect_with_aiohttp(daemon):
+    async with aiohttp.ClientSession(daemon.url) as http:
+        async with http.post("/tokenize", json={"content": "Hello world", "with_pieces": True}) as r:
+            tokens = (await r.json())["tokens"]
+        assert "".join(t["piece"] for t in tokens) == "Hello world"
+        async with http.post("/detokenize", json={"tokens": [t["id"] for t in tokens]}) as r:
+            assert (await r.json())["content"] == "Hello world"
+
+        async with http.post("/completion", json={"prompt": "Once upon a time", "n_predict": 3, "temperature": 0,
+                                                  "stream": True}) as r:
+            assert r.status == 200 and r.content_type == "text/event-stream"
+            events = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: ")]
+        assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 3
+        assert events[-1]["timings"]["predicted_n"] == 3 and set(events[-1]["llmd_timings"]) == TIMING_KEYS
+        assert "".join(e["content"] for e in events).strip()
+
+        async with http.post("/infill", json={"input_prefix": "def square(x):\n    return ", "input_suffix": "\n",
+                                              "n_predict": 4}) as r:
+            body = await r.json()
+        assert r.status == 400 and "fill-in-the-middle" in body["error"]["message"]
+        async with http.get("/props") as r:
+            props = await r.json()
+        assert props["default_generation_settings"]["n_ctx"] > 0 and props["has_infill"] is False
+
+
+def test_curl_tcp_and_unix_socket(daemon, model_name):
+    out = subprocess.run(["curl", "-s", "--unix-socket", str(daemon.socket_path), "http://localhost/health"],
+                         capture_output=True, text=True, timeout=30)
+    assert json.loads(out.stdout)["status"] == "ok"
+    out = subprocess.run(["curl", "-s", "--unix-socket", str(daemon.socket_path),
+                          "http://localhost/v1/chat/completions", "-H", "Content-Type: application/json",
+                          "-d", json.dumps({"messages": FRANCE, "max_tokens": 2, "temperature": 0})],
+                         capture_output=True, text=True, timeout=120)
+    body = json.loads(out.stdout)
+    assert body["usage"]["completion_tokens"] <= 2 and body["choices"][0]["message"]["content"]
+    out = subprocess.run(["curl", "-sN", daemon.url + "/api/chat", "-d",
+                          json.dumps({"model": model_name, "messages": FRANCE, "options": {"num_predict": 2}})],
+                         capture_output=True, text=True, timeout=120)
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert lines[-1]["done"] is True and lines[-1]["eval_count"] == 2
+    assert all(line["done"] is False for line in lines[:-1])
+
+
+def test_metrics_and_stats(daemon):
+    with __import__("urllib.request").request.urlopen(daemon.url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    for name in ("llmd:time_to_first_token_seconds_count", "llmd:inter_token_latency_seconds_bucket",
+                 "llmd:request_queue_time_seconds_sum", "llmd:e2e_request_latency_seconds_count",
+                 "llmd:num_requests_running", "llmd:kv_cache_usage_perc", "llmd:prefix_cache_hits_total",
+                 "llmd:generation_tokens_total", "llmd:request_prefill_time_seconds_count"):
+        assert name in text, name
+    ttft_count = next(float(line.split()[-1]) for line in text.splitlines()
+                      if line.startswith("llmd:time_to_first_token_seconds_count"))
+    assert ttft_count >= 5
+    s = daemon.stats()
+    assert {"model", "uptime_s", "kv_blocks_total", "requests_running", "latency"} <= set(s)
+
+
+async def test_stats_sse_pushes_every_second(daemon):
+    async with aiohttp.ClientSession(daemon.url) as http:
+        async with http.get("/v1/llmd/stats?stream=1") as r:
+            assert r.content_type == "text/event-stream"
+            started, events = time.monotonic(), []
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    events.append(json.loads(line[6:]))
+                if len(events) == 3:
+                    break
+    assert all("kv_blocks_total" in e and "uptime_s" in e for e in events)
+    assert events[2]["uptime_s"] - events[0]["uptime_s"] >= 1.5
+    assert time.monotonic() - started < 10
+
+
+async def test_disconnect_mid_stream_and_mid_prompt_abort(daemon):
+    before = daemon.stats()["server"]["aborts"].get("disconnect", 0)
+    async with aiohttp.ClientSession(daemon.url) as http:
+        resp = await http.post("/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 200, "stream": True,
+                                                              "ignore_eos": True})
+        seen = 0
+        async for line in resp.content:
+            seen += line.startswith(b"data: ")
+            if seen >= 3:
+                break
+        resp.close()  # drop the connection mid-stream
+        # Mid-prompt: a non-streaming request whose client gives up before any token.
+        with pytest.raises(asyncio.TimeoutError):
+            await http.post("/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 200, "ignore_eos": True},
+                            timeout=aiohttp.ClientTimeout(total=0.3))
+    s = daemon.wait_idle(timeout=60)
+    assert s["server"]["aborts"].get("disconnect", 0) - before == 2
+    assert_no_leak(daemon)
+
+
+async def test_load_32_streams_some_disconnecting(daemon):
+    rng = random.Random(0)
+    dropping = set(rng.sample(range(32), 4))  # ~10% hang up after their first token
+    statuses, finished = [], 0
+
+    async def one(http, i):
+        nonlocal finished
+        body = {"messages": [{"role": "user", "content": f"Count to {i}."}], "max_tokens": 4, "stream": True,
+                "temperature": 0.7, "seed": i}
+        async with http.post("/v1/chat/completions", json=body) as r:
+            statuses.append(r.status)
+            async for line in r.content:
+                if i in dropping and line.startswith(b"data: {"):
+                    return
+                if line.strip() == b"data: [DONE]":
+                    finished += 1
+
+    async with aiohttp.ClientSession(daemon.url, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        await asyncio.gather(*(one(http, i) for i in range(32)))
+    assert statuses == [200] * 32
+    assert finished == 32 - len(dropping)
+    assert_no_leak(daemon)
+    assert not any(k.startswith("5") for k in daemon.stats()["server"]["http_responses"])
+
+
+# --- bad input: every endpoint answers a clear 4xx in its dialect's shape, never a 500 -------------------------------
+
+MSG = [{"role": "user", "content": "hi"}]
+OK_CHAT = {"messages": MSG, "max_tokens": 1}
+BAD_INPUTS = [
+    # (path, body: dict | bytes, content type, status, words the message must contain)
+    ("/v1/chat/completions", b"{not json", "application/json", 400, "not valid JSON"),
+    ("/v1/chat/completions", b'{"messages": "\xff\xfe"}', "application/json", 400, "UTF-8"),
+    ("/v1/chat/completions", b"", "application/json", 400, "empty"),
+    ("/v1/chat/completions", b"[1, 2]", "application/json", 400, "JSON object"),
+    ("/v1/chat/completions", b'{"messages": [], "temperature": NaN}', "application/json", 400, "NaN"),
+    ("/v1/chat/completions", b"[" * 100000, "application/json", 400, "JSON"),
+    ("/v1/chat/completions", json.dumps(OK_CHAT).encode(), "image/png", 415, "content type"),
+    ("/v1/chat/completions", b'{"x": "' + b"a" * (5 * 1024 * 1024) + b'"}', "application/json", 413, "limit"),
+    ("/v1/chat/completions", {}, None, 400, "messages is required"),
+    ("/v1/chat/completions", {"messages": "hi"}, None, 400, "messages must be an array"),
+    ("/v1/chat/completions", {"messages": []}, None, 400, "at least one"),
+    ("/v1/chat/completions", {"messages": MSG * 2000}, None, 400, "at most 1024 messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages[0].role"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, None, 400, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, None, 400,
+     "not supported"),
+    ("/v1/chat/completions", {**OK_CHAT, "max_tokens": -1}, None, 400, "max_tokens"),
+    ("/v1/chat/completions", {**OK_CHAT, "max_tokens": 10**9}, None, 400, "max_tokens must be at most"),
+    ("/v1/chat/completions", {**OK_CHAT, "max_tokens": "5"}, None, 400, "max_tokens must be an integer"),
+    ("/v1/chat/completions", {**OK_CHAT, "max_completion_tokens": 0}, None, 400, "max_completion_tokens"),
+    ("/v1/chat/completions", {**OK_CHAT, "temperature": 5}, None, 400, "temperature"),
+    ("/v1/chat/completions", {**OK_CHAT, "temperature": True}, None, 400, "temperature must be a number"),
+    ("/v1/chat/completions", {**OK_CHAT, "top_p": 2}, None, 400, "top_p"),
+    ("/v1/chat/completions", {**OK_CHAT, "n": 2}, None, 400, "n must be 1"),
+    ("/v1/chat/completions", {**OK_CHAT, "stop": ["x"] * 17}, None, 400, "stop may hold at most 16"),
+    ("/v1/chat/completions", {**OK_CHAT, "stop": "x" * 300}, None, 400, "stop strings"),
+    ("/v1/chat/completions", {**OK_CHAT, "stop": 5}, None, 400, "stop must be"),
+    ("/v1/chat/completions", {**OK_CHAT, "seed": "x"}, None, 400, "seed"),
+    ("/v1/chat/completions", {**OK_CHAT, "presence_penalty": 3}, None, 400, "presence_penalty"),
+    ("/v1/chat/completions", {**OK_CHAT, "frequency_penalty": -3}, None, 400, "frequency_penalty"),
+    ("/v1/chat/completions", {**OK_CHAT, "logprobs": True, "top_logprobs": 50}, None, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**OK_CHAT, "top_logprobs": 2}, None, 400, "requires logprobs"),
+    ("/v1/chat/completions", {**OK_CHAT, "stream": "yes"}, None, 400, "stream must be true or false"),
+    ("/v1/chat/completions", {**OK_CHAT, "stream_options": {"include_usage": True}}, None, 400, "stream_options"),
+    ("/v1/chat/completions", {**OK_CHAT, "model": "no-such-model"}, None, 404, "no-such-model"),
+    ("/v1/completions", {}, None, 400, "prompt is required"),
+    ("/v1/completions", {"prompt": 5}, None, 400, "prompt must be"),
+    ("/v1/completions", {"prompt": [99999999]}, None, 400, "token ids"),
+    ("/v1/completions", {"prompt": [1, 2], "suffix": "x"}, None, 400, "suffix"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 99}, None, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "suffix": 3}, None, 400, "suffix must be a string"),
+    ("/api/chat", {"messages": MSG}, None, 400, "model is required"),
+    ("/api/chat", {"model": "nope", "messages": MSG}, None, 404, "nope"),
+    ("/api/chat", {"model": "@", "messages": MSG, "options": "x"}, None, 400, "options must be an object"),
+    ("/api/chat", {"model": "@", "messages": MSG, "options": {"temperature": "hot"}}, None, 400,
+     "options.temperature"),
+    ("/api/chat", {"model": "@", "messages": MSG, "options": {"num_predict": -5}}, None, 400, "options.num_predict"),
+    ("/api/chat", {"model": "@", "messages": MSG, "options": {"num_ctx": 0}}, None, 400, "options.num_ctx"),
+    ("/api/chat", {"model": "@", "messages": MSG, "format": "json"}, None, 400, "format"),
+    ("/api/chat", {"model": "@", "messages": MSG, "images": ["aGk="]}, None, 400, "images"),
+    ("/api/chat", {"model": "@"}, None, 400, "messages"),
+    ("/api/generate", {"model": "@", "prompt": "x", "options": {"stop": 5}}, None, 400, "options.stop"),
+    ("/api/generate", {"model": "@", "prompt": ["x"]}, None, 400, "prompt must be a string"),
+    ("/api/generate", {"model": "nope", "prompt": "x"}, None, 404, "nope"),
+    ("/api/show", {}, None, 400, "model is required"),
+    ("/api/show", {"model": "nope"}, None, 404, "nope"),
+    ("/completion", {}, None, 400, "prompt is required"),
+    ("/completion", {"prompt": "x", "n_predict": "x"}, None, 400, "n_predict"),
+    ("/completion", {"prompt": "x", "n_probs": 100}, None, 400, "n_probs"),
+    ("/completion", b"{oops", "application/json", 400, "not valid JSON"),
+    ("/infill", {"n_predict": 2}, None, 400, "input_prefix or input_suffix"),
+    ("/infill", {"input_prefix": "x", "input_extra": "x"}, None, 400, "input_extra must be an array"),
+    ("/infill", {"input_prefix": "x", "input_extra": [{"text": 5}]}, None, 400, "input_extra[0].text"),
+    ("/tokenize", {}, None, 400, "content is required"),
+    ("/tokenize", {"content": 5}, None, 400, "content must be a string"),
+    ("/detokenize", {"tokens": [-1]}, None, 400, "tokens"),
+    ("/detokenize", {"tokens": "x"}, None, 400, "tokens"),
+]
+
+
+def error_message(path: str, body: dict) -> str:
+    if path.startswith("/api/"):
+        assert isinstance(body["error"], str)  # Ollama's shape
+        return body["error"]
+    err = body["error"]
+    assert isinstance(err, dict) and isinstance(err["message"], str)  # OpenAI's and llama.cpp's shape
+    if path.startswith("/v1/"):
+        assert {"message", "type", "param", "code"} <= set(err)
+    return err["message"]
+
+
+async def test_bad_inputs_every_endpoint(daemon, model_name):
+    async with aiohttp.ClientSession(daemon.url) as http:
+        for path, body, ctype, status, words in BAD_INPUTS:
+            if isinstance(body, dict) and body.get("model") == "@":
+                body = {**body, "model": model_name}
+            data = body if isinstance(body, bytes) else json.dumps(body).encode()
+            async with http.post(path, data=data, headers={"Content-Type": ctype or "application/json"}) as r:
+                payload = await r.json(content_type=None)
+                assert r.status == status, (path, body if len(data) < 300 else "...", r.status, payload)
+                assert words in error_message(path, payload), (path, words, payload)
+        for method, path, status in (("GET", "/v1/nope", 404), ("DELETE", "/v1/models", 405), ("GET", "/api/nope", 404),
+                                     ("GET", "/chat/completions", 404), ("PUT", "/completion", 405)):
+            async with http.request(method, path) as r:
+                assert r.status == status
+                error_message(path, await r.json())
+    status, body = daemon.get_json("/health")  # still serving
+    assert status == 200
+    assert not any(k.startswith("5") for k in daemon.stats()["server"]["http_responses"])
+
+
+# --- local-only security on every route ------------------------------------------------------------------------------
+
+ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/llmd/stats"), ("GET", "/v1/models"),
+          ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/api/chat"),
+          ("POST", "/api/generate"), ("GET", "/api/tags"), ("POST", "/api/show"), ("GET", "/api/ps"),
+          ("GET", "/api/version"), ("GET", "/"), ("POST", "/completion"), ("POST", "/infill"), ("POST", "/tokenize"),
+          ("POST", "/detokenize"), ("GET", "/props")]
+
+
+async def test_host_and_origin_checked_on_every_route(daemon):
+    async with aiohttp.ClientSession(daemon.url) as http:
+        for method, path in ROUTES:
+            for headers in ({"Host": "evil.example.com"}, {"Host": "evil.example.com:8471"},
+                            {"Origin": "https://evil.example.com"}, {"Origin": "null"},
+                            {"Origin": "http://localhost.evil.com"}):
+                async with http.request(method, path, headers=headers, data=b"{}") as r:
+                    assert r.status == 403, (method, path, headers, r.status)
+                    assert "Access-Control-Allow-Origin" not in r.headers
+            # Allowed: loopback Host names and editor / localhost origins (echoed, never "*").
+            for headers in ({"Host": "localhost:1234"}, {"Host": "[::1]"}, {"Origin": "vscode-webview://abc"},
+                            {"Origin": "http://127.0.0.1:3000"}):
+                async with http.request(method, path, headers=headers, data=b"{}") as r:
+                    assert r.status != 403, (method, path, headers)
+                    if "Origin" in headers:
+                        assert r.headers.get("Access-Control-Allow-Origin") == headers["Origin"]
+        async with http.options("/v1/chat/completions", headers={"Origin": "vscode-webview://abc",
+                                                                  "Access-Control-Request-Method": "POST"}) as r:
+            assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "vscode-webview://abc"
+        async with http.options("/v1/chat/completions", headers={"Origin": "https://evil.example.com"}) as r:
+            assert r.status == 403
+
+
+def test_refuses_public_bind_without_token(tmp_path):
+    from llmd_daemon_proc import llmd_exe
+
+    env = {"XDG_RUNTIME_DIR": str(tmp_path), "XDG_CONFIG_HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([llmd_exe(), "serve", "--host", "0.0.0.0", "--socket", "off"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "without an API key" in out.stderr and "Traceback" not in out.stderr
