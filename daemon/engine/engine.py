@@ -1,0 +1,324 @@
+"""The synchronous engine: requests in, one batched forward per step(), outputs out.
+
+Not thread-safe by itself: one thread calls add_request/abort/step (AsyncEngine's engine thread). stats() may be
+called from another thread: it only reads counters and copies small bounded windows under a lock.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import InvalidRequest, QueueFull
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .runner import ModelRunner
+from .sampler import Sampler
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stop import StopStringMatcher
+from .types import FinishReason, Priority, RequestOutput, RequestTimings, SamplingParams, TokenLogprob
+
+LATENCY_WINDOW = 1000  # finished requests kept for percentiles
+THROUGHPUT_WINDOW_S = 10.0
+
+
+class _TextState:
+    """Incremental detokenization plus stop-string hold-back for one request."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.detok = None
+        if tokenizer is not None:
+            from ..model.tokenizer import IncrementalDetokenizer
+
+            self.detok = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopStringMatcher(stop)
+
+    def push(self, token_id: int) -> tuple[str, bool]:
+        if self.detok is None:
+            return "", False
+        return self.matcher.feed(self.detok.push(token_id))
+
+    def finish(self) -> tuple[str, bool]:
+        """Text left at the end (a stop string may still complete in the detokenizer's tail)."""
+        tail = self.detok.flush() if self.detok is not None else ""
+        text, hit = self.matcher.feed(tail)
+        return (text, True) if hit else (text + self.matcher.flush(), False)
+
+
+class Engine:
+    def __init__(self, loaded, config: EngineConfig | None = None):
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        device = next(loaded.model.parameters()).device
+        self.config = (config or EngineConfig()).resolved(device.type, loaded.config.max_position_embeddings)
+        self.runner = ModelRunner(loaded, self.config)
+        self.device = self.runner.device
+        salt = f"{loaded.name}|{loaded.config.architecture}|{self.runner.dtype}"
+        self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching, salt)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.vocab_size = loaded.config.vocab_size
+        self.eos_token_ids = set(loaded.config.eos_token_ids)
+        if self.tokenizer is not None:
+            self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
+        self.requests: dict[str, Sequence] = {}
+        self._text: dict[str, _TextState] = {}
+        self._pending_outputs: list[RequestOutput] = []  # from abort() between steps
+        self._rng = random.Random(self.config.seed)
+        # counters
+        self.steps_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.requests_finished_total = 0
+        self.spec_proposed_total = 0
+        self.spec_accepted_total = 0
+        self.last_batch_size = 0
+        self.last_step_tokens = 0
+        self._stats_lock = threading.Lock()
+        self._latencies: deque[dict] = deque(maxlen=LATENCY_WINDOW)
+        self._throughput: deque[tuple[float, int]] = deque(maxlen=4096)
+
+    # ---- requests ---------------------------------------------------------------------------------------------
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequest for anything that could never be served. Pure: safe from any thread."""
+        params.validate()
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty", field="prompt")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad!r} is outside the vocabulary (size {self.vocab_size})",
+                                 field="prompt")
+        max_len = self.config.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_token_ids)} tokens; this model's context (max_model_len) is {max_len}, "
+                "which leaves no room for output", field="prompt")
+        longest = min(len(prompt_token_ids) + params.max_tokens, max_len)
+        need = self.block_manager.blocks_needed(longest)
+        if need > self.block_manager.num_blocks:
+            fits = self.block_manager.num_blocks * self.config.block_size
+            raise InvalidRequest(
+                f"the request needs up to {longest} tokens of KV cache but the pool holds only {fits}; "
+                "lower max_tokens or the prompt length", field="max_tokens")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: Priority = Priority.INTERACTIVE, arrival: float | None = None) -> None:
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use", field="request_id")
+        self.check_request(prompt_token_ids, params)
+        if self.scheduler.num_waiting >= self.config.max_queue:
+            raise QueueFull(f"the engine queue is full ({self.config.max_queue} requests waiting); retry later")
+        timings = RequestTimings(arrival=time.monotonic() if arrival is None else arrival,
+                                 num_prompt_tokens=len(prompt_token_ids))
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        seq = Sequence(request_id, prompt_token_ids, params, priority, timings, generator)
+        self.requests[request_id] = seq
+        self._text[request_id] = _TextState(self.tokenizer, params.stop)
+        self.prompt_tokens_total += len(prompt_token_ids)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a request from whatever state it is in; its final output comes with the next step()."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return False
+        self._pending_outputs.append(self._finish(seq, FinishReason.ABORT, time.monotonic()))
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending_outputs)
+
+    # ---- the step ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return outputs
+        now = time.monotonic()
+        for s in plan.scheduled:
+            if s.seq.timings.first_scheduled is None:
+                s.seq.timings.first_scheduled = now
+        sampled = [s.seq for s in plan.scheduled if s.samples]
+        logits = self.runner.execute(plan.scheduled)
+        bm = self.block_manager
+        for s in plan.scheduled:
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            bm.register_full_blocks(seq.block_ids, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
+        tokens, logprobs = self.sampler(logits, sampled) if sampled else ([], [])
+        now = time.monotonic()
+        for seq, token, lp in zip(sampled, tokens, logprobs):
+            out = self._append_token(seq, token, lp, now)
+            if out is not None:
+                outputs.append(out)
+        self.steps_total += 1
+        self.last_batch_size = len(plan.scheduled)
+        self.last_step_tokens = plan.num_tokens
+        self.generation_tokens_total += len(sampled)
+        with self._stats_lock:
+            self._throughput.append((now, len(sampled)))
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> RequestOutput | None:
+        seq.token_ids.append(token)
+        t = seq.timings
+        if t.first_token is None:
+            t.first_token = now
+        t.token_times.append(now)
+        t.num_generated_tokens += 1
+        seq.pending_token_ids.append(token)
+        if lp is not None:
+            seq.pending_logprobs.append(lp)
+        p = seq.params
+        reason, hit = None, False
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            reason = FinishReason.STOP  # the stop token's own text is not emitted
+        else:
+            delta, hit = self._text[seq.request_id].push(token)
+            seq.pending_text += delta
+            if hit:
+                reason = FinishReason.STOP
+            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                reason = FinishReason.LENGTH
+        if reason is not None:
+            return self._finish(seq, reason, now, stopped_on_string=hit)
+        return self._take_output(seq)
+
+    def _take_output(self, seq: Sequence, **final) -> RequestOutput:
+        out = RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=seq.pending_token_ids,
+            text_delta=seq.pending_text,
+            logprobs=seq.pending_logprobs if seq.params.logprobs is not None else None,
+            **final,
+        )
+        seq.pending_token_ids, seq.pending_logprobs, seq.pending_text = [], [], ""
+        return out
+
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float, stopped_on_string: bool = False
+                ) -> RequestOutput:
+        self.scheduler.remove(seq)
+        self.requests.pop(seq.request_id, None)
+        text = self._text.pop(seq.request_id)
+        if not stopped_on_string and reason is not FinishReason.ABORT:
+            tail, _hit = text.finish()
+            seq.pending_text += tail
+        seq.finish_reason = reason
+        seq.timings.finished = now
+        self.requests_finished_total += 1
+        self._record_latency(seq.timings)
+        return self._take_output(seq, finished=True, finish_reason=reason, timings=seq.timings)
+
+    # ---- stats ------------------------------------------------------------------------------------------------
+    def _record_latency(self, t: RequestTimings) -> None:
+        def ms(x):
+            return None if x is None else x * 1000.0
+
+        row = {"queue_ms": ms(t.queue_time), "prefill_ms": ms(t.prefill_time), "ttft_ms": ms(t.ttft),
+               "decode_ms": ms(t.decode_time), "tpot_ms": ms(t.tpot), "e2e_ms": ms(t.e2e)}
+        with self._stats_lock:
+            self._latencies.append(row)
+
+    def stats(self) -> dict:
+        bm = self.block_manager
+        with self._stats_lock:
+            latencies = list(self._latencies)
+            throughput = list(self._throughput)
+        now = time.monotonic()
+        recent = [(ts, n) for ts, n in throughput if ts >= now - THROUGHPUT_WINDOW_S]
+        tps = 0.0
+        if recent:
+            span = max(now - recent[0][0], 1e-3) if len(recent) > 1 else THROUGHPUT_WINDOW_S
+            tps = sum(n for _, n in recent) / span
+        queries = bm.queries_tokens
+        return {
+            "requests_running": self.scheduler.num_running,
+            "requests_waiting": self.scheduler.num_waiting,
+            "kv_blocks_total": bm.num_blocks,
+            "kv_blocks_used": bm.num_used_blocks,
+            "kv_blocks_cached": bm.num_cached_blocks,
+            "kv_blocks_free": bm.num_free_blocks - bm.num_cached_blocks,
+            "prefix_cache_queries_tokens": queries,
+            "prefix_cache_hits_tokens": bm.hits_tokens,
+            "prefix_cache_hit_rate": bm.hits_tokens / queries if queries else 0.0,
+            "prefix_cache_evictions": bm.evictions,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "requests_finished_total": self.requests_finished_total,
+            "steps_total": self.steps_total,
+            "last_batch_size": self.last_batch_size,
+            "last_step_tokens": self.last_step_tokens,
+            "tokens_per_second": tps,
+            "spec_proposed_total": self.spec_proposed_total,
+            "spec_accepted_total": self.spec_accepted_total,
+            "latency": {key: percentiles([r[key] for r in latencies if r[key] is not None])
+                        for key in ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e_ms")},
+        }
+
+    def check_no_leaks(self) -> None:
+        """With no live requests, every block must be free or evictable cached (raises AssertionError if not)."""
+        assert not self.requests, f"requests still alive: {list(self.requests)[:5]}"
+        self.block_manager.check_idle()
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None}
+    v = sorted(values)
+
+    def pick(q: float) -> float:
+        return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
+
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] | None
+    timings: RequestTimings | None
+
+
+def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+             priority: Priority = Priority.INTERACTIVE) -> list[GenerationResult]:
+    """Run prompts to completion on an idle-or-busy engine; results in prompt order."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    if len(plist) != len(prompts):
+        raise ValueError("give one SamplingParams, or one per prompt")
+    base = f"gen-{id(prompts):x}-{time.monotonic_ns()}"
+    results: dict[str, GenerationResult] = {}
+    order = []
+    for i, (prompt, p) in enumerate(zip(prompts, plist)):
+        rid = f"{base}-{i}"
+        engine.add_request(rid, prompt, p, priority)
+        results[rid] = GenerationResult(rid, list(prompt), [], "", None, [] if p.logprobs is not None else None, None)
+        order.append(rid)
+    remaining = set(order)
+    while remaining:
+        for out in engine.step():
+            r = results.get(out.request_id)
+            if r is None:
+                continue
+            r.token_ids.extend(out.new_token_ids)
+            r.text += out.text_delta
+            if out.logprobs is not None and r.logprobs is not None:
+                r.logprobs.extend(out.logprobs)
+            if out.finished:
+                r.finish_reason, r.timings = out.finish_reason, out.timings
+                remaining.discard(out.request_id)
+    return [results[rid] for rid in order]

@@ -1,0 +1,94 @@
+"""Model runner: owns the KV pool and runs one forward per step over a flattened batch of decodes and prefill chunks.
+
+Logits are computed only for rows that are sampled (the last token of a chunk that completes its sequence's token
+list), since the vocabulary projection is the most expensive matmul of a small model.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..model.attention import AttentionMetadata, allocate_kv_cache
+from .config import EngineConfig
+from .scheduler import ScheduledSeq
+
+log = logging.getLogger(__name__)
+
+
+def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    c = model_config
+    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
+
+
+def activation_headroom_bytes(model_config, config: EngineConfig, dtype: torch.dtype) -> int:
+    """A generous estimate of the transient memory of one forward (kept free when sizing the pool on CUDA)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    c = model_config
+    t = config.max_num_batched_tokens
+    per_token = (4 * c.hidden_size + 3 * c.intermediate_size + 2 * c.num_attention_heads * c.head_dim) * elem
+    logits = config.max_num_seqs * c.vocab_size * 4 * 3
+    return 2 * t * per_token + logits + 256 * 1024**2
+
+
+def plan_num_blocks(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
+    if config.kv_cache_bytes is not None:
+        budget = config.kv_cache_bytes
+    else:
+        free, _total = torch.cuda.mem_get_info(device)
+        budget = int((free - activation_headroom_bytes(model_config, config, dtype)) * config.kv_cache_fraction)
+    num = budget // per_block
+    if num < 1:
+        raise ValueError(
+            f"the KV cache budget ({budget / 2**20:.0f} MiB) is smaller than one block ({per_block / 2**20:.1f} MiB)"
+        )
+    return int(num)
+
+
+class ModelRunner:
+    def __init__(self, loaded, config: EngineConfig):
+        self.model = loaded.model
+        self.model_config = loaded.config
+        param = next(self.model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        self.block_size = config.block_size
+        self.num_blocks = plan_num_blocks(self.model_config, config, self.dtype, self.device)
+        c = self.model_config
+        self.kv_caches = allocate_kv_cache(
+            c.num_hidden_layers, self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.kv_cache_bytes = self.num_blocks * kv_bytes_per_block(c, self.block_size, self.dtype)
+        log.info("KV pool: %d blocks of %d tokens (%.0f MiB)", self.num_blocks, self.block_size,
+                 self.kv_cache_bytes / 2**20)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """Run the batch; return fp32 logits [num sampled rows, vocab] in the order of `scheduled`."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        for s in scheduled:
+            seq, n = s.seq, s.num_new_tokens
+            start = seq.num_computed_tokens
+            input_ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(seq.block_ids)
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, device=self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if not sample_rows:
+            return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, rows))
