@@ -61,7 +61,7 @@ class FakeDaemon:
     def __init__(self, behaviour: Behaviour | None = None, socket_path: Path | None = None, port: int | None = None):
         self.behaviour = behaviour or Behaviour()
         self.socket_path = socket_path
-        self.port = port or (_free_port() if socket_path is None else None)
+        self.port = port or (free_port() if socket_path is None else None)
         self.requests: list[dict] = []
         self.aborted = threading.Event()
         self.finished_requests = 0
@@ -180,7 +180,7 @@ def _sse(obj: dict) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from contextlib import aclosing
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -66,9 +67,11 @@ class ChatApp(App):
         Binding("ctrl+o", "settings", "Settings"),
         Binding("ctrl+f", "search", "Search", show=False),
         Binding("f2", "rename", "Rename", show=False),
-        Binding("ctrl+d", "delete", "Delete", show=False),
-        Binding("ctrl+e", "export", "Export", show=False),
-        Binding("ctrl+y", "copy_last", "Copy answer", show=False),
+        # priority: the prompt box (a TextArea) would otherwise take these as delete-right, end-of-line and redo;
+        # Delete, End and Ctrl+Z still do those there.
+        Binding("ctrl+d", "delete", "Delete", show=False, priority=True),
+        Binding("ctrl+e", "export", "Export", show=False, priority=True),
+        Binding("ctrl+y", "copy_last", "Copy answer", show=False, priority=True),
         Binding("ctrl+t", "top", "Dashboard"),
         Binding("ctrl+b", "toggle_sidebar", "Sidebar", show=False),
         Binding("f1", "help", "Help"),
@@ -205,7 +208,10 @@ class ChatApp(App):
 
     @on(Input.Submitted, "#search")
     def on_search_submitted(self) -> None:
-        self.query_one("#conversations").focus()
+        listing = self.query_one("#conversations", ListView)
+        if listing.index is None and listing.children:
+            listing.index = 0  # Enter again opens the first hit
+        listing.focus()
 
     def action_search(self) -> None:
         self.query_one("#sidebar").display = True
@@ -318,13 +324,15 @@ class ChatApp(App):
         model = conv.model
         self.set_status("answering… (Esc stops)")
         try:
-            async for chunk in self.client.chat_stream(request):
-                if chunk.text:
-                    await view.append(chunk.text)
-                    if self.messages_view.max_scroll_y - self.messages_view.scroll_y < 3:
-                        self.messages_view.scroll_end(animate=False)
-                timings = chunk.timings or timings
-                model = chunk.model or model
+            # aclosing: a cancelled worker (Esc) closes the stream at once, which closes the HTTP response.
+            async with aclosing(self.client.chat_stream(request)) as stream:
+                async for chunk in stream:
+                    if chunk.text:
+                        await view.append(chunk.text)
+                        if self.messages_view.max_scroll_y - self.messages_view.scroll_y < 3:
+                            self.messages_view.scroll_end(animate=False)
+                    timings = chunk.timings or timings
+                    model = chunk.model or model
         except asyncio.CancelledError:
             # Esc: leaving the stream closed the HTTP response, so the daemon aborts the request. Keep what came.
             await view.finish(None, note="stopped")
@@ -333,7 +341,7 @@ class ChatApp(App):
             self.set_status("stopped")
             raise
         except DaemonUnavailable as exc:
-            await view.fail(f"{exc}. Start the daemon again, then Ctrl+R retries.")
+            await view.fail(f"{exc}. When it is back, Ctrl+R retries.")
             self.set_status("the daemon is not answering — Ctrl+R retries")
             return
         except DaemonError as exc:

@@ -160,9 +160,10 @@ class DaemonClient:
             async with session.request(method, path, **kwargs) as resp:
                 payload = await _read_json(resp)
                 return resp.status, payload
-        except (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, OSError) as exc:
+        except (aiohttp.ClientConnectionError, OSError) as exc:
+            where = self.describe()
             await self.reset()
-            raise DaemonUnavailable(f"lost the connection to the daemon at {self.describe()}: {exc}") from exc
+            raise DaemonUnavailable(f"lost the connection to the daemon at {where}") from exc
 
     # --- plain calls ------------------------------------------------------------------------------------------
 
@@ -210,10 +211,14 @@ class DaemonClient:
                     if isinstance(event, dict) and "error" in event and "choices" not in event:
                         raise DaemonError(resp.status, _error_message(event))
                     yield event
-        except (aiohttp.ClientConnectionError, aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError,
-                OSError) as exc:
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+            where = self.describe()
             await self.reset()
-            raise DaemonUnavailable(f"lost the connection to the daemon at {self.describe()}: {exc}") from exc
+            raise DaemonUnavailable(f"the daemon at {where} closed the connection in the middle of the answer") from exc
+        except (aiohttp.ClientConnectionError, OSError) as exc:
+            where = self.describe()
+            await self.reset()
+            raise DaemonUnavailable(f"lost the connection to the daemon at {where}") from exc
 
     async def chat_stream(self, request: ChatRequest) -> AsyncIterator[ChatChunk]:
         """Stream an OpenAI chat completion as ChatChunks."""
@@ -228,7 +233,7 @@ class DaemonClient:
             yield chunk
         if not finished:
             # A clean end of stream without a finish_reason means the daemon went away mid-answer.
-            raise DaemonUnavailable("the daemon closed the stream before the answer finished")
+            raise DaemonUnavailable(f"the daemon at {self.describe()} ended the stream in the middle of the answer")
 
     async def stats_stream(self) -> AsyncIterator[dict[str, Any]]:
         """The daemon's stats, pushed once a second."""

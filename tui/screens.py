@@ -111,7 +111,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
         c = self.current
         with Vertical(classes="dialog wide"):
             yield Label("Model")
-            yield Select([(m, m) for m in self.models], value=c.model if c.model else Select.BLANK,
+            yield Select([(m, m) for m in self.models], value=c.model if c.model else Select.NULL,
                          prompt="daemon default", id="model")
             yield Label("System prompt")
             yield TextArea(c.system_prompt, id="system")
@@ -156,7 +156,7 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
                 raise ValueError(f"max tokens must be a positive whole number, not {max_tokens_text!r}")
             max_tokens = int(max_tokens_text)
         return ChatSettings(
-            model=None if model is Select.BLANK else str(model),
+            model=None if model is Select.NULL else str(model),
             system_prompt=self.query_one("#system", TextArea).text,
             temperature=temperature,
             max_tokens=max_tokens,

@@ -6,11 +6,13 @@ TopView is one widget, used both by the standalone TopApp and by a screen inside
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from collections import deque
 from typing import Any
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
+from textual.css.query import NoMatches
 from textual.containers import Grid, Horizontal, Vertical
 from textual.screen import Screen
 from textual.widget import Widget
@@ -79,7 +81,7 @@ class TopView(Widget):
 
     DEFAULT_CSS = """
     TopView { height: 1fr; padding: 0 1; }
-    TopView #status { height: 1; color: $text-muted; }
+    TopView #top-status { height: 1; color: $text-muted; }
     TopView .panel { border: round $primary; height: auto; padding: 0 1; }
     TopView Grid { grid-size: 2; grid-gutter: 0 1; height: auto; }
     TopView .chart { height: 5; border: round $secondary; padding: 0 1; }
@@ -94,7 +96,7 @@ class TopView(Widget):
         self.history = StatsHistory()
 
     def compose(self) -> ComposeResult:
-        yield Static("connecting…", id="status")
+        yield Static("connecting…", id="top-status")
         with Horizontal(classes="panel", id="numbers-panel"):
             yield Static(id="numbers")
         with Vertical(classes="panel"):
@@ -115,17 +117,21 @@ class TopView(Widget):
         assert self.client is not None
         while True:
             try:
-                async for stats in self.client.stats_stream():
-                    self.show(stats)
+                async with aclosing(self.client.stats_stream()) as stream:
+                    async for stats in stream:
+                        try:
+                            self.show(stats)
+                        except NoMatches:
+                            return  # the view is being torn down (screen closed, app quitting)
             except (DaemonUnavailable, DaemonError) as exc:
-                self.query_one("#status", Static).update(f"[red]{exc}[/] — retrying every 2 s")
+                self.query_one("#top-status", Static).update(f"[red]{exc}[/] — retrying every 2 s")
             await asyncio.sleep(2.0)
 
     def show(self, stats: dict[str, Any]) -> None:
         self.history.add(stats)
         s = stats
         uptime = s.get("uptime_s")
-        self.query_one("#status", Static).update(
+        self.query_one("#top-status", Static).update(
             f"model [b]{s.get('model', '?')}[/]" + (f" · up {uptime:.0f} s" if uptime is not None else "")
             + f" · {s.get('steps_total', 0)} steps · {s.get('requests_finished_total', 0)} requests done"
         )
