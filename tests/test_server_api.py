@@ -205,10 +205,17 @@ async def test_disconnect_mid_stream_and_mid_prompt_abort(daemon):
             if seen >= 3:
                 break
         resp.close()  # drop the connection mid-stream
-        # Mid-prompt: a non-streaming request whose client gives up before any token.
-        with pytest.raises(asyncio.TimeoutError):
-            await http.post("/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 200, "ignore_eos": True},
-                            timeout=aiohttp.ClientTimeout(total=0.3))
+        await asyncio.to_thread(daemon.wait_idle, 60)
+        # A non-streaming request whose client gives up while it is being served.
+        task = asyncio.create_task(http.post("/v1/chat/completions", json={"messages": FRANCE, "max_tokens": 200,
+                                                                            "ignore_eos": True}))
+        deadline = time.monotonic() + 60
+        while (await asyncio.to_thread(daemon.stats))["requests_running"] == 0:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
     s = daemon.wait_idle(timeout=60)
     assert s["server"]["aborts"].get("disconnect", 0) - before == 2
     assert_no_leak(daemon)

@@ -161,12 +161,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
     return await _run(request, state, prompt_ids, params, f.get("stream", True), shape, started)
 
 
+def _family(state: ServerState) -> str:
+    """Ollama's architecture name: "llama", "qwen2" (HF class names without ForCausalLM, lower case)."""
+    arch = str(state.engine.loaded.config.architecture)
+    return arch.removesuffix("ForCausalLM").lower()
+
+
 def _details(state: ServerState) -> dict:
     loaded = state.engine.loaded
-    cfg = loaded.config
     params = sum(p.numel() for p in loaded.model.parameters()) if hasattr(loaded.model, "parameters") else 0
     return {"parent_model": "", "format": "gguf" if str(state.model_name).endswith(".gguf") else "llmd",
-            "family": str(cfg.architecture).lower(), "families": [str(cfg.architecture).lower()],
+            "family": _family(state), "families": [_family(state)],
             "parameter_size": f"{params / 1e6:.0f}M" if params < 1e9 else f"{params / 1e9:.1f}B",
             "quantization_level": str(loaded.dtype).replace("torch.", "")}
 
@@ -211,7 +216,7 @@ async def show(request: web.Request) -> web.Response:
     state.check_model(name, required=True)
     state.require_engine()
     cfg = state.engine.loaded.config
-    arch = str(cfg.architecture).lower()
+    arch = _family(state)
     ctx = state.max_model_len()
     return web.json_response({
         "modelfile": "", "parameters": "", "template": state.engine.tokenizer.chat_template or "",
