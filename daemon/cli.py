@@ -79,12 +79,14 @@ def stop() -> None:
 def run(
     model: str = typer.Argument(None, help="Model name (the daemon is started with it if none runs)."),
     prompt: str = typer.Argument(None, help="Prompt; without it, read stdin or open a simple prompt loop."),
+    temperature: float = typer.Option(None, "--temperature", "-t", help="0 for greedy (default: the server's)."),
+    max_tokens: int = typer.Option(None, "--max-tokens", "-n", help="Cap on generated tokens."),
 ) -> None:
     """One-shot generation through the daemon, starting it if none runs."""
     from .config import load_settings
     from .server.control import run as daemon_run
 
-    daemon_run(load_settings(), model, prompt)
+    daemon_run(load_settings(), model, prompt, temperature=temperature, max_tokens=max_tokens)
 
 
 service_app = typer.Typer(help="Install the daemon as a systemd user service.", no_args_is_help=True)

@@ -12,7 +12,7 @@ import time
 import aiohttp
 import pytest
 
-from llmd_daemon_proc import start_daemon
+from llmd_daemon_proc import llmd_exe, start_daemon
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,10 @@ TIMING_KEYS = {"queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e
 def daemon(tmp_path_factory):
     d = start_daemon(tmp_path_factory.mktemp("llmd_api"))
     yield d
+    # `llmd stop` finds the daemon through its socket and stops it gracefully.
+    out = subprocess.run([llmd_exe(), "stop"], env=d.env, capture_output=True, text=True, timeout=120)
     code = d.stop()
+    assert out.returncode == 0 and "stopped llmd" in out.stdout, out.stderr
     assert code == 0, d.log()
     assert not d.socket_path.exists()
 
@@ -162,6 +165,19 @@ def test_curl_tcp_and_unix_socket(daemon, model_name):
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert lines[-1]["done"] is True and lines[-1]["eval_count"] == 2
     assert all(line["done"] is False for line in lines[:-1])
+
+
+def test_cli_ps_and_run_through_the_socket(daemon, model_name):
+    out = subprocess.run([llmd_exe(), "ps"], env=daemon.env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert model_name in out.stdout and "running" in out.stdout and "KV cache" in out.stdout
+    out = subprocess.run([llmd_exe(), "run", model_name, "What is the capital of France?", "-t", "0", "-n", "12"], env=daemon.env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
+    out = subprocess.run([llmd_exe(), "run", "no-such-model", "hi"], env=daemon.env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and "no-such-model" in out.stderr and "Traceback" not in out.stderr
 
 
 def test_metrics_and_stats(daemon):

@@ -182,9 +182,9 @@ def _tail(path: Path) -> str:
         return "(no log)"
 
 
-def chat_once(client: DaemonClient, model: str | None, messages: list[dict], out=sys.stdout) -> str:
-    """Stream one chat completion to `out`; return the full reply."""
-    body = {"messages": messages, "stream": True}
+def chat_once(client: DaemonClient, model: str | None, messages: list[dict], out=sys.stdout, **options) -> str:
+    """Stream one chat completion to `out`; return the full reply. options: temperature, max_tokens."""
+    body = {"messages": messages, "stream": True, **{k: v for k, v in options.items() if v is not None}}
     if model:
         body["model"] = model
     conn, resp = client.request("POST", "/v1/chat/completions", body)
@@ -221,13 +221,13 @@ def chat_once(client: DaemonClient, model: str | None, messages: list[dict], out
         conn.close()
 
 
-def run(settings, model: str | None, prompt: str | None) -> None:
+def run(settings, model: str | None, prompt: str | None, **options) -> None:
     """`llmd run MODEL [PROMPT]`: one-shot, or a simple prompt loop on a terminal (stdin is read when piped)."""
     client = ensure_daemon(settings, model)
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
     if prompt is not None:
-        chat_once(client, model, [{"role": "user", "content": prompt}])
+        chat_once(client, model, [{"role": "user", "content": prompt}], **options)
         return
     history: list[dict] = []
     while True:
@@ -241,4 +241,4 @@ def run(settings, model: str | None, prompt: str | None) -> None:
         if not line.strip():
             continue
         history.append({"role": "user", "content": line})
-        history.append({"role": "assistant", "content": chat_once(client, model, history)})
+        history.append({"role": "assistant", "content": chat_once(client, model, history, **options)})
