@@ -26,6 +26,31 @@ def fail(message: str) -> None:
 # --- commands (each engineer inserts theirs below this line) ---
 
 
+# The terminal UI (llmd.tui): HTTP clients of the daemon; torch is never imported on this path.
+
+
+@app.command()
+def chat(
+    model: str = typer.Option(None, "--model", "-m", help="Model for new chats (default: the daemon's)."),
+    start: bool = typer.Option(False, "--start", help="Start a daemon in the background if none answers."),
+    url: str = typer.Option(None, "--url", help="Daemon base URL (default: its Unix socket, then 127.0.0.1:8471)."),
+) -> None:
+    """Chat in the terminal: streamed Markdown answers, saved conversations, live timings."""
+    from .tui.launcher import run_chat
+
+    run_chat(model=model, start=start, url=url)
+
+
+@app.command()
+def top(
+    url: str = typer.Option(None, "--url", help="Daemon base URL (default: its Unix socket, then 127.0.0.1:8471)."),
+) -> None:
+    """Live engine dashboard: requests, KV cache, prefix hits, tokens/s and the queue/prefill/decode split."""
+    from .tui.launcher import run_top
+
+    run_top(url=url)
+
+
 # The daemon and the verbs around it (llmd.server.daemon, llmd.server.control, llmd.service).
 
 

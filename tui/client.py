@@ -8,7 +8,6 @@ iterators; leaving the `async for` early closes the HTTP response, which is how 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,8 +34,9 @@ class DaemonError(Exception):
 
 
 def default_socket_path() -> Path:
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/llmd-{os.getuid()}"
-    return Path(runtime) / "llmd.sock"
+    from llmd.config import runtime_socket_path  # the daemon's own rule for where its socket lives
+
+    return runtime_socket_path()
 
 
 @dataclass

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import time
@@ -20,21 +19,23 @@ class DaemonStartFailed(Exception):
 
 
 def make_client(url: str | None = None) -> DaemonClient:
-    """A client for `url`, or for the daemon's configured socket and address."""
+    """A client for `url`, or for where the daemon's settings say it listens (socket first, then TCP)."""
+    from llmd.config import load_settings
+
+    settings = load_settings()  # a bad config is a ConfigError: one clear line from the CLI
     if url:
-        return DaemonClient.for_url(url, api_key=os.environ.get("LLMD_API_KEY"))
-    try:
-        # The daemon's own settings say where it listens; reading them keeps one source of truth.
-        from llmd.config import load_settings
-        settings = load_settings()
-    except Exception:  # no config module yet, or a broken config file: fall back to the documented defaults
-        return DaemonClient(api_key=os.environ.get("LLMD_API_KEY"))
+        return DaemonClient.for_url(url, api_key=settings.api_key)
     candidates = []
-    socket_path = getattr(settings, "socket_path", None)
-    if socket_path:
-        candidates.append(Endpoint(socket_path=Path(socket_path)))
-    candidates.append(Endpoint(host=getattr(settings, "host", "127.0.0.1"), port=int(getattr(settings, "port", 8471))))
-    return DaemonClient(candidates, api_key=getattr(settings, "api_key", None))
+    socket_path = settings.resolved_socket_path()
+    if socket_path is not None:
+        candidates.append(Endpoint(socket_path=socket_path))
+    candidates.append(Endpoint(host=_connect_host(settings.host), port=settings.port))
+    return DaemonClient(candidates, api_key=settings.api_key)
+
+
+def _connect_host(bind_host: str) -> str:
+    # A daemon bound to every address is reached on loopback.
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "") else bind_host
 
 
 def serve_argv(model: str | None = None) -> list[str]:
@@ -46,8 +47,9 @@ def serve_argv(model: str | None = None) -> list[str]:
 
 
 def daemon_log_path() -> Path:
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "llmd" / "daemon.log"
+    from llmd.config import state_dir
+
+    return state_dir() / "daemon.log"
 
 
 def spawn_daemon(argv: list[str], log_path: Path | None = None) -> subprocess.Popen:

@@ -7,12 +7,13 @@ old file is upgraded in place on open and never loses its conversations.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from llmd.errors import LlmdError
 
 MIGRATIONS: list[str] = [
     # 0 -> 1: conversations and their messages.
@@ -48,8 +49,9 @@ DEFAULT_TITLE = "New chat"
 
 
 def default_db_path() -> Path:
-    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
-    return Path(base) / "llmd" / "chat.sqlite3"
+    from llmd.config import data_dir
+
+    return data_dir() / "chat.sqlite3"
 
 
 @dataclass
@@ -73,7 +75,7 @@ class Conversation:
     messages: list[Message] = field(default_factory=list)
 
 
-class SchemaTooNew(Exception):
+class SchemaTooNew(LlmdError):
     """The file was written by a newer llmd; refusing to touch it keeps that data safe."""
 
 
