@@ -305,3 +305,29 @@ def test_pull_offline_is_a_clear_error(monkeypatch):
         pull("qwen2.5:0.5b")
     with pytest.raises(ModelNotFound, match="unknown model"):
         pull("not a model")
+
+
+def test_pull_fetches_only_weights_and_tokenizer_files():
+    from llmd.store.pull import HF_PATTERNS, IGNORE_PATTERNS, _patterns
+    from huggingface_hub.utils import filter_repo_objects
+
+    repo = ["config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
+            "tokenizer_config.json", "pytorch_model.bin", "original/consolidated.00.pth", "README.md",
+            "onnx/model.onnx", "modeling_custom.py"]
+    chosen = set(filter_repo_objects(repo, allow_patterns=_patterns("x", "o/x", None, repo),
+                                     ignore_patterns=IGNORE_PATTERNS))
+    assert chosen == {"config.json", "generation_config.json", "model-00001-of-00002.safetensors",
+                      "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
+                      "tokenizer_config.json"}
+    assert _patterns("x", "o/x", None, repo) == HF_PATTERNS
+
+    ggufs = ["README.md", "m-Q4_0.gguf", "m-Q8_0.gguf", "m-F16.gguf"]
+    assert _patterns("o/m-GGUF:Q8_0", "o/m-GGUF", "Q8_0", ggufs) == ["m-Q8_0.gguf"]
+    assert _patterns("o/m-GGUF:m-F16.gguf", "o/m-GGUF", "m-F16.gguf", ggufs) == ["m-F16.gguf"]
+    with pytest.raises(LlmdError, match="several GGUF files; name one, e.g. llmd pull o/m-GGUF:m-Q4_0.gguf"):
+        _patterns("o/m-GGUF", "o/m-GGUF", None, ggufs)
+    with pytest.raises(LlmdError, match="no single GGUF file matching 'Q6_K'"):
+        _patterns("o/m-GGUF:Q6_K", "o/m-GGUF", "Q6_K", ggufs)
+    with pytest.raises(LlmdError, match="no safetensors or GGUF weights"):
+        _patterns("o/old", "o/old", None, ["pytorch_model.bin", "config.json"])
