@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -331,3 +332,17 @@ def test_pull_fetches_only_weights_and_tokenizer_files():
         _patterns("o/m-GGUF:Q6_K", "o/m-GGUF", "Q6_K", ggufs)
     with pytest.raises(LlmdError, match="no safetensors or GGUF weights"):
         _patterns("o/old", "o/old", None, ["pytorch_model.bin", "config.json"])
+
+
+def test_describe_tiny_qwen3_matches_its_tensors(tiny_qwen3):
+    from safetensors import safe_open
+
+    total = 0
+    for shard in tiny_qwen3.glob("*.safetensors"):
+        with safe_open(shard, "pt") as f:
+            total += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    info = describe(resolve(str(tiny_qwen3)))
+    config = json.loads((tiny_qwen3 / "config.json").read_text())
+    assert info.architecture == "Qwen3ForCausalLM"
+    assert info.parameters == total
+    assert info.context_length == config["max_position_embeddings"]
