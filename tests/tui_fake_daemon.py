@@ -24,7 +24,7 @@ ANSWER = (
 def fixed_stats(**overrides) -> dict:
     stats = {
         "model": "fake-model", "uptime_s": 12.0, "requests_running": 2, "requests_waiting": 1,
-        "kv_blocks_total": 100, "kv_blocks_used": 40, "kv_blocks_cached": 25, "kv_blocks_free": 35,
+        "kv_blocks_total": 100, "kv_blocks_used": 40, "kv_blocks_cached": 25, "kv_blocks_free": 60,
         "prefix_cache_queries_tokens": 1000, "prefix_cache_hits_tokens": 620, "prefix_cache_hit_rate": 0.62,
         "prefix_cache_evictions": 3, "num_preemptions": 4, "prompt_tokens_total": 5000,
         "generation_tokens_total": 2500, "requests_finished_total": 17, "steps_total": 900, "last_batch_size": 3,

@@ -21,6 +21,7 @@ from textual.widgets import Footer, Header, Sparkline, Static
 from .client import DaemonClient, DaemonError, DaemonUnavailable
 
 HISTORY_SECONDS = 300  # sparklines cover the last five minutes at one sample a second
+BAR_WIDTH = 30
 STAGES = ("queue_ms", "prefill_ms", "decode_ms")
 SERIES = ("tokens_per_second", "requests_running", "requests_waiting", "last_batch_size", *STAGES)
 CHARTS = (
@@ -58,22 +59,22 @@ def stage_split(stats: dict[str, Any]) -> dict[str, float]:
 
 def split_bar(split: dict[str, float], width: int) -> str:
     """A one-line stacked bar in Rich markup: queue / prefill / decode."""
+    if not any(split.values()):
+        return "·" * width
     colours = {"queue_ms": "yellow", "prefill_ms": "cyan", "decode_ms": "magenta"}
-    cells = {stage: round(share * width) for stage, share in split.items()}
-    return "".join(f"[{colours[s]}]{'█' * cells[s]}[/]" for s in STAGES) or "·" * width
+    cells = {stage: round(split[stage] * width) for stage in STAGES[:-1]}
+    cells[STAGES[-1]] = max(width - sum(cells.values()), 0)  # rounding never overflows the bar
+    return "".join(f"[{colours[s]}]{'█' * cells[s]}[/]" for s in STAGES)
 
 
 def kv_bar(stats: dict[str, Any], width: int) -> str:
+    """Used (held by live sequences), cached (evictable prefix blocks, counted within free) and plain free."""
     total = stats.get("kv_blocks_total") or 0
     if not total:
         return "·" * width
-    used = stats.get("kv_blocks_used") or 0
-    cached = stats.get("kv_blocks_cached") or 0
-    # Cached blocks are counted within used when they belong to live sequences; draw what we can tell apart.
-    active = max(used - cached, 0)
-    cells_active = round(active / total * width)
-    cells_cached = round(cached / total * width)
-    return f"[red]{'█' * cells_active}[/][blue]{'▓' * cells_cached}[/][green]{'░' * max(width - cells_active - cells_cached, 0)}[/]"
+    used = round((stats.get("kv_blocks_used") or 0) / total * width)
+    cached = min(round((stats.get("kv_blocks_cached") or 0) / total * width), width - used)
+    return f"[red]{'█' * used}[/][blue]{'▓' * cached}[/][green]{'░' * (width - used - cached)}[/]"
 
 
 class TopView(Widget):
@@ -143,10 +144,10 @@ class TopView(Widget):
             f"tok/s [b]{s.get('tokens_per_second', 0):.1f}[/]   batch [b]{s.get('last_batch_size', 0)}[/]   "
             f"preemptions [b]{s.get('num_preemptions', 0)}[/]{spec}"
         )
-        width = max(self.size.width - 50, 10)
+        width = BAR_WIDTH
         self.query_one("#kv", Static).update(
-            f"KV blocks  {kv_bar(s, width)}  used [b]{s.get('kv_blocks_used', 0)}[/] cached "
-            f"[b]{s.get('kv_blocks_cached', 0)}[/] free [b]{s.get('kv_blocks_free', 0)}[/] / "
+            f"KV blocks  {kv_bar(s, width)}  [red]used[/] [b]{s.get('kv_blocks_used', 0)}[/] · [blue]cached[/] "
+            f"[b]{s.get('kv_blocks_cached', 0)}[/] · free [b]{s.get('kv_blocks_free', 0)}[/] (incl. cached) / "
             f"{s.get('kv_blocks_total', 0)}   prefix hit [b]{100 * (s.get('prefix_cache_hit_rate') or 0):.0f}%[/]"
         )
         split = stage_split(s)
