@@ -124,6 +124,18 @@ def _owned_by_me(pid: int) -> bool:
         return False
 
 
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its parent to reap it has exited)."""
+    try:
+        os.kill(pid, 0)
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+    except OSError:
+        return True
+
+
 def stop(settings, timeout: float | None = None) -> str:
     """SIGTERM the daemon and wait for it to exit (its grace period plus a margin)."""
     client = DaemonClient(settings)
@@ -136,9 +148,7 @@ def stop(settings, timeout: float | None = None) -> str:
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + (timeout or settings.shutdown_grace + 15.0)
     while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _alive(pid):
             return f"stopped llmd (pid {pid})"
         time.sleep(0.1)
     raise LlmdError(f"llmd (pid {pid}) did not exit in time")
