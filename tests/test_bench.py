@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -319,7 +320,6 @@ async def test_errors_mid_run_keep_partial_results(fake_server, mode, message):
     assert len(run.failed) < 27  # it stopped early instead of hammering a broken server
     s = summarize(run)
     assert s["requests"]["ok"] == 3 and s["latency_ms"]["e2e"]["n"] == 3
-    import re
     assert re.search(message, s["errors"][0]["error"]), s["errors"]
     assert "results so far are kept" in render([s])
 
@@ -394,3 +394,25 @@ def test_unreachable_port_is_one_clear_line(tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip().count("\n") == 0 and "cannot reach" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_ctrl_c_stops_sending_and_reports_partial_results(fake_server):
+    import signal
+
+    server = fake_server(decode_s=0.05, tokens=4)
+    proc = subprocess.Popen([LLMD, "bench", "--url", server.url, "-n", "400", "-c", "2", "--max-tokens", "4",
+                             "--progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while server.served < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    assert b"interrupted: finishing the requests in flight" in err
+    ok = int(re.search(rb"load c=2: (\d+) ok, 0 failed", out).group(1))
+    assert 4 <= ok < 400 and ok == server.counters["requests_finished_total"]
+    assert b"decode dominates" in out

@@ -97,7 +97,7 @@ def describe_connection_error(base: URL, exc: BaseException) -> str:
         why = "connection refused" if isinstance(err, ConnectionRefusedError) else (err.strerror or str(err))
         return f"cannot reach {base}: {why} (is the server running? `llmd serve` starts one)"
     if isinstance(exc, asyncio.TimeoutError):
-        return f"{base} did not answer in time"
+        return f"{base} did not finish the response in time (raise --timeout for a slow server)"
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         return f"{base} closed the connection"
     if isinstance(exc, aiohttp.ClientPayloadError):

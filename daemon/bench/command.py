@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,9 +79,7 @@ async def _run(opts: BenchOptions, out) -> int:
     progress = sys.stderr.isatty() if opts.progress is None else opts.progress
     levels = _levels(opts)
     if opts.requests is None and opts.duration_s is None:
-        opts.requests = 32 if len(levels) == 1 else None
-        if opts.requests is None:
-            opts.requests = 16
+        opts.requests = 32 if len(levels) == 1 else 16
     workload = _workload(opts, max(opts.requests or 0, 256 if opts.duration_s else 1))
 
     if opts.compare:
@@ -104,11 +103,12 @@ async def _run(opts: BenchOptions, out) -> int:
     url = opts.url or default_url()
     async with _client(opts, url) as client:
         await client.probe()
-        runs = await run_sweep(client, workload, levels, num_requests=opts.requests, duration_s=opts.duration_s,
-                               seed=opts.seed, progress=progress)
+        with _first_ctrl_c_stops() as stop:
+            runs = await run_sweep(client, workload, levels, num_requests=opts.requests,
+                                   duration_s=opts.duration_s, seed=opts.seed, progress=progress, stop=stop)
         model, is_llmd = client.model, client.is_llmd
     summaries = [summarize(run, opts.slo) for run in runs]
-    header = (f"llmd bench  {client.base}  model {model}  workload "
+    header = (f"llmd bench  {str(client.base).rstrip('/')}  model {model}  workload "
               f"{'file ' + opts.prompts_file if opts.prompts_file else opts.workload}  "
               f"api {opts.api}{'  (llmd)' if is_llmd else ''}")
     if opts.json_path:
@@ -126,7 +126,7 @@ async def _run(opts: BenchOptions, out) -> int:
             print("plots: " + ", ".join(str(p) for p in paths), file=sys.stderr)
         except PlotUnavailable as exc:
             print(f"warning: {exc}", file=sys.stderr)
-    stopped = [run.stopped for run in runs if run.stopped]
+    stopped = [run.stopped for run in runs if run.stopped and run.stopped != "interrupted"]
     if stopped:
         print(f"error: {stopped[0]}", file=sys.stderr)
         return 1
@@ -134,6 +134,29 @@ async def _run(opts: BenchOptions, out) -> int:
         print("error: no request succeeded", file=sys.stderr)
         return 1
     return 0
+
+
+class _first_ctrl_c_stops:
+    """First Ctrl-C: send no new request, let those in flight finish, report what was measured. Second: abandon."""
+
+    def __enter__(self) -> asyncio.Event:
+        self.event = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        try:
+            self.loop.add_signal_handler(signal.SIGINT, self._first)
+            self.installed = True
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            self.installed = False
+        return self.event
+
+    def _first(self) -> None:
+        print("\ninterrupted: finishing the requests in flight (Ctrl-C again to abandon them)", file=sys.stderr)
+        self.event.set()
+        self.loop.remove_signal_handler(signal.SIGINT)
+
+    def __exit__(self, *exc) -> None:
+        if self.installed and not self.event.is_set():
+            self.loop.remove_signal_handler(signal.SIGINT)
 
 
 def _write_json(path: str, data: dict, out) -> None:

@@ -7,7 +7,7 @@ import math
 from typing import Sequence
 
 from .client import BenchClient
-from .report import Slo, _f, _table, summarize
+from .report import Slo, _num, _table, summarize
 from .runner import LoadLevel, RunResult, run_level
 from .workloads import BenchRequest
 
@@ -86,7 +86,7 @@ def render_comparison(result: dict, url_a: str, url_b: str) -> str:
         if ratio is not None and abs(ratio - 1) > 0.05:
             better = (ratio > 1) == row["higher_is_better"]
             verdict = "B better" if better else "A better"
-        table_rows.append([row["metric"], _f(row["a"], 2), _f(row["b"], 2),
+        table_rows.append([row["metric"], _num(row["a"]), _num(row["b"]),
                            "-" if ratio is None else f"{ratio:.2f}x", verdict])
     lines = [f"A = {url_a}", f"B = {url_b}", "",
              _table(table_rows, ["metric", "A", "B", "B/A", ""])]

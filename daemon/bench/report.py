@@ -219,6 +219,13 @@ def _f(v, digits: int = 1) -> str:
     return f"{v:,.{digits}f}"
 
 
+def _num(v) -> str:
+    """Rates: three significant figures, so that a slow server's 0.0048 req/s does not print as 0.00."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+
 def _pct(v) -> str:
     return "-" if v is None else f"{v * 100:.1f}%"
 
@@ -250,9 +257,9 @@ def render_level(summary: dict) -> str:
         lines += ["", _table(rows, ["latency (ms)", "p50", "p90", "p99", "mean"])]
     lines += [
         "",
-        f"throughput   {_f(tp['requests_per_s'], 2)} req/s   {_f(tp['output_tokens_per_s'])} output tok/s   "
-        f"{_f(tp['input_tokens_per_s'])} input tok/s",
-        f"goodput      {_f(gp['requests_per_s'], 2)} req/s ({_pct(gp['fraction'])} of requests met "
+        f"throughput   {_num(tp['requests_per_s'])} req/s   {_num(tp['output_tokens_per_s'])} output tok/s   "
+        f"{_num(tp['input_tokens_per_s'])} input tok/s",
+        f"goodput      {_num(gp['requests_per_s'])} req/s ({_pct(gp['fraction'])} of requests met "
         f"{Slo(**gp['slo']).describe()})",
     ]
     if summary["prefix_hit_rate"] is not None:
@@ -291,7 +298,7 @@ def render_sweep(summaries: list[dict]) -> str:
         g = lambda name, q: _f((lat[name] or {}).get(q))  # noqa: E731
         diag = s["diagnosis"]
         rows.append([s["level"], str(s["requests"]["ok"]), str(s["requests"]["failed"]),
-                     _f(tp["requests_per_s"], 2), _f(tp["output_tokens_per_s"]),
+                     _num(tp["requests_per_s"]), _num(tp["output_tokens_per_s"]),
                      g("ttft", "p50"), g("ttft", "p99"), g("tpot", "p50"), g("tpot", "p99"),
                      g("e2e", "p50"), g("e2e", "p99"), _pct(s["goodput"]["fraction"]),
                      f"{diag['stage']} {diag['share'] * 100:.0f}%" if diag else "-"])
@@ -369,8 +376,9 @@ def write_plots(runs: Sequence[RunResult], summaries: Sequence[dict], out_dir: s
             ys = (s["latency_ms"][name] or {}).get("p50", math.nan)
             ax.annotate(s["level"], (x, ys), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel("output tokens/s")
-        ax.set_ylabel(f"{name.upper()} (ms)")
-        ax.set_title(f"throughput vs {name.upper()}")
+        title = {"ttft": "time to first token", "e2e": "end-to-end latency"}[name]
+        ax.set_ylabel(f"{title} (ms)")
+        ax.set_title(f"throughput vs {title}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

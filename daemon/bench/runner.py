@@ -115,7 +115,8 @@ class _Stopper:
 async def run_level(client: BenchClient, workload: Sequence[BenchRequest], level: LoadLevel, *,
                     num_requests: int | None = None, duration_s: float | None = None, seed: int = 0,
                     progress: bool = False, max_consecutive_errors: int = MAX_CONSECUTIVE_ERRORS,
-                    on_result: Callable[[RequestResult], None] | None = None) -> RunResult:
+                    on_result: Callable[[RequestResult], None] | None = None,
+                    stop: asyncio.Event | None = None) -> RunResult:
     """Run one load level. Requests are taken from `workload` in order (cycled); stops at `num_requests` sent or
     after `duration_s` (no new request starts after it; those in flight finish), whichever comes first."""
     if not workload:
@@ -140,7 +141,7 @@ async def run_level(client: BenchClient, workload: Sequence[BenchRequest], level
     deadline = start + duration_s if duration_s else None
 
     def may_send(sent: int) -> bool:
-        if stopper.reason is not None:
+        if stopper.reason is not None or (stop is not None and stop.is_set()):
             return False
         if num_requests is not None and sent >= num_requests:
             return False
@@ -192,7 +193,7 @@ async def run_level(client: BenchClient, workload: Sequence[BenchRequest], level
     finally:
         run.wall_s = time.perf_counter() - start
         bar.close()
-    run.stopped = stopper.reason
+    run.stopped = stopper.reason or ("interrupted" if stop is not None and stop.is_set() else None)
     run.results.sort(key=lambda r: r.sent_at)
     run.stats_after = await client.llmd_stats() if client.is_llmd else None
     return run
@@ -235,6 +236,6 @@ async def run_sweep(client: BenchClient, workload: Sequence[BenchRequest], level
     for level in levels:
         run = await run_level(client, workload, level, **kwargs)
         runs.append(run)
-        if run.stopped and not run.ok:
+        if run.stopped and (not run.ok or run.stopped == "interrupted"):
             break
     return runs
