@@ -1,0 +1,521 @@
+"""Weight-only quantized linear layers and the `--quant` modes.
+
+Modes: none | int8 | int4 (group 64; int4-g32 / int4-g64 / int4-g128 pick the group) | bnb-int8 | bnb-nf4.
+- int8: per-output-channel symmetric scales, w = q * scale.
+- int4: group-wise asymmetric, two values packed per byte, w = (q - 8) * scale + zero (layout: llmd.kernels.quant_matmul).
+- GGUF Q8_0 / Q4_0 / Q4_1 blocks convert to int8 g32 / int4 g32 by rearranging bytes (no dequantize/re-quantize).
+
+Quantization happens while the weights stream in (`quantizing_stream`): each linear's fp weight is quantized as soon
+as it is read, so the unquantized model never sits whole in memory.
+
+Where the matmul runs: CUDA + Triton -> the fused kernels in llmd.kernels; CPU -> torch's own int8/int4 weight kernels
+(torch._weight_int8pack_mm, torch._weight_int4pack_mm_for_cpu); otherwise a vectorized dequantize + matmul.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import ModelFileError
+from llmd.kernels import quant_matmul as qmm
+
+QUANT_MODES = ("auto", "none", "gguf", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "bnb-int8", "bnb-nf4")
+DEFAULT_INT4_GROUP = 64
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    method: str  # "none" | "int8" | "int4" | "bnb-int8" | "bnb-nf4" | "gguf" (keep what the GGUF file holds)
+    group_size: int = 0
+
+    @property
+    def label(self) -> str:
+        return f"int4-g{self.group_size}" if self.method == "int4" else self.method
+
+
+def parse_quant(mode: str | None, source_kind: str = "hf", device: str | torch.device = "cpu") -> QuantSpec:
+    """A --quant value -> QuantSpec.
+
+    None / "auto": a GGUF file keeps its own quantization on CUDA (fused kernels); on CPU it is dequantized, since
+    without AVX-512 torch's CPU int4/int8 kernels are slower than fp32 (measured on AVX2: 30-40x). HF: none.
+    "gguf": keep the GGUF file's own quantization everywhere.
+    """
+    if mode is None or mode == "auto":
+        keep = source_kind == "gguf" and torch.device(device).type == "cuda"
+        return QuantSpec("gguf" if keep else "none")
+    mode = mode.strip().lower()
+    if mode == "gguf":
+        if source_kind != "gguf":
+            raise ValueError("--quant gguf keeps a GGUF file's own quantization; this model is not a GGUF file")
+        return QuantSpec("gguf")
+    m = re.fullmatch(r"int4(?:-g(\d+))?", mode)
+    if m:
+        group = int(m.group(1) or DEFAULT_INT4_GROUP)
+        if group not in (32, 64, 128):
+            raise ValueError(f"int4 group size must be 32, 64 or 128, not {group}")
+        return QuantSpec("int4", group)
+    if mode in ("none", "int8", "bnb-int8", "bnb-nf4"):
+        return QuantSpec(mode)
+    raise ValueError(f"unknown quantization {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Quantizers (tensor -> packed form)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp [N, K] -> (int8 [N, K], fp32 scales [N, 1]); symmetric per output channel."""
+    w = weight.to(torch.float32)
+    scales = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-10)
+    q = torch.round(w / scales).clamp_(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp [N, K] -> (uint8 [N, K/2], scales [N, K/g], zeros [N, K/g]) fp32; asymmetric min/max per group."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ValueError(f"in_features {k} is not a multiple of the int4 group size {group_size}")
+    w = weight.to(torch.float32).view(n, k // group_size, group_size)
+    lo = w.amin(dim=-1)
+    hi = w.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).clamp_min(1e-10)
+    q = torch.round((w - lo.unsqueeze(-1)) / scales.unsqueeze(-1)).clamp_(0, 15)
+    zeros = lo + 8.0 * scales  # w = q * s + lo = (q - 8) * s + zero
+    return qmm.pack_int4(q.view(n, k)), scales, zeros
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Modules
+
+
+_cpu_kernel_fast: dict[str, bool] = {}
+
+
+def cpu_kernel_is_fast(kind: str) -> bool:
+    """Whether torch's CPU kernel for `kind` ("int8" / "int4") beats dequantize + fp32 matmul on this CPU.
+
+    torch's int4/int8 weight kernels are only vectorized for some CPUs (AVX-512); elsewhere they are far slower
+    than the fallback. Decided once per process by timing both on one 1024x1024 layer (a few milliseconds).
+    """
+    if kind not in _cpu_kernel_fast:
+        import time
+
+        torch.manual_seed(0)
+        layer = (Int8Linear if kind == "int8" else Int4Linear)(1024, 1024)
+        fill_from_weight(layer, torch.randn(1024, 1024), QuantSpec(kind, 0 if kind == "int8" else 64))
+        x = torch.randn(1, 1024)
+
+        def best(fn) -> float:
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                fn(x)
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        with torch.inference_mode():
+            try:
+                native = best(layer._native_cpu)
+            except RuntimeError:
+                native = float("inf")
+            _cpu_kernel_fast[kind] = native < best(layer._fallback)
+    return _cpu_kernel_fast[kind]
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    import llmd.kernels as kernels
+
+    return x.is_cuda and kernels.available()
+
+
+class QuantizedLinear(nn.Module):
+    """Base of the weight-only quantized layers: [..., in_features] -> [..., out_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int,
+                 dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
+        self._cpu_cache: dict = {}  # per activation dtype: scales cast once, prepacked forms for torch's CPU kernels
+
+    def _apply(self, fn, recurse=True):
+        self._cpu_cache = {}  # a move or cast invalidates the prepacked forms
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        y = self._matmul(x2)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized_weight().to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}"
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 weights [N, K] with scales [N, K / group_size] (group_size == K: per channel)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int | None = None,
+                 dtype: torch.dtype | None = None, device=None):
+        group_size = group_size or in_features
+        super().__init__(in_features, out_features, bias, group_size, dtype, device)
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, in_features // group_size,
+                                                   dtype=torch.float32, device=device))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return qmm.dequantize_int8(self.qweight, self.scales, self.group_size)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_triton(x):
+            scales = self._cpu_cache.get(("cuda", x.dtype))
+            if scales is None:
+                scales = self._cpu_cache[("cuda", x.dtype)] = self.scales.to(x.dtype)
+            return qmm.int8_matmul(x, self.qweight, scales, self.group_size)
+        if x.device.type == "cpu" and self.group_size == self.in_features and cpu_kernel_is_fast("int8"):
+            return self._native_cpu(x)
+        return self._fallback(x)
+
+    def _native_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        scales = self._cpu_cache.get(x.dtype)
+        if scales is None:
+            scales = self._cpu_cache[x.dtype] = self.scales.view(-1).to(x.dtype).contiguous()
+        return torch._weight_int8pack_mm(x.contiguous(), self.qweight, scales)
+
+
+class Int4Linear(QuantizedLinear):
+    """int4 weights packed [N, K/2] with scales and zeros [N, K / group_size]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = DEFAULT_INT4_GROUP,
+                 dtype: torch.dtype | None = None, device=None):
+        if in_features % group_size:
+            raise ValueError(f"in_features {in_features} is not a multiple of the int4 group size {group_size}")
+        super().__init__(in_features, out_features, bias, group_size, dtype, device)
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32, device=device))
+        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.float32, device=device))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return qmm.dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_triton(x):
+            sz = self._cpu_cache.get(("cuda", x.dtype))
+            if sz is None:
+                sz = self._cpu_cache[("cuda", x.dtype)] = (self.scales.to(x.dtype), self.zeros.to(x.dtype))
+            return qmm.int4_matmul(x, self.qweight, sz[0], sz[1], self.group_size)
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+                and cpu_kernel_is_fast("int4"):
+            return self._native_cpu(x)
+        return self._fallback(x)
+
+    def _native_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._cpu_cache.get(x.dtype)
+        if packed is None:
+            packed = self._cpu_cache[x.dtype] = self._prepack_cpu(x.dtype)
+        if packed is False:
+            raise RuntimeError("torch has no CPU int4 kernel here")
+        weight, scale_zeros = packed
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight, self.group_size, scale_zeros)
+
+    def _prepack_cpu(self, dtype: torch.dtype):
+        """torch's CPU int4 kernel wants its own weight packing and [K/g, N, 2] (scale, zero) pairs."""
+        try:
+            values = qmm.unpack_int4(self.qweight).to(torch.int32)
+            weight = torch._convert_weight_to_int4pack_for_cpu(values, 1)
+            scale_zeros = torch.stack((self.scales, self.zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
+            return weight, scale_zeros
+        except (RuntimeError, AttributeError):  # an older torch without the op: dequantize instead
+            return False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building quantized layers
+
+
+def quantize_linear(linear: nn.Module, mode: str | QuantSpec) -> nn.Module:
+    """A quantized copy of an nn.Linear (weight [out, in], optional bias). mode: int8 | int4[-gN] | bnb-*."""
+    spec = mode if isinstance(mode, QuantSpec) else parse_quant(mode)
+    weight = linear.weight.detach()
+    bias = getattr(linear, "bias", None)
+    layer = empty_quantized(spec, linear.in_features, linear.out_features, bias is not None,
+                            dtype=weight.dtype, device=weight.device)
+    if layer is None:
+        return linear
+    fill_from_weight(layer, weight, spec)
+    if bias is not None:
+        layer.bias.data.copy_(bias.detach())
+    return layer
+
+
+def empty_quantized(spec: QuantSpec, in_features: int, out_features: int, bias: bool,
+                    dtype: torch.dtype | None = None, device=None) -> nn.Module | None:
+    """An unfilled quantized layer for `spec` (None for "none")."""
+    if spec.method == "int8":
+        return Int8Linear(in_features, out_features, bias, dtype=dtype, device=device)
+    if spec.method == "int4":
+        return Int4Linear(in_features, out_features, bias, spec.group_size, dtype=dtype, device=device)
+    if spec.method in ("bnb-int8", "bnb-nf4"):
+        return _bnb_layer(spec.method, in_features, out_features, bias, dtype)
+    return None
+
+
+def fill_from_weight(layer: nn.Module, weight: torch.Tensor, spec: QuantSpec) -> None:
+    """Quantize an fp weight [N, K] into a layer made by `empty_quantized`."""
+    if isinstance(layer, Int8Linear):
+        q, s = quantize_int8(weight)
+        layer.group_size = layer.in_features
+        layer.qweight = q.to(layer.qweight.device)
+        layer.scales = s.to(layer.scales.device)
+    elif isinstance(layer, Int4Linear):
+        q, s, z = quantize_int4(weight, layer.group_size)
+        layer.qweight.copy_(q)
+        layer.scales.copy_(s)
+        layer.zeros.copy_(z)
+    else:
+        _bnb_fill(layer, weight, spec.method)
+    layer._cpu_cache = {} if isinstance(layer, QuantizedLinear) else None
+
+
+def _bnb():
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise ValueError("--quant bnb-int8/bnb-nf4 needs bitsandbytes (pip install bitsandbytes)") from None
+    return bitsandbytes
+
+
+def _bnb_layer(method: str, in_features: int, out_features: int, bias: bool, dtype) -> nn.Module:
+    bnb = _bnb()
+    if method == "bnb-int8":
+        return bnb.nn.Linear8bitLt(in_features, out_features, bias=bias, has_fp16_weights=False, threshold=6.0,
+                                   device="meta")
+    return bnb.nn.Linear4bit(in_features, out_features, bias=bias, quant_type="nf4",
+                             compute_dtype=dtype or torch.float32, device="meta")
+
+
+def _bnb_fill(layer: nn.Module, weight: torch.Tensor, method: str) -> None:
+    """bitsandbytes quantizes when the parameter moves to its device."""
+    bnb = _bnb()
+    device = weight.device
+    if method == "bnb-int8":
+        param = bnb.nn.Int8Params(weight.to(torch.float16 if device.type == "cuda" else weight.dtype).cpu(),
+                                  requires_grad=False, has_fp16_weights=False)
+    else:
+        param = bnb.nn.Params4bit(weight.cpu(), requires_grad=False, quant_type="nf4")
+    layer.weight = param.to(device)
+    if layer.bias is not None and layer.bias.is_meta:
+        layer.bias = nn.Parameter(torch.empty(layer.out_features, dtype=weight.dtype, device=device),
+                                  requires_grad=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GGUF blocks -> packed layers, without dequantizing
+
+
+def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:
+    return blocks[..., start:start + 2].contiguous().view(torch.float16).squeeze(-1).to(torch.float32)
+
+
+def int8_from_q8_0(data: np.ndarray, out_features: int, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_0 rows ([N, K/32 * 34] bytes) -> (int8 [N, K], scales [N, K/32])."""
+    blocks = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).view(out_features, in_features // 32, 34)
+    scales = _f16_column(blocks, 0)
+    q = blocks[..., 2:].contiguous().view(torch.int8).reshape(out_features, in_features)
+    return q, scales
+
+
+def int4_from_q4(data: np.ndarray, type_name: str, out_features: int, in_features: int):
+    """Q4_0 / Q4_1 rows -> (uint8 [N, K/2], scales, zeros [N, K/32]).
+
+    A GGML block stores element j in the low nibble and j + 16 in the high nibble of byte j; our layout pairs
+    neighbours (2i low, 2i + 1 high), so the nibbles are regrouped, exactly. Q4_0: x = d (q - 8) -> scale d, zero 0.
+    Q4_1: x = d q + m -> scale d, zero m + 8 d.
+    """
+    size = 18 if type_name == "Q4_0" else 20
+    blocks = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True)).view(out_features, in_features // 32, size)
+    d = _f16_column(blocks, 0)
+    if type_name == "Q4_0":
+        zeros = torch.zeros_like(d)
+        qs = blocks[..., 2:]
+    else:
+        zeros = _f16_column(blocks, 2) + 8.0 * d
+        qs = blocks[..., 4:]
+    values = torch.cat((qs & 0xF, qs >> 4), dim=-1)  # [N, K/32, 32] in element order
+    packed = qmm.pack_int4(values.reshape(out_features, in_features))
+    return packed, d, zeros
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Applying a mode to a model while it loads
+
+
+def linear_modules(model: nn.Module, include_lm_head: bool) -> dict[str, nn.Linear]:
+    """The projections to quantize, by module name (embeddings and, by default, the output head stay as they are)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and (include_lm_head or not name.endswith("lm_head")):
+            out[name] = module
+    return out
+
+
+def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool = False,
+                      dtype: torch.dtype | None = None, device=None,
+                      gguf_types: dict[str, str] | None = None) -> dict[str, nn.Module]:
+    """Replace the model's linear layers by unfilled quantized ones (call before the weights load).
+
+    For spec "gguf" the layer follows each tensor's GGML type (gguf_types: weight name -> type): Q4_0/Q4_1 -> int4 g32,
+    Q8_0 -> int8 g32, anything else stays a plain linear. Returns {module name: new layer}.
+    """
+    swapped = {}
+    for name, linear in linear_modules(model, include_lm_head).items():
+        if spec.method == "gguf":
+            kind = (gguf_types or {}).get(f"{name}.weight")
+            if kind in ("Q4_0", "Q4_1"):
+                layer = Int4Linear(linear.in_features, linear.out_features, linear.bias is not None, 32,
+                                   dtype=dtype, device=device)
+            elif kind == "Q8_0":
+                layer = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, 32,
+                                   dtype=dtype, device=device)
+            else:
+                continue
+        else:
+            if spec.method == "int4" and linear.in_features % spec.group_size:
+                raise ValueError(f"{name}: in_features {linear.in_features} is not a multiple of the int4 group "
+                                 f"size {spec.group_size}; pick a smaller group (int4-g32)")
+            layer = empty_quantized(spec, linear.in_features, linear.out_features, linear.bias is not None,
+                                    dtype=dtype, device=device)
+            if layer is None:
+                continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer)
+        swapped[name] = layer
+    return swapped
+
+
+def quantizing_stream(
+    tensors: Iterable, swapped: dict[str, nn.Module], spec: QuantSpec, source,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass (name, tensor) pairs through, except the weights of swapped layers, which are quantized into their layer
+    on the spot. Items may also be GGUF RawTensor objects: packed Q8_0/Q4 blocks go straight into int8/int4 layers,
+    everything else is dequantized and continues as an fp tensor."""
+    from .gguf import RawTensor, dequantize
+
+    pending = {f"{name}.weight": layer for name, layer in swapped.items()}
+    for item in tensors:
+        if isinstance(item, RawTensor):
+            layer = pending.get(item.name)
+            if layer is not None and item.type_name in ("Q4_0", "Q4_1", "Q8_0") and spec.method == "gguf":
+                _fill_from_raw(layer, item)
+                del pending[item.name]
+                continue
+            name = item.name
+            tensor = dequantize(item.data, item.type_name, item.shape)
+        else:
+            name, tensor = item
+        layer = pending.pop(name, None)
+        if layer is None:
+            yield name, tensor
+            continue
+        fill_from_weight(layer, tensor, spec)
+        if layer is not None and getattr(layer, "bias", None) is not None and layer.bias.is_meta:
+            raise ModelFileError(source, f"bias of {name} was not materialised")
+    if pending:
+        shown = ", ".join(sorted(pending)[:5])
+        raise ModelFileError(source, f"{len(pending)} quantized weights missing from the checkpoint (e.g. {shown})")
+
+
+def _fill_from_raw(layer: nn.Module, raw) -> None:
+    n, k = raw.shape
+    if raw.type_name == "Q8_0":
+        q, s = int8_from_q8_0(raw.data, n, k)
+        layer.qweight.copy_(q)
+        layer.scales.copy_(s)
+    else:
+        q, s, z = int4_from_q4(raw.data, raw.type_name, n, k)
+        layer.qweight.copy_(q)
+        layer.scales.copy_(s)
+        layer.zeros.copy_(z)
+    layer._cpu_cache = {}
+
+
+def quantize_model(model: nn.Module, mode: str | QuantSpec, include_lm_head: bool = False) -> nn.Module:
+    """Post-load transform: quantize a loaded model's linear layers in place, one layer at a time."""
+    spec = mode if isinstance(mode, QuantSpec) else parse_quant(mode)
+    if spec.method == "none":
+        return model
+    for name, linear in linear_modules(model, include_lm_head).items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, quantize_linear(linear, spec))
+    return model
+
+
+def quantize_tied_head(model: nn.Module, spec: QuantSpec) -> None:
+    """Give a tied-embedding model a separate quantized output head (the embedding table stays as it is).
+    The head is the largest single matmul of a small model's decode step."""
+    if getattr(model, "lm_head", None) is not None or spec.method in ("none", "gguf"):
+        return
+    emb = model.model.embed_tokens.weight
+    head = nn.Linear(emb.shape[1], emb.shape[0], bias=False, device="meta")
+    layer = empty_quantized(spec, head.in_features, head.out_features, False, dtype=emb.dtype, device=emb.device)
+    fill_from_weight(layer, emb.detach(), spec)
+    model.lm_head = layer
+
+
+def quantized_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer (quantized layers keep their weights in buffers)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen or t.is_meta:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def build_empty_quantized(config, dtype: torch.dtype, device, spec: QuantSpec, include_lm_head: bool = False,
+                          gguf_types: dict[str, str] | None = None):
+    """Like llmd.model.weights.build_empty, with quantized layers swapped in while the model is still on the meta
+    device, so no full-precision copy of the swapped weights is ever allocated. Returns (model, swapped layers)."""
+    from .llama import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to(dtype=dtype)  # before the swap: scales and zeros stay fp32
+    swapped = swap_in_quantized(model, spec, include_lm_head, dtype=dtype, device="meta", gguf_types=gguf_types)
+    model = model.to_empty(device=device)
+    model.init_buffers(device)
+    return model.eval().requires_grad_(False), swapped
+
+
+def gguf_tensor_types(path) -> dict[str, str]:
+    """Hugging Face weight name -> GGML type of every tensor in a GGUF file (reads no weights)."""
+    from .gguf import iter_raw_tensors
+
+    return {raw.name: raw.type_name for raw in iter_raw_tensors(path)}
+
+
+def gguf_raw_tensors(path):
+    from .gguf import iter_raw_tensors
+
+    return iter_raw_tensors(path)

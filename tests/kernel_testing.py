@@ -1,0 +1,25 @@
+"""Shared setup for the Triton kernel tests: on a machine without CUDA the kernels run under the Triton interpreter
+(TRITON_INTERPRET=1) on CPU tensors; with CUDA the same tests run the compiled kernels on the GPU."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def load_kernel_module(name: str):
+    """Import llmd.kernels.<name> so that its @triton.jit functions match the interpreter setting (the decorator reads
+    TRITON_INTERPRET when it runs, so a module imported earlier without it is reloaded)."""
+    if not HAS_CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    module = importlib.import_module(f"llmd.kernels.{name}")
+    if not HAS_CUDA:
+        kernel = next(v for k, v in vars(module).items() if k.startswith("_") and k.endswith("_kernel"))
+        if type(kernel).__name__ != "InterpretedFunction":
+            module = importlib.reload(module)
+    return module
