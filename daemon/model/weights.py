@@ -88,9 +88,10 @@ def safetensors_files(folder: Path) -> list[Path]:
             raise ModelFileError(index, f"not a valid safetensors index ({exc})") from None
         files = []
         for name in names:
-            path = (folder / name).resolve()
-            if path.parent != folder.resolve():
-                raise ModelFileError(index, f"shard {name!r} points outside the model folder")
+            # Shards are plain file names in the folder (symlinks allowed: the hub cache links snapshots to blobs).
+            if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+                raise ModelFileError(index, f"shard {name!r} is not a file name inside the model folder")
+            path = folder / name
             if not path.is_file():
                 raise ModelFileError(folder / name, "shard listed in the index is missing")
             files.append(path)
