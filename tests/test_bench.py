@@ -416,3 +416,19 @@ def test_ctrl_c_stops_sending_and_reports_partial_results(fake_server):
     ok = int(re.search(rb"load c=2: (\d+) ok, 0 failed", out).group(1))
     assert 4 <= ok < 400 and ok == server.counters["requests_finished_total"]
     assert b"decode dominates" in out
+
+
+def test_cli_compare_with_user_prompts(fake_server, tmp_path, capsys):
+    a, b = fake_server(prefill_s=0.002), fake_server(prefill_s=0.06)
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"question {i}", "max_tokens": 3}) for i in range(4)) + "\n")
+    out_json = tmp_path / "cmp.json"
+    code = run_bench(BenchOptions(compare=(a.url, b.url), prompts_file=str(prompts), requests=4, concurrency=2,
+                                  api="completions", json_path=str(out_json), progress=False))
+    assert code == 0
+    text = capsys.readouterr().out
+    assert f"A = {a.url}" in text and "TTFT p50 ms" in text and "A better" in text
+    data = json.loads(out_json.read_text())
+    ttft = next(r for r in data["ratios"] if r["metric"] == "TTFT p50 ms")
+    assert ttft["ratio_b_over_a"] > 2
+    assert a.served == b.served == 4 and data["a"]["tokens"]["completion"] == 12

@@ -109,7 +109,7 @@ class BenchClient:
     """One aiohttp session against one endpoint. Use as `async with BenchClient(url) as client:`."""
 
     def __init__(self, url: str, *, api: str = "chat", model: str | None = None, api_key: str | None = None,
-                 timeout_s: float = 300.0, max_connections: int = 256, temperature: float = 0.0):
+                 timeout_s: float = 300.0, max_connections: int = 1024, temperature: float = 0.0):
         if api not in API_PATHS:
             raise BenchError(f"unknown API {api!r}: choose chat or completions")
         self.base = normalize_base_url(url)

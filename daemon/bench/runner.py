@@ -127,8 +127,8 @@ async def run_level(client: BenchClient, workload: Sequence[BenchRequest], level
         raise BenchError("--requests must be at least 1")
     if duration_s is not None and duration_s <= 0:
         raise BenchError("--duration must be positive")
-    if level.mode == "closed" and level.concurrency < 1:
-        raise BenchError("--concurrency must be at least 1")
+    if level.mode == "closed" and not 1 <= level.concurrency <= MAX_IN_FLIGHT:
+        raise BenchError(f"--concurrency must be between 1 and {MAX_IN_FLIGHT}")
     if level.mode == "open" and level.rate <= 0:
         raise BenchError("--rate must be positive")
 
