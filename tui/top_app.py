@@ -147,7 +147,7 @@ class TopView(Widget):
         width = BAR_WIDTH
         self.query_one("#kv", Static).update(
             f"KV blocks  {kv_bar(s, width)}  [red]used[/] [b]{s.get('kv_blocks_used', 0)}[/] · [blue]cached[/] "
-            f"[b]{s.get('kv_blocks_cached', 0)}[/] · free [b]{s.get('kv_blocks_free', 0)}[/] (incl. cached) / "
+            f"[b]{s.get('kv_blocks_cached', 0)}[/] · free [b]{s.get('kv_blocks_free', 0)}[/] / "
             f"{s.get('kv_blocks_total', 0)}   prefix hit [b]{100 * (s.get('prefix_cache_hit_rate') or 0):.0f}%[/]"
         )
         split = stage_split(s)

@@ -1,0 +1,152 @@
+"""`llmd chat` and `llmd top` against a real `llmd serve` on the real default model (SmolLM2-135M-Instruct),
+through Pilot and through the real command in a real terminal (tmux)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from llmd.tui.chat_app import ChatApp
+from llmd.tui.client import DaemonClient, Endpoint
+from llmd.tui.store import ChatStore
+from llmd.tui.top_app import TopApp, TopView
+from llmd.tui.widgets import MessageView, PromptInput
+from llmd_daemon_proc import llmd_exe, start_daemon
+
+pytestmark = pytest.mark.slow
+SIZE = (110, 40)
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("llmd_tui"))
+    yield d
+    d.stop()
+
+
+def chat_app(daemon, tmp_path, **settings) -> ChatApp:
+    store = ChatStore(tmp_path / "chat.db")
+    conv = store.create("France", **settings)
+    del conv
+    # Through the Unix socket, as `llmd chat` does by default.
+    return ChatApp(DaemonClient([Endpoint(socket_path=daemon.socket_path)]), store)
+
+
+async def wait_for(pilot, condition, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the app"
+        await pilot.pause(0.1)
+
+
+def answers(app):
+    return [v for v in app.query(MessageView) if v.role == "assistant"]
+
+
+async def ask(pilot, text):
+    prompt = pilot.app.query_one(PromptInput)
+    prompt.focus()
+    prompt.insert(text)
+    await pilot.press("enter")
+
+
+async def test_real_answer_with_timings_and_a_prefix_cache_hit_on_regenerate(daemon, tmp_path):
+    app = chat_app(daemon, tmp_path, temperature=0.0, max_tokens=24)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "connected" in str(app.query_one("#status").render()))
+        await ask(pilot, QUESTION)
+        await wait_for(pilot, lambda: answers(app) and not app.generating)
+        await pilot.pause()
+        first = answers(app)[0]
+        assert "Paris" in first.content
+        footer = str(first.footer.render())
+        assert "TTFT" in footer and "tok/s" in footer and "tokens" in footer, footer
+        timings = app.store.get(app.conversation.id).messages[-1].timings
+        assert timings["generated_tokens"] > 0 and timings["prompt_tokens"] > 16
+
+        await pilot.press("ctrl+r")  # the same prompt again: its full blocks come from the prefix cache
+        await wait_for(pilot, lambda: len(daemon_requests_done(daemon)) and not app.generating
+                       and answers(app) and answers(app)[0] is not first and answers(app)[0].timings)
+        again = app.store.get(app.conversation.id).messages[-1]
+        assert again.content == first.content  # greedy: the same answer
+        assert again.timings["cached_prompt_tokens"] >= 16, again.timings
+        assert "cached" in str(answers(app)[0].footer.render())
+
+
+def daemon_requests_done(daemon) -> list:
+    return [1] * daemon.stats()["requests_finished_total"]
+
+
+async def test_escape_aborts_the_request_on_the_real_daemon(daemon, tmp_path):
+    aborts_before = daemon.stats().get("server", {}).get("aborts", {}).get("disconnect", 0)
+    app = chat_app(daemon, tmp_path, temperature=0.0, max_tokens=400)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "connected" in str(app.query_one("#status").render()))
+        await ask(pilot, "Write a very long story about a dragon.")
+        await wait_for(pilot, lambda: answers(app) and len(answers(app)[0].content) > 20)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not app.generating)
+        assert "stopped" in str(answers(app)[0].footer.render())
+    stats = daemon.wait_idle(timeout=30)
+    assert stats["requests_running"] == 0
+    assert stats.get("server", {}).get("aborts", {}).get("disconnect", 0) == aborts_before + 1
+
+
+async def test_top_follows_the_real_daemon(daemon):
+    app = TopApp(DaemonClient([Endpoint(port=daemon.port)]))
+    async with app.run_test(size=SIZE) as pilot:
+        view = app.query_one(TopView)
+        await wait_for(pilot, lambda: len(view.history.series["tokens_per_second"]) >= 2, timeout=30)
+        model = daemon.stats()["model"]
+        assert model in str(app.query_one("#top-status").render())
+        assert "KV blocks" in str(app.query_one("#kv").render())
+
+
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
+def test_llmd_chat_in_a_real_terminal(daemon, tmp_path):
+    session = f"llmd-tui-{os.getpid()}"
+    env = dict(daemon.env, XDG_DATA_HOME=str(tmp_path / "data"), TERM="xterm-256color")
+    tmux = ["tmux", "-L", session]  # a private tmux server: nothing shared with the user's
+
+    def screen() -> str:
+        return subprocess.run([*tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
+
+    def wait_screen(text: str, timeout: float = 120.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            shown = screen()
+            if text in shown:
+                return shown
+            assert time.monotonic() < deadline, f"{text!r} never appeared:\n{shown}"
+            time.sleep(0.3)
+
+    # A saved chat whose settings (persisted per conversation) keep the answer short; `llmd chat` opens it.
+    store = ChatStore(tmp_path / "data" / "llmd" / "chat.sqlite3")
+    store.create("France", temperature=0.0, max_tokens=24)
+    store.close()
+    subprocess.run([*tmux, "new-session", "-d", "-s", session, "-x", "120", "-y", "40",
+                    "env", *[f"{k}={v}" for k, v in env.items() if k.startswith(("XDG_", "PATH", "HOME", "TERM"))],
+                    llmd_exe(), "chat"], check=True)
+    try:
+        wait_screen("connected", timeout=60)
+        subprocess.run([*tmux, "send-keys", "-t", session, "-l", QUESTION], check=True)
+        subprocess.run([*tmux, "send-keys", "-t", session, "Enter"], check=True)
+        wait_screen("Paris")  # streamed in
+        shown = wait_screen("tok/s")  # the timings line comes with the end of the answer
+        assert "Paris" in shown and "TTFT" in shown, shown
+        subprocess.run([*tmux, "send-keys", "-t", session, "C-q"], check=True)
+        deadline = time.monotonic() + 20
+        while subprocess.run([*tmux, "has-session", "-t", session], capture_output=True).returncode == 0:
+            assert time.monotonic() < deadline, "Ctrl+Q did not quit"
+            time.sleep(0.2)
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+    # the exchange was saved under the XDG data dir
+    saved = ChatStore(tmp_path / "data" / "llmd" / "chat.sqlite3").list()[0]
+    assert [m.role for m in ChatStore(tmp_path / "data" / "llmd" / "chat.sqlite3").get(saved.id).messages] == [
+        "user", "assistant"]
