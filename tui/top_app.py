@@ -125,7 +125,10 @@ class TopView(Widget):
                         except NoMatches:
                             return  # the view is being torn down (screen closed, app quitting)
             except (DaemonUnavailable, DaemonError) as exc:
-                self.query_one("#top-status", Static).update(f"[red]{exc}[/] — retrying every 2 s")
+                try:
+                    self.query_one("#top-status", Static).update(f"[red]{exc}[/] — retrying every 2 s")
+                except NoMatches:
+                    return
             await asyncio.sleep(2.0)
 
     def show(self, stats: dict[str, Any]) -> None:
