@@ -245,6 +245,7 @@ class Engine:
             "requests_running": self.scheduler.num_running,
             "requests_waiting": self.scheduler.num_waiting,
             "kv_blocks_total": bm.num_blocks,
+            # used: held by requests; cached: evictable prefix blocks; free: empty. They sum to the total.
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_cached": bm.num_cached_blocks,
             "kv_blocks_free": bm.num_free_blocks - bm.num_cached_blocks,

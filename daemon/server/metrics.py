@@ -111,8 +111,9 @@ class Metrics:
 
         if stats:
             total = stats.get("kv_blocks_total") or 0
-            # Cached-but-evictable blocks are free for new work, as in vLLM's usage figure.
-            used = (stats.get("kv_blocks_used") or 0) - (stats.get("kv_blocks_cached") or 0)
+            # kv_blocks_used counts blocks held by requests; evictable cached blocks are free for new work,
+            # as in vLLM's usage figure.
+            used = stats.get("kv_blocks_used") or 0
             metric("llmd:num_requests_running", "gauge", "Requests in the running batch.",
                    stats.get("requests_running"))
             metric("llmd:num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
