@@ -19,6 +19,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_queue: int = 1024  # waiting requests beyond this are refused with QueueFull
     seed: int = 0  # seeds the generators of sampled requests that bring no seed of their own
+    # speculative decoding (llmd.engine.speculative): off | ngram | draft | auto (adaptive to load and acceptance)
+    speculative_mode: str = "off"
+    num_speculative_tokens: int = 4
+    draft_model: object = None  # a model name/path, "self:N" (the target's first N layers) or a LoadedModel
+    spec_max_batch: int | None = None  # auto mode: no speculation above this many sequences per step (default 8)
 
     def resolved(self, device_type: str, model_max_len: int) -> "EngineConfig":
         """A copy with every None default filled in for the device."""
@@ -57,3 +62,7 @@ class EngineConfig:
             bad("num_kv_blocks", "must be at least 1")
         if self.max_queue < 1:
             bad("max_queue", "must be at least 1")
+        if self.speculative_mode not in ("off", "ngram", "draft", "auto"):
+            bad("speculative_mode", "must be one of off, ngram, draft, auto")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            bad("num_speculative_tokens", "must be between 1 and 16")

@@ -84,6 +84,11 @@ class Engine:
         self._stats_lock = threading.Lock()
         self._latencies: deque[dict] = deque(maxlen=LATENCY_WINDOW)
         self._throughput: deque[tuple[float, int]] = deque(maxlen=4096)
+        self.speculator = None
+        if self.config.speculative_mode != "off":
+            from .speculative import Speculator
+
+            self.speculator = Speculator(self)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -148,11 +153,21 @@ class Engine:
         for s in plan.scheduled:
             if s.seq.timings.first_scheduled is None:
                 s.seq.timings.first_scheduled = now
-        sampled = [s.seq for s in plan.scheduled if s.samples]
+        spec = {}
+        if self.speculator is not None:  # widens some decodes to 1 + k positions (llmd.engine.speculative)
+            spec = self.speculator.propose(plan, self.config.max_num_batched_tokens - plan.num_tokens)
+        samples = [s.samples for s in plan.scheduled]
+        sampled = [s.seq for s, f in zip(plan.scheduled, samples) if f and s.seq.request_id not in spec]
         logits = self.runner.execute(plan.scheduled)
+        spec_emitted = 0
+        if spec:
+            logits, spec_outputs, spec_emitted = self.speculator.verify(plan.scheduled, samples, logits, spec, now)
+            outputs.extend(spec_outputs)
         bm = self.block_manager
         for s in plan.scheduled:
             seq = s.seq
+            if seq.request_id in spec:
+                continue  # verified, rolled back and registered by the speculator
             seq.num_computed_tokens += s.num_new_tokens
             bm.register_full_blocks(seq.block_ids, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
         tokens, logprobs = self.sampler(logits, sampled) if sampled else ([], [])
@@ -164,9 +179,9 @@ class Engine:
         self.steps_total += 1
         self.last_batch_size = len(plan.scheduled)
         self.last_step_tokens = plan.num_tokens
-        self.generation_tokens_total += len(sampled)
+        self.generation_tokens_total += len(sampled) + spec_emitted
         with self._stats_lock:
-            self._throughput.append((now, len(sampled)))
+            self._throughput.append((now, len(sampled) + spec_emitted))
         return outputs
 
     def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> RequestOutput | None:
@@ -208,6 +223,8 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason, now: float, stopped_on_string: bool = False
                 ) -> RequestOutput:
         self.scheduler.remove(seq)
+        if self.speculator is not None:
+            self.speculator.release(seq.request_id)
         self.requests.pop(seq.request_id, None)
         text = self._text.pop(seq.request_id)
         if not stopped_on_string and reason is not FinishReason.ABORT:
@@ -263,6 +280,7 @@ class Engine:
             "tokens_per_second": tps,
             "spec_proposed_total": self.spec_proposed_total,
             "spec_accepted_total": self.spec_accepted_total,
+            **(self.speculator.stats() if self.speculator is not None else {}),
             "latency": {key: percentiles([r[key] for r in latencies if r[key] is not None])
                         for key in ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e_ms")},
         }
@@ -271,6 +289,8 @@ class Engine:
         """With no live requests, every block must be free or evictable cached (raises AssertionError if not)."""
         assert not self.requests, f"requests still alive: {list(self.requests)[:5]}"
         self.block_manager.check_idle()
+        if self.speculator is not None:
+            self.speculator.check_no_leaks()
 
 
 def percentiles(values: list[float]) -> dict:
