@@ -337,6 +337,13 @@ def hf_config_dict(meta: dict, tensor_names: set[str], path: Path) -> dict:
         raise UnsupportedArchitecture(
             f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if "rope_freqs.weight" in tensor_names:
+        # Llama 3.1+ files carry precomputed rope frequency factors instead of the scaling parameters; loading them
+        # as plain RoPE would be silently wrong, so refuse until they are implemented.
+        raise UnsupportedArchitecture(
+            f"{path}: GGUF with llama3 rope scaling (rope_freqs tensor) is not supported yet; "
+            "use the Hugging Face safetensors folder of this model"
+        )
     p = f"{arch}."
     try:
         hidden = int(meta[p + "embedding_length"])
