@@ -13,7 +13,9 @@ from torch import nn
 
 from ..errors import ModelFileError
 from .config import ModelConfig
-from .weights import LoadReport, build_empty, load_hf_weights, load_tensors
+from .quant import (build_empty_quantized, gguf_raw_tensors, gguf_tensor_types, parse_quant, quantize_tied_head,
+                    quantized_weight_bytes, quantizing_stream)
+from .weights import LoadReport, build_empty, iter_safetensors, load_hf_weights, load_tensors, safetensors_files
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None = None) -> LoadedModel:
+def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None = None,
+               quant: str | None = None, quantize_head: bool = False) -> LoadedModel:
     """Load a model from a `llmd.store.ModelFiles`, a folder in Hugging Face layout, a .gguf file, or a store name.
 
     Default dtype: fp32 on CPU, bf16 on CUDA. Raises ModelFileError / UnsupportedArchitecture / ModelNotFound with a
@@ -53,15 +56,30 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
 
         gguf = load_gguf(path)
         config, tokenizer = gguf.config, gguf.tokenizer
-        model = build_empty(config, dtype, device_t)
-        report = load_tensors(model, gguf.tensors, path)
+        spec = parse_quant(quant, "gguf", device_t)  # quantized layers: llmd.model.quant
+        if spec.method == "none":
+            model = build_empty(config, dtype, device_t)
+            report = load_tensors(model, gguf.tensors, path)
+        else:
+            types = gguf_tensor_types(path) if spec.method == "gguf" else None
+            model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head, types)
+            report = load_tensors(model, quantizing_stream(gguf_raw_tensors(path), swapped, spec, path), path)
     else:
         from .tokenizer import Tokenizer
 
         config = ModelConfig.from_hf_folder(path)
-        model = build_empty(config, dtype, device_t)
-        report = load_hf_weights(model, path)
+        spec = parse_quant(quant, "hf", device_t)
+        if spec.method == "none":
+            model = build_empty(config, dtype, device_t)
+            report = load_hf_weights(model, path)
+        else:
+            model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head)
+            stream = quantizing_stream(iter_safetensors(safetensors_files(path)), swapped, spec, path)
+            report = load_tensors(model, stream, path)
         tokenizer = Tokenizer.from_hf_folder(path)
+    if quantize_head and spec.method not in ("none", "gguf"):
+        quantize_tied_head(model, spec)
+    report.weight_bytes = quantized_weight_bytes(model)
     seconds = time.perf_counter() - start
     report.seconds = seconds
     log.info("loaded %s (%s, %s on %s): %s", name, config.architecture, dtype, device_t, report.summary())

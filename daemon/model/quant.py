@@ -262,7 +262,7 @@ def quantize_linear(linear: nn.Module, mode: str | QuantSpec) -> nn.Module:
         return linear
     fill_from_weight(layer, weight, spec)
     if bias is not None:
-        layer.bias.data.copy_(bias.detach())
+        layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
     return layer
 
 
@@ -306,10 +306,13 @@ def _bnb():
 def _bnb_layer(method: str, in_features: int, out_features: int, bias: bool, dtype) -> nn.Module:
     bnb = _bnb()
     if method == "bnb-int8":
-        return bnb.nn.Linear8bitLt(in_features, out_features, bias=bias, has_fp16_weights=False, threshold=6.0,
-                                   device="meta")
-    return bnb.nn.Linear4bit(in_features, out_features, bias=bias, quant_type="nf4",
-                             compute_dtype=dtype or torch.float32, device="meta")
+        layer = bnb.nn.Linear8bitLt(in_features, out_features, bias=bias, has_fp16_weights=False, threshold=6.0,
+                                    device="meta")
+    else:
+        layer = bnb.nn.Linear4bit(in_features, out_features, bias=bias, quant_type="nf4",
+                                  compute_dtype=dtype or torch.float32, device="meta")
+    layer.weight = None  # set by _bnb_fill from the checkpoint tensor; the loader must not expect an fp weight
+    return layer
 
 
 def _bnb_fill(layer: nn.Module, weight: torch.Tensor, method: str) -> None:
@@ -322,9 +325,6 @@ def _bnb_fill(layer: nn.Module, weight: torch.Tensor, method: str) -> None:
     else:
         param = bnb.nn.Params4bit(weight.cpu(), requires_grad=False, quant_type="nf4")
     layer.weight = param.to(device)
-    if layer.bias is not None and layer.bias.is_meta:
-        layer.bias = nn.Parameter(torch.empty(layer.out_features, dtype=weight.dtype, device=device),
-                                  requires_grad=False)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -437,8 +437,6 @@ def quantizing_stream(
             yield name, tensor
             continue
         fill_from_weight(layer, tensor, spec)
-        if layer is not None and getattr(layer, "bias", None) is not None and layer.bias.is_meta:
-            raise ModelFileError(source, f"bias of {name} was not materialised")
     if pending:
         shown = ", ".join(sorted(pending)[:5])
         raise ModelFileError(source, f"{len(pending)} quantized weights missing from the checkpoint (e.g. {shown})")
