@@ -190,7 +190,7 @@ def test_metrics_and_stats(daemon):
         assert name in text, name
     ttft_count = next(float(line.split()[-1]) for line in text.splitlines()
                       if line.startswith("llmd:time_to_first_token_seconds_count"))
-    assert ttft_count >= 5
+    assert ttft_count >= 1
     s = daemon.stats()
     assert {"model", "uptime_s", "kv_blocks_total", "requests_running", "latency"} <= set(s)
 
@@ -273,7 +273,7 @@ BAD_INPUTS = [
     ("/v1/chat/completions", b"", "application/json", 400, "empty"),
     ("/v1/chat/completions", b"[1, 2]", "application/json", 400, "JSON object"),
     ("/v1/chat/completions", b'{"messages": [], "temperature": NaN}', "application/json", 400, "NaN"),
-    ("/v1/chat/completions", b"[" * 100000, "application/json", 400, "JSON"),
+    ("/v1/chat/completions", b"[" * 100000, "application/json", 400, "nested too deeply"),
     ("/v1/chat/completions", json.dumps(OK_CHAT).encode(), "image/png", 415, "content type"),
     ("/v1/chat/completions", b'{"x": "' + b"a" * (5 * 1024 * 1024) + b'"}', "application/json", 413, "limit"),
     ("/v1/chat/completions", {}, None, 400, "messages is required"),

@@ -62,6 +62,8 @@ async def errors_and_log(request: web.Request, handler):
             log.exception("internal error on %s %s", request.method, request.path)
             response = error_response(dialect, 500, "internal server error (see the daemon log)")
         status = response.status
+        if request.get("cors_headers") and not response.prepared:  # errors raised past the security middleware
+            response.headers.update(request["cors_headers"])
         if "llmd_timings" in request and not response.prepared:
             from .responses import timings_header
             value = timings_header(request["llmd_timings"])
