@@ -70,6 +70,9 @@ def serve(
     max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Sequences in one batch."),
     kv_cache_bytes: int = typer.Option(None, "--kv-cache-bytes", help="KV-cache pool size in bytes."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Context length cap."),
+    draft: str = typer.Option(None, "--draft", help="Draft model for speculative decoding (same tokenizer; 'self:N' = the target's first N layers)."),
+    num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help="Tokens proposed per step (default 4)."),
+    spec_mode: str = typer.Option(None, "--spec-mode", help="off, ngram (prompt lookup), draft or auto (adaptive; default with --draft)."),
 ) -> None:
     """Run the daemon: OpenAI, Ollama and llama.cpp HTTP APIs on loopback and a Unix socket."""
     from .config import load_settings
@@ -78,7 +81,8 @@ def serve(
     settings = load_settings(model=model, host=host, port=port, socket_path=socket_path, ollama_port=ollama_port,
                              max_queue=max_queue, write_timeout=write_timeout, shutdown_grace=shutdown_grace,
                              api_key_file=api_key_file, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
-                             kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len)
+                             kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len, draft_model=draft,
+                             num_speculative_tokens=num_speculative_tokens, spec_mode=spec_mode)
     raise typer.Exit(run_daemon(settings))
 
 

@@ -111,6 +111,8 @@ class Settings:
     enable_prefix_caching: bool = True
     draft_model: str | None = None  # speculative decoding draft; None: off
     num_speculative_tokens: int = 4
+    spec_mode: str | None = None  # off | ngram | draft | auto; None: auto with a draft model, else off
+    spec_max_batch: int | None = None  # auto mode: no speculation above this many sequences per step
     seed: int | None = None
 
     def resolved_socket_path(self) -> Path | None:
@@ -134,8 +136,10 @@ _BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "max_num_batched_tokens": (1, 1 << 20),
     "max_model_len": (1, 1 << 24),
     "num_speculative_tokens": (1, 16),
+    "spec_max_batch": (1, 4096),
 }
-_CHOICES: dict[str, tuple[str, ...]] = {"dtype": ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16")}
+_CHOICES: dict[str, tuple[str, ...]] = {"dtype": ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
+                                        "spec_mode": ("off", "ngram", "draft", "auto")}
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 _HINTS = typing.get_type_hints(Settings)

@@ -56,6 +56,11 @@ def build_engine(settings):
         enable_prefix_caching=settings.enable_prefix_caching,
         max_queue=settings.max_queue,
         seed=settings.seed or 0,
+        # speculative decoding (llmd.engine.speculative)
+        speculative_mode=settings.spec_mode or ("auto" if settings.draft_model else "off"),
+        num_speculative_tokens=settings.num_speculative_tokens,
+        draft_model=settings.draft_model,
+        spec_max_batch=settings.spec_max_batch,
     )
     return files, loaded, Engine(loaded, config)
 

@@ -133,6 +133,13 @@ class Metrics:
                    stats.get("spec_proposed_total"))
             metric("llmd:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
                    stats.get("spec_accepted_total"))
+            if "spec_num_drafts_total" in stats:  # speculation configured
+                metric("llmd:spec_decode_num_drafts_total", "counter", "Speculative verify runs (one per sequence).",
+                       stats.get("spec_num_drafts_total"))
+                metric("llmd:spec_decode_draft_acceptance_rate", "gauge", "Accepted over proposed draft tokens.",
+                       stats.get("spec_acceptance_rate"))
+                metric("llmd:spec_decode_mean_accepted_length", "gauge", "Accepted draft tokens per verify run.",
+                       stats.get("spec_mean_accepted_length"))
         with self._lock:
             if self.finished:
                 lines += ["# HELP llmd:request_success_total Finished requests by finish reason.",
