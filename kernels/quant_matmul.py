@@ -164,13 +164,14 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _configs(small_m: bool, group: int) -> list:
-    """Autotune candidates for sm_80..sm_90 (and the H200). BLOCK_K must be a multiple of the group size."""
+def _configs(small_m: bool, group: int, m_bucket: int = 16) -> list:
+    """Autotune candidates for sm_80..sm_90 (and the H200). BLOCK_K must be a multiple of the group size.
+    Small M: one M tile covers the whole batch (each weight byte is read once), split-K fills the SMs."""
     out = []
     if small_m:
-        for bm in (16, 32):
+        for bm in (max(16, m_bucket),):
             for bn in (32, 64, 128):
-                for bk in (128, 256, 512):
+                for bk in (128, 256):
                     for sk in (1, 2, 4, 8):
                         for warps in (4,):
                             out.append(triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sk),
@@ -221,13 +222,13 @@ def _best_config(kernel, args, x, n, group, per_channel, extra) -> tuple[dict, d
     from triton.testing import do_bench
 
     best, best_ms = None, float("inf")
-    for c in _configs(small, group if not per_channel else 1 << 30):
+    for c in _configs(small, group if not per_channel else 1 << 30, _m_bucket(m)):
         cfg = dict(c.kwargs)
         if triton.cdiv(k, cfg["BLOCK_K"]) < cfg["SPLIT_K"] or cfg["BLOCK_K"] > max(k, 64):
             continue
         launch = dict(num_warps=c.num_warps, num_stages=c.num_stages)
         try:
-            ms = do_bench(lambda: _run(kernel, args, x, n, extra, cfg, launch), warmup=5, rep=20)
+            ms = do_bench(lambda: _run(kernel, args, x, n, extra, cfg, launch), warmup=3, rep=10)
         except Exception:  # a tiling that does not fit this device (shared memory, registers)
             continue
         if ms < best_ms:

@@ -156,6 +156,7 @@ def test_bnb_int8_on_cpu(tiny_llama):
     assert (got - want).norm() / want.norm() < 0.05
 
 
+@pytest.mark.slow
 def test_smollm2_runs_from_its_q4_1_blocks(smollm2_gguf):
     """The bundled GGUF loaded as int4 g32 straight from its Q4_1 blocks answers like the dequantized model."""
     lm = load_model(smollm2_gguf, quant="gguf")

@@ -1,0 +1,43 @@
+"""A minimal batched decode loop over the model API (no engine): B sequences, each with its own blocks, prefilled
+together, then decoded one token per sequence per step. Used by the quantization benchmarks on CPU and GPU."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from llmd.model.attention import AttentionMetadata, allocate_kv_cache
+
+
+@torch.inference_mode()
+def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, block_size: int = 16,
+                             warmup: int = 2, sync=lambda: None) -> float:
+    cfg = model.config
+    param = next(p for p in model.parameters())
+    device, dtype = param.device, (param.dtype if param.is_floating_point() else torch.float32)
+    max_len = prompt_len + steps + warmup + 1
+    per_seq = -(-max_len // block_size)
+    kv = allocate_kv_cache(cfg.num_hidden_layers, batch * per_seq + 1, block_size, cfg.num_key_value_heads,
+                           cfg.head_dim, dtype, device)
+    tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen)
+    meta = AttentionMetadata.build([prompt_len] * batch, [prompt_len] * batch, tables, block_size, device=device)
+    pos = torch.arange(prompt_len).repeat(batch).to(device)
+    hidden = model(prompt.flatten().to(device), pos, kv, meta)
+    last = hidden.view(batch, prompt_len, -1)[:, -1]
+    length = prompt_len
+    elapsed = 0.0
+    for step in range(warmup + steps):
+        sync()
+        t0 = time.perf_counter()
+        ids = model.compute_logits(last).argmax(-1)
+        length += 1
+        meta = AttentionMetadata.build([1] * batch, [length] * batch, tables, block_size, device=device)
+        positions = torch.full((batch,), length - 1, dtype=torch.long, device=device)
+        last = model(ids, positions, kv, meta)
+        sync()
+        if step >= warmup:
+            elapsed += time.perf_counter() - t0
+    return batch * steps / elapsed

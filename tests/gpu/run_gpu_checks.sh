@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Every GPU test and GPU benchmark of the quantization/kernel work, in one go (budget: under 8 minutes on an H200).
+# Writes under $OUT (default ./gpu-results): pytest logs, gpu_bench.json and gpu_bench.txt.
+set -u
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-$PWD/gpu-results}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python}"
+unset TRITON_INTERPRET
+export PYTHONPATH="$PWD/tests:${PYTHONPATH:-}"
+# the project may not be installed on the GPU machine: lay out the import package the way setuptools maps it
+if ! "$PY" -c "import llmd" 2>/dev/null; then
+  SHIM="$(mktemp -d)"
+  mkdir "$SHIM/llmd"
+  for f in "$PWD"/daemon/*; do ln -s "$f" "$SHIM/llmd/"; done
+  ln -s "$PWD/kernels" "$SHIM/llmd/kernels"
+  ln -s "$PWD/tui" "$SHIM/llmd/tui"
+  export PYTHONPATH="$SHIM:$PYTHONPATH"
+fi
+status=0
+echo "== GPU tests" | tee "$OUT/summary.txt"
+timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+  tests/test_kernels_quant_matmul.py tests/test_kernels_paged_attention.py \
+  2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5 | tee -a "$OUT/summary.txt" || status=1
+echo "== GPU benchmarks" | tee -a "$OUT/summary.txt"
+timeout 300 "$PY" tests/gpu/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.txt" || status=1
+exit $status
