@@ -206,19 +206,23 @@ def rm(name: str = typer.Argument(..., help="A pulled model: an alias or a repo 
     typer.echo(f"removed {repo_id} ({human_size(freed)} freed)")
 
 
+from . import generate as _gen  # noqa: E402  (light: the defaults below; torch is imported only when generating)
+
+
 @app.command()
 def generate(
     prompt: str = typer.Argument(..., help="The prompt. Instruct models get it as a user turn in their chat template."),
     model: str = typer.Option(None, "--model", "-m", help="Model name, folder or .gguf file (default: LLMD_MODEL, config.toml, else the bundled SmolLM2-135M-Instruct)."),
-    max_tokens: int = typer.Option(256, "--max-tokens", "-n", min=1, max=1_000_000, help="Most tokens to generate."),
-    temperature: float = typer.Option(0.8, "--temperature", "-t", min=0.0, max=100.0, help="0 is greedy; the default 0.8 is llama.cpp's and Ollama's."),
-    top_k: int = typer.Option(40, "--top-k", min=0, help="Sample from the k most likely tokens (0: off)."),
-    top_p: float = typer.Option(0.95, "--top-p", min=0.0, max=1.0, help="Nucleus sampling threshold."),
-    min_p: float = typer.Option(0.05, "--min-p", min=0.0, max=1.0, help="Drop tokens below min_p x the top token's probability."),
+    max_tokens: int = typer.Option(_gen.DEFAULT_MAX_TOKENS, "--max-tokens", "-n", min=1, max=1_000_000, help="Most tokens to generate."),
+    temperature: float = typer.Option(_gen.DEFAULT_TEMPERATURE, "--temperature", "-t", min=0.0, max=100.0, help="0 (the default) is greedy: one-shot answers are reproducible. 0.8 samples like Ollama and llama.cpp."),
+    top_k: int = typer.Option(_gen.DEFAULT_TOP_K, "--top-k", min=0, help="Sample from the k most likely tokens (0: off)."),
+    top_p: float = typer.Option(_gen.DEFAULT_TOP_P, "--top-p", min=0.0, max=1.0, help="Nucleus sampling threshold."),
+    min_p: float = typer.Option(_gen.DEFAULT_MIN_P, "--min-p", min=0.0, max=1.0, help="Drop tokens below min_p x the top token's probability."),
     seed: int = typer.Option(None, "--seed", "-s", help="Seed for reproducible sampling."),
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+    quant: str = typer.Option(None, "--quant", help="Weight format: none (dequantize), gguf (keep a GGUF's own packing), int8, int4 (default: auto)."),
 ):
     """Generate text from PROMPT and stream it to stdout (load time and speed go to stderr)."""
     from .config import load_settings
@@ -229,12 +233,18 @@ def generate(
     files = resolve(settings.model)
 
     from .engine.types import SamplingParams
-    from .generate import GenerationStats, generate_stream, prompt_token_ids, torch_dtype
+    from .generate import GenerationStats, check_device, generate_stream, prompt_token_ids, torch_dtype
     from .model.loader import load_model
+    from .model.quant import parse_quant
 
+    try:
+        parse_quant(quant, files.kind)
+    except ValueError as exc:
+        fail(f"--quant: {exc}")
+    check_device(settings.device)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, seed=seed).validate()
-    loaded = load_model(files, dtype=torch_dtype(settings.dtype), device=settings.device)
+    loaded = load_model(files, dtype=torch_dtype(settings.dtype), device=settings.device, quant=quant)
     typer.echo(f"loaded {loaded.name} in {loaded.load_seconds:.2f} s ({loaded.device}, {str(loaded.dtype).removeprefix('torch.')})", err=True)
     ids = prompt_token_ids(loaded.tokenizer, prompt, raw)
     stats = GenerationStats()

@@ -9,8 +9,11 @@ from typing import Iterator
 
 from .errors import InvalidRequest, LlmdError
 
-# The defaults llama.cpp and Ollama users expect from a CLI: lightly sampled, not greedy.
-DEFAULT_TEMPERATURE = 0.8
+# `llmd generate` is greedy by default: a one-shot command should give the same answer every time, and small models
+# drift when sampled (SmolLM2-135M answers "Paris" to the README question greedily, but only ~half the time at 0.8).
+# With --temperature > 0 the other knobs default to llama.cpp's values (Ollama's are close). The HTTP dialects keep
+# their own defaults.
+DEFAULT_TEMPERATURE = 0.0
 DEFAULT_TOP_K = 40
 DEFAULT_TOP_P = 0.95
 DEFAULT_MIN_P = 0.05
@@ -29,6 +32,22 @@ def torch_dtype(name: str | None):
     if name.lower() not in _DTYPES:
         raise InvalidRequest(f"unknown dtype {name!r}: use one of float32, bfloat16, float16", field="dtype")
     return getattr(torch, _DTYPES[name.lower()])
+
+
+def check_device(name: str | None) -> None:
+    """Refuse a device this machine does not have, before the model load rather than inside it."""
+    if name is None:
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise InvalidRequest(f"unknown device {name!r}: use cpu, cuda or cuda:N", field="device") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidRequest(f"device {name!r}: no CUDA GPU is available here (use --device cpu)", field="device")
+    if device.type not in ("cpu", "cuda"):
+        raise InvalidRequest(f"device {name!r} is not supported: use cpu or cuda", field="device")
 
 
 def prompt_token_ids(tokenizer, prompt: str, raw: bool) -> list[int]:
