@@ -106,6 +106,17 @@ def test_pull_offline_is_one_line(env):
     assert_one_line_error(llmd(env, "pull", "qwen2.5:0.5b"), "HF_HUB_OFFLINE")
 
 
+def test_generate_on_a_tiny_hf_folder(env, tiny_llama):
+    # Random weights, so only the plumbing is checked: HF folder -> loader -> engine -> streamed text, both with the
+    # chat template and --raw, and the token count reported on stderr.
+    for extra in ([], ["--raw"]):
+        result = llmd(env, "generate", "--model", str(tiny_llama), "--max-tokens", "5", "--seed", "1", *extra,
+                      "Hello there", timeout=300)
+        assert result.returncode == 0, result.stderr
+        assert f"loaded {tiny_llama.name} in" in result.stderr
+        assert "generated tokens in" in result.stderr
+
+
 @pytest.mark.slow
 def test_generate_answers_paris_on_the_default_model(env):
     # The README command as is (greedy by default); the answer streams to stdout, load time and speed to stderr.
