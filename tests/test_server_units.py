@@ -97,7 +97,7 @@ def test_metrics_text_and_timings():
     assert 'llmd:time_to_first_token_seconds_bucket{model_name="m",le="0.25"} 1' in text
     assert 'llmd:time_to_first_token_seconds_bucket{model_name="m",le="0.1"} 0' in text
     assert 'llmd:inter_token_latency_seconds_count{model_name="m"} 2' in text
-    assert 'llmd:kv_cache_usage_perc{model_name="m"} 0.2' in text
+    assert 'llmd:kv_cache_usage_perc{model_name="m"} 0.3' in text
     assert 'llmd:request_success_total{model_name="m",finished_reason="stop"} 1' in text
     d = timings_dict(t)
     assert d["ttft_ms"] == 200.0 and d["queue_ms"] == 10.0 and d["cached_prompt_tokens"] == 4

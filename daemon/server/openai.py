@@ -58,9 +58,9 @@ def _params(f: dict, max_tokens: int | None, logprobs: int | None) -> SamplingPa
 
 
 def _check_common(state: ServerState, body: dict, table: dict) -> dict:
-    f = check_fields(body, table)
     if body.get("n") not in (None, 1):
         raise ApiError(400, "n must be 1: one choice per request is supported", param="n")
+    f = check_fields(body, table)
     state.check_model(f.get("model"))
     opts = f.get("stream_options")
     if opts is not None:
