@@ -166,5 +166,8 @@ def test_corrupt_safetensors_is_a_clear_error(tiny_llama, tmp_path):
     shutil.copytree(tiny_llama, folder)
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    with pytest.raises(ModelFileError, match="model.safetensors"):
+    with pytest.raises(ModelFileError, match=r"model\.safetensors: tensor .* beyond the end of the file"):
+        load_model(folder, device="cpu")
+    weights.write_bytes(b"\xff" * 64)  # garbage: an absurd header length
+    with pytest.raises(ModelFileError, match=r"model\.safetensors: safetensors header length"):
         load_model(folder, device="cpu")

@@ -1,8 +1,8 @@
 """Building a model and streaming weights into it without holding two copies.
 
 The module is built on the meta device (no memory), materialised once with uninitialised storage in the target dtype
-and device, then every checkpoint tensor is copied into its parameter one at a time. Safetensors files are opened
-through `safe_open`, which memory-maps the file, so at most one source tensor is resident besides the model.
+and device, then every checkpoint tensor is read and copied into its parameter one at a time, so at most one source
+tensor is resident besides the model. Safetensors headers are checked against the file size before any read.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-from safetensors import safe_open
 
 from ..errors import ModelFileError
 from .config import ModelConfig
@@ -105,20 +104,75 @@ def safetensors_files(folder: Path) -> list[Path]:
     return files
 
 
+# safetensors dtype codes -> torch dtypes (the format is little-endian, like every platform torch runs on here).
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+def read_safetensors_header(path: Path, f) -> tuple[int, dict[str, dict]]:
+    """(offset of the data section, {name: {"dtype", "shape", "data_offsets"}}), every entry checked against the
+    file size, so a truncated or corrupt file fails here with a clear error before any tensor is read."""
+    size = path.stat().st_size
+    raw = f.read(8)
+    if len(raw) < 8:
+        raise ModelFileError(path, "not a safetensors file (shorter than its 8-byte header length)")
+    header_len = int.from_bytes(raw, "little")
+    if header_len > min(size - 8, _MAX_HEADER_BYTES):
+        raise ModelFileError(path, f"safetensors header length {header_len} does not fit the file ({size} bytes)")
+    try:
+        header = json.loads(f.read(header_len))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ModelFileError(path, f"safetensors header is not valid JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise ModelFileError(path, "safetensors header is not a JSON object")
+    header.pop("__metadata__", None)
+    data_start, data_len = 8 + header_len, size - 8 - header_len
+    for name, entry in header.items():
+        try:
+            dtype = _ST_DTYPES[entry["dtype"]]
+            shape = [int(d) for d in entry["shape"]]
+            begin, end = (int(x) for x in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ModelFileError(path, f"tensor {name!r}: bad or unsupported header entry {entry!r}") from None
+        numel = 1
+        for d in shape:
+            if d < 0:
+                raise ModelFileError(path, f"tensor {name!r}: negative dimension in shape {shape}")
+            numel *= d
+        if not 0 <= begin <= end <= data_len:
+            raise ModelFileError(path, f"tensor {name!r}: data [{begin}, {end}) lies beyond the end of the file "
+                                       f"(data section is {data_len} bytes; truncated?)")
+        if end - begin != numel * dtype.itemsize:
+            raise ModelFileError(path, f"tensor {name!r}: {end - begin} bytes do not hold shape {shape} of {entry['dtype']}")
+        entry["torch_dtype"], entry["shape"], entry["data_offsets"] = dtype, shape, (begin, end)
+    return data_start, header
+
+
 def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) one at a time from memory-mapped safetensors files."""
+    """Yield (name, tensor) one at a time, each read from its file into a fresh buffer.
+
+    Plain reads rather than mmap: the file's pages are not mapped into the process, so peak memory is the model plus
+    the largest single tensor (a memory-mapped checkpoint would count every touched page on top of the weights).
+    """
     for path in files:
         try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as exc:  # safetensors raises its own error types for truncated/corrupt headers
-            raise ModelFileError(path, f"cannot read safetensors file ({exc})") from None
-        with handle as f:
-            for name in f.keys():
-                try:
-                    tensor = f.get_tensor(name)
-                except Exception as exc:
-                    raise ModelFileError(path, f"cannot read tensor {name!r} ({exc})") from None
-                yield name, tensor
+            with open(path, "rb") as f:
+                data_start, header = read_safetensors_header(path, f)
+                for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                    begin, end = entry["data_offsets"]
+                    f.seek(data_start + begin)
+                    buf = bytearray(end - begin)
+                    if f.readinto(buf) != len(buf):
+                        raise ModelFileError(path, f"tensor {name!r}: file ended early (truncated?)")
+                    dtype = entry["torch_dtype"]
+                    tensor = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+                    yield name, tensor.reshape(entry["shape"])
+        except OSError as exc:
+            raise ModelFileError(path, f"cannot read ({exc.strerror or exc})") from None
 
 
 def load_hf_weights(model: CausalLM, folder: Path) -> LoadReport:
