@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without CUDA the Triton kernels can only run under the interpreter. Set it before any test imports a kernel:
+# @triton.jit reads it at decoration time, so a kernel module imported earlier in the session would be compiled-mode.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def bundled_smollm2_path() -> Path | None:
