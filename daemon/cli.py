@@ -67,6 +67,7 @@ def serve(
     api_key_file: str = typer.Option(None, "--api-key-file", help="File holding the bearer token (mode 0600)."),
     device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: CUDA when available)."),
     dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16."),
+    quant: str = typer.Option(None, "--quant", help="Weight format: none, gguf (keep a GGUF's packing), int8, int4[-g32|-g64|-g128], bnb-int8, bnb-nf4 (default: auto)."),
     max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Sequences in one batch."),
     kv_cache_bytes: int = typer.Option(None, "--kv-cache-bytes", help="KV-cache pool size in bytes."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Context length cap."),
@@ -80,7 +81,7 @@ def serve(
 
     settings = load_settings(model=model, host=host, port=port, socket_path=socket_path, ollama_port=ollama_port,
                              max_queue=max_queue, write_timeout=write_timeout, shutdown_grace=shutdown_grace,
-                             api_key_file=api_key_file, device=device, dtype=dtype, max_num_seqs=max_num_seqs,
+                             api_key_file=api_key_file, device=device, dtype=dtype, quant=quant, max_num_seqs=max_num_seqs,
                              kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len, draft_model=draft,
                              num_speculative_tokens=num_speculative_tokens, spec_mode=spec_mode)
     raise typer.Exit(run_daemon(settings))

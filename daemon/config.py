@@ -79,12 +79,16 @@ def config_file() -> Path:
 
 # --- the settings ---
 
+# Weight formats `--quant` accepts (llmd.model.quant implements them; kept here so settings need no torch).
+QUANT_MODES = ("auto", "none", "gguf", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "bnb-int8", "bnb-nf4")
+
 
 @dataclass
 class Settings:
     # model: a name as `llmd.store.resolve` takes it; None means the bundled default
     model: str | None = None
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: fp32 on CPU, bf16 on CUDA
+    quant: str | None = None  # one of QUANT_MODES; None: a GGUF keeps its packing on CUDA, else unquantized
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None: CUDA when available
 
     # server
@@ -139,6 +143,7 @@ _BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "spec_max_batch": (1, 4096),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {"dtype": ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
+                                        "quant": QUANT_MODES,
                                         "spec_mode": ("off", "ngram", "draft", "auto")}
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}

@@ -23,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import ModelFileError
 from llmd.kernels import quant_matmul as qmm
 
-QUANT_MODES = ("auto", "none", "gguf", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "bnb-int8", "bnb-nf4")
+from ..config import QUANT_MODES  # the torch-free list the settings validate against
+from ..errors import ModelFileError
+
 DEFAULT_INT4_GROUP = 64
 
 

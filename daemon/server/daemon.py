@@ -44,7 +44,7 @@ def build_engine(settings):
     from ..store import resolve
 
     files = resolve(settings.model)
-    loaded = load_model(files, dtype=_dtype(settings.dtype), device=settings.device)
+    loaded = load_model(files, dtype=_dtype(settings.dtype), device=settings.device, quant=settings.quant)
     cuda = str(loaded.device).startswith("cuda")
     config = EngineConfig(
         block_size=settings.block_size,
