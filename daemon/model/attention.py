@@ -13,7 +13,7 @@ and the CPU path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -34,6 +34,8 @@ class AttentionMetadata:
     # Python copies of the small per-sequence values, so the torch path needs no device->host syncs.
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # Built on first use by the batched decode path and shared by every layer of the step.
+    _decode_plan: "DecodePlan | None" = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -94,18 +96,21 @@ def gather_context(kv_cache: KVCache, block_table: torch.Tensor, seq_len: int) -
 
 
 def torch_paged_attention(
-    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, only: list[int] | None = None
 ) -> torch.Tensor:
     """Reference attention for q [T, heads, head_dim] whose K/V are already in the cache. Returns [T, heads, head_dim].
 
     Each sequence's queries sit at the end of its context, so query i of a chunk of length L attends to the
-    first seq_len - L + i + 1 context tokens (causal, including cached prefix blocks).
+    first seq_len - L + i + 1 context tokens (causal, including cached prefix blocks). `only`: compute just these
+    sequences (the other rows of the result are left uninitialised).
     """
     out = torch.empty_like(q)
     num_heads = q.shape[1]
     start = 0
+    wanted = None if only is None else set(only)
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
-        if q_len == 0:
+        if q_len == 0 or (wanted is not None and i not in wanted):
+            start += q_len
             continue
         k, v = gather_context(kv_cache, meta.block_tables[i], s_len)
         group = num_heads // k.shape[1]
@@ -125,14 +130,79 @@ def torch_paged_attention(
     return out
 
 
+@dataclass
+class DecodePlan:
+    """Gather indices for all single-token (decode) sequences of a step, built once and used by every layer."""
+
+    rows: torch.Tensor | None  # [Bd] rows of those tokens in the flat batch (None: every row is a decode)
+    block_tables: torch.Tensor  # [Bd, nb] block ids, nb = blocks of the longest context
+    masked: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool: True past the sequence's context
+    others: list[int]  # indices of the sequences that are not decodes (prefill chunks, speculative verifies)
+
+    @classmethod
+    def build(cls, meta: AttentionMetadata) -> "DecodePlan":
+        decodes = [i for i, q in enumerate(meta.query_lens_list) if q == 1]
+        others = [i for i, q in enumerate(meta.query_lens_list) if q > 1]
+        device = meta.block_tables.device
+        bs = meta.block_size
+        longest = max((meta.seq_lens_list[i] for i in decodes), default=1)
+        nb = (longest + bs - 1) // bs
+        idx = torch.tensor(decodes, dtype=torch.long, device=device)
+        rows = None if len(decodes) == len(meta.query_lens_list) else meta.query_start_loc[idx]
+        lens = meta.seq_lens[idx]
+        masked = torch.arange(nb * bs, device=device).unsqueeze(0) >= lens.unsqueeze(1)
+        return cls(rows, meta.block_tables[idx, :nb], masked[:, None, None, :], others)
+
+
+def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePlan, scale: float) -> torch.Tensor:
+    """Attention of Bd single-token queries q [Bd, heads, d] over their contexts, in one batch.
+
+    Every context is gathered whole-block into a padded [Bd, L, kv_heads, d] layout; positions past a sequence's
+    length get -inf scores, hence probability exactly 0, and add exact zeros to the softmax sum and to P @ V. So a
+    sequence's result does not depend on what else is in the batch (tests/test_attention_fast.py checks this
+    bit for bit). Grouped-query heads share K/V through a broadcast view instead of a repeat.
+    """
+    k_cache, v_cache = kv_cache
+    bd, num_heads, d = q.shape
+    kv_heads = k_cache.shape[2]
+    k = k_cache[plan.block_tables].flatten(1, 2)  # [Bd, L, kv_heads, d]
+    v = v_cache[plan.block_tables].flatten(1, 2)
+    qg = q.reshape(bd, kv_heads, num_heads // kv_heads, d)  # [Bd, kv_heads, group, d]
+    # Contiguous operands: bmm over strided views picks batch-size-dependent kernels whose sums differ in the last
+    # bit (measured), which would break batch invariance.
+    k_t = k.permute(0, 2, 3, 1).to(q.dtype).contiguous()  # [Bd, kv_heads, d, L]
+    v_t = v.transpose(1, 2).to(q.dtype).contiguous()  # [Bd, kv_heads, L, d]
+    scores = torch.matmul(qg, k_t) * scale  # [Bd, kv_heads, group, L]
+    probs = torch.softmax(scores.masked_fill_(plan.masked, float("-inf")), dim=-1)
+    out = torch.matmul(probs, v_t)  # [Bd, kv_heads, group, d]
+    return out.reshape(bd, num_heads, d)
+
+
+def fast_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """The default torch backend: all decode tokens of the step in one batched computation, other sequences
+    (prefill chunks, speculative verifies) through the per-sequence reference. Which path a sequence takes depends
+    only on its own query length, never on the rest of the batch."""
+    plan = meta._decode_plan
+    if plan is None:
+        plan = meta._decode_plan = DecodePlan.build(meta)
+    num_decodes = plan.block_tables.shape[0]
+    if num_decodes == 0:
+        return torch_paged_attention(q, kv_cache, meta, scale)
+    if plan.rows is None:
+        return batched_decode_attention(q, kv_cache, plan, scale)
+    out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others)
+    out[plan.rows] = batched_decode_attention(q[plan.rows], kv_cache, plan, scale)
+    return out
+
+
 AttentionFn = Callable[[torch.Tensor, KVCache, AttentionMetadata, float], torch.Tensor]
-_backend: AttentionFn = torch_paged_attention
+_backend: AttentionFn = fast_paged_attention
 
 
 def set_attention_backend(fn: AttentionFn | None) -> None:
-    """Swap the attention implementation (None restores the torch reference)."""
+    """Swap the attention implementation (None restores the default torch path, `fast_paged_attention`)."""
     global _backend
-    _backend = fn or torch_paged_attention
+    _backend = fn or fast_paged_attention
 
 
 def paged_attention(
