@@ -151,7 +151,7 @@ class DecodePlan:
         rows = None if len(decodes) == len(meta.query_lens_list) else meta.query_start_loc[idx]
         lens = meta.seq_lens[idx]
         masked = torch.arange(nb * bs, device=device).unsqueeze(0) >= lens.unsqueeze(1)
-        return cls(rows, meta.block_tables[idx, :nb], masked[:, None, None, :], others)
+        return cls(rows, meta.block_tables[idx, :nb].contiguous(), masked[:, None, None, :], others)
 
 
 def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePlan, scale: float) -> torch.Tensor:
@@ -165,13 +165,19 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
     k_cache, v_cache = kv_cache
     bd, num_heads, d = q.shape
     kv_heads = k_cache.shape[2]
-    k = k_cache[plan.block_tables].flatten(1, 2)  # [Bd, L, kv_heads, d]
-    v = v_cache[plan.block_tables].flatten(1, 2)
+    nb = plan.block_tables.shape[1]
+    flat = plan.block_tables.view(-1)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # whole blocks (one contiguous copy each), then [Bd, kv_heads, L, d] made contiguous: bmm over strided
+        # operands picks batch-size-dependent kernels whose sums differ in the last bit (measured), which would
+        # break batch invariance.
+        blocks = torch.index_select(cache, 0, flat).view(bd, nb * cache.shape[1], kv_heads, d)
+        return blocks.transpose(1, 2).to(q.dtype).contiguous()
+
+    k_t = gather(k_cache).transpose(-1, -2)  # [Bd, kv_heads, d, L] (a transposed view, native to bmm)
+    v_t = gather(v_cache)  # [Bd, kv_heads, L, d]
     qg = q.reshape(bd, kv_heads, num_heads // kv_heads, d)  # [Bd, kv_heads, group, d]
-    # Contiguous operands: bmm over strided views picks batch-size-dependent kernels whose sums differ in the last
-    # bit (measured), which would break batch invariance.
-    k_t = k.permute(0, 2, 3, 1).to(q.dtype).contiguous()  # [Bd, kv_heads, d, L]
-    v_t = v.transpose(1, 2).to(q.dtype).contiguous()  # [Bd, kv_heads, L, d]
     scores = torch.matmul(qg, k_t) * scale  # [Bd, kv_heads, group, L]
     probs = torch.softmax(scores.masked_fill_(plan.masked, float("-inf")), dim=-1)
     out = torch.matmul(probs, v_t)  # [Bd, kv_heads, group, d]
