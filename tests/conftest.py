@@ -68,3 +68,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Several test processes may share two cores: two OpenMP threads each then spin against each other (~10x
+    slower), so the engine tests run torch on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_loaded(tiny_llama):
+    """The tiny Llama loaded once (fp32, CPU); engines only read its weights."""
+    from llmd.model.loader import load_model
+
+    return load_model(tiny_llama, dtype=torch.float32, device="cpu")

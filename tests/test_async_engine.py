@@ -10,22 +10,16 @@ import torch
 
 from llmd.engine import AsyncEngine, Engine, EngineConfig, FinishReason, SamplingParams, generate
 from llmd.errors import EngineDead, InvalidRequest, QueueFull
-from llmd.model.loader import load_model
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama):
-    return load_model(tiny_llama, dtype=torch.float32, device="cpu")
+def tiny(tiny_llama_loaded):
+    return tiny_llama_loaded
 
 
 @pytest.fixture

@@ -17,18 +17,12 @@ from llmd.model.loader import load_model
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Several processes share two cores: two OpenMP threads each then spin-wait against each other (10x slower).
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_llama):
-    return load_model(tiny_llama, dtype=torch.float32, device="cpu")
+def tiny(tiny_llama_loaded):
+    return tiny_llama_loaded
 
 
 @pytest.fixture(scope="module")
