@@ -246,7 +246,10 @@ def generate(
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, seed=seed).validate()
     loaded = load_model(files, dtype=torch_dtype(settings.dtype), device=settings.device, quant=quant)
-    typer.echo(f"loaded {loaded.name} in {loaded.load_seconds:.2f} s ({loaded.device}, {str(loaded.dtype).removeprefix('torch.')})", err=True)
+    r, mib = loaded.report, 1024 * 1024
+    memory = f"; weights {r.weight_bytes / mib:.0f} MiB, peak RSS {r.peak_rss_bytes / mib:.0f} MiB" if r else ""
+    typer.echo(f"loaded {loaded.name} in {loaded.load_seconds:.2f} s ({loaded.device}, "
+               f"{str(loaded.dtype).removeprefix('torch.')}){memory}", err=True)
     ids = prompt_token_ids(loaded.tokenizer, prompt, raw)
     stats = GenerationStats()
     for delta in generate_stream(loaded, ids, params, stats):
