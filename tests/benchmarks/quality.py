@@ -38,6 +38,19 @@ second, yet they still spend much of their time waiting for data to arrive from 
 BUDGETS = {"int8": 0.01, "int4-g32": 0.08, "int4-g64": 0.08, "gguf": None}
 
 
+def describe(mode: str, model_path: Path) -> str:
+    """Where a row's weights come from, so a GGUF's own blocks are never mistaken for llmd's quantizer."""
+    gguf = model_path.suffix.lower() == ".gguf"
+    if mode == "none":
+        return "reference: file weights dequantized to fp32" if gguf else "reference: fp32"
+    if mode == "gguf":
+        return "the file's own blocks, kept packed (no re-quantization)"
+    source = "re-quantized by llmd from the dequantized fp32 weights" if gguf else "quantized by llmd"
+    if gguf and mode == "int4-g32":
+        source += " (a Q4_0/Q4_1 source already lies on a g32 grid: near-exact by construction)"
+    return source
+
+
 def default_model() -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from conftest import bundled_smollm2_path
@@ -98,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
         results[mode] = {"perplexity": ppl, "mean_kl": kl, "weight_mib": nbytes / 2**20, "load_s": seconds}
     base = results["none"]["perplexity"]
     print(f"model: {model_path.name}, {len(ids)} tokens")
-    print(f"{'mode':10} {'ppl':>9} {'Δppl':>8} {'mean KL':>9} {'weights':>9} {'budget':>8}")
+    print(f"{'mode':10} {'ppl':>9} {'Δppl':>8} {'mean KL':>9} {'weights':>9} {'budget':>8}  source")
     for mode, r in results.items():
         delta = r["perplexity"] / base - 1
         budget = BUDGETS.get(mode)
@@ -106,7 +119,8 @@ def main(argv: list[str] | None = None) -> dict:
         r["ppl_change"] = delta
         r["within_budget"] = None if budget is None else delta <= budget
         print(f"{mode:10} {r['perplexity']:9.3f} {delta * 100:7.2f}% {r['mean_kl']:9.5f} {r['weight_mib']:7.0f}MiB "
-              f"{verdict:>8}")
+              f"{verdict:>8}  {describe(mode, model_path)}")
+        r["source"] = describe(mode, model_path)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return results
