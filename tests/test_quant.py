@@ -225,3 +225,78 @@ def test_smollm2_runs_from_its_q4_1_blocks(smollm2_gguf):
     logits = prefill_logits(lm, ids)  # one forward: the CPU int4 path is slow on CPUs without AVX-512
     assert lm.tokenizer.decode([int(logits[-1].argmax())]).strip() == "Paris"
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# The quantized-checkpoint cache (llmd.model.quant_cache)
+
+
+@pytest.fixture
+def quant_cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLMD_QUANT_CACHE_DIR", str(tmp_path / "qcache"))
+    return tmp_path / "qcache"
+
+
+def _spy_quantizer(monkeypatch) -> list:
+    calls = []
+    real = quant.fill_from_weight
+    monkeypatch.setattr(quant, "fill_from_weight", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("mode,head", [("int4-g32", False), ("int8", True)])
+def test_second_load_reads_the_cache_with_identical_outputs(tiny_qwen2, quant_cache_dir, monkeypatch, mode, head):
+    calls = _spy_quantizer(monkeypatch)
+    first = load_model(tiny_qwen2, quant=mode, quantize_head=head)
+    assert calls, "the first load quantizes"
+    entries = list(quant_cache_dir.glob("*.safetensors"))
+    assert len(entries) == 1
+    calls.clear()
+    second = load_model(tiny_qwen2, quant=mode, quantize_head=head)
+    assert not calls, "the second load must read the cache, not quantize"
+    assert isinstance(second.model.lm_head, quant.Int8Linear) == head
+    ids = first.tokenizer.encode("Hello, world! How are you")
+    assert torch.equal(prefill_logits(first, ids), prefill_logits(second, ids))
+    assert greedy_generate(second, ids, 4) == greedy_generate(first, ids, 4)
+    # another mode is another entry
+    load_model(tiny_qwen2, quant="int4-g64" if mode == "int8" else "int8")
+    assert len(list(quant_cache_dir.glob("*.safetensors"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip-byte", "garbage"])
+def test_damaged_cache_entry_is_ignored_with_a_warning_and_rebuilt(tiny_llama, quant_cache_dir, monkeypatch, caplog,
+                                                                  damage):
+    first = load_model(tiny_llama, quant="int4-g32")
+    (entry,) = quant_cache_dir.glob("*.safetensors")
+    data = bytearray(entry.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip-byte":
+        data[-100] ^= 0xFF  # inside the last tensor's bytes: only the checksum can tell
+    else:
+        data = bytearray(b"not a safetensors file")
+    entry.write_bytes(bytes(data))
+    calls = _spy_quantizer(monkeypatch)
+    with caplog.at_level("WARNING", logger="llmd.model.quant_cache"):
+        second = load_model(tiny_llama, quant="int4-g32")
+    assert calls, "a damaged entry is quantized again"
+    assert any("damaged" in r.getMessage() for r in caplog.records)
+    ids = first.tokenizer.encode("The quick brown fox")
+    assert torch.equal(prefill_logits(first, ids), prefill_logits(second, ids))
+    calls.clear()
+    load_model(tiny_llama, quant="int4-g32")  # and the rebuilt entry is good again
+    assert not calls
+
+
+def test_changed_source_file_misses_the_cache(tiny_llama, quant_cache_dir, tmp_path):
+    import os
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_llama, copy)
+    load_model(copy, quant="int8")
+    (old,) = quant_cache_dir.glob("*.safetensors")
+    st = next(copy.glob("*.safetensors"))
+    os.utime(st, ns=(st.stat().st_atime_ns, st.stat().st_mtime_ns + 10**9))
+    load_model(copy, quant="int8")
+    (new,) = quant_cache_dir.glob("*.safetensors")  # a fresh entry, and the stale one removed
+    assert new != old

@@ -15,6 +15,7 @@ from ..errors import ModelFileError
 from .config import ModelConfig
 from .quant import (build_empty_quantized, gguf_raw_tensors, gguf_tensor_types, parse_quant, quantize_tied_head,
                     quantized_weight_bytes, quantizing_stream)
+from .quant_cache import load_quantized  # second starts read packed weights from the XDG cache
 from .weights import LoadReport, build_empty, iter_safetensors, load_hf_weights, load_tensors, safetensors_files
 
 log = logging.getLogger(__name__)
@@ -62,8 +63,12 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
             report = load_tensors(model, gguf.tensors, path)
         else:
             types = gguf_tensor_types(path) if spec.method == "gguf" else None
-            model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head, types)
-            report = load_tensors(model, quantizing_stream(gguf_raw_tensors(path), swapped, spec, path), path)
+
+            def build():
+                model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head, types)
+                return model, load_tensors(model, quantizing_stream(gguf_raw_tensors(path), swapped, spec, path), path)
+
+            model, report, _ = load_quantized([path], config, dtype, device_t, spec, quantize_head, build)
     else:
         from .tokenizer import Tokenizer
 
@@ -73,9 +78,13 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
             model = build_empty(config, dtype, device_t)
             report = load_hf_weights(model, path)
         else:
-            model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head)
-            stream = quantizing_stream(iter_safetensors(safetensors_files(path)), swapped, spec, path)
-            report = load_tensors(model, stream, path)
+            def build():
+                model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head)
+                stream = quantizing_stream(iter_safetensors(safetensors_files(path)), swapped, spec, path)
+                return model, load_tensors(model, stream, path)
+
+            model, report, _ = load_quantized(safetensors_files(path), config, dtype, device_t, spec, quantize_head,
+                                              build)
         tokenizer = Tokenizer.from_hf_folder(path)
     if quantize_head and spec.method not in ("none", "gguf"):
         quantize_tied_head(model, spec)
