@@ -14,11 +14,12 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Quantized checkpoints that tests produce go to a per-run temp dir, not the user's XDG cache (llmd.model.quant_cache).
-if "LLMD_QUANT_CACHE_DIR" not in os.environ:
-    import tempfile
 
-    os.environ["LLMD_QUANT_CACHE_DIR"] = tempfile.mkdtemp(prefix="llmd-test-quant-cache-")
+@pytest.fixture(scope="session", autouse=True)
+def quant_cache_in_tmp(tmp_path_factory):
+    """Quantized checkpoints that tests produce go to pytest's temp dir (pruned by pytest), never the user's cache."""
+    os.environ["LLMD_QUANT_CACHE_DIR"] = str(tmp_path_factory.mktemp("quant-cache"))
+    yield
 
 
 def bundled_smollm2_path() -> Path | None:
