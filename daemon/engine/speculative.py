@@ -93,7 +93,10 @@ class Speculator:
     def propose(self, plan, budget: int) -> dict[str, Proposal]:
         if self.mode == "off":
             return {}
-        batch_size = len(plan.scheduled)
+        # Load is every request in the engine, not just this step's batch: while a burst is still being
+        # prefilled, few sequences are scheduled, but speculating then only delays the rest.
+        sched = self.engine.scheduler
+        batch_size = max(len(plan.scheduled), sched.num_running + sched.num_waiting)
         if self.policy.adaptive and batch_size > self.policy.max_batch:
             return {}  # busy: do not even look for proposals
         engine = self.engine
