@@ -12,11 +12,13 @@ from llmd.model.attention import AttentionMetadata, allocate_kv_cache
 
 @torch.inference_mode()
 def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, block_size: int = 16,
-                             warmup: int = 2, sync=lambda: None) -> float:
+                             warmup: int = 2, sync=lambda: None, query_len: int = 1) -> float:
+    """Steps per second times batch. query_len > 1 feeds that many positions per sequence per step, the shape of a
+    speculative verify (k proposals + 1), so its cost can be compared with a plain decode step."""
     cfg = model.config
     param = next(p for p in model.parameters())
     device, dtype = param.device, (param.dtype if param.is_floating_point() else torch.float32)
-    max_len = prompt_len + steps + warmup + 1
+    max_len = prompt_len + query_len * (steps + warmup) + 1
     per_seq = -(-max_len // block_size)
     kv = allocate_kv_cache(cfg.num_hidden_layers, batch * per_seq + 1, block_size, cfg.num_key_value_heads,
                            cfg.head_dim, dtype, device)
@@ -32,11 +34,11 @@ def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, blo
     for step in range(warmup + steps):
         sync()
         t0 = time.perf_counter()
-        ids = model.compute_logits(last).argmax(-1)
-        length += 1
-        meta = AttentionMetadata.build([1] * batch, [length] * batch, tables, block_size, device=device)
-        positions = torch.full((batch,), length - 1, dtype=torch.long, device=device)
-        last = model(ids, positions, kv, meta)
+        ids = model.compute_logits(last).argmax(-1).repeat_interleave(query_len)
+        length += query_len
+        meta = AttentionMetadata.build([query_len] * batch, [length] * batch, tables, block_size, device=device)
+        positions = torch.arange(length - query_len, length, device=device).repeat(batch)
+        last = model(ids, positions, kv, meta).view(batch, query_len, -1)[:, -1]
         sync()
         if step >= warmup:
             elapsed += time.perf_counter() - t0

@@ -121,6 +121,27 @@ def decode_roofline(peak_gbs: float, prompt_len: int = 128, steps: int = 32) -> 
     return rows
 
 
+def verify_cost(peak_gbs: float, prompt_len: int = 512, steps: int = 16) -> list[dict]:
+    """Speculation's cost side at real shapes: time of a (k+1)-position verify step vs a 1-token decode step."""
+    from decode_driver import decode_tokens_per_second
+
+    from llmd.kernels.paged_attention import enable_cuda_attention
+
+    enable_cuda_attention()
+    model, _ = random_model("bf16")
+    rows = []
+    for batch in (1, 8):
+        base = decode_tokens_per_second(model, batch, prompt_len, steps, sync=torch.cuda.synchronize)
+        for k in (2, 4, 8):
+            verify = decode_tokens_per_second(model, batch, prompt_len, steps, sync=torch.cuda.synchronize,
+                                              query_len=k + 1)
+            rows.append(dict(batch=batch, k=k, verify_over_decode=base / verify))
+            print(f"verify batch {batch} k={k}: {base / verify:4.2f}x the time of a 1-token decode step", flush=True)
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -129,7 +150,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "peak_gbs": args.peak_gbs}
-    for name, fn in (("kernels", kernel_bandwidth), ("decode", decode_roofline)):
+    for name, fn in (("kernels", kernel_bandwidth), ("decode", decode_roofline), ("spec_verify", verify_cost)):
         start = time.perf_counter()
         try:
             results[name] = fn(args.peak_gbs)
