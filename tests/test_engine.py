@@ -194,7 +194,7 @@ def boundary_stop(tokenizer, token_ids: list[int]) -> tuple[str, str]:
             stop = full[cut - 2 : cut + 2]
             if stop.strip() and full.find(stop) == cut - 2:
                 return stop, full[: cut - 2]
-    pytest.skip("no usable token boundary in this output")
+    pytest.fail("the fixed greedy output has no usable token boundary: pick another prompt")
 
 
 def test_smollm2_stop_string_across_token_boundary(smol):
