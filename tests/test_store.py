@@ -203,6 +203,14 @@ def test_not_cached_says_how_to_pull():
     assert "\n" not in message
 
 
+def test_bundled_model_answers_to_its_alias_until_pulled(smollm2_gguf, hf_home, tmp_path):
+    for name in ("smollm2:135m", "HuggingFaceTB/SmolLM2-135M-Instruct"):
+        files = resolve(name)
+        assert (files.kind, files.path) == ("gguf", smollm2_gguf)
+    add_to_hub_cache(hf_home, ALIASES["smollm2:135m"], write_hf_folder(tmp_path / "pulled"))
+    assert resolve("smollm2:135m").kind == "hf"  # a pulled copy takes precedence
+
+
 def test_offline_not_found_says_offline_and_how_to_pull(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelNotFound, match=r"not found offline.*llmd pull qwen3:0\.6b"):

