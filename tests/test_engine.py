@@ -14,6 +14,8 @@ from llmd.engine import Engine, EngineConfig, FinishReason, Priority, SamplingPa
 from llmd.errors import InvalidRequest, QueueFull
 from llmd.model.loader import load_model
 
+from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -27,30 +29,8 @@ def tiny(tiny_llama_loaded):
 
 @pytest.fixture(scope="module")
 def smol(smollm2_gguf):
-    try:  # fp32 weights (the GGUF's Q4_1 blocks dequantized), the exactness reference on CPU
-        return load_model(smollm2_gguf, dtype=torch.float32, device="cpu", quant="none")
-    except TypeError:
-        return load_model(smollm2_gguf, dtype=torch.float32, device="cpu")
-
-
-_engines: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_blocks():
-    """After every test, every engine it built must be idle with each block free or evictable-cached."""
-    _engines.clear()
-    yield
-    for engine in _engines:
-        engine.check_no_leaks()
-    _engines.clear()
-
-
-def make_engine(loaded, **kw) -> Engine:
-    kw.setdefault("num_kv_blocks", 256)
-    engine = Engine(loaded, EngineConfig(**kw))
-    _engines.append(engine)
-    return engine
+    # fp32 weights (the GGUF's Q4_1 blocks dequantized): the exactness reference on CPU
+    return load_model(smollm2_gguf, dtype=torch.float32, device="cpu", quant="none")
 
 
 def random_prompts(n: int, lo: int, hi: int, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -14,6 +14,8 @@ from llmd.engine import Engine, EngineConfig, SamplingParams, generate
 from llmd.engine.spec_draft import TokenizerMismatch
 from llmd.model.loader import load_model
 
+from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -23,25 +25,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_loaded):
     return tiny_llama_loaded
-
-
-_engines: list[Engine] = []
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_blocks():
-    _engines.clear()
-    yield
-    for engine in _engines:
-        engine.check_no_leaks()  # target pool and, with a draft, the draft's pool too
-    _engines.clear()
-
-
-def make_engine(loaded, **kw) -> Engine:
-    kw.setdefault("num_kv_blocks", 256)
-    engine = Engine(loaded, EngineConfig(**kw))
-    _engines.append(engine)
-    return engine
 
 
 def prompts_for(vocab: int, n: int = 4, seed: int = 0) -> list[list[int]]:
