@@ -14,6 +14,7 @@ import torch
 from llmd.errors import ModelFileError, UnsupportedArchitecture
 from llmd.model.attention import AttentionMetadata, allocate_kv_cache
 from llmd.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from llmd.model.linear import TransposedLinear
 from llmd.model.loader import load_model
 from llmd.model.simple import SingleSequence, greedy_generate
 
@@ -92,6 +93,22 @@ def test_mixed_batch_equals_sequences_run_alone(loaded):
         logits = model.compute_logits(hidden[[7, 8]])
     assert (logits[0] - alone_a).abs().max().item() < 1e-5
     assert (logits[1] - alone_b).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cpu_weights_are_transposed_and_a_tied_head_is_stored_once(kind, loaded, references):
+    """On CPU every fp projection is stored [in, out] (the faster layout for decode); the parity tests above run on
+    that layout. A tied head and the embeddings must share one matrix, as in the checkpoint."""
+    lm = loaded[kind].model
+    projections = [m for name, m in lm.named_modules() if name.endswith("_proj") or name == "lm_head"]
+    assert projections and all(isinstance(m, TransposedLinear) for m in projections)
+    assert not any(type(m) is torch.nn.Linear for m in lm.modules())
+    ours = sum(p.numel() for p in lm.parameters())
+    theirs = sum(p.numel() for p in references[kind].parameters())  # counts a tied matrix once
+    assert ours == theirs
+    if references[kind].config.tie_word_embeddings:
+        ids = torch.tensor(prompt_ids(8, seed=3))
+        assert torch.equal(lm.model.embed_tokens(ids), lm.lm_head.weight_t.t()[ids])
 
 
 def test_loaded_model_fields_and_bf16_flag(tiny_llama):

@@ -13,6 +13,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from .config import ModelConfig
+from .linear import use_transposed_weights
 from .quant import (build_empty_quantized, gguf_raw_tensors, gguf_tensor_types, parse_quant, quantize_tied_head,
                     quantized_weight_bytes, quantizing_stream)
 from .quant_cache import load_quantized  # second starts read packed weights from the XDG cache
@@ -88,6 +89,8 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
         tokenizer = Tokenizer.from_hf_folder(path)
     if quantize_head and spec.method not in ("none", "gguf"):
         quantize_tied_head(model, spec)
+    if device_t.type == "cpu":
+        use_transposed_weights(model)
     report.weight_bytes = quantized_weight_bytes(model)
     seconds = time.perf_counter() - start
     report.seconds = seconds
