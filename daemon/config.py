@@ -113,6 +113,7 @@ class Settings:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-token, per-head scales: ~2x the tokens of bf16)
     draft_model: str | None = None  # speculative decoding draft; None: off
     num_speculative_tokens: int = 4
     spec_mode: str | None = None  # off | ngram | draft | auto; None: auto with a draft model, else off
@@ -144,7 +145,8 @@ _BOUNDS: dict[str, tuple[float | None, float | None]] = {
 }
 _CHOICES: dict[str, tuple[str, ...]] = {"dtype": ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
                                         "quant": QUANT_MODES,
-                                        "spec_mode": ("off", "ngram", "draft", "auto")}
+                                        "spec_mode": ("off", "ngram", "draft", "auto"),
+                                        "kv_cache_dtype": ("auto", "int8")}
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 _HINTS = typing.get_type_hints(Settings)

@@ -72,7 +72,8 @@ class GenerationStats:
         return (self.generated_tokens - 1) / decode
 
 
-def generate_stream(loaded, prompt_ids: list[int], params, stats: GenerationStats | None = None) -> Iterator[str]:
+def generate_stream(loaded, prompt_ids: list[int], params, stats: GenerationStats | None = None,
+                    kv_cache_dtype: str = "auto") -> Iterator[str]:
     """Run one request on a private engine sized for it and yield text deltas as the engine produces them."""
     from .engine import Engine, EngineConfig
 
@@ -90,6 +91,7 @@ def generate_stream(loaded, prompt_ids: list[int], params, stats: GenerationStat
         num_kv_blocks=math.ceil(needed / block_size) + 1,
         max_num_seqs=1,
         max_model_len=needed,
+        kv_cache_dtype=kv_cache_dtype,
     )
     engine = Engine(loaded, config)
     stats.prompt_tokens = len(prompt_ids)

@@ -5,6 +5,9 @@ each K/V row is read from memory once per group rather than once per query head,
 block table with an online softmax. With several splits each program covers a slice of the context and writes its
 unnormalised partial result; a small combine step merges the slices (long contexts at small batch would otherwise
 leave most of the GPU idle).
+
+An int8 cache (llmd.model.kv_int8: int8 values plus an fp32 scale per token per KV head) is dequantized as it is
+loaded, by `load_kv_tile`, a jit helper that other kernels reading the paged cache (prefill) can call too.
 """
 
 from __future__ import annotations
@@ -19,17 +22,26 @@ from ._triton import triton, tl, HAVE_TRITON
 def paged_decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
+    *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence, already in the cache) -> [B, H, D]. num_splits does not change the
-    result; it is accepted so the signature matches the kernel."""
+    result; it is accepted so the signature matches the kernel. k_scale/v_scale [num_blocks, block_size, kv_heads]:
+    the caches hold int8 values x / scale."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
+
+    def context(cache, cache_scale, ids, s_len):  # [S, H, D] fp32, each KV head repeated for its query heads
+        x = cache[ids].flatten(0, 1)[:s_len].to(torch.float32)
+        if cache_scale is not None:
+            x = x * cache_scale[ids].flatten(0, 1)[:s_len, :, None]
+        return x.repeat_interleave(group, dim=1)
+
     for b, s_len in enumerate(seq_lens.tolist()):
         n_blocks = (s_len + block_size - 1) // block_size
         ids = block_tables[b, :n_blocks]
-        k = k_cache[ids].flatten(0, 1)[:s_len].to(torch.float32).repeat_interleave(group, dim=1)  # [S, H, D]
-        v = v_cache[ids].flatten(0, 1)[:s_len].to(torch.float32).repeat_interleave(group, dim=1)
+        k = context(k_cache, k_scale, ids, s_len)
+        v = context(v_cache, v_scale, ids, s_len)
         scores = torch.einsum("hd,shd->hs", q[b].to(torch.float32), k) * scale
         out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), v).to(q.dtype)
     return out
@@ -38,12 +50,23 @@ def paged_decode_attention_ref(
 if HAVE_TRITON:
 
     @triton.jit
+    def load_kv_tile(ptr, scale_ptr, row, scale_row, t_mask, d, d_mask, QUANT: tl.constexpr):
+        """A [BLOCK_T, D_PAD] tile of a K or V cache: token t's head vector starts at element `row[t]`, its scale
+        (QUANT: int8 cache) at `scale_row[t]`. Masked rows and columns read 0. Returns the cache dtype, or fp32
+        dequantized values for an int8 cache; the caller casts to its compute dtype."""
+        x = tl.load(ptr + row[:, None] + d[None, :], mask=t_mask[:, None] & d_mask[None, :], other=0)
+        if QUANT:
+            s = tl.load(scale_ptr + scale_row, mask=t_mask, other=0.0)
+            x = x.to(tl.float32) * s[:, None]
+        return x
+
+    @triton.jit
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, bt_ptr, sl_ptr, out_ptr, m_ptr, l_ptr, scale,
-        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, m_ptr, l_ptr, scale,
+        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, stride_btb,
         stride_ob, stride_oh, stride_os, block_size, tokens_per_split,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_T: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -69,9 +92,9 @@ if HAVE_TRITON:
             t_mask = t < end
             blk = tl.load(bt_ptr + b * stride_btb + t // block_size, mask=t_mask, other=0)
             row = blk.to(tl.int64) * stride_kb + (t % block_size) * stride_kt + kvh * stride_kh
-            kv_mask = t_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-            v = tl.load(v_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+            scale_row = blk.to(tl.int64) * stride_sb + (t % block_size) * stride_st + kvh * stride_sh
+            k = load_kv_tile(k_ptr, ks_ptr, row, scale_row, t_mask, d, d_mask, QUANT).to(q.dtype)
+            v = load_kv_tile(v_ptr, vs_ptr, row, scale_row, t_mask, d, d_mask, QUANT).to(q.dtype)
             s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)  # [GROUP_PAD, BLOCK_T]
             s = tl.where(t_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -108,6 +131,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
+    *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of `paged_decode_attention_ref`. max_seq_len (a host int) sizes the splits without a sync."""
     batch, num_heads, head_dim = q.shape
@@ -116,6 +140,17 @@ def paged_decode_attention(
         raise ValueError(f"{num_heads} query heads do not group onto {num_kv_heads} KV heads")
     if k_cache.stride(-1) != 1 or q.stride(-1) != 1:
         raise ValueError("q and the KV cache must be contiguous in head_dim")
+    if k_cache.stride() != v_cache.stride():
+        raise ValueError("the K and V caches must have the same layout")
+    quant = k_scale is not None
+    if quant:
+        if v_scale is None or k_scale.stride() != v_scale.stride() or k_scale.shape != k_cache.shape[:3]:
+            raise ValueError("an int8 cache needs K and V scales of shape [num_blocks, block_size, kv_heads], "
+                             "with the same layout")
+        scale_strides = k_scale.stride()
+    else:
+        k_scale = v_scale = k_cache  # placeholders: never read when QUANT is off
+        scale_strides = (0, 0, 0)
     group = num_heads // num_kv_heads
     interp = os.environ.get("TRITON_INTERPRET") == "1"
     if max_seq_len is None:
@@ -133,11 +168,11 @@ def paged_decode_attention(
         m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, part, m, l, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2), block_size, per_split,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part, m, l, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
+        block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), block_size, per_split,
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
-        BLOCK_T=block_t, SPLIT=num_splits,
+        BLOCK_T=block_t, SPLIT=num_splits, QUANT=quant,
         **({} if interp else {"num_warps": 4, "num_stages": 2}),
     )
     if num_splits == 1:
@@ -152,12 +187,13 @@ def triton_paged_attention(q: torch.Tensor, kv_cache, meta, scale: float) -> tor
     """An llmd.model.attention backend: decode-only steps run the kernel; steps with prefill chunks use the torch
     path (there is no Triton prefill kernel yet)."""
     from llmd.model.attention import torch_paged_attention
+    from llmd.model.kv_int8 import kv_parts
 
     if not meta.is_decode_only:
         return torch_paged_attention(q, kv_cache, meta, scale)
-    k_cache, v_cache = kv_cache
+    k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
     return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                  max_seq_len=max(meta.seq_lens_list))
+                                  max_seq_len=max(meta.seq_lens_list), k_scale=k_scale, v_scale=v_scale)
 
 
 def enable_cuda_attention() -> bool:

@@ -11,16 +11,18 @@ import logging
 import torch
 
 from ..model.attention import AttentionMetadata, allocate_kv_cache
+from ..model.kv_int8 import bytes_per_token
 from .config import EngineConfig
 from .scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
 
-def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
+def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block across all layers: K and V, plus the int8 cache's per-token scales."""
     c = model_config
-    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * elem
+    per_token = bytes_per_token(c.num_key_value_heads, c.head_dim, dtype, kv_cache_dtype)
+    return c.num_hidden_layers * block_size * per_token
 
 
 def activation_headroom_bytes(model_config, config: EngineConfig, dtype: torch.dtype) -> int:
@@ -36,7 +38,7 @@ def activation_headroom_bytes(model_config, config: EngineConfig, dtype: torch.d
 def plan_num_blocks(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
-    per_block = kv_bytes_per_block(model_config, config.block_size, dtype)
+    per_block = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype)
     if config.kv_cache_bytes is not None:
         budget = config.kv_cache_bytes
     else:
@@ -58,15 +60,17 @@ class ModelRunner:
         self.device = param.device
         self.dtype = param.dtype
         self.block_size = config.block_size
+        self.kv_cache_dtype = config.kv_cache_dtype
         self.num_blocks = plan_num_blocks(self.model_config, config, self.dtype, self.device)
         c = self.model_config
         self.kv_caches = allocate_kv_cache(
             c.num_hidden_layers, self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.dtype, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
         )
-        self.kv_cache_bytes = self.num_blocks * kv_bytes_per_block(c, self.block_size, self.dtype)
-        log.info("KV pool: %d blocks of %d tokens (%.0f MiB)", self.num_blocks, self.block_size,
-                 self.kv_cache_bytes / 2**20)
+        self.kv_cache_bytes = self.num_blocks * kv_bytes_per_block(c, self.block_size, self.dtype, self.kv_cache_dtype)
+        kind = "int8 + scales" if self.kv_cache_dtype == "int8" else str(self.dtype).removeprefix("torch.")
+        log.info("KV pool: %d blocks of %d tokens (%.0f MiB, %s)", self.num_blocks, self.block_size,
+                 self.kv_cache_bytes / 2**20, kind)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:

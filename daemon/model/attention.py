@@ -4,7 +4,9 @@ Every model layer calls `paged_attention(q, k, v, kv_cache, meta)`. The engine b
 for the whole flattened batch (decodes and prefill chunks mixed). K/V of the new tokens are written in place through
 `slot_mapping`; attention then reads each sequence's context through its block table.
 
-Cache layout, per layer: a pair (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim].
+Cache layout, per layer: a pair (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim], in the
+model's dtype; or, with kv_cache_dtype "int8", an `Int8KVCache` (llmd.model.kv_int8): int8 values in that layout plus
+a per-token, per-head scale. Readers turn either into values through `kv_int8.gather_blocks`.
 Slot s lives at block s // block_size, offset s % block_size.
 
 The Triton kernels (llmd.kernels) plug in through `set_attention_backend`; the torch functions here are the reference
@@ -19,7 +21,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-KVCache = tuple[torch.Tensor, torch.Tensor]
+from .kv_int8 import KV_CACHE_DTYPES, Int8KVCache, allocate_int8, gather_blocks, kv_parts, write_int8
+
+KVCache = tuple[torch.Tensor, torch.Tensor] | Int8KVCache
 
 
 @dataclass
@@ -77,21 +81,26 @@ class AttentionMetadata:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K/V ([T, kv_heads, head_dim]) into their cache slots."""
+    """Store the new tokens' K/V ([T, kv_heads, head_dim]) into their cache slots (quantized for an int8 cache)."""
+    if isinstance(kv_cache, Int8KVCache):
+        write_int8(k, v, kv_cache, slot_mapping)
+        return
     k_cache, v_cache = kv_cache
     num_blocks, block_size = k_cache.shape[:2]
     k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def gather_context(kv_cache: KVCache, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's cached K and V, [seq_len, kv_heads, head_dim] each."""
-    k_cache, v_cache = kv_cache
+def gather_context(
+    kv_cache: KVCache, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached K and V as `dtype`, [seq_len, kv_heads, head_dim] each."""
+    k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
     block_size = k_cache.shape[1]
     n_blocks = (seq_len + block_size - 1) // block_size
     ids = block_table[:n_blocks]
-    k = k_cache[ids].flatten(0, 1)[:seq_len]
-    v = v_cache[ids].flatten(0, 1)[:seq_len]
+    k = gather_blocks(k_cache, k_scale, ids, dtype).flatten(0, 1)[:seq_len]
+    v = gather_blocks(v_cache, v_scale, ids, dtype).flatten(0, 1)[:seq_len]
     return k, v
 
 
@@ -112,13 +121,13 @@ def torch_paged_attention(
         if q_len == 0 or (wanted is not None and i not in wanted):
             start += q_len
             continue
-        k, v = gather_context(kv_cache, meta.block_tables[i], s_len)
+        k, v = gather_context(kv_cache, meta.block_tables[i], s_len, q.dtype)
         group = num_heads // k.shape[1]
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
         qs = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, d]
-        ks, vs = k.transpose(0, 1).to(q.dtype), v.transpose(0, 1).to(q.dtype)
+        ks, vs = k.transpose(0, 1), v.transpose(0, 1)
         if q_len == 1:
             o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         else:
@@ -162,21 +171,21 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
     sequence's result does not depend on what else is in the batch (tests/test_attention_fast.py checks this
     bit for bit). Grouped-query heads share K/V through a broadcast view instead of a repeat.
     """
-    k_cache, v_cache = kv_cache
+    k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
     bd, num_heads, d = q.shape
     kv_heads = k_cache.shape[2]
     nb = plan.block_tables.shape[1]
     flat = plan.block_tables.view(-1)
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
+    def gather(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         # whole blocks (one contiguous copy each), then [Bd, kv_heads, L, d] made contiguous: bmm over strided
         # operands picks batch-size-dependent kernels whose sums differ in the last bit (measured), which would
         # break batch invariance.
-        blocks = torch.index_select(cache, 0, flat).view(bd, nb * cache.shape[1], kv_heads, d)
-        return blocks.transpose(1, 2).to(q.dtype).contiguous()
+        blocks = gather_blocks(cache, scale, flat, q.dtype).view(bd, nb * cache.shape[1], kv_heads, d)
+        return blocks.transpose(1, 2).contiguous()
 
-    k_t = gather(k_cache).transpose(-1, -2)  # [Bd, kv_heads, d, L] (a transposed view, native to bmm)
-    v_t = gather(v_cache)  # [Bd, kv_heads, L, d]
+    k_t = gather(k_cache, k_scale).transpose(-1, -2)  # [Bd, kv_heads, d, L] (a transposed view, native to bmm)
+    v_t = gather(v_cache, v_scale)  # [Bd, kv_heads, L, d]
     qg = q.reshape(bd, kv_heads, num_heads // kv_heads, d)  # [Bd, kv_heads, group, d]
     scores = torch.matmul(qg, k_t) * scale  # [Bd, kv_heads, group, L]
     probs = torch.softmax(scores.masked_fill_(plan.masked, float("-inf")), dim=-1)
@@ -221,8 +230,13 @@ def paged_attention(
 
 def allocate_kv_cache(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-    dtype: torch.dtype, device: torch.device | str = "cpu",
+    dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
 ) -> list[KVCache]:
+    """Zeroed caches for every layer: (k, v) pairs in `dtype`, or Int8KVCaches with kv_cache_dtype "int8"."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: must be one of {', '.join(KV_CACHE_DTYPES)}")
+    if kv_cache_dtype == "int8":
+        return [allocate_int8(num_blocks, block_size, num_kv_heads, head_dim, device) for _ in range(num_layers)]
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -28,7 +28,7 @@ def _model_of(model_or_loaded: Any) -> torch.nn.Module:
 class SingleSequence:
     """One sequence with its own small KV cache of `ceil(max_tokens / block_size)` blocks."""
 
-    def __init__(self, model_or_loaded: Any, max_tokens: int, block_size: int = 16):
+    def __init__(self, model_or_loaded: Any, max_tokens: int, block_size: int = 16, kv_cache_dtype: str = "auto"):
         self.model = _model_of(model_or_loaded)
         cfg = self.model.config
         param = next(self.model.parameters())
@@ -39,7 +39,7 @@ class SingleSequence:
         self.block_table = list(reversed(range(num_blocks)))
         self.kv_caches = allocate_kv_cache(
             cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-            dtype=param.dtype, device=self.device,
+            dtype=param.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype,
         )
         self.length = 0  # tokens already in the cache
 
@@ -61,10 +61,11 @@ class SingleSequence:
 
 
 def prefill_logits(
-    model_or_loaded: Any, token_ids: Sequence[int], chunk_sizes: Sequence[int] = (), block_size: int = 16
+    model_or_loaded: Any, token_ids: Sequence[int], chunk_sizes: Sequence[int] = (), block_size: int = 16,
+    kv_cache_dtype: str = "auto",
 ) -> torch.Tensor:
     """Logits [len(token_ids), vocab] for the prompt fed in chunks of `chunk_sizes` (then the rest in one chunk)."""
-    session = SingleSequence(model_or_loaded, len(token_ids), block_size)
+    session = SingleSequence(model_or_loaded, len(token_ids), block_size, kv_cache_dtype)
     pieces, start = [], 0
     for size in list(chunk_sizes) + [len(token_ids)]:
         end = min(len(token_ids), start + size)

@@ -54,6 +54,7 @@ def build_engine(settings):
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_model_len=settings.max_model_len,
         enable_prefix_caching=settings.enable_prefix_caching,
+        kv_cache_dtype=settings.kv_cache_dtype,
         max_queue=settings.max_queue,
         seed=settings.seed or 0,
         # speculative decoding (llmd.engine.speculative)
