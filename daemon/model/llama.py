@@ -16,7 +16,7 @@ from torch import nn
 
 from .attention import AttentionMetadata, KVCache, paged_attention
 from .config import ModelConfig
-from .linear import make_linear
+from .linear import fuse_linears, make_linear
 
 
 class RMSNorm(nn.Module):
@@ -103,14 +103,28 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj: nn.Module | None = None  # set by fuse_projections, replacing q/k/v_proj
+        self.split_sizes = [q_size, kv_size, kv_size]
+
+    def fuse_projections(self) -> None:
+        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if fused is not None:
+            self.qkv_proj = fused
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -124,8 +138,19 @@ class MLP(nn.Module):
         self.gate_proj = make_linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.up_proj = make_linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = make_linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections, replacing gate/up_proj
+        self.intermediate_size = config.intermediate_size
+
+    def fuse_projections(self) -> None:
+        fused = fuse_linears([self.gate_proj, self.up_proj])
+        if fused is not None:
+            self.gate_up_proj = fused
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -165,6 +190,13 @@ class CausalLM(nn.Module):
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.model.rotary_emb.init_buffers(device)
+
+    def fuse_projections(self) -> None:
+        """After loading: q/k/v and gate/up become one matmul each (fewer, larger matmuls per layer; quantized
+        layers are left as they are)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata

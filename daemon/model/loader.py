@@ -89,6 +89,7 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
         tokenizer = Tokenizer.from_hf_folder(path)
     if quantize_head and spec.method not in ("none", "gguf"):
         quantize_tied_head(model, spec)
+    model.fuse_projections()
     if device_t.type == "cpu":
         use_transposed_weights(model)
     report.weight_bytes = quantized_weight_bytes(model)
