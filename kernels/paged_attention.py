@@ -184,14 +184,17 @@ def paged_decode_attention(
 
 
 def triton_paged_attention(q: torch.Tensor, kv_cache, meta, scale: float) -> torch.Tensor:
-    """An llmd.model.attention backend: decode-only steps run the kernel; steps with prefill chunks use the torch
-    path (there is no Triton prefill kernel yet)."""
-    from llmd.model.attention import torch_paged_attention
+    """An llmd.model.attention backend: decode-only steps run the decode kernel; steps with prefill chunks (or
+    speculative verifies) run the varlen prefill kernel over the whole step, decode rows included."""
     from llmd.model.kv_int8 import kv_parts
 
-    if not meta.is_decode_only:
-        return torch_paged_attention(q, kv_cache, meta, scale)
+    from . import prefill_attention
+
     k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
+    if not meta.is_decode_only:
+        return prefill_attention.paged_prefill_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
+            max_query_len=max(meta.query_lens_list), k_scale=k_scale, v_scale=v_scale)
     return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                   max_seq_len=max(meta.seq_lens_list), k_scale=k_scale, v_scale=v_scale)
 

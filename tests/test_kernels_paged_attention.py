@@ -64,11 +64,11 @@ def test_reference_agrees_with_engine_attention():
     _check(ref, engine, torch.float32)
 
 
-def test_backend_routes_decode_to_kernel_and_prefill_to_torch():
+def test_backend_answers_decode_and_mixed_steps():
     q, k_cache, v_cache, meta = _ragged_batch([40, 3], 1, 3, 32, 16, torch.float32, seed=4)
     out = pa.triton_paged_attention(q, (k_cache, v_cache), meta, 0.3)
     _check(out, torch_paged_attention(q, (k_cache, v_cache), meta, 0.3), torch.float32)
-    # a step with a prefill chunk (query length 4) takes the torch path and still answers correctly
+    # a step with a prefill chunk (query length 4) takes the prefill kernel, see test_kernels_prefill_attention.py
     mixed = AttentionMetadata.build([4, 1], [20, 3], [meta.block_tables[0].tolist()[:2], [meta.block_tables[1, 0].item()]],
                                     16, device=DEVICE)
     qm = torch.randn(5, 3, 32, device=DEVICE)
