@@ -2,7 +2,10 @@
 
 1. Per-kernel GB/s and % of peak bandwidth at Llama-3-8B and Qwen2.5-7B linear shapes for M = 1..32: torch bf16
    matmul, int8 (per-channel) and int4 (g128) fused kernels.
-2. End-to-end decode tok/s at batch 1 for a random-weight Llama-3-8B in bf16 / int8 / int4, with achieved GB/s and
+2. Prefill attention at Llama-3-8B shape (32 query heads, 8 KV heads, head_dim 128): the paged varlen kernel's ms
+   and TFLOP/s for 2,048-token prompts (batch 1 and 4, bf16 and int8 cache) and a chunk over a cached prefix, next
+   to torch SDPA on the same K/V laid out contiguously; a few tile settings for tuning.
+3. End-to-end decode tok/s at batch 1 for a random-weight Llama-3-8B in bf16 / int8 / int4, with achieved GB/s and
    % of the roofline (weight + KV bytes read per token / peak bandwidth).
 Writes JSON and a text table to --out. Imports nothing outside torch/triton/llmd.
 """
@@ -60,6 +63,88 @@ def kernel_bandwidth(peak_gbs: float, ms_list=(1, 2, 4, 8, 16, 32)) -> list[dict
                     print(f"{model:11} N={n:6} K={k:6} M={m:3} {kind:10} {ms * 1e3:8.1f} us {gbs:7.0f} GB/s "
                           f"{100 * gbs / peak_gbs:5.1f}%", flush=True)
             del w, q8, q4
+    return rows
+
+
+def prefill_case(batch: int, new: int, prefix: int, kv_dtype: str, tiles: dict, heads: int = 32, kv_heads: int = 8,
+                 head_dim: int = 128, block_size: int = 16, device: str = "cuda", dtype=torch.bfloat16):
+    """One prefill-attention step at the given shape: (kernel, sdpa, flops). Both callables return
+    [batch, heads, new, head_dim]. The paged cache's blocks are scattered, as in a busy pool; SDPA gets the same
+    queries and K/V (dequantized for int8) gathered contiguous and expanded to all heads, so it runs its flash path.
+    FLOPs count only the visible (query, key) pairs: 4 * heads * head_dim per pair."""
+    import torch.nn.functional as F
+
+    from llmd.kernels.prefill_attention import paged_prefill_attention
+    from llmd.model.attention import AttentionMetadata, gather_context
+    from llmd.model.kv_int8 import Int8KVCache, kv_parts, quantize_int8
+
+    scale = head_dim ** -0.5
+    seq_len = prefix + new
+    per_seq = -(-seq_len // block_size)
+    gen = torch.Generator().manual_seed(0)
+    order = (torch.randperm(batch * per_seq, generator=gen) + 1).tolist()
+    tables = [order[b * per_seq:(b + 1) * per_seq] for b in range(batch)]
+    shape = (batch * per_seq + 1, block_size, kv_heads, head_dim)
+    k = torch.randn(shape, device=device, dtype=dtype)
+    v = torch.randn(shape, device=device, dtype=dtype)
+    if kv_dtype == "int8":
+        (k_q, k_s), (v_q, v_s) = quantize_int8(k), quantize_int8(v)
+        cache = Int8KVCache(k_q, v_q, k_s, v_s)
+    else:
+        cache = (k, v)
+    meta = AttentionMetadata.build([new] * batch, [seq_len] * batch, tables, block_size, device=device)
+    q = torch.randn(batch * new, heads, head_dim, device=device, dtype=dtype)
+    kc, vc, ksc, vsc = kv_parts(cache)
+
+    def kernel():
+        out = paged_prefill_attention(q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, new,
+                                      k_scale=ksc, v_scale=vsc, **tiles)
+        return out.view(batch, new, heads, head_dim).transpose(1, 2)
+
+    ctx = [gather_context(cache, meta.block_tables[b], seq_len, dtype) for b in range(batch)]
+    k_c, v_c = (torch.stack([c[i] for c in ctx]).repeat_interleave(heads // kv_heads, 2).transpose(1, 2).contiguous()
+                for i in (0, 1))
+    q_c = q.view(batch, new, heads, head_dim).transpose(1, 2).contiguous()
+    mask, causal = None, True
+    if prefix:  # queries at the end of the context: a bottom-right aligned causal mask
+        causal = False
+        try:
+            from torch.nn.attention.bias import causal_lower_right
+
+            mask = causal_lower_right(new, seq_len)
+        except ImportError:  # older torch: an explicit mask (SDPA then leaves its flash path)
+            mask = torch.ones(new, seq_len, dtype=torch.bool, device=device).tril(prefix)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q_c, k_c, v_c, attn_mask=mask, is_causal=causal, scale=scale)
+
+    flops = 4 * heads * head_dim * batch * (new * prefix + new * (new + 1) // 2)
+    return kernel, sdpa, flops
+
+
+def prefill_attention_speed(peak_gbs: float) -> list[dict]:
+    """The paged prefill kernel at Llama-3-8B attention shape against torch SDPA, plus a few tile settings."""
+    from triton.testing import do_bench
+
+    # (batch, new tokens, cached prefix, kv cache, tile overrides)
+    cases = [(1, 2048, 0, "bf16", {}), (4, 2048, 0, "bf16", {}), (1, 512, 1536, "bf16", {}),
+             (1, 2048, 0, "int8", {}), (4, 2048, 0, "int8", {})]
+    cases += [(4, 2048, 0, "bf16", t) for t in (dict(num_stages=3), dict(block_n=32),
+                                                  dict(block_m=64, num_warps=4))]
+    rows = []
+    for batch, new, prefix, kv_dtype, tiles in cases:
+        kernel, sdpa, flops = prefill_case(batch, new, prefix, kv_dtype, tiles)
+        max_diff = (kernel().float() - sdpa().float()).abs().max().item()  # also compiles outside the timing
+        ms, ms_sdpa = do_bench(kernel, warmup=10, rep=50), do_bench(sdpa, warmup=10, rep=50)
+        tflops, tflops_sdpa = flops / ms / 1e9, flops / ms_sdpa / 1e9
+        rows.append(dict(batch=batch, new_tokens=new, cached_prefix=prefix, kv_cache=kv_dtype, tiles=tiles,
+                         ms=ms, tflops=tflops, sdpa_ms=ms_sdpa, sdpa_tflops=tflops_sdpa,
+                         kernel_over_sdpa=ms_sdpa / ms, max_abs_diff=max_diff))
+        print(f"prefill attn batch {batch} new {new:5} prefix {prefix:5} {kv_dtype:4} {str(tiles or ''):30} "
+              f"{ms:7.3f} ms {tflops:6.1f} TFLOP/s | SDPA {ms_sdpa:7.3f} ms {tflops_sdpa:6.1f} TFLOP/s | "
+              f"kernel speed {ms_sdpa / ms:4.2f}x SDPA's, max |diff| {max_diff:.3g}", flush=True)
+        del kernel, sdpa
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -150,7 +235,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "peak_gbs": args.peak_gbs}
-    for name, fn in (("kernels", kernel_bandwidth), ("decode", decode_roofline), ("spec_verify", verify_cost)):
+    for name, fn in (("kernels", kernel_bandwidth), ("prefill_attention", prefill_attention_speed),
+                     ("decode", decode_roofline), ("spec_verify", verify_cost)):
         start = time.perf_counter()
         try:
             results[name] = fn(args.peak_gbs)
