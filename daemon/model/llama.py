@@ -70,19 +70,18 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.config, device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and a signed sin, [T, 1, head_dim] so they broadcast over heads: see apply_rope."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)  # [T, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, d]
-        # [T, 1, d] so they broadcast over heads
-        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+        cos, sin = freqs.cos(), freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1)
+        sin = torch.cat((-sin, sin), dim=-1)
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return (x * cos) + (rotate_half(x) * sin)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE, x * cos + rotate_half(x) * sin, with rotate_half's sign folded into the sin table
+    (rotate_half(x) * sin == roll(x, d/2) * signed_sin exactly): fewer ops per layer on the decode path."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
