@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: run test install install-test torch clean
+.PHONY: run test install install-test torch clean bench-anchor
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,6 +30,19 @@ run: install
 
 test: install-test
 	$(PY) -m pytest -q
+
+# Optional anchor for the CPU benchmarks (tests/benchmarks): llama.cpp via llama-cpp-python, compiled from source
+# (PyPI has no CPU wheel). Fixed to AVX2/FMA/F16C with no -march=native: some VMs advertise AMX or AVX-512 and fault
+# on it. The mtmd (vision) library is not needed. About 13 CPU-minutes (28 min on 2 busy shared cores); `make test`
+# never builds it.
+LLAMA_CPP_PYTHON ?= llama-cpp-python==0.3.36
+LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+  -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_BACKEND_DL=OFF \
+  -DGGML_CPU_ALL_VARIANTS=OFF -DLLAVA_BUILD=OFF
+bench-anchor: $(PY)
+	@$(PY) -c "import llama_cpp" 2>/dev/null || \
+	  CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
+	  $(PIP) install --no-binary llama-cpp-python "$(LLAMA_CPP_PYTHON)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info
