@@ -178,7 +178,7 @@ def test_kernel_int8_matches_reference(dtype, group, num_kv_heads, head_dim, blo
     ref = pa.paged_decode_attention_ref(q, c.k, c.v, meta.block_tables, meta.seq_lens, scale,
                                         k_scale=c.k_scale, v_scale=c.v_scale)
     out = pa.paged_decode_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, scale, num_splits=num_splits,
-                                    k_scale=c.k_scale, v_scale=c.v_scale)
+                                    k_scale=c.k_scale, v_scale=c.v_scale, min_split_tokens=16)
     tol = 1e-4 if dtype == torch.float32 else 1e-2  # fp16: q and the dequantized K/V are rounded to fp16
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert (out.float() - ref.float()).abs().max() < tol
@@ -194,6 +194,17 @@ def test_kernel_reference_and_backend_agree_with_engine_attention_on_int8():
     # the same cache without its scales would be read as raw int8 numbers: the result must differ
     raw = pa.paged_decode_attention_ref(q, c.k, c.v, meta.block_tables, meta.seq_lens, 0.2)
     assert (raw - engine).abs().max() > 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,context", [(1, 8192), (16, 1000), (64, 300)])
+def test_kernel_int8_real_shapes_on_gpu(batch, context):
+    lens = [context - 7 * i for i in range(batch)]
+    q, c, meta = int8_decode_batch(lens, 8, 4, 128, 16, torch.bfloat16)  # Llama-3-8B heads, bf16 queries
+    kw = dict(k_scale=c.k_scale, v_scale=c.v_scale)
+    ref = pa.paged_decode_attention_ref(q, c.k, c.v, meta.block_tables, meta.seq_lens, 128 ** -0.5, **kw)
+    out = pa.paged_decode_attention(q, c.k, c.v, meta.block_tables, meta.seq_lens, 128 ** -0.5, **kw)
+    assert (out.float() - ref.float()).abs().max() < 2e-2  # bf16 rounding of q and the dequantized K/V
 
 
 def test_kernel_refuses_one_scale_only():

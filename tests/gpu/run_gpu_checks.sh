@@ -20,7 +20,7 @@ fi
 status=0
 echo "== GPU tests" | tee "$OUT/summary.txt"
 timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
-  tests/test_kernels_quant_matmul.py tests/test_kernels_paged_attention.py tests/test_kernels_prefill_attention.py \
+  tests/test_kernels_quant_matmul.py tests/test_kernels_paged_attention.py tests/test_kernels_prefill_attention.py tests/test_kv_int8.py \
   2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5 | tee -a "$OUT/summary.txt" || status=1
 echo "== GPU benchmarks" | tee -a "$OUT/summary.txt"
 timeout 300 "$PY" tests/gpu/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.txt" || status=1
