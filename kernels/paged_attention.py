@@ -6,6 +6,12 @@ block table with an online softmax. With several splits each program covers a sl
 unnormalised partial result; a small combine step merges the slices (long contexts at small batch would otherwise
 leave most of the GPU idle).
 
+The grid's split count is chosen on the host from the batch size and an upper bound of the context lengths; each
+program then sizes its slice from its own sequence's length, read on the device (at most that many slices, none
+shorter than `min_split_tokens`). So the launch depends on no per-step host value beyond the bound, and a CUDA graph
+captured with the bound max_model_len (llmd.engine.cuda_graphs) still splits a short context little and a long one
+fully.
+
 An int8 cache (llmd.model.kv_int8: int8 values plus an fp32 scale per token per KV head) is dequantized as it is
 loaded, by `load_kv_tile`, a jit helper that other kernels reading the paged cache (prefill) can call too.
 """
@@ -18,15 +24,18 @@ import torch
 
 from ._triton import triton, tl, HAVE_TRITON
 
+MIN_SPLIT_TOKENS = 256  # a shorter slice of a context costs more in the combine than it saves
+
 
 def paged_decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
 ) -> torch.Tensor:
-    """q [B, H, D] (one new token per sequence, already in the cache) -> [B, H, D]. num_splits does not change the
-    result; it is accepted so the signature matches the kernel. k_scale/v_scale [num_blocks, block_size, kv_heads]:
-    the caches hold int8 values x / scale."""
+    """q [B, H, D] (one new token per sequence, already in the cache) -> [B, H, D]. num_splits, max_seq_len and
+    min_split_tokens do not change the result; they are accepted so the signature matches the kernel.
+    k_scale/v_scale [num_blocks, block_size, kv_heads]: the caches hold int8 values x / scale."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -64,7 +73,7 @@ if HAVE_TRITON:
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, m_ptr, l_ptr, scale,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, stride_btb,
-        stride_ob, stride_oh, stride_os, block_size, tokens_per_split,
+        stride_ob, stride_oh, stride_os, block_size, min_split_tokens,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
     ):
@@ -72,8 +81,12 @@ if HAVE_TRITON:
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
         seq_len = tl.load(sl_ptr + b).to(tl.int32)
-        start = sp * tokens_per_split
-        end = tl.minimum(start + tokens_per_split, seq_len)
+        # this sequence's own slices: at most SPLIT, none shorter than min_split_tokens, whole BLOCK_T tiles; the
+        # programs past its last slice store an empty result (m = -inf, l = 0), which the combine weighs 0
+        n_split = tl.minimum(tl.maximum(seq_len // min_split_tokens, 1), SPLIT)
+        per_split = ((seq_len + n_split - 1) // n_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T
+        start = sp * per_split
+        end = tl.minimum(start + per_split, seq_len)
 
         g = tl.arange(0, GROUP_PAD)
         heads = kvh * GROUP + g
@@ -120,11 +133,11 @@ def _next_pow2(n: int) -> int:
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
-    """Enough programs to fill the GPU (about two per SM), and no split shorter than 256 tokens."""
+    """Enough programs to fill the GPU (about two per SM), and no split shorter than MIN_SPLIT_TOKENS."""
     programs = batch * num_kv_heads
     if programs >= 2 * num_sms:
         return 1
-    by_length = max(1, max_seq_len // 256)
+    by_length = max(1, max_seq_len // MIN_SPLIT_TOKENS)
     return max(1, min(16, by_length, (2 * num_sms + programs - 1) // programs))
 
 
@@ -132,8 +145,11 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    min_split_tokens: int = MIN_SPLIT_TOKENS,
 ) -> torch.Tensor:
-    """Triton version of `paged_decode_attention_ref`. max_seq_len (a host int) sizes the splits without a sync."""
+    """Triton version of `paged_decode_attention_ref`. max_seq_len (a host int, any upper bound of seq_lens) picks
+    the grid's split count without a sync; num_splits overrides it. Each sequence uses at most that many splits,
+    none shorter than min_split_tokens (tests lower it to exercise splitting on tiny contexts)."""
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if num_heads % num_kv_heads:
@@ -153,13 +169,12 @@ def paged_decode_attention(
         scale_strides = (0, 0, 0)
     group = num_heads // num_kv_heads
     interp = os.environ.get("TRITON_INTERPRET") == "1"
-    if max_seq_len is None:
-        max_seq_len = int(seq_lens.max())
     if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())  # a device->host sync: callers on the hot path pass it
         sms = 132 if interp or not q.is_cuda else torch.cuda.get_device_properties(q.device).multi_processor_count
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, sms)
     block_t = 32 if interp else 64
-    per_split = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), block_t) * block_t
     if num_splits == 1:
         out = torch.empty_like(q)
         part, m, l = out.unsqueeze(2), out, out  # m/l unused
@@ -170,7 +185,7 @@ def paged_decode_attention(
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part, m, l, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
-        block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), block_size, per_split,
+        block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), block_size, max(1, min_split_tokens),
         GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
         BLOCK_T=block_t, SPLIT=num_splits, QUANT=quant,
         **({} if interp else {"num_warps": 4, "num_stages": 2}),
@@ -185,7 +200,10 @@ def paged_decode_attention(
 
 def triton_paged_attention(q: torch.Tensor, kv_cache, meta, scale: float) -> torch.Tensor:
     """An llmd.model.attention backend: decode-only steps run the decode kernel; steps with prefill chunks (or
-    speculative verifies) run the varlen prefill kernel over the whole step, decode rows included."""
+    speculative verifies) run the varlen prefill kernel over the whole step, decode rows included.
+
+    Decode-only steps can be captured in a CUDA graph: they read the per-step values only from tensors, and take
+    from the host only query_lens_list and max(seq_lens_list), which a captured step holds as static bounds."""
     from llmd.model.kv_int8 import kv_parts
 
     from . import prefill_attention
@@ -197,6 +215,9 @@ def triton_paged_attention(q: torch.Tensor, kv_cache, meta, scale: float) -> tor
             max_query_len=max(meta.query_lens_list), k_scale=k_scale, v_scale=v_scale)
     return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                   max_seq_len=max(meta.seq_lens_list), k_scale=k_scale, v_scale=v_scale)
+
+
+triton_paged_attention.cuda_graph_safe = True  # see llmd.model.attention.AttentionMetadata
 
 
 def enable_cuda_attention() -> bool:

@@ -51,9 +51,28 @@ def test_decode_matches_reference(dtype, group, num_kv_heads, head_dim, block_si
     q, k_cache, v_cache, meta = _ragged_batch(seq_lens, num_kv_heads, group, head_dim, block_size, dtype)
     scale = head_dim ** -0.5
     ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    # min_split_tokens 16: the 70-token context is cut into 3 slices, the shorter ones into fewer than the grid has
     out = pa.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                    num_splits=num_splits)
+                                    num_splits=num_splits, min_split_tokens=16)
     _check(out, ref, dtype)
+
+
+def test_split_grid_sized_from_a_bound_is_exact_per_sequence():
+    """A grid sized from a large bound (a CUDA graph captures max_model_len) leaves every sequence to slice its own
+    context: each row equals the reference, and equals, bit for bit, the row computed alone with the same grid."""
+    seq_lens = [3, 100, 33, 64]
+    q, k_cache, v_cache, meta = _ragged_batch(seq_lens, 2, 2, 32, 16, torch.float32, seed=5)
+    ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.25)
+    kw = dict(num_splits=4, min_split_tokens=16)
+    out = pa.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.25, **kw)
+    _check(out, ref, torch.float32)
+    for i in range(len(seq_lens)):
+        alone = pa.paged_decode_attention(q[i:i + 1], k_cache, v_cache, meta.block_tables[i:i + 1],
+                                          meta.seq_lens[i:i + 1], 0.25, **kw)
+        assert torch.equal(alone[0], out[i])
+    bounded = pa.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 0.25,
+                                        max_seq_len=4096)
+    _check(bounded, ref, torch.float32)
 
 
 def test_reference_agrees_with_engine_attention():
