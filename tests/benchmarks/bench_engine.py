@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import bundled_smollm2_path  # noqa: E402
+from llamacpp_anchor import MISSING as LLAMA_CPP_MISSING, load as load_llama_cpp  # noqa: E402
 
 from llmd.engine import Engine, EngineConfig, SamplingParams, generate  # noqa: E402
 from llmd.model.loader import load_model  # noqa: E402
@@ -119,20 +120,27 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
     print(f"transformers load: {time.perf_counter() - t:.1f} s")
     hf_run(model, hf_tok, prompts[:1], 4)
+    llama_cpp = load_llama_cpp(path, torch.get_num_threads())  # second batch-1 anchor (optional): the GGUF as is
+    if llama_cpp:
+        llama_cpp.generate(prompts[:1], 3)  # warm-up
     # Interleave the two sides and keep each one's best, so load from other processes hits both alike.
-    e1 = h1 = e16 = h16 = 0.0
+    e1 = h1 = e16 = h16 = l1 = 0.0
     for _ in range(args.repeats):
         e1 = max(e1, engine_run(engine, prompts[:1], n))
         h1 = max(h1, hf_run(model, hf_tok, prompts[:1], n))
+        if llama_cpp:  # prefill + n - 1 steps = n new tokens, counted like the engine's request
+            l1 = max(l1, llama_cpp.generate(prompts[:1], n - 1).request_tok_s)
         e16 = max(e16, engine_run(engine, prompts[:16], n))
         h16 = max(h16, hf_run(model, hf_tok, prompts[:16], n))
     print(f"engine:       batch-1 {e1:.1f} tok/s | 16 concurrent {e16:.1f} tok/s | 64 concurrent {e64:.1f} tok/s")
     h64 = None if args.no_hf_64 else hf_run(model, hf_tok, prompts[:64], n)
     h64_text = "skipped" if h64 is None else f"{h64:.1f} tok/s"
     print(f"transformers: batch-1 {h1:.1f} tok/s | batched 16 {h16:.1f} tok/s | batched 64 {h64_text}")
+    print(f"llama.cpp:    batch-1 {l1:.1f} tok/s (its own Q4_1 kernels)" if llama_cpp else LLAMA_CPP_MISSING)
     print(f"peak RSS (engine part / whole run with both models): {engine_rss:.0f} / {peak_rss_mib():.0f} MiB")
     print("targets:")
-    print(f"  batch-1 decode vs transformers: {e1 / h1:.2f}x (target >= 1.5x)")
+    print(f"  batch-1 decode vs transformers: {e1 / h1:.2f}x (target >= 1.5x)"
+          + (f"; vs llama.cpp: {e1 / l1:.2f}x" if llama_cpp else ""))
     print(f"  16 concurrent vs transformers batched 16: {e16 / h16:.2f}x (target >= 3x)")
     if h64:
         print(f"  64 concurrent vs transformers batched 64: {e64 / h64:.2f}x")
