@@ -72,6 +72,7 @@ def serve(
     kv_cache_bytes: int = typer.Option(None, "--kv-cache-bytes", help="KV-cache pool size in bytes."),
     kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype", help="auto (the model's dtype) or int8 (per-token scales: ~2x the context of bf16 in the same memory, small quality cost)."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Context length cap."),
+    cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps from CUDA graphs (default on; CUDA only)."),
     draft: str = typer.Option(None, "--draft", help="Draft model for speculative decoding (same tokenizer; 'self:N' = the target's first N layers)."),
     num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help="Tokens proposed per step (default 4)."),
     spec_mode: str = typer.Option(None, "--spec-mode", help="off, ngram (prompt lookup), draft or auto (adaptive; default with --draft)."),
@@ -83,7 +84,8 @@ def serve(
     settings = load_settings(model=model, host=host, port=port, socket_path=socket_path, ollama_port=ollama_port,
                              max_queue=max_queue, write_timeout=write_timeout, shutdown_grace=shutdown_grace,
                              api_key_file=api_key_file, device=device, dtype=dtype, quant=quant, max_num_seqs=max_num_seqs,
-                             kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len, draft_model=draft,
+                             kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
+                             cuda_graphs=cuda_graphs, draft_model=draft,
                              num_speculative_tokens=num_speculative_tokens, spec_mode=spec_mode)
     raise typer.Exit(run_daemon(settings))
 

@@ -114,6 +114,7 @@ class Settings:
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-token, per-head scales: ~2x the tokens of bf16)
+    cuda_graphs: bool = True  # CUDA: replay decode steps from CUDA graphs (off: every step launches its kernels)
     draft_model: str | None = None  # speculative decoding draft; None: off
     num_speculative_tokens: int = 4
     spec_mode: str | None = None  # off | ngram | draft | auto; None: auto with a draft model, else off

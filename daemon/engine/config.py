@@ -18,6 +18,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 32768)
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "int8": per-token, per-head scales (llmd.model.kv_int8)
+    cuda_graphs: bool = True  # CUDA only: replay decode steps from CUDA graphs (llmd.engine.cuda_graphs)
     max_queue: int = 1024  # waiting requests beyond this are refused with QueueFull
     seed: int = 0  # seeds the generators of sampled requests that bring no seed of their own
     # speculative decoding (llmd.engine.speculative): off | ngram | draft | auto (adaptive to load and acceptance)

@@ -2,6 +2,10 @@
 
 Logits are computed only for rows that are sampled (the last token of a chunk that completes its sequence's token
 list), since the vocabulary projection is the most expensive matmul of a small model.
+
+On CUDA, attention runs through the Triton kernels (llmd.kernels), and decode-only steps of up to 32 sequences are
+replayed from CUDA graphs (llmd.engine.cuda_graphs; EngineConfig.cuda_graphs, `llmd serve --no-cuda-graphs`), with
+one scratch KV block past the pool's end for the padding rows. Everything else runs eagerly.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 from ..model.attention import AttentionMetadata, allocate_kv_cache
 from ..model.kv_int8 import bytes_per_token
 from .config import EngineConfig
+from .cuda_graphs import Capture, CudaGraphRunner, cuda_graph_capture, graph_blocker
 from .scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
@@ -53,7 +58,9 @@ def plan_num_blocks(model_config, config: EngineConfig, dtype: torch.dtype, devi
 
 
 class ModelRunner:
-    def __init__(self, loaded, config: EngineConfig):
+    def __init__(self, loaded, config: EngineConfig, graph_capture: Capture | None = None):
+        """graph_capture: how decode steps are captured; None picks CUDA graphs on CUDA when config.cuda_graphs
+        is on (tests on CPU pass llmd.engine.cuda_graphs.eager_capture to run the same static-buffer path)."""
         self.model = loaded.model
         self.model_config = loaded.config
         param = next(self.model.parameters())
@@ -62,20 +69,48 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_cache_dtype = config.kv_cache_dtype
         self.num_blocks = plan_num_blocks(self.model_config, config, self.dtype, self.device)
+        if self.device.type == "cuda":
+            from ..kernels.paged_attention import enable_cuda_attention
+
+            enable_cuda_attention()
+            if graph_capture is None and config.cuda_graphs:
+                graph_capture = cuda_graph_capture()
+        if graph_capture is not None and (why := graph_blocker(self.model)) is not None:
+            log.info("CUDA graphs off: %s", why)
+            graph_capture = None
+        # the block manager hands out blocks 0..num_blocks-1; graphs' padding rows write to one more
+        pool_blocks = self.num_blocks + (1 if graph_capture is not None else 0)
         c = self.model_config
         self.kv_caches = allocate_kv_cache(
-            c.num_hidden_layers, self.num_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
+            c.num_hidden_layers, pool_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
             dtype=self.dtype, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
         )
-        self.kv_cache_bytes = self.num_blocks * kv_bytes_per_block(c, self.block_size, self.dtype, self.kv_cache_dtype)
+        self.kv_cache_bytes = pool_blocks * kv_bytes_per_block(c, self.block_size, self.dtype, self.kv_cache_dtype)
         kind = "int8 + scales" if self.kv_cache_dtype == "int8" else str(self.dtype).removeprefix("torch.")
         log.info("KV pool: %d blocks of %d tokens (%.0f MiB, %s)", self.num_blocks, self.block_size,
                  self.kv_cache_bytes / 2**20, kind)
+        self.graphs: CudaGraphRunner | None = None
+        if graph_capture is not None:
+            self.graphs = CudaGraphRunner(
+                self.model, self.kv_caches, max_num_seqs=config.max_num_seqs or 32,
+                max_model_len=config.max_model_len or c.max_position_embeddings, block_size=self.block_size,
+                scratch_block=self.num_blocks, capture=graph_capture)
+            log.info("CUDA graphs: decode steps of up to %d sequences (batch sizes %s), captured on first use",
+                     self.graphs.sizes[-1], ", ".join(map(str, self.graphs.sizes)))
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the batch; return fp32 logits [rows, vocab]: for each scheduled chunk that samples, its last
         `num_logits` positions (normally one), in the order of `scheduled`."""
+        if self.graphs is not None and self.graphs.can_run(scheduled):
+            logits = self.graphs.execute(scheduled)
+            if logits is not None:
+                return logits
+        return self.execute_eager(scheduled)
+
+    @torch.inference_mode()
+    def execute_eager(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
+        """`execute` without graphs: any mix of prefill chunks, decodes and verifies."""
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, sample_rows = [], [], [], []

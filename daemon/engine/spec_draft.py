@@ -98,7 +98,7 @@ class DraftModel:
                            max_num_seqs=engine_config.max_num_seqs,
                            max_num_batched_tokens=engine_config.max_num_batched_tokens,
                            max_model_len=engine_config.max_model_len,
-                           kv_cache_dtype=engine_config.kv_cache_dtype)
+                           kv_cache_dtype=engine_config.kv_cache_dtype, cuda_graphs=engine_config.cuda_graphs)
         self.runner = ModelRunner(draft_loaded, cfg)
         salt = f"draft|{draft_loaded.name}|{draft_loaded.config.architecture}|{self.runner.dtype}"
         self.bm = BlockManager(self.runner.num_blocks, cfg.block_size, engine_config.enable_prefix_caching, salt)

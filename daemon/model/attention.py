@@ -35,7 +35,10 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] long: context length of each sequence after this step (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks] long: block ids, padded with 0
     block_size: int
-    # Python copies of the small per-sequence values, so the torch path needs no device->host syncs.
+    # Python copies of the small per-sequence values, so the torch path needs no device->host syncs. In a step
+    # captured in a CUDA graph (llmd.engine.cuda_graphs) seq_lens_list holds a static upper bound (max_model_len)
+    # for every row, since the graph is replayed with other lengths: only backends marked `cuda_graph_safe` (they
+    # take nothing else per step from the host) run there.
     query_lens_list: list[int]
     seq_lens_list: list[int]
     # Built on first use by the batched decode path and shared by every layer of the step.
@@ -218,6 +221,11 @@ def set_attention_backend(fn: AttentionFn | None) -> None:
     """Swap the attention implementation (None restores the default torch path, `fast_paged_attention`)."""
     global _backend
     _backend = fn or fast_paged_attention
+
+
+def attention_backend() -> AttentionFn:
+    """The attention implementation every layer calls now."""
+    return _backend
 
 
 def paged_attention(

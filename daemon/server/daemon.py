@@ -55,6 +55,7 @@ def build_engine(settings):
         max_model_len=settings.max_model_len,
         enable_prefix_caching=settings.enable_prefix_caching,
         kv_cache_dtype=settings.kv_cache_dtype,
+        cuda_graphs=settings.cuda_graphs,
         max_queue=settings.max_queue,
         seed=settings.seed or 0,
         # speculative decoding (llmd.engine.speculative)
