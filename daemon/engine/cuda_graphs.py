@@ -166,6 +166,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         self.disabled: str | None = None
         self.replays = 0
+        self.capture_seconds: dict[int, float] = {}  # bucket -> warm-up + capture time
 
     def can_run(self, scheduled: list) -> bool:
         """Whether this step is a decode-only step that fits a bucket (cheap: called every step)."""
@@ -221,5 +222,6 @@ class CudaGraphRunner:
             log.warning("CUDA graphs off: %s", self.disabled)
             return None
         self.graphs[bucket] = entry
-        log.info("captured the decode step for batch %d in %.2f s", bucket, time.perf_counter() - start)
+        self.capture_seconds[bucket] = time.perf_counter() - start
+        log.info("captured the decode step for batch %d in %.2f s", bucket, self.capture_seconds[bucket])
         return entry

@@ -7,12 +7,15 @@
    to torch SDPA on the same K/V laid out contiguously; a few tile settings for tuning.
 3. End-to-end decode tok/s at batch 1 for a random-weight Llama-3-8B in bf16 / int8 / int4, with achieved GB/s and
    % of the roofline (weight + KV bytes read per token / peak bandwidth).
+4. Decode through the engine with CUDA graphs on and off (llmd.engine.cuda_graphs), batch 1 and 8, for the random
+   Llama-3-8B and a random Qwen2.5-0.5B (small enough that eager steps are bound by kernel launches).
 Writes JSON and a text table to --out. Imports nothing outside torch/triton/llmd.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -30,6 +33,9 @@ SHAPES = {  # name: [(N, K)] of one decoder layer's projections (q, k/v, o, gate
 LLAMA3_8B = dict(architecture="LlamaForCausalLM", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                  num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                  rope_theta=500000.0, max_position_embeddings=8192)
+QWEN25_05B = dict(architecture="Qwen2ForCausalLM", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                  rope_theta=1000000.0, max_position_embeddings=32768, tie_word_embeddings=True, attention_bias=True)
 
 
 def kernel_bandwidth(peak_gbs: float, ms_list=(1, 2, 4, 8, 16, 32)) -> list[dict]:
@@ -148,12 +154,12 @@ def prefill_attention_speed(peak_gbs: float) -> list[dict]:
     return rows
 
 
-def random_model(mode: str):
+def random_model(mode: str, shape: dict = LLAMA3_8B):
     from llmd.model import quant
     from llmd.model.config import ModelConfig
     from llmd.model.weights import build_empty
 
-    config = ModelConfig(**LLAMA3_8B)
+    config = ModelConfig(**shape)
     if mode == "bf16":
         model = build_empty(config, torch.bfloat16, "cuda")
     else:
@@ -227,6 +233,56 @@ def verify_cost(peak_gbs: float, prompt_len: int = 512, steps: int = 16) -> list
     return rows
 
 
+def engine_decode_tok_s(model, config, batch: int, graphs: bool, prompt_len: int = 128, new_tokens: int = 64,
+                        rounds: int = 2) -> tuple[float, dict]:
+    """Decode tok/s of `batch` greedy requests through the engine (scheduler, runner, sampler: the daemon's step),
+    as batch / mean time per output token; the best of `rounds` after one warm-up round (which compiles the kernels
+    and captures the graph). Default max_model_len, so the graph's attention grid is sized for the full context."""
+    from llmd.engine import Engine, EngineConfig, SamplingParams
+    from llmd.model.loader import LoadedModel
+
+    loaded = LoadedModel(model, None, config, "random", torch.bfloat16, torch.device("cuda"), 0.0)
+    engine = Engine(loaded, EngineConfig(kv_cache_bytes=2 * 1024**3, cuda_graphs=graphs))
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    best = 0.0
+    for r in range(rounds + 1):
+        for i in range(batch):
+            engine.add_request(f"r{r}-{i}", torch.randint(0, config.vocab_size, (prompt_len,), generator=gen).tolist(),
+                               params)
+        tpots = []
+        while engine.has_work():
+            tpots += [out.timings.tpot for out in engine.step() if out.finished]
+        if r > 0:
+            best = max(best, batch / (sum(tpots) / len(tpots)))
+    graph_info = {}
+    if engine.runner.graphs is not None:
+        graph_info = {"replays": engine.runner.graphs.replays,
+                      "capture_seconds": dict(engine.runner.graphs.capture_seconds)}
+    engine.check_no_leaks()
+    del engine
+    gc.collect()  # the KV pool and the graphs' memory pool go back before the next engine
+    torch.cuda.empty_cache()
+    return best, graph_info
+
+
+def decode_cuda_graphs(peak_gbs: float) -> list[dict]:
+    """Engine decode with CUDA graphs vs without, side by side (eager is the anchor)."""
+    rows = []
+    for name, shape in (("qwen2.5-0.5b", QWEN25_05B), ("llama3-8b", LLAMA3_8B)):
+        model, config = random_model("bf16", shape)
+        for batch in (1, 8):
+            eager, _ = engine_decode_tok_s(model, config, batch, graphs=False)
+            graphed, info = engine_decode_tok_s(model, config, batch, graphs=True)
+            rows.append(dict(model=name, batch=batch, eager_tok_s=eager, graphs_tok_s=graphed,
+                             graphs_over_eager=graphed / eager, **info))
+            print(f"engine decode {name:12} batch {batch}: eager {eager:7.1f} tok/s | CUDA graphs {graphed:7.1f} tok/s "
+                  f"| {graphed / eager:4.2f}x  (capture s: {info.get('capture_seconds')})", flush=True)
+        del model
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -235,8 +291,9 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results: dict = {"device": torch.cuda.get_device_name(), "peak_gbs": args.peak_gbs}
-    for name, fn in (("kernels", kernel_bandwidth), ("prefill_attention", prefill_attention_speed),
-                     ("decode", decode_roofline), ("spec_verify", verify_cost)):
+    for name, fn in (("decode_cuda_graphs", decode_cuda_graphs), ("kernels", kernel_bandwidth),
+                     ("prefill_attention", prefill_attention_speed), ("decode", decode_roofline),
+                     ("spec_verify", verify_cost)):
         start = time.perf_counter()
         try:
             results[name] = fn(args.peak_gbs)

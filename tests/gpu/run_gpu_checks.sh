@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every GPU test and GPU benchmark of the quantization/kernel work, in one go (budget: under 8 minutes on an H200).
+# Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in one go (budget: under 8 minutes on
+# an H200: the two timeouts below sum to 460 s).
 # Writes under $OUT (default ./gpu-results): pytest logs, gpu_bench.json and gpu_bench.txt.
 set -u
 cd "$(dirname "$0")/../.."
@@ -19,9 +20,10 @@ if ! "$PY" -c "import llmd" 2>/dev/null; then
 fi
 status=0
 echo "== GPU tests" | tee "$OUT/summary.txt"
-timeout 240 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+timeout 220 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
   tests/test_kernels_quant_matmul.py tests/test_kernels_paged_attention.py tests/test_kernels_prefill_attention.py tests/test_kv_int8.py \
+  tests/test_cuda_graphs.py \
   2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5 | tee -a "$OUT/summary.txt" || status=1
 echo "== GPU benchmarks" | tee -a "$OUT/summary.txt"
-timeout 300 "$PY" tests/gpu/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.txt" || status=1
+timeout 240 "$PY" tests/gpu/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.txt" || status=1
 exit $status
