@@ -115,3 +115,21 @@ def test_real_shapes_on_gpu(batch, context):
     ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 128 ** -0.5)
     out = pa.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 128 ** -0.5)
     assert (out.float() - ref.float()).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_startup_check_accepts_the_kernels_and_refuses_a_wrong_backend(kv_cache_dtype):
+    """The check the CUDA runner runs before switching to the Triton kernels (here on the interpreter): the real
+    backend passes for SmolLM2's head shape; a backend that ignores the context, or one that raises, is refused
+    with the reason."""
+    shape = (9, 3, 64, torch.float32, kv_cache_dtype)
+    assert pa.check_attention_backend(pa.triton_paged_attention, *shape, device=DEVICE) is None
+
+    def ignores_context(q, kv_cache, meta, scale):
+        return q
+
+    def fails(q, kv_cache, meta, scale):
+        raise RuntimeError("no kernel image for this GPU")
+
+    assert "|difference| from the torch reference" in pa.check_attention_backend(ignores_context, *shape, device=DEVICE)
+    assert pa.check_attention_backend(fails, *shape, device=DEVICE) == "RuntimeError: no kernel image for this GPU"

@@ -72,7 +72,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             from ..kernels.paged_attention import enable_cuda_attention
 
-            enable_cuda_attention()
+            enable_cuda_attention(self.model_config, self.dtype, config.kv_cache_dtype)
             if graph_capture is None and config.cuda_graphs:
                 graph_capture = cuda_graph_capture()
         if graph_capture is not None and (why := graph_blocker(self.model)) is not None:
