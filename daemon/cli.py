@@ -66,6 +66,7 @@ def serve(
     shutdown_grace: float = typer.Option(None, "--shutdown-grace", help="Seconds streams get to finish on SIGTERM (default 10)."),
     api_key_file: str = typer.Option(None, "--api-key-file", help="File holding the bearer token (mode 0600)."),
     device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: CUDA when available)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for the model (default: one per core; fewer when the cores are busy)."),
     dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16."),
     quant: str = typer.Option(None, "--quant", help="Weight format: none, gguf (keep a GGUF's packing), int8, int4[-g32|-g64|-g128], bnb-int8, bnb-nf4 (default: auto)."),
     max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Sequences in one batch."),
@@ -83,7 +84,7 @@ def serve(
 
     settings = load_settings(model=model, host=host, port=port, socket_path=socket_path, ollama_port=ollama_port,
                              max_queue=max_queue, write_timeout=write_timeout, shutdown_grace=shutdown_grace,
-                             api_key_file=api_key_file, device=device, dtype=dtype, quant=quant, max_num_seqs=max_num_seqs,
+                             api_key_file=api_key_file, device=device, threads=threads, dtype=dtype, quant=quant, max_num_seqs=max_num_seqs,
                              kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
                              cuda_graphs=cuda_graphs, draft_model=draft,
                              num_speculative_tokens=num_speculative_tokens, spec_mode=spec_mode)
@@ -226,6 +227,7 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for the model (default: one per core; fewer when the cores are busy)."),
     quant: str = typer.Option(None, "--quant", help="Weight format: none (dequantize), gguf (keep a GGUF's own packing), int8, int4 (default: auto)."),
 ):
     """Generate text from PROMPT and stream it to stdout (load time and speed go to stderr)."""
@@ -233,11 +235,11 @@ def generate(
     from .store import resolve
 
     # Settings and the model name are checked before torch is imported, so those mistakes fail fast.
-    settings = load_settings(model=model, dtype=dtype, device=device)
+    settings = load_settings(model=model, dtype=dtype, device=device, threads=threads)
     files = resolve(settings.model)
 
     from .engine.types import SamplingParams
-    from .generate import GenerationStats, check_device, generate_stream, prompt_token_ids, torch_dtype
+    from .generate import GenerationStats, check_device, generate_stream, prompt_token_ids, set_threads, torch_dtype
     from .model.loader import load_model
     from .model.quant import parse_quant
 
@@ -246,13 +248,17 @@ def generate(
     except ValueError as exc:
         fail(f"--quant: {exc}")
     check_device(settings.device)
+    set_threads(settings.threads)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, seed=seed).validate()
     loaded = load_model(files, dtype=torch_dtype(settings.dtype), device=settings.device, quant=quant)
     r, mib = loaded.report, 1024 * 1024
     memory = f"; weights {r.weight_bytes / mib:.0f} MiB, peak RSS {r.peak_rss_bytes / mib:.0f} MiB" if r else ""
+    import torch
+
+    threads = f", {torch.get_num_threads()} CPU threads" if loaded.device.type == "cpu" else ""
     typer.echo(f"loaded {loaded.name} in {loaded.load_seconds:.2f} s ({loaded.device}, "
-               f"{str(loaded.dtype).removeprefix('torch.')}){memory}", err=True)
+               f"{str(loaded.dtype).removeprefix('torch.')}{threads}){memory}", err=True)
     ids = prompt_token_ids(loaded.tokenizer, prompt, raw)
     stats = GenerationStats()
     for delta in generate_stream(loaded, ids, params, stats, kv_cache_dtype=settings.kv_cache_dtype):

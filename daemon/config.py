@@ -90,6 +90,9 @@ class Settings:
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: fp32 on CPU, bf16 on CUDA
     quant: str | None = None  # one of QUANT_MODES; None: a GGUF keeps its packing on CUDA, else unquantized
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None: CUDA when available
+    # CPU threads for the model's math; None: torch's default (one per core). Fewer helps on a desktop whose
+    # cores are busy with other work: a matmul waits for its slowest thread.
+    threads: int | None = None
 
     # server
     host: str = "127.0.0.1"
@@ -130,6 +133,7 @@ class Settings:
 # Inclusive (low, high) bounds; None means unbounded on that side.
 _BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "port": (0, 65535),
+    "threads": (1, 1024),
     "ollama_port": (0, 65535),
     "max_queue": (1, 1_000_000),
     "max_body_bytes": (1024, 1 << 31),

@@ -50,6 +50,14 @@ def check_device(name: str | None) -> None:
         raise InvalidRequest(f"device {name!r} is not supported: use cpu or cuda", field="device")
 
 
+def set_threads(threads: int | None) -> None:
+    """Use this many CPU threads for the model's math (None: leave torch's default, one per core)."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
 def prompt_token_ids(tokenizer, prompt: str, raw: bool) -> list[int]:
     """Instruct models (those with a chat template) get the prompt as one user turn, unless `raw`."""
     if not raw and tokenizer.chat_template:

@@ -74,6 +74,7 @@ def test_bad_setting_from_env_is_one_line(env):
 def test_bad_device_and_quant_are_one_line(env):
     assert_one_line_error(llmd(env, "generate", "--device", "gpu", "hi"), "unknown device 'gpu'")
     assert_one_line_error(llmd(env, "generate", "--quant", "int3", "hi"), "--quant", "int3")
+    assert_one_line_error(llmd(env, "generate", "--threads", "0", "hi"), "--threads", "between 1")
 
 
 def test_unknown_model_says_how_to_pull(env):
@@ -108,12 +109,13 @@ def test_pull_offline_is_one_line(env):
 
 def test_generate_on_a_tiny_hf_folder(env, tiny_llama):
     # Random weights, so only the plumbing is checked: HF folder -> loader -> engine -> streamed text, both with the
-    # chat template and --raw, and the token count reported on stderr.
-    for extra in ([], ["--raw"]):
+    # chat template and --raw, and the token count reported on stderr; --threads sets the CPU threads used.
+    for extra, threads in (([], "2"), (["--raw"], "1")):
         result = llmd(env, "generate", "--model", str(tiny_llama), "--max-tokens", "5", "--seed", "1", *extra,
-                      "Hello there", timeout=300)
+                      "--threads", threads, "Hello there", timeout=300)
         assert result.returncode == 0, result.stderr
         assert f"loaded {tiny_llama.name} in" in result.stderr
+        assert f"{threads} CPU threads" in result.stderr
         assert "generated tokens in" in result.stderr
 
 

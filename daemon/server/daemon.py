@@ -40,10 +40,12 @@ def _dtype(name: str | None):
 def build_engine(settings):
     """Resolve, load and wrap the model (runs in a worker thread while /health says loading)."""
     from ..engine import Engine, EngineConfig
+    from ..generate import set_threads
     from ..model.loader import load_model
     from ..store import resolve
 
     files = resolve(settings.model)
+    set_threads(settings.threads)
     loaded = load_model(files, dtype=_dtype(settings.dtype), device=settings.device, quant=settings.quant)
     cuda = str(loaded.device).startswith("cuda")
     config = EngineConfig(
@@ -186,8 +188,11 @@ class Daemon:
             names.add(files.repo_id)
         st.aliases = {n for n in names if n}
         st.status = "ready"
-        log.info("model %s ready in %.1fs on %s (%s)", loaded.name, st.load_seconds, loaded.device,
-                 str(loaded.dtype).replace("torch.", ""))
+        import torch
+
+        threads = f", {torch.get_num_threads()} CPU threads" if loaded.device.type == "cpu" else ""
+        log.info("model %s ready in %.1fs on %s (%s%s)", loaded.name, st.load_seconds, loaded.device,
+                 str(loaded.dtype).replace("torch.", ""), threads)
 
     async def _drain(self) -> None:
         st = self.state
