@@ -188,3 +188,19 @@ def test_corrupt_safetensors_is_a_clear_error(tiny_llama, tmp_path):
     weights.write_bytes(b"\xff" * 64)  # garbage: an absurd header length
     with pytest.raises(ModelFileError, match=r"model\.safetensors: safetensors header length"):
         load_model(folder, device="cpu")
+
+
+def test_fp32_rmsnorm_is_bit_identical_to_transformers():
+    """RMSNorm takes torch's fused op in fp32 (fewer ops per decode step); its values must not move by a bit."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from llmd.model.llama import RMSNorm
+
+    torch.manual_seed(0)
+    ours, theirs = RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(576))
+        theirs.weight.copy_(ours.weight)
+        for rows in (1, 7, 300):
+            x = torch.randn(rows, 576) * 4
+            assert torch.equal(ours(x), theirs(x))

@@ -26,6 +26,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, bit-identical to the steps below for fp32 (tested)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight multiply, exactly as transformers does.
         dtype = x.dtype
         h = x.float()
@@ -120,13 +122,19 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.project_qkv(x)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None and self.q_norm is None:
+            # q and k lie side by side in the fused output: rotate both as one [t, heads + kv_heads, d] view
+            qkv = self.qkv_proj(x)
+            qk = apply_rope(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin)
+            q, k = qk.split([heads, kv_heads], dim=1)
+            v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+        else:
+            q, k, v = self.project_qkv(x)
+            q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
