@@ -1,0 +1,221 @@
+"""Weight-only int8/int4 matmul for fp32 activations on the CPU, compiled from cpu_gemm.c on first use.
+
+torch's CPU int8/int4 weight kernels are only fast with AVX-512; on AVX2 machines they are many times slower than
+fp32, and decoding with dequantized fp32 weights is bound by streaming 4 bytes per weight. This kernel reads the
+packed weights of llmd.kernels.quant_matmul in place (no repacking), widens them in registers and uses AVX2/FMA.
+
+The shared library is built with the system C compiler into <cache>/llmd/kernels/<hash of source + flags>.so
+($XDG_CACHE_HOME or ~/.cache), written under a temporary name and renamed, so concurrent processes are safe. SIMD
+flags are used only for features /proc/cpuinfo lists (never -march=native: some VMs advertise features that fault).
+Without a compiler, or when the build or a self-check against the torch reference fails, `load()` logs one line and
+returns None, and `int8_matmul` / `int4_matmul` return None: callers keep their torch path. LLMD_CPU_GEMM=0 turns the
+kernel off (checked on every call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from . import quant_matmul as qmm
+
+log = logging.getLogger("llmd.kernels.cpu_gemm")
+
+SOURCE = Path(__file__).with_name("cpu_gemm.c")
+_BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off"]
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def simd_flags(cpu_flags: set[str] | None = None) -> list[str]:
+    """-mavx2 -mfma -mf16c when the CPU lists all of AVX2, FMA and F16C; else none (the portable scalar code)."""
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    return ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= flags else []
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "llmd" / "kernels"
+
+
+def _build(cc: str, flags: list[str]) -> Path:
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + "\0".join([cc, *flags]).encode()).hexdigest()[:16]
+    out = cache_dir() / f"cpu_gemm-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{Path(cc).name} failed: {proc.stderr.strip()[-500:]}")
+        os.replace(tmp, out)  # atomic: another process sees either no file or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _bind(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))  # CDLL calls release the GIL
+    i64, ptr, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    lib.llmd_int8_matmul.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
+    lib.llmd_int4_matmul.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
+    lib.llmd_int8_matmul.restype = lib.llmd_int4_matmul.restype = cint
+    lib.llmd_cpu_gemm_simd.restype = cint
+    return lib
+
+
+def _self_check(lib: ctypes.CDLL) -> None:
+    """Compare against the torch reference on a small problem with remainders in rows and columns."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g)
+    q8 = torch.randint(-127, 128, (13, 64), dtype=torch.int8, generator=g)
+    s8 = torch.rand(13, 2, generator=g) * 0.01 + 0.001
+    q4 = torch.randint(0, 256, (13, 32), dtype=torch.uint8, generator=g)
+    s4, z4 = torch.rand(13, 2, generator=g) * 0.05 + 0.01, torch.randn(13, 2, generator=g) * 0.05
+    for got, ref in ((_int8(lib, x, q8, s8, 32, 1), qmm.int8_matmul_ref(x, q8, s8, 32)),
+                     (_int4(lib, x, q4, s4, z4, 32, 1), qmm.int4_matmul_ref(x, q4, s4, z4, 32))):
+        if not torch.allclose(got, ref, rtol=1e-4, atol=1e-4):
+            raise RuntimeError(f"self-check failed (max diff {(got - ref).abs().max().item():.3g})")
+
+
+def build_and_load() -> ctypes.CDLL | None:
+    """Build (or find in the cache), load and self-check the library; None, logged in one line, on any failure."""
+    try:
+        cc = _compiler()
+        if cc is None:
+            raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
+        flags = _BASE_FLAGS + simd_flags()
+        try:
+            path = _build(cc, flags + ["-fopenmp"])
+        except RuntimeError:  # a compiler without OpenMP: single-threaded
+            path = _build(cc, flags)
+        lib = _bind(path)
+        _self_check(lib)
+        return lib
+    except Exception as exc:  # any failure keeps the torch path
+        log.warning("CPU quantized matmul kernel unavailable, using torch: %s", exc)
+        return None
+
+
+def enabled() -> bool:
+    return os.environ.get("LLMD_CPU_GEMM", "1") != "0"
+
+
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel library, built on first use; None where it cannot be used or LLMD_CPU_GEMM=0."""
+    global _lib, _tried
+    if not enabled():
+        return None
+    if not _tried:
+        with _lock:
+            if not _tried:
+                _lib = build_and_load()
+                _tried = True
+    return _lib
+
+
+def available() -> bool:
+    return load() is not None
+
+
+def _prepare_x(x: torch.Tensor, k: int) -> torch.Tensor:
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"expected x of shape [M, {k}], got {tuple(x.shape)}")
+    if x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"expected fp32 CPU activations, got {x.dtype} on {x.device}")
+    return x if x.stride(1) == 1 and x.shape[0] > 0 else x.contiguous()
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def _threads(threads: int | None) -> int:
+    return threads if threads else torch.get_num_threads()
+
+
+def _int8(lib, x, qweight, scales, group_size, threads):
+    n, k = qweight.shape
+    x = _prepare_x(x, k)
+    qweight, scales = qweight.contiguous(), _f32(scales)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    rc = lib.llmd_int8_matmul(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(), y.data_ptr(), n,
+                              x.shape[0], n, k, group_size, _threads(threads))
+    if rc != 0:
+        raise ValueError(f"int8 kernel rejected N={n} K={k} group={group_size}")
+    return y
+
+
+def _int4(lib, x, qweight, scales, zeros, group_size, threads):
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    x = _prepare_x(x, k)
+    qweight, scales, zeros = qweight.contiguous(), _f32(scales), _f32(zeros)
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    rc = lib.llmd_int4_matmul(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
+                              y.data_ptr(), n, x.shape[0], n, k, group_size, _threads(threads))
+    if rc == -2:
+        raise MemoryError("int4 kernel could not allocate its activation buffer")
+    if rc != 0:
+        raise ValueError(f"int4 kernel rejected N={n} K={k} group={group_size}")
+    return y
+
+
+def supports_int8(k: int, group_size: int) -> bool:
+    return k % group_size == 0 and (group_size == k or group_size % 8 == 0)
+
+
+def supports_int4(k: int, group_size: int) -> bool:
+    return k % group_size == 0 and group_size % 16 == 0
+
+
+def int8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                threads: int | None = None) -> torch.Tensor | None:
+    """fp32 x [M, K] @ dequant(int8 qweight [N, K], scales [N, K/group]).T -> fp32 [M, N]; None when the kernel is
+    unavailable or does not take this group size (then use the torch path). threads: default torch's count."""
+    lib = load()
+    if lib is None or not supports_int8(qweight.shape[1], group_size):
+        return None
+    return _int8(lib, x, qweight, scales, group_size, threads)
+
+
+def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                threads: int | None = None) -> torch.Tensor | None:
+    """fp32 x [M, K] @ dequant(packed int4 qweight [N, K/2], scales/zeros [N, K/group]).T -> fp32 [M, N]; None when
+    the kernel is unavailable or does not take this group size (then use the torch path)."""
+    lib = load()
+    if lib is None or not supports_int4(qweight.shape[1] * 2, group_size):
+        return None
+    return _int4(lib, x, qweight, scales, zeros, group_size, threads)

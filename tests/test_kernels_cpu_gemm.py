@@ -1,0 +1,169 @@
+"""The compiled CPU int8/int4 matmul (llmd.kernels.cpu_gemm) against the torch dequantize references, its
+batch invariance, and the None it returns when it is off or cannot be built.
+
+Where no C compiler exists the kernel functions return None; the tests then check that branch (the module falls back
+to torch) instead of skipping."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from llmd.kernels import cpu_gemm
+from llmd.kernels import quant_matmul as qmm
+
+HAVE_KERNEL = cpu_gemm.available()
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 70]
+
+
+def _int8(n: int, k: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s = torch.rand(n, k // group, generator=g) * 0.01 + 0.001
+    return q, s
+
+
+def _int4(n: int, k: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+    s = torch.rand(n, k // group, generator=g) * 0.05 + 0.01
+    z = torch.randn(n, k // group, generator=g) * 0.05
+    return q, s, z
+
+
+def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+
+
+def _check_close(out, ref):
+    assert out is not None and out.shape == ref.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_kernel_builds_here():
+    # The test machines have a C compiler; where one is missing this documents the fallback instead.
+    if HAVE_KERNEL:
+        assert cpu_gemm.load() is not None
+    else:
+        assert cpu_gemm.int8_matmul(_x(1, 64), *_int8(8, 64, 64), 64) is None
+
+
+@pytest.mark.parametrize("n,k,group", [(37, 96, 96), (13, 100, 100), (40, 128, 32), (33, 192, 64)])
+def test_int8_matches_reference(n, k, group):
+    q, s = _int8(n, k, group)
+    for m in ROWS:
+        x = _x(m, k, seed=m)
+        out = cpu_gemm.int8_matmul(x, q, s, group)
+        if not HAVE_KERNEL:
+            assert out is None
+            continue
+        _check_close(out, qmm.int8_matmul_ref(x, q, s, group))
+
+
+@pytest.mark.parametrize("n,k,group", [(37, 128, 32), (13, 192, 64), (41, 256, 128), (8, 64, 32)])
+def test_int4_matches_reference(n, k, group):
+    q, s, z = _int4(n, k, group)
+    for m in ROWS:
+        x = _x(m, k, seed=m)
+        out = cpu_gemm.int4_matmul(x, q, s, z, group)
+        if not HAVE_KERNEL:
+            assert out is None
+            continue
+        _check_close(out, qmm.int4_matmul_ref(x, q, s, z, group))
+
+
+def test_non_contiguous_inputs():
+    q, s, z = _int4(19, 128, 32)
+    q8, s8 = _int8(19, 128, 128)
+    wide = _x(6, 300)
+    sliced = wide[:, 100:228]  # row stride 300
+    transposed = _x(128, 6).t()  # column stride != 1
+    for x in (sliced, transposed):
+        assert not x.is_contiguous()
+        out4, out8 = cpu_gemm.int4_matmul(x, q, s, z, 32), cpu_gemm.int8_matmul(x, q8, s8, 128)
+        if HAVE_KERNEL:
+            _check_close(out4, qmm.int4_matmul_ref(x, q, s, z, 32))
+            _check_close(out8, qmm.int8_matmul_ref(x, q8, s8, 128))
+    # a non-contiguous weight view is taken too
+    if HAVE_KERNEL:
+        big = torch.cat([q, q], dim=1)[:, :64]
+        _check_close(cpu_gemm.int4_matmul(sliced, big, s, z, 32), qmm.int4_matmul_ref(sliced, big.contiguous(), s, z, 32))
+
+
+def test_bad_shapes_raise():
+    q, s, z = _int4(8, 64, 32)
+    if not HAVE_KERNEL:
+        return
+    with pytest.raises(ValueError, match="shape"):
+        cpu_gemm.int4_matmul(_x(2, 32), q, s, z, 32)
+    with pytest.raises(ValueError, match="fp32"):
+        cpu_gemm.int4_matmul(_x(2, 64).to(torch.bfloat16), q, s, z, 32)
+    # group sizes the vector code does not take are declined (None), not computed wrongly
+    q8, s8 = _int8(8, 64, 4)
+    assert cpu_gemm.int8_matmul(_x(2, 64), q8, s8, 4) is None
+
+
+@pytest.mark.parametrize("kind", ["int8", "int8-g32", "int4"])
+def test_row_results_do_not_depend_on_the_batch(kind):
+    """A row's output is bitwise the same whatever M is, whichever rows share the call, and for any thread count."""
+    if not HAVE_KERNEL:
+        return
+    n, k = 45, 192
+    if kind == "int4":
+        q, s, z = _int4(n, k, 64)
+
+        def mm(x, threads=None):
+            return cpu_gemm.int4_matmul(x, q, s, z, 64, threads=threads)
+    else:
+        group = 32 if kind == "int8-g32" else k
+        q, s = _int8(n, k, group)
+
+        def mm(x, threads=None):
+            return cpu_gemm.int8_matmul(x, q, s, group, threads=threads)
+
+    x = _x(70, k)
+    full = mm(x)
+    for i in (0, 5, 69):
+        assert torch.equal(mm(x[i:i + 1]), full[i:i + 1])
+    for m in (2, 3, 4, 5, 9, 17, 64):
+        start = 70 - m
+        assert torch.equal(mm(x[start:]), full[start:])
+    picked = [3, 40, 7, 66, 12]
+    assert torch.equal(mm(x[picked]), full[picked])
+    assert torch.equal(mm(x, threads=1), full) and torch.equal(mm(x, threads=3), full)
+
+
+def test_turned_off_by_env(monkeypatch):
+    q, s, z = _int4(8, 64, 32)
+    monkeypatch.setenv("LLMD_CPU_GEMM", "0")
+    assert cpu_gemm.load() is None and cpu_gemm.int4_matmul(_x(1, 64), q, s, z, 32) is None
+
+
+def test_a_failing_build_logs_one_line_and_returns_none(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="llmd.kernels.cpu_gemm"):
+        assert cpu_gemm.build_and_load() is None
+    assert len(caplog.records) == 1 and "unavailable" in caplog.records[0].getMessage()
+    assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
+
+
+def test_build_goes_to_the_user_cache(monkeypatch, tmp_path):
+    if not HAVE_KERNEL:
+        return
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    lib = cpu_gemm.build_and_load()
+    assert lib is not None
+    built = list((tmp_path / "llmd" / "kernels").glob("cpu_gemm-*.so"))
+    assert len(built) == 1 and not [p for p in built[0].parent.iterdir() if p not in built]
+    # a second load finds the file instead of compiling again
+    mtime = built[0].stat().st_mtime_ns
+    assert cpu_gemm.build_and_load() is not None and built[0].stat().st_mtime_ns == mtime
+
+
+def test_simd_flags_follow_the_cpu():
+    assert cpu_gemm.simd_flags({"avx2", "fma", "f16c", "sse4_2"}) == ["-mavx2", "-mfma", "-mf16c"]
+    assert cpu_gemm.simd_flags({"avx2", "sse4_2"}) == []  # no FMA: the portable code
+    assert "-march=native" not in cpu_gemm.simd_flags()
