@@ -1,5 +1,5 @@
 """The compiled CPU int8/int4 matmul (llmd.kernels.cpu_gemm) against the torch dequantize references, its
-batch invariance, and the None it returns when it is off or cannot be built.
+batch invariance, the quantized modules' use of it, and the torch fallback when it is off or cannot be built.
 
 Where no C compiler exists the kernel functions return None; the tests then check that branch (the module falls back
 to torch) instead of skipping."""
@@ -13,6 +13,7 @@ import torch
 
 from llmd.kernels import cpu_gemm
 from llmd.kernels import quant_matmul as qmm
+from llmd.model.quant import Int4Linear, Int8Linear, QuantSpec, fill_from_weight
 
 HAVE_KERNEL = cpu_gemm.available()
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64, 70]
@@ -133,6 +134,43 @@ def test_row_results_do_not_depend_on_the_batch(kind):
     picked = [3, 40, 7, 66, 12]
     assert torch.equal(mm(x[picked]), full[picked])
     assert torch.equal(mm(x, threads=1), full) and torch.equal(mm(x, threads=3), full)
+
+
+def _modules():
+    torch.manual_seed(0)
+    w = torch.randn(70, 256) * 0.05
+    i8 = Int8Linear(256, 70)
+    fill_from_weight(i8, w, QuantSpec("int8"))
+    i4 = Int4Linear(256, 70, group_size=32)
+    fill_from_weight(i4, w, QuantSpec("int4", 32))
+    return i8, i4
+
+
+def test_modules_use_the_kernel_on_cpu_fp32():
+    i8, i4 = _modules()
+    x = torch.randn(3, 5, 256)
+    with torch.inference_mode():
+        y8, y4 = i8(x), i4(x)
+        # the module's result is the kernel's, bit for bit (so the kernel is what ran)
+        k8 = cpu_gemm.int8_matmul(x.reshape(-1, 256), i8.qweight, i8.scales, i8.group_size)
+        k4 = cpu_gemm.int4_matmul(x.reshape(-1, 256), i4.qweight, i4.scales, i4.zeros, i4.group_size)
+        if HAVE_KERNEL:
+            assert torch.equal(y8, k8.view(3, 5, 70)) and torch.equal(y4, k4.view(3, 5, 70))
+        # and it is the quantized layer's function: the dequantized weight's matmul
+        torch.testing.assert_close(y8, x @ i8.dequantized_weight().t(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(y4, x @ i4.dequantized_weight().t(), rtol=1e-4, atol=1e-4)
+
+
+def test_fallback_when_turned_off(monkeypatch):
+    i8, i4 = _modules()
+    x = torch.randn(4, 256)
+    with torch.inference_mode():
+        fast8, fast4 = i8(x), i4(x)
+        monkeypatch.setenv("LLMD_CPU_GEMM", "0")
+        assert cpu_gemm.int4_matmul(x, i4.qweight, i4.scales, i4.zeros, 32) is None
+        slow8, slow4 = i8(x), i4(x)
+    torch.testing.assert_close(slow8, fast8, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(slow4, fast4, rtol=1e-4, atol=1e-4)
 
 
 def test_turned_off_by_env(monkeypatch):

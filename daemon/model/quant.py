@@ -8,8 +8,9 @@ Modes: none | int8 | int4 (group 64; int4-g32 / int4-g64 / int4-g128 pick the gr
 Quantization happens while the weights stream in (`quantizing_stream`): each linear's fp weight is quantized as soon
 as it is read, so the unquantized model never sits whole in memory.
 
-Where the matmul runs: CUDA + Triton -> the fused kernels in llmd.kernels; CPU -> torch's own int8/int4 weight kernels
-(torch._weight_int8pack_mm, torch._weight_int4pack_mm_for_cpu); otherwise a vectorized dequantize + matmul.
+Where the matmul runs: CUDA + Triton -> the fused kernels in llmd.kernels; CPU with fp32 activations -> the compiled
+kernel llmd.kernels.cpu_gemm when it builds here; else on CPU torch's own int8/int4 weight kernels
+(torch._weight_int8pack_mm, torch._weight_int4pack_mm_for_cpu) where they beat fp32; otherwise dequantize + matmul.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmd.kernels import cpu_gemm
 from llmd.kernels import quant_matmul as qmm
 
 from ..config import QUANT_MODES  # the torch-free list the settings validate against
@@ -268,6 +270,10 @@ class Int8Linear(QuantizedLinear):
             if scales is None:
                 scales = self._cpu_cache[("cuda", x.dtype)] = self.scales.to(x.dtype)
             return qmm.int8_matmul(x, self.qweight, scales, self.group_size)
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            y = cpu_gemm.int8_matmul(x, self.qweight, self.scales, self.group_size)
+            if y is not None:
+                return y
         if x.device.type == "cpu" and self.group_size == self.in_features and cpu_kernel_is_fast("int8"):
             return self._native_cpu(x)
         return self._fallback(x)
@@ -301,9 +307,16 @@ class Int4Linear(QuantizedLinear):
             if sz is None:
                 sz = self._cpu_cache[("cuda", x.dtype)] = (self.scales.to(x.dtype), self.zeros.to(x.dtype))
             return qmm.int4_matmul(x, self.qweight, sz[0], sz[1], self.group_size)
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            y = cpu_gemm.int4_matmul(x, self.qweight, self.scales, self.zeros, self.group_size)
+            if y is not None:
+                return y
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-                and cpu_kernel_is_fast("int4"):
-            return self._native_cpu(x)
+                and cpu_kernel_is_fast("int4") and self._cpu_cache.get(x.dtype) is not False:
+            try:
+                return self._native_cpu(x)
+            except RuntimeError:  # torch cannot pack this layer (its kernel wants N % 16 == 0): dequantize
+                pass
         return self._fallback(x)
 
     def _native_cpu(self, x: torch.Tensor) -> torch.Tensor:
