@@ -1,0 +1,97 @@
+"""CPU weight-only matmul at SmolLM2-135M shapes: fp32 vs llmd's compiled int8/int4 kernel vs torch's own kernels.
+
+    python tests/benchmarks/bench_cpu_gemm.py [--threads 1,2] [--rows 1,4,16,64] [--budget 0.3]
+
+For each layer shape (hidden 576, intermediate 1536, vocab 49152), row count M and thread count it prints ms per
+call (best of repeated calls) and the weight bytes streamed per second (GB/s) for:
+  fp32        torch x @ w_t with w_t [K, N] contiguous, as llmd stores CPU fp weights
+  int8 llmd   llmd.kernels.cpu_gemm, int8 per output channel (llmd's --quant int8)
+  int4 llmd   llmd.kernels.cpu_gemm, int4 group 32 (the layout GGUF Q4_1 loads into)
+  int8 torch  torch._weight_int8pack_mm (per channel)
+  int4 torch  torch._weight_int4pack_mm_for_cpu (group 32)
+Weights are random codes: speed does not depend on their values. The first llmd call builds the kernel if needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from llmd.kernels import cpu_gemm
+from llmd.model.quant import Int4Linear, Int8Linear
+
+SHAPES = [("attn 576x576", 576, 576), ("mlp up 1536x576", 1536, 576), ("mlp down 576x1536", 576, 1536),
+          ("lm_head 49152x576", 49152, 576)]
+GROUP = 32
+
+
+def best_ms(fn, budget_s: float) -> float:
+    fn()  # warm-up (and first-use packing)
+    best, start = float("inf"), time.perf_counter()
+    while True:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        if time.perf_counter() - start > budget_s:
+            return best * 1e3
+
+
+def layers(n: int, k: int):
+    g = torch.Generator().manual_seed(0)
+    w_t = torch.randn(k, n, generator=g) * 0.02
+    i8 = Int8Linear(k, n)
+    i8.qweight.copy_(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g))
+    i8.scales.copy_(torch.rand(n, 1, generator=g) * 1e-3)
+    i4 = Int4Linear(k, n, group_size=GROUP)
+    i4.qweight.copy_(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g))
+    i4.scales.copy_(torch.rand(n, k // GROUP, generator=g) * 1e-2)
+    i4.zeros.copy_(torch.randn(n, k // GROUP, generator=g) * 1e-3)
+    return w_t, i8, i4
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rows", default="1,4,16,64")
+    parser.add_argument("--budget", type=float, default=0.3, help="seconds of repeated calls per figure")
+    args = parser.parse_args(argv)
+    if cpu_gemm.load() is None:
+        print("llmd cpu_gemm kernel unavailable here (see the log line above); its columns show n/a")
+    print(f"torch {torch.__version__}, kernel SIMD: {bool(cpu_gemm.load() and cpu_gemm.load().llmd_cpu_gemm_simd())}")
+    names = ["fp32", "int8 llmd", "int4 llmd", "int8 torch", "int4 torch"]
+    header = f"{'shape':18} {'thr':>3} {'M':>3} " + " ".join(f"{n + ' ms (GB/s)':>20}" for n in names)
+    with torch.inference_mode():
+        for name, n, k in SHAPES:
+            w_t, i8, i4 = layers(n, k)
+            nbytes = {"fp32": n * k * 4, "int8 llmd": n * k + n * 4, "int8 torch": n * k + n * 4,
+                      "int4 llmd": n * k // 2 + n * k // GROUP * 8, "int4 torch": n * k // 2 + n * k // GROUP * 8}
+            fns = {
+                "fp32": lambda x: x @ w_t,
+                "int8 llmd": lambda x: cpu_gemm.int8_matmul(x, i8.qweight, i8.scales, k),
+                "int4 llmd": lambda x: cpu_gemm.int4_matmul(x, i4.qweight, i4.scales, i4.zeros, GROUP),
+                "int8 torch": i8._native_cpu,
+                "int4 torch": i4._native_cpu,
+            }
+            print("\n" + header)
+            for threads in (int(t) for t in args.threads.split(",")):
+                torch.set_num_threads(threads)
+                for m in (int(r) for r in args.rows.split(",")):
+                    x = torch.randn(m, k)
+                    cells = []
+                    for method in names:
+                        if method.endswith("llmd") and cpu_gemm.load() is None:
+                            cells.append(f"{'n/a':>20}")
+                            continue
+                        try:
+                            ms = best_ms(lambda: fns[method](x), args.budget)
+                        except RuntimeError:  # this torch has no such kernel
+                            cells.append(f"{'n/a':>20}")
+                            continue
+                        cells.append(f"{ms:9.3f} ({nbytes[method] / ms / 1e6:6.1f})".rjust(20))
+                    print(f"{name:18} {threads:3d} {m:3d} " + " ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
