@@ -116,7 +116,7 @@ def test_int4_group_must_divide_in_features():
 
 def test_parse_quant_modes_and_errors():
     assert quant.parse_quant("int4").group_size == quant.DEFAULT_INT4_GROUP
-    assert quant.parse_quant("INT4-g32") == quant.QuantSpec("int4", 32)
+    assert quant.parse_quant("INT4-g32") == quant.QuantSpec("int4", 32, calibrate=True)  # GPTQ while loading
     assert quant.parse_quant(None, "gguf", "cpu").method == "none"  # CPU: dequantize (faster without AVX-512)
     assert quant.parse_quant(None, "gguf", "cuda").method == "gguf"
     assert quant.parse_quant("gguf", "gguf").method == "gguf"
@@ -237,9 +237,11 @@ def quant_cache_dir(tmp_path, monkeypatch):
 
 
 def _spy_quantizer(monkeypatch) -> list:
+    """Records every quantization of a layer: weight by weight (fill_from_weight) or calibrated int4 (fill_int4)."""
     calls = []
-    real = quant.fill_from_weight
-    monkeypatch.setattr(quant, "fill_from_weight", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    for name in ("fill_from_weight", "fill_int4"):
+        real = getattr(quant, name)
+        monkeypatch.setattr(quant, name, lambda *a, real=real, **k: (calls.append(1), real(*a, **k))[1])
     return calls
 
 

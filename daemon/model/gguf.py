@@ -19,7 +19,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -483,6 +483,20 @@ def _dequant_generator(gf: _GGUFFile, checked) -> Iterator[tuple[str, torch.Tens
         if heads is not None:
             w = unpermute_rows(w, heads).contiguous()
         yield name, w
+
+
+def tensor_readers(path) -> dict[str, Callable[[], torch.Tensor]]:
+    """Hugging Face name -> a function that reads that one tensor dequantized to fp32 (q/k rows in HF order), for
+    callers that need tensors in their own order (calibrated quantization reads a layer at a time)."""
+    gf, hf_cfg = _open(path)
+
+    def reader(info: TensorInfo, heads: int | None) -> Callable[[], torch.Tensor]:
+        def read() -> torch.Tensor:
+            w = dequantize(gf.raw_bytes(info), info.type_name, info.shape)
+            return unpermute_rows(w, heads).contiguous() if heads is not None else w
+        return read
+
+    return {name: reader(info, heads) for info, name, heads in _iter_checked(gf, hf_cfg)}
 
 
 def _small_metadata(meta: dict) -> dict:

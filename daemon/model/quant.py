@@ -37,6 +37,9 @@ DEFAULT_INT4_GROUP = 64
 class QuantSpec:
     method: str  # "none" | "int8" | "int4" | "bnb-int8" | "bnb-nf4" | "gguf" (keep what the GGUF file holds)
     group_size: int = 0
+    # int4 from --quant: quantized with AWQ + GPTQ on calibration text while the model loads (llmd.model.calibrate),
+    # not weight by weight; quantize_linear / quantize_model have no activations and always quantize weight by weight
+    calibrate: bool = False
 
     @property
     def label(self) -> str:
@@ -63,7 +66,7 @@ def parse_quant(mode: str | None, source_kind: str = "hf", device: str | torch.d
         group = int(m.group(1) or DEFAULT_INT4_GROUP)
         if group not in (32, 64, 128):
             raise ValueError(f"int4 group size must be 32, 64 or 128, not {group}")
-        return QuantSpec("int4", group)
+        return QuantSpec("int4", group, calibrate=True)
     if mode in ("none", "int8", "bnb-int8", "bnb-nf4"):
         return QuantSpec(mode)
     raise ValueError(f"unknown quantization {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
@@ -136,21 +139,26 @@ def quantize_int4(weight: torch.Tensor, group_size: int, clip: bool = True,
     s_out = torch.empty(n, groups, dtype=torch.float32, device=weight.device)
     z_out = torch.empty_like(s_out)
     for rows in _row_chunks(n, k):
-        w = w_all[rows]
-        lo, hi = w.amin(dim=-1), w.amax(dim=-1)
-        centre = (lo + hi) * 0.5
-        scale = ((hi - lo) / 15.0).clamp_min(1e-10)
-        if clip:
-            scale = scale * _best_clip((w - centre.unsqueeze(-1)) / scale.unsqueeze(-1), INT4_CLIP_RATIOS,
-                                       7.5, 0, 15)
-        low = centre - 7.5 * scale  # the value of code 0: w ~ q * scale + low
-        q = torch.round((w - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15)
-        for _ in range(refit_steps):
-            q, scale, low = _refit_int4(w, q, scale, low)
+        q, scale, low = fit_int4_grid(w_all[rows], clip, refit_steps)
         q_out[rows] = q.to(torch.uint8)
         s_out[rows] = scale
         z_out[rows] = low + 8.0 * scale  # w = q * s + low = (q - 8) * s + zero
     return qmm.pack_int4(q_out.view(n, k)), s_out, z_out
+
+
+def fit_int4_grid(w: torch.Tensor, clip: bool = True, refit_steps: int = INT4_REFIT_STEPS):
+    """w [..., group] fp32 -> (codes 0..15 as fp32 [..., group], scale [...], low [...]) with w ~ codes * scale + low:
+    the clip ratio searched per group, then least-squares refits of (scale, low)."""
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    centre = (lo + hi) * 0.5
+    scale = ((hi - lo) / 15.0).clamp_min(1e-10)
+    if clip:
+        scale = scale * _best_clip((w - centre.unsqueeze(-1)) / scale.unsqueeze(-1), INT4_CLIP_RATIOS, 7.5, 0, 15)
+    low = centre - 7.5 * scale  # the value of code 0
+    q = torch.round((w - low.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, 15)
+    for _ in range(refit_steps):
+        q, scale, low = _refit_int4(w, q, scale, low)
+    return q, scale, low
 
 
 def _int4_error(w, q, scale, low) -> torch.Tensor:
@@ -378,13 +386,18 @@ def fill_from_weight(layer: nn.Module, weight: torch.Tensor, spec: QuantSpec) ->
         layer.qweight = q.to(layer.qweight.device)
         layer.scales = s.to(layer.scales.device)
     elif isinstance(layer, Int4Linear):
-        q, s, z = quantize_int4(weight, layer.group_size)
-        layer.qweight.copy_(q)
-        layer.scales.copy_(s)
-        layer.zeros.copy_(z)
+        fill_int4(layer, *quantize_int4(weight, layer.group_size))
     else:
         _bnb_fill(layer, weight, spec.method)
     layer._cpu_cache = {} if isinstance(layer, QuantizedLinear) else None
+
+
+def fill_int4(layer: Int4Linear, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+    """Store an already quantized weight (quantize_int4's or GPTQ's layout) in an int4 layer."""
+    layer.qweight.copy_(packed)
+    layer.scales.copy_(scales)
+    layer.zeros.copy_(zeros)
+    layer._cpu_cache = {}
 
 
 def _bnb():
@@ -509,12 +522,17 @@ def quantizing_stream(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass (name, tensor) pairs through, except the weights of swapped layers, which are quantized into their layer
     on the spot. Items may also be GGUF RawTensor objects: packed Q8_0/Q4 blocks go straight into int8/int4 layers,
-    everything else is dequantized and continues as an fp tensor."""
+    everything else is dequantized and continues as an fp tensor.
+
+    A calibrated spec leaves the swapped layers empty (their weights are only checked to be present): they are
+    filled afterwards, layer by layer, by llmd.model.calibrate.quantize_calibrated."""
     from .gguf import RawTensor, dequantize
 
     pending = {f"{name}.weight": layer for name, layer in swapped.items()}
     for item in tensors:
         if isinstance(item, RawTensor):
+            if spec.calibrate and pending.pop(item.name, None) is not None:
+                continue  # read again, by name, during calibration
             layer = pending.get(item.name)
             if layer is not None and item.type_name in ("Q4_0", "Q4_1", "Q8_0") and spec.method == "gguf":
                 _fill_from_raw(layer, item)
@@ -527,8 +545,8 @@ def quantizing_stream(
         layer = pending.pop(name, None)
         if layer is None:
             yield name, tensor
-            continue
-        fill_from_weight(layer, tensor, spec)
+        elif not spec.calibrate:
+            fill_from_weight(layer, tensor, spec)
     if pending:
         shown = ", ".join(sorted(pending)[:5])
         raise ModelFileError(source, f"{len(pending)} quantized weights missing from the checkpoint (e.g. {shown})")

@@ -2,7 +2,8 @@
 model with --quant int8 / int4 reads packed weights instead of quantizing again.
 
 An entry is one safetensors file named by the identity of the source files (resolved path, size, mtime), the mode,
-the dtype, whether the head is quantized and the llmd version; a changed source or a new llmd misses and rebuilds.
+the dtype, whether the head is quantized, the calibration (method + text, for int4) and the llmd version; a changed
+source, calibration or llmd misses and rebuilds.
 Entries are written to a temporary name and renamed, carry a CRC32 per tensor, and are read tensor by tensor into
 the empty (meta-built) model, so loading never holds more than the quantized model plus one tensor. An unreadable
 or damaged entry is logged, deleted and rebuilt.
@@ -25,6 +26,7 @@ from torch import nn
 from .. import __version__
 from ..config import cache_dir
 from ..errors import ModelFileError
+from .calibrate import CALIBRATION, quantize_calibrated
 from .quant import QuantizedLinear, QuantSpec, build_empty_quantized, empty_quantized, quantize_tied_head
 from .weights import LoadReport, current_rss_bytes, iter_safetensors, peak_rss_bytes
 
@@ -46,7 +48,7 @@ def entry_path(sources: list[Path], spec: QuantSpec, dtype: torch.dtype, quantiz
     resolved = [Path(p).resolve() for p in sources]
     identity = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in resolved]
     key = json.dumps({"files": identity, "mode": spec.label, "dtype": str(dtype), "head": quantize_head,
-                      "llmd": __version__})
+                      "calibration": CALIBRATION if spec.calibrate else None, "llmd": __version__})
     where = hashlib.sha256(str(resolved[0]).encode()).hexdigest()[:16]
     return quant_cache_dir() / f"{where}-{spec.label}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
 
@@ -129,7 +131,8 @@ def read_entry(path: Path, model: nn.Module) -> int:
 def load_quantized(sources: list[Path], config, dtype: torch.dtype, device: torch.device, spec: QuantSpec,
                    quantize_head: bool, build: Callable[[], tuple[nn.Module, LoadReport]]):
     """(model, report, hit): the model from its cache entry, else from `build()` (which streams and quantizes the
-    source), after which the entry is written. Modes other than int8/int4 just build."""
+    source; for a calibrated spec the int4 layers are then filled by llmd.model.calibrate), after which the entry is
+    written. Modes other than int8/int4 just build."""
     if spec.method not in CACHED_METHODS:
         return (*build(), False)
     path = entry_path(sources, spec, dtype, quantize_head)
@@ -151,6 +154,8 @@ def load_quantized(sources: list[Path], config, dtype: torch.dtype, device: torc
             path.unlink(missing_ok=True)
             del model
     model, report = build()
+    if spec.calibrate:  # the stream left the int4 layers empty: GPTQ fills them, a layer at a time
+        quantize_calibrated(model, sources, spec)
     if quantize_head:
         quantize_tied_head(model, spec)
     try:

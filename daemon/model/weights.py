@@ -13,7 +13,7 @@ import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -173,6 +173,37 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                     yield name, tensor.reshape(entry["shape"])
         except OSError as exc:
             raise ModelFileError(path, f"cannot read ({exc.strerror or exc})") from None
+
+
+def safetensors_readers(files: list[Path]) -> dict[str, Callable[[], torch.Tensor]]:
+    """Name -> a function that reads that one tensor (headers checked now), for callers that need tensors in their
+    own order rather than file order (calibrated quantization reads a layer at a time)."""
+    readers = {}
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                data_start, header = read_safetensors_header(path, f)
+        except OSError as exc:
+            raise ModelFileError(path, f"cannot read ({exc.strerror or exc})") from None
+        for name, entry in header.items():
+            readers[name] = _tensor_reader(path, data_start, entry)
+    return readers
+
+
+def _tensor_reader(path: Path, data_start: int, entry: dict) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        begin, end = entry["data_offsets"]
+        buf = bytearray(end - begin)
+        try:
+            with open(path, "rb") as f:
+                f.seek(data_start + begin)
+                if f.readinto(buf) != len(buf):
+                    raise ModelFileError(path, "file ended early (truncated?)")
+        except OSError as exc:
+            raise ModelFileError(path, f"cannot read ({exc.strerror or exc})") from None
+        dtype = entry["torch_dtype"]
+        return (torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)).reshape(entry["shape"])
+    return read
 
 
 def load_hf_weights(model: CausalLM, folder: Path) -> LoadReport:
