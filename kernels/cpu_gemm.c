@@ -280,3 +280,266 @@ int llmd_int4_matmul(const float *x, int64_t ldx, const uint8_t *q, const float 
 #endif
     return 0;
 }
+
+/* ==== Integer path: int8-quantized activations ================================================================
+ *
+ * Each activation row is quantized to int8 in blocks of 32 along K: d = amax / 127, q = round(x * (127 / amax))
+ * (ties to even), so x ~ d * q. Every block of 32 weights then meets a block of 32 activation bytes in an integer
+ * dot product (AVX2: _mm256_maddubs_epi16 unsigned x signed bytes -> int16 pairs, _mm256_madd_epi16 -> 8 int32),
+ * which is exact, and one fp32 FMA per block adds it scaled by d * s:
+ *   int8 weights w = q_w * s:              sum_k x_k w_k = sum_b d_b s_g dot_b(q_x, q_w)
+ *   int4 weights w = (q_w - 8) s + z:     sum_k x_k w_k = sum_b d_b s_g dot_b(q_x, q_w) + sum_g (z_g - 8 s_g) D_g
+ * with q_w in 0..15 as the unsigned operand and D_g = sum over the group's blocks of d_b * sum(q_x). int8 weights
+ * are signed: their absolute value is the unsigned operand and their sign moves onto the activation byte.
+ *
+ * A row's quantization depends on that row only, and each output's float operations (per block, in block order,
+ * then the fixed horizontal sum and the zero term) are the same in every tile shape, row count and thread count,
+ * so batching never changes a row's result. K and the weight group must be multiples of 32.
+ *
+ * Work buffer (caller-owned, llmd_q8_work_bytes): per row the block scales d [K/32] fp32, the group sums D [K/G]
+ * fp32, then the bytes q_x [K]. For int4 each block's bytes are stored as [even k | odd k] to meet the low and high
+ * nibbles of 16 packed bytes. */
+
+#define QB 32
+
+int64_t llmd_q8_work_bytes(int64_t m, int64_t k, int64_t g) {
+    if (m < 0 || k <= 0 || g <= 0 || k % QB || g % QB || k % g) return -1;
+    return m * (k / QB * 4 + k / g * 4 + k);
+}
+
+/* Plain C (identical in every build): a row of K = nb * 32 values -> xq, d [nb], D [ng]. */
+static void quantize_row(const float *x, int64_t k, int64_t g, int interleave, int8_t *xq, float *d, float *D) {
+    const int64_t nb = k / QB, bpg = g / QB;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * QB;
+        float amax = 0.0f;
+        for (int i = 0; i < QB; i++) {
+            const float a = xb[i] < 0 ? -xb[i] : xb[i];
+            amax = a > amax ? a : amax;
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int sum = 0;
+        int8_t *qb = xq + b * QB;
+        for (int i = 0; i < QB; i++) {
+            const int v = (int)__builtin_nearbyintf(xb[i] * id);
+            sum += v;
+            qb[interleave ? (i & 1) * 16 + (i >> 1) : i] = (int8_t)v;
+        }
+        d[b] = amax / 127.0f;
+        const float ds = d[b] * (float)sum;
+        if (b % bpg == 0) D[b / bpg] = ds;
+        else D[b / bpg] += ds;
+    }
+}
+
+/* Quantize rows [r0, r1) of x into the work buffer. */
+static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, int64_t g, int interleave,
+                          void *work, int64_t m) {
+    const int64_t nb = k / QB, ng = k / g;
+    float *d = (float *)work, *D = d + m * nb;
+    int8_t *xq = (int8_t *)(D + m * ng);
+    for (int64_t r = r0; r < r1; r++) quantize_row(x + r * ldx, k, g, interleave, xq + r * k, d + r * nb, D + r * ng);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+/* Prefetch the block PF_TILES tiles ahead: a tile's C columns are one contiguous run, consumed BYTES per block. */
+#define PREFETCH_TILE(base, C, BYTES, b)                                                                           \
+    _Pragma("GCC unroll 8") for (int p = 0; p < (C) * (BYTES); p += 64)                                           \
+        _mm_prefetch((const char *)(base) + PF_TILES * (C) * (BYTES) * nb + (b) * (C) * (BYTES) + p, _MM_HINT_T0)
+
+/* Per block of rows r and column c: acc += float(dot) * (d_b * s_g). */
+#define Q8_BLOCK_FMA(acc, dot, dv, sv)                                                                             \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dot, ones)), _mm256_mul_ps(dv, sv), acc)
+
+/* The int4 zero term, added to a tile's accumulators before their horizontal sums: acc[r] lane i gains
+ * sum over groups g = i, i + 8, ... of (z_g - 8 s_g) D_g, in a fixed order (the last step masked). */
+INLINE void add_zero_terms(__m256 *acc, int rows, int stride, const float *s, const float *z, const float *D,
+                           int64_t ng) {
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (int64_t i = 0; i < ng; i += 8) {
+        const int64_t left = ng - i;
+        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(left > 8 ? 8 : (int)left),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 zz = _mm256_fnmadd_ps(eight, _mm256_maskload_ps(s + i, keep), _mm256_maskload_ps(z + i, keep));
+        for (int r = 0; r < rows; r++)
+            acc[r * stride] = _mm256_fmadd_ps(zz, _mm256_maskload_ps(D + r * ng + i, keep), acc[r * stride]);
+    }
+}
+
+/* R rows (quantized: bytes xq with stride K, block scales xd stride nb, group sums xD stride ng) x C columns. */
+#define Q4_TILE(R, C)                                                                                              \
+    static void q4_tile_##R##_##C(const int8_t *xq, const float *xd, const float *xD, const uint8_t *q,          \
+                                  const float *s, const float *z, float *y, int64_t ldy, int64_t K, int64_t G) {  \
+        const int64_t nb = K / QB, ng = K / G, bpg = G / QB, kh = K / 2;                                          \
+        const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                \
+        __m256 acc[R][C];                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                      \
+        int64_t g = 0, gb = 0;                                                                                     \
+        for (int64_t b = 0; b < nb; b++) {                                                                         \
+            PREFETCH_TILE(q, C, 16, b);                                                                            \
+            __m256i xv[R];                                                                                         \
+            __m256 dv[R];                                                                                          \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                 \
+                xv[r] = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QB));                               \
+                dv[r] = _mm256_broadcast_ss(xd + r * nb + b);                                                      \
+            }                                                                                                      \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                 \
+                const __m128i p = _mm_loadu_si128((const __m128i *)(q + c * kh + b * 16));                        \
+                const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), mask);              \
+                const __m256 sv = _mm256_broadcast_ss(s + c * ng + g);                                             \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                               \
+                    Q8_BLOCK_FMA(acc[r][c], _mm256_maddubs_epi16(w, xv[r]), dv[r], sv);                            \
+            }                                                                                                      \
+            if (++gb == bpg) {                                                                                     \
+                gb = 0;                                                                                            \
+                g++;                                                                                               \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int c = 0; c < C; c++) add_zero_terms(&acc[0][c], R, C, s + c * ng, z + c * ng, xD, ng);          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int c = 0; c < C; c++) y[r * ldy + c] = hsum(acc[r][c]);                                          \
+    }
+
+#define Q8W_TILE(R, C)                                                                                             \
+    static void q8w_tile_##R##_##C(const int8_t *xq, const float *xd, const float *xD, const int8_t *q,          \
+                                   const float *s, const float *z, float *y, int64_t ldy, int64_t K, int64_t G) { \
+        (void)xD;                                                                                                  \
+        (void)z;                                                                                                   \
+        const int64_t nb = K / QB, ng = K / G, bpg = G / QB;                                                      \
+        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
+        __m256 acc[R][C];                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                      \
+        int64_t g = 0, gb = 0;                                                                                     \
+        for (int64_t b = 0; b < nb; b++) {                                                                         \
+            PREFETCH_TILE(q, C, 32, b);                                                                            \
+            __m256i xv[R];                                                                                         \
+            __m256 dv[R];                                                                                          \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                 \
+                xv[r] = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QB));                               \
+                dv[r] = _mm256_broadcast_ss(xd + r * nb + b);                                                      \
+            }                                                                                                      \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                 \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + c * K + b * QB));                      \
+                const __m256i aw = _mm256_abs_epi8(w);                                                             \
+                const __m256 sv = _mm256_broadcast_ss(s + c * ng + g);                                             \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                               \
+                    Q8_BLOCK_FMA(acc[r][c], _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[r], w)), dv[r], sv);      \
+            }                                                                                                      \
+            if (++gb == bpg) {                                                                                     \
+                gb = 0;                                                                                            \
+                g++;                                                                                               \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int c = 0; c < C; c++) y[r * ldy + c] = hsum(acc[r][c]);                                          \
+    }
+
+#ifndef Q8_TILE_R
+#define Q8_TILE_R 4
+#endif
+#ifndef Q8_TILE_CM
+#define Q8_TILE_CM 2
+#endif
+#define Q8_TILE_C1 8
+
+ALL_TILES(Q4_TILE)
+ALL_TILES(Q8W_TILE)
+
+/* One signature for both weight kinds (int8 ignores z and D). */
+typedef void (*q8_tile_fn)(const int8_t *, const float *, const float *, const void *, const float *, const float *,
+                           float *, int64_t, int64_t, int64_t);
+#define Q_ROW(T, C) {(q8_tile_fn)T##_1_##C, (q8_tile_fn)T##_2_##C, (q8_tile_fn)T##_3_##C, (q8_tile_fn)T##_4_##C}
+static const q8_tile_fn Q4_TILES[8][4] = {
+    Q_ROW(q4_tile, 1), Q_ROW(q4_tile, 2), Q_ROW(q4_tile, 3), Q_ROW(q4_tile, 4),
+    {(q8_tile_fn)q4_tile_1_5}, {(q8_tile_fn)q4_tile_1_6}, {(q8_tile_fn)q4_tile_1_7}, {(q8_tile_fn)q4_tile_1_8}};
+static const q8_tile_fn Q8W_TILES[8][4] = {
+    Q_ROW(q8w_tile, 1), Q_ROW(q8w_tile, 2), Q_ROW(q8w_tile, 3), Q_ROW(q8w_tile, 4),
+    {(q8_tile_fn)q8w_tile_1_5}, {(q8_tile_fn)q8w_tile_1_6}, {(q8_tile_fn)q8w_tile_1_7}, {(q8_tile_fn)q8w_tile_1_8}};
+
+#else /* scalar: the same sums, one output at a time */
+
+static float q8_scalar_dot(const int8_t *xq, const float *xd, const float *xD, const void *qv, const float *s,
+                           const float *z, int64_t K, int64_t G, int int4) {
+    const int64_t nb = K / QB, ng = K / G, bpg = G / QB;
+    float t = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        int32_t dot = 0;
+        for (int i = 0; i < QB; i++) {
+            int w;
+            if (int4) {
+                const uint8_t byte = ((const uint8_t *)qv)[b * 16 + (i & 15)];
+                w = i < 16 ? byte & 0xF : byte >> 4;  /* xq holds [even k | odd k] */
+            } else {
+                w = ((const int8_t *)qv)[b * QB + i];
+            }
+            dot += w * xq[b * QB + i];
+        }
+        t += (float)dot * (xd[b] * s[b / bpg]);
+    }
+    if (int4)
+        for (int64_t i = 0; i < ng; i++) t += (z[i] - 8.0f * s[i]) * xD[i];
+    return t;
+}
+
+#endif
+
+static int q8_matmul(const float *x, int64_t ldx, const void *q, const float *s, const float *z, float *y,
+                     int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t g, void *work, int nthreads, int int4) {
+    if (m < 0 || n < 0 || llmd_q8_work_bytes(m, k, g) < 0 || (m > 0 && !work)) return -1;
+    if (nthreads < 1) nthreads = 1;
+    const int64_t nb = k / QB, ng = k / g, wrow = int4 ? k / 2 : k;
+    const float *xd = (const float *)work, *xD = xd + m * nb;
+    const int8_t *xq = (const int8_t *)(xD + m * ng);
+    const int64_t chunk = (256 * 1024) / k < 8 ? 8 : (256 * 1024) / k;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int tid = 0, nth = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nth = omp_get_num_threads();
+#endif
+        /* each thread quantizes a share of the rows (a row's bytes do not depend on who does it) */
+        quantize_rows(x, ldx, m * tid / nth, m * (tid + 1) / nth, k, g, int4, work, m);
+#pragma omp barrier
+        int64_t n0, n1;
+        column_range(n, tid, nth, &n0, &n1);
+#if defined(__AVX2__) && defined(__FMA__)
+        const q8_tile_fn(*tiles)[4] = int4 ? Q4_TILES : Q8W_TILES;
+        const uint8_t *qb = (const uint8_t *)q;
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            const int tc = (m1 - m0) == 1 ? Q8_TILE_C1 : Q8_TILE_CM;
+            for (int64_t c0 = n0; c0 < n1; c0 += tc) {
+                const int cc = (int)(n1 - c0 < tc ? n1 - c0 : tc);
+                for (int64_t r0 = m0; r0 < m1; r0 += Q8_TILE_R) {
+                    const int rr = (int)(m1 - r0 < Q8_TILE_R ? m1 - r0 : Q8_TILE_R);
+                    tiles[cc - 1][rr - 1](xq + r0 * k, xd + r0 * nb, xD + r0 * ng, qb + c0 * wrow, s + c0 * ng,
+                                          int4 ? z + c0 * ng : NULL, y + r0 * ldy + c0, ldy, k, g);
+                }
+            }
+        }
+#else
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t c = n0; c < n1; c++)
+                y[r * ldy + c] = q8_scalar_dot(xq + r * k, xd + r * nb, xD + r * ng,
+                                               (const uint8_t *)q + c * wrow, s + c * ng, int4 ? z + c * ng : NULL,
+                                               k, g, int4);
+#endif
+    }
+    return 0;
+}
+
+/* int8 weights [N, K] (scales [N, K/G]) with int8-quantized activations; work: llmd_q8_work_bytes(m, k, g). */
+int llmd_int8_matmul_q8(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y, int64_t ldy,
+                        int64_t m, int64_t n, int64_t k, int64_t g, void *work, int nthreads) {
+    return q8_matmul(x, ldx, q, s, NULL, y, ldy, m, n, k, g, work, nthreads, 0);
+}
+
+/* int4 weights [N, K/2] (scales, zeros [N, K/G]) with int8-quantized activations. */
+int llmd_int4_matmul_q8(const float *x, int64_t ldx, const uint8_t *q, const float *s, const float *z, float *y,
+                        int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t g, void *work, int nthreads) {
+    return q8_matmul(x, ldx, q, s, z, y, ldy, m, n, k, g, work, nthreads, 1);
+}

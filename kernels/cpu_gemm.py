@@ -10,6 +10,11 @@ flags are used only for features /proc/cpuinfo lists (never -march=native: some 
 Without a compiler, or when the build or a self-check against the torch reference fails, `load()` logs one line and
 returns None, and `int8_matmul` / `int4_matmul` return None: callers keep their torch path. LLMD_CPU_GEMM=0 turns the
 kernel off (checked on every call).
+
+Two numerics paths: `int8_matmul` / `int4_matmul` keep fp32 activations; `int8_matmul_q8` / `int4_matmul_q8` quantize
+each activation row to int8 per block of 32 and use integer dot products (2-3x the multiply-adds per second). The
+quantized layers use `layer_kernel`, which fixes one path per layer for every M: the integer one wherever K and the
+group are multiples of 32.
 """
 
 from __future__ import annotations
@@ -93,6 +98,11 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.llmd_int8_matmul.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
     lib.llmd_int4_matmul.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, cint]
     lib.llmd_int8_matmul.restype = lib.llmd_int4_matmul.restype = cint
+    lib.llmd_int8_matmul_q8.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, cint]
+    lib.llmd_int4_matmul_q8.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, ptr, cint]
+    lib.llmd_int8_matmul_q8.restype = lib.llmd_int4_matmul_q8.restype = cint
+    lib.llmd_q8_work_bytes.argtypes = [i64, i64, i64]
+    lib.llmd_q8_work_bytes.restype = i64
     lib.llmd_cpu_gemm_simd.restype = cint
     return lib
 
@@ -106,7 +116,9 @@ def _self_check(lib: ctypes.CDLL) -> None:
     q4 = torch.randint(0, 256, (13, 32), dtype=torch.uint8, generator=g)
     s4, z4 = torch.rand(13, 2, generator=g) * 0.05 + 0.01, torch.randn(13, 2, generator=g) * 0.05
     for got, ref in ((_int8(lib, x, q8, s8, 32, 1), qmm.int8_matmul_ref(x, q8, s8, 32)),
-                     (_int4(lib, x, q4, s4, z4, 32, 1), qmm.int4_matmul_ref(x, q4, s4, z4, 32))):
+                     (_int4(lib, x, q4, s4, z4, 32, 1), qmm.int4_matmul_ref(x, q4, s4, z4, 32)),
+                     (_int8_q8(lib, x, q8, s8, 32, 1), int8_matmul_q8_ref(x, q8, s8, 32)),
+                     (_int4_q8(lib, x, q4, s4, z4, 32, 1), int4_matmul_q8_ref(x, q4, s4, z4, 32))):
         if not torch.allclose(got, ref, rtol=1e-4, atol=1e-4):
             raise RuntimeError(f"self-check failed (max diff {(got - ref).abs().max().item():.3g})")
 
@@ -219,3 +231,142 @@ def int4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if lib is None or not supports_int4(qweight.shape[1] * 2, group_size):
         return None
     return _int4(lib, x, qweight, scales, zeros, group_size, threads)
+
+
+# ---- integer path: activations quantized to int8 per block of 32 (see cpu_gemm.c) ---------------------------------
+
+Q8_BLOCK = 32
+_work = threading.local()  # each calling thread reuses one growing buffer for the quantized activations
+
+
+def supports_q8(k: int, group_size: int) -> bool:
+    """The integer path takes K and weight groups that are multiples of 32 (per channel: group_size == K)."""
+    return k % Q8_BLOCK == 0 and group_size % Q8_BLOCK == 0 and k % group_size == 0
+
+
+def _work_buffer(nbytes: int) -> int:
+    buf = getattr(_work, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _work.buf = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+    return buf.data_ptr()
+
+
+def _q8_call(fn, lib, x, weights, n, k, group_size, threads):
+    x = _prepare_x(x, k)
+    m = x.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    work = _work_buffer(lib.llmd_q8_work_bytes(m, k, group_size))
+    if fn(x.data_ptr(), x.stride(0), *weights, y.data_ptr(), n, m, n, k, group_size, work, _threads(threads)) != 0:
+        raise ValueError(f"integer kernel rejected N={n} K={k} group={group_size}")
+    return y
+
+
+def _int8_q8(lib, x, qweight, scales, group_size, threads):
+    n, k = qweight.shape
+    return _q8_call(lib.llmd_int8_matmul_q8, lib, x, (qweight.contiguous().data_ptr(), _f32(scales).data_ptr()),
+                    n, k, group_size, threads)
+
+
+def _int4_q8(lib, x, qweight, scales, zeros, group_size, threads):
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    return _q8_call(lib.llmd_int4_matmul_q8, lib, x,
+                    (qweight.contiguous().data_ptr(), _f32(scales).data_ptr(), _f32(zeros).data_ptr()),
+                    n, k, group_size, threads)
+
+
+def int8_matmul_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
+                   threads: int | None = None) -> torch.Tensor | None:
+    """int8_matmul with the activations quantized to int8 per block of 32 (quantize_activations_ref) and integer
+    dot products; None when the kernel is unavailable or K / the group is not a multiple of 32."""
+    lib = load()
+    if lib is None or not supports_q8(qweight.shape[1], group_size):
+        return None
+    return _int8_q8(lib, x, qweight, scales, group_size, threads)
+
+
+def int4_matmul_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                   threads: int | None = None) -> torch.Tensor | None:
+    """int4_matmul with int8-quantized activations and integer dot products; None where not taken."""
+    lib = load()
+    if lib is None or not supports_q8(qweight.shape[1] * 2, group_size):
+        return None
+    return _int4_q8(lib, x, qweight, scales, zeros, group_size, threads)
+
+
+def quantize_activations_ref(x: torch.Tensor) -> torch.Tensor:
+    """The kernel's activation quantization in torch, dequantized: per block of 32, d = amax / 127 and
+    q = round(x * (127 / amax)) (ties to even); returns d * q (the same fp32 ops, so the same q and d bit for bit)."""
+    m, k = x.shape
+    xb = x.to(torch.float32).reshape(m, k // Q8_BLOCK, Q8_BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv)
+    return (q * (amax / 127.0)).reshape(m, k)
+
+
+def int8_matmul_q8_ref(x, qweight, scales, group_size):
+    return qmm.int8_matmul_ref(quantize_activations_ref(x), qweight, scales, group_size)
+
+
+def int4_matmul_q8_ref(x, qweight, scales, zeros, group_size):
+    return qmm.int4_matmul_ref(quantize_activations_ref(x), qweight, scales, zeros, group_size)
+
+
+# ---- per-layer kernels: validated once, so a decode step's ~200 calls pay little Python per call -------------------
+
+# Which weight kinds run with int8-quantized activations when K and the group allow (else fp32 activations).
+# LLMD_CPU_GEMM_ACT=fp32, read when a layer's kernel is prepared, keeps fp32 activations everywhere.
+Q8_ACTIVATIONS = {"int4": True, "int8": True}
+
+
+def q8_activations(kind: str) -> bool:
+    return Q8_ACTIVATIONS[kind] and os.environ.get("LLMD_CPU_GEMM_ACT", "int8") != "fp32"
+
+
+class LayerKernel:
+    """One quantized layer's CPU matmul with its weight pointers and path fixed: the integer path for every M when
+    K and the group take it (one numerics path per layer, so a row's result never depends on the batch)."""
+
+    def __init__(self, lib, kind: str, qweight, scales, zeros, group_size: int):
+        self.kind, self.group_size = kind, group_size
+        self.n = qweight.shape[0]
+        self.k = qweight.shape[1] * (2 if kind == "int4" else 1)
+        # contiguous fp32 forms, kept alive with the layer: the pointers below stay valid
+        self._keep = [qweight.contiguous(), _f32(scales)] + ([_f32(zeros)] if kind == "int4" else [])
+        self.q8 = q8_activations(kind) and supports_q8(self.k, group_size)
+        if self.q8:
+            self._fn = lib.llmd_int4_matmul_q8 if kind == "int4" else lib.llmd_int8_matmul_q8
+            self._work_per_row = lib.llmd_q8_work_bytes(1, self.k, group_size)
+        else:
+            self._fn = lib.llmd_int4_matmul if kind == "int4" else lib.llmd_int8_matmul
+        self._weights = tuple(t.data_ptr() for t in self._keep)
+
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        x = _prepare_x(x, self.k)
+        m, n = x.shape[0], self.n
+        y = torch.empty(m, n, dtype=torch.float32)
+        tail = (_work_buffer(m * self._work_per_row), threads or torch.get_num_threads()) if self.q8 \
+            else (threads or torch.get_num_threads(),)
+        rc = self._fn(x.data_ptr(), x.stride(0), *self._weights, y.data_ptr(), n, m, n, self.k, self.group_size, *tail)
+        if rc == -2:
+            raise MemoryError("CPU kernel could not allocate its activation buffer")
+        if rc != 0:
+            raise ValueError(f"{self.kind} kernel rejected N={n} K={self.k} group={self.group_size}")
+        return y
+
+
+def layer_kernel(cache: dict, kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                 group_size: int) -> LayerKernel | None:
+    """The LayerKernel for these weights, kept in the layer's `cache` dict (rebuilt when a buffer is replaced);
+    None when the kernel is off or unavailable or takes neither path for this shape (then use torch)."""
+    if not enabled():
+        return None
+    entry = cache.get("cpu_gemm")
+    if entry is not None and entry[0] is qweight and entry[1] is scales and entry[2] is zeros:
+        return entry[3]
+    lib = load()
+    k = qweight.shape[1] * (2 if kind == "int4" else 1)
+    ok = lib is not None and (supports_int4(k, group_size) if kind == "int4" else supports_int8(k, group_size))
+    kernel = LayerKernel(lib, kind, qweight, scales, zeros, group_size) if ok else None
+    cache["cpu_gemm"] = (qweight, scales, zeros, kernel)
+    return kernel

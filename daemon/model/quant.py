@@ -279,9 +279,9 @@ class Int8Linear(QuantizedLinear):
                 scales = self._cpu_cache[("cuda", x.dtype)] = self.scales.to(x.dtype)
             return qmm.int8_matmul(x, self.qweight, scales, self.group_size)
         if x.device.type == "cpu" and x.dtype == torch.float32:
-            y = cpu_gemm.int8_matmul(x, self.qweight, self.scales, self.group_size)
-            if y is not None:
-                return y
+            gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int8", self.qweight, self.scales, None, self.group_size)
+            if gemm is not None:
+                return gemm(x)
         if x.device.type == "cpu" and self.group_size == self.in_features and cpu_kernel_is_fast("int8"):
             return self._native_cpu(x)
         return self._fallback(x)
@@ -316,9 +316,10 @@ class Int4Linear(QuantizedLinear):
                 sz = self._cpu_cache[("cuda", x.dtype)] = (self.scales.to(x.dtype), self.zeros.to(x.dtype))
             return qmm.int4_matmul(x, self.qweight, sz[0], sz[1], self.group_size)
         if x.device.type == "cpu" and x.dtype == torch.float32:
-            y = cpu_gemm.int4_matmul(x, self.qweight, self.scales, self.zeros, self.group_size)
-            if y is not None:
-                return y
+            gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int4", self.qweight, self.scales, self.zeros,
+                                         self.group_size)
+            if gemm is not None:
+                return gemm(x)
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
                 and cpu_kernel_is_fast("int4") and self._cpu_cache.get(x.dtype) is not False:
             try:
