@@ -62,9 +62,12 @@ def test_gptq_handles_inputs_never_seen_in_calibration():
 def _plain_copy(loaded, path):
     """The same model with every int4 layer re-quantized weight by weight (no calibration), for comparison."""
     readers = safetensors_readers(safetensors_files(path))
+    fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     for name, module in loaded.model.named_modules():
         if isinstance(module, quant.Int4Linear):
-            quant.fill_from_weight(module, readers[f"{name}.weight"](), quant.QuantSpec("int4", module.group_size))
+            parent, _, leaf = name.rpartition(".")
+            weight = torch.cat([readers[f"{parent}.{part}.weight"]() for part in fused.get(leaf, (leaf,))])
+            quant.fill_from_weight(module, weight, quant.QuantSpec("int4", module.group_size))
     return loaded
 
 

@@ -10,6 +10,8 @@ from torch import nn
 from llmd.kernels import cpu_gemm
 from llmd.kernels import quant_matmul as qmm
 from llmd.model import quant
+from llmd.model.gguf import dequantize
+from llmd.model.linear import TransposedLinear, fuse_linears
 from llmd.model.loader import load_model
 from llmd.model.simple import greedy_generate, prefill_logits
 
@@ -55,6 +57,18 @@ def test_quantized_linear_matches_dequantized_matmul(cpu_path, mode, group, m):
         inside = (w >= low) & (w <= low + 15 * step)
     assert inside.float().mean() > 0.9
     assert (err[inside] <= step[inside] * 0.5 + 1e-6).all()
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4-g32", "int4-g64"])
+def test_fused_quantized_projections_give_each_layers_outputs(mode):
+    """q/k/v (and gate/up) of quantized layers fuse into one layer whose outputs are theirs side by side."""
+    parts = [quant.quantize_linear(_linear(n, 128, bias=True, seed=n), mode) for n in (64, 32, 32)]
+    fused = fuse_linears(parts)
+    assert type(fused) is type(parts[0]) and fused.out_features == 128
+    x = torch.randn(5, 128)
+    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=0, atol=1e-5)
+    other_group = quant.quantize_linear(_linear(32, 128, seed=1), "int4-g128" if mode != "int8" else "int4-g32")
+    assert fuse_linears([parts[0], other_group]) is None  # different kind or group: left as they are
 
 
 def _weights(kind: str, n: int = 64, k: int = 256, seed: int = 0) -> torch.Tensor:
@@ -171,7 +185,10 @@ def test_quantized_tiny_model_within_error_budget(tiny_llama, mode, max_rel_err)
     ref = load_model(tiny_llama)
     qm = load_model(tiny_llama, quant=mode)
     layers = [m for m in qm.model.modules() if isinstance(m, quant.QuantizedLinear)]
-    assert len(layers) == 2 * 7  # every projection of both layers; the tied/untied head stays full precision
+    # every projection of both layers (q/k/v and gate/up fused: 4 per layer); the head stays full precision
+    projections = [m for m in ref.model.modules() if isinstance(m, TransposedLinear) and m is not ref.model.lm_head]
+    assert len(layers) == 2 * 4
+    assert sum(m.out_features for m in layers) == sum(m.out_features for m in projections)
     assert qm.report.weight_bytes < ref.report.weight_bytes
     ids = ref.tokenizer.encode("The capital of France is Paris. Berlin is")
     want, got = prefill_logits(ref, ids), prefill_logits(qm, ids)
@@ -223,8 +240,16 @@ def test_smollm2_runs_from_its_q4_1_blocks(smollm2_gguf):
     """The bundled GGUF loaded as int4 g32 straight from its Q4_1 blocks answers like the dequantized model."""
     lm = load_model(smollm2_gguf, quant="gguf")
     int4 = [m for m in lm.model.modules() if isinstance(m, quant.Int4Linear)]
-    assert len(int4) == 30 * 7 and all(m.group_size == 32 for m in int4)
-    assert lm.report.weight_bytes < 200 * 2**20  # vs ~513 MiB dequantized to fp32
+    # per layer: qkv (fused), o, gate_up (fused), down
+    assert len(int4) == 30 * 4 and all(m.group_size == 32 for m in int4)
+    # The tied Q8_0 token table is kept once, as the int8 head, and the embeddings read the file's exact values.
+    head = lm.model.lm_head
+    assert isinstance(head, quant.Int8Linear) and head.group_size == 32
+    assert isinstance(lm.model.model.embed_tokens, quant.Int8RowEmbedding)
+    raw = next(t for t in quant.gguf_raw_tensors(smollm2_gguf) if t.name == "model.embed_tokens.weight")
+    ids = torch.tensor([0, 1, 504, 49151, 504])
+    assert torch.equal(lm.model.model.embed_tokens(ids), dequantize(raw.data, raw.type_name, raw.shape)[ids])
+    assert lm.report.weight_bytes < 120 * 2**20  # vs ~513 MiB dequantized to fp32
     ids = lm.tokenizer.encode("The capital of France is")
     logits = prefill_logits(lm, ids)  # one forward: the CPU int4 path is slow on CPUs without AVX-512
     assert lm.tokenizer.decode([int(logits[-1].argmax())]).strip() == "Paris"

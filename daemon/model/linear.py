@@ -23,9 +23,12 @@ def make_linear(
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
 
 
-def fuse_linears(layers: list[nn.Module]) -> nn.Linear | None:
-    """One nn.Linear computing the outputs of `layers` side by side (same input), or None unless all are plain fp
-    nn.Linear alike in bias."""
+def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
+    """One layer computing the outputs of `layers` side by side (same input), or None unless all are plain fp
+    nn.Linear alike in bias, or quantized layers that can be concatenated (llmd.model.quant.QuantizedLinear.concat)."""
+    concat = getattr(type(layers[0]), "concat", None)
+    if concat is not None:
+        return concat(layers)
     if not all(type(m) is nn.Linear and m.weight.is_floating_point() for m in layers):
         return None
     has_bias = layers[0].bias is not None

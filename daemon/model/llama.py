@@ -199,8 +199,8 @@ class CausalLM(nn.Module):
         self.model.rotary_emb.init_buffers(device)
 
     def fuse_projections(self) -> None:
-        """After loading: q/k/v and gate/up become one matmul each (fewer, larger matmuls per layer; quantized
-        layers are left as they are)."""
+        """After loading: q/k/v and gate/up become one matmul each (fewer, larger matmuls per layer), fp or
+        quantized alike."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()

@@ -251,6 +251,22 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
+    @classmethod
+    def concat(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear | None":
+        """One layer computing `layers`' outputs side by side (same input; each output row keeps its own codes and
+        scales, so the values are unchanged), or None unless they are alike in kind, width, group and bias."""
+        first = layers[0]
+        if any(type(m) is not cls or m.in_features != first.in_features or m.group_size != first.group_size
+               or (m.bias is None) != (first.bias is None) for m in layers):
+            return None
+        fused = cls(first.in_features, sum(m.out_features for m in layers), first.bias is not None, first.group_size,
+                    device="meta")
+        for name, _ in list(fused.named_buffers()):
+            fused.register_buffer(name, torch.cat([getattr(m, name) for m in layers]))
+        if first.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias for m in layers]), requires_grad=False)
+        return fused
+
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized_weight().to(x.dtype))
 
@@ -551,6 +567,38 @@ def quantizing_stream(
     if pending:
         shown = ", ".join(sorted(pending)[:5])
         raise ModelFileError(source, f"{len(pending)} quantized weights missing from the checkpoint (e.g. {shown})")
+
+
+class Int8RowEmbedding(nn.Module):
+    """Token embeddings read from an int8 head's rows, dequantized on lookup: a tied table is kept once, as int8."""
+
+    def __init__(self, head: Int8Linear, dtype: torch.dtype):
+        super().__init__()
+        self.head = [head]  # a list, so the shared buffers are not registered (and counted) twice
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        head, ids = self.head[0], input_ids.reshape(-1)
+        scales = head.scales.index_select(0, ids).repeat_interleave(head.group_size, dim=-1)
+        rows = head.qweight.index_select(0, ids).to(torch.float32) * scales
+        return rows.to(self.dtype).view(*input_ids.shape, head.in_features)
+
+
+def keep_tied_q8_0_head(model: nn.Module, path, dtype: torch.dtype) -> bool:
+    """For `--quant gguf`: a tied model whose GGUF token table is Q8_0 computes its logits from that table as an
+    int8 group-32 layer (the file's own values, as llama.cpp does) and reads its embeddings from it, instead of a
+    dequantized copy: the head is the largest matmul of a small model's decode step. Returns whether it did."""
+    if getattr(model, "lm_head", "untied") is not None:
+        return False
+    raw = next((t for t in gguf_raw_tensors(path) if t.name == "model.embed_tokens.weight"), None)
+    if raw is None or raw.type_name != "Q8_0":
+        return False
+    table = model.model.embed_tokens.weight
+    head = Int8Linear(raw.shape[1], raw.shape[0], bias=False, group_size=32, device=table.device)
+    _fill_from_raw(head, raw)
+    model.lm_head = head
+    model.model.embed_tokens = Int8RowEmbedding(head, dtype)
+    return True
 
 
 def _fill_from_raw(layer: nn.Module, raw) -> None:
