@@ -7,6 +7,8 @@ call (best of repeated calls) and the weight bytes streamed per second (GB/s) fo
   fp32        torch x @ w_t with w_t [K, N] contiguous, as llmd stores CPU fp weights
   int8 llmd   llmd.kernels.cpu_gemm, int8 per output channel (llmd's --quant int8)
   int4 llmd   llmd.kernels.cpu_gemm, int4 group 32 (the layout GGUF Q4_1 loads into)
+  int8 q8 / int4 q8   the same weights on llmd's integer path (activations quantized to int8 per block of 32),
+              called as the layers call it (a prepared per-layer kernel)
   int8 torch  torch._weight_int8pack_mm (per channel)
   int4 torch  torch._weight_int4pack_mm_for_cpu (group 32)
 Weights are random codes: speed does not depend on their values. The first llmd call builds the kernel if needed.
@@ -60,17 +62,24 @@ def main(argv=None):
     if cpu_gemm.load() is None:
         print("llmd cpu_gemm kernel unavailable here (see the log line above); its columns show n/a")
     print(f"torch {torch.__version__}, kernel SIMD: {bool(cpu_gemm.load() and cpu_gemm.load().llmd_cpu_gemm_simd())}")
-    names = ["fp32", "int8 llmd", "int4 llmd", "int8 torch", "int4 torch"]
-    header = f"{'shape':18} {'thr':>3} {'M':>3} " + " ".join(f"{n + ' ms (GB/s)':>20}" for n in names)
+    names = ["fp32", "int8 llmd", "int8 q8", "int4 llmd", "int4 q8", "int8 torch", "int4 torch"]
+    header = f"{'shape':18} {'thr':>3} {'M':>3} " + " ".join(f"{n + ' ms (GB/s)':>19}" for n in names)
     with torch.inference_mode():
         for name, n, k in SHAPES:
             w_t, i8, i4 = layers(n, k)
-            nbytes = {"fp32": n * k * 4, "int8 llmd": n * k + n * 4, "int8 torch": n * k + n * 4,
-                      "int4 llmd": n * k // 2 + n * k // GROUP * 8, "int4 torch": n * k // 2 + n * k // GROUP * 8}
+            b8, b4 = n * k + n * 4, n * k // 2 + n * k // GROUP * 8
+            nbytes = {"fp32": n * k * 4, "int8 llmd": b8, "int8 q8": b8, "int8 torch": b8,
+                      "int4 llmd": b4, "int4 q8": b4, "int4 torch": b4}
+            k8 = k4 = None
+            if cpu_gemm.load() is not None:
+                k8 = cpu_gemm.layer_kernel({}, "int8", i8.qweight, i8.scales, None, k)
+                k4 = cpu_gemm.layer_kernel({}, "int4", i4.qweight, i4.scales, i4.zeros, GROUP)
             fns = {
                 "fp32": lambda x: x @ w_t,
                 "int8 llmd": lambda x: cpu_gemm.int8_matmul(x, i8.qweight, i8.scales, k),
                 "int4 llmd": lambda x: cpu_gemm.int4_matmul(x, i4.qweight, i4.scales, i4.zeros, GROUP),
+                "int8 q8": lambda x: k8(x),
+                "int4 q8": lambda x: k4(x),
                 "int8 torch": i8._native_cpu,
                 "int4 torch": i4._native_cpu,
             }
@@ -81,15 +90,15 @@ def main(argv=None):
                     x = torch.randn(m, k)
                     cells = []
                     for method in names:
-                        if method.endswith("llmd") and cpu_gemm.load() is None:
-                            cells.append(f"{'n/a':>20}")
+                        if ("llmd" in method or "q8" in method) and cpu_gemm.load() is None:
+                            cells.append(f"{'n/a':>19}")
                             continue
                         try:
                             ms = best_ms(lambda: fns[method](x), args.budget)
                         except RuntimeError:  # this torch has no such kernel
-                            cells.append(f"{'n/a':>20}")
+                            cells.append(f"{'n/a':>19}")
                             continue
-                        cells.append(f"{ms:9.3f} ({nbytes[method] / ms / 1e6:6.1f})".rjust(20))
+                        cells.append(f"{ms:8.3f} ({nbytes[method] / ms / 1e6:6.1f})".rjust(19))
                     print(f"{name:18} {threads:3d} {m:3d} " + " ".join(cells), flush=True)
 
 
