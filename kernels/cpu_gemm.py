@@ -314,13 +314,16 @@ def int4_matmul_q8_ref(x, qweight, scales, zeros, group_size):
 
 # ---- per-layer kernels: validated once, so a decode step's ~200 calls pay little Python per call -------------------
 
-# Which weight kinds run with int8-quantized activations when K and the group allow (else fp32 activations).
-# LLMD_CPU_GEMM_ACT=fp32, read when a layer's kernel is prepared, keeps fp32 activations everywhere.
+# Activations stay fp32 by default: the layer then computes exactly the file's weights (same logits as the
+# dequantized model up to summation order). LLMD_CPU_GEMM_ACT=int8, read when a layer's kernel is prepared, opts in
+# to the integer path wherever K and the group allow: llama.cpp's numerics, ~1.2x faster at batch 1 and ~1.5x at 16
+# on SmolLM2, but it moves logits by ~0.3 (perplexity +0.6 %), enough to flip near-ties: SmolLM2 then answers
+# "What is the capital of France?" like llama.cpp does ("L'Étoile, ...") instead of "The capital of France is Paris."
 Q8_ACTIVATIONS = {"int4": True, "int8": True}
 
 
 def q8_activations(kind: str) -> bool:
-    return Q8_ACTIVATIONS[kind] and os.environ.get("LLMD_CPU_GEMM_ACT", "int8") != "fp32"
+    return Q8_ACTIVATIONS[kind] and os.environ.get("LLMD_CPU_GEMM_ACT", "fp32") == "int8"
 
 
 class LayerKernel:

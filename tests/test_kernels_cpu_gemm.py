@@ -146,7 +146,8 @@ def _modules():
     return i8, i4
 
 
-def test_modules_use_the_kernel_on_cpu_fp32():
+def test_modules_use_the_integer_kernel_when_asked(monkeypatch):
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "int8")  # read when a layer's kernel is prepared
     i8, i4 = _modules()
     x = torch.randn(3, 5, 256)
     with torch.inference_mode():
@@ -165,16 +166,16 @@ def test_modules_use_the_kernel_on_cpu_fp32():
                                    rtol=1e-4, atol=1e-4)
 
 
-def test_fp32_activations_when_asked_or_when_k_is_not_a_multiple_of_32(monkeypatch):
+def test_fp32_activations_by_default_or_when_k_is_not_a_multiple_of_32(monkeypatch):
+    monkeypatch.delenv("LLMD_CPU_GEMM_ACT", raising=False)
     i8, i4 = _modules()
     x = torch.randn(4, 256)
     with torch.inference_mode():
-        monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")  # read when a layer's kernel is prepared
         y8, y4 = i8(x), i4(x)
         if HAVE_KERNEL:
             assert torch.equal(y8, cpu_gemm.int8_matmul(x, i8.qweight, i8.scales, 256))
             assert torch.equal(y4, cpu_gemm.int4_matmul(x, i4.qweight, i4.scales, i4.zeros, 32))
-        monkeypatch.delenv("LLMD_CPU_GEMM_ACT")
+        monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "int8")
         odd = Int8Linear(100, 13)
         fill_from_weight(odd, torch.randn(13, 100), QuantSpec("int8"))
         x100 = torch.randn(3, 100)

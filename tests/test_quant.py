@@ -132,10 +132,15 @@ def test_int4_group_must_divide_in_features():
         quant.quantize_linear(_linear(16, 192), "int4-g128")
 
 
-def test_parse_quant_modes_and_errors():
+def test_parse_quant_modes_and_errors(monkeypatch):
     assert quant.parse_quant("int4").group_size == quant.DEFAULT_INT4_GROUP
     assert quant.parse_quant("INT4-g32") == quant.QuantSpec("int4", 32, calibrate=True)  # GPTQ while loading
-    assert quant.parse_quant(None, "gguf", "cpu").method == "none"  # CPU: dequantize (faster without AVX-512)
+    # CPU: a GGUF keeps its packing where llmd's compiled CPU kernel runs (this machine has a C compiler), and is
+    # dequantized without it
+    assert quant.parse_quant(None, "gguf", "cpu").method == ("gguf" if cpu_gemm.available() else "none")
+    monkeypatch.setenv("LLMD_CPU_GEMM", "0")
+    assert quant.parse_quant(None, "gguf", "cpu").method == "none"
+    assert quant.parse_quant(None, "hf", "cpu").method == "none"
     assert quant.parse_quant(None, "gguf", "cuda").method == "gguf"
     assert quant.parse_quant("gguf", "gguf").method == "gguf"
     with pytest.raises(ValueError, match="choose one of"):

@@ -18,7 +18,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def ours(smollm2_gguf):
-    return load_model(smollm2_gguf, dtype=torch.float32, device="cpu")
+    return load_model(smollm2_gguf, dtype=torch.float32, device="cpu", quant="none")  # fp32, as transformers
 
 
 @pytest.fixture(scope="module")

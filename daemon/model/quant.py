@@ -49,12 +49,15 @@ class QuantSpec:
 def parse_quant(mode: str | None, source_kind: str = "hf", device: str | torch.device = "cpu") -> QuantSpec:
     """A --quant value -> QuantSpec.
 
-    None / "auto": a GGUF file keeps its own quantization on CUDA (fused kernels); on CPU it is dequantized, since
-    without AVX-512 torch's CPU int4/int8 kernels are slower than fp32 (measured on AVX2: 30-40x). HF: none.
+    None / "auto": a GGUF file keeps its own quantization (packed int4/int8 layers) on CUDA, and on CPU wherever llmd's
+    compiled CPU kernel (llmd.kernels.cpu_gemm) builds: that is faster and ~5x smaller than fp32 there. Without it a
+    GGUF is dequantized on CPU, since torch's own CPU int4/int8 kernels are many times slower than fp32 without
+    AVX-512. HF folders: none.
     "gguf": keep the GGUF file's own quantization everywhere.
     """
     if mode is None or mode == "auto":
-        keep = source_kind == "gguf" and torch.device(device).type == "cuda"
+        on_cuda = torch.device(device).type == "cuda"
+        keep = source_kind == "gguf" and (on_cuda or cpu_gemm.available())
         return QuantSpec("gguf" if keep else "none")
     mode = mode.strip().lower()
     if mode == "gguf":
