@@ -1,11 +1,12 @@
 """Engine vs Hugging Face transformers on SmolLM2-135M (the bundled GGUF), side by side in one run. Prints figures.
 
-    .venv/bin/python tests/benchmarks/bench_engine.py [--new-tokens 128] [--threads N] [--quant none] [--no-hf-64]
+    .venv/bin/python tests/benchmarks/bench_engine.py [--new-tokens 128] [--threads N] [--quant none,gguf] [--no-hf-64]
 
 Measures: batch-1 decode tok/s; aggregate tok/s with 16 and 64 concurrent requests (transformers: batched generate
 of the same prompts, left padded); TTFT of a request sharing a 1,000-token prefix with the previous one, prefix cache
 on and off, with the hit rate; peak RSS. Then the ratios against the issue's targets. Not a test: nothing asserts.
-Both sides run fp32 weights dequantized from the same GGUF unless --quant says otherwise for the engine.
+transformers runs fp32 weights dequantized from the GGUF; the engine runs each --quant mode in turn: none is the same
+fp32 weights, gguf the file's own Q4_1 blocks (and its Q8_0 table as the head) through llmd's CPU kernels.
 """
 
 from __future__ import annotations
@@ -81,7 +82,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    ap.add_argument("--quant", default="none", help="engine weights: none (fp32, as transformers) or the GGUF's own")
+    ap.add_argument("--quant", default="none,gguf",
+                    help="engine weight modes, comma-separated: none (fp32, as transformers), gguf (the file's own "
+                         "Q4_1 + Q8_0 head through llmd's CPU kernels), int8, int4-g32, ...")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved repeats of the side-by-side runs (best kept)")
     ap.add_argument("--no-hf-64", action="store_true", help="skip transformers' batch of 64 (slow)")
     args = ap.parse_args()
@@ -94,24 +97,25 @@ def main() -> None:
     print(f"SmolLM2-135M from {path.name}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{n} new tokens per request, greedy")
 
-    quant = None if args.quant in ("gguf", "auto") else args.quant
-    t = time.perf_counter()
-    loaded = load_model(path, dtype=torch.float32, device="cpu", quant=quant)
-    print(f"engine load: {time.perf_counter() - t:.1f} s")
-    tok = loaded.tokenizer
-    engine = Engine(loaded, EngineConfig())
-    prompts = chat_prompts(tok, 64)
-    engine_run(engine, prompts[:1], 4)  # warm-up
-    e64 = engine_run(engine, prompts[:64], n)
-    stats = engine.stats()
-    print(f"engine: 64 concurrent {e64:.1f} tok/s (preemptions {stats['num_preemptions']}, "
-          f"KV blocks {stats['kv_blocks_total']})")
-    ttft_on, hit_on = prefix_ttft(loaded, tok, cache=True)
-    ttft_off, hit_off = prefix_ttft(loaded, tok, cache=False)
-    print(f"engine: shared 1,000-token prefix TTFT: cache on {ttft_on * 1000:.0f} ms (hit rate {hit_on:.0%}), "
-          f"cache off {ttft_off * 1000:.0f} ms (hit rate {hit_off:.0%})")
+    engines, rows = {}, {}
+    for mode in args.quant.split(","):
+        t = time.perf_counter()
+        loaded = load_model(path, dtype=torch.float32, device="cpu", quant=mode)
+        print(f"engine [{mode}] load: {time.perf_counter() - t:.1f} s, weights "
+              f"{loaded.report.weight_bytes / 2**20:.0f} MiB")
+        engine = engines[mode] = Engine(loaded, EngineConfig())
+        prompts = chat_prompts(loaded.tokenizer, 64)
+        engine_run(engine, prompts[:1], 4)  # warm-up
+        e64 = engine_run(engine, prompts[:64], n)
+        stats = engine.stats()
+        ttft_on, hit_on = prefix_ttft(loaded, loaded.tokenizer, cache=True)
+        ttft_off, hit_off = prefix_ttft(loaded, loaded.tokenizer, cache=False)
+        print(f"engine [{mode}]: 64 concurrent {e64:.1f} tok/s (preemptions {stats['num_preemptions']}, KV blocks "
+              f"{stats['kv_blocks_total']}); shared 1,000-token prefix TTFT: cache on {ttft_on * 1000:.0f} ms (hit "
+              f"rate {hit_on:.0%}), cache off {ttft_off * 1000:.0f} ms (hit rate {hit_off:.0%})")
+        rows[mode] = dict(e1=0.0, e16=0.0, e64=e64, ttft_ratio=ttft_on / ttft_off)
     engine_rss = peak_rss_mib()
-    print(f"engine peak RSS (model + KV pool + 64 concurrent): {engine_rss:.0f} MiB")
+    print(f"engines' peak RSS (models + KV pools + 64 concurrent): {engine_rss:.0f} MiB")
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -123,28 +127,33 @@ def main() -> None:
     llama_cpp = load_llama_cpp(path, torch.get_num_threads())  # second batch-1 anchor (optional): the GGUF as is
     if llama_cpp:
         llama_cpp.generate(prompts[:1], 3)  # warm-up
-    # Interleave the two sides and keep each one's best, so load from other processes hits both alike.
-    e1 = h1 = e16 = h16 = l1 = 0.0
+    # Interleave the sides and keep each one's best, so load from other processes hits them alike.
+    h1 = h16 = l1 = 0.0
     for _ in range(args.repeats):
-        e1 = max(e1, engine_run(engine, prompts[:1], n))
+        for mode, engine in engines.items():
+            rows[mode]["e1"] = max(rows[mode]["e1"], engine_run(engine, prompts[:1], n))
         h1 = max(h1, hf_run(model, hf_tok, prompts[:1], n))
         if llama_cpp:  # prefill + n - 1 steps = n new tokens, counted like the engine's request
             l1 = max(l1, llama_cpp.generate(prompts[:1], n - 1).request_tok_s)
-        e16 = max(e16, engine_run(engine, prompts[:16], n))
+        for mode, engine in engines.items():
+            rows[mode]["e16"] = max(rows[mode]["e16"], engine_run(engine, prompts[:16], n))
         h16 = max(h16, hf_run(model, hf_tok, prompts[:16], n))
-    print(f"engine:       batch-1 {e1:.1f} tok/s | 16 concurrent {e16:.1f} tok/s | 64 concurrent {e64:.1f} tok/s")
     h64 = None if args.no_hf_64 else hf_run(model, hf_tok, prompts[:64], n)
+    for mode, r in rows.items():
+        print(f"engine [{mode}]: batch-1 {r['e1']:.1f} tok/s | 16 concurrent {r['e16']:.1f} tok/s | "
+              f"64 concurrent {r['e64']:.1f} tok/s")
     h64_text = "skipped" if h64 is None else f"{h64:.1f} tok/s"
-    print(f"transformers: batch-1 {h1:.1f} tok/s | batched 16 {h16:.1f} tok/s | batched 64 {h64_text}")
+    print(f"transformers (fp32): batch-1 {h1:.1f} tok/s | batched 16 {h16:.1f} tok/s | batched 64 {h64_text}")
     print(f"llama.cpp:    batch-1 {l1:.1f} tok/s (its own Q4_1 kernels)" if llama_cpp else LLAMA_CPP_MISSING)
-    print(f"peak RSS (engine part / whole run with both models): {engine_rss:.0f} / {peak_rss_mib():.0f} MiB")
+    print(f"peak RSS (engines part / whole run with all models): {engine_rss:.0f} / {peak_rss_mib():.0f} MiB")
     print("targets:")
-    print(f"  batch-1 decode vs transformers: {e1 / h1:.2f}x (target >= 1.5x)"
-          + (f"; vs llama.cpp: {e1 / l1:.2f}x" if llama_cpp else ""))
-    print(f"  16 concurrent vs transformers batched 16: {e16 / h16:.2f}x (target >= 3x)")
-    if h64:
-        print(f"  64 concurrent vs transformers batched 64: {e64 / h64:.2f}x")
-    print(f"  prefix-hit TTFT / miss TTFT: {ttft_on / ttft_off:.3f} (target <= 0.2)")
+    for mode, r in rows.items():
+        print(f"  [{mode}] batch-1 decode vs transformers: {r['e1'] / h1:.2f}x (target >= 1.5x)"
+              + (f"; vs llama.cpp: {r['e1'] / l1:.2f}x" if llama_cpp else ""))
+        print(f"  [{mode}] 16 concurrent vs transformers batched 16: {r['e16'] / h16:.2f}x (target >= 3x)")
+        if h64:
+            print(f"  [{mode}] 64 concurrent vs transformers batched 64: {r['e64'] / h64:.2f}x")
+        print(f"  [{mode}] prefix-hit TTFT / miss TTFT: {r['ttft_ratio']:.3f} (target <= 0.2)")
 
 
 if __name__ == "__main__":
