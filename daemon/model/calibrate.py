@@ -35,7 +35,7 @@ from .gptq import gptq_int4, input_hessian
 
 log = logging.getLogger(__name__)
 
-CALIBRATION = "awq+gptq-1"  # names method + text in the quant cache key
+CALIBRATION = "awq+gptq-2"  # names method + text in the quant cache key
 BLOCK_SIZE = 16
 
 
