@@ -105,46 +105,93 @@ INLINE float hsum(__m256 v) {
             }                                                                                                      \
     }
 
-/* int4: activations already split per 16 k into [8 even k, 8 odd k] (xp, row stride K), so the low and high
- * nibbles of 8 bytes widen into two vectors that pair with them directly. G % 16 == 0.
- * w = (q - 8) * s + z = q * s + (z - 8 s), one FMA per 8 weights, shared by the R rows. */
+/* The int4 zero term, added to a tile's accumulators before their horizontal sums: acc[r] lane i gains
+ * sum over groups g = i, i + 8, ... of (z_g - 8 s_g) D_g, in a fixed order (the last step masked). */
+INLINE void add_zero_terms(__m256 *acc, int rows, int stride, const float *s, const float *z, const float *D,
+                           int64_t ng) {
+    const __m256 eight = _mm256_set1_ps(8.0f);
+    for (int64_t i = 0; i < ng; i += 8) {
+        const int64_t left = ng - i;
+        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(left > 8 ? 8 : (int)left),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256 zz = _mm256_fnmadd_ps(eight, _mm256_maskload_ps(s + i, keep), _mm256_maskload_ps(z + i, keep));
+        for (int r = 0; r < rows; r++)
+            acc[r * stride] = _mm256_fmadd_ps(zz, _mm256_maskload_ps(D + r * ng + i, keep), acc[r * stride]);
+    }
+}
+
+/* int4 with fp32 activations, per chunk of 64 k (32 packed bytes per column, one 256-bit load):
+ *   sum_k x_k w_k = sum_chunks sum_lanes s_g(lane) * (sum_j x q) + sum_g (z_g - 8 s_g) X_g,   X_g = sum of x over g.
+ * Lane l of a chunk's 32 bytes holds k = 8l .. 8l + 7, nibble j being k = 8l + j; so masking nibble j in place
+ * (AND with 0xF << 4j) leaves q * 2^4j in each lane, whose int->float conversion is exact, and the activations are
+ * stored pre-multiplied by 2^-4j to pair with it (exact unless |x| < 2^-102 turns subnormal): one AND, one
+ * conversion and one FMA per 8 weights (nibble 7 is shifted down instead, its AND mask would be the sign bit), about
+ * half the instructions of widening, dequantizing and multiplying each weight. The activations are stored chunk by
+ * chunk, the rows of a chunk side by side (xp[chunk][row][64]), so a tile's rows sit at fixed offsets from one
+ * pointer (a stride per row cost general registers and spills). The 8 products per lane are summed per chunk, then
+ * scaled by the lane's group scale (lanes of one chunk may belong to different groups: a gather table per chunk);
+ * the zero term comes at the end from the per-row group sums X. A last partial chunk (K % 64) reads its bytes into
+ * a zeroed block and meets zero activations. */
+typedef struct {
+    __m256i idx;  /* lane -> group index relative to g0 */
+    __m256i keep; /* groups present in the chunk (for a masked load of its scales) */
+    int64_t g0;
+} int4_chunk;
+
 #define INT4_TILE(R, C)                                                                                            \
-    static void int4_tile_##R##_##C(const float *xp, const uint8_t *q, const float *s, const float *z, float *y,  \
-                                    int64_t ldy, int64_t K, int64_t G) {                                          \
-        const int64_t ng = K / G, kh = K / 2;                                                                      \
-        const __m256i mask = _mm256_set1_epi32(0xF);                                                               \
-        __m256 acc[R][C];                                                                                          \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                      \
-        const __m256 eight = _mm256_set1_ps(8.0f);                                                                 \
-        /* one flat loop over k (the group index advances on the side): a loop per group would let the compiler  \
-         * hoist 2C scale/zero vectors out of it, evicting the accumulators from the 16 registers */             \
-        int64_t g = 0, gend = G;                                                                                   \
-        for (int64_t k = 0; k < K; k += 16) {                                                                      \
-            if (k == gend) {                                                                                       \
-                g++;                                                                                               \
-                gend += G;                                                                                         \
+    static void int4_tile_##R##_##C(const float *xp, int64_t ldp, const float *xs, const int4_chunk *ch,          \
+                                    const uint8_t *q, const float *s, const float *z, float *y, int64_t ldy,      \
+                                    int64_t K, int64_t G) {                                                       \
+        const int64_t ng = K / G, kh = K / 2, nc = (K + 63) / 64;                                                 \
+        /* running totals in memory: updated once per chunk, they leave the registers to the chunk's sums */     \
+        float out[R][C][8] __attribute__((aligned(32)));                                                           \
+        memset(out, 0, sizeof out);                                                                                \
+        /* the scales and zeros of the tile PF_TILES ahead (the zeros are read only at the end: unfetched, their  \
+         * misses would stall each tile when the weights stream from memory) */                                   \
+        for (int64_t p = 0; p < C * ng; p += 16) {                                                                 \
+            _mm_prefetch((const char *)(s + PF_TILES * C * ng + p), _MM_HINT_T0);                                 \
+            _mm_prefetch((const char *)(z + PF_TILES * C * ng + p), _MM_HINT_T0);                                 \
+        }                                                                                                          \
+        for (int64_t i = 0; i < nc; i++) {                                                                         \
+            _Pragma("GCC unroll 8") for (int p = 0; p < C * 32; p += 64)                                          \
+                _mm_prefetch((const char *)(q + PF_TILES * C * kh + i * (32 * C) + p), _MM_HINT_T0);            \
+            /* a last partial chunk: its bytes copied into a zeroed block */                                    \
+            const uint8_t *qc = q + i * 32;                                                                        \
+            int64_t ldq = kh;                                                                                      \
+            uint8_t part[C * 32];                                                                                  \
+            if (kh - i * 32 < 32) {                                                                                \
+                memset(part, 0, sizeof part);                                                                      \
+                for (int c = 0; c < C; c++) memcpy(part + c * 32, qc + c * kh, (size_t)(kh - i * 32));            \
+                qc = part;                                                                                         \
+                ldq = 32;                                                                                          \
             }                                                                                                      \
-            _mm_prefetch((const char *)(q + PF_TILES * C * kh + (k >> 4) * (8 * C)), _MM_HINT_T0);                \
-            __m256 xe[R], xo[R];                                                                                   \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                 \
-                xe[r] = _mm256_loadu_ps(xp + r * K + k);                                                           \
-                xo[r] = _mm256_loadu_ps(xp + r * K + k + 8);                                                       \
-            }                                                                                                      \
-            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                 \
-                __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + c * kh + (k >> 1))));      \
-                __m256 sv = _mm256_broadcast_ss(s + c * ng + g);                                                   \
-                __m256 zv = _mm256_fnmadd_ps(eight, sv, _mm256_broadcast_ss(z + c * ng + g));                      \
-                __m256 lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, mask)), sv, zv);                \
-                __m256 hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), sv, zv);                  \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                             \
-                    acc[r][c] = _mm256_fmadd_ps(xe[r], lo, acc[r][c]);                                             \
-                    acc[r][c] = _mm256_fmadd_ps(xo[r], hi, acc[r][c]);                                             \
+            __m256 acc[R][C];                                                                                      \
+            const float *xc = xp + i * ldp;                                                                        \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                                 \
+                const __m256i mask = _mm256_set1_epi32(0xF << (4 * j));                                            \
+                _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                             \
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(qc + c * ldq));                        \
+                    const __m256 f = _mm256_cvtepi32_ps(j < 7 ? _mm256_and_si256(v, mask)                          \
+                                                              : _mm256_srli_epi32(v, 28));                         \
+                    _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                         \
+                        const __m256 xv = _mm256_load_ps(xc + r * 64 + 8 * j);                                     \
+                        acc[r][c] = j == 0 ? _mm256_mul_ps(xv, f) : _mm256_fmadd_ps(xv, f, acc[r][c]);            \
+                    }                                                                                              \
                 }                                                                                                  \
             }                                                                                                      \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                 \
+                const __m256 sv = _mm256_permutevar8x32_ps(                                                       \
+                    _mm256_maskload_ps(s + c * ng + ch[i].g0, ch[i].keep), ch[i].idx);                             \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                               \
+                    _mm256_store_ps(out[r][c], _mm256_fmadd_ps(acc[r][c], sv, _mm256_load_ps(out[r][c])));        \
+            }                                                                                                      \
         }                                                                                                          \
+        __m256 tot[R][C];                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
-            for (int c = 0; c < C; c++) y[r * ldy + c] = hsum(acc[r][c]);                                          \
+            for (int c = 0; c < C; c++) tot[r][c] = _mm256_load_ps(out[r][c]);                                     \
+        for (int c = 0; c < C; c++) add_zero_terms(&tot[0][c], R, C, s + c * ng, z + c * ng, xs, ng);          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int c = 0; c < C; c++) y[r * ldy + c] = hsum(tot[r][c]);                                          \
     }
 
 /* Tile shapes: a single row streams TILE_C1 columns at a time (independent accumulators hide the FMA latency);
@@ -153,6 +200,18 @@ INLINE float hsum(__m256 v) {
 #define TILE_R 4
 #define TILE_C1 8
 #define TILE_CM 4
+/* int4 tiles hold only the chunk sums in registers (the running totals live in memory): one row streams 8 columns
+ * (8 independent FMA chains), several rows take 4 x 2 (each widened weight vector serves 4 rows; measured best of
+ * 4x1, 2x2, 4x2, 4x3 on an AVX2 EPYC) */
+#ifndef INT4_TILE_R
+#define INT4_TILE_R 4
+#endif
+#ifndef INT4_TILE_C1
+#define INT4_TILE_C1 8
+#endif
+#ifndef INT4_TILE_CM
+#define INT4_TILE_CM 2
+#endif
 
 #define TILES_FOR_C(T, C) T(1, C) T(2, C) T(3, C) T(4, C)
 #define ALL_TILES(T)                                                                                               \
@@ -163,8 +222,8 @@ ALL_TILES(INT4_TILE)
 
 typedef void (*int8_tile_fn)(const float *, int64_t, const int8_t *, const float *, float *, int64_t, int64_t,
                              int64_t);
-typedef void (*int4_tile_fn)(const float *, const uint8_t *, const float *, const float *, float *, int64_t, int64_t,
-                             int64_t);
+typedef void (*int4_tile_fn)(const float *, int64_t, const float *, const int4_chunk *, const uint8_t *,
+                             const float *, const float *, float *, int64_t, int64_t, int64_t);
 
 #define ROW_OF(T, C) {T##_1_##C, T##_2_##C, T##_3_##C, T##_4_##C}
 /* [C - 1][R - 1]; C > 4 only for one row */
@@ -229,15 +288,42 @@ int llmd_int4_matmul(const float *x, int64_t ldx, const uint8_t *q, const float 
     const int64_t ng = k / g, kh = k / 2;
 #if defined(__AVX2__) && defined(__FMA__)
     if (g % 16) return -1;
-    /* Split every 16 activations into [x0 x2 .. x14, x1 x3 .. x15]: the low/high nibbles of 8 bytes. */
-    float *xp = (float *)aligned_alloc(32, (size_t)((m * k * 4 + 31) / 32 * 32 + 32));
-    if (!xp) return -2;
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i += 16)
+    /* Per row: the activations in the kernel's order (xp, see INT4_TILE; zero beyond K) and its group sums xs,
+     * computed once per call in plain C (the same bits whichever rows share the call); per chunk its gather table. */
+    const int64_t nc = (k + 63) / 64, kp = nc * 64;
+    const size_t xp_bytes = (size_t)(m * kp) * 4, xs_bytes = ((size_t)(m * ng) * 4 + 31) / 32 * 32;
+    char *buf = (char *)aligned_alloc(32, xp_bytes + xs_bytes + (size_t)nc * sizeof(int4_chunk) + 32);
+    if (!buf) return -2;
+    float *xp = (float *)buf, *xs = (float *)(buf + xp_bytes);
+    int4_chunk *ch = (int4_chunk *)(buf + xp_bytes + xs_bytes);
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * ldx;
+        for (int64_t i = 0; i < nc; i++)
             for (int j = 0; j < 8; j++) {
-                xp[r * k + i + j] = x[r * ldx + i + 2 * j];
-                xp[r * k + i + 8 + j] = x[r * ldx + i + 2 * j + 1];
+                const float scale = j < 7 ? 1.0f / (float)(1 << (4 * j)) : 1.0f;
+                for (int l = 0; l < 8; l++) {
+                    const int64_t kk = i * 64 + 8 * l + j;
+                    xp[i * m * 64 + r * 64 + 8 * j + l] = kk < k ? xr[kk] * scale : 0.0f;
+                }
             }
+        for (int64_t gi = 0; gi < ng; gi++) {
+            float t = 0.0f;
+            for (int64_t kk = gi * g; kk < (gi + 1) * g; kk++) t += xr[kk];
+            xs[r * ng + gi] = t;
+        }
+    }
+    for (int64_t i = 0; i < nc; i++) {
+        const int64_t g0 = i * 64 / g, glast = ((i * 64 + 64 < k ? i * 64 + 64 : k) - 1) / g;
+        int32_t idx[8], keep[8];
+        for (int l = 0; l < 8; l++) {
+            const int64_t kk = i * 64 + 8 * l;
+            idx[l] = (int32_t)((kk < k ? kk / g : glast) - g0);
+            keep[l] = l <= glast - g0 ? -1 : 0;
+        }
+        ch[i].idx = _mm256_loadu_si256((const __m256i *)idx);
+        ch[i].keep = _mm256_loadu_si256((const __m256i *)keep);
+        ch[i].g0 = g0;
+    }
     const int64_t chunk = row_chunk(k);
 #endif
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
@@ -252,13 +338,13 @@ int llmd_int4_matmul(const float *x, int64_t ldx, const uint8_t *q, const float 
 #if defined(__AVX2__) && defined(__FMA__)
         for (int64_t m0 = 0; m0 < m; m0 += chunk) {
             const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-            const int tc = (m1 - m0) == 1 ? TILE_C1 : TILE_CM;
+            const int tc = (m1 - m0) == 1 ? INT4_TILE_C1 : INT4_TILE_CM;
             for (int64_t c0 = n0; c0 < n1; c0 += tc) {
                 const int cc = (int)(n1 - c0 < tc ? n1 - c0 : tc);
-                for (int64_t r0 = m0; r0 < m1; r0 += TILE_R) {
-                    const int rr = (int)(m1 - r0 < TILE_R ? m1 - r0 : TILE_R);
-                    INT4_TILES[cc - 1][rr - 1](xp + r0 * k, q + c0 * kh, s + c0 * ng, z + c0 * ng, y + r0 * ldy + c0,
-                                  ldy, k, g);
+                for (int64_t r0 = m0; r0 < m1; r0 += INT4_TILE_R) {
+                    const int rr = (int)(m1 - r0 < INT4_TILE_R ? m1 - r0 : INT4_TILE_R);
+                    INT4_TILES[cc - 1][rr - 1](xp + r0 * 64, m * 64, xs + r0 * ng, ch, q + c0 * kh, s + c0 * ng,
+                                               z + c0 * ng, y + r0 * ldy + c0, ldy, k, g);
                 }
             }
         }
@@ -276,7 +362,7 @@ int llmd_int4_matmul(const float *x, int64_t ldx, const uint8_t *q, const float 
 #endif
     }
 #if defined(__AVX2__) && defined(__FMA__)
-    free(xp);
+    free(buf);
 #endif
     return 0;
 }
@@ -351,21 +437,6 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, i
 /* Per block of rows r and column c: acc += float(dot) * (d_b * s_g). */
 #define Q8_BLOCK_FMA(acc, dot, dv, sv)                                                                             \
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dot, ones)), _mm256_mul_ps(dv, sv), acc)
-
-/* The int4 zero term, added to a tile's accumulators before their horizontal sums: acc[r] lane i gains
- * sum over groups g = i, i + 8, ... of (z_g - 8 s_g) D_g, in a fixed order (the last step masked). */
-INLINE void add_zero_terms(__m256 *acc, int rows, int stride, const float *s, const float *z, const float *D,
-                           int64_t ng) {
-    const __m256 eight = _mm256_set1_ps(8.0f);
-    for (int64_t i = 0; i < ng; i += 8) {
-        const int64_t left = ng - i;
-        const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(left > 8 ? 8 : (int)left),
-                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        const __m256 zz = _mm256_fnmadd_ps(eight, _mm256_maskload_ps(s + i, keep), _mm256_maskload_ps(z + i, keep));
-        for (int r = 0; r < rows; r++)
-            acc[r * stride] = _mm256_fmadd_ps(zz, _mm256_maskload_ps(D + r * ng + i, keep), acc[r * stride]);
-    }
-}
 
 /* R rows (quantized: bytes xq with stride K, block scales xd stride nb, group sums xD stride ng) x C columns. */
 #define Q4_TILE(R, C)                                                                                              \

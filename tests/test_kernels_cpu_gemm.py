@@ -63,7 +63,9 @@ def test_int8_matches_reference(n, k, group):
         _check_close(out, qmm.int8_matmul_ref(x, q, s, group))
 
 
-@pytest.mark.parametrize("n,k,group", [(37, 128, 32), (13, 192, 64), (41, 256, 128), (8, 64, 32)])
+# K is taken in chunks of 64: (80, 16) and (240, 48) end in a partial chunk, and groups of 48 straddle chunks
+@pytest.mark.parametrize("n,k,group", [(37, 128, 32), (13, 192, 64), (41, 256, 128), (8, 64, 32), (11, 80, 16),
+                                       (19, 240, 48)])
 def test_int4_matches_reference(n, k, group):
     q, s, z = _int4(n, k, group)
     for m in ROWS:
@@ -106,17 +108,19 @@ def test_bad_shapes_raise():
     assert cpu_gemm.int8_matmul(_x(2, 64), q8, s8, 4) is None
 
 
-@pytest.mark.parametrize("kind", ["int8", "int8-g32", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int8-g32", "int4", "int4-g48"])
 def test_row_results_do_not_depend_on_the_batch(kind):
     """A row's output is bitwise the same whatever M is, whichever rows share the call, and for any thread count."""
     if not HAVE_KERNEL:
         return
     n, k = 45, 192
-    if kind == "int4":
-        q, s, z = _int4(n, k, 64)
+    if kind.startswith("int4"):
+        group = 48 if kind == "int4-g48" else 64
+        k = 240 if kind == "int4-g48" else k  # a partial last chunk of 64
+        q, s, z = _int4(n, k, group)
 
         def mm(x, threads=None):
-            return cpu_gemm.int4_matmul(x, q, s, z, 64, threads=threads)
+            return cpu_gemm.int4_matmul(x, q, s, z, group, threads=threads)
     else:
         group = 32 if kind == "int8-g32" else k
         q, s = _int8(n, k, group)

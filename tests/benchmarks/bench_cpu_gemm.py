@@ -1,6 +1,6 @@
 """CPU weight-only matmul at SmolLM2-135M shapes: fp32 vs llmd's compiled int8/int4 kernel vs torch's own kernels.
 
-    python tests/benchmarks/bench_cpu_gemm.py [--threads 1,2] [--rows 1,4,16,64] [--budget 0.3]
+    python tests/benchmarks/bench_cpu_gemm.py [--threads 1,2] [--rows 1,4,16,64] [--budget 0.3] [--baseline FILE]
 
 For each layer shape (hidden 576, intermediate 1536, vocab 49152), row count M and thread count it prints ms per
 call (best of repeated calls) and the weight bytes streamed per second (GB/s) for:
@@ -11,13 +11,20 @@ call (best of repeated calls) and the weight bytes streamed per second (GB/s) fo
               called as the layers call it (a prepared per-layer kernel)
   int8 torch  torch._weight_int8pack_mm (per channel)
   int4 torch  torch._weight_int4pack_mm_for_cpu (group 32)
+  int8 base / int4 base   with --baseline FILE: the fp32-activation kernels of another cpu_gemm.c (e.g. the last
+              commit's: git show HEAD:kernels/cpu_gemm.c > /tmp/old.c), built the same way, to compare a kernel
+              change side by side in one run
 Weights are random codes: speed does not depend on their values. The first llmd call builds the kernel if needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,6 +47,14 @@ def best_ms(fn, budget_s: float) -> float:
             return best * 1e3
 
 
+def build_baseline(source: str):
+    """Another version of cpu_gemm.c compiled with the kernel's own flags, bound like the kernel."""
+    out = Path(tempfile.mkdtemp(prefix="bench_cpu_gemm_")) / "baseline.so"
+    flags = cpu_gemm._BASE_FLAGS + cpu_gemm.simd_flags() + ["-fopenmp"]
+    subprocess.run([cpu_gemm._compiler(), *flags, source, "-o", str(out)], check=True)
+    return cpu_gemm._bind(out)
+
+
 def layers(n: int, k: int):
     g = torch.Generator().manual_seed(0)
     w_t = torch.randn(k, n, generator=g) * 0.02
@@ -58,22 +73,29 @@ def main(argv=None):
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds of repeated calls per figure")
+    parser.add_argument("--baseline", help="another cpu_gemm.c whose fp32-activation kernels run side by side")
     args = parser.parse_args(argv)
+    base = build_baseline(args.baseline) if args.baseline else None
     if cpu_gemm.load() is None:
         print("llmd cpu_gemm kernel unavailable here (see the log line above); its columns show n/a")
     print(f"torch {torch.__version__}, kernel SIMD: {bool(cpu_gemm.load() and cpu_gemm.load().llmd_cpu_gemm_simd())}")
     names = ["fp32", "int8 llmd", "int8 q8", "int4 llmd", "int4 q8", "int8 torch", "int4 torch"]
+    if base is not None:
+        names[1:1] = ["int8 base"]
+        names[4:4] = ["int4 base"]
     header = f"{'shape':18} {'thr':>3} {'M':>3} " + " ".join(f"{n + ' ms (GB/s)':>19}" for n in names)
     with torch.inference_mode():
         for name, n, k in SHAPES:
             w_t, i8, i4 = layers(n, k)
             b8, b4 = n * k + n * 4, n * k // 2 + n * k // GROUP * 8
-            nbytes = {"fp32": n * k * 4, "int8 llmd": b8, "int8 q8": b8, "int8 torch": b8,
-                      "int4 llmd": b4, "int4 q8": b4, "int4 torch": b4}
+            nbytes = {"fp32": n * k * 4, "int8 llmd": b8, "int8 q8": b8, "int8 torch": b8, "int8 base": b8,
+                      "int4 llmd": b4, "int4 q8": b4, "int4 torch": b4, "int4 base": b4}
             k8 = k4 = None
             if cpu_gemm.load() is not None:
+                os.environ["LLMD_CPU_GEMM_ACT"] = "int8"  # the integer path is opt-in, read when a layer is prepared
                 k8 = cpu_gemm.layer_kernel({}, "int8", i8.qweight, i8.scales, None, k)
                 k4 = cpu_gemm.layer_kernel({}, "int4", i4.qweight, i4.scales, i4.zeros, GROUP)
+                assert k8.q8 and k4.q8
             fns = {
                 "fp32": lambda x: x @ w_t,
                 "int8 llmd": lambda x: cpu_gemm.int8_matmul(x, i8.qweight, i8.scales, k),
@@ -82,6 +104,8 @@ def main(argv=None):
                 "int4 q8": lambda x: k4(x),
                 "int8 torch": i8._native_cpu,
                 "int4 torch": i4._native_cpu,
+                "int8 base": lambda x: cpu_gemm._int8(base, x, i8.qweight, i8.scales, k, None),
+                "int4 base": lambda x: cpu_gemm._int4(base, x, i4.qweight, i4.scales, i4.zeros, GROUP, None),
             }
             print("\n" + header)
             for threads in (int(t) for t in args.threads.split(",")):
