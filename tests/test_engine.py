@@ -73,7 +73,20 @@ def test_greedy_identical_alone_and_in_staggered_batch_of_16(tiny):
         assert batched[str(i)] == ref, f"request {i} changed when batched"
 
 
-def test_smollm2_greedy_identical_alone_and_batched(smol):
+@pytest.fixture(scope="module")
+def smol_packed(smollm2_gguf):
+    # the CPU default: the GGUF's own Q4_1 layers and Q8_0 head through llmd's compiled CPU kernel
+    return load_model(smollm2_gguf, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("weights", ["smol", "smol_packed"])
+def test_smollm2_greedy_identical_alone_and_batched(weights, request):
+    smol = request.getfixturevalue(weights)
+    if weights == "smol_packed":  # packed wherever the kernel builds (here: a C compiler is present)
+        from llmd.kernels import cpu_gemm
+        from llmd.model.quant import Int4Linear
+
+        assert any(isinstance(m, Int4Linear) for m in smol.model.modules()) == cpu_gemm.available()
     tok = smol.tokenizer
     questions = ["What is the capital of France?", "Name three colours.", "Write a haiku about rain.",
                  "What is 2 + 2?", "Say hello in Spanish.", "Why is the sky blue? Answer in one long sentence."]
