@@ -79,6 +79,7 @@ def _build(cc: str, flags: list[str]) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("compiling the CPU quantized matmul kernel once (a few seconds) into %s", out)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
