@@ -20,6 +20,7 @@ group are multiples of 32.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -176,34 +177,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
 
-def _threads(threads: int | None) -> int:
-    return threads if threads else torch.get_num_threads()
+def _int8(lib, x, qweight, scales, group_size, threads, q8: bool = False):
+    return LayerKernel(lib, "int8", qweight, scales, None, group_size, q8)(x, threads)
 
 
-def _int8(lib, x, qweight, scales, group_size, threads):
-    n, k = qweight.shape
-    x = _prepare_x(x, k)
-    qweight, scales = qweight.contiguous(), _f32(scales)
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    rc = lib.llmd_int8_matmul(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(), y.data_ptr(), n,
-                              x.shape[0], n, k, group_size, _threads(threads))
-    if rc != 0:
-        raise ValueError(f"int8 kernel rejected N={n} K={k} group={group_size}")
-    return y
-
-
-def _int4(lib, x, qweight, scales, zeros, group_size, threads):
-    n, k = qweight.shape[0], qweight.shape[1] * 2
-    x = _prepare_x(x, k)
-    qweight, scales, zeros = qweight.contiguous(), _f32(scales), _f32(zeros)
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    rc = lib.llmd_int4_matmul(x.data_ptr(), x.stride(0), qweight.data_ptr(), scales.data_ptr(), zeros.data_ptr(),
-                              y.data_ptr(), n, x.shape[0], n, k, group_size, _threads(threads))
-    if rc == -2:
-        raise MemoryError("int4 kernel could not allocate its activation buffer")
-    if rc != 0:
-        raise ValueError(f"int4 kernel rejected N={n} K={k} group={group_size}")
-    return y
+def _int4(lib, x, qweight, scales, zeros, group_size, threads, q8: bool = False):
+    return LayerKernel(lib, "int4", qweight, scales, zeros, group_size, q8)(x, threads)
 
 
 def supports_int8(k: int, group_size: int) -> bool:
@@ -252,27 +231,12 @@ def _work_buffer(nbytes: int) -> int:
     return buf.data_ptr()
 
 
-def _q8_call(fn, lib, x, weights, n, k, group_size, threads):
-    x = _prepare_x(x, k)
-    m = x.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    work = _work_buffer(lib.llmd_q8_work_bytes(m, k, group_size))
-    if fn(x.data_ptr(), x.stride(0), *weights, y.data_ptr(), n, m, n, k, group_size, work, _threads(threads)) != 0:
-        raise ValueError(f"integer kernel rejected N={n} K={k} group={group_size}")
-    return y
-
-
 def _int8_q8(lib, x, qweight, scales, group_size, threads):
-    n, k = qweight.shape
-    return _q8_call(lib.llmd_int8_matmul_q8, lib, x, (qweight.contiguous().data_ptr(), _f32(scales).data_ptr()),
-                    n, k, group_size, threads)
+    return _int8(lib, x, qweight, scales, group_size, threads, q8=True)
 
 
 def _int4_q8(lib, x, qweight, scales, zeros, group_size, threads):
-    n, k = qweight.shape[0], qweight.shape[1] * 2
-    return _q8_call(lib.llmd_int4_matmul_q8, lib, x,
-                    (qweight.contiguous().data_ptr(), _f32(scales).data_ptr(), _f32(zeros).data_ptr()),
-                    n, k, group_size, threads)
+    return _int4(lib, x, qweight, scales, zeros, group_size, threads, q8=True)
 
 
 def int8_matmul_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -324,20 +288,29 @@ Q8_ACTIVATIONS = {"int4": True, "int8": True}
 
 
 def q8_activations(kind: str) -> bool:
-    return Q8_ACTIVATIONS[kind] and os.environ.get("LLMD_CPU_GEMM_ACT", "fp32") == "int8"
+    return Q8_ACTIVATIONS[kind] and _activation_mode(os.environ.get("LLMD_CPU_GEMM_ACT", "fp32")) == "int8"
+
+
+@functools.lru_cache(maxsize=None)
+def _activation_mode(value: str) -> str:
+    if value not in ("fp32", "int8"):
+        log.warning("LLMD_CPU_GEMM_ACT=%r is not fp32 or int8; using fp32 activations", value)
+        return "fp32"
+    return value
 
 
 class LayerKernel:
     """One quantized layer's CPU matmul with its weight pointers and path fixed: the integer path for every M when
     K and the group take it (one numerics path per layer, so a row's result never depends on the batch)."""
 
-    def __init__(self, lib, kind: str, qweight, scales, zeros, group_size: int):
+    def __init__(self, lib, kind: str, qweight, scales, zeros, group_size: int, q8: bool | None = None):
+        """q8: int8 activations (where K and the group allow); None: as LLMD_CPU_GEMM_ACT says."""
         self.kind, self.group_size = kind, group_size
         self.n = qweight.shape[0]
         self.k = qweight.shape[1] * (2 if kind == "int4" else 1)
         # contiguous fp32 forms, kept alive with the layer: the pointers below stay valid
         self._keep = [qweight.contiguous(), _f32(scales)] + ([_f32(zeros)] if kind == "int4" else [])
-        self.q8 = q8_activations(kind) and supports_q8(self.k, group_size)
+        self.q8 = (q8_activations(kind) if q8 is None else q8) and supports_q8(self.k, group_size)
         if self.q8:
             self._fn = lib.llmd_int4_matmul_q8 if kind == "int4" else lib.llmd_int8_matmul_q8
             self._work_per_row = lib.llmd_q8_work_bytes(1, self.k, group_size)

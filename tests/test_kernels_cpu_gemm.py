@@ -336,3 +336,10 @@ def test_q8_rejects_bad_shapes():
         cpu_gemm.int4_matmul_q8(_x(2, 32), q, s, z, 32)
     assert cpu_gemm.int4_matmul_q8(_x(2, 64), q, s, z, 16) is None  # groups of 16: not this path
     assert cpu_gemm.int4_matmul_q8(_x(0, 64), q, s, z, 32).shape == (0, 8)
+
+
+def test_unknown_activation_mode_warns_and_keeps_fp32(monkeypatch, caplog):
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "int4")
+    with caplog.at_level("WARNING", logger="llmd.kernels.cpu_gemm"):
+        assert not cpu_gemm.q8_activations("int8")
+    assert "LLMD_CPU_GEMM_ACT='int4' is not fp32 or int8" in caplog.text
