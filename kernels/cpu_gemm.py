@@ -9,7 +9,7 @@ The shared library is built with the system C compiler into <cache>/llmd/kernels
 flags are used only for features /proc/cpuinfo lists (never -march=native: some VMs advertise features that fault).
 Without a compiler, or when the build or a self-check against the torch reference fails, `load()` logs one line and
 returns None, and `int8_matmul` / `int4_matmul` return None: callers keep their torch path. LLMD_CPU_GEMM=0 turns the
-kernel off (checked on every call).
+kernel off (read by each function call, and by a quantized layer when it first runs).
 
 Two numerics paths: `int8_matmul` / `int4_matmul` keep fp32 activations; `int8_matmul_q8` / `int4_matmul_q8` quantize
 each activation row to int8 per block of 32 and use integer dot products (2-3x the multiply-adds per second). The
@@ -36,7 +36,8 @@ from . import quant_matmul as qmm
 
 log = logging.getLogger("llmd.kernels.cpu_gemm")
 
-SOURCE = Path(__file__).with_name("cpu_gemm.c")
+# one library: the matmuls, and the fp32 glue ops of a decoder layer (bound by llmd.kernels.cpu_ops)
+SOURCES = [Path(__file__).with_name("cpu_gemm.c"), Path(__file__).with_name("cpu_ops.c")]
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off"]
 
 _lock = threading.Lock()
@@ -74,17 +75,18 @@ def cache_dir() -> Path:
 
 
 def _build(cc: str, flags: list[str]) -> Path:
-    source = SOURCE.read_bytes()
+    source = b"\0".join(path.read_bytes() for path in SOURCES)
     digest = hashlib.sha256(source + "\0".join([cc, *flags]).encode()).hexdigest()[:16]
     out = cache_dir() / f"cpu_gemm-{digest}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("compiling the CPU quantized matmul kernel once (a few seconds) into %s", out)
+    log.info("compiling the CPU kernels once (a few seconds) into %s", out)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        command = [cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{Path(cc).name} failed: {proc.stderr.strip()[-500:]}")
         os.replace(tmp, out)  # atomic: another process sees either no file or a whole one
@@ -336,11 +338,11 @@ def layer_kernel(cache: dict, kind: str, qweight: torch.Tensor, scales: torch.Te
                  group_size: int) -> LayerKernel | None:
     """The LayerKernel for these weights, kept in the layer's `cache` dict (rebuilt when a buffer is replaced);
     None when the kernel is off or unavailable or takes neither path for this shape (then use torch)."""
-    if not enabled():
-        return None
     entry = cache.get("cpu_gemm")
     if entry is not None and entry[0] is qweight and entry[1] is scales and entry[2] is zeros:
-        return entry[3]
+        return entry[3]  # LLMD_CPU_GEMM is read when a layer's kernel is prepared, not on every call
+    if not enabled():
+        return None
     lib = load()
     k = qweight.shape[1] * (2 if kind == "int4" else 1)
     ok = lib is not None and (supports_int4(k, group_size) if kind == "int4" else supports_int8(k, group_size))

@@ -194,7 +194,9 @@ def test_fallback_when_turned_off(monkeypatch):
         fast8, fast4 = i8(x), i4(x)
         monkeypatch.setenv("LLMD_CPU_GEMM", "0")
         assert cpu_gemm.int4_matmul(x, i4.qweight, i4.scales, i4.zeros, 32) is None
+        i8, i4 = _modules()  # a layer reads the switch when it first runs
         slow8, slow4 = i8(x), i4(x)
+        assert torch.equal(slow4, torch.nn.functional.linear(x, i4.dequantized_weight()))  # torch's path
     # the torch fallback has fp32 activations: the kernel's differ by at most its activation rounding (bounded in
     # test_q8_error_is_within_the_activation_rounding_bound); here a plain relative check
     torch.testing.assert_close(slow8, fast8, rtol=2e-2, atol=2e-2)

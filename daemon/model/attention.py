@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_ops
 from .kv_int8 import KV_CACHE_DTYPES, Int8KVCache, allocate_int8, gather_blocks, kv_parts, write_int8
 
 KVCache = tuple[torch.Tensor, torch.Tensor] | Int8KVCache
@@ -89,6 +90,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: 
         write_int8(k, v, kv_cache, slot_mapping)
         return
     k_cache, v_cache = kv_cache
+    if cpu_ops.write_kv(k, v, k_cache, v_cache, slot_mapping):  # one C call on the CPU
+        return
     num_blocks, block_size = k_cache.shape[:2]
     k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -148,6 +151,7 @@ class DecodePlan:
 
     rows: torch.Tensor | None  # [Bd] rows of those tokens in the flat batch (None: every row is a decode)
     block_tables: torch.Tensor  # [Bd, nb] block ids, nb = blocks of the longest context
+    seq_lens: torch.Tensor  # [Bd] context lengths
     masked: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool: True past the sequence's context
     others: list[int]  # indices of the sequences that are not decodes (prefill chunks, speculative verifies)
 
@@ -163,7 +167,7 @@ class DecodePlan:
         rows = None if len(decodes) == len(meta.query_lens_list) else meta.query_start_loc[idx]
         lens = meta.seq_lens[idx]
         masked = torch.arange(nb * bs, device=device).unsqueeze(0) >= lens.unsqueeze(1)
-        return cls(rows, meta.block_tables[idx, :nb].contiguous(), masked[:, None, None, :], others)
+        return cls(rows, meta.block_tables[idx, :nb].contiguous(), lens, masked[:, None, None, :], others)
 
 
 def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePlan, scale: float) -> torch.Tensor:
@@ -206,6 +210,10 @@ def fast_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMeta
     num_decodes = plan.block_tables.shape[0]
     if num_decodes == 0:
         return torch_paged_attention(q, kv_cache, meta, scale)
+    if not isinstance(kv_cache, Int8KVCache):  # one C call on the CPU for all decodes
+        out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others) if plan.others else torch.empty_like(q)
+        if cpu_ops.decode_attention(q, *kv_cache, plan.block_tables, plan.seq_lens, plan.rows, scale, out):
+            return out
     if plan.rows is None:
         return batched_decode_attention(q, kv_cache, plan, scale)
     out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others)

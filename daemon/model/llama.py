@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_ops
 from .attention import AttentionMetadata, KVCache, paged_attention
 from .config import ModelConfig
 from .linear import fuse_linears, make_linear
@@ -26,8 +27,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, bit-identical to the steps below for fp32 (tested)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            y = cpu_ops.rms_norm(x, self.weight, self.eps)  # one C call on the CPU
+            # else torch's fused op, bit-identical to the steps below for fp32 (tested)
+            return y if y is not None else F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32 and cast back before the weight multiply, exactly as transformers does.
         dtype = x.dtype
         h = x.float()
@@ -126,7 +129,9 @@ class Attention(nn.Module):
         if self.qkv_proj is not None and self.q_norm is None:
             # q and k lie side by side in the fused output: rotate both as one [t, heads + kv_heads, d] view
             qkv = self.qkv_proj(x)
-            qk = apply_rope(qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d), cos, sin)
+            qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
+            if not cpu_ops.rope_(qkv, cos, sin, heads + kv_heads, d):  # in place on the CPU
+                qk = apply_rope(qk, cos, sin)
             q, k = qk.split([heads, kv_heads], dim=1)
             v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
         else:
@@ -156,8 +161,12 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            gate_up = self.gate_up_proj(x)
+            h = cpu_ops.silu_mul(gate_up, self.intermediate_size)  # one C call on the CPU
+            if h is None:
+                gate, up = gate_up.split(self.intermediate_size, dim=-1)
+                h = F.silu(gate) * up
+            return self.down_proj(h)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

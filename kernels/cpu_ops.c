@@ -1,0 +1,201 @@
+/* The fp32 glue of a decoder layer on the CPU: RMSNorm, RoPE, SiLU(gate) * up, writing K/V into the paged cache and
+ * single-token (decode) attention over it.
+ *
+ * Each op is one call where torch needs five to fifteen small ones; on a small model at batch 1 those calls, not the
+ * arithmetic, were a third of a decode step. Built into the same library as cpu_gemm.c (llmd.kernels.cpu_gemm).
+ *
+ * Every output row is computed by one thread in a fixed order, whatever the batch and thread count, so a sequence's
+ * results never depend on what else runs in its step (llmd's exactness invariant).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* ---- exp on 8 lanes: exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln2 / 2, exp(r) by a degree-6 polynomial
+ * (Taylor coefficients; relative error below 2e-7 on that interval). Scalar code uses expf. ---------------------- */
+#if defined(__AVX2__) && defined(__FMA__)
+INLINE __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* ln 2 split in a part exact in float and a remainder, so r keeps its precision */
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+INLINE float hsum8(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    a = _mm_add_ss(a, _mm_movehdup_ps(a));
+    return _mm_cvtss_f32(a);
+}
+#define SIMD 1
+#else
+#define SIMD 0
+#endif
+
+/* sum of a[i] * b[i], i < n */
+INLINE float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if SIMD
+    __m256 acc = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    s = hsum8(acc);
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* y[i] += p * x[i], i < n */
+INLINE void axpy(float *y, float p, const float *x, int64_t n) {
+    int64_t i = 0;
+#if SIMD
+    __m256 pv = _mm256_set1_ps(p);
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+    for (; i < n; i++) y[i] += p * x[i];
+}
+
+/* y = x / sqrt(mean(x^2) + eps) * w per row of n values (as transformers: normalise, then scale by w). */
+int llmd_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows, int64_t n,
+                  float eps) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xr = x + t * ldx;
+        float *yr = y + t * ldy;
+        float inv = 1.0f / sqrtf(dot(xr, xr, n) / (float)n + eps);
+        for (int64_t i = 0; i < n; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+    return 0;
+}
+
+/* Rotate-half RoPE in place on `heads` heads of `d` values at the start of each row of x (row stride ldx):
+ * x[i] = x[i] * cos[i] + x[i +- d/2] * ssin[i], with cos and the signed sin [rows, d] (llmd.model.llama.apply_rope:
+ * the same products and sum, so the same values). */
+int llmd_rope(float *x, int64_t ldx, const float *cos, const float *ssin, int64_t rows, int64_t heads, int64_t d) {
+    int64_t half = d / 2;
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + t * d, *s = ssin + t * d;
+        for (int64_t h = 0; h < heads; h++) {
+            float *v = x + t * ldx + h * d;
+            for (int64_t i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                float lo = a * c[i], hi = b * c[i + half];
+                v[i] = lo + b * s[i];
+                v[i + half] = hi + a * s[i + half];
+            }
+        }
+    }
+    return 0;
+}
+
+/* y[t, i] = silu(g[t, i]) * g[t, n + i]: the fused gate/up output [rows, 2n] (row stride ldg) -> [rows, n]. */
+int llmd_silu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t rows, int64_t n) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *gate = g + t * ldg, *up = gate + n;
+        float *yr = y + t * ldy;
+        int64_t i = 0;
+#if SIMD
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= n; i += 8) {
+            __m256 a = _mm256_loadu_ps(gate + i);
+            __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), a));
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < n; i++) yr[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+    return 0;
+}
+
+/* Copy each new token's K and V (rows of `width` values, row strides ldk, ldv) into its cache slot; a cache is
+ * [slots, width] contiguous. */
+int llmd_write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots, int64_t rows,
+                  float *k_cache, float *v_cache, int64_t width, int64_t num_slots) {
+    for (int64_t t = 0; t < rows; t++) {
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+        memcpy(k_cache + slots[t] * width, k + t * ldk, width * sizeof(float));
+        memcpy(v_cache + slots[t] * width, v + t * ldv, width * sizeof(float));
+    }
+    return 0;
+}
+
+/* Attention of B single-token queries over their paged contexts.
+ * q: row b at q + rows[b] * ldq (rows NULL: row b), [heads, d] each; the output goes to the same row of `out`
+ * (stride ldo). Caches [num_blocks, block_size, kv_heads, d]; block_tables [B, bt_stride]; seq_lens [B].
+ * The query heads sharing a KV head read each cached K/V vector once. The scores are kept for the softmax:
+ * `work` holds group * max(seq_lens) floats per thread. */
+int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, const float *k_cache,
+                          const float *v_cache, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t d,
+                          const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens, int64_t heads,
+                          float scale, float *out, int64_t ldo, float *work, int64_t work_per_thread, int threads) {
+    const int64_t group = heads / kv_heads;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t len = seq_lens[b];
+        if (len < 1 || group * len > work_per_thread) return -1;
+        for (int64_t j = 0; j < (len + block_size - 1) / block_size; j++) {
+            int64_t blk = block_tables[b * bt_stride + j];
+            if (blk < 0 || blk >= num_blocks) return -1;
+        }
+    }
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < B * kv_heads; task++) {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        const int64_t b = task / kv_heads, kvh = task % kv_heads, len = seq_lens[b];
+        const int64_t row = rows ? rows[b] : b;
+        const int64_t *table = block_tables + b * bt_stride;
+        float *scores = work + tid * work_per_thread;  /* [group, len] */
+        const float *qh = q + row * ldq + kvh * group * d;
+        float *oh = out + row * ldo + kvh * group * d;
+        for (int64_t t = 0; t < len; t++) {
+            const float *kt = k_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * d;
+            for (int64_t g = 0; g < group; g++) scores[g * len + t] = dot(qh + g * d, kt, d) * scale;
+        }
+        for (int64_t g = 0; g < group; g++) {  /* scores -> unnormalised probabilities exp(s - max) */
+            float *s = scores + g * len, m = s[0];
+            for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+            int64_t t = 0;
+#if SIMD
+            __m256 mv = _mm256_set1_ps(m);
+            for (; t + 8 <= len; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv)));
+#endif
+            for (; t < len; t++) s[t] = expf(s[t] - m);
+        }
+        memset(oh, 0, group * d * sizeof(float));
+        for (int64_t t = 0; t < len; t++) {
+            const float *vt = v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * d;
+            for (int64_t g = 0; g < group; g++) axpy(oh + g * d, scores[g * len + t], vt, d);
+        }
+        for (int64_t g = 0; g < group; g++) {
+            const float *s = scores + g * len;
+            float sum = 0.0f;
+            for (int64_t t = 0; t < len; t++) sum += s[t];
+            float inv = 1.0f / sum;
+            for (int64_t i = 0; i < d; i++) oh[g * d + i] *= inv;
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,211 @@
+"""The fp32 glue of a decoder layer on the CPU, from cpu_ops.c (compiled into llmd.kernels.cpu_gemm's library):
+RMSNorm, RoPE in place, SiLU(gate) * up, the paged KV write and decode attention.
+
+Each op replaces five to fifteen small torch calls whose fixed cost dominated a small model's decode step. Every
+function returns None (or False) when the library is unavailable (no compiler, LLMD_CPU_GEMM=0 before the first
+use, a failed self-check) or the tensors are not the plain fp32 CPU layouts it takes; the caller then runs its torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_gemm
+
+log = logging.getLogger("llmd.kernels.cpu_ops")
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_work = threading.local()  # each calling thread reuses one growing buffer for attention scores
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.llmd_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32]
+    lib.llmd_rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
+    lib.llmd_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    lib.llmd_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
+    lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, f32,
+                                          ptr, i64, ptr, i64, cint]
+    for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_write_kv, lib.llmd_decode_attention):
+        fn.restype = cint
+    return lib
+
+
+def load() -> ctypes.CDLL | None:
+    """The bound library, self-checked once against the torch code; None where it cannot be used."""
+    global _lib, _tried
+    if _tried:  # LLMD_CPU_GEMM is read until the first load: this runs once per layer and step
+        return _lib
+    if not cpu_gemm.enabled():
+        return None
+    if _checking.thread == threading.get_ident():  # the self-check's own calls
+        return _checking.lib
+    with _lock:
+        if not _tried:
+            _lib = _checked(cpu_gemm.load())
+            _tried = True
+    return _lib
+
+
+class _checking:
+    thread: int | None = None
+    lib: ctypes.CDLL | None = None
+
+
+def _checked(lib: ctypes.CDLL | None) -> ctypes.CDLL | None:
+    if lib is None:
+        return None
+    try:
+        _checking.lib, _checking.thread = _bind(lib), threading.get_ident()
+        _self_check()
+        return lib
+    except Exception as exc:  # a broken build keeps the torch path
+        log.warning("CPU glue ops unavailable, using torch: %s", exc)
+        return None
+    finally:
+        _checking.lib = _checking.thread = None
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """fp32 on the CPU with unit stride along the last dimension."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x / sqrt(mean(x^2, -1) + eps) * weight over the last dimension (contiguous fp32 x and weight)."""
+    ok = _plain(x) and x.is_contiguous() and _plain(weight) and weight.is_contiguous() \
+        and weight.numel() == x.shape[-1]
+    lib = load() if ok else None
+    if lib is None:
+        return None
+    n = x.shape[-1]
+    y = torch.empty_like(x)
+    lib.llmd_rms_norm(x.data_ptr(), n, weight.data_ptr(), y.data_ptr(), n, x.numel() // n, n, eps)
+    return y
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, head_dim: int) -> bool:
+    """Rotate-half RoPE in place on the first `heads` heads of each row of x [T, >= heads * head_dim], with cos and
+    the signed sin of llmd.model.llama.apply_rope ([T, 1, head_dim]); the same values as apply_rope."""
+    t = x.shape[0]
+    ok = x.dim() == 2 and x.shape[1] >= heads * head_dim and _plain(x) and _plain(cos) and _plain(signed_sin) \
+        and cos.is_contiguous() and signed_sin.is_contiguous() and cos.numel() == signed_sin.numel() == t * head_dim
+    lib = load() if ok else None
+    if lib is None:
+        return False
+    lib.llmd_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), t, heads, head_dim)
+    return True
+
+
+def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
+    """silu(gate_up[:, :n]) * gate_up[:, n:] for the fused gate/up output [T, 2n]."""
+    ok = gate_up.dim() == 2 and gate_up.shape[1] == 2 * n and _plain(gate_up)
+    lib = load() if ok else None
+    if lib is None:
+        return None
+    t = gate_up.shape[0]
+    y = gate_up.new_empty((t, n))
+    lib.llmd_silu_mul(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), n, t, n)
+    return y
+
+
+def _rows_of(t: torch.Tensor) -> bool:
+    """[T, heads, d] whose rows of heads * d values are each contiguous."""
+    return t.dim() == 3 and _plain(t) and t.stride(1) == t.shape[2]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> bool:
+    """Store K/V [T, kv_heads, d] into the caches [num_blocks, block_size, kv_heads, d] at `slot_mapping`."""
+    ok = _rows_of(k) and _rows_of(v) and _plain(k_cache) and k_cache.is_contiguous() and _plain(v_cache) \
+        and v_cache.is_contiguous() and slot_mapping.dtype == torch.long and slot_mapping.is_contiguous()
+    lib = load() if ok else None
+    if lib is None:
+        return False
+    width = k.shape[1] * k.shape[2]
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    rc = lib.llmd_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(),
+                           k.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), width, num_slots)
+    if rc != 0:
+        raise IndexError("KV slot outside the cache")
+    return True
+
+
+def _scores_buffer(floats: int) -> torch.Tensor:
+    buf = getattr(_work, "buf", None)
+    if buf is None or buf.numel() < floats:
+        buf = _work.buf = torch.empty(max(floats, 1 << 14), dtype=torch.float32)
+    return buf
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, rows: torch.Tensor | None, scale: float, out: torch.Tensor) -> bool:
+    """Attention of single-token queries over their paged contexts, written into `out` [T, heads, d].
+
+    q [T, heads, d]; sequence b's query is row rows[b] (rows None: row b); block_tables [B, nb] and seq_lens [B]
+    long. Grouped-query heads share their KV head's reads. False (nothing written) where the op does not apply."""
+    b = seq_lens.shape[0]
+    ok = _rows_of(q) and _rows_of(out) and _plain(k_cache) and k_cache.is_contiguous() and _plain(v_cache) \
+        and v_cache.is_contiguous() and block_tables.dtype == seq_lens.dtype == torch.long \
+        and block_tables.is_contiguous() and seq_lens.is_contiguous() and block_tables.shape[0] == b \
+        and (rows is None or (rows.dtype == torch.long and rows.is_contiguous()))
+    lib = load() if ok else None
+    if lib is None:
+        return False
+    if b == 0:
+        return True
+    heads, d = q.shape[1], q.shape[2]
+    num_blocks, block_size, kv_heads = k_cache.shape[:3]
+    threads = torch.get_num_threads()
+    per_thread = (heads // kv_heads) * int(seq_lens.max())
+    work = _scores_buffer(per_thread * threads)
+    rc = lib.llmd_decode_attention(
+        q.data_ptr(), q.stride(0), None if rows is None else rows.data_ptr(), b, k_cache.data_ptr(),
+        v_cache.data_ptr(), num_blocks, block_size, kv_heads, d, block_tables.data_ptr(), block_tables.shape[1],
+        seq_lens.data_ptr(), heads, scale, out.data_ptr(), out.stride(0), work.data_ptr(), per_thread, threads)
+    if rc != 0:
+        raise IndexError("a sequence's length or block table lies outside the KV cache")
+    return True
+
+
+def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """Torch reference: q [B, heads, d] (row b = sequence b) -> [B, heads, d]."""
+    out = torch.empty_like(q)
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    for i, n in enumerate(seq_lens.tolist()):
+        ids = block_tables[i, : (n + block_size - 1) // block_size]
+        k = k_cache[ids].flatten(0, 1)[:n].repeat_interleave(q.shape[1] // kv_heads, dim=1)
+        v = v_cache[ids].flatten(0, 1)[:n].repeat_interleave(q.shape[1] // kv_heads, dim=1)
+        probs = torch.softmax((q[i].unsqueeze(1) * k.transpose(0, 1)).sum(-1) * scale, dim=-1)  # [heads, n]
+        out[i] = torch.einsum("hn,nhd->hd", probs, v)
+    return out
+
+
+def _self_check() -> None:
+    """Each op against its torch form on a small case (odd sizes, GQA, several blocks); raises on a mismatch."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 40, generator=g), torch.rand(40, generator=g) + 0.5
+    checks = [("rms_norm", rms_norm(x, w, 1e-5), F.rms_norm(x, (40,), w, 1e-5))]
+    gu = torch.randn(3, 2 * 20, generator=g)
+    checks.append(("silu_mul", silu_mul(gu, 20), F.silu(gu[:, :20]) * gu[:, 20:]))
+    cos, sin = torch.randn(3, 1, 8, generator=g), torch.randn(3, 1, 8, generator=g)
+    qk = torch.randn(3, 4 * 8, generator=g)
+    want = qk.view(3, 4, 8) * cos + qk.view(3, 4, 8).roll(4, dims=-1) * sin
+    rope_(qk, cos, sin, 4, 8)
+    checks.append(("rope", qk.view(3, 4, 8), want))
+    k_cache, v_cache = torch.randn(5, 4, 2, 8, generator=g), torch.randn(5, 4, 2, 8, generator=g)
+    tables, lens = torch.tensor([[3, 1, 4], [0, 2, 0]]), torch.tensor([11, 5])
+    q = torch.randn(2, 6, 8, generator=g)
+    got = torch.empty_like(q)
+    decode_attention(q, k_cache, v_cache, tables, lens, None, 0.3, got)
+    checks.append(("decode_attention", got, decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3)))
+    for name, got, want in checks:
+        if got is None or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+            raise RuntimeError(f"self-check of {name} failed")

@@ -1,0 +1,144 @@
+"""The compiled fp32 glue ops (llmd.kernels.cpu_ops) against their torch forms: RMSNorm, RoPE, SiLU * up, the paged
+KV write and decode attention (GQA ratios 1/3/8, partial blocks, a subset of rows), and decode attention's batch and
+thread invariance. Where no C compiler exists every op returns None/False; the tests then check that instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmd.kernels import cpu_ops
+from llmd.model.attention import AttentionMetadata, torch_paged_attention
+from llmd.model.llama import apply_rope
+
+HAVE_OPS = cpu_ops.load() is not None
+
+
+def _gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 576), (5, 40), (33, 3), (2, 1536)])
+def test_rms_norm(rows, n):
+    g = _gen()
+    x, w = torch.randn(rows, n, generator=g) * 3, torch.randn(n, generator=g)
+    got = cpu_ops.rms_norm(x, w, 1e-6)
+    if not HAVE_OPS:
+        assert got is None
+        return
+    torch.testing.assert_close(got, F.rms_norm(x, (n,), w, 1e-6), rtol=2e-6, atol=1e-6)
+    assert cpu_ops.rms_norm(x.half(), w.half(), 1e-6) is None  # fp32 only
+    assert cpu_ops.rms_norm(x, w[:-1], 1e-6) is None  # a weight of another size: torch's path raises
+
+
+@pytest.mark.parametrize("heads,d", [(12, 64), (3, 8), (5, 6)])
+def test_rope_in_place_equals_apply_rope(heads, d):
+    g = _gen()
+    t, extra = 7, 5  # rows of a fused qkv: the rotated heads, then columns left alone
+    qkv = torch.randn(t, heads * d + extra, generator=g)
+    cos, sin = torch.randn(t, 1, d, generator=g), torch.randn(t, 1, d, generator=g)
+    want = apply_rope(qkv[:, : heads * d].view(t, heads, d), cos, sin)
+    tail = qkv[:, heads * d :].clone()
+    done = cpu_ops.rope_(qkv, cos, sin, heads, d)
+    if not HAVE_OPS:
+        assert not done
+        return
+    assert torch.equal(qkv[:, : heads * d].view(t, heads, d), want)  # the same products and sums: bit for bit
+    assert torch.equal(qkv[:, heads * d :], tail)
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1536), (9, 13)])
+def test_silu_mul(rows, n):
+    gate_up = torch.randn(rows, 2 * n, generator=_gen()) * 6
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamps
+    got = cpu_ops.silu_mul(gate_up, n)
+    if not HAVE_OPS:
+        assert got is None
+        return
+    torch.testing.assert_close(got, F.silu(gate_up[:, :n]) * gate_up[:, n:], rtol=2e-6, atol=1e-6)
+    assert torch.equal(cpu_ops.silu_mul(gate_up[-1:], n), got[-1:])
+
+
+def test_write_kv_and_a_bad_slot():
+    g = _gen()
+    k_cache, v_cache = torch.zeros(4, 4, 2, 8), torch.zeros(4, 4, 2, 8)
+    qkv = torch.randn(3, 6 * 8, generator=g)  # k and v as views of a fused output
+    k, v = qkv[:, 16:32].view(3, 2, 8), qkv[:, 32:].view(3, 2, 8)
+    slots = torch.tensor([5, 14, 0])
+    if not cpu_ops.write_kv(k, v, k_cache, v_cache, slots):
+        assert not HAVE_OPS
+        return
+    assert torch.equal(k_cache.view(16, 2, 8)[slots], k) and torch.equal(v_cache.view(16, 2, 8)[slots], v)
+    assert int((k_cache != 0).any(-1).any(-1).sum()) == 3
+    with pytest.raises(IndexError, match="slot"):
+        cpu_ops.write_kv(k, v, k_cache, v_cache, torch.tensor([1, 16, 2]))
+
+
+def _paged_case(group: int, lens: list[int], block_size: int = 4, kv_heads: int = 2, d: int = 16, seed: int = 0):
+    g = _gen(seed)
+    num_blocks = sum((n + block_size - 1) // block_size for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g)
+    order = torch.randperm(num_blocks, generator=g).tolist()  # blocks scattered through the pool
+    tables, used = [], 0
+    for n in lens:
+        nb = (n + block_size - 1) // block_size
+        tables.append(order[used : used + nb])
+        used += nb
+    q = torch.randn(len(lens), kv_heads * group, d, generator=g)
+    return q, k_cache, v_cache, tables
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_decode_attention_matches_the_reference(group):
+    lens = [1, 4, 5, 17, 9]  # one token, a full block, partial last blocks
+    q, k_cache, v_cache, tables = _paged_case(group, lens)
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, 4)
+    want = torch_paged_attention(q, (k_cache, v_cache), meta, 0.25)
+    got = torch.full_like(q, float("nan"))
+    plan_tables = meta.block_tables.contiguous()
+    if not cpu_ops.decode_attention(q, k_cache, v_cache, plan_tables, meta.seq_lens, None, 0.25, got):
+        assert not HAVE_OPS
+        return
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_is_batch_and_thread_invariant():
+    """A sequence's output is bit for bit the same alone, in a batch, at another row, and with other thread counts."""
+    lens = [30, 7, 64, 1, 12]
+    q, k_cache, v_cache, tables = _paged_case(3, lens, seed=1)
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, 4)
+    full = torch.empty_like(q)
+    if not cpu_ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, None, 0.3, full):
+        assert not HAVE_OPS
+        return
+    for i in range(len(lens)):
+        alone = torch.empty_like(q[i : i + 1])
+        table = meta.block_tables[i : i + 1, : (lens[i] + 3) // 4].contiguous()
+        cpu_ops.decode_attention(q[i : i + 1], k_cache, v_cache, table, meta.seq_lens[i : i + 1], None, 0.3, alone)
+        assert torch.equal(alone, full[i : i + 1])
+    # the queries at other rows of a larger batch (a step that mixes in prefill chunks)
+    wide, out = torch.randn(9, *q.shape[1:]), torch.zeros(9, *q.shape[1:])
+    rows = torch.tensor([8, 0, 3, 5, 6])
+    wide[rows] = q
+    cpu_ops.decode_attention(wide, k_cache, v_cache, meta.block_tables, meta.seq_lens, rows, 0.3, out)
+    assert torch.equal(out[rows], full) and not out[[1, 2, 4, 7]].any()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        again = torch.empty_like(q)
+        cpu_ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, None, 0.3, again)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(again, full)
+
+
+def test_decode_attention_refuses_blocks_outside_the_pool():
+    q, k_cache, v_cache, tables = _paged_case(1, [6])
+    out = torch.empty_like(q)
+    if not HAVE_OPS:
+        return
+    bad = torch.tensor([[tables[0][0], k_cache.shape[0]]])
+    with pytest.raises(IndexError, match="block table"):
+        cpu_ops.decode_attention(q, k_cache, v_cache, bad, torch.tensor([6]), None, 0.3, out)
