@@ -54,27 +54,62 @@ INLINE float hsum8(__m256 v) {
 #define SIMD 0
 #endif
 
-/* sum of a[i] * b[i], i < n */
+/* sum of a[i] * b[i], i < n; four independent accumulators so the FMAs' latencies overlap */
 INLINE float dot(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
     float s = 0.0f;
 #if SIMD
-    __m256 acc = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    s = hsum8(acc);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    for (; i + 32 <= n; i += 32) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+        acc2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), acc2);
+        acc3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), acc3);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    s = hsum8(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
 #endif
     for (; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
-/* y[i] += p * x[i], i < n */
-INLINE void axpy(float *y, float p, const float *x, int64_t n) {
-    int64_t i = 0;
+/* Walk one KV head's cached rows of tokens 0..len-1 through a block table, with no division per token: `row`
+ * points at token t's d values inside the loop body. */
+#define FOR_EACH_TOKEN(cache, table, len, block_size, kv_heads, kvh, d, t, row)                                     \
+    for (int64_t t = 0, blk_ = 0; t < (len); blk_++)                                                                \
+        for (const float *row = (cache) + ((table)[blk_] * (block_size) * (kv_heads) + (kvh)) * (d),                \
+                         *end_ = row + ((len) - t < (block_size) ? (len) - t : (block_size)) * (kv_heads) * (d);    \
+             row < end_; row += (kv_heads) * (d), t++)
+
+/* o[i] = inv * sum over t < len of p[t] * v_t[i], i < d */
+static void weighted_rows(float *o, const float *p, float inv, const float *v_cache, const int64_t *table, int64_t len,
+                          int64_t block_size, int64_t kv_heads, int64_t kvh, int64_t d) {
 #if SIMD
-    __m256 pv = _mm256_set1_ps(p);
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(pv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    if (d % 16 == 0) {  /* 16 columns at a time; even and odd tokens in separate accumulators */
+        for (int64_t i = 0; i < d; i += 16) {
+            __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
+            FOR_EACH_TOKEN(v_cache, table, len, block_size, kv_heads, kvh, d, t, vt) {
+                __m256 pv = _mm256_set1_ps(p[t]);
+                if (t & 1) {
+                    o0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + i), o0);
+                    o1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + i + 8), o1);
+                } else {
+                    e0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + i), e0);
+                    e1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + i + 8), e1);
+                }
+            }
+            __m256 iv = _mm256_set1_ps(inv);
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_add_ps(e0, o0), iv));
+            _mm256_storeu_ps(o + i + 8, _mm256_mul_ps(_mm256_add_ps(e1, o1), iv));
+        }
+        return;
+    }
 #endif
-    for (; i < n; i++) y[i] += p * x[i];
+    memset(o, 0, d * sizeof(float));
+    FOR_EACH_TOKEN(v_cache, table, len, block_size, kv_heads, kvh, d, t, vt) {
+        for (int64_t i = 0; i < d; i++) o[i] += p[t] * vt[i];
+    }
+    for (int64_t i = 0; i < d; i++) o[i] *= inv;
 }
 
 /* y = x / sqrt(mean(x^2) + eps) * w per row of n values (as transformers: normalise, then scale by w). */
@@ -170,12 +205,12 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
         float *scores = work + tid * work_per_thread;  /* [group, len] */
         const float *qh = q + row * ldq + kvh * group * d;
         float *oh = out + row * ldo + kvh * group * d;
-        for (int64_t t = 0; t < len; t++) {
-            const float *kt = k_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * d;
-            for (int64_t g = 0; g < group; g++) scores[g * len + t] = dot(qh + g * d, kt, d) * scale;
-        }
-        for (int64_t g = 0; g < group; g++) {  /* scores -> unnormalised probabilities exp(s - max) */
-            float *s = scores + g * len, m = s[0];
+        for (int64_t g = 0; g < group; g++) {  /* scores, then unnormalised probabilities exp(s - max) */
+            float *s = scores + g * len, m;
+            FOR_EACH_TOKEN(k_cache, table, len, block_size, kv_heads, kvh, d, t, kt) {
+                s[t] = dot(qh + g * d, kt, d) * scale;
+            }
+            m = s[0];
             for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
             int64_t t = 0;
 #if SIMD
@@ -183,18 +218,9 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
             for (; t + 8 <= len; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv)));
 #endif
             for (; t < len; t++) s[t] = expf(s[t] - m);
-        }
-        memset(oh, 0, group * d * sizeof(float));
-        for (int64_t t = 0; t < len; t++) {
-            const float *vt = v_cache + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kvh) * d;
-            for (int64_t g = 0; g < group; g++) axpy(oh + g * d, scores[g * len + t], vt, d);
-        }
-        for (int64_t g = 0; g < group; g++) {
-            const float *s = scores + g * len;
             float sum = 0.0f;
-            for (int64_t t = 0; t < len; t++) sum += s[t];
-            float inv = 1.0f / sum;
-            for (int64_t i = 0; i < d; i++) oh[g * d + i] *= inv;
+            for (t = 0; t < len; t++) sum += s[t];
+            weighted_rows(oh + g * d, s, 1.0f / sum, v_cache, table, len, block_size, kv_heads, kvh, d);
         }
     }
     return 0;
