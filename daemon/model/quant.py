@@ -244,12 +244,14 @@ class QuantizedLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        y = self._matmul(x2)
+        kernel = self._cpu_cache.get("kernel")  # the compiled CPU kernel, once _matmul found that it takes this layer
+        if kernel is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+            y = kernel(x)  # the decode path: ~200 calls per step, so no more Python than needed
+        else:
+            y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y
 
     def dequantized_weight(self) -> torch.Tensor:
         raise NotImplementedError
@@ -300,6 +302,7 @@ class Int8Linear(QuantizedLinear):
         if x.device.type == "cpu" and x.dtype == torch.float32:
             gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int8", self.qweight, self.scales, None, self.group_size)
             if gemm is not None:
+                self._cpu_cache["kernel"] = gemm
                 return gemm(x)
         if x.device.type == "cpu" and self.group_size == self.in_features and cpu_kernel_is_fast("int8"):
             return self._native_cpu(x)
@@ -338,6 +341,7 @@ class Int4Linear(QuantizedLinear):
             gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int4", self.qweight, self.scales, self.zeros,
                                          self.group_size)
             if gemm is not None:
+                self._cpu_cache["kernel"] = gemm
                 return gemm(x)
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
                 and cpu_kernel_is_fast("int4") and self._cpu_cache.get(x.dtype) is not False:
