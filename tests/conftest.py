@@ -7,7 +7,13 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# The suite runs several processes on few cores (pytest, real daemons, clients): OpenMP threads that spin between
+# parallel regions would take the cores another process waits for, so they sleep here (read when torch loads).
+# llmd itself keeps OpenMP's default, which is fastest on a desktop whose cores are free.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 # Without CUDA the Triton kernels can only run under the interpreter. Set it before any test imports a kernel:
 # @triton.jit reads it at decoration time, so a kernel module imported earlier in the session would be compiled-mode.

@@ -126,14 +126,3 @@ def test_generate_answers_paris_on_the_default_model(env):
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "loaded smollm2:135m-instruct-q4_1 in" in result.stderr
-
-
-def test_openmp_threads_sleep_unless_told_otherwise(env):
-    # Spinning OpenMP threads on busy cores made decoding ~30x slower (daemon/__init__.py); a user's choice wins.
-    code = "import llmd, os; print(os.environ['OMP_WAIT_POLICY'])"
-    env.pop("OMP_WAIT_POLICY", None)
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert run.stdout.strip() == "PASSIVE"
-    env["OMP_WAIT_POLICY"] = "ACTIVE"
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert run.stdout.strip() == "ACTIVE"
