@@ -105,6 +105,45 @@ INLINE float hsum(__m256 v) {
             }                                                                                                      \
     }
 
+/* int8 with many rows: a panel of columns is first widened into fp32 (w = q * s, INT8_TILE's very products), then
+ * each tile of rows multiplies the panel from L1 instead of widening every weight again for each row tile. Each
+ * output's operations and their order are INT8_TILE's, so a row's result is the same bits as on the other paths. */
+static void int8_panel(const int8_t *q, const float *s, int64_t K, int64_t G, int cols, float *w) {
+    const int64_t ng = K / G, kv = K & ~(int64_t)7;
+    for (int c = 0; c < cols; c++) {
+        for (int64_t k = 0; k < kv; k += 8) {
+            __m128i b = _mm_loadl_epi64((const __m128i *)(q + c * K + k));
+            _mm256_storeu_ps(w + c * K + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)),
+                                                          _mm256_broadcast_ss(s + c * ng + k / G)));
+        }
+        for (int64_t k = kv; k < K; k++) w[c * K + k] = (float)q[c * K + k] * s[c * ng];  /* per channel only */
+    }
+}
+
+#define PANEL_TILE(R, C)                                                                                           \
+    static void panel_tile_##R##_##C(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy,        \
+                                     int64_t K) {                                                                 \
+        const int64_t kv = K & ~(int64_t)7;                                                                        \
+        __m256 acc[R][C];                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                      \
+        for (int64_t k = 0; k < kv; k += 8) {                                                                      \
+            __m256 xv[R];                                                                                          \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) xv[r] = _mm256_loadu_ps(x + r * ldx + k);         \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                 \
+                const __m256 wv = _mm256_loadu_ps(w + c * K + k);                                                  \
+                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                               \
+                    acc[r][c] = _mm256_fmadd_ps(xv[r], wv, acc[r][c]);                                             \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int c = 0; c < C; c++) {                                                                          \
+                float t = hsum(acc[r][c]);                                                                         \
+                for (int64_t k = kv; k < K; k++) t += x[r * ldx + k] * w[c * K + k];                               \
+                y[r * ldy + c] = t;                                                                                \
+            }                                                                                                      \
+    }
+
 /* The int4 zero term, added to a tile's accumulators before their horizontal sums: acc[r] lane i gains
  * sum over groups g = i, i + 8, ... of (z_g - 8 s_g) D_g, in a fixed order (the last step masked). */
 INLINE void add_zero_terms(__m256 *acc, int rows, int stride, const float *s, const float *z, const float *D,
@@ -200,6 +239,9 @@ typedef struct {
 #define TILE_R 4
 #define TILE_C1 8
 #define TILE_CM 4
+#define PANEL_ROWS 8 /* int8 rows from which the panel path pays (fewer: widening in the tiles is faster) */
+#define PANEL_W 8    /* columns widened per int8 panel */
+#define PANEL_C 2    /* columns per panel tile: 4 x 2 accumulators, 4 activation vectors and a weight fit the registers */
 /* int4 tiles hold only the chunk sums in registers (the running totals live in memory): one row streams 8 columns
  * (8 independent FMA chains), several rows take 4 x 2 (each widened weight vector serves 4 rows; measured best of
  * 4x1, 2x2, 4x2, 4x3 on an AVX2 EPYC) */
@@ -218,10 +260,12 @@ typedef struct {
     TILES_FOR_C(T, 1) TILES_FOR_C(T, 2) TILES_FOR_C(T, 3) TILES_FOR_C(T, 4)                                       \
     T(1, 5) T(1, 6) T(1, 7) T(1, 8)
 ALL_TILES(INT8_TILE)
+TILES_FOR_C(PANEL_TILE, 1) TILES_FOR_C(PANEL_TILE, 2)
 ALL_TILES(INT4_TILE)
 
 typedef void (*int8_tile_fn)(const float *, int64_t, const int8_t *, const float *, float *, int64_t, int64_t,
                              int64_t);
+typedef void (*panel_tile_fn)(const float *, int64_t, const float *, float *, int64_t, int64_t);
 typedef void (*int4_tile_fn)(const float *, int64_t, const float *, const int4_chunk *, const uint8_t *,
                              const float *, const float *, float *, int64_t, int64_t, int64_t);
 
@@ -230,6 +274,7 @@ typedef void (*int4_tile_fn)(const float *, int64_t, const float *, const int4_c
 static const int8_tile_fn INT8_TILES[8][4] = {
     ROW_OF(int8_tile, 1), ROW_OF(int8_tile, 2), ROW_OF(int8_tile, 3), ROW_OF(int8_tile, 4),
     {int8_tile_1_5}, {int8_tile_1_6}, {int8_tile_1_7}, {int8_tile_1_8}};
+static const panel_tile_fn PANEL_TILES[PANEL_C][4] = {ROW_OF(panel_tile, 1), ROW_OF(panel_tile, 2)};
 static const int4_tile_fn INT4_TILES[8][4] = {
     ROW_OF(int4_tile, 1), ROW_OF(int4_tile, 2), ROW_OF(int4_tile, 3), ROW_OF(int4_tile, 4),
     {int4_tile_1_5}, {int4_tile_1_6}, {int4_tile_1_7}, {int4_tile_1_8}};
@@ -246,6 +291,11 @@ int llmd_int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *
 #endif
     if (nthreads < 1) nthreads = 1;
     const int64_t ng = k / g, chunk = row_chunk(k);
+#if defined(__AVX2__) && defined(__FMA__)
+    float *panels = NULL;
+    if (m >= PANEL_ROWS && !(panels = (float *)aligned_alloc(32, ((size_t)nthreads * PANEL_W * k * 4 + 31) / 32 * 32)))
+        return -2;
+#endif
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         int tid = 0, nth = 1;
@@ -258,6 +308,21 @@ int llmd_int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *
         for (int64_t m0 = 0; m0 < m; m0 += chunk) {
             const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
 #if defined(__AVX2__) && defined(__FMA__)
+            if (m1 - m0 >= PANEL_ROWS) {
+                float *panel = panels + (size_t)tid * PANEL_W * k;
+                for (int64_t p0 = n0; p0 < n1; p0 += PANEL_W) {
+                    const int pw = (int)(n1 - p0 < PANEL_W ? n1 - p0 : PANEL_W);
+                    int8_panel(q + p0 * k, s + p0 * ng, k, g, pw, panel);
+                    for (int64_t r0 = m0; r0 < m1; r0 += TILE_R) {  /* a tile of rows stays in L1 over the panel */
+                        const int rr = (int)(m1 - r0 < TILE_R ? m1 - r0 : TILE_R);
+                        for (int c = 0; c < pw; c += PANEL_C) {
+                            const int cc = pw - c < PANEL_C ? pw - c : PANEL_C;
+                            PANEL_TILES[cc - 1][rr - 1](x + r0 * ldx, ldx, panel + c * k, y + r0 * ldy + p0 + c, ldy, k);
+                        }
+                    }
+                }
+                continue;
+            }
             const int tc = (m1 - m0) == 1 ? TILE_C1 : TILE_CM;
             for (int64_t c0 = n0; c0 < n1; c0 += tc) {
                 const int cc = (int)(n1 - c0 < tc ? n1 - c0 : tc);
@@ -276,6 +341,9 @@ int llmd_int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *
 #endif
         }
     }
+#if defined(__AVX2__) && defined(__FMA__)
+    free(panels);
+#endif
     return 0;
 }
 
