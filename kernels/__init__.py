@@ -6,6 +6,10 @@
 - prefill_attention: varlen causal attention of a step's new tokens over cached prefix blocks plus their own chunk.
 
 The kernels run on CUDA; under TRITON_INTERPRET=1 they also run on CPU tensors (slowly, for tests).
+
+The CPU has its own C kernels, compiled on first use (each falls back to torch where it cannot be built):
+- cpu_gemm: int8/int4 weight-only matmul reading the same packed layouts.
+- cpu_ops: the fp32 glue of a decoder layer (RMSNorm, RoPE, SiLU * up, the paged KV write, decode attention).
 """
 
 from __future__ import annotations

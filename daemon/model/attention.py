@@ -10,7 +10,8 @@ a per-token, per-head scale. Readers turn either into values through `kv_int8.ga
 Slot s lives at block s // block_size, offset s % block_size.
 
 The Triton kernels (llmd.kernels) plug in through `set_attention_backend`; the torch functions here are the reference
-and the CPU path.
+and the CPU path, where fp32 K/V writes and decode attention run as single C calls (llmd.kernels.cpu_ops) wherever
+those build.
 """
 
 from __future__ import annotations
