@@ -241,7 +241,7 @@ typedef struct {
 #define TILE_CM 4
 #define PANEL_ROWS 8 /* int8 rows from which the panel path pays (fewer: widening in the tiles is faster) */
 #define PANEL_W 8    /* columns widened per int8 panel */
-#define PANEL_C 2    /* columns per panel tile: 4 x 2 accumulators, 4 activation vectors and a weight fit the registers */
+#define PANEL_C 2    /* columns per panel tile: 4 x 2 accumulators, 4 activations and a weight fit the registers */
 /* int4 tiles hold only the chunk sums in registers (the running totals live in memory): one row streams 8 columns
  * (8 independent FMA chains), several rows take 4 x 2 (each widened weight vector serves 4 rows; measured best of
  * 4x1, 2x2, 4x2, 4x3 on an AVX2 EPYC) */
@@ -317,7 +317,8 @@ int llmd_int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *
                         const int rr = (int)(m1 - r0 < TILE_R ? m1 - r0 : TILE_R);
                         for (int c = 0; c < pw; c += PANEL_C) {
                             const int cc = pw - c < PANEL_C ? pw - c : PANEL_C;
-                            PANEL_TILES[cc - 1][rr - 1](x + r0 * ldx, ldx, panel + c * k, y + r0 * ldy + p0 + c, ldy, k);
+                            PANEL_TILES[cc - 1][rr - 1](x + r0 * ldx, ldx, panel + c * k, y + r0 * ldy + p0 + c,
+                                                        ldy, k);
                         }
                     }
                 }

@@ -3,7 +3,8 @@ RMSNorm, RoPE in place, SiLU(gate) * up, the paged KV write and decode attention
 
 Each op replaces five to fifteen small torch calls whose fixed cost dominated a small model's decode step. Every
 function returns None (or False) when the library is unavailable (no compiler, LLMD_CPU_GEMM=0 before the first
-use, a failed self-check) or the tensors are not the plain fp32 CPU layouts it takes; the caller then runs its torch code.
+use, a failed self-check) or the tensors are not the plain fp32 CPU layouts it takes; the caller then runs its
+torch code.
 """
 
 from __future__ import annotations
