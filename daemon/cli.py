@@ -66,7 +66,7 @@ def serve(
     shutdown_grace: float = typer.Option(None, "--shutdown-grace", help="Seconds streams get to finish on SIGTERM (default 10)."),
     api_key_file: str = typer.Option(None, "--api-key-file", help="File holding the bearer token (mode 0600)."),
     device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: CUDA when available)."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads for the model (default: one per core; fewer when the cores are busy)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for the model (default: one per core but one, left to the server and clients; fewer when the cores are busy)."),
     dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16."),
     quant: str = typer.Option(None, "--quant", help="Weight format: none, gguf (keep a GGUF's packing), int8, int4[-g32|-g64|-g128], bnb-int8, bnb-nf4 (default: auto)."),
     max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Sequences in one batch."),

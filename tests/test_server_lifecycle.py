@@ -7,6 +7,8 @@ import asyncio
 import json
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -37,6 +39,14 @@ def auth() -> dict:
 def assert_no_leak(daemon):
     s = daemon.wait_idle()
     assert s["kv_blocks_used"] == 0, s  # at idle only evictable cached blocks remain (counted apart)
+
+
+def test_cpu_threads_leave_one_core_to_the_server(daemon):
+    # no --threads: one per core but one (at least one), named in the ready line
+    probe = "import torch; print(torch.get_num_threads())"
+    cores = int(subprocess.run([sys.executable, "-c", probe], env=daemon.env, capture_output=True, text=True,
+                               check=True).stdout)
+    assert f"{max(1, cores - 1)} CPU threads" in daemon.log()
 
 
 async def test_token_required_on_every_route_but_health(daemon):
