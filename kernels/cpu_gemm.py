@@ -170,9 +170,9 @@ def available() -> bool:
 def _prepare_x(x: torch.Tensor, k: int) -> torch.Tensor:
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"expected x of shape [M, {k}], got {tuple(x.shape)}")
-    if x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.dtype is not torch.float32 or not x.is_cpu:
         raise ValueError(f"expected fp32 CPU activations, got {x.dtype} on {x.device}")
-    return x if x.stride(1) == 1 and x.shape[0] > 0 else x.contiguous()
+    return x if (x.is_contiguous() or x.stride(1) == 1) and x.shape[0] > 0 else x.contiguous()
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:

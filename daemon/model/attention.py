@@ -153,6 +153,7 @@ class DecodePlan:
     rows: torch.Tensor | None  # [Bd] rows of those tokens in the flat batch (None: every row is a decode)
     block_tables: torch.Tensor  # [Bd, nb] block ids, nb = blocks of the longest context
     seq_lens: torch.Tensor  # [Bd] context lengths
+    longest: int  # the largest of them
     masked: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool: True past the sequence's context
     others: list[int]  # indices of the sequences that are not decodes (prefill chunks, speculative verifies)
 
@@ -168,7 +169,7 @@ class DecodePlan:
         rows = None if len(decodes) == len(meta.query_lens_list) else meta.query_start_loc[idx]
         lens = meta.seq_lens[idx]
         masked = torch.arange(nb * bs, device=device).unsqueeze(0) >= lens.unsqueeze(1)
-        return cls(rows, meta.block_tables[idx, :nb].contiguous(), lens, masked[:, None, None, :], others)
+        return cls(rows, meta.block_tables[idx, :nb].contiguous(), lens, longest, masked[:, None, None, :], others)
 
 
 def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePlan, scale: float) -> torch.Tensor:
@@ -213,7 +214,8 @@ def fast_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMeta
         return torch_paged_attention(q, kv_cache, meta, scale)
     if not isinstance(kv_cache, Int8KVCache):  # one C call on the CPU for all decodes
         out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others) if plan.others else torch.empty_like(q)
-        if cpu_ops.decode_attention(q, *kv_cache, plan.block_tables, plan.seq_lens, plan.rows, scale, out):
+        if cpu_ops.decode_attention(q, *kv_cache, plan.block_tables, plan.seq_lens, plan.rows, scale, out,
+                                    plan.longest):
             return out
     if plan.rows is None:
         return batched_decode_attention(q, kv_cache, plan, scale)

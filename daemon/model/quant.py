@@ -245,7 +245,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self._cpu_cache.get("kernel")  # the compiled CPU kernel, once _matmul found that it takes this layer
-        if kernel is not None and x.dim() == 2 and x.dtype == torch.float32 and x.device.type == "cpu":
+        if kernel is not None and x.dim() == 2 and x.dtype is torch.float32 and x.is_cpu:
             y = kernel(x)  # the decode path: ~200 calls per step, so no more Python than needed
         else:
             y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
