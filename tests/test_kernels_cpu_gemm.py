@@ -189,6 +189,16 @@ def test_fp32_activations_by_default_or_when_k_is_not_a_multiple_of_32(monkeypat
         torch.testing.assert_close(odd(x100), x100 @ odd.dequantized_weight().t(), rtol=1e-4, atol=1e-4)
 
 
+def test_a_replaced_weight_buffer_is_not_served_from_the_old_kernel():
+    i8, i4 = _modules()
+    x = torch.randn(3, 256)
+    with torch.inference_mode():
+        for layer in (i8, i4):
+            layer(x)  # prepares the layer's kernel
+            layer.register_buffer("qweight", layer.qweight.flip(0).clone())
+            torch.testing.assert_close(layer(x), x @ layer.dequantized_weight().t(), rtol=1e-4, atol=1e-4)
+
+
 def test_fallback_when_turned_off(monkeypatch):
     i8, i4 = _modules()
     x = torch.randn(4, 256)

@@ -244,9 +244,11 @@ class QuantizedLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self._cpu_cache.get("kernel")  # the compiled CPU kernel, once _matmul found that it takes this layer
-        if kernel is not None and x.dim() == 2 and x.dtype is torch.float32 and x.is_cpu:
-            y = kernel(x)  # the decode path: ~200 calls per step, so no more Python than needed
+        # (kernel, the qweight it reads): set once _matmul found that the compiled CPU kernel takes this layer
+        fast = self._cpu_cache.get("kernel")
+        if fast is not None and fast[1] is self._buffers["qweight"] and x.dim() == 2 and x.dtype is torch.float32 \
+                and x.is_cpu:
+            y = fast[0](x)  # the decode path: 4 calls per layer and step, so no more Python than needed
         else:
             y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
@@ -302,7 +304,7 @@ class Int8Linear(QuantizedLinear):
         if x.device.type == "cpu" and x.dtype == torch.float32:
             gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int8", self.qweight, self.scales, None, self.group_size)
             if gemm is not None:
-                self._cpu_cache["kernel"] = gemm
+                self._cpu_cache["kernel"] = (gemm, self.qweight)
                 return gemm(x)
         if x.device.type == "cpu" and self.group_size == self.in_features and cpu_kernel_is_fast("int8"):
             return self._native_cpu(x)
@@ -341,7 +343,7 @@ class Int4Linear(QuantizedLinear):
             gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int4", self.qweight, self.scales, self.zeros,
                                          self.group_size)
             if gemm is not None:
-                self._cpu_cache["kernel"] = gemm
+                self._cpu_cache["kernel"] = (gemm, self.qweight)
                 return gemm(x)
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
                 and cpu_kernel_is_fast("int4") and self._cpu_cache.get(x.dtype) is not False:
