@@ -177,8 +177,8 @@ int llmd_write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, cons
 /* Attention of B single-token queries over their paged contexts.
  * q: row b at q + rows[b] * ldq (rows NULL: row b), [heads, d] each; the output goes to the same row of `out`
  * (stride ldo). Caches [num_blocks, block_size, kv_heads, d]; block_tables [B, bt_stride]; seq_lens [B].
- * The query heads sharing a KV head read each cached K/V vector once. The scores are kept for the softmax:
- * `work` holds group * max(seq_lens) floats per thread. */
+ * Each query head is one task, so that even one sequence splits evenly over the threads.
+ * The scores are kept for the softmax: `work` holds max(seq_lens) floats per thread. */
 int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, const float *k_cache,
                           const float *v_cache, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t d,
                           const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens, int64_t heads,
@@ -186,41 +186,37 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
     const int64_t group = heads / kv_heads;
     for (int64_t b = 0; b < B; b++) {
         int64_t len = seq_lens[b];
-        if (len < 1 || group * len > work_per_thread) return -1;
+        if (len < 1 || len > work_per_thread) return -1;
         for (int64_t j = 0; j < (len + block_size - 1) / block_size; j++) {
             int64_t blk = block_tables[b * bt_stride + j];
             if (blk < 0 || blk >= num_blocks) return -1;
         }
     }
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < B * kv_heads; task++) {
+    for (int64_t task = 0; task < B * heads; task++) {  /* one query head each: even shares for few sequences */
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        const int64_t b = task / kv_heads, kvh = task % kv_heads, len = seq_lens[b];
+        const int64_t b = task / heads, h = task % heads, kvh = h / group, len = seq_lens[b];
         const int64_t row = rows ? rows[b] : b;
         const int64_t *table = block_tables + b * bt_stride;
-        float *scores = work + tid * work_per_thread;  /* [group, len] */
-        const float *qh = q + row * ldq + kvh * group * d;
-        float *oh = out + row * ldo + kvh * group * d;
-        for (int64_t g = 0; g < group; g++) {  /* scores, then unnormalised probabilities exp(s - max) */
-            float *s = scores + g * len, m;
-            FOR_EACH_TOKEN(k_cache, table, len, block_size, kv_heads, kvh, d, t, kt) {
-                s[t] = dot(qh + g * d, kt, d) * scale;
-            }
-            m = s[0];
-            for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
-            int64_t t = 0;
-#if SIMD
-            __m256 mv = _mm256_set1_ps(m);
-            for (; t + 8 <= len; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv)));
-#endif
-            for (; t < len; t++) s[t] = expf(s[t] - m);
-            float sum = 0.0f;
-            for (t = 0; t < len; t++) sum += s[t];
-            weighted_rows(oh + g * d, s, 1.0f / sum, v_cache, table, len, block_size, kv_heads, kvh, d);
+        const float *qh = q + row * ldq + h * d;
+        float *s = work + tid * work_per_thread;  /* scores, then unnormalised probabilities exp(s - max) */
+        FOR_EACH_TOKEN(k_cache, table, len, block_size, kv_heads, kvh, d, t, kt) {
+            s[t] = dot(qh, kt, d) * scale;
         }
+        float m = s[0];
+        for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
+        int64_t t = 0;
+#if SIMD
+        __m256 mv = _mm256_set1_ps(m);
+        for (; t + 8 <= len; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv)));
+#endif
+        for (; t < len; t++) s[t] = expf(s[t] - m);
+        float sum = 0.0f;
+        for (t = 0; t < len; t++) sum += s[t];
+        weighted_rows(out + row * ldo + h * d, s, 1.0f / sum, v_cache, table, len, block_size, kv_heads, kvh, d);
     }
     return 0;
 }

@@ -153,8 +153,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Attention of single-token queries over their paged contexts, written into `out` [T, heads, d].
 
     q [T, heads, d]; sequence b's query is row rows[b] (rows None: row b); block_tables [B, nb] and seq_lens [B]
-    long; longest: max(seq_lens) if the caller knows it. Grouped-query heads share their KV head's reads. False
-    (nothing written) where the op does not apply."""
+    long; longest: max(seq_lens) if the caller knows it. False (nothing written) where the op does not apply."""
     b = seq_lens.shape[0]
     ok = _rows_of(q) and _rows_of(out) and _plain(k_cache) and k_cache.is_contiguous() and _plain(v_cache) \
         and v_cache.is_contiguous() and block_tables.dtype == seq_lens.dtype == torch.long \
@@ -168,7 +167,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     heads, d = q.shape[1], q.shape[2]
     num_blocks, block_size, kv_heads = k_cache.shape[:3]
     threads = torch.get_num_threads()
-    per_thread = (heads // kv_heads) * (longest or int(seq_lens.max()))  # the C code checks every length fits
+    per_thread = longest or int(seq_lens.max())  # the C code checks that every length fits
     work = _scores_buffer(per_thread * threads)
     rc = lib.llmd_decode_attention(
         q.data_ptr(), q.stride(0), None if rows is None else rows.data_ptr(), b, k_cache.data_ptr(),
