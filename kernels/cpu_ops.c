@@ -175,18 +175,19 @@ int llmd_write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, cons
 }
 
 /* Attention of B single-token queries over their paged contexts.
- * q: row b at q + rows[b] * ldq (rows NULL: row b), [heads, d] each; the output goes to the same row of `out`
- * (stride ldo). Caches [num_blocks, block_size, kv_heads, d]; block_tables [B, bt_stride]; seq_lens [B].
+ * q: row b at q + rows[b] * ldq (rows NULL: row b) of num_rows, [heads, d] each; the output goes to the same row of
+ * `out` (stride ldo). Caches [num_blocks, block_size, kv_heads, d]; block_tables [B, bt_stride]; seq_lens [B].
  * Each query head is one task, so that even one sequence splits evenly over the threads.
  * The scores are kept for the softmax: `work` holds max(seq_lens) floats per thread. */
-int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, const float *k_cache,
+int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, int64_t num_rows,
+                          const float *k_cache,
                           const float *v_cache, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t d,
                           const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens, int64_t heads,
                           float scale, float *out, int64_t ldo, float *work, int64_t work_per_thread, int threads) {
     const int64_t group = heads / kv_heads;
     for (int64_t b = 0; b < B; b++) {
         int64_t len = seq_lens[b];
-        if (len < 1 || len > work_per_thread) return -1;
+        if (len < 1 || len > work_per_thread || (rows ? rows[b] : b) < 0 || (rows ? rows[b] : b) >= num_rows) return -1;
         for (int64_t j = 0; j < (len + block_size - 1) / block_size; j++) {
             int64_t blk = block_tables[b * bt_stride + j];
             if (blk < 0 || blk >= num_blocks) return -1;

@@ -32,8 +32,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llmd_rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
     lib.llmd_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
     lib.llmd_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
-    lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64, f32,
-                                          ptr, i64, ptr, i64, cint]
+    lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64,
+                                          f32, ptr, i64, ptr, i64, cint]
     for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_write_kv, lib.llmd_decode_attention):
         fn.restype = cint
     return lib
@@ -170,11 +170,12 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     per_thread = longest or int(seq_lens.max())  # the C code checks that every length fits
     work = _scores_buffer(per_thread * threads)
     rc = lib.llmd_decode_attention(
-        q.data_ptr(), q.stride(0), None if rows is None else rows.data_ptr(), b, k_cache.data_ptr(),
+        q.data_ptr(), q.stride(0), None if rows is None else rows.data_ptr(), b, min(q.shape[0], out.shape[0]),
+        k_cache.data_ptr(),
         v_cache.data_ptr(), num_blocks, block_size, kv_heads, d, block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), heads, scale, out.data_ptr(), out.stride(0), work.data_ptr(), per_thread, threads)
     if rc != 0:
-        raise IndexError("a sequence's length or block table lies outside the KV cache")
+        raise IndexError("a query row, a sequence's length or its block table lies outside its buffer")
     return True
 
 

@@ -134,7 +134,7 @@ def test_decode_attention_is_batch_and_thread_invariant():
     assert torch.equal(again, full)
 
 
-def test_decode_attention_refuses_blocks_outside_the_pool():
+def test_decode_attention_refuses_rows_and_blocks_outside_their_buffers():
     q, k_cache, v_cache, tables = _paged_case(1, [6])
     out = torch.empty_like(q)
     if not HAVE_OPS:
@@ -142,3 +142,6 @@ def test_decode_attention_refuses_blocks_outside_the_pool():
     bad = torch.tensor([[tables[0][0], k_cache.shape[0]]])
     with pytest.raises(IndexError, match="block table"):
         cpu_ops.decode_attention(q, k_cache, v_cache, bad, torch.tensor([6]), None, 0.3, out)
+    good = torch.tensor([tables[0]])
+    with pytest.raises(IndexError, match="query row"):  # a row past q and out
+        cpu_ops.decode_attention(q, k_cache, v_cache, good, torch.tensor([6]), torch.tensor([1]), 0.3, out)
