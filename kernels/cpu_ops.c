@@ -1,5 +1,5 @@
-/* The fp32 glue of a decoder layer on the CPU: RMSNorm, RoPE, SiLU(gate) * up, writing K/V into the paged cache and
- * single-token (decode) attention over it.
+/* The fp32 glue of a decoder layer on the CPU: RMSNorm, RoPE, SiLU(gate) * up, writing K/V into the paged cache, and
+ * attention over it: single-token (decode) queries, and causal chunks of new tokens (prefill, speculative verify).
  *
  * Each op is one call where torch needs five to fifteen small ones; on a small model at batch 1 those calls, not the
  * arithmetic, were a third of a decode step. Built into the same library as cpu_gemm.c (llmd.kernels.cpu_gemm).
@@ -9,6 +9,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -111,6 +112,20 @@ static void weighted_rows(float *o, const float *p, float inv, const float *v_ca
     for (int64_t i = 0; i < d; i++) o[i] *= inv;
 }
 
+/* s[t] = exp(s[t] - max(s)), t < n; returns their sum */
+static float softmax_numerators(float *s, int64_t n) {
+    float m = s[0], sum = 0.0f;
+    for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
+    int64_t t = 0;
+#if SIMD
+    const __m256 mv = _mm256_set1_ps(m);
+    for (; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv)));
+#endif
+    for (; t < n; t++) s[t] = expf(s[t] - m);
+    for (t = 0; t < n; t++) sum += s[t];
+    return sum;
+}
+
 /* y = x / sqrt(mean(x^2) + eps) * w per row of n values (as transformers: normalise, then scale by w). */
 int llmd_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows, int64_t n,
                   float eps) {
@@ -207,17 +222,103 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
         FOR_EACH_TOKEN(k_cache, table, len, block_size, kv_heads, kvh, d, t, kt) {
             s[t] = dot(qh, kt, d) * scale;
         }
-        float m = s[0];
-        for (int64_t t = 1; t < len; t++) m = s[t] > m ? s[t] : m;
-        int64_t t = 0;
-#if SIMD
-        __m256 mv = _mm256_set1_ps(m);
-        for (; t + 8 <= len; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv)));
-#endif
-        for (; t < len; t++) s[t] = expf(s[t] - m);
-        float sum = 0.0f;
-        for (t = 0; t < len; t++) sum += s[t];
+        const float sum = softmax_numerators(s, len);
         weighted_rows(out + row * ldo + h * d, s, 1.0f / sum, v_cache, table, len, block_size, kv_heads, kvh, d);
     }
+    return 0;
+}
+
+/* Causal attention of one sequence's chunk of q_len new tokens (positions ctx - q_len .. ctx - 1) over its paged
+ * context of ctx tokens (table: its block table): query i sees tokens 0 .. ctx - q_len + i. A task is one query head
+ * and a tile of 4 consecutive queries, whose dot products share each loaded K vector (2 tokens at a time) and whose
+ * weighted sums share each loaded V vector. `work` holds 4 * ctx floats per thread. */
+#define PQ 4
+int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const float *k_cache,
+                           const float *v_cache, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t d,
+                           const int64_t *table, int64_t heads, float scale, float *out, int64_t ldo, float *work,
+                           int64_t work_per_thread, int threads) {
+    if (q_len < 1 || ctx < q_len || PQ * ctx > work_per_thread) return -1;
+    for (int64_t j = 0; j < (ctx + block_size - 1) / block_size; j++)
+        if (table[j] < 0 || table[j] >= num_blocks) return -1;
+    int64_t *off = (int64_t *)malloc((size_t)ctx * sizeof(int64_t)); /* token -> its row in the cache */
+    if (!off) return -2;
+    for (int64_t t = 0; t < ctx; t++) off[t] = (table[t / block_size] * block_size + t % block_size) * kv_heads * d;
+    const int64_t group = heads / kv_heads, tiles = (q_len + PQ - 1) / PQ;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < heads * tiles; task++) {
+        int tid = 0;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+#endif
+        const int64_t h = task / tiles, i0 = (task % tiles) * PQ, kvh = h / group;
+        const int nq = q_len - i0 < PQ ? (int)(q_len - i0) : PQ;
+        const float *kb = k_cache + kvh * d, *vb = v_cache + kvh * d;
+        const float *qj[PQ];
+        int64_t len[PQ];
+        for (int j = 0; j < PQ; j++) {  /* a short tile repeats its last query (computed, never stored) */
+            const int64_t i = i0 + (j < nq ? j : nq - 1);
+            qj[j] = q + i * ldq + h * d;
+            len[j] = ctx - q_len + i + 1;
+        }
+        const int64_t longest = len[PQ - 1];
+        float *s = work + tid * work_per_thread;  /* [PQ][ctx] scores, then probabilities (0 past a query's end) */
+        for (int64_t t = 0; t < longest; t += 2) {
+            const float *k0 = kb + off[t], *k1 = t + 1 < longest ? kb + off[t + 1] : k0;
+            int64_t c = 0;
+            float d0[PQ] = {0}, d1[PQ] = {0};
+#if SIMD
+            __m256 a0[PQ], a1[PQ];
+            for (int j = 0; j < PQ; j++) a0[j] = a1[j] = _mm256_setzero_ps();
+            for (; c + 8 <= d; c += 8) {
+                const __m256 kv0 = _mm256_loadu_ps(k0 + c), kv1 = _mm256_loadu_ps(k1 + c);
+                for (int j = 0; j < PQ; j++) {
+                    const __m256 qv = _mm256_loadu_ps(qj[j] + c);
+                    a0[j] = _mm256_fmadd_ps(qv, kv0, a0[j]);
+                    a1[j] = _mm256_fmadd_ps(qv, kv1, a1[j]);
+                }
+            }
+            for (int j = 0; j < PQ; j++) d0[j] = hsum8(a0[j]), d1[j] = hsum8(a1[j]);
+#endif
+            for (; c < d; c++)
+                for (int j = 0; j < PQ; j++) d0[j] += qj[j][c] * k0[c], d1[j] += qj[j][c] * k1[c];
+            for (int j = 0; j < PQ; j++) {
+                s[j * ctx + t] = d0[j] * scale;
+                if (t + 1 < longest) s[j * ctx + t + 1] = d1[j] * scale;
+            }
+        }
+        float inv[PQ];
+        for (int j = 0; j < PQ; j++) {
+            float *sj = s + j * ctx;
+            inv[j] = 1.0f / softmax_numerators(sj, len[j]);
+            for (int64_t t = len[j]; t < longest; t++) sj[t] = 0.0f;
+        }
+        int64_t c = 0;
+#if SIMD
+        for (; c + 16 <= d; c += 16) {
+            __m256 o0[PQ], o1[PQ];
+            for (int j = 0; j < PQ; j++) o0[j] = o1[j] = _mm256_setzero_ps();
+            for (int64_t t = 0; t < longest; t++) {
+                const __m256 v0 = _mm256_loadu_ps(vb + off[t] + c), v1 = _mm256_loadu_ps(vb + off[t] + c + 8);
+                for (int j = 0; j < PQ; j++) {
+                    const __m256 p = _mm256_broadcast_ss(s + j * ctx + t);
+                    o0[j] = _mm256_fmadd_ps(p, v0, o0[j]);
+                    o1[j] = _mm256_fmadd_ps(p, v1, o1[j]);
+                }
+            }
+            for (int j = 0; j < nq; j++) {
+                float *o = out + (i0 + j) * ldo + h * d + c;
+                _mm256_storeu_ps(o, _mm256_mul_ps(o0[j], _mm256_set1_ps(inv[j])));
+                _mm256_storeu_ps(o + 8, _mm256_mul_ps(o1[j], _mm256_set1_ps(inv[j])));
+            }
+        }
+#endif
+        for (; c < d; c++)
+            for (int j = 0; j < nq; j++) {
+                float acc = 0.0f;
+                for (int64_t t = 0; t < longest; t++) acc += s[j * ctx + t] * vb[off[t] + c];
+                out[(i0 + j) * ldo + h * d + c] = acc * inv[j];
+            }
+    }
+    free(off);
     return 0;
 }

@@ -1,5 +1,6 @@
 """The fp32 glue of a decoder layer on the CPU, from cpu_ops.c (compiled into llmd.kernels.cpu_gemm's library):
-RMSNorm, RoPE in place, SiLU(gate) * up, the paged KV write and decode attention.
+RMSNorm, RoPE in place, SiLU(gate) * up, the paged KV write, and attention: decode tokens, and causal chunks of new
+tokens (prefill, speculative verify).
 
 Each op replaces five to fifteen small torch calls whose fixed cost dominated a small model's decode step. Every
 function returns None (or False) when the library is unavailable (no compiler, LLMD_CPU_GEMM=0 before the first
@@ -34,7 +35,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llmd_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
     lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64,
                                           f32, ptr, i64, ptr, i64, cint]
-    for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_write_kv, lib.llmd_decode_attention):
+    lib.llmd_prefill_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, f32, ptr, i64,
+                                           ptr, i64, cint]
+    for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_write_kv, lib.llmd_decode_attention,
+               lib.llmd_prefill_attention):
         fn.restype = cint
     return lib
 
@@ -176,6 +180,33 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         seq_lens.data_ptr(), heads, scale, out.data_ptr(), out.stride(0), work.data_ptr(), per_thread, threads)
     if rc != 0:
         raise IndexError("a query row, a sequence's length or its block table lies outside its buffer")
+    return True
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                      context: int, scale: float, out: torch.Tensor) -> bool:
+    """Causal attention of one sequence's chunk of new tokens q [L, heads, d] (positions context - L .. context - 1,
+    their K/V already in the cache) over its paged context, written into `out` [L, heads, d]: query i sees the first
+    context - L + i + 1 tokens. block_table: the sequence's block ids (long). False where the op does not apply."""
+    ok = _rows_of(q) and _rows_of(out) and out.shape == q.shape and _plain(k_cache) and k_cache.is_contiguous() \
+        and _plain(v_cache) and v_cache.is_contiguous() and block_table.dtype == torch.long \
+        and block_table.is_contiguous() and block_table.numel() * k_cache.shape[1] >= context >= q.shape[0] > 0
+    lib = load() if ok else None
+    if lib is None:
+        return False
+    heads, d = q.shape[1], q.shape[2]
+    num_blocks, block_size, kv_heads = k_cache.shape[:3]
+    threads = torch.get_num_threads()
+    per_thread = 4 * context
+    work = _scores_buffer(per_thread * threads)
+    rc = lib.llmd_prefill_attention(
+        q.data_ptr(), q.stride(0), q.shape[0], context, k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
+        block_size, kv_heads, d, block_table.data_ptr(), heads, scale, out.data_ptr(), out.stride(0),
+        work.data_ptr(), per_thread, threads)
+    if rc == -2:
+        raise MemoryError("CPU prefill attention could not allocate its row table")
+    if rc != 0:
+        raise IndexError("a block id lies outside the KV cache")
     return True
 
 

@@ -145,3 +145,27 @@ def test_decode_attention_refuses_rows_and_blocks_outside_their_buffers():
     good = torch.tensor([tables[0]])
     with pytest.raises(IndexError, match="query row"):  # a row past q and out
         cpu_ops.decode_attention(q, k_cache, v_cache, good, torch.tensor([6]), torch.tensor([1]), 0.3, out)
+
+
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_prefill_attention_matches_the_reference(group):
+    """Chunks of new tokens over a cached prefix (causal from their own positions), partial blocks, short tiles."""
+    lens = [1, 7, 23]
+    q_lens = [1, 6, 9]  # the last chunk: 14 cached tokens, then 9 new ones (tiles of 4: one short)
+    q, k_cache, v_cache, tables = _paged_case(group, lens)
+    q = torch.randn(sum(q_lens), q.shape[1], q.shape[2], generator=_gen(5))
+    meta = AttentionMetadata.build(q_lens, lens, tables, 4)
+    want = torch_paged_attention(q, (k_cache, v_cache), meta, 0.25)
+    start = 0
+    for i, (q_len, n) in enumerate(zip(q_lens, lens)):
+        rows = slice(start, start + q_len)
+        got = torch.full_like(q[rows], float("nan"))
+        if not cpu_ops.prefill_attention(q[rows], k_cache, v_cache, meta.block_tables[i], n, 0.25, got):
+            assert not HAVE_OPS
+            return
+        torch.testing.assert_close(got, want[rows], rtol=1e-5, atol=1e-5)
+        start += q_len
+    if HAVE_OPS:
+        with pytest.raises(IndexError, match="block id"):
+            bad = torch.tensor([tables[2][0], k_cache.shape[0], 0, 0, 0, 0])
+            cpu_ops.prefill_attention(q[-9:], k_cache, v_cache, bad, 23, 0.25, torch.empty_like(q[-9:]))

@@ -10,8 +10,8 @@ a per-token, per-head scale. Readers turn either into values through `kv_int8.ga
 Slot s lives at block s // block_size, offset s % block_size.
 
 The Triton kernels (llmd.kernels) plug in through `set_attention_backend`; the torch functions here are the reference
-and the CPU path, where fp32 K/V writes and decode attention run as single C calls (llmd.kernels.cpu_ops) wherever
-those build.
+and the CPU path, where fp32 K/V writes and attention (all decodes of a step in one call, each prefill chunk in
+one) run as C calls (llmd.kernels.cpu_ops) wherever those build.
 """
 
 from __future__ import annotations
@@ -202,21 +202,38 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
     return out.reshape(bd, num_heads, d)
 
 
+def cpu_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                  plan: "DecodePlan", scale: float, out: torch.Tensor) -> bool:
+    """The compiled CPU attention (llmd.kernels.cpu_ops) into `out`: all decodes in one call, then each prefill chunk or
+    speculative verify in one call. False, with nothing decided, where it does not apply (then use torch)."""
+    if plan.block_tables.shape[0] and not cpu_ops.decode_attention(q, *kv_cache, plan.block_tables, plan.seq_lens,
+                                                                    plan.rows, scale, out, plan.longest):
+        return False
+    starts = [0]
+    for n in meta.query_lens_list:
+        starts.append(starts[-1] + n)
+    for i in plan.others:
+        rows = slice(starts[i], starts[i + 1])
+        if not cpu_ops.prefill_attention(q[rows], *kv_cache, meta.block_tables[i], meta.seq_lens_list[i], scale,
+                                         out[rows]):
+            return False
+    return True
+
+
 def fast_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The default torch backend: all decode tokens of the step in one batched computation, other sequences
-    (prefill chunks, speculative verifies) through the per-sequence reference. Which path a sequence takes depends
-    only on its own query length, never on the rest of the batch."""
+    """The default backend. On the CPU with an fp32 cache: the compiled C attention (`cpu_attention`). Otherwise all
+    decode tokens of the step in one batched torch computation, other sequences (prefill chunks, speculative
+    verifies) through the per-sequence reference. Which path a sequence takes depends only on its own query length,
+    never on the rest of the batch."""
     plan = meta._decode_plan
     if plan is None:
         plan = meta._decode_plan = DecodePlan.build(meta)
-    num_decodes = plan.block_tables.shape[0]
-    if num_decodes == 0:
-        return torch_paged_attention(q, kv_cache, meta, scale)
-    if not isinstance(kv_cache, Int8KVCache):  # one C call on the CPU for all decodes
-        out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others) if plan.others else torch.empty_like(q)
-        if cpu_ops.decode_attention(q, *kv_cache, plan.block_tables, plan.seq_lens, plan.rows, scale, out,
-                                    plan.longest):
+    if not isinstance(kv_cache, Int8KVCache):
+        out = torch.empty_like(q)
+        if cpu_attention(q, kv_cache, meta, plan, scale, out):
             return out
+    if plan.block_tables.shape[0] == 0:
+        return torch_paged_attention(q, kv_cache, meta, scale)
     if plan.rows is None:
         return batched_decode_attention(q, kv_cache, plan, scale)
     out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others)
