@@ -4,7 +4,8 @@ shapes (hidden 576, intermediate 1536, 9 query heads and 3 KV heads of 64, block
     python tests/benchmarks/bench_cpu_ops.py [--threads 1] [--budget 0.3]
 
 For each op and size it prints microseconds per call (best of repeated calls, Python wrapper included) for the C op
-and for llmd's torch path, and their ratio. Decode attention runs B sequences of L cached tokens each.
+and for llmd's torch path, and their ratio. Decode attention runs B sequences of L cached tokens each; prefill
+attention one chunk of N new tokens whose context then holds C.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from llmd.kernels import cpu_ops
-from llmd.model.attention import AttentionMetadata, DecodePlan, batched_decode_attention
+from llmd.model.attention import AttentionMetadata, DecodePlan, batched_decode_attention, torch_paged_attention
 from llmd.model.llama import apply_rope
 
 HIDDEN, INTER, HEADS, KV_HEADS, D, BLOCK = 576, 1536, 9, 3, 64, 16
@@ -72,6 +73,16 @@ def attention_case(batch: int, length: int):
     return c_op, torch_code
 
 
+def prefill_case(new: int, context: int):
+    nb = (context + BLOCK - 1) // BLOCK
+    k_cache, v_cache = torch.randn(nb + 1, BLOCK, KV_HEADS, D), torch.randn(nb + 1, BLOCK, KV_HEADS, D)
+    table = torch.arange(nb)
+    meta = AttentionMetadata.build([new], [context], [table.tolist()], BLOCK)
+    q, out = torch.randn(new, HEADS, D), torch.empty(new, HEADS, D)
+    return (lambda: cpu_ops.prefill_attention(q, k_cache, v_cache, table, context, 0.125, out),
+            lambda: torch_paged_attention(q, (k_cache, v_cache), meta, 0.125))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
@@ -86,6 +97,7 @@ def main(argv=None):
     rows_cases = [(f"{name} ({rows} rows)", c, t) for rows in (1, 16, 512) for name, c, t in cases(rows)]
     attn_cases = [(f"write_kv + attention {b}x{n}", *attention_case(b, n))
                   for b, n in ((1, 100), (1, 2000), (16, 100), (16, 400))]
+    attn_cases += [(f"prefill attention {n} of {c}", *prefill_case(n, c)) for n, c in ((512, 512), (488, 1000))]
     with torch.inference_mode():
         for name, c_op, torch_code in rows_cases + attn_cases:
             c_us, t_us = best_us(c_op, args.budget), best_us(torch_code, args.budget)
