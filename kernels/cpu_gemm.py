@@ -334,6 +334,12 @@ class LayerKernel:
         return y
 
 
+def prepared_kernel(cache: dict, qweight: torch.Tensor) -> LayerKernel | None:
+    """The kernel layer_kernel already prepared in `cache` for this qweight, else None (a cheap per-call lookup)."""
+    entry = cache.get("cpu_gemm")
+    return entry[3] if entry is not None and entry[0] is qweight else None
+
+
 def layer_kernel(cache: dict, kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  group_size: int) -> LayerKernel | None:
     """The LayerKernel for these weights, kept in the layer's `cache` dict (rebuilt when a buffer is replaced);

@@ -205,7 +205,7 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
 def cpu_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                   plan: "DecodePlan", scale: float, out: torch.Tensor) -> bool:
     """The compiled CPU attention (llmd.kernels.cpu_ops) into `out`: all decodes in one call, then each prefill chunk or
-    speculative verify in one call. False, with nothing decided, where it does not apply (then use torch)."""
+    speculative verify in one call. False where it does not apply (then use torch; `out` may be partly written)."""
     if plan.block_tables.shape[0] and not cpu_ops.decode_attention(q, *kv_cache, plan.block_tables, plan.seq_lens,
                                                                     plan.rows, scale, out, plan.longest):
         return False
@@ -228,7 +228,7 @@ def fast_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMeta
     plan = meta._decode_plan
     if plan is None:
         plan = meta._decode_plan = DecodePlan.build(meta)
-    if not isinstance(kv_cache, Int8KVCache):
+    if q.is_cpu and not isinstance(kv_cache, Int8KVCache):
         out = torch.empty_like(q)
         if cpu_attention(q, kv_cache, meta, plan, scale, out):
             return out

@@ -244,11 +244,9 @@ class QuantizedLinear(nn.Module):
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # (kernel, the qweight it reads): set once _matmul found that the compiled CPU kernel takes this layer
-        fast = self._cpu_cache.get("kernel")
-        if fast is not None and fast[1] is self._buffers["qweight"] and x.dim() == 2 and x.dtype is torch.float32 \
-                and x.is_cpu:
-            y = fast[0](x)  # the decode path: 4 calls per layer and step, so no more Python than needed
+        kernel = cpu_gemm.prepared_kernel(self._cpu_cache, self._buffers["qweight"])  # once _matmul prepared one
+        if kernel is not None and x.dim() == 2 and x.dtype is torch.float32 and x.is_cpu:
+            y = kernel(x)  # the decode path: 4 calls per layer and step, so no more Python than needed
         else:
             y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
@@ -304,7 +302,6 @@ class Int8Linear(QuantizedLinear):
         if x.device.type == "cpu" and x.dtype == torch.float32:
             gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int8", self.qweight, self.scales, None, self.group_size)
             if gemm is not None:
-                self._cpu_cache["kernel"] = (gemm, self.qweight)
                 return gemm(x)
         if x.device.type == "cpu" and self.group_size == self.in_features and cpu_kernel_is_fast("int8"):
             return self._native_cpu(x)
@@ -343,7 +340,6 @@ class Int4Linear(QuantizedLinear):
             gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int4", self.qweight, self.scales, self.zeros,
                                          self.group_size)
             if gemm is not None:
-                self._cpu_cache["kernel"] = (gemm, self.qweight)
                 return gemm(x)
         if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
                 and cpu_kernel_is_fast("int4") and self._cpu_cache.get(x.dtype) is not False:
