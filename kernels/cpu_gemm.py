@@ -36,8 +36,10 @@ from . import quant_matmul as qmm
 
 log = logging.getLogger("llmd.kernels.cpu_gemm")
 
-# one library: the matmuls, and the fp32 glue ops of a decoder layer (bound by llmd.kernels.cpu_ops)
-SOURCES = [Path(__file__).with_name("cpu_gemm.c"), Path(__file__).with_name("cpu_ops.c")]
+# one library: the matmuls, the fp32 glue ops of a decoder layer (bound by llmd.kernels.cpu_ops) and a whole stack of
+# layers built from both (llmd.kernels.cpu_stack); the header declares what they share
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_ops.c", "cpu_stack.c")]
+HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off"]
 
 _lock = threading.Lock()
@@ -75,7 +77,7 @@ def cache_dir() -> Path:
 
 
 def _build(cc: str, flags: list[str]) -> Path:
-    source = b"\0".join(path.read_bytes() for path in SOURCES)
+    source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     digest = hashlib.sha256(source + "\0".join([cc, *flags]).encode()).hexdigest()[:16]
     out = cache_dir() / f"cpu_gemm-{digest}.so"
     if out.exists():
@@ -318,7 +320,7 @@ class LayerKernel:
             self._work_per_row = lib.llmd_q8_work_bytes(1, self.k, group_size)
         else:
             self._fn = lib.llmd_int4_matmul if kind == "int4" else lib.llmd_int8_matmul
-        self._weights = tuple(t.data_ptr() for t in self._keep)
+        self.weight_pointers = tuple(t.data_ptr() for t in self._keep)  # (q, s) or (q, s, z)
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         x = _prepare_x(x, self.k)
@@ -326,7 +328,7 @@ class LayerKernel:
         y = torch.empty(m, n, dtype=torch.float32)
         tail = (_work_buffer(m * self._work_per_row), threads or torch.get_num_threads()) if self.q8 \
             else (threads or torch.get_num_threads(),)
-        rc = self._fn(x.data_ptr(), x.stride(0), *self._weights, y.data_ptr(), n, m, n, self.k, self.group_size, *tail)
+        rc = self._fn(x.data_ptr(), x.stride(0), *self.weight_pointers, y.data_ptr(), n, m, n, self.k, self.group_size, *tail)
         if rc == -2:
             raise MemoryError("CPU kernel could not allocate its activation buffer")
         if rc != 0:

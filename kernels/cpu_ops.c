@@ -12,6 +12,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_kernels.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_ops
+from . import cpu_stack
 from .attention import AttentionMetadata, KVCache, paged_attention
 from .config import ModelConfig
 from .linear import fuse_linears, make_linear
@@ -203,6 +204,11 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         # Tied embeddings: the head reuses embed_tokens.weight, so there is no separate lm_head parameter.
         self.lm_head = None if config.tie_word_embeddings else make_linear(config.hidden_size, config.vocab_size)
+        self._cpu_stack = None  # llmd.model.cpu_stack: the layers as one C call (False: not applicable)
+
+    def _apply(self, fn, recurse=True):
+        self._cpu_stack = None  # a move or cast changes the weights' addresses
+        return super()._apply(fn, recurse)
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.model.rotary_emb.init_buffers(device)
@@ -219,6 +225,8 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
+        if x.is_cpu and cpu_stack.run_layers(self, x, cos, sin, kv_caches, meta):  # in place, one C call
+            return self.model.norm(x)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)

@@ -1,0 +1,31 @@
+/* The functions that cpu_gemm.c and cpu_ops.c export, for cpu_stack.c to call within the same library. */
+#ifndef LLMD_CPU_KERNELS_H
+#define LLMD_CPU_KERNELS_H
+#include <stdint.h>
+
+int llmd_int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y, int64_t ldy, int64_t m,
+                     int64_t n, int64_t k, int64_t g, int nthreads);
+int llmd_int4_matmul(const float *x, int64_t ldx, const uint8_t *q, const float *s, const float *z, float *y,
+                     int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t g, int nthreads);
+int64_t llmd_q8_work_bytes(int64_t m, int64_t k, int64_t g);
+int llmd_int8_matmul_q8(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y, int64_t ldy,
+                        int64_t m, int64_t n, int64_t k, int64_t g, void *work, int nthreads);
+int llmd_int4_matmul_q8(const float *x, int64_t ldx, const uint8_t *q, const float *s, const float *z, float *y,
+                        int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t g, void *work, int nthreads);
+
+int llmd_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows, int64_t n,
+                  float eps);
+int llmd_rope(float *x, int64_t ldx, const float *cos, const float *ssin, int64_t rows, int64_t heads, int64_t d);
+int llmd_silu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t rows, int64_t n);
+int llmd_write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots, int64_t rows,
+                  float *k_cache, float *v_cache, int64_t width, int64_t num_slots);
+int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, int64_t num_rows,
+                          const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
+                          int64_t kv_heads, int64_t d, const int64_t *block_tables, int64_t bt_stride,
+                          const int64_t *seq_lens, int64_t heads, float scale, float *out, int64_t ldo, float *work,
+                          int64_t work_per_thread, int threads);
+int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const float *k_cache,
+                           const float *v_cache, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t d,
+                           const int64_t *table, int64_t heads, float scale, float *out, int64_t ldo, float *work,
+                           int64_t work_per_thread, int threads);
+#endif

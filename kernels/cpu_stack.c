@@ -1,0 +1,143 @@
+/* A model's whole stack of decoder layers on the CPU in one call, for Llama-shaped layers whose projections are the
+ * quantized layers of cpu_gemm.c (fused qkv and gate/up, optional biases).
+ *
+ * A layer is the same sequence of calls that llmd.model.llama makes one by one from Python (RMSNorm, qkv matmul,
+ * RoPE, K/V write, attention, o matmul, residual add, RMSNorm, gate/up matmul, SiLU * up, down matmul, residual add),
+ * with the same arguments, so the hidden states come out bit for bit the same. What goes away is ~12 Python-level
+ * calls per layer, each costing tens of microseconds of interpreter, ctypes and tensor allocation: at batch 1 on a
+ * small model that was a third of a decode step.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_kernels.h"
+
+enum { LIN_INT8 = 0, LIN_INT4 = 1, LIN_INT8_Q8 = 2, LIN_INT4_Q8 = 3 };
+
+typedef struct {
+    int64_t kind, n, k, group;
+    const void *q;
+    const float *s, *z, *bias; /* z: int4 only; bias may be NULL */
+} llmd_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    llmd_linear qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] fp32 each */
+} llmd_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
+    float eps, scale;
+} llmd_dims;
+
+/* One step's flattened batch of T new tokens. Decodes (single-token queries) are described as for
+ * llmd_decode_attention; each other sequence is a chunk (prefill or speculative verify): chunks[i] = {first row,
+ * rows, context length after the step, index of its block table in chunk_tables}. */
+typedef struct {
+    int64_t T;
+    const float *cos, *ssin;   /* [T, head_dim] */
+    const int64_t *slots;      /* [T] */
+    int64_t num_decodes;
+    const int64_t *decode_rows; /* NULL: row b is decode b */
+    const int64_t *decode_tables, *decode_lens;
+    int64_t decode_stride, decode_longest;
+    int64_t num_chunks;
+    const int64_t *chunks; /* [num_chunks, 4] */
+    const int64_t *chunk_tables; /* [num_tables, chunk_stride] */
+    int64_t num_tables, chunk_stride;
+} llmd_step;
+
+/* y[m, n] = x @ W.T (+ bias); 0, or -2 (no memory) / -3 (the kernel refused the shape). */
+static int linear(const llmd_linear *l, const float *x, int64_t ldx, float *y, int64_t m, int nth) {
+    int rc;
+    if (l->kind == LIN_INT8)
+        rc = llmd_int8_matmul(x, ldx, (const int8_t *)l->q, l->s, y, l->n, m, l->n, l->k, l->group, nth);
+    else if (l->kind == LIN_INT4)
+        rc = llmd_int4_matmul(x, ldx, (const uint8_t *)l->q, l->s, l->z, y, l->n, m, l->n, l->k, l->group, nth);
+    else {
+        const int64_t bytes = llmd_q8_work_bytes(m, l->k, l->group);
+        void *work = bytes > 0 ? aligned_alloc(64, ((size_t)bytes + 63) / 64 * 64) : NULL;
+        if (!work) return bytes > 0 ? -2 : -3;
+        rc = l->kind == LIN_INT8_Q8
+                 ? llmd_int8_matmul_q8(x, ldx, (const int8_t *)l->q, l->s, y, l->n, m, l->n, l->k, l->group, work, nth)
+                 : llmd_int4_matmul_q8(x, ldx, (const uint8_t *)l->q, l->s, l->z, y, l->n, m, l->n, l->k, l->group,
+                                       work, nth);
+        free(work);
+    }
+    if (rc == -2) return -2;
+    if (rc != 0) return -3;
+    if (l->bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t c = 0; c < l->n; c++) y[r * l->n + c] = y[r * l->n + c] + l->bias[c];
+    return 0;
+}
+
+static void add_rows(float *x, const float *y, int64_t count) {
+    for (int64_t i = 0; i < count; i++) x[i] = x[i] + y[i];
+}
+
+static int attention(const llmd_dims *dm, const llmd_layer *L, const llmd_step *st, const float *qkv, int64_t ldq,
+                     float *out, float *scores, int64_t per_thread, int nth) {
+    const int64_t H = dm->heads, KV = dm->kv_heads, d = dm->head_dim;
+    /* the attention functions read a block table only as far as the length they are given */
+    if (st->decode_longest > st->decode_stride * dm->block_size) return -1;
+    for (int64_t b = 0; b < st->num_decodes; b++)
+        if (st->decode_lens[b] > st->decode_longest) return -1;
+    if (st->num_decodes &&
+        llmd_decode_attention(qkv, ldq, st->decode_rows, st->num_decodes, st->T, L->k_cache, L->v_cache,
+                              dm->num_blocks, dm->block_size, KV, d, st->decode_tables, st->decode_stride,
+                              st->decode_lens, H, dm->scale, out, H * d, scores, per_thread, nth))
+        return -1;
+    for (int64_t i = 0; i < st->num_chunks; i++) {
+        const int64_t *c = st->chunks + 4 * i;
+        if (c[0] < 0 || c[1] < 1 || c[0] + c[1] > st->T || c[3] < 0 || c[3] >= st->num_tables ||
+            c[2] > st->chunk_stride * dm->block_size)
+            return -1;
+        const int rc = llmd_prefill_attention(qkv + c[0] * ldq, ldq, c[1], c[2], L->k_cache, L->v_cache,
+                                              dm->num_blocks, dm->block_size, KV, d,
+                                              st->chunk_tables + c[3] * st->chunk_stride, H, dm->scale,
+                                              out + c[0] * H * d, H * d, scores, per_thread, nth);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* Run every layer on x [T, hidden] in place. 0, or -1 (a slot, row, length or block id outside its buffer),
+ * -2 (out of memory), -3 (a matmul refused its shape). */
+int llmd_decoder_stack(const llmd_dims *dm, const llmd_layer *layers, const llmd_step *st, float *x, int nth) {
+    const int64_t T = st->T, D = dm->hidden, H = dm->heads, KV = dm->kv_heads, d = dm->head_dim,
+                  I = dm->intermediate, qkv_w = (H + 2 * KV) * d;
+    if (T < 1) return 0;
+    int64_t per_thread = st->decode_longest; /* attention scores: what either attention function needs */
+    for (int64_t i = 0; i < st->num_chunks; i++)
+        if (4 * st->chunks[4 * i + 2] > per_thread) per_thread = 4 * st->chunks[4 * i + 2];
+    if (per_thread < 1) per_thread = 1;
+    const size_t floats = (size_t)(T * (D + qkv_w + H * d + D + 2 * I + I) + nth * per_thread);
+    float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    if (!buf) return -2;
+    float *h = buf, *qkv = h + T * D, *att = qkv + T * qkv_w, *y = att + T * H * d, *gu = y + T * D,
+          *act = gu + T * 2 * I, *scores = act + T * I;
+    int rc = 0;
+    for (int64_t l = 0; l < dm->num_layers && rc == 0; l++) {
+        const llmd_layer *L = layers + l;
+        llmd_rms_norm(x, D, L->input_norm, h, D, T, D, dm->eps);
+        if ((rc = linear(&L->qkv, h, D, qkv, T, nth))) break;
+        llmd_rope(qkv, qkv_w, st->cos, st->ssin, T, H + KV, d);
+        if (llmd_write_kv(qkv + H * d, qkv_w, qkv + (H + KV) * d, qkv_w, st->slots, T, L->k_cache, L->v_cache,
+                          KV * d, dm->num_blocks * dm->block_size)) {
+            rc = -1;
+            break;
+        }
+        if ((rc = attention(dm, L, st, qkv, qkv_w, att, scores, per_thread, nth))) break;
+        if ((rc = linear(&L->o, att, H * d, y, T, nth))) break;
+        add_rows(x, y, T * D);
+        llmd_rms_norm(x, D, L->post_norm, h, D, T, D, dm->eps);
+        if ((rc = linear(&L->gate_up, h, D, gu, T, nth))) break;
+        llmd_silu_mul(gu, 2 * I, act, I, T, I);
+        if ((rc = linear(&L->down, act, I, y, T, nth))) break;
+        add_rows(x, y, T * D);
+    }
+    free(buf);
+    return rc;
+}

@@ -1,0 +1,132 @@
+"""The CPU layer stack (llmd.model.cpu_stack): all decoder layers of a quantized model in one C call must give the
+module path's logits and KV caches bit for bit, in every kind of step (prefill chunks over cached prefixes, decodes,
+mixes of both, speculative verifies), and must step aside where it does not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_testing import make_engine, no_leaked_blocks  # noqa: F401 (autouse: checks every engine for leaks)
+from llmd.engine import SamplingParams
+from llmd.kernels import cpu_ops
+from llmd.model import cpu_stack
+from llmd.model.attention import AttentionMetadata
+from llmd.model.loader import load_model
+
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.skipif(cpu_ops.load() is None, reason="no C compiler for the CPU kernels")]
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. A paged cache stores keys and values.",
+    "The quick brown fox jumps over the lazy dog. What is the capital of France?",  # shares a cached prefix
+    "def fibonacci(n):\n    if n < 2:\n        return n",
+    "Hello",
+]
+
+
+def _record_steps(loaded, use_stack: bool, **engine_kw) -> tuple[list[torch.Tensor], list]:
+    """Greedy generation with staggered arrivals and small prefill chunks, so steps mix chunks and decodes;
+    returns every step's logits and the final KV caches."""
+    loaded.model._cpu_stack = None if use_stack else False
+    engine = make_engine(loaded, max_num_batched_tokens=12, **engine_kw)
+    runner = engine.runner
+    logits: list[torch.Tensor] = []
+    execute = runner.execute_eager
+
+    def recording(scheduled):
+        out = execute(scheduled)
+        logits.append(out.clone())
+        return out
+
+    runner.execute_eager = recording
+    tok = loaded.tokenizer
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), tok.encode(prompt), params)
+        for _ in range(3):
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    stack = loaded.model._cpu_stack
+    assert isinstance(stack, cpu_stack.CpuLayerStack) if use_stack else stack is False
+    return logits, [tuple(t.clone() for t in pair) for pair in runner.kv_caches]
+
+
+def _assert_stack_matches_modules(loaded, **engine_kw):
+    with_stack, caches = _record_steps(loaded, True, **engine_kw)
+    without, caches_ref = _record_steps(loaded, False, **engine_kw)
+    assert len(with_stack) == len(without) > 10
+    for got, want in zip(with_stack, without):
+        assert torch.equal(got, want)
+    for got, want in zip(caches, caches_ref):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("mode", ["int4-g32", "int8"])
+def test_stack_matches_the_modules_bit_for_bit(tiny_llama, mode):
+    _assert_stack_matches_modules(load_model(tiny_llama, quant=mode))
+
+
+def test_stack_with_qkv_bias_and_speculative_verifies(tiny_qwen2):
+    """Qwen2's qkv bias is added in the stack as in the modules; prompt-lookup speculation adds verify chunks."""
+    _assert_stack_matches_modules(load_model(tiny_qwen2, quant="int4-g32"), speculative_mode="ngram")
+
+
+def test_stack_with_int8_activations(tiny_llama, monkeypatch):
+    """LLMD_CPU_GEMM_ACT=int8 (the integer matmul path) goes through the stack unchanged too."""
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "int8")
+    loaded = load_model(tiny_llama, quant="int8")
+    _assert_stack_matches_modules(loaded)
+    layers = cpu_stack.CpuLayerStack.build(loaded.model).layers
+    assert all(kind >= 2 for layer in layers for kind in (layer.qkv.kind, layer.down.kind))  # the int8-activation kinds
+
+
+def test_smollm2_stack_matches_the_modules(smollm2_gguf):
+    """The bundled model as it ships: Q4_1 layers, GQA 9:3, 30 layers."""
+    _assert_stack_matches_modules(load_model(smollm2_gguf, quant="gguf"))
+
+
+def test_stack_steps_aside_where_it_does_not_apply(tiny_llama, tiny_qwen3):
+    fp32 = load_model(tiny_llama, dtype=torch.float32)
+    assert cpu_stack.CpuLayerStack.build(fp32.model) is None  # fp32 weights: MKL through torch
+    assert cpu_stack.CpuLayerStack.build(load_model(tiny_qwen3, quant="int8").model) is None  # q/k norm
+    loaded = load_model(tiny_llama, quant="int8")
+    engine = make_engine(loaded, kv_cache_dtype="int8")
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("0", loaded.tokenizer.encode("Hello"), params)
+    while engine.has_work():
+        engine.step()
+    assert loaded.model._cpu_stack is not None  # built, then declined the int8 cache: the modules ran
+
+
+def test_replaced_weights_rebuild_the_stack(tiny_llama):
+    loaded = load_model(tiny_llama, quant="int8")
+    model = loaded.model
+    ids = torch.tensor(loaded.tokenizer.encode("Hello there"))
+    meta_args = ([len(ids)], [len(ids)], [[0]], 16)
+
+    def forward():
+        caches = [(torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16)) for _ in model.model.layers]
+        with torch.inference_mode():
+            return model(ids, torch.arange(len(ids)), caches, AttentionMetadata.build(*meta_args))
+
+    before = forward()
+    first = model._cpu_stack
+    down = model.model.layers[1].mlp.down_proj
+    down.register_buffer("qweight", -down.qweight)
+    after = forward()
+    assert model._cpu_stack is not first and isinstance(model._cpu_stack, cpu_stack.CpuLayerStack)
+    model._cpu_stack = False
+    assert torch.equal(after, forward())  # the modules with the new weights
+    assert not torch.equal(before, after)
+
+
+def test_bad_block_id_is_an_error_not_a_stray_write(tiny_llama):
+    loaded = load_model(tiny_llama, quant="int8")
+    ids = torch.tensor(loaded.tokenizer.encode("Hello there"))
+    caches = [(torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16)) for _ in loaded.model.model.layers]
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0]], 16)
+    meta.block_tables[0, 0] = 5  # past the 2-block cache
+    with torch.inference_mode(), pytest.raises(IndexError):
+        loaded.model(ids, torch.arange(len(ids)), caches, meta)
