@@ -185,6 +185,31 @@ def test_cli_ps_and_run_through_the_socket(daemon, model_name):
     assert out.returncode == 1 and "no-such-model" in out.stderr and "Traceback" not in out.stderr
 
 
+def test_served_model_answers_to_its_short_names(daemon, model_name):
+    """`llmd serve` on the bundled default, then `llmd run smollm2:135m ...` (the README's example): the alias and
+    the repo id name the served model as long as they resolve to its file (until that repo is pulled)."""
+    import ollama
+    import openai
+
+    from llmd.store import resolve
+    from llmd.store.bundled import BUNDLED_REPO_ID
+
+    served = resolve(None).path
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused")
+    for name in ("smollm2:135m", BUNDLED_REPO_ID):
+        if resolve(name).path != served:
+            continue  # this machine has pulled the repo: the name means those files, not the served ones
+        resp = client.chat.completions.create(model=name, messages=FRANCE, max_tokens=1)
+        assert resp.usage.completion_tokens == 1
+        assert client.models.retrieve(name).id == model_name
+        resp = ollama.Client(host=daemon.url).generate(model=name + ":latest" if ":" not in name else name,
+                                                       prompt="hi", options={"num_predict": 1})
+        assert resp.done and resp.eval_count == 1
+    out = subprocess.run([llmd_exe(), "run", "smollm2:135m", "hi", "-n", "1"], env=daemon.env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == (0 if resolve("smollm2:135m").path == served else 1), out.stderr
+
+
 def test_metrics_and_stats(daemon):
     with __import__("urllib.request").request.urlopen(daemon.url + "/metrics", timeout=30) as r:
         text = r.read().decode()

@@ -81,6 +81,26 @@ def build_engine(settings):
     return files, loaded, Engine(loaded, config)
 
 
+def short_names(files) -> set[str]:
+    """The alias and repo id that resolve to the served files, so that clients may name the model as they would load
+    it: the bundled default answers to `smollm2:135m` and its repo id until that repo is pulled."""
+    from ..store import resolve
+    from ..store.aliases import alias_for_repo
+    from ..store.bundled import BUNDLED_REPO_ID, is_bundled
+
+    repos = {files.repo_id} | ({BUNDLED_REPO_ID} if is_bundled(files.path) else set())
+    candidates = {name for repo in repos - {None} for name in (repo, alias_for_repo(repo)) if name}
+    served = Path(files.path).resolve()
+    names = set()
+    for name in candidates:
+        try:
+            if Path(resolve(name).path).resolve() == served:
+                names.add(name)
+        except LlmdError:  # not in the cache: it names nothing here
+            pass
+    return names
+
+
 def security_policy(settings) -> SecurityPolicy:
     api_key = settings.api_key
     if settings.api_key_file:
@@ -198,6 +218,7 @@ class Daemon:
             names.add(self.settings.model)
         if files.repo_id:
             names.add(files.repo_id)
+        names |= await asyncio.get_running_loop().run_in_executor(None, short_names, files)
         st.aliases = {n for n in names if n}
         st.status = "ready"
         import torch
