@@ -72,7 +72,9 @@ if HAVE_TRITON:
             x = x.to(tl.float32) * s[:, None]
         return x
 
-    @triton.jit
+    # The block-table row stride (the step's widest table in eager steps) is not specialized on: Triton would compile
+    # apart a width of 1, of a multiple of 16 and any other width, a new compile mid-serving for no speed.
+    @triton.jit(do_not_specialize=["stride_btb"])
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, m_ptr, l_ptr, scale,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, stride_btb,

@@ -96,7 +96,9 @@ if HAVE_TRITON:
             m_i = m_new
         return acc, l_i, m_i
 
-    @triton.jit
+    # Not specialized on the per-step values num_seqs (Triton compiles 1 apart) and the block-table row stride (1, a
+    # multiple of 16, other): they only bound a search and offset one load, and each variant is a compile mid-serving.
+    @triton.jit(do_not_specialize=["num_seqs", "stride_btb"])
     def _paged_prefill_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, qsl_ptr, out_ptr, qk_scale, num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh,
