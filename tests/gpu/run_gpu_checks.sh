@@ -2,11 +2,11 @@
 # Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in one go (budget: under 8 minutes on
 # an H200: the two timeouts below sum to 460 s).
 # Writes under $OUT (default ./gpu-results): pytest logs, gpu_bench.json and gpu_bench.txt.
-set -u
+set -u -o pipefail  # a failing pytest or benchmark, not tee, decides each step's status
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu-results}"
 mkdir -p "$OUT"
-PY="${PYTHON:-python}"
+PY="${PYTHON:-python3}"  # the GPU machine's python3 is the one with torch
 unset TRITON_INTERPRET
 export PYTHONPATH="$PWD/tests:${PYTHONPATH:-}"
 # the project may not be installed on the GPU machine: lay out the import package the way setuptools maps it
@@ -19,8 +19,12 @@ if ! "$PY" -c "import llmd" 2>/dev/null; then
   export PYTHONPATH="$SHIM:$PYTHONPATH"
 fi
 status=0
+# Most of the tests' time is Triton compiling kernels (hundreds of variants, about a second each on one core). With
+# pytest-xdist the five files run side by side, one per worker, so the wall time is the slowest file's, not the sum.
+PARALLEL=()
+if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 5 --dist loadfile); fi
 echo "== GPU tests" | tee "$OUT/summary.txt"
-timeout 220 "$PY" -m pytest -q -m gpu -p no:cacheprovider \
+timeout 220 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --durations=15 \
   tests/test_kernels_quant_matmul.py tests/test_kernels_paged_attention.py tests/test_kernels_prefill_attention.py tests/test_kv_int8.py \
   tests/test_cuda_graphs.py \
   2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5 | tee -a "$OUT/summary.txt" || status=1
