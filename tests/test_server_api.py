@@ -136,6 +136,12 @@ async def test_llamacpp_dialect_with_aiohttp(daemon):
         assert "".join(t["piece"] for t in tokens) == "Hello world"
         async with http.post("/detokenize", json={"tokens": [t["id"] for t in tokens]}) as r:
             assert (await r.json())["content"] == "Hello world"
+        # A surrogate pair escaped in JSON is one character (U+1F389), not an error
+        async with http.post("/tokenize", data=b'{"content": "\\ud83c\\udf89"}') as r:
+            assert r.status == 200
+            ids = (await r.json())["tokens"]
+        async with http.post("/detokenize", json={"tokens": ids}) as r:
+            assert (await r.json())["content"] == "\U0001f389"
 
         async with http.post("/completion", json={"prompt": "Once upon a time", "n_predict": 3, "temperature": 0,
                                                   "stream": True}) as r:
@@ -367,6 +373,14 @@ BAD_INPUTS = [
     ("/tokenize", {"content": 5}, None, 400, "content must be a string"),
     ("/detokenize", {"tokens": [-1]}, None, 400, "tokens"),
     ("/detokenize", {"tokens": "x"}, None, 400, "tokens"),
+    # JSON may escape a lone UTF-16 surrogate, which is no Unicode text: the tokenizer must never see one
+    ("/tokenize", b'{"content": "a\\ud800"}', "application/json", 400, "unpaired surrogate"),
+    ("/v1/completions", b'{"prompt": "\\udfff", "max_tokens": 1}', "application/json", 400, "unpaired surrogate"),
+    ("/completion", b'{"prompt": "x\\udc00y"}', "application/json", 400, "unpaired surrogate"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83c"}]}', "application/json", 400,
+     "unpaired surrogate"),
+    ("/api/generate", b'{"model": "x", "prompt": "\\ud800", "raw": true}', "application/json", 400,
+     "unpaired surrogate"),
 ]
 
 

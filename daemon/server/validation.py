@@ -7,6 +7,7 @@ first bad field. Unknown fields are ignored (editors send many), known ones must
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,7 +176,31 @@ async def read_json(request: web.Request, max_bytes: int = MAX_BODY_BYTES) -> di
         raise ApiError(400, "request body is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(text):
+        _reject_lone_surrogates(body)
     return body
+
+
+# JSON can escape UTF-16 surrogates; a pair decodes to one character, a lone one to a str that is no Unicode text
+# (the tokenizer and any UTF-8 encode fail on it). Bodies without such an escape need no walk.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
+def _reject_lone_surrogates(body: dict) -> None:
+    stack = [body]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ApiError(400, f"request body holds an unpaired surrogate (\\u{ord(item[exc.start]):04x}): "
+                                    "strings must be valid Unicode") from None
 
 
 def _reject_constant(name: str):
