@@ -216,6 +216,22 @@ def test_served_model_answers_to_its_short_names(daemon, model_name):
     assert out.returncode == (0 if resolve("smollm2:135m").path == served else 1), out.stderr
 
 
+async def test_top_k_minus_one_means_off(daemon, model_name):
+    """vLLM's and llama.cpp's clients send top_k -1 for "no top-k"; every dialect accepts it (and 0)."""
+    requests = [("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 1, "top_k": -1}),
+                ("/v1/completions", {"prompt": "Hi", "max_tokens": 1, "top_k": -1}),
+                ("/api/generate", {"model": model_name, "prompt": "Hi", "stream": False,
+                                   "options": {"num_predict": 1, "top_k": -1}}),
+                ("/completion", {"prompt": "Hi", "n_predict": 1, "top_k": -1}),
+                ("/completion", {"prompt": "Hi", "n_predict": 1, "top_k": 0})]
+    async with aiohttp.ClientSession(daemon.url) as http:
+        for path, body in requests:
+            async with http.post(path, json=body) as r:
+                assert r.status == 200, (path, await r.text())
+        async with http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "top_k": -2}) as r:
+            assert r.status == 400 and "top_k" in (await r.json())["error"]["message"]
+
+
 def test_metrics_and_stats(daemon):
     with __import__("urllib.request").request.urlopen(daemon.url + "/metrics", timeout=30) as r:
         text = r.read().decode()

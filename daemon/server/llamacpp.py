@@ -41,7 +41,7 @@ def _params(f: dict) -> SamplingParams:
     return SamplingParams(
         max_tokens=MAX_NEW_TOKENS if n in (-1, 0) else n,
         temperature=float(f.get("temperature", 0.8)),
-        top_k=f.get("top_k", 40),
+        top_k=max(f.get("top_k", 40), 0),
         top_p=float(f.get("top_p", 0.95)) or 1e-6,
         min_p=float(f.get("min_p", 0.05)),
         repetition_penalty=float(f.get("repeat_penalty", 1.0)) or 1.0,

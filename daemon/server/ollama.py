@@ -72,7 +72,7 @@ def _params(opts: dict) -> SamplingParams:
     return SamplingParams(
         max_tokens=num_predict,
         temperature=float(opts.get("temperature", 0.8)),
-        top_k=opts.get("top_k", 40),
+        top_k=max(opts.get("top_k", 40), 0),
         top_p=float(opts.get("top_p", 0.9)) or 1e-6,
         min_p=float(opts.get("min_p", 0.0)),
         repetition_penalty=float(opts.get("repeat_penalty", 1.1)) or 1.0,

@@ -45,7 +45,7 @@ def _params(f: dict, max_tokens: int | None, logprobs: int | None) -> SamplingPa
         max_tokens=max_tokens or DEFAULT_MAX_TOKENS,
         temperature=float(f.get("temperature", 1.0)),
         top_p=float(f.get("top_p", 1.0)) or 1e-6,
-        top_k=f.get("top_k", 0),
+        top_k=max(f.get("top_k", 0), 0),
         min_p=float(f.get("min_p", 0.0)),
         repetition_penalty=float(f.get("repetition_penalty", 1.0)) or 1.0,
         presence_penalty=float(f.get("presence_penalty", 0.0)),

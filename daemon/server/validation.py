@@ -134,7 +134,7 @@ def require(body: dict, name: str) -> None:
 # Shared bounds, reused across dialect tables.
 TEMPERATURE = Field("number", 0, 100)
 TOP_P = Field("number", 0, 1)
-TOP_K = Field("int", 0, 1_000_000)
+TOP_K = Field("int", -1, 1_000_000)  # -1 and 0 both mean off (vLLM and llama.cpp clients send -1)
 MIN_P = Field("number", 0, 1)
 PENALTY = Field("number", -2, 2)
 REPEAT_PENALTY = Field("number", 0, 10)
