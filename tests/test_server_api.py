@@ -232,6 +232,19 @@ async def test_top_k_minus_one_means_off(daemon, model_name):
             assert r.status == 400 and "top_k" in (await r.json())["error"]["message"]
 
 
+async def test_openai_neutral_values_of_unsupported_features_are_accepted(daemon):
+    """Clients often send defaults for what they do not use: text output, an empty tool list, no bias, best_of 1."""
+    bodies = [("/v1/chat/completions", {**OK_CHAT, "response_format": {"type": "text"}, "tools": [],
+                                        "logit_bias": {}, "tool_choice": "none"}),
+              ("/v1/chat/completions", {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                                        "tool_choice": "none"}),
+              ("/v1/completions", {"prompt": "x", "max_tokens": 1, "best_of": 1, "logit_bias": None})]
+    async with aiohttp.ClientSession(daemon.url) as http:
+        for path, body in bodies:
+            async with http.post(path, json=body) as r:
+                assert r.status == 200, (body, await r.text())
+
+
 def test_metrics_and_stats(daemon):
     with __import__("urllib.request").request.urlopen(daemon.url + "/metrics", timeout=30) as r:
         text = r.read().decode()
@@ -357,6 +370,17 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {**OK_CHAT, "stream": "yes"}, None, 400, "stream must be true or false"),
     ("/v1/chat/completions", {**OK_CHAT, "stream_options": {"include_usage": True}}, None, 400, "stream_options"),
     ("/v1/chat/completions", {**OK_CHAT, "model": "no-such-model"}, None, 404, "no-such-model"),
+    # Features this server lacks are refused, not silently ignored (the client would get prose, not JSON or a call)
+    ("/v1/chat/completions", {**OK_CHAT, "response_format": {"type": "json_object"}}, None, 400,
+     "response_format"),
+    ("/v1/chat/completions", {**OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {}}}, None, 400,
+     "not supported"),
+    ("/v1/chat/completions", {**OK_CHAT, "response_format": "json"}, None, 400, "response_format"),
+    ("/v1/chat/completions", {**OK_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, None, 400,
+     "tools"),
+    ("/v1/chat/completions", {**OK_CHAT, "logit_bias": {"50": 100}}, None, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1, "best_of": 3}, None, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 1, "logit_bias": {"50": -100}}, None, 400, "logit_bias"),
     ("/v1/completions", {}, None, 400, "prompt is required"),
     ("/v1/completions", {"prompt": 5}, None, 400, "prompt must be"),
     ("/v1/completions", {"prompt": [99999999]}, None, 400, "token ids"),

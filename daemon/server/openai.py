@@ -57,9 +57,26 @@ def _params(f: dict, max_tokens: int | None, logprobs: int | None) -> SamplingPa
     )
 
 
+def _reject_unsupported(body: dict) -> None:
+    """Refuse features this server lacks instead of ignoring them: a client asking for JSON output or a tool call
+    would silently get prose. Their neutral values (text output, no tools, no bias, best_of 1) are fine."""
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise ApiError(400, f"response_format {kind!r} (structured output) is not supported; only {{\"type\": "
+                            f"\"text\"}}", param="response_format")
+    if body.get("tools") and body.get("tool_choice") != "none":
+        raise ApiError(400, "tools (function calling) are not supported by this server", param="tools")
+    if body.get("logit_bias"):
+        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+    if body.get("best_of") not in (None, 1):
+        raise ApiError(400, "best_of must be 1: one choice per request is supported", param="best_of")
+
+
 def _check_common(state: ServerState, body: dict, table: dict) -> dict:
     if body.get("n") not in (None, 1):
         raise ApiError(400, "n must be 1: one choice per request is supported", param="n")
+    _reject_unsupported(body)
     f = check_fields(body, table)
     state.check_model(f.get("model"))
     opts = f.get("stream_options")
