@@ -130,3 +130,20 @@ def test_bad_block_id_is_an_error_not_a_stray_write(tiny_llama):
     meta.block_tables[0, 0] = 5  # past the 2-block cache
     with torch.inference_mode(), pytest.raises(IndexError):
         loaded.model(ids, torch.arange(len(ids)), caches, meta)
+
+
+def test_stack_does_not_keep_a_kv_pool_alive(tiny_llama):
+    """The stack lives with the model; the caches it last ran on must be freed with their engine."""
+    import gc
+    import weakref
+
+    loaded = load_model(tiny_llama, quant="int8")
+    ids = torch.tensor(loaded.tokenizer.encode("Hello there"))
+    caches = [(torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16)) for _ in loaded.model.model.layers]
+    with torch.inference_mode():
+        loaded.model(ids, torch.arange(len(ids)), caches, AttentionMetadata.build([len(ids)], [len(ids)], [[0]], 16))
+    assert isinstance(loaded.model._cpu_stack, cpu_stack.CpuLayerStack)
+    first = weakref.ref(caches[0][0])
+    del caches
+    gc.collect()
+    assert first() is None

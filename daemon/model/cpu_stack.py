@@ -12,6 +12,7 @@ Everything else (fp32 or bitsandbytes weights, Qwen3, an int8 KV cache, CUDA, LL
 from __future__ import annotations
 
 import ctypes
+import weakref
 
 import torch
 
@@ -28,7 +29,7 @@ class CpuLayerStack:
         self.lib, self.dims, self.layers = lib, dims, layers
         self._linears = linears  # (module, its cpu_gemm cache entry): the kernels whose weights the C code reads
         self._norms = norms  # (RMSNorm, its weight)
-        self._caches: list | None = None  # the KV caches whose pointers `layers` holds
+        self._caches: list = []  # weak references to the KV caches whose pointers `layers` holds
 
     @classmethod
     def build(cls, model) -> "CpuLayerStack | None":
@@ -66,26 +67,34 @@ class CpuLayerStack:
             and all(n._parameters["weight"] is w for n, w in self._norms)
 
     def _bind_caches(self, kv_caches: list) -> bool:
+        """Point the layers at these caches: (k, v) fp32 pairs of one shape [blocks, block_size, kv_heads, d]."""
+        self._caches = []
         d = self.dims
-        first = kv_caches[0]
-        if type(first) is not tuple:
-            return False  # an int8 KV cache
-        shape = first[0].shape
-        if len(shape) != 4 or shape[1:] != (shape[1], d.kv_heads, d.head_dim) or len(kv_caches) != d.num_layers:
+        if len(kv_caches) != d.num_layers or type(kv_caches[0]) is not tuple:  # e.g. an int8 KV cache
             return False
-        for c_layer, pair in zip(self.layers, kv_caches):
-            if type(pair) is not tuple or any(t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous()
-                                              or t.shape != shape for t in pair):
+        shape = kv_caches[0][0].shape
+        if len(shape) != 4 or tuple(shape[2:]) != (d.kv_heads, d.head_dim):
+            return False
+        for pair in kv_caches:
+            if type(pair) is not tuple or len(pair) != 2 or any(
+                    t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape != shape
+                    for t in pair):
                 return False
-            c_layer.k_cache, c_layer.v_cache = pair[0].data_ptr(), pair[1].data_ptr()
+        for c_layer, (k, v) in zip(self.layers, kv_caches):
+            c_layer.k_cache, c_layer.v_cache = k.data_ptr(), v.data_ptr()
         d.num_blocks, d.block_size = shape[0], shape[1]
-        self._caches = kv_caches
+        # weak: the stack lives with the model and must not keep an engine's KV pool alive after the engine
+        self._caches = [(weakref.ref(k), weakref.ref(v)) for k, v in kv_caches]
         return True
+
+    def _bound_to(self, kv_caches: list) -> bool:
+        return len(kv_caches) == len(self._caches) and all(
+            type(pair) is tuple and k() is pair[0] and v() is pair[1] for (k, v), pair in zip(self._caches, kv_caches))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> bool:
         """Run every layer on x [T, hidden] in place; False (x untouched) where the stack does not apply."""
-        if kv_caches is not self._caches and not self._bind_caches(kv_caches):
+        if not self._bound_to(kv_caches) and not self._bind_caches(kv_caches):
             return False
         t = x.shape[0]
         if meta.block_size != self.dims.block_size or not (cos.is_contiguous() and sin.is_contiguous()) \

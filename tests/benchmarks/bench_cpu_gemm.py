@@ -51,7 +51,8 @@ def build_baseline(source: str):
     """Another version of cpu_gemm.c compiled with the kernel's own flags, bound like the kernel."""
     out = Path(tempfile.mkdtemp(prefix="bench_cpu_gemm_")) / "baseline.so"
     flags = cpu_gemm._BASE_FLAGS + cpu_gemm.simd_flags() + ["-fopenmp"]
-    subprocess.run([cpu_gemm._compiler(), *flags, source, "-o", str(out)], check=True)
+    include = f"-I{Path(cpu_gemm.__file__).parent}"  # cpu_kernels.h
+    subprocess.run([cpu_gemm._compiler(), *flags, include, source, "-o", str(out)], check=True)
     return cpu_gemm._bind(out)
 
 
