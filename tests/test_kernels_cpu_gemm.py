@@ -63,9 +63,10 @@ def test_int8_matches_reference(n, k, group):
         _check_close(out, qmm.int8_matmul_ref(x, q, s, group))
 
 
-# K is taken in chunks of 64: (80, 16) and (240, 48) end in a partial chunk, and groups of 48 straddle chunks
+# K is taken in chunks of 64: (80, 16), (240, 48) and (23, 96, 32) end in a partial chunk, and groups of 48 straddle
+# chunks; group 32 has a path of its own for whole chunks
 @pytest.mark.parametrize("n,k,group", [(37, 128, 32), (13, 192, 64), (41, 256, 128), (8, 64, 32), (11, 80, 16),
-                                       (19, 240, 48)])
+                                       (19, 240, 48), (23, 96, 32)])
 def test_int4_matches_reference(n, k, group):
     q, s, z = _int4(n, k, group)
     for m in ROWS:
@@ -108,7 +109,7 @@ def test_bad_shapes_raise():
     assert cpu_gemm.int8_matmul(_x(2, 64), q8, s8, 4) is None
 
 
-@pytest.mark.parametrize("kind", ["int8", "int8-g32", "int8-k100", "int4", "int4-g48"])
+@pytest.mark.parametrize("kind", ["int8", "int8-g32", "int8-k100", "int4", "int4-g48", "int4-g32"])
 def test_row_results_do_not_depend_on_the_batch(kind):
     """A row's output is bitwise the same whatever M is, whichever rows share the call, and for any thread count
     (int8 takes three paths by M: one row, row tiles, and widened panels from 8 rows)."""
@@ -116,8 +117,8 @@ def test_row_results_do_not_depend_on_the_batch(kind):
         return
     n, k = 45, 192
     if kind.startswith("int4"):
-        group = 48 if kind == "int4-g48" else 64
-        k = 240 if kind == "int4-g48" else k  # a partial last chunk of 64
+        group = {"int4-g48": 48, "int4-g32": 32}.get(kind, 64)
+        k = {"int4-g48": 240, "int4-g32": 224}.get(kind, k)  # a partial last chunk of 64
         q, s, z = _int4(n, k, group)
 
         def mm(x, threads=None):
