@@ -245,6 +245,25 @@ async def test_openai_neutral_values_of_unsupported_features_are_accepted(daemon
                 assert r.status == 200, (body, await r.text())
 
 
+async def test_llamacpp_n_predict_zero_only_caches_the_prompt(daemon):
+    """llama.cpp: n_predict 0 generates nothing but evaluates the prompt into the cache (llama.vim warms its context
+    so); -1 is "until done"."""
+    prompt = "Warm this context: " + " ".join(f"word{i}" for i in range(40))
+    async with aiohttp.ClientSession(daemon.url) as http:
+        async with http.post("/completion", json={"prompt": prompt, "n_predict": 0}) as r:
+            body = await r.json()
+        assert r.status == 200 and body["content"] == "" and body["stop"] is True, body
+        assert body["tokens_predicted"] == 0 and body["timings"]["predicted_n"] == 0
+        async with http.post("/completion", json={"prompt": prompt, "n_predict": 0, "stream": True}) as r:
+            events = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: ")]
+        assert [(e["content"], e["stop"]) for e in events] == [("", True)] and events[0]["tokens_predicted"] == 0
+        assert events[0]["tokens_cached"] >= 32  # the first request left the prompt in the prefix cache
+        async with http.post("/completion", json={"prompt": prompt, "n_predict": 2, "temperature": 0}) as r:
+            body = await r.json()
+        assert body["tokens_predicted"] == 2 and body["tokens_cached"] >= 32
+    assert_no_leak(daemon)
+
+
 def test_metrics_and_stats(daemon):
     with __import__("urllib.request").request.urlopen(daemon.url + "/metrics", timeout=30) as r:
         text = r.read().decode()

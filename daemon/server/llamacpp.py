@@ -39,7 +39,7 @@ INFILL_FIELDS = {**GEN_FIELDS, "input_prefix": TEXT, "input_suffix": TEXT, "prom
 def _params(f: dict) -> SamplingParams:
     n = f.get("n_predict", DEFAULT_N_PREDICT)
     return SamplingParams(
-        max_tokens=MAX_NEW_TOKENS if n in (-1, 0) else n,
+        max_tokens=MAX_NEW_TOKENS if n == -1 else max(n, 1),  # 0: one token to run the prefill, never sent
         temperature=float(f.get("temperature", 0.8)),
         top_k=max(f.get("top_k", 40), 0),
         top_p=float(f.get("top_p", 0.95)) or 1e-6,
@@ -53,14 +53,13 @@ def _params(f: dict) -> SamplingParams:
     )
 
 
-def _native_timings(gen: Generation) -> dict:
+def _native_timings(gen: Generation, n_pred: int) -> dict:
     t = gen.timings
     if t is None:
         return {}
     prompt_ms = (t.ttft or 0.0) * 1000
-    predicted_ms = (t.decode_time or 0.0) * 1000
+    predicted_ms = (t.decode_time or 0.0) * 1000 if n_pred else 0.0
     n_prompt = max(t.num_prompt_tokens - t.num_cached_tokens, 0)
-    n_pred = t.num_generated_tokens
     return {"prompt_n": n_prompt, "prompt_ms": prompt_ms,
             "prompt_per_token_ms": prompt_ms / n_prompt if n_prompt else 0.0,
             "prompt_per_second": 1000 * n_prompt / prompt_ms if prompt_ms else 0.0,
@@ -87,26 +86,30 @@ async def _generate(request: web.Request, state: ServerState, f: dict, prompt_id
     state.check_length(prompt_ids, params)
     tok = state.engine.tokenizer
     time_limit = f.get("t_max_predict_ms")
+    # n_predict 0 (llama.vim's cache warm-up): the prompt is evaluated into the prefix cache, nothing is generated.
+    # The engine samples one token after the prefill; it is dropped here.
+    evaluate_only = f.get("n_predict") == 0
 
     def final(text: str) -> dict:
-        return {"content": text, "stop": True, "model": state.model_name, "stop_type": _STOP_TYPE.get(
-                    gen.finish_reason or "", "none"), "tokens_predicted": gen.timings.num_generated_tokens
-                if gen.timings else 0, "tokens_evaluated": len(prompt_ids),
+        predicted = 0 if evaluate_only or gen.timings is None else gen.timings.num_generated_tokens
+        return {"content": text, "stop": True, "model": state.model_name,
+                "stop_type": "limit" if evaluate_only else _STOP_TYPE.get(gen.finish_reason or "", "none"),
+                "tokens_predicted": predicted, "tokens_evaluated": len(prompt_ids),
                 "tokens_cached": gen.timings.num_cached_tokens if gen.timings else 0, "truncated": False,
-                "timings": _native_timings(gen), "llmd_timings": timings_dict(gen.timings)}
+                "timings": _native_timings(gen, predicted), "llmd_timings": timings_dict(gen.timings)}
 
     async with Generation(state, request, prompt_ids, params) as gen:
         gen.time_limit_s = time_limit / 1000.0 if time_limit else None
         if not f.get("stream"):
             res = await gen.collect()
-            body = final(res.text)
-            if params.logprobs:
+            body = final("" if evaluate_only else res.text)
+            if params.logprobs and not evaluate_only:
                 body["completion_probabilities"] = _probs(tok, res.logprobs)
             return web.json_response(body)
 
         def render(out):
             events = []
-            if out.text_delta or out.logprobs:
+            if (out.text_delta or out.logprobs) and not evaluate_only:
                 ev = {"content": out.text_delta, "stop": False}
                 if params.logprobs and out.logprobs:
                     ev["completion_probabilities"] = _probs(tok, out.logprobs)
