@@ -215,6 +215,17 @@ def _run(kernel, args, x, n, extra, cfg: dict, launch: dict) -> torch.Tensor:
 _best: dict = {}
 
 
+def candidates(m: int, k: int, group: int, per_channel: bool) -> list[tuple[dict, dict]]:
+    """The (tiling, launch options) pairs that autotuning times for an [M, K] input."""
+    out = []
+    for c in _configs(m <= SMALL_M, group if not per_channel else 1 << 30, _m_bucket(m)):
+        cfg = dict(c.kwargs)
+        if triton.cdiv(k, cfg["BLOCK_K"]) < cfg["SPLIT_K"] or cfg["BLOCK_K"] > max(k, 64):
+            continue
+        out.append((cfg, dict(num_warps=c.num_warps, num_stages=c.num_stages)))
+    return out
+
+
 def _best_config(kernel, args, x, n, group, per_channel, extra) -> tuple[dict, dict]:
     m, k = x.shape
     small = m <= SMALL_M
@@ -225,11 +236,7 @@ def _best_config(kernel, args, x, n, group, per_channel, extra) -> tuple[dict, d
     from triton.testing import do_bench
 
     best, best_ms = None, float("inf")
-    for c in _configs(small, group if not per_channel else 1 << 30, _m_bucket(m)):
-        cfg = dict(c.kwargs)
-        if triton.cdiv(k, cfg["BLOCK_K"]) < cfg["SPLIT_K"] or cfg["BLOCK_K"] > max(k, 64):
-            continue
-        launch = dict(num_warps=c.num_warps, num_stages=c.num_stages)
+    for cfg, launch in candidates(m, k, group, per_channel):
         try:
             ms = do_bench(lambda: _run(kernel, args, x, n, extra, cfg, launch), warmup=3, rep=10)
         except Exception:  # a tiling that does not fit this device (shared memory, registers)

@@ -86,6 +86,29 @@ def test_rejects_wrong_input_width():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("m", [4, 200])
+def test_every_autotune_candidate_computes_the_matmul_on_gpu(m):
+    """Autotuning keeps the fastest tiling without looking at its output, so each candidate must be right (a shape
+    of test_real_shapes_on_gpu: the same compiled kernels)."""
+    n = k = 4096
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    q, s, z = _int4_weights(n, k, 128)
+    s, z = s.to(torch.bfloat16), z.to(torch.bfloat16)
+    ref = qm.int4_matmul_ref(x, q, s, z, 128).float()
+    extra = dict(NG=k // 128, const=dict(GROUP=128))
+    tried = 0
+    for cfg, launch in qm.candidates(m, k, 128, False):
+        try:
+            out = qm._run(qm._int4_mm_kernel, (x, q, s, z), x, n, extra, cfg, launch)
+        except Exception:  # a tiling this device cannot run is skipped by autotuning too
+            continue
+        tried += 1
+        assert ((out.float() - ref).abs().max() / ref.abs().max()) < 2e-2, cfg
+    assert tried > 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 4, 16, 32, 200])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (14336, 4096), (4096, 14336), (18944, 3584)])
 def test_real_shapes_on_gpu(m, n, k):
