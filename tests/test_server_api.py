@@ -120,7 +120,13 @@ def test_ollama_client(daemon, model_name):
     assert all(not p.done for p in parts[:-1]) and "".join(p.response for p in parts).strip()
 
     assert [m.model for m in client.list().models] == [model_name]
+    # What `ollama list` / `ollama show` print: the file's size, parameter count and quantization (the bundled
+    # SmolLM2-135M as GGUF Q4_1), not the dequantized tensors in memory
+    listed = client.list().models[0]
+    assert listed.size > 50_000_000 and listed.details.format == "gguf"
+    assert listed.details.parameter_size == "135M" and listed.details.quantization_level == "Q4_1"
     show = client.show(model_name)
+    assert show.details == listed.details
     assert show.capabilities == ["completion"] and show.modelinfo["general.architecture"] == "llama"
     assert show.modelinfo["llama.context_length"] > 0
     assert [m.model for m in client.ps().models] == [model_name]

@@ -27,6 +27,7 @@ class ServerState:
     max_body_bytes: int = 4 * 1024 * 1024
     aliases: set[str] = field(default_factory=set)  # extra names clients may use for the served model
     engine: object | None = None  # an AsyncEngine once loaded
+    model_info: object | None = None  # the served files' llmd.store.ModelInfo (size, parameters, quantization)
     model_name: str = ""
     status: str = "loading"  # loading | ready | failed | draining
     load_error: str | None = None

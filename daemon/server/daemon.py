@@ -101,6 +101,16 @@ def short_names(files) -> set[str]:
     return names
 
 
+def model_info(files):
+    """The served files' header facts (what `ollama list` and `ollama show` print); None if unreadable."""
+    from ..store import describe
+
+    try:
+        return describe(files)
+    except (LlmdError, OSError, ValueError):
+        return None
+
+
 def security_policy(settings) -> SecurityPolicy:
     api_key = settings.api_key
     if settings.api_key_file:
@@ -219,6 +229,7 @@ class Daemon:
         if files.repo_id:
             names.add(files.repo_id)
         names |= await asyncio.get_running_loop().run_in_executor(None, short_names, files)
+        st.model_info = await asyncio.get_running_loop().run_in_executor(None, model_info, files)
         st.aliases = {n for n in names if n}
         st.status = "ready"
         import torch

@@ -168,18 +168,22 @@ def _family(state: ServerState) -> str:
 
 
 def _details(state: ServerState) -> dict:
-    loaded = state.engine.loaded
-    params = sum(p.numel() for p in loaded.model.parameters()) if hasattr(loaded.model, "parameters") else 0
-    return {"parent_model": "", "format": "gguf" if str(state.model_name).endswith(".gguf") else "llmd",
+    """Facts about the model file, as Ollama reports them (quantized layers hold no nn.Parameters, so the file's
+    header, not the module, gives the parameter count)."""
+    info = state.model_info
+    params = getattr(info, "parameters", None) or 0
+    kind = getattr(getattr(info, "files", None), "kind", None)
+    quant = getattr(info, "quantization", None) or getattr(info, "dtype", None)
+    return {"parent_model": "", "format": {"gguf": "gguf", "hf": "safetensors"}.get(kind, ""),
             "family": _family(state), "families": [_family(state)],
-            "parameter_size": f"{params / 1e6:.0f}M" if params < 1e9 else f"{params / 1e9:.1f}B",
-            "quantization_level": str(loaded.dtype).replace("torch.", "")}
+            "parameter_size": "" if not params else f"{params / 1e6:.0f}M" if params < 1e9 else f"{params / 1e9:.1f}B",
+            "quantization_level": quant or str(state.engine.loaded.dtype).replace("torch.", "")}
 
 
 def _model_entry(state: ServerState) -> dict:
     return {"name": state.model_name, "model": state.model_name,
             "modified_at": datetime.fromtimestamp(state.started_wall, timezone.utc).isoformat(),
-            "size": 0, "digest": "", "details": _details(state)}
+            "size": getattr(state.model_info, "size_bytes", 0), "digest": "", "details": _details(state)}
 
 
 def _capabilities(state: ServerState) -> list[str]:
