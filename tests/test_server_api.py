@@ -421,6 +421,8 @@ BAD_INPUTS = [
     ("/api/chat", {"model": "@", "messages": MSG, "options": {"num_ctx": 0}}, None, 400, "options.num_ctx"),
     ("/api/chat", {"model": "@", "messages": MSG, "format": "json"}, None, 400, "format"),
     ("/api/chat", {"model": "@", "messages": MSG, "images": ["aGk="]}, None, 400, "images"),
+    ("/api/chat", {"model": "@", "messages": [{"role": "user", "content": "what is this?", "images": ["aGk="]}]}, None,
+     400, "messages[0].images"),
     ("/api/chat", {"model": "@"}, None, 400, "messages"),
     ("/api/generate", {"model": "@", "prompt": "x", "options": {"stop": 5}}, None, 400, "options.stop"),
     ("/api/generate", {"model": "@", "prompt": ["x"]}, None, 400, "prompt must be a string"),

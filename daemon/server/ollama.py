@@ -121,6 +121,10 @@ async def chat(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.max_body_bytes)
     f, opts = _check_request(state, body)
     messages = parse_messages(body.get("messages"))
+    for i, msg in enumerate(body["messages"]):  # Ollama carries images per message; a text model must not drop them
+        if msg.get("images"):
+            raise ApiError(400, f"messages[{i}].images: images are not supported by this server",
+                           param=f"messages[{i}].images")
     params = _params(opts)
     state.require_engine()
     prompt_ids = await state.encode_chat(messages)
