@@ -170,6 +170,12 @@ def test_curl_tcp_and_unix_socket(daemon, model_name):
     out = subprocess.run(["curl", "-s", "--unix-socket", str(daemon.socket_path), "http://localhost/health"],
                          capture_output=True, text=True, timeout=30)
     assert json.loads(out.stdout)["status"] == "ok"
+    # Socket clients put any name in the URL (Docker-style http://d/, requests-unixsocket the quoted path); no browser
+    # reaches a Unix socket, so its Host header is not checked (rebinding needs TCP)
+    for url, extra in (("http://llmd/v1/models", []), ("http://x/health", ["-H", "Host: %2Ftmp%2Fllmd.sock"])):
+        out = subprocess.run(["curl", "-s", "-w", "\n%{http_code}", "--unix-socket", str(daemon.socket_path), url,
+                              *extra], capture_output=True, text=True, timeout=30)
+        assert out.stdout.endswith("\n200"), (url, out.stdout)
     out = subprocess.run(["curl", "-s", "--unix-socket", str(daemon.socket_path),
                           "http://localhost/v1/chat/completions", "-H", "Content-Type: application/json",
                           "-d", json.dumps({"messages": FRANCE, "max_tokens": 2, "temperature": 0})],
