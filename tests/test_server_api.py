@@ -201,6 +201,13 @@ def test_cli_ps_and_run_through_the_socket(daemon, model_name):
     out = subprocess.run([llmd_exe(), "run", "no-such-model", "hi"], env=daemon.env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 1 and "no-such-model" in out.stderr and "Traceback" not in out.stderr
+    # A prompt piped in is the prompt; an empty one (`< /dev/null` in a script) is an error, not a random answer
+    out = subprocess.run([llmd_exe(), "run", model_name, "-n", "1"], env=daemon.env, input="Say hi.",
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr
+    out = subprocess.run([llmd_exe(), "run", model_name], env=daemon.env, input=" \n", capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and out.stderr.startswith("error: ") and "prompt" in out.stderr and not out.stdout
 
 
 def test_served_model_answers_to_its_short_names(daemon, model_name):

@@ -233,9 +233,11 @@ def chat_once(client: DaemonClient, model: str | None, messages: list[dict], out
 
 def run(settings, model: str | None, prompt: str | None, **options) -> None:
     """`llmd run MODEL [PROMPT]`: one-shot, or a simple prompt loop on a terminal (stdin is read when piped)."""
-    client = ensure_daemon(settings, model)
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise LlmdError("no prompt: give one as an argument or on stdin")
+    client = ensure_daemon(settings, model)
     if prompt is not None:
         chat_once(client, model, [{"role": "user", "content": prompt}], **options)
         return
