@@ -14,8 +14,10 @@
  * Decode (M = 1) is memory-bound: each thread streams its columns' packed weights once, widens them to fp32 in
  * registers and multiplies. For larger M a tile of R rows x C columns reuses each dequantized weight vector from a
  * register across R rows; rows are taken in chunks whose activations fit in L2 so the weights are re-read only once
- * per chunk.
+ * per chunk. int4 from 16 rows (prefill, large batches) turns the vector lanes from k to rows (int4_rows), with the
+ * same per-output arithmetic.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -357,6 +359,164 @@ int llmd_int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *
 
 /* ---- int4 ---------------------------------------------------------------------------------------------------- */
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* int4 with many rows: the same arithmetic as INT4_TILE, with the vector lanes over rows instead of over k.
+ * INT4_TILE gives output (r, c) eight running sums, lane l of chunk i summing k = 64i + 8l + j for j = 0..7, and
+ * then scales, totals, adds the zero terms and sums the lanes. Here a register holds one such (i, l) sum for 8 rows
+ * at once: each weight is widened to fp32 once into a panel and broadcast, and an activation vector (8 rows of one
+ * k, stored transposed) serves RP_COLS columns. Every output gets the very operations of INT4_TILE in the same
+ * order, so results are bit-identical to the other paths (tested), while 2 x RP_COLS independent FMA chains keep
+ * both FMA units busy: the tile that suits many rows. */
+#define RP_VECS 2 /* row vectors per tile: 16 rows */
+#define RP_COLS 5 /* columns per tile: 10 accumulators, 2 activations and a weight fit the 16 registers */
+#define RP_MIN_ROWS 16
+
+/* Widen a column's packed weights into the panel as INT4_TILE widens them: for chunk i, nibble j and lane l,
+ * w[64i + 8j + l] is q * 2^4j for j < 7 (its masked lane; the activations carry 2^-4j) and q for j = 7. A partial last
+ * chunk reads zeros. */
+static void int4_panel(const uint8_t *q, int64_t kh, int64_t nc, float *w) {
+    for (int64_t i = 0; i < nc; i++) {
+        __m256i v;
+        if (kh - i * 32 >= 32)
+            v = _mm256_loadu_si256((const __m256i *)(q + i * 32));
+        else {
+            uint8_t part[32] = {0};
+            memcpy(part, q + i * 32, (size_t)(kh - i * 32));
+            v = _mm256_loadu_si256((const __m256i *)part);
+        }
+        for (int j = 0; j < 8; j++)
+            _mm256_store_ps(w + i * 64 + 8 * j,
+                            _mm256_cvtepi32_ps(j < 7 ? _mm256_and_si256(v, _mm256_set1_epi32(0xF << (4 * j)))
+                                                     : _mm256_srli_epi32(v, 28)));
+    }
+}
+
+INLINE void int4_rows_tile(const float *xt, const float *dt, const float *wp, int64_t kp, const float *s,
+                           const float *z, float *y, int64_t ldy, int rows, int64_t K, int64_t G, const int C) {
+    const int64_t ng = K / G, nc = kp / 64;
+    __m256 out[RP_VECS][RP_COLS][8];
+    for (int v = 0; v < RP_VECS; v++)
+        for (int c = 0; c < C; c++)
+            for (int l = 0; l < 8; l++) out[v][c][l] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nc; i++)
+        for (int l = 0; l < 8; l++) {
+            const int64_t kk = 64 * i + 8 * l, g = (kk < K ? kk : K - 1) / G; /* a padded lane: the last group */
+            __m256 acc[RP_VECS][RP_COLS];
+            const float *xa = xt + (64 * i + 8 * l) * 16, *wa = wp + 64 * i + l; /* x in k order, w in (i, j, l) */
+            {
+                const __m256 x0 = _mm256_load_ps(xa), x1 = _mm256_load_ps(xa + 8);
+                _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
+                    const __m256 w = _mm256_broadcast_ss(wa + c * kp);
+                    acc[0][c] = _mm256_mul_ps(x0, w);
+                    acc[1][c] = _mm256_mul_ps(x1, w);
+                }
+            }
+            _Pragma("GCC unroll 8") for (int j = 1; j < 8; j++) {
+                const __m256 x0 = _mm256_load_ps(xa + j * 16), x1 = _mm256_load_ps(xa + j * 16 + 8);
+                _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
+                    const __m256 w = _mm256_broadcast_ss(wa + c * kp + 8 * j);
+                    acc[0][c] = _mm256_fmadd_ps(x0, w, acc[0][c]);
+                    acc[1][c] = _mm256_fmadd_ps(x1, w, acc[1][c]);
+                }
+            }
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
+                const __m256 sv = _mm256_broadcast_ss(s + c * ng + g);
+                _Pragma("GCC unroll 2") for (int v = 0; v < RP_VECS; v++)
+                    out[v][c][l] = _mm256_fmadd_ps(acc[v][c], sv, out[v][c][l]);
+            }
+        }
+    /* add_zero_terms lane by lane (a lane past the last group adds 0 * 0, as its masked loads do), then hsum's
+     * tree over the lanes; all on vectors of rows */
+    for (int c = 0; c < C; c++) {
+        for (int64_t g0 = 0; g0 < ng; g0 += 8)
+            for (int l = 0; l < 8; l++) {
+                const int64_t g = g0 + l;
+                const __m256 zz = g < ng ? _mm256_set1_ps(fmaf(-8.0f, s[c * ng + g], z[c * ng + g])) : _mm256_setzero_ps();
+                for (int v = 0; v < RP_VECS; v++) {
+                    const __m256 d = g < ng ? _mm256_load_ps(dt + g * 16 + 8 * v) : _mm256_setzero_ps();
+                    out[v][c][l] = _mm256_fmadd_ps(zz, d, out[v][c][l]);
+                }
+            }
+        for (int v = 0; v < RP_VECS; v++) {
+            __m256 a[4];
+            for (int l = 0; l < 4; l++) a[l] = _mm256_add_ps(out[v][c][l], out[v][c][l + 4]);
+            const __m256 t = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+            float tv[8] __attribute__((aligned(32)));
+            _mm256_store_ps(tv, t);
+            for (int r = 0; r < 8 && 8 * v + r < rows; r++) y[(8 * v + r) * ldy + c] = tv[r];
+        }
+    }
+}
+
+/* m >= RP_MIN_ROWS rows: activations transposed per block of 16 rows (xt [block][kp][16], the 2^-4j scaling of
+ * INT4_TILE's), their group sums likewise (dt [block][ng][16]); each thread widens its columns RP_COLS at a time
+ * and runs them over the row blocks of a chunk that stays in L2. */
+static int int4_rows(const float *x, int64_t ldx, const uint8_t *q, const float *s, const float *z, float *y,
+                     int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t g, int nthreads) {
+    const int64_t ng = k / g, kh = k / 2, nc = (k + 63) / 64, kp = nc * 64, blocks = (m + 15) / 16;
+    const size_t xt_floats = (size_t)(blocks * kp * 16), dt_floats = (size_t)(blocks * ng * 16);
+    float *xt = (float *)aligned_alloc(32, (xt_floats + dt_floats) * 4);
+    if (!xt) return -2;
+    float *dt = xt + xt_floats;
+    memset(xt, 0, (xt_floats + dt_floats) * 4);
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * ldx;
+        float *xb = xt + (r / 16) * kp * 16 + r % 16;
+        for (int64_t kk = 0; kk < k; kk++) {
+            const int j = (int)(kk % 8);
+            const float scale = j < 7 ? 1.0f / (float)(1 << (4 * j)) : 1.0f;
+            xb[kk * 16] = xr[kk] * scale; /* (i, l, j) order is plain k order */
+        }
+        for (int64_t gi = 0; gi < ng; gi++) {
+            float t = 0.0f;
+            for (int64_t kk = gi * g; kk < (gi + 1) * g; kk++) t += xr[kk];
+            dt[(r / 16) * ng * 16 + gi * 16 + r % 16] = t;
+        }
+    }
+    const int64_t chunk_blocks = (row_chunk(k) + 15) / 16;
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int tid = 0, nth = 1;
+#ifdef _OPENMP
+        tid = omp_get_thread_num();
+        nth = omp_get_num_threads();
+#endif
+        int64_t n0, n1;
+        column_range(n, tid, nth, &n0, &n1);
+        float *wp = (float *)aligned_alloc(32, (size_t)(RP_COLS * kp) * 4);
+        if (!wp) {
+#pragma omp atomic write
+            rc = -2;
+        }
+        for (int64_t b0 = 0; wp && b0 < blocks; b0 += chunk_blocks) {
+            const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
+            for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
+                const int cc = (int)(n1 - c0 < RP_COLS ? n1 - c0 : RP_COLS);
+                for (int c = 0; c < cc; c++) int4_panel(q + (c0 + c) * kh, kh, nc, wp + c * kp);
+                for (int64_t b = b0; b < b1; b++) {
+                    const int rows = (int)(m - b * 16 < 16 ? m - b * 16 : 16);
+                    const float *xb = xt + b * kp * 16, *db = dt + b * ng * 16;
+                    float *yb = y + b * 16 * ldy + c0;
+                    const float *sc = s + c0 * ng, *zc = z + c0 * ng;
+                    switch (cc) {
+                    case 1: int4_rows_tile(xb, db, wp, kp, sc, zc, yb, ldy, rows, k, g, 1); break;
+                    case 2: int4_rows_tile(xb, db, wp, kp, sc, zc, yb, ldy, rows, k, g, 2); break;
+                    case 3: int4_rows_tile(xb, db, wp, kp, sc, zc, yb, ldy, rows, k, g, 3); break;
+                    case 4: int4_rows_tile(xb, db, wp, kp, sc, zc, yb, ldy, rows, k, g, 4); break;
+                    default: int4_rows_tile(xb, db, wp, kp, sc, zc, yb, ldy, rows, k, g, RP_COLS); break;
+                    }
+                }
+            }
+        }
+        free(wp);
+    }
+    free(xt);
+    return rc;
+}
+#endif
+
+
 int llmd_int4_matmul(const float *x, int64_t ldx, const uint8_t *q, const float *s, const float *z, float *y,
                      int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t g, int nthreads) {
     if (m < 0 || n < 0 || k <= 0 || g <= 0 || k % g || g % 2) return -1;
@@ -364,6 +524,7 @@ int llmd_int4_matmul(const float *x, int64_t ldx, const uint8_t *q, const float 
     const int64_t ng = k / g, kh = k / 2;
 #if defined(__AVX2__) && defined(__FMA__)
     if (g % 16) return -1;
+    if (m >= RP_MIN_ROWS) return int4_rows(x, ldx, q, s, z, y, ldy, m, n, k, g, nthreads);
     /* Per row: the activations in the kernel's order (xp, see INT4_TILE; zero beyond K) and its group sums xs,
      * computed once per call in plain C (the same bits whichever rows share the call); per chunk its gather table. */
     const int64_t nc = (k + 63) / 64, kp = nc * 64;
