@@ -75,45 +75,6 @@ INLINE float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* Walk one KV head's cached rows of tokens 0..len-1 through a block table, with no division per token: `row`
- * points at token t's d values inside the loop body. */
-#define FOR_EACH_TOKEN(cache, table, len, block_size, kv_heads, kvh, d, t, row)                                     \
-    for (int64_t t = 0, blk_ = 0; t < (len); blk_++)                                                                \
-        for (const float *row = (cache) + ((table)[blk_] * (block_size) * (kv_heads) + (kvh)) * (d),                \
-                         *end_ = row + ((len) - t < (block_size) ? (len) - t : (block_size)) * (kv_heads) * (d);    \
-             row < end_; row += (kv_heads) * (d), t++)
-
-/* o[i] = inv * sum over t < len of p[t] * v_t[i], i < d */
-static void weighted_rows(float *o, const float *p, float inv, const float *v_cache, const int64_t *table, int64_t len,
-                          int64_t block_size, int64_t kv_heads, int64_t kvh, int64_t d) {
-#if SIMD
-    if (d % 16 == 0) {  /* 16 columns at a time; even and odd tokens in separate accumulators */
-        for (int64_t i = 0; i < d; i += 16) {
-            __m256 e0 = _mm256_setzero_ps(), e1 = e0, o0 = e0, o1 = e0;
-            FOR_EACH_TOKEN(v_cache, table, len, block_size, kv_heads, kvh, d, t, vt) {
-                __m256 pv = _mm256_set1_ps(p[t]);
-                if (t & 1) {
-                    o0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + i), o0);
-                    o1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + i + 8), o1);
-                } else {
-                    e0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + i), e0);
-                    e1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vt + i + 8), e1);
-                }
-            }
-            __m256 iv = _mm256_set1_ps(inv);
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_add_ps(e0, o0), iv));
-            _mm256_storeu_ps(o + i + 8, _mm256_mul_ps(_mm256_add_ps(e1, o1), iv));
-        }
-        return;
-    }
-#endif
-    memset(o, 0, d * sizeof(float));
-    FOR_EACH_TOKEN(v_cache, table, len, block_size, kv_heads, kvh, d, t, vt) {
-        for (int64_t i = 0; i < d; i++) o[i] += p[t] * vt[i];
-    }
-    for (int64_t i = 0; i < d; i++) o[i] *= inv;
-}
-
 /* s[t] = exp(s[t] - max(s)), t < n; returns their sum */
 static float softmax_numerators(float *s, int64_t n) {
     float m = s[0], sum = 0.0f;
@@ -191,50 +152,155 @@ int llmd_write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, cons
     return 0;
 }
 
+/* ---- attention ------------------------------------------------------------------------------------------------
+ * Decode tokens and chunks of new tokens (prefill, speculative verify) share one tile: up to PQ queries on one KV
+ * head, each seeing the first len[j] tokens of a paged context (off[t]: token t's row in the cache). Each query's
+ * scores, softmax and weighted sum are its own operations in a fixed order, whatever tile it shares, so a token's
+ * attention output is bit-identical decoded alone, decoded in a batch or verified in a chunk: speculation and
+ * recompute after preemption do not change a sequence's numbers. The tile only shares loads: each K row serves every
+ * query's dot product (2 tokens at a time), each V vector every query's weighted sum. */
+#define PQ 4
+
+/* A tile of P queries (P <= PQ, a compile-time constant so the accumulators stay in registers); `s` holds P rows of
+ * `ctx` floats (ctx >= every len[j]). */
+INLINE void attend_tile_p(const float *const *q, const int64_t *len, const float *kb, const float *vb,
+                          const int64_t *off, int64_t d, float scale, float *const *oj, float *s, int64_t ctx,
+                          const int P) {
+    int64_t longest = 0;
+    for (int j = 0; j < P; j++) longest = len[j] > longest ? len[j] : longest;
+    for (int64_t t = 0; t < longest; t += 2) {
+        const float *k0 = kb + off[t], *k1 = t + 1 < longest ? kb + off[t + 1] : k0;
+        int64_t c = 0;
+        float d0[PQ] = {0}, d1[PQ] = {0};
+#if SIMD
+        __m256 a0[PQ], a1[PQ];
+        for (int j = 0; j < P; j++) a0[j] = a1[j] = _mm256_setzero_ps();
+        for (; c + 8 <= d; c += 8) {
+            const __m256 kv0 = _mm256_loadu_ps(k0 + c), kv1 = _mm256_loadu_ps(k1 + c);
+            for (int j = 0; j < P; j++) {
+                const __m256 qv = _mm256_loadu_ps(q[j] + c);
+                a0[j] = _mm256_fmadd_ps(qv, kv0, a0[j]);
+                a1[j] = _mm256_fmadd_ps(qv, kv1, a1[j]);
+            }
+        }
+        for (int j = 0; j < P; j++) d0[j] = hsum8(a0[j]), d1[j] = hsum8(a1[j]);
+#endif
+        for (; c < d; c++)
+            for (int j = 0; j < P; j++) d0[j] += q[j][c] * k0[c], d1[j] += q[j][c] * k1[c];
+        for (int j = 0; j < P; j++) {
+            s[j * ctx + t] = d0[j] * scale;
+            if (t + 1 < longest) s[j * ctx + t + 1] = d1[j] * scale;
+        }
+    }
+    float inv[PQ];
+    for (int j = 0; j < P; j++) {
+        const int64_t n = len[j];
+        float *sj = s + j * ctx;
+        inv[j] = 1.0f / softmax_numerators(sj, n);
+        for (int64_t t = n; t < longest; t++) sj[t] = 0.0f;
+    }
+    int64_t c = 0;
+#if SIMD
+    for (; c + 16 <= d; c += 16) {
+        __m256 o0[PQ], o1[PQ];
+        for (int j = 0; j < P; j++) o0[j] = o1[j] = _mm256_setzero_ps();
+        for (int64_t t = 0; t < longest; t++) {
+            const __m256 v0 = _mm256_loadu_ps(vb + off[t] + c), v1 = _mm256_loadu_ps(vb + off[t] + c + 8);
+            for (int j = 0; j < P; j++) {
+                const __m256 p = _mm256_broadcast_ss(s + j * ctx + t);
+                o0[j] = _mm256_fmadd_ps(p, v0, o0[j]);
+                o1[j] = _mm256_fmadd_ps(p, v1, o1[j]);
+            }
+        }
+        for (int j = 0; j < P; j++) {
+            _mm256_storeu_ps(oj[j] + c, _mm256_mul_ps(o0[j], _mm256_set1_ps(inv[j])));
+            _mm256_storeu_ps(oj[j] + c + 8, _mm256_mul_ps(o1[j], _mm256_set1_ps(inv[j])));
+        }
+    }
+#endif
+    for (; c < d; c++)
+        for (int j = 0; j < P; j++) {
+            float acc = 0.0f;
+            for (int64_t t = 0; t < longest; t++) acc += s[j * ctx + t] * vb[off[t] + c];
+            oj[j][c] = acc * inv[j];
+        }
+}
+
+static void attend_tile(const float *const *q, const int64_t *len, int nq, const float *kb, const float *vb,
+                        const int64_t *off, int64_t d, float scale, float *const *oj, float *s, int64_t ctx) {
+    switch (nq) {
+    case 1: attend_tile_p(q, len, kb, vb, off, d, scale, oj, s, ctx, 1); break;
+    case 2: attend_tile_p(q, len, kb, vb, off, d, scale, oj, s, ctx, 2); break;
+    case 3: attend_tile_p(q, len, kb, vb, off, d, scale, oj, s, ctx, 3); break;
+    default: attend_tile_p(q, len, kb, vb, off, d, scale, oj, s, ctx, PQ); break;
+    }
+}
+
+/* token -> its row offset in a cache [num_blocks, block_size, kv_heads, d], through a block table */
+static void token_offsets(int64_t *off, const int64_t *table, int64_t len, int64_t block_size, int64_t kv_heads,
+                          int64_t d) {
+    for (int64_t t = 0; t < len; t++) off[t] = (table[t / block_size] * block_size + t % block_size) * kv_heads * d;
+}
+
 /* Attention of B single-token queries over their paged contexts.
  * q: row b at q + rows[b] * ldq (rows NULL: row b) of num_rows, [heads, d] each; the output goes to the same row of
  * `out` (stride ldo). Caches [num_blocks, block_size, kv_heads, d]; block_tables [B, bt_stride]; seq_lens [B].
- * Each query head is one task, so that even one sequence splits evenly over the threads.
- * The scores are kept for the softmax: `work` holds max(seq_lens) floats per thread. */
+ * A task is a tile of up to PQ query heads sharing a KV head, or a single query head where that leaves too few tasks
+ * to share among the threads (one sequence). `work` holds PQ * max(seq_lens) floats per thread. */
 int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, int64_t num_rows,
-                          const float *k_cache,
-                          const float *v_cache, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t d,
-                          const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens, int64_t heads,
-                          float scale, float *out, int64_t ldo, float *work, int64_t work_per_thread, int threads) {
+                          const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
+                          int64_t kv_heads, int64_t d, const int64_t *block_tables, int64_t bt_stride,
+                          const int64_t *seq_lens, int64_t heads, float scale, float *out, int64_t ldo, float *work,
+                          int64_t work_per_thread, int threads) {
     const int64_t group = heads / kv_heads;
+    int64_t total = 0;
     for (int64_t b = 0; b < B; b++) {
-        int64_t len = seq_lens[b];
-        if (len < 1 || len > work_per_thread || (rows ? rows[b] : b) < 0 || (rows ? rows[b] : b) >= num_rows) return -1;
+        const int64_t len = seq_lens[b], row = rows ? rows[b] : b;
+        if (len < 1 || PQ * len > work_per_thread || row < 0 || row >= num_rows) return -1;
         for (int64_t j = 0; j < (len + block_size - 1) / block_size; j++) {
-            int64_t blk = block_tables[b * bt_stride + j];
+            const int64_t blk = block_tables[b * bt_stride + j];
             if (blk < 0 || blk >= num_blocks) return -1;
         }
+        total += len;
     }
+    int64_t *off = (int64_t *)malloc((size_t)(total + B + 1) * sizeof(int64_t)); /* offsets, then where each starts */
+    if (!off) return -2;
+    int64_t *start = off + total;
+    start[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        token_offsets(off + start[b], block_tables + b * bt_stride, seq_lens[b], block_size, kv_heads, d);
+        start[b + 1] = start[b] + seq_lens[b];
+    }
+    const int64_t per_group = (group + PQ - 1) / PQ;
+    const int tile = B * kv_heads * per_group >= 2 * threads ? PQ : 1; /* queries per task */
+    const int64_t tiles = tile == PQ ? per_group : group;           /* tasks per KV head */
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < B * heads; task++) {  /* one query head each: even shares for few sequences */
+    for (int64_t task = 0; task < B * kv_heads * tiles; task++) {
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        const int64_t b = task / heads, h = task % heads, kvh = h / group, len = seq_lens[b];
-        const int64_t row = rows ? rows[b] : b;
-        const int64_t *table = block_tables + b * bt_stride;
-        const float *qh = q + row * ldq + h * d;
-        float *s = work + tid * work_per_thread;  /* scores, then unnormalised probabilities exp(s - max) */
-        FOR_EACH_TOKEN(k_cache, table, len, block_size, kv_heads, kvh, d, t, kt) {
-            s[t] = dot(qh, kt, d) * scale;
+        const int64_t b = task / (kv_heads * tiles), kvh = task / tiles % kv_heads, h0 = kvh * group + task % tiles * tile;
+        const int nq = (int)(kvh * group + group - h0 < tile ? kvh * group + group - h0 : tile);
+        const int64_t row = rows ? rows[b] : b, len = seq_lens[b];
+        const float *qj[PQ];
+        float *oj[PQ];
+        int64_t lens[PQ];
+        for (int j = 0; j < nq; j++) {
+            qj[j] = q + row * ldq + (h0 + j) * d;
+            oj[j] = out + row * ldo + (h0 + j) * d;
+            lens[j] = len;
         }
-        const float sum = softmax_numerators(s, len);
-        weighted_rows(out + row * ldo + h * d, s, 1.0f / sum, v_cache, table, len, block_size, kv_heads, kvh, d);
+        attend_tile(qj, lens, nq, k_cache + kvh * d, v_cache + kvh * d, off + start[b], d, scale, oj,
+                    work + tid * work_per_thread, len);
     }
+    free(off);
     return 0;
 }
 
 /* Causal attention of one sequence's chunk of q_len new tokens (positions ctx - q_len .. ctx - 1) over its paged
  * context of ctx tokens (table: its block table): query i sees tokens 0 .. ctx - q_len + i. A task is one query head
- * and a tile of 4 consecutive queries, whose dot products share each loaded K vector (2 tokens at a time) and whose
- * weighted sums share each loaded V vector. `work` holds 4 * ctx floats per thread. */
-#define PQ 4
+ * and a tile of PQ consecutive queries. `work` holds PQ * ctx floats per thread. */
 int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const float *k_cache,
                            const float *v_cache, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t d,
                            const int64_t *table, int64_t heads, float scale, float *out, int64_t ldo, float *work,
@@ -242,9 +308,9 @@ int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t c
     if (q_len < 1 || ctx < q_len || PQ * ctx > work_per_thread) return -1;
     for (int64_t j = 0; j < (ctx + block_size - 1) / block_size; j++)
         if (table[j] < 0 || table[j] >= num_blocks) return -1;
-    int64_t *off = (int64_t *)malloc((size_t)ctx * sizeof(int64_t)); /* token -> its row in the cache */
+    int64_t *off = (int64_t *)malloc((size_t)ctx * sizeof(int64_t));
     if (!off) return -2;
-    for (int64_t t = 0; t < ctx; t++) off[t] = (table[t / block_size] * block_size + t % block_size) * kv_heads * d;
+    token_offsets(off, table, ctx, block_size, kv_heads, d);
     const int64_t group = heads / kv_heads, tiles = (q_len + PQ - 1) / PQ;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < heads * tiles; task++) {
@@ -254,72 +320,16 @@ int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t c
 #endif
         const int64_t h = task / tiles, i0 = (task % tiles) * PQ, kvh = h / group;
         const int nq = q_len - i0 < PQ ? (int)(q_len - i0) : PQ;
-        const float *kb = k_cache + kvh * d, *vb = v_cache + kvh * d;
         const float *qj[PQ];
+        float *oj[PQ];
         int64_t len[PQ];
-        for (int j = 0; j < PQ; j++) {  /* a short tile repeats its last query (computed, never stored) */
-            const int64_t i = i0 + (j < nq ? j : nq - 1);
-            qj[j] = q + i * ldq + h * d;
-            len[j] = ctx - q_len + i + 1;
+        for (int j = 0; j < nq; j++) {
+            qj[j] = q + (i0 + j) * ldq + h * d;
+            oj[j] = out + (i0 + j) * ldo + h * d;
+            len[j] = ctx - q_len + i0 + j + 1;
         }
-        const int64_t longest = len[PQ - 1];
-        float *s = work + tid * work_per_thread;  /* [PQ][ctx] scores, then probabilities (0 past a query's end) */
-        for (int64_t t = 0; t < longest; t += 2) {
-            const float *k0 = kb + off[t], *k1 = t + 1 < longest ? kb + off[t + 1] : k0;
-            int64_t c = 0;
-            float d0[PQ] = {0}, d1[PQ] = {0};
-#if SIMD
-            __m256 a0[PQ], a1[PQ];
-            for (int j = 0; j < PQ; j++) a0[j] = a1[j] = _mm256_setzero_ps();
-            for (; c + 8 <= d; c += 8) {
-                const __m256 kv0 = _mm256_loadu_ps(k0 + c), kv1 = _mm256_loadu_ps(k1 + c);
-                for (int j = 0; j < PQ; j++) {
-                    const __m256 qv = _mm256_loadu_ps(qj[j] + c);
-                    a0[j] = _mm256_fmadd_ps(qv, kv0, a0[j]);
-                    a1[j] = _mm256_fmadd_ps(qv, kv1, a1[j]);
-                }
-            }
-            for (int j = 0; j < PQ; j++) d0[j] = hsum8(a0[j]), d1[j] = hsum8(a1[j]);
-#endif
-            for (; c < d; c++)
-                for (int j = 0; j < PQ; j++) d0[j] += qj[j][c] * k0[c], d1[j] += qj[j][c] * k1[c];
-            for (int j = 0; j < PQ; j++) {
-                s[j * ctx + t] = d0[j] * scale;
-                if (t + 1 < longest) s[j * ctx + t + 1] = d1[j] * scale;
-            }
-        }
-        float inv[PQ];
-        for (int j = 0; j < PQ; j++) {
-            float *sj = s + j * ctx;
-            inv[j] = 1.0f / softmax_numerators(sj, len[j]);
-            for (int64_t t = len[j]; t < longest; t++) sj[t] = 0.0f;
-        }
-        int64_t c = 0;
-#if SIMD
-        for (; c + 16 <= d; c += 16) {
-            __m256 o0[PQ], o1[PQ];
-            for (int j = 0; j < PQ; j++) o0[j] = o1[j] = _mm256_setzero_ps();
-            for (int64_t t = 0; t < longest; t++) {
-                const __m256 v0 = _mm256_loadu_ps(vb + off[t] + c), v1 = _mm256_loadu_ps(vb + off[t] + c + 8);
-                for (int j = 0; j < PQ; j++) {
-                    const __m256 p = _mm256_broadcast_ss(s + j * ctx + t);
-                    o0[j] = _mm256_fmadd_ps(p, v0, o0[j]);
-                    o1[j] = _mm256_fmadd_ps(p, v1, o1[j]);
-                }
-            }
-            for (int j = 0; j < nq; j++) {
-                float *o = out + (i0 + j) * ldo + h * d + c;
-                _mm256_storeu_ps(o, _mm256_mul_ps(o0[j], _mm256_set1_ps(inv[j])));
-                _mm256_storeu_ps(o + 8, _mm256_mul_ps(o1[j], _mm256_set1_ps(inv[j])));
-            }
-        }
-#endif
-        for (; c < d; c++)
-            for (int j = 0; j < nq; j++) {
-                float acc = 0.0f;
-                for (int64_t t = 0; t < longest; t++) acc += s[j * ctx + t] * vb[off[t] + c];
-                out[(i0 + j) * ldo + h * d + c] = acc * inv[j];
-            }
+        attend_tile(qj, len, nq, k_cache + kvh * d, v_cache + kvh * d, off, d, scale, oj,
+                    work + tid * work_per_thread, ctx);
     }
     free(off);
     return 0;

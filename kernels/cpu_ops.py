@@ -25,6 +25,7 @@ _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
 _work = threading.local()  # each calling thread reuses one growing buffer for attention scores
+ATTENTION_TILE = 4  # PQ in cpu_ops.c: queries per attention tile, each with a row of scores
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -171,13 +172,15 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     heads, d = q.shape[1], q.shape[2]
     num_blocks, block_size, kv_heads = k_cache.shape[:3]
     threads = torch.get_num_threads()
-    per_thread = longest or int(seq_lens.max())  # the C code checks that every length fits
+    per_thread = ATTENTION_TILE * (longest or int(seq_lens.max()))  # the C code checks that every length fits
     work = _scores_buffer(per_thread * threads)
     rc = lib.llmd_decode_attention(
         q.data_ptr(), q.stride(0), None if rows is None else rows.data_ptr(), b, min(q.shape[0], out.shape[0]),
         k_cache.data_ptr(),
         v_cache.data_ptr(), num_blocks, block_size, kv_heads, d, block_tables.data_ptr(), block_tables.shape[1],
         seq_lens.data_ptr(), heads, scale, out.data_ptr(), out.stride(0), work.data_ptr(), per_thread, threads)
+    if rc == -2:
+        raise MemoryError("CPU decode attention could not allocate its row table")
     if rc != 0:
         raise IndexError("a query row, a sequence's length or its block table lies outside its buffer")
     return True
@@ -197,7 +200,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     heads, d = q.shape[1], q.shape[2]
     num_blocks, block_size, kv_heads = k_cache.shape[:3]
     threads = torch.get_num_threads()
-    per_thread = 4 * context
+    per_thread = ATTENTION_TILE * context
     work = _scores_buffer(per_thread * threads)
     rc = lib.llmd_prefill_attention(
         q.data_ptr(), q.stride(0), q.shape[0], context, k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,

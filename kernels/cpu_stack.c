@@ -84,11 +84,13 @@ static int attention(const llmd_dims *dm, const llmd_layer *L, const llmd_step *
     if (st->decode_longest > st->decode_stride * dm->block_size) return -1;
     for (int64_t b = 0; b < st->num_decodes; b++)
         if (st->decode_lens[b] > st->decode_longest) return -1;
-    if (st->num_decodes &&
-        llmd_decode_attention(qkv, ldq, st->decode_rows, st->num_decodes, st->T, L->k_cache, L->v_cache,
-                              dm->num_blocks, dm->block_size, KV, d, st->decode_tables, st->decode_stride,
-                              st->decode_lens, H, dm->scale, out, H * d, scores, per_thread, nth))
-        return -1;
+    if (st->num_decodes) {
+        const int rc = llmd_decode_attention(qkv, ldq, st->decode_rows, st->num_decodes, st->T, L->k_cache,
+                                             L->v_cache, dm->num_blocks, dm->block_size, KV, d, st->decode_tables,
+                                             st->decode_stride, st->decode_lens, H, dm->scale, out, H * d, scores,
+                                             per_thread, nth);
+        if (rc) return rc;
+    }
     for (int64_t i = 0; i < st->num_chunks; i++) {
         const int64_t *c = st->chunks + 4 * i;
         if (c[0] < 0 || c[1] < 1 || c[0] + c[1] > st->T || c[3] < 0 || c[3] >= st->num_tables ||
@@ -109,7 +111,7 @@ int llmd_decoder_stack(const llmd_dims *dm, const llmd_layer *layers, const llmd
     const int64_t T = st->T, D = dm->hidden, H = dm->heads, KV = dm->kv_heads, d = dm->head_dim,
                   I = dm->intermediate, qkv_w = (H + 2 * KV) * d;
     if (T < 1) return 0;
-    int64_t per_thread = st->decode_longest; /* attention scores: what either attention function needs */
+    int64_t per_thread = 4 * st->decode_longest; /* attention scores: 4 rows (a tile) of the longest context */
     for (int64_t i = 0; i < st->num_chunks; i++)
         if (4 * st->chunks[4 * i + 2] > per_thread) per_thread = 4 * st->chunks[4 * i + 2];
     if (per_thread < 1) per_thread = 1;

@@ -147,3 +147,23 @@ def test_stack_does_not_keep_a_kv_pool_alive(tiny_llama):
     del caches
     gc.collect()
     assert first() is None
+
+
+@pytest.mark.parametrize("model", ["tiny-int4", "smollm2"])
+def test_tokens_decoded_or_verified_in_a_chunk_get_the_same_logits(model, tiny_llama, smollm2_gguf):
+    """Speculative verification and recompute after preemption run a sequence's tokens as a chunk where plain
+    decoding runs them one by one: on the CPU path the logits and the KV cache are bit for bit the same."""
+    from llmd.model.simple import SingleSequence
+
+    # a quantized head (SmolLM2's is its Q8_0 table): fp32 heads run torch's matmul, whose bits may depend on M
+    loaded = load_model(tiny_llama, quant="int4-g32", quantize_head=True) if model == "tiny-int4" \
+        else load_model(smollm2_gguf)
+    prompt = loaded.tokenizer.encode("The capital of France is")
+    tokens = loaded.tokenizer.encode(" Paris, and Berlin is the capital of Germany.")[:6]
+    one_by_one, chunked = SingleSequence(loaded, 64), SingleSequence(loaded, 64)
+    one_by_one.feed(prompt)
+    chunked.feed(prompt)
+    decoded = torch.cat([one_by_one.feed([t]) for t in tokens])
+    assert torch.equal(decoded, chunked.feed(tokens))
+    for (k1, v1), (k2, v2) in zip(one_by_one.kv_caches, chunked.kv_caches):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -134,6 +134,34 @@ def test_decode_attention_is_batch_and_thread_invariant():
     assert torch.equal(again, full)
 
 
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_a_decoded_token_attends_bit_for_bit_as_in_a_chunk(group):
+    """Decode attention and chunk attention give a query the very same numbers, so a token's output does not depend
+    on whether it was decoded, verified in a speculative chunk or recomputed in a prefill after preemption; nor on
+    whether its query heads ran one per task (few sequences) or tiled together (many)."""
+    if not HAVE_OPS:
+        return
+    lens = [1, 5, 17, 40]
+    q, k_cache, v_cache, tables = _paged_case(group, lens, seed=2)
+    threads = torch.get_num_threads()
+    for i, n in enumerate(lens):
+        table = torch.tensor(tables[i])
+        chunk_len = min(n, 6)
+        chunk = torch.randn(chunk_len, *q.shape[1:], generator=_gen(i))
+        chunk[-1] = q[i]  # the chunk's last query is the decoded one, at the same position
+        in_chunk = torch.empty_like(chunk)
+        assert cpu_ops.prefill_attention(chunk, k_cache, v_cache, table, n, 0.3, in_chunk)
+        for t in (1, 4):  # one query head per task, or tiles of query heads sharing their KV head
+            torch.set_num_threads(t)
+            try:
+                decoded = torch.empty_like(q[i : i + 1])
+                assert cpu_ops.decode_attention(q[i : i + 1], k_cache, v_cache, table[None], torch.tensor([n]), None,
+                                                0.3, decoded)
+            finally:
+                torch.set_num_threads(threads)
+            assert torch.equal(decoded[0], in_chunk[-1])
+
+
 def test_decode_attention_refuses_rows_and_blocks_outside_their_buffers():
     q, k_cache, v_cache, tables = _paged_case(1, [6])
     out = torch.empty_like(q)
