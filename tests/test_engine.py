@@ -242,7 +242,7 @@ def test_logprobs_are_reported(tiny):
 
 # ---- admission and abort ---------------------------------------------------------------------------------------
 def test_requests_that_can_never_run_are_refused(tiny):
-    engine = make_engine(tiny, num_kv_blocks=4, max_model_len=100, max_queue=2)
+    engine = make_engine(tiny, num_kv_blocks=4, max_model_len=100, max_num_seqs=1, max_queue=2)
     ok = SamplingParams(max_tokens=4)
     with pytest.raises(InvalidRequest, match="max_model_len"):
         engine.add_request("a", list(range(5, 105)), ok)
@@ -258,12 +258,13 @@ def test_requests_that_can_never_run_are_refused(tiny):
     with pytest.raises(InvalidRequest, match="already"):
         engine.add_request("f", [5], ok)
     engine.add_request("g", [5], ok)
+    engine.add_request("g2", [5], ok)  # "f" will take the one running place, so only two wait
     with pytest.raises(QueueFull):
         engine.add_request("h", [5], ok)
-    engine.abort("f")
-    engine.abort("g")
+    for rid in ("f", "g", "g2"):
+        engine.abort(rid)
     outs = engine.step()
-    assert {(o.request_id, o.finish_reason) for o in outs} == {("f", FinishReason.ABORT), ("g", FinishReason.ABORT)}
+    assert {(o.request_id, o.finish_reason) for o in outs} == {(r, FinishReason.ABORT) for r in ("f", "g", "g2")}
 
 
 def test_abort_running_and_waiting_frees_blocks(tiny):

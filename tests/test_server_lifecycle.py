@@ -100,7 +100,8 @@ async def test_burst_beyond_max_queue_gets_429(daemon):
     async with aiohttp.ClientSession(daemon.url, timeout=aiohttp.ClientTimeout(total=600)) as http:
         results = await asyncio.gather(*(one(http) for _ in range(8)))
     statuses = [r[0] for r in results]
-    assert set(statuses) <= {200, 429} and statuses.count(429) >= 1 and statuses.count(200) >= 2
+    # one running place and a queue of two: at least three of the burst are served, the rest refused at once
+    assert set(statuses) <= {200, 429} and statuses.count(429) >= 1 and statuses.count(200) >= 3
     for status, retry_after, payload, elapsed in results:
         if status == 429:
             assert int(retry_after) >= 1 and "retry" in payload["error"]["message"]

@@ -144,9 +144,10 @@ class AsyncEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use", field="request_id")
         self.engine.check_request(prompt_token_ids, params)
         with self._lock:
-            if self.engine.scheduler.num_waiting + self._num_pending_adds >= self.engine.config.max_queue:
-                raise QueueFull(
-                    f"the engine queue is full ({self.engine.config.max_queue} requests waiting); retry later")
+            # as Engine.add_request counts it: the adds not yet handed over wait only beyond the free running places
+            scheduler = self.engine.scheduler
+            if scheduler.num_waiting + self._num_pending_adds - scheduler.free_slots >= self.engine.config.max_queue:
+                raise QueueFull(f"the queue is full ({self.engine.config.max_queue} requests waiting)")
             self._num_pending_adds += 1
             stream = RequestStream(request_id, self, self.stream_buffer)
             self._streams[request_id] = stream

@@ -118,8 +118,9 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", field="request_id")
         self.check_request(prompt_token_ids, params)
-        if self.scheduler.num_waiting >= self.config.max_queue:
-            raise QueueFull(f"the engine queue is full ({self.config.max_queue} requests waiting); retry later")
+        # a request that a free running place will take does not count as waiting, even before the next step
+        if self.scheduler.num_waiting - self.scheduler.free_slots >= self.config.max_queue:
+            raise QueueFull(f"the queue is full ({self.config.max_queue} requests waiting)")
         timings = RequestTimings(arrival=time.monotonic() if arrival is None else arrival,
                                  num_prompt_tokens=len(prompt_token_ids))
         generator = None

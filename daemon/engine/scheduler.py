@@ -65,6 +65,11 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def free_slots(self) -> int:
+        """Running places left (max_num_seqs): requests added now take these before any of them has to wait."""
+        return max(0, self.max_num_seqs - len(self.running))
+
     def has_work(self) -> bool:
         return bool(self.running) or self.num_waiting > 0
 

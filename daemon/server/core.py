@@ -170,7 +170,7 @@ class Generation:
             self.stream = engine.submit(self.prompt_ids, self.params, priority=self.priority)
         except QueueFull as exc:
             self.state.metrics.rejected_queue_full += 1
-            raise ApiError(429, f"too many requests waiting ({exc}); retry shortly", kind="rate_limit_exceeded",
+            raise ApiError(429, f"{exc}; retry shortly", kind="rate_limit_exceeded",
                            headers={"Retry-After": str(RETRY_AFTER_QUEUE_S)}) from None
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.field) from None
