@@ -17,6 +17,20 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        typer.echo(f"llmd {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                      help="Print llmd's version and exit.")) -> None:
+    """llmd: a local LLM serving daemon for one GPU (or the CPU)."""
+
+
 def fail(message: str) -> None:
     """Print one clear line on stderr and exit 1."""
     typer.echo(f"error: {message}", err=True)

@@ -43,6 +43,13 @@ def test_help_lists_every_command(env):
     assert no_args.returncode == 0 and "generate" in no_args.stdout
 
 
+def test_version(env):
+    from llmd import __version__
+
+    result = llmd(env, "--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"llmd {__version__}"
+
+
 def test_generate_help_documents_defaults(env):
     result = llmd(env, "generate", "--help")
     assert result.returncode == 0
