@@ -197,7 +197,8 @@ def test_smollm2_stop_string_across_token_boundary(smol):
     (free,) = generate(engine, [prompt], SamplingParams(max_tokens=10, **GREEDY))
     stop, before = boundary_stop(tok, free.token_ids)
     (stopped,) = generate(engine, [prompt], SamplingParams(max_tokens=10, stop=[stop], **GREEDY))
-    assert stopped.finish_reason is FinishReason.STOP
+    assert stopped.finish_reason is FinishReason.STOP and stopped.stop_reason == stop
+    assert free.stop_reason is None
     assert stopped.text == before and stop not in stopped.text
     assert len(stopped.token_ids) < len(free.token_ids)
 
@@ -223,10 +224,11 @@ def test_eos_stop_ids_max_tokens_and_max_model_len(tiny):
     first = free.token_ids.index(target)
     (stopped,) = generate(engine, [prompt], SamplingParams(max_tokens=20, stop_token_ids=[target], **GREEDY))
     assert stopped.finish_reason is FinishReason.STOP and stopped.token_ids == free.token_ids[: first + 1]
+    assert stopped.stop_reason == target  # the stop token (vLLM's stop_reason)
     # the model's EOS ends a request unless ignore_eos
     engine.eos_token_ids.add(target)
     (eos,) = generate(engine, [prompt], SamplingParams(max_tokens=20, temperature=0.0))
-    assert eos.finish_reason is FinishReason.STOP and eos.token_ids[-1] == target
+    assert eos.finish_reason is FinishReason.STOP and eos.token_ids[-1] == target and eos.stop_reason is None
     engine.eos_token_ids.discard(target)
     (capped,) = generate(engine, [prompt], SamplingParams(max_tokens=100, **GREEDY))
     assert capped.finish_reason is FinishReason.LENGTH and len(prompt) + len(capped.token_ids) == 40

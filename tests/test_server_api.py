@@ -96,6 +96,11 @@ def test_openai_completions_and_fim(daemon, model_name):
     lp = resp.choices[0].logprobs
     assert len(lp.tokens) == resp.usage.completion_tokens and all(len(t) <= 2 for t in lp.top_logprobs)
     assert "".join(lp.tokens) == resp.choices[0].text
+    # a stop string is named in vLLM's stop_reason next to finish_reason "stop"
+    word = resp.choices[0].text.split()[0]
+    stopped = client.completions.create(model=model_name, prompt="The capital of France is", max_tokens=3,
+                                        temperature=0, stop=[word])
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].model_extra["stop_reason"] == word
 
     # SmolLM2 has no fill-in-the-middle tokens: a clear 400 that says so (tests/test_server_fim.py covers a model
     # that has them).
@@ -154,6 +159,14 @@ async def test_llamacpp_dialect_with_aiohttp(daemon):
             assert r.status == 200 and r.content_type == "text/event-stream"
             events = [json.loads(line[6:]) async for line in r.content if line.startswith(b"data: ")]
         assert events[-1]["stop"] is True and events[-1]["tokens_predicted"] == 3
+        assert events[-1]["stop_type"] == "limit" and events[-1]["stopping_word"] == ""
+        # a stop string ends it as llama.cpp reports one: stop_type "word" and the word
+        text = "".join(e["content"] for e in events)
+        word = text.strip().split()[0]
+        async with http.post("/completion", json={"prompt": "Once upon a time", "n_predict": 3, "temperature": 0,
+                                                  "stop": [word]}) as r:
+            body = await r.json()
+        assert body["stop_type"] == "word" and body["stopping_word"] == word and word not in body["content"]
         assert events[-1]["timings"]["predicted_n"] == 3 and set(events[-1]["llmd_timings"]) == TIMING_KEYS
         assert "".join(e["content"] for e in events).strip()
 

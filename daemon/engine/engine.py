@@ -196,18 +196,19 @@ class Engine:
         if lp is not None:
             seq.pending_logprobs.append(lp)
         p = seq.params
-        reason, hit = None, False
+        reason, hit, stop_reason = None, False, None
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             reason = FinishReason.STOP  # the stop token's own text is not emitted
+            stop_reason = token if token in p.stop_token_ids else None
         else:
             delta, hit = self._text[seq.request_id].push(token)
             seq.pending_text += delta
             if hit:
-                reason = FinishReason.STOP
+                reason, stop_reason = FinishReason.STOP, self._text[seq.request_id].matcher.matched
             elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 reason = FinishReason.LENGTH
         if reason is not None:
-            return self._finish(seq, reason, now, stopped_on_string=hit)
+            return self._finish(seq, reason, now, stopped_on_string=hit, stop_reason=stop_reason)
         return self._take_output(seq)
 
     def _take_output(self, seq: Sequence, **final) -> RequestOutput:
@@ -221,8 +222,8 @@ class Engine:
         seq.pending_token_ids, seq.pending_logprobs, seq.pending_text = [], [], ""
         return out
 
-    def _finish(self, seq: Sequence, reason: FinishReason, now: float, stopped_on_string: bool = False
-                ) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float, stopped_on_string: bool = False,
+                stop_reason: str | int | None = None) -> RequestOutput:
         self.scheduler.remove(seq)
         if self.speculator is not None:
             self.speculator.release(seq.request_id)
@@ -235,7 +236,8 @@ class Engine:
         seq.timings.finished = now
         self.requests_finished_total += 1
         self._record_latency(seq.timings)
-        return self._take_output(seq, finished=True, finish_reason=reason, timings=seq.timings)
+        return self._take_output(seq, finished=True, finish_reason=reason, timings=seq.timings,
+                                 stop_reason=stop_reason)
 
     # ---- stats ------------------------------------------------------------------------------------------------
     def _record_latency(self, t: RequestTimings) -> None:
@@ -314,6 +316,7 @@ class GenerationResult:
     finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None
     timings: RequestTimings | None
+    stop_reason: str | int | None = None
 
 
 def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
@@ -341,6 +344,6 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | 
             if out.logprobs is not None and r.logprobs is not None:
                 r.logprobs.extend(out.logprobs)
             if out.finished:
-                r.finish_reason, r.timings = out.finish_reason, out.timings
+                r.finish_reason, r.timings, r.stop_reason = out.finish_reason, out.timings, out.stop_reason
                 remaining.discard(out.request_id)
     return [results[rid] for rid in order]

@@ -12,6 +12,7 @@ class StopStringMatcher:
     def __init__(self, stop: list[str]):
         self.stop = [s for s in stop if s]
         self.held = ""
+        self.matched: str | None = None  # the stop string that was hit
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Add newly decoded text. Returns (text safe to emit, whether a stop string was hit)."""
@@ -22,7 +23,7 @@ class StopStringMatcher:
         for s in self.stop:
             i = text.find(s)
             if i != -1 and (first == -1 or i < first):
-                first = i
+                first, self.matched = i, s
         if first != -1:
             self.held = ""
             return text[:first], True

@@ -167,3 +167,4 @@ class RequestOutput:
     logprobs: list[TokenLogprob] | None = None
     timings: RequestTimings | None = None
     error: str | None = None  # set when the request failed inside the engine
+    stop_reason: str | int | None = None  # on STOP: the stop string or stop token id that ended it (None: EOS)

@@ -158,6 +158,7 @@ class Generation:
         self.stream = None
         self.finished = False
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or token that ended it (vLLM's field)
         self.timings: RequestTimings | None = None
         self.abort_reason = "disconnect"
         self.time_limit_s: float | None = None  # llama.cpp t_max_predict_ms: cap on the decode phase
@@ -209,6 +210,7 @@ class Generation:
             if out.finished:
                 self.finished = True
                 self.finish_reason = _reason(out.finish_reason)
+                self.stop_reason = out.stop_reason
             elif self.time_limit_s is not None and out.new_token_ids:
                 now = time.monotonic()
                 self._first_token_at = self._first_token_at or now

@@ -81,6 +81,11 @@ def _probs(tok, items) -> list[dict]:
 _STOP_TYPE = {"stop": "eos", "length": "limit", "abort": "none"}
 
 
+def _stop_type(gen) -> str:
+    """llama.cpp's stop_type: "word" for a stop string, "eos" for an end or stop token, "limit", "none"."""
+    return "word" if isinstance(gen.stop_reason, str) else _STOP_TYPE.get(gen.finish_reason or "", "none")
+
+
 async def _generate(request: web.Request, state: ServerState, f: dict, prompt_ids: list[int]) -> web.StreamResponse:
     params = _params(f)
     state.check_length(prompt_ids, params)
@@ -93,7 +98,8 @@ async def _generate(request: web.Request, state: ServerState, f: dict, prompt_id
     def final(text: str) -> dict:
         predicted = 0 if evaluate_only or gen.timings is None else gen.timings.num_generated_tokens
         return {"content": text, "stop": True, "model": state.model_name,
-                "stop_type": "limit" if evaluate_only else _STOP_TYPE.get(gen.finish_reason or "", "none"),
+                "stop_type": "limit" if evaluate_only else _stop_type(gen),
+                "stopping_word": gen.stop_reason if isinstance(gen.stop_reason, str) else "",
                 "tokens_predicted": predicted, "tokens_evaluated": len(prompt_ids),
                 "tokens_cached": gen.timings.num_cached_tokens if gen.timings else 0, "truncated": False,
                 "timings": _native_timings(gen, predicted), "llmd_timings": timings_dict(gen.timings)}

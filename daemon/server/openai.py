@@ -147,7 +147,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                 "id": rid, "object": "chat.completion", "created": created, "model": model,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
                              "logprobs": _chat_logprobs(tok, res.logprobs) if logprobs is not None else None,
-                             "finish_reason": res.finish_reason}],
+                             "finish_reason": res.finish_reason, "stop_reason": gen.stop_reason}],
                 "usage": _usage(gen, len(prompt_ids), len(res.token_ids)),
                 "timings": timings_dict(gen.timings),
             })
@@ -222,6 +222,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
             return web.json_response({
                 "id": rid, "object": "text_completion", "created": created, "model": model,
                 "choices": [{"index": 0, "text": echo + res.text, "finish_reason": res.finish_reason,
+                             "stop_reason": gen.stop_reason,
                              "logprobs": _completion_logprobs(tok, res.logprobs, len(echo))
                              if logprobs is not None else None}],
                 "usage": _usage(gen, len(prompt_ids), len(res.token_ids)),
