@@ -167,3 +167,30 @@ def test_tokens_decoded_or_verified_in_a_chunk_get_the_same_logits(model, tiny_l
     assert torch.equal(decoded, chunked.feed(tokens))
     for (k1, v1), (k2, v2) in zip(one_by_one.kv_caches, chunked.kv_caches):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_two_threads_on_one_model_keep_their_own_caches(tiny_llama):
+    """The stack points its layers at the caches of each call: threads running the model on different caches at
+    once get what they get one after the other."""
+    import threading
+
+    from llmd.model.simple import SingleSequence
+
+    loaded = load_model(tiny_llama, quant="int8", quantize_head=True)
+    prompts = [loaded.tokenizer.encode("The quick brown fox"), loaded.tokenizer.encode("def fibonacci(n):")]
+
+    def run(prompt):
+        seq = SingleSequence(loaded, 64)
+        out = [seq.feed(prompt)]
+        for _ in range(20):
+            out.append(seq.feed([int(out[-1][-1].argmax())]))
+        return torch.cat(out)
+
+    alone = [run(p) for p in prompts]
+    together = [None, None]
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, run(prompts[i]))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(torch.equal(a, b) for a, b in zip(alone, together))

@@ -12,6 +12,7 @@ Everything else (fp32 or bitsandbytes weights, Qwen3, an int8 KV cache, CUDA, LL
 from __future__ import annotations
 
 import ctypes
+import threading
 import weakref
 
 import torch
@@ -30,6 +31,7 @@ class CpuLayerStack:
         self._linears = linears  # (module, its cpu_gemm cache entry): the kernels whose weights the C code reads
         self._norms = norms  # (RMSNorm, its weight)
         self._caches: list = []  # weak references to the KV caches whose pointers `layers` holds
+        self._lock = threading.Lock()  # two threads running the model on different caches must not mix pointers
 
     @classmethod
     def build(cls, model) -> "CpuLayerStack | None":
@@ -94,6 +96,10 @@ class CpuLayerStack:
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> bool:
         """Run every layer on x [T, hidden] in place; False (x untouched) where the stack does not apply."""
+        with self._lock:
+            return self._forward(x, cos, sin, kv_caches, meta)
+
+    def _forward(self, x, cos, sin, kv_caches, meta) -> bool:
         if not self._bound_to(kv_caches) and not self._bind_caches(kv_caches):
             return False
         t = x.shape[0]
