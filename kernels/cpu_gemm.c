@@ -431,7 +431,8 @@ INLINE void int4_rows_tile(const float *xt, const float *dt, const float *wp, in
         for (int64_t g0 = 0; g0 < ng; g0 += 8)
             for (int l = 0; l < 8; l++) {
                 const int64_t g = g0 + l;
-                const __m256 zz = g < ng ? _mm256_set1_ps(fmaf(-8.0f, s[c * ng + g], z[c * ng + g])) : _mm256_setzero_ps();
+                const __m256 zz = g < ng ? _mm256_set1_ps(fmaf(-8.0f, s[c * ng + g], z[c * ng + g]))
+                                         : _mm256_setzero_ps();
                 for (int v = 0; v < RP_VECS; v++) {
                     const __m256 d = g < ng ? _mm256_load_ps(dt + g * 16 + 8 * v) : _mm256_setzero_ps();
                     out[v][c][l] = _mm256_fmadd_ps(zz, d, out[v][c][l]);
@@ -515,7 +516,6 @@ static int int4_rows(const float *x, int64_t ldx, const uint8_t *q, const float 
     return rc;
 }
 #endif
-
 
 int llmd_int4_matmul(const float *x, int64_t ldx, const uint8_t *q, const float *s, const float *z, float *y,
                      int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t g, int nthreads) {

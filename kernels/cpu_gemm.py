@@ -328,7 +328,8 @@ class LayerKernel:
         y = torch.empty(m, n, dtype=torch.float32)
         tail = (_work_buffer(m * self._work_per_row), threads or torch.get_num_threads()) if self.q8 \
             else (threads or torch.get_num_threads(),)
-        rc = self._fn(x.data_ptr(), x.stride(0), *self.weight_pointers, y.data_ptr(), n, m, n, self.k, self.group_size, *tail)
+        rc = self._fn(x.data_ptr(), x.stride(0), *self.weight_pointers, y.data_ptr(), n, m, n, self.k, self.group_size,
+                      *tail)
         if rc == -2:
             raise MemoryError("CPU kernel could not allocate its activation buffer")
         if rc != 0:

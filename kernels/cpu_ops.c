@@ -280,7 +280,8 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        const int64_t b = task / (kv_heads * tiles), kvh = task / tiles % kv_heads, h0 = kvh * group + task % tiles * tile;
+        const int64_t b = task / (kv_heads * tiles), kvh = task / tiles % kv_heads;
+        const int64_t h0 = kvh * group + task % tiles * tile;
         const int nq = (int)(kvh * group + group - h0 < tile ? kvh * group + group - h0 : tile);
         const int64_t row = rows ? rows[b] : b, len = seq_lens[b];
         const float *qj[PQ];

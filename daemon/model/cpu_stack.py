@@ -53,7 +53,8 @@ class CpuLayerStack:
                 linears.append((module, module._cpu_cache["cpu_gemm"]))
             for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.post_attention_layernorm)):
                 w = norm.weight
-                if w.dtype is not torch.float32 or not w.is_cpu or not w.is_contiguous() or norm.eps != config.rms_norm_eps:
+                if w.dtype is not torch.float32 or not w.is_cpu or not w.is_contiguous() \
+                        or norm.eps != config.rms_norm_eps:
                     return None
                 setattr(c_layer, name, w.data_ptr())
                 norms.append((norm, w))
