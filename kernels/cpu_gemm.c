@@ -42,6 +42,16 @@ int llmd_cpu_gemm_simd(void) {
 #endif
 }
 
+/* This thread's number and the team's size (0 and 1 outside a parallel region or without OpenMP). */
+static void thread_id(int *tid, int *nth) {
+    *tid = 0;
+    *nth = 1;
+#ifdef _OPENMP
+    *tid = omp_get_thread_num();
+    *nth = omp_get_num_threads();
+#endif
+}
+
 /* Threads split the output columns in units of 8; returns this thread's [n0, n1). */
 static void column_range(int64_t n, int tid, int nth, int64_t *n0, int64_t *n1) {
     int64_t units = (n + 7) / 8;
@@ -307,11 +317,8 @@ int llmd_int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *
 #endif
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        int tid = 0, nth = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nth = omp_get_num_threads();
-#endif
+        int tid, nth;
+        thread_id(&tid, &nth);
         int64_t n0, n1;
         column_range(n, tid, nth, &n0, &n1);
         for (int64_t m0 = 0; m0 < m; m0 += chunk) {
@@ -478,11 +485,8 @@ static int int4_rows(const float *x, int64_t ldx, const uint8_t *q, const float 
     int rc = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        int tid = 0, nth = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nth = omp_get_num_threads();
-#endif
+        int tid, nth;
+        thread_id(&tid, &nth);
         int64_t n0, n1;
         column_range(n, tid, nth, &n0, &n1);
         float *wp = (float *)aligned_alloc(32, (size_t)(RP_COLS * kp) * 4);
@@ -565,11 +569,8 @@ int llmd_int4_matmul(const float *x, int64_t ldx, const uint8_t *q, const float 
 #endif
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        int tid = 0, nth = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nth = omp_get_num_threads();
-#endif
+        int tid, nth;
+        thread_id(&tid, &nth);
         int64_t n0, n1;
         column_range(n, tid, nth, &n0, &n1);
 #if defined(__AVX2__) && defined(__FMA__)
@@ -804,11 +805,8 @@ static int q8_matmul(const float *x, int64_t ldx, const void *q, const float *s,
     const int64_t chunk = (256 * 1024) / k < 8 ? 8 : (256 * 1024) / k;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        int tid = 0, nth = 1;
-#ifdef _OPENMP
-        tid = omp_get_thread_num();
-        nth = omp_get_num_threads();
-#endif
+        int tid, nth;
+        thread_id(&tid, &nth);
         /* each thread quantizes a share of the rows (a row's bytes do not depend on who does it) */
         quantize_rows(x, ldx, m * tid / nth, m * (tid + 1) / nth, k, g, int4, work, m);
 #pragma omp barrier
