@@ -134,15 +134,15 @@ def test_decode_attention_is_batch_and_thread_invariant():
     assert torch.equal(again, full)
 
 
-@pytest.mark.parametrize("group", [1, 3, 8])
-def test_a_decoded_token_attends_bit_for_bit_as_in_a_chunk(group):
+@pytest.mark.parametrize("group,d", [(1, 16), (3, 16), (8, 16), (3, 24)])  # d 24: a scalar tail after 16
+def test_a_decoded_token_attends_bit_for_bit_as_in_a_chunk(group, d):
     """Decode attention and chunk attention give a query the very same numbers, so a token's output does not depend
     on whether it was decoded, verified in a speculative chunk or recomputed in a prefill after preemption; nor on
     whether its query heads ran one per task (few sequences) or tiled together (many)."""
     if not HAVE_OPS:
         return
     lens = [1, 5, 17, 40]
-    q, k_cache, v_cache, tables = _paged_case(group, lens, seed=2)
+    q, k_cache, v_cache, tables = _paged_case(group, lens, d=d, seed=2)
     threads = torch.get_num_threads()
     for i, n in enumerate(lens):
         table = torch.tensor(tables[i])
