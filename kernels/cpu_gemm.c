@@ -14,8 +14,8 @@
  * Decode (M = 1) is memory-bound: each thread streams its columns' packed weights once, widens them to fp32 in
  * registers and multiplies. For larger M a tile of R rows x C columns reuses each dequantized weight vector from a
  * register across R rows; rows are taken in chunks whose activations fit in L2 so the weights are re-read only once
- * per chunk. int4 from 16 rows (prefill, large batches) turns the vector lanes from k to rows (int4_rows), with the
- * same per-output arithmetic.
+ * per chunk. From 16 rows (prefill, large batches) the vector lanes go over rows instead of k (int8_rows,
+ * int4_rows), with the same per-output arithmetic.
  */
 #include <math.h>
 #include <stdint.h>
@@ -298,6 +298,125 @@ static const int4_tile_fn INT4_TILES[8][4] = {
     ROW_OF(int4_tile, 1), ROW_OF(int4_tile, 2), ROW_OF(int4_tile, 3), ROW_OF(int4_tile, 4),
     {int4_tile_1_5}, {int4_tile_1_6}, {int4_tile_1_7}, {int4_tile_1_8}};
 
+/* ---- many rows: vector lanes over rows (int8 and int4) --------------------------------------------------------
+ * The tiles above put k in the vector lanes. From RP_MIN_ROWS rows a register instead holds one lane's running sum
+ * for 8 rows at once: each weight is widened to fp32 once into a panel and broadcast, and an activation vector (8 rows
+ * of one k, stored transposed) serves RP_COLS columns, so 2 x RP_COLS independent FMA chains keep both FMA units
+ * busy. Every output gets the very operations of the tiles above in the same order (the lanes' sums, then hsum's
+ * tree), so results are bit-identical whatever path a row takes (tested). */
+#define RP_VECS 2 /* row vectors per tile: 16 rows */
+#define RP_COLS 5 /* columns per tile: 10 accumulators, 2 activations and a weight fit the 16 registers */
+#define RP_MIN_ROWS 16
+
+/* Rows [0, m) of x, transposed per block of 16 rows into xt [block][kp][16] (k order; zero past K and past m), with
+ * `extra_floats` more after them; int4: each value scaled as INT4_TILE scales it (2^-4j for nibble j = k % 8 < 7,
+ * its masked weights carrying 2^4j). */
+static float *transpose_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, int int4,
+                             size_t extra_floats) {
+    const int64_t blocks = (m + 15) / 16;
+    const size_t floats = (size_t)(blocks * kp * 16) + extra_floats;
+    float *xt = (float *)aligned_alloc(32, floats * 4);
+    if (!xt) return NULL;
+    memset(xt, 0, floats * 4);
+    for (int64_t r = 0; r < m; r++) {
+        float *xb = xt + (r / 16) * kp * 16 + r % 16;
+        for (int64_t kk = 0; kk < k; kk++) {
+            const int j = (int)(kk % 8);
+            xb[kk * 16] = int4 && j < 7 ? x[r * ldx + kk] * (1.0f / (float)(1 << (4 * j))) : x[r * ldx + kk];
+        }
+    }
+    return xt;
+}
+
+/* The sum of 8 lane vectors in hsum's order; rows of the result go to y (stride ldy), `rows` of them. */
+INLINE void store_lane_sums(__m256 *lanes, float *y, int64_t ldy, int rows) {
+    __m256 a[4];
+    for (int l = 0; l < 4; l++) a[l] = _mm256_add_ps(lanes[l], lanes[l + 4]);
+    const __m256 t = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+    float tv[8] __attribute__((aligned(32)));
+    _mm256_store_ps(tv, t);
+    for (int r = 0; r < 8 && r < rows; r++) y[r * ldy] = tv[r];
+}
+
+/* int8: lane l of output (r, c) sums x[k] * w[k] (w = q * s, int8_panel's products) over k = 8i + l, i rising;
+ * per channel, a K that is not a multiple of 8 then adds its tail k one by one after the lanes' sum. */
+INLINE void int8_rows_tile(const float *xt, const float *wp, int64_t K, float *y, int64_t ldy, int rows,
+                           const int C) {
+    const int64_t kv = K & ~(int64_t)7;
+    __m256 lanes[RP_VECS][RP_COLS][8];
+    for (int l = 0; l < 8; l++) {
+        __m256 acc[RP_VECS][RP_COLS];
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[0][c] = acc[1][c] = _mm256_setzero_ps();
+        for (int64_t k = l; k < kv; k += 8) {
+            const __m256 x0 = _mm256_load_ps(xt + k * 16), x1 = _mm256_load_ps(xt + k * 16 + 8);
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
+                const __m256 w = _mm256_broadcast_ss(wp + c * K + k);
+                acc[0][c] = _mm256_fmadd_ps(x0, w, acc[0][c]);
+                acc[1][c] = _mm256_fmadd_ps(x1, w, acc[1][c]);
+            }
+        }
+        for (int c = 0; c < C; c++) lanes[0][c][l] = acc[0][c], lanes[1][c][l] = acc[1][c];
+    }
+    for (int c = 0; c < C; c++)
+        for (int v = 0; v < RP_VECS; v++) {
+            if (kv < K) { /* the scalar tail, as INT8_TILE adds it: t += x * w, after the lanes' sum */
+                __m256 a[4];
+                for (int l = 0; l < 4; l++) a[l] = _mm256_add_ps(lanes[v][c][l], lanes[v][c][l + 4]);
+                __m256 t = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+                for (int64_t k = kv; k < K; k++)
+                    t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_load_ps(xt + k * 16 + 8 * v),
+                                                       _mm256_broadcast_ss(wp + c * K + k)));
+                float tv[8] __attribute__((aligned(32)));
+                _mm256_store_ps(tv, t);
+                for (int r = 0; r < 8 && 8 * v + r < rows; r++) y[(8 * v + r) * ldy + c] = tv[r];
+            } else
+                store_lane_sums(lanes[v][c], y + 8 * v * ldy + c, ldy, rows - 8 * v);
+        }
+}
+
+static int int8_rows(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y, int64_t ldy, int64_t m,
+                     int64_t n, int64_t k, int64_t g, int nthreads) {
+    const int64_t ng = k / g, blocks = (m + 15) / 16;
+    float *xt = transpose_rows(x, ldx, m, k, k, 0, 0);
+    if (!xt) return -2;
+    const int64_t chunk_blocks = (row_chunk(k) + 15) / 16;
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int tid, nth;
+        thread_id(&tid, &nth);
+        int64_t n0, n1;
+        column_range(n, tid, nth, &n0, &n1);
+        float *wp = (float *)aligned_alloc(32, ((size_t)(RP_COLS * k) * 4 + 31) / 32 * 32);
+        if (!wp) {
+#pragma omp atomic write
+            rc = -2;
+        }
+        for (int64_t b0 = 0; wp && b0 < blocks; b0 += chunk_blocks) {
+            const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
+            for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
+                const int cc = (int)(n1 - c0 < RP_COLS ? n1 - c0 : RP_COLS);
+                int8_panel(q + c0 * k, s + c0 * ng, k, g, cc, wp);
+                for (int64_t b = b0; b < b1; b++) {
+                    const int rows = (int)(m - b * 16 < 16 ? m - b * 16 : 16);
+                    const float *xb = xt + b * k * 16;
+                    float *yb = y + b * 16 * ldy + c0;
+                    switch (cc) {
+                    case 1: int8_rows_tile(xb, wp, k, yb, ldy, rows, 1); break;
+                    case 2: int8_rows_tile(xb, wp, k, yb, ldy, rows, 2); break;
+                    case 3: int8_rows_tile(xb, wp, k, yb, ldy, rows, 3); break;
+                    case 4: int8_rows_tile(xb, wp, k, yb, ldy, rows, 4); break;
+                    default: int8_rows_tile(xb, wp, k, yb, ldy, rows, RP_COLS); break;
+                    }
+                }
+            }
+        }
+        free(wp);
+    }
+    free(xt);
+    return rc;
+}
+
 #endif /* AVX2 */
 
 /* ---- int8 ---------------------------------------------------------------------------------------------------- */
@@ -311,6 +430,7 @@ int llmd_int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *
     if (nthreads < 1) nthreads = 1;
     const int64_t ng = k / g, chunk = row_chunk(k);
 #if defined(__AVX2__) && defined(__FMA__)
+    if (m >= RP_MIN_ROWS) return int8_rows(x, ldx, q, s, y, ldy, m, n, k, g, nthreads);
     float *panels = NULL;
     if (m >= PANEL_ROWS && !(panels = (float *)aligned_alloc(32, ((size_t)nthreads * PANEL_W * k * 4 + 31) / 32 * 32)))
         return -2;
@@ -367,17 +487,9 @@ int llmd_int8_matmul(const float *x, int64_t ldx, const int8_t *q, const float *
 /* ---- int4 ---------------------------------------------------------------------------------------------------- */
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* int4 with many rows: the same arithmetic as INT4_TILE, with the vector lanes over rows instead of over k.
- * INT4_TILE gives output (r, c) eight running sums, lane l of chunk i summing k = 64i + 8l + j for j = 0..7, and
- * then scales, totals, adds the zero terms and sums the lanes. Here a register holds one such (i, l) sum for 8 rows
- * at once: each weight is widened to fp32 once into a panel and broadcast, and an activation vector (8 rows of one
- * k, stored transposed) serves RP_COLS columns. Every output gets the very operations of INT4_TILE in the same
- * order, so results are bit-identical to the other paths (tested), while 2 x RP_COLS independent FMA chains keep
- * both FMA units busy: the tile that suits many rows. */
-#define RP_VECS 2 /* row vectors per tile: 16 rows */
-#define RP_COLS 5 /* columns per tile: 10 accumulators, 2 activations and a weight fit the 16 registers */
-#define RP_MIN_ROWS 16
-
+/* int4 with many rows (see above): INT4_TILE gives output (r, c) eight running sums, lane l of chunk i summing
+ * k = 64i + 8l + j for j = 0..7, then scales, totals, adds the zero terms and sums the lanes; here with rows in the
+ * vector lanes. */
 /* Widen a column's packed weights into the panel as INT4_TILE widens them: for chunk i, nibble j and lane l,
  * w[64i + 8j + l] is q * 2^4j for j < 7 (its masked lane; the activations carry 2^-4j) and q for j = 7. A partial last
  * chunk reads zeros. */
@@ -445,14 +557,7 @@ INLINE void int4_rows_tile(const float *xt, const float *dt, const float *wp, in
                     out[v][c][l] = _mm256_fmadd_ps(zz, d, out[v][c][l]);
                 }
             }
-        for (int v = 0; v < RP_VECS; v++) {
-            __m256 a[4];
-            for (int l = 0; l < 4; l++) a[l] = _mm256_add_ps(out[v][c][l], out[v][c][l + 4]);
-            const __m256 t = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
-            float tv[8] __attribute__((aligned(32)));
-            _mm256_store_ps(tv, t);
-            for (int r = 0; r < 8 && 8 * v + r < rows; r++) y[(8 * v + r) * ldy + c] = tv[r];
-        }
+        for (int v = 0; v < RP_VECS; v++) store_lane_sums(out[v][c], y + 8 * v * ldy + c, ldy, rows - 8 * v);
     }
 }
 
@@ -462,19 +567,12 @@ INLINE void int4_rows_tile(const float *xt, const float *dt, const float *wp, in
 static int int4_rows(const float *x, int64_t ldx, const uint8_t *q, const float *s, const float *z, float *y,
                      int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t g, int nthreads) {
     const int64_t ng = k / g, kh = k / 2, nc = (k + 63) / 64, kp = nc * 64, blocks = (m + 15) / 16;
-    const size_t xt_floats = (size_t)(blocks * kp * 16), dt_floats = (size_t)(blocks * ng * 16);
-    float *xt = (float *)aligned_alloc(32, (xt_floats + dt_floats) * 4);
+    /* (i, l, j) order is plain k order; the group sums dt [block][ng][16] follow the activations */
+    float *xt = transpose_rows(x, ldx, m, k, kp, 1, (size_t)(blocks * ng * 16));
     if (!xt) return -2;
-    float *dt = xt + xt_floats;
-    memset(xt, 0, (xt_floats + dt_floats) * 4);
+    float *dt = xt + blocks * kp * 16;
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * ldx;
-        float *xb = xt + (r / 16) * kp * 16 + r % 16;
-        for (int64_t kk = 0; kk < k; kk++) {
-            const int j = (int)(kk % 8);
-            const float scale = j < 7 ? 1.0f / (float)(1 << (4 * j)) : 1.0f;
-            xb[kk * 16] = xr[kk] * scale; /* (i, l, j) order is plain k order */
-        }
         for (int64_t gi = 0; gi < ng; gi++) {
             float t = 0.0f;
             for (int64_t kk = gi * g; kk < (gi + 1) * g; kk++) t += xr[kk];
