@@ -328,11 +328,15 @@ static float *transpose_rows(const float *x, int64_t ldx, int64_t m, int64_t k, 
     return xt;
 }
 
-/* The sum of 8 lane vectors in hsum's order; rows of the result go to y (stride ldy), `rows` of them. */
-INLINE void store_lane_sums(__m256 *lanes, float *y, int64_t ldy, int rows) {
+/* The sum of 8 lane vectors in hsum's order (vectors of rows). */
+INLINE __m256 lane_sum(const __m256 *lanes) {
     __m256 a[4];
     for (int l = 0; l < 4; l++) a[l] = _mm256_add_ps(lanes[l], lanes[l + 4]);
-    const __m256 t = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+    return _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
+}
+
+/* The first `rows` (at most 8) rows of t into y, row stride ldy. */
+INLINE void store_rows(__m256 t, float *y, int64_t ldy, int rows) {
     float tv[8] __attribute__((aligned(32)));
     _mm256_store_ps(tv, t);
     for (int r = 0; r < 8 && r < rows; r++) y[r * ldy] = tv[r];
@@ -359,18 +363,11 @@ INLINE void int8_rows_tile(const float *xt, const float *wp, int64_t K, float *y
     }
     for (int c = 0; c < C; c++)
         for (int v = 0; v < RP_VECS; v++) {
-            if (kv < K) { /* the scalar tail, as INT8_TILE adds it: t += x * w, after the lanes' sum */
-                __m256 a[4];
-                for (int l = 0; l < 4; l++) a[l] = _mm256_add_ps(lanes[v][c][l], lanes[v][c][l + 4]);
-                __m256 t = _mm256_add_ps(_mm256_add_ps(a[0], a[2]), _mm256_add_ps(a[1], a[3]));
-                for (int64_t k = kv; k < K; k++)
-                    t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_load_ps(xt + k * 16 + 8 * v),
-                                                       _mm256_broadcast_ss(wp + c * K + k)));
-                float tv[8] __attribute__((aligned(32)));
-                _mm256_store_ps(tv, t);
-                for (int r = 0; r < 8 && 8 * v + r < rows; r++) y[(8 * v + r) * ldy + c] = tv[r];
-            } else
-                store_lane_sums(lanes[v][c], y + 8 * v * ldy + c, ldy, rows - 8 * v);
+            __m256 t = lane_sum(lanes[v][c]);
+            for (int64_t k = kv; k < K; k++) /* the scalar tail, as INT8_TILE adds it: t += x * w */
+                t = _mm256_add_ps(t, _mm256_mul_ps(_mm256_load_ps(xt + k * 16 + 8 * v),
+                                                   _mm256_broadcast_ss(wp + c * K + k)));
+            store_rows(t, y + 8 * v * ldy + c, ldy, rows - 8 * v);
         }
 }
 
@@ -557,7 +554,7 @@ INLINE void int4_rows_tile(const float *xt, const float *dt, const float *wp, in
                     out[v][c][l] = _mm256_fmadd_ps(zz, d, out[v][c][l]);
                 }
             }
-        for (int v = 0; v < RP_VECS; v++) store_lane_sums(out[v][c], y + 8 * v * ldy + c, ldy, rows - 8 * v);
+        for (int v = 0; v < RP_VECS; v++) store_rows(lane_sum(out[v][c]), y + 8 * v * ldy + c, ldy, rows - 8 * v);
     }
 }
 
