@@ -248,6 +248,16 @@ def test_served_model_answers_to_its_short_names(daemon, model_name):
     assert out.returncode == (0 if resolve("smollm2:135m").path == served else 1), out.stderr
 
 
+def test_a_chat_too_long_for_the_context_names_messages(daemon, model_name):
+    import openai
+
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused")
+    long_chat = [{"role": "user", "content": "the quick brown fox " * 3000}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model_name, messages=long_chat, max_tokens=1)
+    assert err.value.param == "messages" and "context holds" in err.value.message
+
+
 async def test_top_k_minus_one_means_off(daemon, model_name):
     """vLLM's and llama.cpp's clients send top_k -1 for "no top-k"; every dialect accepts it (and 0)."""
     requests = [("/v1/chat/completions", {"messages": FRANCE, "max_tokens": 1, "top_k": -1}),

@@ -116,14 +116,14 @@ class ServerState:
             ids += await self.encode(after_middle, False)
         return ids
 
-    def check_length(self, prompt_ids: list[int], params: SamplingParams, ctx_field: str | None = None,
+    def check_length(self, prompt_ids: list[int], params: SamplingParams, field: str = "prompt",
                      num_ctx: int | None = None) -> None:
+        """A prompt that leaves no room in the context is a 400 naming `field` (the request field it came from)."""
         limit = self.max_model_len() if num_ctx is None else min(num_ctx, self.max_model_len())
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
         if len(prompt_ids) >= limit:
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the context holds {limit}",
-                           param=ctx_field or "prompt")
+            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the context holds {limit}", param=field)
         # Generation stops at the context end anyway; cap max_tokens so the engine never refuses for it.
         params.max_tokens = max(1, min(params.max_tokens, limit - len(prompt_ids)))
 

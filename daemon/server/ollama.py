@@ -128,7 +128,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     params = _params(opts)
     state.require_engine()
     prompt_ids = await state.encode_chat(messages)
-    state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else None, opts.get("num_ctx"))
+    state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else "messages", opts.get("num_ctx"))
     model = body["model"]
 
     def shape(text: str, done: bool, extra: dict) -> dict:
@@ -157,7 +157,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     else:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         prompt_ids = await state.encode_chat(messages)
-    state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else None, opts.get("num_ctx"))
+    state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else "prompt", opts.get("num_ctx"))
 
     def shape(text: str, done: bool, extra: dict) -> dict:
         return {"model": model, "created_at": _now(), "response": text, "done": done, **extra}

@@ -136,7 +136,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     params = _params(f, f.get("max_completion_tokens", f.get("max_tokens")), logprobs)
     engine = state.require_engine()
     prompt_ids = await state.encode_chat(messages)
-    state.check_length(prompt_ids, params)
+    state.check_length(prompt_ids, params, "messages")
     tok = engine.tokenizer
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
 
