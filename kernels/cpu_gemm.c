@@ -328,6 +328,20 @@ static float *transpose_rows(const float *x, int64_t ldx, int64_t m, int64_t k, 
     return xt;
 }
 
+/* In a parallel region: this thread's columns [n0, n1) and a panel of `floats` floats for them; NULL, with *rc set
+ * to -2, when out of memory. */
+static float *thread_panel(int64_t n, size_t floats, int64_t *n0, int64_t *n1, int *rc) {
+    int tid, nth;
+    thread_id(&tid, &nth);
+    column_range(n, tid, nth, n0, n1);
+    float *wp = (float *)aligned_alloc(32, (floats * 4 + 31) / 32 * 32);
+    if (!wp) {
+#pragma omp atomic write
+        *rc = -2;
+    }
+    return wp;
+}
+
 /* The sum of 8 lane vectors in hsum's order (vectors of rows). */
 INLINE __m256 lane_sum(const __m256 *lanes) {
     __m256 a[4];
@@ -380,15 +394,8 @@ static int int8_rows(const float *x, int64_t ldx, const int8_t *q, const float *
     int rc = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        int tid, nth;
-        thread_id(&tid, &nth);
         int64_t n0, n1;
-        column_range(n, tid, nth, &n0, &n1);
-        float *wp = (float *)aligned_alloc(32, ((size_t)(RP_COLS * k) * 4 + 31) / 32 * 32);
-        if (!wp) {
-#pragma omp atomic write
-            rc = -2;
-        }
+        float *wp = thread_panel(n, (size_t)(RP_COLS * k), &n0, &n1, &rc);
         for (int64_t b0 = 0; wp && b0 < blocks; b0 += chunk_blocks) {
             const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
             for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
@@ -580,15 +587,8 @@ static int int4_rows(const float *x, int64_t ldx, const uint8_t *q, const float 
     int rc = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
-        int tid, nth;
-        thread_id(&tid, &nth);
         int64_t n0, n1;
-        column_range(n, tid, nth, &n0, &n1);
-        float *wp = (float *)aligned_alloc(32, (size_t)(RP_COLS * kp) * 4);
-        if (!wp) {
-#pragma omp atomic write
-            rc = -2;
-        }
+        float *wp = thread_panel(n, (size_t)(RP_COLS * kp), &n0, &n1, &rc);
         for (int64_t b0 = 0; wp && b0 < blocks; b0 += chunk_blocks) {
             const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
             for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
