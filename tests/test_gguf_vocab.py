@@ -120,8 +120,12 @@ def test_gemma3_270m_vocabulary(gemma):
     assert gemma.encode("hello", add_special_tokens=True)[0] == 2
     assert gemma.decode(gemma.encode(" hello world")) == " hello world"
     assert len(gemma.encode("a        b")) == 3
-    for text in CORPUS:
-        assert b"".join(gemma.token_bytes(i) for i in gemma.encode(text)) == text.encode("utf-8"), text
+    for text in CORPUS + ["rare 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 ꧁꧂ 𓀀"]:  # the Fraktur letters and the hieroglyph are byte tokens
+        ids = gemma.encode(text)
+        assert b"".join(gemma.token_bytes(i) for i in ids) == text.encode("utf-8"), text
+        detok = IncrementalDetokenizer(gemma)
+        pieces = [detok.push(i) for i in ids] + [detok.flush()]
+        assert "".join(pieces) == text and all("\ufffd" not in p for p in pieces), text
 
 
 def test_model_without_chat_template_says_so(gemma):

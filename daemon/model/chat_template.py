@@ -105,12 +105,11 @@ def render_chat(
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise InvalidRequest("messages must be a list of objects with role and content", "messages")
     compiled = compile_template(template if template is not None else FALLBACK_TEMPLATE)
-    variables = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+    variables = {"tools": None, "documents": None}  # `extra` may give them (e.g. tools=[...])
+    variables.update({k: v for k, v in (special_tokens or {}).items() if v is not None})
     variables.update(extra)
     try:
-        return compiled.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
-        )
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as e:
         raise InvalidRequest(f"chat template error: {e.message or e}", "messages") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:
