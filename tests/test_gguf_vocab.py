@@ -12,6 +12,7 @@ from llmd.model.gguf import read_gguf_metadata
 from llmd.model.tokenizer import Tokenizer
 from vocab_fixtures import write_byte_level_gguf, write_sentencepiece_gguf
 
+OTHER_PRE_TOKENIZERS = ["tekken", "gpt-4o", "deepseek-coder", "deepseek-v3", "smollm", "gpt-2"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 QWEN2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -38,6 +39,8 @@ SPECIALS_IN_TEXT = {
     "qwen2": ["<|im_start|>assistant\n<think>\nhmm\n</think>\n\nok<|im_end|>", "a<|endoftext|>b"],
     "sentencepiece": ["<s>hello</s>", "a <|tool|> call<sep>b", "<unk>"],
     "phi3": ["<s>hello</s>", "a <|tool|> call<sep>b"],
+    "no_space_prefix": ["<s>hello</s>", "a <|tool|> call<sep>b"],
+    **dict.fromkeys(OTHER_PRE_TOKENIZERS, ["<|begin_of_text|>x<|eot_id|>", "x <|eot_id|> y"]),
     "gemma3": ["<bos>hello<eos>", "<start_of_turn>user\nhi<end_of_turn>", "<b>bold</b> and <div>"],
 }
 
@@ -59,6 +62,11 @@ def vocab_files(tmp_path_factory, smollm2_gguf):
                                        bos=None, eos="<|im_end|>", add_bos=False),
         "sentencepiece": write_sentencepiece_gguf(folder / "spm.gguf"),
         "phi3": write_sentencepiece_gguf(folder / "phi3.gguf", arch="phi3"),
+        "no_space_prefix": write_sentencepiece_gguf(folder / "noprefix.gguf", add_space_prefix=False),
+        # other llama.cpp pre-tokenizers over a Llama-3-style vocabulary trained with their split
+        **{pre: write_byte_level_gguf(folder / f"{pre}.gguf", pre, LLAMA3_SPECIALS, [], bos="<|begin_of_text|>",
+                                      eos="<|eot_id|>", add_bos=True)
+           for pre in OTHER_PRE_TOKENIZERS},
     }
 
 
@@ -75,8 +83,8 @@ def _assert_same(ours: Tokenizer, ref, texts: list[str]) -> None:
         assert ours.decode(ids, skip_special_tokens=False) == ref.decode(ids, skip_special_tokens=False), text
 
 
-# SmolLM2 against transformers: test_tokenizer.py
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "sentencepiece", "phi3"])
+# SmolLM2 against transformers: test_tokenizer.py; transformers has no deepseek splits (llama.cpp test below)
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "sentencepiece", "phi3", "tekken", "gpt-4o", "gpt-2"])
 def test_encode_decode_match_transformers(vocab_files, name):
     path = vocab_files[name]
     ours, ref = _load(path), _reference(path)
@@ -147,6 +155,24 @@ def test_pre_tokenizers_split_as_named(vocab_files):
     assert words(qwen2, "12345") == list("12345") and words(smol, "12345") == list("12345")
     assert [llama3.decode([i]) for i in llama3.encode("12345")][0] == "123"
     assert [qwen2.decode([i]) for i in qwen2.encode("12345")] == list("12345")
+
+
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "sentencepiece", "phi3", "no_space_prefix",
+                                  *OTHER_PRE_TOKENIZERS])
+def test_encode_decode_match_llama_cpp(vocab_files, name):
+    """llama.cpp reads the same file the same way (the vocabulary-only load takes milliseconds)."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional reference")
+    path = vocab_files[name]
+    ours, ref = _load(path), llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    for text in CORPUS + SPECIALS_IN_TEXT[name]:
+        if name == "sentencepiece" and (text[:1].isspace() or "<" in text):
+            # transformers' Metaspace(prepend_scheme="first") puts '▁' only before the start of the text and not
+            # when it starts with a space; llama.cpp (like sentencepiece) always does, and after every special
+            # token too. llmd follows transformers here (Phi-3's vocabulary is read as llama.cpp reads it).
+            continue
+        ids = ours.encode(text, add_special_tokens=True)
+        assert ids == ref.tokenize(text.encode(), add_bos=True, special=True), text
+        assert ours.decode(ids, skip_special_tokens=False) == ref.detokenize(ids, special=True).decode(), text
 
 
 def test_sentencepiece_byte_fallback_and_space_prefix(vocab_files):

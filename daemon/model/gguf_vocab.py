@@ -7,7 +7,9 @@ Two vocabulary models:
   gets GPT-2's own split; a name llmd does not know is refused, naming it, as llama.cpp does.
 - "llama": a SentencePiece vocabulary (Llama 2, Mistral 7B, Phi-3, Gemma) as BPE with byte fallback: the file holds
   no merges, so they are recovered from the vocabulary, best score first (Gemma: file order), which is how
-  SentencePiece's own BPE picks merges. `add_space_prefix` (default on) puts '▁' before the text.
+  SentencePiece's own BPE picks merges. `add_space_prefix` (default on) puts '▁' before the text as transformers
+  does: only at its start and not when it starts with a space (llama.cpp also adds one then, and after each special
+  token); Phi-3's vocabulary is read as llama.cpp reads it, '▁' always.
 
 Both: control tokens (and <unk>) become special tokens and user-defined ones plain added tokens, matched whole in text.
 """
