@@ -220,3 +220,15 @@ def test_unknown_vocabularies_are_refused_by_name(tmp_path, smollm2_gguf):
     # a file without tokenizer.ggml.pre gets GPT-2's split (llama.cpp's and transformers' default)
     without_pre = {k: v for k, v in meta.items() if k != "tokenizer.ggml.pre"}
     assert Tokenizer.from_gguf(without_pre).encode("hello world") == Tokenizer.from_gguf(meta).encode("hello world")
+
+
+def test_detokenizer_with_an_invalid_byte_after_a_byte_fallback_character(vocab_files):
+    # the decoder reads "中"'s bytes and a stray 0xF0 as one invalid run; the stream keeps the shown "中" and
+    # never shows it twice
+    tok = _load(vocab_files["sentencepiece"])
+    stray = tok.backend.token_to_id("<0xF0>")
+    for tail in (" hello world the quick brown fox", ""):
+        ids = tok.encode("中") + [stray] + tok.encode(tail)
+        detok = IncrementalDetokenizer(tok)
+        pieces = [detok.push(i) for i in ids] + [detok.flush()]
+        assert "".join(pieces) == "中\ufffd" + tail
