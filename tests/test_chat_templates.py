@@ -153,3 +153,55 @@ def test_mistral_tool_call_ids_are_checked_by_the_template():
         "name": "get_weather", "arguments": {"city": "Paris"}}}]}
     with pytest.raises(InvalidRequest, match="length 9"):
         ours.apply_chat_template(bad, tools=[WEATHER_TOOL])
+
+
+# ---- where templates come from: tokenizer_config.json (one or named), chat_template.jinja/.json, GGUF metadata
+
+DEFAULT_TPL = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+TOOL_USE_TPL = "TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}" + DEFAULT_TPL
+
+
+def _hf_folder(tmp_path, source: Path, config: dict, files: dict[str, str] | None = None) -> Path:
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(source, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, **config}))
+    for name, text in (files or {}).items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_named_templates_from_tokenizer_config(tmp_path, tiny_qwen2):
+    from transformers import AutoTokenizer
+
+    named = [{"name": "default", "template": DEFAULT_TPL}, {"name": "tool_use", "template": TOOL_USE_TPL}]
+    folder = _hf_folder(tmp_path, tiny_qwen2, {"chat_template": named})
+    ours, ref = Tokenizer.from_hf_folder(folder), AutoTokenizer.from_pretrained(folder)
+    for tools in (None, [WEATHER_TOOL]):
+        assert ours.apply_chat_template(CHATS["user"], False, tools=tools) == ref.apply_chat_template(
+            CHATS["user"], tools=tools, tokenize=False)
+    assert ours.apply_chat_template(CHATS["user"], tools=[WEATHER_TOOL]).startswith("TOOLS:get_weather;")
+
+
+@pytest.mark.parametrize("file_name", ["chat_template.jinja", "chat_template.json"])
+def test_template_files_in_hf_folder(tmp_path, tiny_qwen2, file_name):
+    import json
+
+    text = DEFAULT_TPL if file_name.endswith(".jinja") else json.dumps({"chat_template": DEFAULT_TPL})
+    tok = Tokenizer.from_hf_folder(_hf_folder(tmp_path, tiny_qwen2, {}, {file_name: text}))
+    assert tok.has_chat_template and tok.apply_chat_template(CHATS["user"], False).startswith("<|im_start|>user\n")
+    bare = Tokenizer.from_hf_folder(_hf_folder(tmp_path / "bare", tiny_qwen2, {}))
+    assert not bare.has_chat_template
+
+
+def test_named_templates_from_gguf(smollm2_gguf):
+    from llmd.model.gguf import read_gguf_metadata
+
+    meta = read_gguf_metadata(smollm2_gguf)
+    tok = Tokenizer.from_gguf({**meta, "tokenizer.chat_template.tool_use": TOOL_USE_TPL}, smollm2_gguf)
+    assert tok.apply_chat_template(CHATS["user"], tools=[WEATHER_TOOL]).startswith("TOOLS:get_weather;")
+    assert tok.apply_chat_template(CHATS["user"]) == Tokenizer.from_gguf(meta).apply_chat_template(CHATS["user"])

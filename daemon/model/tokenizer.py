@@ -1,8 +1,8 @@
 """The tokenizer: a `tokenizers.Tokenizer` plus what serving needs around it (special ids, chat template, FIM ids).
 
 Two sources:
-- a Hugging Face folder: tokenizer.json, tokenizer_config.json (bos/eos, add_bos_token, chat_template, or a
-  chat_template.jinja file), generation_config.json and config.json (eos ids);
+- a Hugging Face folder: tokenizer.json, tokenizer_config.json (bos/eos, add_bos/eos_token, chat_template, or a
+  chat_template.jinja or chat_template.json file), generation_config.json and config.json (eos ids);
 - GGUF metadata (`tokenizer.ggml.*`, rebuilt by gguf_vocab: byte-level BPE or SentencePiece), its BOS/EOS flags
   and its chat template.
 
@@ -63,6 +63,7 @@ class Tokenizer:
         eos_token_ids: set[int] | None = None,
         chat_template: str | None = None,
         special_tokens: dict[str, str | None] | None = None,
+        named_templates: dict[str, str] | None = None,
     ):
         self.backend = backend
         self.bos_token = bos_token
@@ -73,6 +74,8 @@ class Tokenizer:
             eos_ids.add(backend.token_to_id(eos_token))
         self.eos_token_ids: set[int] = eos_ids
         self.chat_template = chat_template
+        # other templates by name; "tool_use" renders requests that carry tools, as in transformers
+        self.named_templates: dict[str, str] = dict(named_templates or {})
         # variables a chat template sees (bos_token, eos_token, ...), as transformers passes them
         self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token, **(special_tokens or {})}
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -95,13 +98,16 @@ class Tokenizer:
         gen = _read_json(folder / "generation_config.json")
         model_cfg = _read_json(folder / "config.json")
         bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: use the default one
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
+        template, named = cfg.get("chat_template"), {}
+        if isinstance(template, list):  # named templates: "default", and e.g. "tool_use" for requests with tools
+            named = {t.get("name"): t.get("template") for t in template
+                     if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+            template = named.pop("default", None)
         jinja_file = folder / "chat_template.jinja"
         if template is None and jinja_file.exists():
             template = jinja_file.read_text(encoding="utf-8")
+        if template is None:  # multimodal repos keep it in chat_template.json
+            template = _read_json(folder / "chat_template.json").get("chat_template")
         eos_ids = set(_id_list(gen.get("eos_token_id")) or _id_list(model_cfg.get("eos_token_id")))
         if bos is None:  # some repos only give the id
             bos_id = gen.get("bos_token_id", model_cfg.get("bos_token_id"))
@@ -109,8 +115,9 @@ class Tokenizer:
         flags = [bool(cfg[k]) if k in cfg else None for k in ("add_bos_token", "add_eos_token")]
         _set_special_processing(backend, bos, flags[0], eos, flags[1])
         extra = {k: _token_text(cfg.get(k)) for k in ("unk_token", "pad_token")}
-        return cls(backend, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, chat_template=template,
-                   special_tokens=extra)
+        return cls(backend, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids,
+                   chat_template=template if isinstance(template, str) else None, special_tokens=extra,
+                   named_templates=named)
 
     @classmethod
     def from_gguf(cls, metadata: dict, path: str | Path | None = None) -> "Tokenizer":
@@ -134,9 +141,11 @@ class Tokenizer:
         extra = {"unk_token": token_at("tokenizer.ggml.unknown_token_id"),
                  "pad_token": token_at("tokenizer.ggml.padding_token_id")}
         template = metadata.get("tokenizer.chat_template")
+        prefix = "tokenizer.chat_template."  # named templates, e.g. tokenizer.chat_template.tool_use
+        named = {k[len(prefix):]: v for k, v in metadata.items() if k.startswith(prefix) and isinstance(v, str)}
         return cls(backend, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids,
                    chat_template=template if isinstance(template, str) and template.strip() else None,
-                   special_tokens=extra)
+                   special_tokens=extra, named_templates=named)
 
     # ---- text <-> ids
 
@@ -177,7 +186,10 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """The chat rendered by the model's template (InvalidRequest naming `messages` if it has none or it raises)."""
-        if self.chat_template is None:
+        template = self.chat_template
+        if kwargs.get("tools") is not None and "tool_use" in self.named_templates:
+            template = self.named_templates["tool_use"]
+        if template is None:
             raise InvalidRequest(
                 "this model has no chat template (a base model): send a raw prompt to a completion route instead",
                 "messages")
@@ -185,7 +197,7 @@ class Tokenizer:
             raise InvalidRequest("messages must not be empty", "messages")
         # transformers drops keys whose value is None before rendering
         cleaned = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
-        return render_chat(self.chat_template, cleaned, add_generation_prompt, self.special_tokens, **kwargs)
+        return render_chat(template, cleaned, add_generation_prompt, self.special_tokens, **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of the rendered chat. As transformers does, no special tokens are added on top of the
