@@ -171,7 +171,7 @@ def test_small_file_loads_with_reference_values(small_gguf):
         assert torch.equal(tensors[name], ref), name
     assert model.metadata["general.architecture"] == "llama"
     assert "tokenizer.ggml.tokens" not in model.metadata  # only small scalars for display
-    assert model.tokenizer.eos_token_ids == {2}
+    assert model.tokenizer.eos_token_ids == {0, 2}  # eos, and <|endoftext|> as llama.cpp ends generation there too
 
 
 def test_raw_tensors_stay_packed_and_match(small_gguf):

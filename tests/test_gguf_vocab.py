@@ -119,7 +119,9 @@ def test_gemma3_270m_matches_transformers(gemma, gemma_path):
 
     ref = _reference(gemma_path, GemmaTokenizer)
     assert gemma.vocab_size == len(ref) == 262144
-    assert gemma.bos_token_id == ref.bos_token_id == 2 and gemma.eos_token_ids == {1}
+    # <eos>, and <end_of_turn>, which ends an instruction-tuned Gemma's answers (llama.cpp stops there too)
+    assert gemma.bos_token_id == ref.bos_token_id == 2 and gemma.eos_token_ids == {1, 106}
+    assert gemma.id_to_piece(106) == "<end_of_turn>"
     _assert_same(gemma, ref, CORPUS + SPECIALS_IN_TEXT["gemma3"])
 
 

@@ -61,7 +61,7 @@ def smol_ref(smollm2_gguf):
 def test_gguf_tokenizer_matches_transformers(smol, smol_ref):
     assert smol.vocab_size == len(smol_ref)
     assert smol.bos_token_id == smol_ref.bos_token_id == 1
-    assert smol.eos_token_ids == {smol_ref.eos_token_id}
+    assert smol_ref.eos_token_id == 2 and smol.eos_token_ids == {0, 2}  # <|im_end|>, and <|endoftext|> (llama.cpp)
     for text in TEXTS:
         ids = smol.encode(text)
         assert ids == smol_ref.encode(text, add_special_tokens=False), text

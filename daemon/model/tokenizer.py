@@ -22,6 +22,12 @@ from ..errors import InvalidRequest, ModelFileError
 from .chat_template import render_chat
 from .gguf_vocab import backend_from_gguf, byte_decoder
 
+# the end-of-generation tokens llama.cpp recognises by their text in a GGUF vocabulary
+_END_OF_TURN = frozenset({
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>", "_<EOT>", "[EOT]", "<|return|>", "<|call|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+})
+
 # (prefix, suffix, middle) spellings of fill-in-the-middle tokens, StarCoder/SmolLM style then Qwen style
 _FIM_SPELLINGS = (
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),
@@ -138,6 +144,9 @@ class Tokenizer:
                                   "tokenizer.ggml.eom_token_id")
             if isinstance(metadata.get(k), int)
         }
+        # A GGUF has no generation_config.json: like llama.cpp, end generation also at the end-of-turn tokens the
+        # vocabulary has (Gemma's <end_of_turn> while its eos is <eos>, Llama 3's <|eom_id|>, ...)
+        eos_ids |= {i for i, t in enumerate(tokens) if t in _END_OF_TURN}
         extra = {"unk_token": token_at("tokenizer.ggml.unknown_token_id"),
                  "pad_token": token_at("tokenizer.ggml.padding_token_id")}
         template = metadata.get("tokenizer.chat_template")
