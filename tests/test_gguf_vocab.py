@@ -14,6 +14,7 @@ from vocab_fixtures import write_byte_level_gguf, write_sentencepiece_gguf
 
 OTHER_PRE_TOKENIZERS = ["tekken", "gpt-4o", "deepseek-coder", "deepseek-v3", "smollm", "gpt-2"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+DEEPSEEK_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
 QWEN2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 CORPUS = [
@@ -40,6 +41,7 @@ SPECIALS_IN_TEXT = {
     "sentencepiece": ["<s>hello</s>", "a <|tool|> call<sep>b", "<unk>"],
     "phi3": ["<s>hello</s>", "a <|tool|> call<sep>b"],
     "no_space_prefix": ["<s>hello</s>", "a <|tool|> call<sep>b"],
+    "deepseek-r1-qwen": ["<｜User｜>hi<｜Assistant｜>ok<｜end▁of▁sentence｜>"],
     **dict.fromkeys(OTHER_PRE_TOKENIZERS, ["<|begin_of_text|>x<|eot_id|>", "x <|eot_id|> y"]),
     "gemma3": ["<bos>hello<eos>", "<start_of_turn>user\nhi<end_of_turn>", "<b>bold</b> and <div>"],
 }
@@ -63,6 +65,10 @@ def vocab_files(tmp_path_factory, smollm2_gguf):
         "sentencepiece": write_sentencepiece_gguf(folder / "spm.gguf"),
         "phi3": write_sentencepiece_gguf(folder / "phi3.gguf", arch="phi3"),
         "no_space_prefix": write_sentencepiece_gguf(folder / "noprefix.gguf", add_space_prefix=False),
+        # DeepSeek-R1-Distill-Qwen: control tokens spelled outside the byte alphabet
+        "deepseek-r1-qwen": write_byte_level_gguf(
+            folder / "r1.gguf", "deepseek-r1-qwen", DEEPSEEK_SPECIALS, [], bos=DEEPSEEK_SPECIALS[0],
+            eos=DEEPSEEK_SPECIALS[1], add_bos=True),
         # other llama.cpp pre-tokenizers over a Llama-3-style vocabulary trained with their split
         **{pre: write_byte_level_gguf(folder / f"{pre}.gguf", pre, LLAMA3_SPECIALS, [], bos="<|begin_of_text|>",
                                       eos="<|eot_id|>", add_bos=True)
@@ -159,13 +165,14 @@ def test_pre_tokenizers_split_as_named(vocab_files):
     assert [qwen2.decode([i]) for i in qwen2.encode("12345")] == list("12345")
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "sentencepiece", "phi3", "no_space_prefix",
+@pytest.mark.parametrize("name", ["llama3", "qwen2", "sentencepiece", "phi3", "no_space_prefix", "deepseek-r1-qwen",
                                   *OTHER_PRE_TOKENIZERS])
 def test_encode_decode_match_llama_cpp(vocab_files, name):
     """llama.cpp reads the same file the same way (the vocabulary-only load takes milliseconds)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional reference")
     path = vocab_files[name]
     ours, ref = _load(path), llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
+    assert ours.vocab_size == ref.n_vocab()
     for text in CORPUS + SPECIALS_IN_TEXT[name]:
         if name == "sentencepiece" and (text[:1].isspace() or "<" in text):
             # transformers' Metaspace(prepend_scheme="first") puts '▁' only before the start of the text and not
