@@ -42,7 +42,7 @@ SPECIALS_IN_TEXT = {
     "phi3": ["<s>hello</s>", "a <|tool|> call<sep>b"],
     "no_space_prefix": ["<s>hello</s>", "a <|tool|> call<sep>b"],
     "deepseek-r1-qwen": ["<｜User｜>hi<｜Assistant｜>ok<｜end▁of▁sentence｜>"],
-    **dict.fromkeys(OTHER_PRE_TOKENIZERS, ["<|begin_of_text|>x<|eot_id|>", "x <|eot_id|> y"]),
+    **{pre: ["<|begin_of_text|>x<|eot_id|>", "x <|eot_id|> y"] for pre in OTHER_PRE_TOKENIZERS},
     "gemma3": ["<bos>hello<eos>", "<start_of_turn>user\nhi<end_of_turn>", "<b>bold</b> and <div>"],
 }
 
