@@ -4,7 +4,8 @@ read it.
 Two vocabulary models:
 - "gpt2": byte-level BPE from the file's tokens and merges, split first by the regex its `tokenizer.ggml.pre` names
   (llama.cpp's names: llama-bpe for Llama 3, qwen2, smollm, tekken, ...). A file without a `pre` (or "default")
-  gets GPT-2's own split; a name llmd does not know is refused, naming it, as llama.cpp does.
+  gets GPT-2's own split, as transformers reads it (llama.cpp falls back to an older regex of its own and warns
+  that quality suffers); a name llmd does not know is refused, naming it, as llama.cpp does.
 - "llama": a SentencePiece vocabulary (Llama 2, Mistral 7B, Phi-3, Gemma) as BPE with byte fallback: the file holds
   no merges, so they are recovered from the vocabulary, best score first (Gemma: file order), which is how
   SentencePiece's own BPE picks merges. `add_space_prefix` (default on) puts '▁' before the text as transformers
