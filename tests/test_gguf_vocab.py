@@ -12,7 +12,8 @@ from llmd.model.gguf import read_gguf_metadata
 from llmd.model.tokenizer import Tokenizer
 from vocab_fixtures import write_byte_level_gguf, write_sentencepiece_gguf
 
-OTHER_PRE_TOKENIZERS = ["tekken", "gpt-4o", "deepseek-coder", "deepseek-v3", "smollm", "gpt-2"]
+OTHER_PRE_TOKENIZERS = ["tekken", "gpt-4o", "deepseek-coder", "deepseek-v3", "smollm", "gpt-2", "falcon", "bloom",
+                        "viking"]
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 DEEPSEEK_SPECIALS = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>"]
 QWEN2_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

@@ -49,6 +49,8 @@ _GPT4O = (  # o200k (Llama 4, Phi-4-mini): cased words with their contractions
     r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_FALCON = (r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]")
+_BLOOM = r" ?[^(\s|.,!?…。，、।۔،)]+"
 _DEEPSEEK_CODER = (r"[\r\n]", r"\s?\p{L}+", r"\s?\p{P}+", r"[一-龥ࠀ-一가-퟿]+", r"\p{N}")
 _DEEPSEEK_V3 = (
     r"\p{N}{1,3}",
@@ -61,15 +63,19 @@ _DEEPSEEK_V3 = (
 PRE_TOKENIZER_SPLITS: dict[str, tuple[str, ...]] = {
     **dict.fromkeys(
         ("llama3", "llama-v3", "llama-bpe", "dbrx", "smaug-bpe", "falcon3", "falcon-h1", "pixtral", "chatglm-bpe",
-         "midm-2.0", "lfm2"),
+         "glm4", "midm-2.0", "lfm2"),
         (_LLAMA3,),
     ),
     **dict.fromkeys(
-        ("qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan", "grok-2", "seed-coder"), (_QWEN2,)),
+        ("qwen2", "deepseek-r1-qwen", "kormo", "stablelm2", "megrez", "hunyuan", "grok-2"), (_QWEN2,)),
     "tekken": (_TEKKEN,),
     **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2"), (_GPT4O,)),
     # GPT-2's split; the code models among them first cut every digit alone
-    **dict.fromkeys(("default", "gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "trillion", "roberta-bpe"), (_GPT2,)),
+    **dict.fromkeys(("default", "gpt-2", "gpt2", "phi-2", "mpt", "olmo", "jais", "trillion", "roberta-bpe", "gigachat",
+                     "exaone4", "mellum", "a.x-4.0", "jina-v1-en", "jina-v2-code", "jina-es", "jina-de"), (_GPT2,)),
+    "falcon": _FALCON,
+    **dict.fromkeys(("bloom", "poro-chat", "gpt3-finnish"), (_BLOOM,)),
+    "viking": (_BLOOM, r"\p{N}"),
     **dict.fromkeys(
         ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"), (r"\p{N}", _GPT2)),
     **dict.fromkeys(("deepseek-coder",), _DEEPSEEK_CODER),
@@ -143,8 +149,8 @@ def _byte_level(metadata: dict, tokens: list[str], where) -> BackendTokenizer:
             raise ModelFileError(where, f"GGUF tokenizer merge {m!r} is not 'left right'")
         pairs.append((left, right))
     try:
-        # Llama 3's tokenizer (and llama.cpp for it) takes a piece that is a whole token as is, before any merge
-        ignore_merges = PRE_TOKENIZER_SPLITS[pre] == (_LLAMA3,)
+        # Llama 3's and Tekken's tokenizers (and llama.cpp) take a piece that is a whole token as is, before merging
+        ignore_merges = PRE_TOKENIZER_SPLITS[pre] in ((_LLAMA3,), (_TEKKEN,))
         backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False,
                                               ignore_merges=ignore_merges))
     except Exception as e:  # the tokenizers library raises plain Exceptions
