@@ -42,6 +42,7 @@ SPECIALS_IN_TEXT = {
     "sentencepiece": ["<s>hello</s>", "a <|tool|> call<sep>b", "<unk>"],
     "phi3": ["<s>hello</s>", "a <|tool|> call<sep>b"],
     "no_space_prefix": ["<s>hello</s>", "a <|tool|> call<sep>b"],
+    "llama3_unmerged": ["a zebrafish swims", "zebrafish"],
     "deepseek-r1-qwen": ["<｜User｜>hi<｜Assistant｜>ok<｜end▁of▁sentence｜>"],
     **{pre: ["<|begin_of_text|>x<|eot_id|>", "x <|eot_id|> y"] for pre in OTHER_PRE_TOKENIZERS},
     "gemma3": ["<bos>hello<eos>", "<start_of_turn>user\nhi<end_of_turn>", "<b>bold</b> and <div>"],
@@ -61,6 +62,10 @@ def vocab_files(tmp_path_factory, smollm2_gguf):
         "smollm2": smollm2_gguf,
         "llama3": write_byte_level_gguf(folder / "llama3.gguf", "llama-bpe", LLAMA3_SPECIALS, [],
                                         bos="<|begin_of_text|>", eos="<|eot_id|>", add_bos=True),
+        # a whole-word token no merge reaches: Llama 3's tokenizer (ignore_merges) and llama.cpp take it whole
+        "llama3_unmerged": write_byte_level_gguf(folder / "llama3u.gguf", "llama-bpe", LLAMA3_SPECIALS, [],
+                                                 bos="<|begin_of_text|>", eos="<|eot_id|>", add_bos=True,
+                                                 unmerged=["Ġzebrafish"]),
         "qwen2": write_byte_level_gguf(folder / "qwen2.gguf", "qwen2", QWEN2_SPECIALS, ["<think>", "</think>"],
                                        bos=None, eos="<|im_end|>", add_bos=False),
         "sentencepiece": write_sentencepiece_gguf(folder / "spm.gguf"),
@@ -166,8 +171,8 @@ def test_pre_tokenizers_split_as_named(vocab_files):
     assert [qwen2.decode([i]) for i in qwen2.encode("12345")] == list("12345")
 
 
-@pytest.mark.parametrize("name", ["llama3", "qwen2", "sentencepiece", "phi3", "no_space_prefix", "deepseek-r1-qwen",
-                                  *OTHER_PRE_TOKENIZERS])
+@pytest.mark.parametrize("name", ["llama3", "llama3_unmerged", "qwen2", "sentencepiece", "phi3", "no_space_prefix",
+                                  "deepseek-r1-qwen", *OTHER_PRE_TOKENIZERS])
 def test_encode_decode_match_llama_cpp(vocab_files, name):
     """llama.cpp reads the same file the same way (the vocabulary-only load takes milliseconds)."""
     llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional reference")
@@ -183,6 +188,12 @@ def test_encode_decode_match_llama_cpp(vocab_files, name):
         ids = ours.encode(text, add_special_tokens=True)
         assert ids == ref.tokenize(text.encode(), add_bos=True, special=True), text
         assert ours.decode(ids, skip_special_tokens=False) == ref.detokenize(ids, special=True).decode(), text
+
+
+def test_whole_word_tokens_skip_merges_in_llama3(vocab_files):
+    tok = _load(vocab_files["llama3_unmerged"])
+    assert [tok.id_to_piece(i) for i in tok.encode("a zebrafish")] == ["a", "Ġzebrafish"]
+    assert len(tok.encode("zebrafish")) > 1  # without the space it is not a token: merges as usual
 
 
 def test_sentencepiece_byte_fallback_and_space_prefix(vocab_files):

@@ -57,14 +57,14 @@ def _finish(w: gguf.GGUFWriter) -> None:
 
 
 def write_byte_level_gguf(path: Path, pre: str, specials: list[str], user_defined: list[str], *, bos: str | None,
-                          eos: str, add_bos: bool, template: str | None = None) -> Path:
+                          eos: str, add_bos: bool, template: str | None = None, unmerged: list[str] = ()) -> Path:
     """A "gpt2" vocabulary split by llama.cpp's `pre` regexes: specials (control) first, then the trained tokens,
-    then `user_defined` tokens (e.g. <think>), which no merge reaches."""
+    then `user_defined` tokens (e.g. <think>) and `unmerged` ordinary tokens, which no merge reaches."""
     splits = [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in PRE_TOKENIZER_SPLITS[pre]]
     pre_tok = pre_tokenizers.Sequence([*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend = _trained(pre_tok, decoders.ByteLevel(), 700, specials)
     vocab = backend.get_vocab()
-    tokens = sorted(vocab, key=vocab.get) + user_defined
+    tokens = sorted(vocab, key=vocab.get) + user_defined + list(unmerged)
     merges = [" ".join(m) for m in _merges(backend)]
     w = _writer(path, "qwen2" if pre == "qwen2" else "llama")
     w.add_vocab_size(len(tokens))
