@@ -18,6 +18,7 @@ TEMPLATES = Path(__file__).parent / "chat_templates"
 # template file -> (bos, eos) of the family
 FAMILIES = {
     "llama-3.1-instruct": ("<|begin_of_text|>", "<|eot_id|>"),
+    "llama-3.2-instruct": ("<|begin_of_text|>", "<|eot_id|>"),
     "qwen2.5-instruct": (None, "<|im_end|>"),
     "qwen3": (None, "<|im_end|>"),
     "gemma-2-it": ("<bos>", "<eos>"),
@@ -25,7 +26,7 @@ FAMILIES = {
     "mistral-7b-instruct-v0.3": ("<s>", "</s>"),
     "phi-3.5-mini-instruct": ("<s>", "<|endoftext|>"),
 }
-TOOL_FAMILIES = {"llama-3.1-instruct", "qwen2.5-instruct", "qwen3", "mistral-7b-instruct-v0.3"}
+TOOL_FAMILIES = {"llama-3.1-instruct", "llama-3.2-instruct", "qwen2.5-instruct", "qwen3", "mistral-7b-instruct-v0.3"}
 NO_SYSTEM_ROLE = {"gemma-2-it"}
 
 WEATHER_TOOL = {
@@ -97,7 +98,7 @@ def test_template_matches_transformers(name, chat):
 @pytest.mark.parametrize("name", sorted(TOOL_FAMILIES))
 def test_tool_call_round_matches_transformers(name):
     ours, ref = _pair(name)
-    messages = TOOL_ROUND[1:] if name == "llama-3.1-instruct" else TOOL_ROUND
+    messages = TOOL_ROUND[1:] if name.startswith("llama") else TOOL_ROUND
     text = _same(ours, ref, messages, tools=[WEATHER_TOOL])
     assert "22 C, sunny" in text and '"city": "Paris"' in text
 
@@ -117,6 +118,15 @@ def test_llama3_date_and_tool_preamble():
     assert "You have access to the following functions" in text.split("<|eot_id|>")[0]
     with pytest.raises(InvalidRequest, match="no first user message"):  # the template's own raise_exception
         ours.apply_chat_template([{"role": "system", "content": "x"}], tools=[WEATHER_TOOL])
+
+
+def test_llama32_date_is_today():
+    from datetime import datetime
+
+    ours, ref = _pair("llama-3.2-instruct")
+    text = _same(ours, ref, CHATS["user"])  # both render strftime_now; a test run across midnight could differ
+    assert f"Today Date: {datetime.now().strftime('%d %b %Y')}\n\n" in text
+    assert "Today Date: 01 Dec 2026" in _same(ours, ref, CHATS["user"], date_string="01 Dec 2026")
 
 
 def test_qwen3_thinking_switch():
