@@ -173,9 +173,11 @@ def test_pre_tokenizers_split_as_named(vocab_files):
 
 @pytest.mark.parametrize("name", ["llama3", "llama3_unmerged", "qwen2", "sentencepiece", "phi3", "no_space_prefix",
                                   "deepseek-r1-qwen", *OTHER_PRE_TOKENIZERS])
+@pytest.mark.anchor
 def test_encode_decode_match_llama_cpp(vocab_files, name):
-    """llama.cpp reads the same file the same way (the vocabulary-only load takes milliseconds)."""
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional reference")
+    """llama.cpp reads the same file the same way (the vocabulary-only load takes milliseconds). Deselected by
+    default; `pytest -m anchor` runs it where `make bench-anchor` has installed llama-cpp-python."""
+    import llama_cpp
     path = vocab_files[name]
     ours, ref = _load(path), llama_cpp.Llama(str(path), vocab_only=True, verbose=False)
     assert ours.vocab_size == ref.n_vocab()
