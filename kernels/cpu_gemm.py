@@ -358,3 +358,16 @@ def layer_kernel(cache: dict, kind: str, qweight: torch.Tensor, scales: torch.Te
     kernel = LayerKernel(lib, kind, qweight, scales, zeros, group_size) if ok else None
     cache["cpu_gemm"] = (qweight, scales, zeros, kernel)
     return kernel
+
+
+# ---- GGUF blocks (llmd.kernels.gguf_blocks), read in place ---------------------------------------------------------
+
+
+def gguf_layer_kernel(cache: dict, qweight: torch.Tensor, type_name: str, k: int):
+    """The compiled matmul for a packed GGUF weight, kept in the layer's cache; None where there is none (then the
+    layer dequantizes in torch)."""
+    entry = cache.get("cpu_gemm")
+    if entry is not None and entry[0] is qweight:
+        return entry[3]
+    cache["cpu_gemm"] = (qweight, None, None, None)
+    return None

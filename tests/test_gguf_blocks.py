@@ -16,13 +16,13 @@ F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": 
               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
 
 
-def random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+def random_blocks(type_name: str, n: int, k: int, seed: int = 0, scale: float = 0.02) -> np.ndarray:
     """n rows of k elements of random blocks with finite fp16 scale fields: uint8 [n, row_bytes]."""
     elems, nbytes = gb.BLOCKS[type_name]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n, k // elems, nbytes), dtype=np.uint8)
     for offset in F16_FIELDS[type_name]:
-        scale = (rng.standard_normal((n, k // elems)) * 0.02).astype(np.float16)
+        scale = (rng.standard_normal((n, k // elems)) * scale).astype(np.float16)
         raw[..., offset:offset + 2] = scale.view(np.uint8).reshape(n, k // elems, 2)
     return raw.reshape(n, -1)
 

@@ -14,8 +14,9 @@ from torch import nn
 from ..errors import ModelFileError
 from .config import ModelConfig
 from .linear import use_transposed_weights
-from .quant import (build_empty_quantized, gguf_raw_tensors, gguf_tensor_types, keep_tied_q8_0_head, parse_quant,
-                    quantize_tied_head, quantized_weight_bytes, quantizing_stream)
+from .gguf_layers import tie_gguf_head
+from .quant import (build_empty_quantized, gguf_raw_tensors, gguf_tensor_types, parse_quant, quantize_tied_head,
+                    quantized_weight_bytes, quantizing_stream)
 from .quant_cache import load_quantized  # second starts read packed weights from the XDG cache
 from .weights import LoadReport, build_empty, iter_safetensors, load_hf_weights, load_tensors, safetensors_files
 
@@ -71,7 +72,7 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
 
             model, report, _ = load_quantized([path], config, dtype, device_t, spec, quantize_head, build)
             if spec.method == "gguf":
-                keep_tied_q8_0_head(model, path, dtype)
+                tie_gguf_head(model, dtype)
     else:
         from .tokenizer import Tokenizer
 

@@ -3,7 +3,8 @@
 Modes: none | int8 | int4 (group 64; int4-g32 / int4-g64 / int4-g128 pick the group) | bnb-int8 | bnb-nf4.
 - int8: per-output-channel symmetric scales, w = q * scale.
 - int4: group-wise asymmetric, two values packed per byte, w = (q - 8) * scale + zero (layout: llmd.kernels.quant_matmul).
-- GGUF Q8_0 / Q4_0 / Q4_1 blocks convert to int8 g32 / int4 g32 by rearranging bytes (no dequantize/re-quantize).
+- GGUF Q8_0 / Q4_0 / Q4_1 blocks convert to int8 g32 / int4 g32 by rearranging bytes (no dequantize/re-quantize);
+  every other GGUF type stays packed as the file has it (llmd.model.gguf_layers, llmd.kernels.gguf_blocks).
 
 Quantization happens while the weights stream in (`quantizing_stream`): each linear's fp weight is quantized as soon
 as it is read, so the unquantized model never sits whole in memory.
@@ -509,10 +510,23 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
                       gguf_types: dict[str, str] | None = None) -> dict[str, nn.Module]:
     """Replace the model's linear layers by unfilled quantized ones (call before the weights load).
 
-    For spec "gguf" the layer follows each tensor's GGML type (gguf_types: weight name -> type): Q4_0/Q4_1 -> int4 g32,
-    Q8_0 -> int8 g32, anything else stays a plain linear. Returns {module name: new layer}.
+    For spec "gguf" the layer follows each tensor's GGML type (gguf_types: weight name -> type), the output head
+    included: Q4_0/Q4_1 -> int4 g32, Q8_0 -> int8 g32 (exact byte rearrangements), every other packed type
+    (llmd.kernels.gguf_blocks: Q4_K, Q6_K, Q5_0, ...) -> a GGUFLinear keeping the file's blocks, float types stay a
+    plain linear; a packed token table becomes a GGUFEmbedding. Returns {module name: new layer}.
     """
+    from llmd.kernels.gguf_blocks import BLOCKS
+
+    from .gguf_layers import GGUFEmbedding, GGUFLinear
+
     swapped = {}
+    if spec.method == "gguf":
+        include_lm_head = True  # a packed head stays packed (a Q6_K head dequantized would be 5x its bytes)
+        emb = model.model.embed_tokens
+        kind = (gguf_types or {}).get("model.embed_tokens.weight")
+        if kind in BLOCKS:
+            model.model.embed_tokens = swapped["model.embed_tokens"] = GGUFEmbedding(
+                emb.num_embeddings, emb.embedding_dim, kind, dtype or torch.float32, device=device)
     for name, linear in linear_modules(model, include_lm_head).items():
         if spec.method == "gguf":
             kind = (gguf_types or {}).get(f"{name}.weight")
@@ -521,6 +535,9 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
                                    dtype=dtype, device=device)
             elif kind == "Q8_0":
                 layer = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, 32,
+                                   dtype=dtype, device=device)
+            elif kind in BLOCKS:
+                layer = GGUFLinear(linear.in_features, linear.out_features, kind, linear.bias is not None,
                                    dtype=dtype, device=device)
             else:
                 continue
@@ -543,8 +560,9 @@ def quantizing_stream(
     tensors: Iterable, swapped: dict[str, nn.Module], spec: QuantSpec, source,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass (name, tensor) pairs through, except the weights of swapped layers, which are quantized into their layer
-    on the spot. Items may also be GGUF RawTensor objects: packed Q8_0/Q4 blocks go straight into int8/int4 layers,
-    everything else is dequantized and continues as an fp tensor.
+    on the spot. Items may also be GGUF RawTensor objects: packed blocks go straight into their layer (GGUFLinear,
+    GGUFEmbedding; Q8_0/Q4 rearranged into int8/int4 layers), everything else is dequantized and continues as an fp
+    tensor.
 
     A calibrated spec leaves the swapped layers empty (their weights are only checked to be present): they are
     filled afterwards, layer by layer, by llmd.model.calibrate.quantize_calibrated."""
@@ -556,8 +574,7 @@ def quantizing_stream(
             if spec.calibrate and pending.pop(item.name, None) is not None:
                 continue  # read again, by name, during calibration
             layer = pending.get(item.name)
-            if layer is not None and item.type_name in ("Q4_0", "Q4_1", "Q8_0") and spec.method == "gguf":
-                _fill_from_raw(layer, item)
+            if layer is not None and spec.method == "gguf" and _fill_packed(layer, item, source):
                 del pending[item.name]
                 continue
             name = item.name
@@ -589,20 +606,22 @@ class Int8RowEmbedding(nn.Module):
         return rows.to(self.dtype).view(*input_ids.shape, head.in_features)
 
 
-def keep_tied_q8_0_head(model: nn.Module, path, dtype: torch.dtype) -> bool:
-    """For `--quant gguf`: a tied model whose GGUF token table is Q8_0 computes its logits from that table as an
-    int8 group-32 layer (the file's own values, as llama.cpp does) and reads its embeddings from it, instead of a
-    dequantized copy: the head is the largest matmul of a small model's decode step. Returns whether it did."""
-    if getattr(model, "lm_head", "untied") is not None:
+def _fill_packed(layer: nn.Module, raw, source) -> bool:
+    """Fill a swapped layer from a GGUF tensor's blocks without dequantizing; False when the types do not pair
+    (the tensor is then dequantized and the layer quantized from it)."""
+    from .gguf_layers import GGUFEmbedding, GGUFLinear
+
+    if isinstance(layer, (GGUFLinear, GGUFEmbedding)):
+        if raw.type_name != layer.type_name:
+            return False
+        layer.fill(torch.from_numpy(np.array(raw.data, dtype=np.uint8, copy=True)), raw.name, source)
+        return True
+    if raw.type_name not in ("Q4_0", "Q4_1", "Q8_0") or (raw.type_name == "Q8_0") != isinstance(layer, Int8Linear):
         return False
-    raw = next((t for t in gguf_raw_tensors(path) if t.name == "model.embed_tokens.weight"), None)
-    if raw is None or raw.type_name != "Q8_0":
-        return False
-    table = model.model.embed_tokens.weight
-    head = Int8Linear(raw.shape[1], raw.shape[0], bias=False, group_size=32, device=table.device)
-    _fill_from_raw(head, raw)
-    model.lm_head = head
-    model.model.embed_tokens = Int8RowEmbedding(head, dtype)
+    if tuple(raw.shape) != (layer.out_features, layer.in_features):
+        raise ModelFileError(source, f"tensor {raw.name!r} has shape {tuple(raw.shape)}, expected "
+                                     f"{(layer.out_features, layer.in_features)}")
+    _fill_from_raw(layer, raw)
     return True
 
 
@@ -672,9 +691,9 @@ def build_empty_quantized(config, dtype: torch.dtype, device, spec: QuantSpec, i
 
 def gguf_tensor_types(path) -> dict[str, str]:
     """Hugging Face weight name -> GGML type of every tensor in a GGUF file (reads no weights)."""
-    from .gguf import iter_raw_tensors
+    from .gguf import raw_tensor_types
 
-    return {raw.name: raw.type_name for raw in iter_raw_tensors(path)}
+    return raw_tensor_types(path)
 
 
 def gguf_raw_tensors(path):
