@@ -240,3 +240,14 @@ def test_unknown_and_undequantizable_types_are_refused_by_name(kquant_files, tmp
         message = _error(path)
         assert expect in message and "blk.1.ffn_up.weight" in message
 
+
+
+def test_auto_without_the_cpu_kernels_says_it_dequantizes(kquant_files, monkeypatch, caplog):
+    from llmd.kernels import cpu_gemm
+
+    monkeypatch.setattr(cpu_gemm, "available", lambda: False)  # as on a machine without a C compiler
+    with caplog.at_level(logging.WARNING, logger="llmd.model.loader"):
+        lm = load_model(kquant_files["tied"], device="cpu")
+    lines = [r.getMessage() for r in caplog.records if "dequantized to float32" in r.getMessage()]
+    assert len(lines) == 1 and "Q4_K" in lines[0] and "--quant gguf" in lines[0]
+    assert not any(isinstance(m, GGUFLinear) for m in lm.model.modules())

@@ -524,6 +524,13 @@ def iter_raw_tensors(path) -> Iterator[RawTensor]:
     return _raw_generator(gf, _iter_checked(gf, hf_cfg))
 
 
+def quantized_elements(path) -> tuple[list[str], int]:
+    """(the quantized types of a GGUF file's tensors, how many elements they hold); reads no weights."""
+    gf = _GGUFFile(path)
+    infos = [t for t in gf.tensors if t.type_name not in ("F32", "F16", "BF16")]
+    return sorted({t.type_name for t in infos}), sum(int(np.prod(t.shape)) for t in infos)
+
+
 def raw_tensor_types(path) -> dict[str, str]:
     """Hugging Face name -> the GGML type its RawTensor will have (after any Q8_0 conversion); reads no weights."""
     gf, hf_cfg = _open(path)

@@ -61,6 +61,8 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
         config, tokenizer = gguf.config, gguf.tokenizer
         spec = parse_quant(quant, "gguf", device_t)  # quantized layers: llmd.model.quant
         if spec.method == "none":
+            if quant in (None, "auto"):
+                _warn_dequantizing(path, dtype)
             model = build_empty(config, dtype, device_t)
             report = load_tensors(model, gguf.tensors, path)
         else:
@@ -100,6 +102,17 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
     report.seconds = seconds
     log.info("loaded %s (%s, %s on %s): %s", name, config.architecture, dtype, device_t, report.summary())
     return LoadedModel(model, tokenizer, config, name, dtype, device_t, seconds, report)
+
+
+def _warn_dequantizing(path: Path, dtype: torch.dtype) -> None:
+    """One line when --quant auto dequantizes a quantized GGUF (the CPU kernels did not build here)."""
+    from .gguf import quantized_elements
+
+    types, elements = quantized_elements(path)
+    if types:
+        log.warning("%s: the compiled CPU kernels are unavailable, so its %s weights are dequantized to %s (%.2f GB); "
+                    "--quant gguf keeps the file's blocks (less memory, slower matmuls)", path.name, "/".join(types),
+                    str(dtype).replace("torch.", ""), elements * dtype.itemsize / 1e9)
 
 
 def _describe(files: Any) -> tuple[str, Path, str]:
