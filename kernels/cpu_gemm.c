@@ -982,7 +982,7 @@ static inline float gguf_f16(const uint8_t *p) {
 static const float IQ4_KV[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 /* One block row each: nb blocks at q -> nb * block_elems floats at w. */
-static void dq_q4_0(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_q4_0(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 18, w += 32) {
         const float d = gguf_f16(q);
         for (int j = 0; j < 16; j++) w[j] = d * (float)((q[2 + j] & 0xF) - 8);
@@ -990,7 +990,7 @@ static void dq_q4_0(const uint8_t *q, int64_t nb, float *w) {
     }
 }
 
-static void dq_q4_1(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_q4_1(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 20, w += 32) {
         const float d = gguf_f16(q), m = gguf_f16(q + 2);
         for (int j = 0; j < 16; j++) w[j] = d * (float)(q[4 + j] & 0xF) + m;
@@ -1002,7 +1002,7 @@ static inline uint32_t gguf_u32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-static void dq_q5_0(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_q5_0(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 22, w += 32) {
         const float d = gguf_f16(q);
         const uint32_t qh = gguf_u32(q + 2);
@@ -1011,7 +1011,7 @@ static void dq_q5_0(const uint8_t *q, int64_t nb, float *w) {
     }
 }
 
-static void dq_q5_1(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_q5_1(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 24, w += 32) {
         const float d = gguf_f16(q), m = gguf_f16(q + 2);
         const uint32_t qh = gguf_u32(q + 4);
@@ -1020,7 +1020,7 @@ static void dq_q5_1(const uint8_t *q, int64_t nb, float *w) {
     }
 }
 
-static void dq_q8_0(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_q8_0(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 34, w += 32) {
         const float d = gguf_f16(q);
         const int8_t *qs = (const int8_t *)(q + 2);
@@ -1028,7 +1028,7 @@ static void dq_q8_0(const uint8_t *q, int64_t nb, float *w) {
     }
 }
 
-static void dq_iq4_nl(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_iq4_nl(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 18, w += 32) {
         const float d = gguf_f16(q);
         for (int j = 0; j < 16; j++) w[j] = d * IQ4_KV[q[2 + j] & 0xF];
@@ -1086,7 +1086,7 @@ static inline void scale_min_k4(const uint8_t *b, int s, int *sc, int *mn) {
     }
 }
 
-static void dq_q4_k(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_q4_k(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 144, w += 256) {
         const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
         const uint8_t *qs = q + 16;
@@ -1102,7 +1102,7 @@ static void dq_q4_k(const uint8_t *q, int64_t nb, float *w) {
     }
 }
 
-static void dq_q5_k(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_q5_k(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 176, w += 256) {
         const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
         const uint8_t *qh = q + 16, *qs = q + 48;
@@ -1120,7 +1120,7 @@ static void dq_q5_k(const uint8_t *q, int64_t nb, float *w) {
     }
 }
 
-static void dq_q6_k(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_q6_k(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 210, w += 256) {
         const uint8_t *ql = q, *qh = q + 128;
         const int8_t *sc = (const int8_t *)(q + 192);
@@ -1139,7 +1139,7 @@ static void dq_q6_k(const uint8_t *q, int64_t nb, float *w) {
     }
 }
 
-static void dq_iq4_xs(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_iq4_xs(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 136, w += 256) {
         const float d = gguf_f16(q);
         const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
@@ -1154,6 +1154,181 @@ static void dq_iq4_xs(const uint8_t *q, int64_t nb, float *w) {
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+/* The vector dequantizers: integer codes decoded with byte operations, widened exactly to fp32, then the same
+ * multiplications and additions as the scalar ones above (elementwise, so the same bits). */
+
+/* 32 int8 codes -> w[0..32) = a * q (a for the first 16 codes, a2 for the last 16); with an offset: a * q + b. */
+INLINE __m256 i8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+INLINE void store_scaled(__m256i q, float a, float a2, float *w) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m256 av = _mm256_set1_ps(a), av2 = _mm256_set1_ps(a2);
+    _mm256_storeu_ps(w, _mm256_mul_ps(av, i8_to_f32(lo)));
+    _mm256_storeu_ps(w + 8, _mm256_mul_ps(av, i8_to_f32(_mm_srli_si128(lo, 8))));
+    _mm256_storeu_ps(w + 16, _mm256_mul_ps(av2, i8_to_f32(hi)));
+    _mm256_storeu_ps(w + 24, _mm256_mul_ps(av2, i8_to_f32(_mm_srli_si128(hi, 8))));
+}
+
+INLINE void store_scaled_add(__m256i q, float a, float b, float *w) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
+    _mm256_storeu_ps(w, _mm256_add_ps(_mm256_mul_ps(av, i8_to_f32(lo)), bv));
+    _mm256_storeu_ps(w + 8, _mm256_add_ps(_mm256_mul_ps(av, i8_to_f32(_mm_srli_si128(lo, 8))), bv));
+    _mm256_storeu_ps(w + 16, _mm256_add_ps(_mm256_mul_ps(av, i8_to_f32(hi)), bv));
+    _mm256_storeu_ps(w + 24, _mm256_add_ps(_mm256_mul_ps(av, i8_to_f32(_mm_srli_si128(hi, 8))), bv));
+}
+
+INLINE void store_scaled_sub(__m256i q, float a, float b, float *w) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
+    _mm256_storeu_ps(w, _mm256_sub_ps(_mm256_mul_ps(av, i8_to_f32(lo)), bv));
+    _mm256_storeu_ps(w + 8, _mm256_sub_ps(_mm256_mul_ps(av, i8_to_f32(_mm_srli_si128(lo, 8))), bv));
+    _mm256_storeu_ps(w + 16, _mm256_sub_ps(_mm256_mul_ps(av, i8_to_f32(hi)), bv));
+    _mm256_storeu_ps(w + 24, _mm256_sub_ps(_mm256_mul_ps(av, i8_to_f32(_mm_srli_si128(hi, 8))), bv));
+}
+
+/* 16 bytes of nibbles -> 32 codes: low nibbles are codes 0..15, high nibbles 16..31. */
+INLINE __m256i nibbles32(const uint8_t *qs) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* bit j of `bits` -> byte j of the result: 0x10 where set, else 0 (the fifth bit of a 5-bit code). */
+INLINE __m256i fifth_bits(uint32_t bits) {
+    const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  /* byte j: byte j / 8 */
+                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), which);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+static void dqv_q4_0(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 18, w += 32) {
+        const float d = gguf_f16(q);
+        store_scaled(_mm256_sub_epi8(nibbles32(q + 2), _mm256_set1_epi8(8)), d, d, w);
+    }
+}
+
+static void dqv_q4_1(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 20, w += 32)
+        store_scaled_add(nibbles32(q + 4), gguf_f16(q), gguf_f16(q + 2), w);
+}
+
+static void dqv_q5_0(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 22, w += 32) {
+        const float d = gguf_f16(q);
+        const __m256i v = _mm256_or_si256(nibbles32(q + 6), fifth_bits(gguf_u32(q + 2)));
+        store_scaled(_mm256_sub_epi8(v, _mm256_set1_epi8(16)), d, d, w);
+    }
+}
+
+static void dqv_q5_1(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 24, w += 32)
+        store_scaled_add(_mm256_or_si256(nibbles32(q + 8), fifth_bits(gguf_u32(q + 4))), gguf_f16(q), gguf_f16(q + 2),
+                         w);
+}
+
+static void dqv_q8_0(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 34, w += 32) {
+        const float d = gguf_f16(q);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 2));
+        const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+        const __m256 dv = _mm256_set1_ps(d);
+        _mm256_storeu_ps(w, _mm256_mul_ps(i8_to_f32(lo), dv));
+        _mm256_storeu_ps(w + 8, _mm256_mul_ps(i8_to_f32(_mm_srli_si128(lo, 8)), dv));
+        _mm256_storeu_ps(w + 16, _mm256_mul_ps(i8_to_f32(hi), dv));
+        _mm256_storeu_ps(w + 24, _mm256_mul_ps(i8_to_f32(_mm_srli_si128(hi, 8)), dv));
+    }
+}
+
+INLINE __m256i iq4_lookup(__m256i codes) {
+    const __m128i t = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
+}
+
+static void dqv_iq4_nl(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 18, w += 32) {
+        const float d = gguf_f16(q);
+        store_scaled(iq4_lookup(nibbles32(q + 2)), d, d, w);
+    }
+}
+
+static void dqv_iq4_xs(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 136, w += 256) {
+        const float d = gguf_f16(q);
+        const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
+        for (int s = 0; s < 8; s++) {
+            const int sc = (int)(((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
+            const float a = d * (float)sc;
+            store_scaled(iq4_lookup(nibbles32(q + 8 + 16 * s)), a, a, w + 32 * s);
+        }
+    }
+}
+
+static void dqv_q4_k(const uint8_t *q, int64_t nb, float *w) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++, q += 144, w += 256) {
+        const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
+            for (int h = 0; h < 2; h++) {
+                int sc, mn;
+                scale_min_k4(q + 4, 2 * c + h, &sc, &mn);
+                const float a = d * (float)sc, m = dmin * (float)mn;
+                const __m256i codes = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+                store_scaled_sub(codes, a, m, w + 64 * c + 32 * h);
+            }
+        }
+    }
+}
+
+static void dqv_q5_k(const uint8_t *q, int64_t nb, float *w) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < nb; b++, q += 176, w += 256) {
+        const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 16));
+        for (int c = 0; c < 4; c++) {
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 48 + 32 * c));
+            for (int h = 0; h < 2; h++) {
+                const int s = 2 * c + h;
+                int sc, mn;
+                scale_min_k4(q + 4, s, &sc, &mn);
+                const float a = d * (float)sc, m = dmin * (float)mn;
+                const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), one);
+                const __m256i codes = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4),
+                                                      _mm256_slli_epi16(hb, 4));
+                store_scaled_sub(codes, a, m, w + 32 * s);
+            }
+        }
+    }
+}
+
+static void dqv_q6_k(const uint8_t *q, int64_t nb, float *w) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    for (int64_t b = 0; b < nb; b++, q += 210, w += 256) {
+        const int8_t *sc = (const int8_t *)(q + 192);
+        const float d = gguf_f16(q + 208);
+        for (int h = 0; h < 2; h++) {
+            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
+            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
+            for (int t = 0; t < 4; t++) {
+                const __m256i lo = t & 1 ? l1 : l0;
+                const __m256i low = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4);
+                const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), m2);
+                const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), off);
+                const int s = 8 * h + 2 * t;
+                store_scaled(codes, d * (float)sc[s], d * (float)sc[s + 1], w + 128 * h + 32 * t);
+            }
+        }
+    }
+}
+#define DQ(scalar, vector) vector
+#else
+#define DQ(scalar, vector) scalar
+#endif
+
 typedef void (*gguf_dq_fn)(const uint8_t *, int64_t, float *);
 typedef struct {
     int type, elems, bytes;
@@ -1162,9 +1337,12 @@ typedef struct {
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
 static const gguf_type GGUF_TYPES[] = {
-    {2, 32, 18, dq_q4_0},   {3, 32, 20, dq_q4_1},    {6, 32, 22, dq_q5_0},   {7, 32, 24, dq_q5_1},
-    {8, 32, 34, dq_q8_0},   {10, 256, 84, dq_q2_k},  {11, 256, 110, dq_q3_k}, {12, 256, 144, dq_q4_k},
-    {13, 256, 176, dq_q5_k}, {14, 256, 210, dq_q6_k}, {20, 32, 18, dq_iq4_nl}, {23, 256, 136, dq_iq4_xs},
+    {2, 32, 18, DQ(dq_q4_0, dqv_q4_0)},       {3, 32, 20, DQ(dq_q4_1, dqv_q4_1)},
+    {6, 32, 22, DQ(dq_q5_0, dqv_q5_0)},       {7, 32, 24, DQ(dq_q5_1, dqv_q5_1)},
+    {8, 32, 34, DQ(dq_q8_0, dqv_q8_0)},       {10, 256, 84, dq_q2_k},
+    {11, 256, 110, dq_q3_k},                  {12, 256, 144, DQ(dq_q4_k, dqv_q4_k)},
+    {13, 256, 176, DQ(dq_q5_k, dqv_q5_k)},    {14, 256, 210, DQ(dq_q6_k, dqv_q6_k)},
+    {20, 32, 18, DQ(dq_iq4_nl, dqv_iq4_nl)},  {23, 256, 136, DQ(dq_iq4_xs, dqv_iq4_xs)},
 };
 
 static const gguf_type *gguf_type_of(int type, int64_t k) {
@@ -1261,6 +1439,11 @@ int llmd_gguf_matmul(int type, const float *x, int64_t ldx, const uint8_t *q, fl
         float *panel = gguf_thread_panel(n, (size_t)(pw * k), &n0, &n1, &rc);
         for (int64_t p0 = n0; panel && p0 < n1; p0 += pw) {
             const int cols = (int)(n1 - p0 < pw ? n1 - p0 : pw);
+#if defined(__AVX2__) && defined(__FMA__)
+            if (p0 + (PF_TILES + 1) * pw <= n1) /* the panel PF_TILES ahead, while this one is used */
+                for (int64_t off = 0; off < pw * rb; off += 64)
+                    _mm_prefetch((const char *)(q + (p0 + PF_TILES * pw) * rb + off), _MM_HINT_T0);
+#endif
             gguf_panel(t, q, rb, k, p0, cols, panel);
 #if defined(__AVX2__) && defined(__FMA__)
             if (m == 1 && cols == GGUF_PW1) {

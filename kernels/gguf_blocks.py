@@ -20,11 +20,11 @@ Per block (little-endian; d, dmin, m are fp16; "q[j]" is element j of the block)
                        j = 128h + 32t + l: q = qs[32h + l] >> 2t & 3; sc_s / mn_s = low / high nibble of scales[s]
   Q3_K    256   110    hmask[32]@0 qs[64]@32 scales[12]@96 d@108               (d * sc_s) * q, 16 per s
                        q = (qs bits as Q2_K) - 4 * (1 - (hmask[l] >> j // 32 & 1)), l = j % 32
-                       sc_s = 6-bit (low 4 from scales[s % 8] >> 4 (s // 8), high 2 from scales[8 + s % 4] >> 2 (s // 4))
+                       sc_s = 6 bits (low 4: scales[s % 8] >> 4 (s // 8), high 2: scales[8 + s % 4] >> 2 (s // 4))
                               as int8 minus 32
   Q4_K    256   144    d@0 dmin@2 scales[12]@4 qs[128]@16                      (d*sc_s) * q - (dmin*mn_s), 32 per s
                        j = 64c + 32h + l: q = qs[32c + l] >> 4h & 15; (sc_s, mn_s): 6-bit pairs (scale_min_k4)
-  Q5_K    256   176    d@0 dmin@2 scales[12]@4 qh[32]@16 qs[128]@48            as Q4_K with q |= (qh[l] >> j // 32 & 1) << 4
+  Q5_K    256   176    d@0 dmin@2 scales[12]@4 qh[32]@16 qs[128]@48            as Q4_K, q |= (qh[l] >> j // 32 & 1) << 4
   Q6_K    256   210    ql[128]@0 qh[64]@128 scales(int8)[16]@192 d@208         (d * sc_s) * q, 16 per s
                        j = 128h + 32t + l: q = (ql[64h + 32(t & 1) + l] >> 4(t >> 1) & 15
                                            | (qh[32h + l] >> 2t & 3) << 4) - 32

@@ -67,7 +67,8 @@ def write_kquant_gguf(path, embd="Q4_K", head: str | None = "Q6_K", layer_types=
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm())
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
         for j, (name, kind) in enumerate(types.items()):
-            w.add_tensor(f"blk.{i}.{name}.weight", _blocks(kind, SHAPES[name], seed + 10 * i + j + 1), raw_dtype=T[kind])
+            blocks = _blocks(kind, SHAPES[name], seed + 10 * i + j + 1)
+            w.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=T[kind])
     w.add_tensor("output_norm.weight", norm())
     if head is not None:
         w.add_tensor("output.weight", _blocks(head, (VOCAB, HIDDEN), seed + 99), raw_dtype=T[head])
