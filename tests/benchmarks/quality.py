@@ -113,7 +113,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "max_logit_diff": float((logits - ref_logits).abs().max())}
     base = results["none"]["perplexity"]
     print(f"model: {model_path.name}, {len(ids)} tokens")
-    print(f"{'mode':10} {'ppl':>9} {'Δppl':>8} {'mean KL':>9} {'max|Δlogit|':>11} {'weights':>9} {'budget':>8}  source")
+    print(f"{'mode':10} {'ppl':>9} {'Δppl':>8} {'mean KL':>9} {'max|Δlogit|':>11} {'weights':>9} {'budget':>8}  "
+          "source")
     for mode, r in results.items():
         delta = r["perplexity"] / base - 1
         budget = BUDGETS.get(mode)
