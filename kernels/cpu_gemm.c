@@ -1156,36 +1156,34 @@ __attribute__((unused)) static void dq_iq4_xs(const uint8_t *q, int64_t nb, floa
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* The vector dequantizers: integer codes decoded with byte operations, widened exactly to fp32, then the same
- * multiplications and additions as the scalar ones above (elementwise, so the same bits). */
+ * multiplications and additions as the scalar ones above (elementwise, so the same bits). Each block's code is written
+ * once, for two uses: `fused` 0 stores the weights (a panel), 1 multiplies them straight into a column's accumulator
+ * (the one-row path: acc = fma(x, w, acc) per 8 weights in rising k, PANEL_TILE's very operations, without the
+ * panel's store and load). */
 
-/* 32 int8 codes -> w[0..32) = a * q (a for the first 16 codes, a2 for the last 16); with an offset: a * q + b. */
 INLINE __m256 i8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
-INLINE void store_scaled(__m256i q, float a, float a2, float *w) {
-    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    const __m256 av = _mm256_set1_ps(a), av2 = _mm256_set1_ps(a2);
-    _mm256_storeu_ps(w, _mm256_mul_ps(av, i8_to_f32(lo)));
-    _mm256_storeu_ps(w + 8, _mm256_mul_ps(av, i8_to_f32(_mm_srli_si128(lo, 8))));
-    _mm256_storeu_ps(w + 16, _mm256_mul_ps(av2, i8_to_f32(hi)));
-    _mm256_storeu_ps(w + 24, _mm256_mul_ps(av2, i8_to_f32(_mm_srli_si128(hi, 8))));
+INLINE void emit(__m256 v, float *w, const float *x, __m256 *acc, const int fused) {
+    if (fused)
+        *acc = _mm256_fmadd_ps(_mm256_loadu_ps(x), v, *acc);
+    else
+        _mm256_storeu_ps(w, v);
 }
 
-INLINE void store_scaled_add(__m256i q, float a, float b, float *w) {
-    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
-    _mm256_storeu_ps(w, _mm256_add_ps(_mm256_mul_ps(av, i8_to_f32(lo)), bv));
-    _mm256_storeu_ps(w + 8, _mm256_add_ps(_mm256_mul_ps(av, i8_to_f32(_mm_srli_si128(lo, 8))), bv));
-    _mm256_storeu_ps(w + 16, _mm256_add_ps(_mm256_mul_ps(av, i8_to_f32(hi)), bv));
-    _mm256_storeu_ps(w + 24, _mm256_add_ps(_mm256_mul_ps(av, i8_to_f32(_mm_srli_si128(hi, 8))), bv));
-}
+enum { OFF_NONE, OFF_ADD, OFF_SUB };
 
-INLINE void store_scaled_sub(__m256i q, float a, float b, float *w) {
+/* 32 int8 codes -> weights 0..32: a * q (a2 * q for the last 16) [+ b | - b] */
+INLINE void emit32(__m256i q, float a, float a2, float b, const int off, float *w, const float *x, __m256 *acc,
+                   const int fused) {
     const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
-    const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b);
-    _mm256_storeu_ps(w, _mm256_sub_ps(_mm256_mul_ps(av, i8_to_f32(lo)), bv));
-    _mm256_storeu_ps(w + 8, _mm256_sub_ps(_mm256_mul_ps(av, i8_to_f32(_mm_srli_si128(lo, 8))), bv));
-    _mm256_storeu_ps(w + 16, _mm256_sub_ps(_mm256_mul_ps(av, i8_to_f32(hi)), bv));
-    _mm256_storeu_ps(w + 24, _mm256_sub_ps(_mm256_mul_ps(av, i8_to_f32(_mm_srli_si128(hi, 8))), bv));
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    const __m256 bv = _mm256_set1_ps(b);
+    for (int i = 0; i < 4; i++) {
+        __m256 v = _mm256_mul_ps(_mm256_set1_ps(i < 2 ? a : a2), i8_to_f32(parts[i]));
+        if (off == OFF_ADD) v = _mm256_add_ps(v, bv);
+        if (off == OFF_SUB) v = _mm256_sub_ps(v, bv);
+        emit(v, w + 8 * i, x + 8 * i, acc, fused);
+    }
 }
 
 /* 16 bytes of nibbles -> 32 codes: low nibbles are codes 0..15, high nibbles 16..31. */
@@ -1203,146 +1201,163 @@ INLINE __m256i fifth_bits(uint32_t bits) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
 
-static void dqv_q4_0(const uint8_t *q, int64_t nb, float *w) {
-    for (int64_t b = 0; b < nb; b++, q += 18, w += 32) {
-        const float d = gguf_f16(q);
-        store_scaled(_mm256_sub_epi8(nibbles32(q + 2), _mm256_set1_epi8(8)), d, d, w);
-    }
-}
-
-static void dqv_q4_1(const uint8_t *q, int64_t nb, float *w) {
-    for (int64_t b = 0; b < nb; b++, q += 20, w += 32)
-        store_scaled_add(nibbles32(q + 4), gguf_f16(q), gguf_f16(q + 2), w);
-}
-
-static void dqv_q5_0(const uint8_t *q, int64_t nb, float *w) {
-    for (int64_t b = 0; b < nb; b++, q += 22, w += 32) {
-        const float d = gguf_f16(q);
-        const __m256i v = _mm256_or_si256(nibbles32(q + 6), fifth_bits(gguf_u32(q + 2)));
-        store_scaled(_mm256_sub_epi8(v, _mm256_set1_epi8(16)), d, d, w);
-    }
-}
-
-static void dqv_q5_1(const uint8_t *q, int64_t nb, float *w) {
-    for (int64_t b = 0; b < nb; b++, q += 24, w += 32)
-        store_scaled_add(_mm256_or_si256(nibbles32(q + 8), fifth_bits(gguf_u32(q + 4))), gguf_f16(q), gguf_f16(q + 2),
-                         w);
-}
-
-static void dqv_q8_0(const uint8_t *q, int64_t nb, float *w) {
-    for (int64_t b = 0; b < nb; b++, q += 34, w += 32) {
-        const float d = gguf_f16(q);
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 2));
-        const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
-        const __m256 dv = _mm256_set1_ps(d);
-        _mm256_storeu_ps(w, _mm256_mul_ps(i8_to_f32(lo), dv));
-        _mm256_storeu_ps(w + 8, _mm256_mul_ps(i8_to_f32(_mm_srli_si128(lo, 8)), dv));
-        _mm256_storeu_ps(w + 16, _mm256_mul_ps(i8_to_f32(hi), dv));
-        _mm256_storeu_ps(w + 24, _mm256_mul_ps(i8_to_f32(_mm_srli_si128(hi, 8)), dv));
-    }
-}
-
 INLINE __m256i iq4_lookup(__m256i codes) {
     const __m128i t = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
     return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
 }
 
-static void dqv_iq4_nl(const uint8_t *q, int64_t nb, float *w) {
-    for (int64_t b = 0; b < nb; b++, q += 18, w += 32) {
-        const float d = gguf_f16(q);
-        store_scaled(iq4_lookup(nibbles32(q + 2)), d, d, w);
+/* One block each: q -> weights w (fused 0) or into acc with activations x (fused 1). */
+INLINE void blk_q4_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    emit32(_mm256_sub_epi8(nibbles32(q + 2), _mm256_set1_epi8(8)), d, d, 0, OFF_NONE, w, x, acc, fused);
+}
+
+INLINE void blk_q4_1(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    emit32(nibbles32(q + 4), d, d, gguf_f16(q + 2), OFF_ADD, w, x, acc, fused);
+}
+
+INLINE void blk_q5_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    const __m256i v = _mm256_or_si256(nibbles32(q + 6), fifth_bits(gguf_u32(q + 2)));
+    emit32(_mm256_sub_epi8(v, _mm256_set1_epi8(16)), d, d, 0, OFF_NONE, w, x, acc, fused);
+}
+
+INLINE void blk_q5_1(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    emit32(_mm256_or_si256(nibbles32(q + 8), fifth_bits(gguf_u32(q + 4))), d, d, gguf_f16(q + 2), OFF_ADD, w, x,
+           acc, fused);
+}
+
+INLINE void blk_q8_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const __m256 dv = _mm256_set1_ps(gguf_f16(q));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 2));
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++) emit(_mm256_mul_ps(i8_to_f32(parts[i]), dv), w + 8 * i, x + 8 * i, acc, fused);
+}
+
+INLINE void blk_iq4_nl(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    emit32(iq4_lookup(nibbles32(q + 2)), d, d, 0, OFF_NONE, w, x, acc, fused);
+}
+
+INLINE void blk_iq4_xs(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
+    for (int s = 0; s < 8; s++) {
+        const int sc = (int)(((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
+        const float a = d * (float)sc;
+        emit32(iq4_lookup(nibbles32(q + 8 + 16 * s)), a, a, 0, OFF_NONE, w + 32 * s, x + 32 * s, acc, fused);
     }
 }
 
-static void dqv_iq4_xs(const uint8_t *q, int64_t nb, float *w) {
-    for (int64_t b = 0; b < nb; b++, q += 136, w += 256) {
-        const float d = gguf_f16(q);
-        const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
-        for (int s = 0; s < 8; s++) {
-            const int sc = (int)(((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
-            const float a = d * (float)sc;
-            store_scaled(iq4_lookup(nibbles32(q + 8 + 16 * s)), a, a, w + 32 * s);
-        }
-    }
-}
-
-static void dqv_q4_k(const uint8_t *q, int64_t nb, float *w) {
+INLINE void blk_q4_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int64_t b = 0; b < nb; b++, q += 144, w += 256) {
-        const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
-            for (int h = 0; h < 2; h++) {
-                int sc, mn;
-                scale_min_k4(q + 4, 2 * c + h, &sc, &mn);
-                const float a = d * (float)sc, m = dmin * (float)mn;
-                const __m256i codes = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
-                store_scaled_sub(codes, a, m, w + 64 * c + 32 * h);
-            }
-        }
-    }
-}
-
-static void dqv_q5_k(const uint8_t *q, int64_t nb, float *w) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    for (int64_t b = 0; b < nb; b++, q += 176, w += 256) {
-        const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 16));
-        for (int c = 0; c < 4; c++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 48 + 32 * c));
-            for (int h = 0; h < 2; h++) {
-                const int s = 2 * c + h;
-                int sc, mn;
-                scale_min_k4(q + 4, s, &sc, &mn);
-                const float a = d * (float)sc, m = dmin * (float)mn;
-                const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), one);
-                const __m256i codes = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4),
-                                                      _mm256_slli_epi16(hb, 4));
-                store_scaled_sub(codes, a, m, w + 32 * s);
-            }
-        }
-    }
-}
-
-static void dqv_q6_k(const uint8_t *q, int64_t nb, float *w) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
-    for (int64_t b = 0; b < nb; b++, q += 210, w += 256) {
-        const int8_t *sc = (const int8_t *)(q + 192);
-        const float d = gguf_f16(q + 208);
+    const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
         for (int h = 0; h < 2; h++) {
-            const __m256i l0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
-            const __m256i l1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
-            for (int t = 0; t < 4; t++) {
-                const __m256i lo = t & 1 ? l1 : l0;
-                const __m256i low = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4);
-                const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), m2);
-                const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), off);
-                const int s = 8 * h + 2 * t;
-                store_scaled(codes, d * (float)sc[s], d * (float)sc[s + 1], w + 128 * h + 32 * t);
-            }
+            int sc, mn;
+            scale_min_k4(q + 4, 2 * c + h, &sc, &mn);
+            const float a = d * (float)sc, m = dmin * (float)mn;
+            const __m256i codes = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+            emit32(codes, a, a, m, OFF_SUB, w + 64 * c + 32 * h, x + 64 * c + 32 * h, acc, fused);
         }
     }
 }
+
+INLINE void blk_q5_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 16));
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 48 + 32 * c));
+        for (int h = 0; h < 2; h++) {
+            const int s = 2 * c + h;
+            int sc, mn;
+            scale_min_k4(q + 4, s, &sc, &mn);
+            const float a = d * (float)sc, m = dmin * (float)mn;
+            const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), one);
+            const __m256i codes = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4),
+                                                  _mm256_slli_epi16(hb, 4));
+            emit32(codes, a, a, m, OFF_SUB, w + 32 * s, x + 32 * s, acc, fused);
+        }
+    }
+}
+
+INLINE void blk_q6_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    const int8_t *sc = (const int8_t *)(q + 192);
+    const float d = gguf_f16(q + 208);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
+        for (int t = 0; t < 4; t++) {
+            const __m256i lo = t & 1 ? l1 : l0;
+            const __m256i low = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4);
+            const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), m2);
+            const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), off);
+            const int s = 8 * h + 2 * t;
+            emit32(codes, d * (float)sc[s], d * (float)sc[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t,
+                   x + 128 * h + 32 * t, acc, fused);
+        }
+    }
+}
+
+/* Per type: dqv_T dequantizes nb blocks (a panel's column); dot_T gives `cols` (<= 4) columns' dot products with
+ * one row x, the columns' blocks interleaved so that their 4 accumulators run as independent chains. */
+#define GGUF_VECTOR(T, ELEMS, BYTES)                                                                               \
+    static void dqv_##T(const uint8_t *q, int64_t nb, float *w) {                                                 \
+        for (int64_t b = 0; b < nb; b++) blk_##T(q + b * BYTES, w + b * ELEMS, NULL, NULL, 0);                    \
+    }                                                                                                              \
+    static void dot_##T(const uint8_t *q, int64_t rb, int64_t nb, const float *x, float *y, int cols) {          \
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};    \
+        for (int64_t b = 0; b < nb; b++)                                                                           \
+            for (int c = 0; c < 4; c++)                                                                            \
+                if (c < cols) blk_##T(q + c * rb + b * BYTES, NULL, x + b * ELEMS, &acc[c], 1);                   \
+        for (int c = 0; c < cols; c++) y[c] = hsum(acc[c]);                                                        \
+    }
+GGUF_VECTOR(q4_0, 32, 18)
+GGUF_VECTOR(q4_1, 32, 20)
+GGUF_VECTOR(q5_0, 32, 22)
+GGUF_VECTOR(q5_1, 32, 24)
+GGUF_VECTOR(q8_0, 32, 34)
+GGUF_VECTOR(iq4_nl, 32, 18)
+GGUF_VECTOR(iq4_xs, 256, 136)
+GGUF_VECTOR(q4_k, 256, 144)
+GGUF_VECTOR(q5_k, 256, 176)
+GGUF_VECTOR(q6_k, 256, 210)
+typedef void (*gguf_dot_fn)(const uint8_t *, int64_t, int64_t, const float *, float *, int);
+#define DOT(fn) fn
 #define DQ(scalar, vector) vector
 #else
 #define DQ(scalar, vector) scalar
+#define DOT(fn) NULL
 #endif
 
 typedef void (*gguf_dq_fn)(const uint8_t *, int64_t, float *);
 typedef struct {
     int type, elems, bytes;
     gguf_dq_fn fn;
+    void *dot; /* the fused one-row dot products (gguf_dot_fn), NULL where there are none */
 } gguf_type;
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
 static const gguf_type GGUF_TYPES[] = {
-    {2, 32, 18, DQ(dq_q4_0, dqv_q4_0)},       {3, 32, 20, DQ(dq_q4_1, dqv_q4_1)},
-    {6, 32, 22, DQ(dq_q5_0, dqv_q5_0)},       {7, 32, 24, DQ(dq_q5_1, dqv_q5_1)},
-    {8, 32, 34, DQ(dq_q8_0, dqv_q8_0)},       {10, 256, 84, dq_q2_k},
-    {11, 256, 110, dq_q3_k},                  {12, 256, 144, DQ(dq_q4_k, dqv_q4_k)},
-    {13, 256, 176, DQ(dq_q5_k, dqv_q5_k)},    {14, 256, 210, DQ(dq_q6_k, dqv_q6_k)},
-    {20, 32, 18, DQ(dq_iq4_nl, dqv_iq4_nl)},  {23, 256, 136, DQ(dq_iq4_xs, dqv_iq4_xs)},
+    {2, 32, 18, DQ(dq_q4_0, dqv_q4_0), DOT(dot_q4_0)},
+    {3, 32, 20, DQ(dq_q4_1, dqv_q4_1), DOT(dot_q4_1)},
+    {6, 32, 22, DQ(dq_q5_0, dqv_q5_0), DOT(dot_q5_0)},
+    {7, 32, 24, DQ(dq_q5_1, dqv_q5_1), DOT(dot_q5_1)},
+    {8, 32, 34, DQ(dq_q8_0, dqv_q8_0), DOT(dot_q8_0)},
+    {10, 256, 84, dq_q2_k, NULL},
+    {11, 256, 110, dq_q3_k, NULL},
+    {12, 256, 144, DQ(dq_q4_k, dqv_q4_k), DOT(dot_q4_k)},
+    {13, 256, 176, DQ(dq_q5_k, dqv_q5_k), DOT(dot_q5_k)},
+    {14, 256, 210, DQ(dq_q6_k, dqv_q6_k), DOT(dot_q6_k)},
+    {20, 32, 18, DQ(dq_iq4_nl, dqv_iq4_nl), DOT(dot_iq4_nl)},
+    {23, 256, 136, DQ(dq_iq4_xs, dqv_iq4_xs), DOT(dot_iq4_xs)},
 };
 
 static const gguf_type *gguf_type_of(int type, int64_t k) {
@@ -1443,6 +1458,12 @@ int llmd_gguf_matmul(int type, const float *x, int64_t ldx, const uint8_t *q, fl
             if (p0 + (PF_TILES + 1) * pw <= n1) /* the panel PF_TILES ahead, while this one is used */
                 for (int64_t off = 0; off < pw * rb; off += 64)
                     _mm_prefetch((const char *)(q + (p0 + PF_TILES * pw) * rb + off), _MM_HINT_T0);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+            if (m == 1 && t->dot) { /* no panel: the weights go from registers into the accumulators */
+                ((gguf_dot_fn)t->dot)(q + p0 * rb, rb, k / t->elems, x, y + p0, cols);
+                continue;
+            }
 #endif
             gguf_panel(t, q, rb, k, p0, cols, panel);
 #if defined(__AVX2__) && defined(__FMA__)
