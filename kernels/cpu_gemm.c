@@ -1494,3 +1494,17 @@ int llmd_gguf_matmul(int type, const float *x, int64_t ldx, const uint8_t *q, fl
     }
     return rc;
 }
+
+/* Parts of different GGUF types side by side on one input (a fused q/k/v or gate/up whose projections differ in type):
+ * part i fills columns [col_i, col_i + n_i) of y, each with llmd_gguf_matmul's very results. */
+int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
+                           int64_t ldy, int64_t m, int64_t k, int nthreads) {
+    int64_t col = 0;
+    for (int64_t i = 0; i < nparts; i++) {
+        const int rc = llmd_gguf_matmul((int)parts[i].type, x, ldx, parts[i].q, y + col, ldy, m, parts[i].n, k,
+                                        nthreads);
+        if (rc) return rc;
+        col += parts[i].n;
+    }
+    return 0;
+}

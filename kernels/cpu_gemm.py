@@ -113,7 +113,8 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.llmd_cpu_gemm_simd.restype = cint
     lib.llmd_gguf_matmul.argtypes = [cint, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint]
     lib.llmd_gguf_dequant.argtypes = [cint, ptr, i64, i64, i64, ptr, i64]
-    lib.llmd_gguf_matmul.restype = lib.llmd_gguf_dequant.restype = cint
+    lib.llmd_gguf_parts_matmul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, cint]
+    lib.llmd_gguf_matmul.restype = lib.llmd_gguf_dequant.restype = lib.llmd_gguf_parts_matmul.restype = cint
     return lib
 
 
@@ -395,30 +396,42 @@ def gguf_dequantize(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None
     return _gguf_dequant(lib, blocks, type_name, blocks.shape[1] // nbytes * elems)
 
 
+class GGUFPart(ctypes.Structure):
+    """llmd_gguf_part: one projection's blocks [n, row bytes] of GGML type `type`."""
+    _fields_ = [("type", ctypes.c_int64), ("n", ctypes.c_int64), ("q", ctypes.c_void_p)]
+
+
 class GGUFKernel:
     """A packed GGUF layer's CPU matmul (fp32 activations): its blocks are dequantized panel by panel in the kernel
-    and multiplied with one fixed operation order per output, so a row's result never depends on the batch."""
+    and multiplied with one fixed operation order per output, so a row's result never depends on the batch. Several
+    parts of different types (a fused q/k/v) fill their own columns side by side."""
 
     kind = "gguf"
 
-    def __init__(self, lib, qweight: torch.Tensor, type_name: str, k: int):
-        self.type_name, self.type_id = type_name, GGUF_TYPE_IDS[type_name]
-        self.n, self.k = qweight.shape[0], k
-        if qweight.shape[1] != gb.row_bytes(type_name, k):
-            raise ValueError(f"{type_name} rows of {qweight.shape[1]} bytes do not hold K={k}")
-        self._q = qweight.contiguous()
-        self._fn = lib.llmd_gguf_matmul
-        self.weight_pointers = (self._q.data_ptr(),)
+    def __init__(self, lib, parts: list[tuple[torch.Tensor, str]], k: int):
+        self.k = k
+        self._keep = []
+        self.parts = (GGUFPart * len(parts))()
+        for c_part, (qweight, type_name) in zip(self.parts, parts):
+            if qweight.shape[1] != gb.row_bytes(type_name, k):
+                raise ValueError(f"{type_name} rows of {qweight.shape[1]} bytes do not hold K={k}")
+            q = qweight.contiguous()
+            self._keep.append(q)  # the pointers below stay valid as long as the kernel lives
+            c_part.type, c_part.n, c_part.q = GGUF_TYPE_IDS[type_name], q.shape[0], q.data_ptr()
+        self.n = sum(p.n for p in self.parts)
+        self.types = [t for _, t in parts]
+        self._fn = lib.llmd_gguf_parts_matmul
+        self.parts_pointer = ctypes.addressof(self.parts)
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         x = _prepare_x(x, self.k)
         y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
-        rc = self._fn(self.type_id, x.data_ptr(), x.stride(0), self.weight_pointers[0], y.data_ptr(), self.n,
-                      x.shape[0], self.n, self.k, threads or torch.get_num_threads())
+        rc = self._fn(self.parts_pointer, len(self.parts), x.data_ptr(), x.stride(0), y.data_ptr(), self.n,
+                      x.shape[0], self.k, threads or torch.get_num_threads())
         if rc == -2:
             raise MemoryError("CPU kernel could not allocate its weight panel")
         if rc != 0:
-            raise ValueError(f"{self.type_name} kernel rejected N={self.n} K={self.k}")
+            raise ValueError(f"{'/'.join(self.types)} kernel rejected N={self.n} K={self.k}")
         return y
 
 
@@ -430,7 +443,7 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, type_name: str, threads:
     if lib is None or type_name not in GGUF_TYPE_IDS:
         return None
     elems, nbytes = gb.block_shape(type_name)
-    return GGUFKernel(lib, qweight, type_name, qweight.shape[1] // nbytes * elems)(x, threads)
+    return GGUFKernel(lib, [(qweight, type_name)], qweight.shape[1] // nbytes * elems)(x, threads)
 
 
 def gguf_layer_kernel(cache: dict, qweight: torch.Tensor, type_name: str, k: int) -> GGUFKernel | None:
@@ -440,6 +453,20 @@ def gguf_layer_kernel(cache: dict, qweight: torch.Tensor, type_name: str, k: int
     if entry is not None and entry[0] is qweight:
         return entry[3]
     lib = load() if enabled() else None
-    kernel = GGUFKernel(lib, qweight, type_name, k) if lib is not None and type_name in GGUF_TYPE_IDS else None
+    kernel = GGUFKernel(lib, [(qweight, type_name)], k) if lib is not None and type_name in GGUF_TYPE_IDS else None
     cache["cpu_gemm"] = (qweight, None, None, kernel)
+    return kernel
+
+
+def gguf_parts_kernel(cache: dict, parts: list[tuple[torch.Tensor, str]], k: int) -> GGUFKernel | None:
+    """The GGUFKernel of several packed parts side by side (GGUFConcat), kept in the layer's cache while the parts'
+    buffers stay the same; None where the kernel is off or unavailable."""
+    entry = cache.get("cpu_gemm")
+    weights = tuple(q for q, _ in parts)
+    if entry is not None and len(entry[1]) == len(weights) and all(a is b for a, b in zip(entry[1], weights)):
+        return entry[3]
+    lib = load() if enabled() else None
+    ok = lib is not None and all(t in GGUF_TYPE_IDS for _, t in parts)
+    kernel = GGUFKernel(lib, parts, k) if ok else None
+    cache["cpu_gemm"] = (None, weights, None, kernel)  # [0]: no single qweight buffer (llmd.model.cpu_stack)
     return kernel

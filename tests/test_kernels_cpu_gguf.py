@@ -112,7 +112,7 @@ def test_bad_shapes_raise():
     with pytest.raises(ValueError, match=r"\[M, 512\]"):
         cpu_gemm.gguf_matmul(_x(2, 256), q, "Q6_K")
     with pytest.raises(ValueError, match="do not hold"):
-        cpu_gemm.GGUFKernel(cpu_gemm.load(), q[:, :-1], "Q6_K", k)
+        cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q[:, :-1], "Q6_K")], k)
 
 
 def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
@@ -127,7 +127,7 @@ def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
         q, k = _weights(type_name, n=19)
         w = gb.dequantize_blocks(q, type_name)
         assert torch.equal(cpu_gemm._gguf_dequant(lib, q, type_name, k).view(torch.int32), w.view(torch.int32))
-        kernel = cpu_gemm.GGUFKernel(lib, q, type_name, k)
+        kernel = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k)
         x = _x(20, k)
         full = kernel(x, 2)
         torch.testing.assert_close(full, x @ w.t(), rtol=1e-4, atol=1e-4)

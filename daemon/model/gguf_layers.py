@@ -5,8 +5,10 @@ file's own block bytes, uint8 [N, row bytes], beside its GGML type name: residen
 - CPU, fp32 activations: the compiled kernel (llmd.kernels.cpu_gemm.gguf_layer_kernel) when it builds here;
 - otherwise (no C compiler, CUDA until its Triton kernel is wired in, other dtypes): the rows of the weight are
   dequantized with the torch reference in bounded chunks per call and multiplied, so no fp32 copy is ever kept.
-Q8_0 / Q4_0 / Q4_1 linear layers keep loading into llmd's int8 / int4 layers instead (an exact byte rearrangement,
-llmd.model.quant), whose tuned kernels they share with --quant int8/int4.
+Q4_0 / Q4_1 linear layers keep loading into llmd's int4 layers instead (an exact byte rearrangement,
+llmd.model.quant), whose tuned kernels they share with --quant int4; a tied Q8_0 token table becomes the int8 head.
+Projections that run side by side (q/k/v, gate/up) but differ in type, as Q4_K_M files have them (attn_v Q6_K next to
+Q4_K), fuse into a GGUFConcat of their GGUFLinears, so the model and the C layer stack see one matmul.
 """
 
 from __future__ import annotations
@@ -69,11 +71,14 @@ class GGUFLinear(QuantizedLinear):
         return y
 
     @classmethod
-    def concat(cls, layers: list["QuantizedLinear"]) -> "GGUFLinear | None":
+    def concat(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear | None":
+        """One layer for `layers` side by side: a GGUFLinear where they share a type, else a GGUFConcat."""
         first = layers[0]
-        if any(type(m) is not cls or m.type_name != first.type_name or m.in_features != first.in_features
+        if any(type(m) is not cls or m.in_features != first.in_features
                or (m.bias is None) != (first.bias is None) for m in layers):
             return None
+        if any(m.type_name != first.type_name for m in layers):
+            return GGUFConcat(layers)
         fused = cls(first.in_features, sum(m.out_features for m in layers), first.type_name, first.bias is not None,
                     device="meta")
         fused.qweight = torch.cat([m.qweight for m in layers])
@@ -83,6 +88,39 @@ class GGUFLinear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, type={self.type_name}"
+
+
+class GGUFConcat(QuantizedLinear):
+    """GGUFLinears of different types computing side by side on one input (a fused q/k/v or gate/up): each part keeps
+    its own blocks and type, and its outputs are its own matmul's, column for column."""
+
+    def __init__(self, layers: list[GGUFLinear]):
+        first = layers[0]
+        super().__init__(first.in_features, sum(m.out_features for m in layers), first.bias is not None, 0,
+                         device="meta")
+        biases = [m.bias for m in layers]
+        for part in layers:
+            part.bias = None  # added once, after the parts' outputs are side by side
+        if biases[0] is not None:
+            self.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
+        self.parts = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        kernel = None
+        if x2.is_cpu and x2.dtype is torch.float32:
+            kernel = cpu_gemm.gguf_parts_kernel(self._cpu_cache, [(p.qweight, p.type_name) for p in self.parts],
+                                                self.in_features)
+        y = kernel(x2) if kernel is not None else torch.cat([p._matmul(x2) for p in self.parts], dim=-1)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return torch.cat([p.dequantized_weight() for p in self.parts])
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, types={[p.type_name for p in self.parts]}"
 
 
 class GGUFEmbedding(nn.Module):

@@ -3,8 +3,9 @@
 Modes: none | int8 | int4 (group 64; int4-g32 / int4-g64 / int4-g128 pick the group) | bnb-int8 | bnb-nf4.
 - int8: per-output-channel symmetric scales, w = q * scale.
 - int4: group-wise asymmetric, two values packed per byte, w = (q - 8) * scale + zero (layout: llmd.kernels.quant_matmul).
-- GGUF Q8_0 / Q4_0 / Q4_1 blocks convert to int8 g32 / int4 g32 by rearranging bytes (no dequantize/re-quantize);
-  every other GGUF type stays packed as the file has it (llmd.model.gguf_layers, llmd.kernels.gguf_blocks).
+- GGUF Q4_0 / Q4_1 blocks convert to int4 g32 by rearranging bytes (no dequantize/re-quantize), as does a tied Q8_0
+  token table into the int8 g32 head; every other GGUF tensor stays packed as the file has it
+  (llmd.model.gguf_layers, llmd.kernels.gguf_blocks).
 
 Quantization happens while the weights stream in (`quantizing_stream`): each linear's fp weight is quantized as soon
 as it is read, so the unquantized model never sits whole in memory.
@@ -511,9 +512,9 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
     """Replace the model's linear layers by unfilled quantized ones (call before the weights load).
 
     For spec "gguf" the layer follows each tensor's GGML type (gguf_types: weight name -> type), the output head
-    included: Q4_0/Q4_1 -> int4 g32, Q8_0 -> int8 g32 (exact byte rearrangements), every other packed type
-    (llmd.kernels.gguf_blocks: Q4_K, Q6_K, Q5_0, ...) -> a GGUFLinear keeping the file's blocks, float types stay a
-    plain linear; a packed token table becomes a GGUFEmbedding. Returns {module name: new layer}.
+    included: Q4_0/Q4_1 -> int4 g32 (an exact byte rearrangement, for the tuned int4 kernels), every other packed
+    type (llmd.kernels.gguf_blocks: Q4_K, Q6_K, Q5_0, Q8_0, ...) -> a GGUFLinear keeping the file's blocks, float
+    types stay a plain linear; a packed token table becomes a GGUFEmbedding. Returns {module name: new layer}.
     """
     from llmd.kernels.gguf_blocks import BLOCKS
 
@@ -532,9 +533,6 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
             kind = (gguf_types or {}).get(f"{name}.weight")
             if kind in ("Q4_0", "Q4_1"):
                 layer = Int4Linear(linear.in_features, linear.out_features, linear.bias is not None, 32,
-                                   dtype=dtype, device=device)
-            elif kind == "Q8_0":
-                layer = Int8Linear(linear.in_features, linear.out_features, linear.bias is not None, 32,
                                    dtype=dtype, device=device)
             elif kind in BLOCKS:
                 layer = GGUFLinear(linear.in_features, linear.out_features, kind, linear.bias is not None,
