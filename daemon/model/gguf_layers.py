@@ -147,7 +147,10 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        rows = gb.dequantize_rows(self.qweight, self.type_name, ids)
+        picked = self.qweight.index_select(0, ids)
+        rows = cpu_gemm.gguf_dequantize(picked, self.type_name) if picked.is_cpu else None  # C where it builds
+        if rows is None:
+            rows = gb.dequantize_blocks(picked, self.type_name)
         return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:

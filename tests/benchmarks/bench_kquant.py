@@ -103,7 +103,7 @@ def main(argv=None):
         packed = packed_weight_bytes(loaded.model)
         print(f"  llmd resident weights {resident / 2**20:.1f} MiB = {resident / total:.3f}x the file's tensors "
               f"(packed GGUF blocks: " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in packed.items())
-              + "; Q8_0 as int8 + fp32 scales)")
+              + "; a tied Q8_0 table as the int8 head: int8 + fp32 scales)")
         rows = [(f"decode b={b} tok/s", decode_tokens_per_second(loaded.model, b, args.prompt_len, args.steps), b)
                 for b in batches]
         rows.append((f"prefill {args.prefill} tok/s", llmd_prefill_tok_s(loaded.model, args.prefill), "prefill"))
