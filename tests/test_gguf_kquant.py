@@ -1,5 +1,5 @@
-"""GGUF files of every packed type load with their tensors kept as the file's blocks (llmd.model.gguf_layers) and run
-with the logits of transformers loading the same file (which dequantizes with gguf): tiny random-weight Llama GGUFs
+"""GGUF files of every packed type load with their tensors kept as the file's blocks (llmd.model.quant.gguf_layers)
+and run with the logits of transformers loading the same file (which dequantizes with gguf): tiny random-weight Llama GGUFs
 written here with K-quant, Q5, IQ4 and legacy blocks (raw block bytes with their type), untied and tied heads; the
 torch fallback (no C kernel) gives the same logits; resident bytes against the file's; bad files are refused naming
 file, tensor and problem."""
@@ -17,8 +17,7 @@ from test_gguf_blocks import random_blocks
 
 from llmd.errors import ModelFileError
 from llmd.kernels import gguf_blocks as gb
-from llmd.model import quant
-from llmd.model.gguf_layers import GGUFEmbedding, GGUFLinear, packed_weight_bytes
+from llmd.model.quant import GGUFEmbedding, GGUFLinear, packed_weight_bytes
 from llmd.model.loader import load_model
 from llmd.model.simple import prefill_logits
 
@@ -132,7 +131,7 @@ def test_torch_fallback_gives_the_same_logits(kquant_files, monkeypatch):
     path = kquant_files["untied"]
     with_kernel = prefill_logits(load_model(path, quant="gguf", device="cpu"), IDS)
     monkeypatch.setenv("LLMD_CPU_GEMM", "0")
-    import llmd.model.gguf_layers as gl
+    import llmd.model.quant.gguf_layers as gl
 
     monkeypatch.setattr(gl, "_CHUNK_ELEMENTS", 300 * 256)  # several chunks per layer
     fallback = prefill_logits(load_model(path, quant="gguf", device="cpu"), IDS)
@@ -259,7 +258,7 @@ def test_mixed_types_fuse_and_the_c_layer_stack_runs_them_bit_for_bit(kquant_fil
     from llmd.kernels import cpu_ops
     from llmd.model import cpu_stack
     from llmd.model.attention import AttentionMetadata, allocate_kv_cache
-    from llmd.model.gguf_layers import GGUFConcat
+    from llmd.model.quant import GGUFConcat
 
     lm = load_model(kquant_files["untied"], quant="gguf", device="cpu")
     model, cfg = lm.model, lm.config

@@ -21,8 +21,7 @@ import torch
 from ..kernels import cpu_gemm
 from ..kernels import cpu_stack as ck
 from .attention import AttentionMetadata, DecodePlan, attention_backend, fast_paged_attention
-from .gguf_layers import GGUFConcat, GGUFLinear
-from .quant import Int4Linear, Int8Linear
+from .quant import GGUFConcat, GGUFLinear, Int4Linear, Int8Linear
 
 
 class CpuLayerStack:

@@ -14,9 +14,8 @@ from torch import nn
 from ..errors import ModelFileError
 from .config import ModelConfig
 from .linear import use_transposed_weights
-from .gguf_layers import tie_gguf_head
 from .quant import (build_empty_quantized, gguf_raw_tensors, gguf_tensor_types, parse_quant, quantize_tied_head,
-                    quantized_weight_bytes, quantizing_stream)
+                    quantized_weight_bytes, quantizing_stream, tie_gguf_head)
 from .quant_cache import load_quantized  # second starts read packed weights from the XDG cache
 from .weights import LoadReport, build_empty, iter_safetensors, load_hf_weights, load_tensors, safetensors_files
 

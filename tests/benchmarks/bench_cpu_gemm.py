@@ -81,7 +81,6 @@ def gguf_table(types: list[str], threads: list[int], rows: list[int], budget: fl
 
     import numpy as np
 
-    from llmd.kernels import gguf_blocks as gb
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from test_gguf_blocks import random_blocks

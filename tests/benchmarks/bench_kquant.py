@@ -83,7 +83,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     from llmd.kernels import cpu_gemm
-    from llmd.model.gguf_layers import packed_weight_bytes
+    from llmd.model.quant import packed_weight_bytes
     from llmd.model.loader import load_model
 
     paths = [Path(f) for f in args.files] or [kquant_files.requantized(t) for t in args.types.split(",")]

@@ -6,7 +6,8 @@ file's own block bytes, uint8 [N, row bytes], beside its GGML type name: residen
 - otherwise (no C compiler, CUDA until its Triton kernel is wired in, other dtypes): the rows of the weight are
   dequantized with the torch reference in bounded chunks per call and multiplied, so no fp32 copy is ever kept.
 Q4_0 / Q4_1 linear layers keep loading into llmd's int4 layers instead (an exact byte rearrangement,
-llmd.model.quant), whose tuned kernels they share with --quant int4; a tied Q8_0 token table becomes the int8 head.
+llmd.model.quant.gguf_blocks), whose tuned kernels they share with --quant int4; a tied Q8_0 token table becomes the
+int8 head.
 Projections that run side by side (q/k/v, gate/up) but differ in type, as Q4_K_M files have them (attn_v Q6_K next to
 Q4_K), fuse into a GGUFConcat of their GGUFLinears, so the model and the C layer stack see one matmul.
 """
@@ -19,8 +20,9 @@ from torch import nn
 from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
-from ..errors import ModelFileError
-from .quant import Int8Linear, Int8RowEmbedding, QuantizedLinear, int8_from_q8_0
+from ...errors import ModelFileError
+from .gguf_blocks import int8_from_q8_0
+from .layers import Int8Linear, Int8RowEmbedding, QuantizedLinear
 
 _CHUNK_ELEMENTS = 1 << 22  # weights dequantized at a time by the torch path (16 MiB of fp32)
 
