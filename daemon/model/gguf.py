@@ -587,6 +587,12 @@ def _small_metadata(meta: dict) -> dict:
     }
 
 
+def gguf_config(path):
+    """The model config of a checked GGUF file (header only: no tokenizer, no weights)."""
+    _, hf_cfg = _open(path)
+    return build_config(hf_cfg)
+
+
 def load_gguf(path) -> GGUFModel:
     """Open and check a GGUF file; tensors are dequantized to fp32 one at a time as the iterator is consumed."""
     from .tokenizer import Tokenizer
