@@ -286,3 +286,19 @@ def test_mixed_types_fuse_and_the_c_layer_stack_runs_them_bit_for_bit(kquant_fil
     assert isinstance(model._cpu_stack, cpu_stack.CpuLayerStack)
     without = run(False)
     assert all(torch.equal(a, b) for a, b in zip(with_stack, without))
+
+
+def test_tensor_shape_not_the_models_is_refused_by_name(kquant_files, tmp_path):
+    """The output head declared with one row fewer (its bytes then still fit the file): the packed layer refuses
+    it, naming the tensor and both shapes, before the model runs."""
+    import shutil
+
+    path = tmp_path / "shape.gguf"
+    shutil.copy(kquant_files["untied"], path)
+    reader = gguf.GGUFReader(path, "r+")
+    t = next(t for t in reader.tensors if t.name == "output.weight")
+    t.field.parts[3][1] = VOCAB - 1
+    reader.data.flush()
+    del reader
+    message = _error(path)
+    assert "'lm_head.weight'" in message and "Q6_K" in message and f"[{VOCAB}, {HIDDEN}]" in message
