@@ -1039,7 +1039,7 @@ __attribute__((unused)) static void dq_iq4_nl(const uint8_t *q, int64_t nb, floa
     }
 }
 
-static void dq_q2_k(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_q2_k(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 84, w += 256) {
         const uint8_t *sc = q, *qs = q + 16;
         const float d = gguf_f16(q + 80), dmin = gguf_f16(q + 82);
@@ -1055,7 +1055,7 @@ static void dq_q2_k(const uint8_t *q, int64_t nb, float *w) {
     }
 }
 
-static void dq_q3_k(const uint8_t *q, int64_t nb, float *w) {
+__attribute__((unused)) static void dq_q3_k(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 110, w += 256) {
         const uint8_t *hm = q, *qs = q + 32, *sb = q + 96;
         const float d = gguf_f16(q + 108);
@@ -1175,18 +1175,22 @@ INLINE void emit(__m256 v, float *w, const float *x, __m256 *acc, const int fuse
 
 enum { OFF_NONE, OFF_ADD, OFF_SUB };
 
-/* 32 int8 codes -> weights 0..32: a * q (a2 * q for the last 16) [+ b | - b] */
-INLINE void emit32(__m256i q, float a, float a2, float b, const int off, float *w, const float *x, __m256 *acc,
-                   const int fused) {
+/* 32 int8 codes -> weights 0..32: a * q [+ b | - b] (a2 and b2 for the last 16) */
+INLINE void emit32h(__m256i q, float a, float a2, float b, float b2, const int off, float *w, const float *x,
+                    __m256 *acc, const int fused) {
     const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    const __m256 bv = _mm256_set1_ps(b);
     for (int i = 0; i < 4; i++) {
         __m256 v = _mm256_mul_ps(_mm256_set1_ps(i < 2 ? a : a2), i8_to_f32(parts[i]));
-        if (off == OFF_ADD) v = _mm256_add_ps(v, bv);
-        if (off == OFF_SUB) v = _mm256_sub_ps(v, bv);
+        if (off == OFF_ADD) v = _mm256_add_ps(v, _mm256_set1_ps(i < 2 ? b : b2));
+        if (off == OFF_SUB) v = _mm256_sub_ps(v, _mm256_set1_ps(i < 2 ? b : b2));
         emit(v, w + 8 * i, x + 8 * i, acc, fused);
     }
+}
+
+INLINE void emit32(__m256i q, float a, float a2, float b, const int off, float *w, const float *x, __m256 *acc,
+                   const int fused) {
+    emit32h(q, a, a2, b, b, off, w, x, acc, fused);
 }
 
 /* 16 bytes of nibbles -> 32 codes: low nibbles are codes 0..15, high nibbles 16..31. */
@@ -1308,6 +1312,44 @@ INLINE void blk_q6_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
     }
 }
 
+INLINE void blk_q2_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const __m256i m2 = _mm256_set1_epi8(3);
+    const uint8_t *sc = q;
+    const float d = gguf_f16(q + 80), dmin = gguf_f16(q + 82);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * h));
+        for (int t = 0; t < 4; t++) {
+            const int s = 8 * h + 2 * t; /* elements 128h + 32t + l: sub-block s for l < 16, s + 1 after */
+            const __m256i codes = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * t)), m2);
+            emit32h(codes, d * (float)(sc[s] & 0xF), d * (float)(sc[s + 1] & 0xF), dmin * (float)(sc[s] >> 4),
+                    dmin * (float)(sc[s + 1] >> 4), OFF_SUB, w + 128 * h + 32 * t, x + 128 * h + 32 * t, acc, fused);
+        }
+    }
+}
+
+INLINE void blk_q3_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const uint8_t *sb = q + 96;
+    const float d = gguf_f16(q + 108);
+    float dl[16];
+    for (int s = 0; s < 16; s++) {
+        const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
+        dl[s] = d * (float)((int8_t)(low | high << 4) - 32);
+    }
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)q);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 + 32 * h));
+        for (int t = 0; t < 4; t++) {
+            const int s = 8 * h + 2 * t;
+            const __m256i crumbs = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * t)), m2);
+            const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(4 * h + t)), one);
+            const __m256i minus4 = _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2); /* 4 where the bit is clear */
+            emit32(_mm256_sub_epi8(crumbs, minus4), dl[s], dl[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t,
+                   x + 128 * h + 32 * t, acc, fused);
+        }
+    }
+}
+
 /* Per type: dqv_T dequantizes nb blocks (a panel's column); dot_T gives `cols` (<= GGUF_DOT_COLS) columns' dot
  * products with one row x, the columns' blocks interleaved so that their accumulators run as independent chains. */
 #define GGUF_DOT_COLS 8
@@ -1333,6 +1375,8 @@ GGUF_VECTOR(iq4_xs, 256, 136)
 GGUF_VECTOR(q4_k, 256, 144)
 GGUF_VECTOR(q5_k, 256, 176)
 GGUF_VECTOR(q6_k, 256, 210)
+GGUF_VECTOR(q2_k, 256, 84)
+GGUF_VECTOR(q3_k, 256, 110)
 typedef void (*gguf_dot_fn)(const uint8_t *, int64_t, int64_t, const float *, float *, int);
 #define DOT(fn) fn
 #define DQ(scalar, vector) vector
@@ -1355,8 +1399,8 @@ static const gguf_type GGUF_TYPES[] = {
     {6, 32, 22, DQ(dq_q5_0, dqv_q5_0), DOT(dot_q5_0)},
     {7, 32, 24, DQ(dq_q5_1, dqv_q5_1), DOT(dot_q5_1)},
     {8, 32, 34, DQ(dq_q8_0, dqv_q8_0), DOT(dot_q8_0)},
-    {10, 256, 84, dq_q2_k, NULL},
-    {11, 256, 110, dq_q3_k, NULL},
+    {10, 256, 84, DQ(dq_q2_k, dqv_q2_k), DOT(dot_q2_k)},
+    {11, 256, 110, DQ(dq_q3_k, dqv_q3_k), DOT(dot_q3_k)},
     {12, 256, 144, DQ(dq_q4_k, dqv_q4_k), DOT(dot_q4_k)},
     {13, 256, 176, DQ(dq_q5_k, dqv_q5_k), DOT(dot_q5_k)},
     {14, 256, 210, DQ(dq_q6_k, dqv_q6_k), DOT(dot_q6_k)},

@@ -17,7 +17,7 @@ call (best of repeated calls) and the weight bytes streamed per second (GB/s) fo
               change side by side in one run
 With --gguf (all packed types, or a list), instead: llmd's matmul straight from GGUF blocks of each type
 (llmd.kernels.cpu_gemm.GGUFKernel) at shapes whose rows are whole 256-element super-blocks, in ms and in weights per
-second (Gw/s) and GB/s of the type's bytes, next to fp32 at the same shape.
+second (Gw/s), GB/s of the type's bytes and GFLOP/s, next to fp32 at the same shape.
 Weights are random codes: speed does not depend on their values. The first llmd call builds the kernel if needed.
 """
 
@@ -89,7 +89,8 @@ def gguf_table(types: list[str], threads: list[int], rows: list[int], budget: fl
     if lib is None:
         print("llmd cpu_gemm kernel unavailable here: no GGUF figures")
         return
-    print(f"{'type':7} {'shape':18} {'thr':>3} {'M':>4} {'ms':>9} {'Gw/s':>7} {'GB/s':>7} {'fp32 ms':>9}")
+    print(f"{'type':7} {'shape':18} {'thr':>3} {'M':>4} {'ms':>9} {'Gw/s':>7} {'GB/s':>7} {'GFLOP/s':>8} "
+          f"{'fp32 ms':>9}")
     with torch.inference_mode():
         for name, n, k in GGUF_SHAPES:
             w_t = torch.randn(k, n) * 0.02
@@ -103,7 +104,8 @@ def gguf_table(types: list[str], threads: list[int], rows: list[int], budget: fl
                         ms = best_ms(lambda: kernel(x), budget)
                         fp = best_ms(lambda: x @ w_t, budget)
                         print(f"{type_name:7} {name:18} {t:3d} {m:4d} {ms:9.3f} {n * k / ms / 1e6:7.2f} "
-                              f"{blocks.numel() / ms / 1e6:7.2f} {fp:9.3f}", flush=True)
+                              f"{blocks.numel() / ms / 1e6:7.2f} {2 * m * n * k / ms / 1e6:8.1f} {fp:9.3f}",
+                              flush=True)
 
 
 def main(argv=None):
