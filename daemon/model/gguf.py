@@ -587,6 +587,12 @@ def _small_metadata(meta: dict) -> dict:
     }
 
 
+def dequantized_tensors(path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, fp32 tensor) of a checked GGUF file, dequantized one at a time as it is consumed."""
+    gf, hf_cfg = _open(path)
+    return _dequant_generator(gf, _iter_checked(gf, hf_cfg))
+
+
 def gguf_config(path):
     """The model config of a checked GGUF file (header only: no tokenizer, no weights)."""
     _, hf_cfg = _open(path)

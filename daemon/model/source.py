@@ -42,9 +42,9 @@ class WeightSource:
         """(name, tensor) pairs under Hugging Face names; a GGUF file under a quantizing mode yields its tensors
         still packed (RawTensor) instead, for layers that keep or rearrange the blocks."""
         if self.kind == "gguf":
-            from .gguf import iter_raw_tensors, load_gguf
+            from .gguf import dequantized_tensors, iter_raw_tensors
 
-            return load_gguf(self.path).tensors if method == "none" else iter_raw_tensors(self.path)
+            return dequantized_tensors(self.path) if method == "none" else iter_raw_tensors(self.path)
         from .weights import iter_safetensors
 
         return iter_safetensors(self.files)
