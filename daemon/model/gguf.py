@@ -38,7 +38,7 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 SUPPORTED_TYPES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), **gb.BLOCKS}
 # Other types that the gguf package can dequantize (IQ2/IQ3/IQ1, TQ, MXFP4, ...) have no kernel here: their weights
 # are converted to Q8_0 blocks as they load (gguf's own Q8_0 quantizer), with one warning per type that names it and
-# the measured cost (the largest relative RMS change of a converted tensor). Types gguf cannot dequantize are refused.
+# the measured cost (the relative RMS change of the first tensor converted). Types gguf cannot dequantize are refused.
 CONVERTED_TO = "Q8_0"
 _GGUF_MAGIC = b"GGUF"
 _MAX_DIMS = 4
