@@ -114,7 +114,12 @@ async def encode_text(tok, text: str, add_special_tokens: bool = True) -> list[i
 
 async def render_chat(tok, plan: ChatPlan) -> str:
     def render() -> str:
-        return tok.apply_chat_template(plan.messages, tools=plan.tools, **plan.template_kwargs)
+        try:
+            return tok.apply_chat_template(plan.messages, tools=plan.tools, **plan.template_kwargs)
+        except Exception:  # noqa: BLE001 - a template that refuses the tool note's system turn gets it in the user's
+            if plan.fallback_messages is None:
+                raise
+            return tok.apply_chat_template(plan.fallback_messages, tools=plan.tools, **plan.template_kwargs)
 
     try:
         if sum(len(m.get("content") or "") for m in plan.messages) > ENCODE_IN_THREAD_CHARS:
