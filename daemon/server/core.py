@@ -146,7 +146,11 @@ async def encode_fim(tok, prompt: FimPrompt, model_name: str) -> list[int]:
 
 
 def traits_of(engine: AsyncEngine) -> ModelTraits:
-    return model_traits(str(engine.loaded.config.architecture), engine.tokenizer.chat_template)
+    """The model's tool format and thinking, read from its templates (a "tool_use" one renders requests with
+    tools, so its markers count too)."""
+    tok = engine.tokenizer
+    templates = [tok.named_templates.get("tool_use"), tok.chat_template]
+    return model_traits(str(engine.loaded.config.architecture), "\n".join(t for t in templates if t) or None)
 
 
 async def encode_prompt(engine: AsyncEngine, intake: Intake,
