@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import datetime, timezone
 
 from aiohttp import web
 
 from .. import __version__ as llmd_version
-from ..engine.types import SamplingParams
-from .core import Generation, ServerState, output_reason, state_of
-from .streaming import EventStream, pump
+from ..engine.types import RequestOutput, SamplingParams
+from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of, traits_of
+from ..tools.parsers import Piece
+from ..tools.spec import AnswerFormat, ToolSpec, check_schema, normalise_history, parse_tools
+from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, checked_params
 from .validation import (MAX_NEW_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P, ApiError,
-                         Field, check_fields, parse_messages, read_json)
+                         Field, bad_field, check_fields, parse_messages, read_json)
 
 # The Ollama API level this dialect follows; clients compare it to feature thresholds.
 OLLAMA_API_VERSION = "0.6.0"
@@ -50,15 +53,32 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
+def answer_format(value) -> AnswerFormat | None:
+    """Ollama's format: "json" or a JSON schema ("" and null: free text)."""
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return AnswerFormat("json_object", "", "format")
+    if isinstance(value, str):
+        raise bad_field("format", "must be \"json\" or a JSON schema")
+    return AnswerFormat("json_schema", json.dumps(check_schema(value, "format"), ensure_ascii=False), "format")
+
+
+def _think(value) -> bool | None:
+    """think: true / false, or a level ("low", "medium", "high") which means true here."""
+    if value is None or isinstance(value, bool):
+        return value
+    if value in ("low", "medium", "high"):
+        return True
+    raise bad_field("think", "must be true, false, or one of low, medium, high")
+
+
 def _check_request(state: ServerState, body: dict) -> tuple[dict, dict]:
-    if body.get("format"):
-        raise ApiError(400, "format (structured output) is not supported", param="format")
     if body.get("template"):
         raise ApiError(400, "template overrides are not supported; the model's own chat template is used",
                        param="template")
-    for unsupported in ("images", "tools"):
-        if body.get(unsupported):
-            raise ApiError(400, f"{unsupported} are not supported by this server", param=unsupported)
+    if body.get("images"):
+        raise ApiError(400, "images are not supported by this server", param="images")
     f = check_fields(body, REQUEST_FIELDS)
     state.check_model(body.get("model"), required=True)
     opts = check_fields(f.get("options") or {}, OPTION_FIELDS, prefix="options.")
@@ -83,86 +103,124 @@ def _params(opts: dict) -> SamplingParams:
     )
 
 
-def _final_stats(gen: Generation, started: float, prompt_len: int) -> dict:
+def _final_stats(gen: Generation, started: float) -> dict:
     t = gen.timings
     ns = lambda s: int((s or 0.0) * 1e9)  # noqa: E731
     return {
         "done_reason": gen.finish_reason or "stop",
         "total_duration": ns(time.monotonic() - started),
         "load_duration": 0,  # the model is resident; loading happened at daemon start
-        "prompt_eval_count": (t.num_prompt_tokens if t else 0) or prompt_len,
+        "prompt_eval_count": (t.num_prompt_tokens if t else 0) or len(gen.prompt_ids),
         "prompt_eval_duration": ns(t.ttft if t else 0),
         "eval_count": t.num_generated_tokens if t else 0,
         "eval_duration": ns(t.decode_time if t else 0),
     }
 
 
-async def _run(request: web.Request, state: ServerState, prompt_ids: list[int], params: SamplingParams, stream: bool,
-               shape, started: float) -> web.StreamResponse:
-    """shape(text, done, extra) builds one response object (chat: a message; generate: a response string)."""
-    async with Generation(state, request, prompt_ids, params) as gen:
-        if not stream:
-            res = await gen.collect()
-            return web.json_response(shape(res.text, True, _final_stats(gen, started, len(prompt_ids))))
-
-        def render(out):
-            if output_reason(out) is not None:
-                events = [shape(out.text_delta, False, {})] if out.text_delta else []
-                return events + [shape("", True, _final_stats(gen, started, len(prompt_ids)))]
-            return [shape(out.text_delta, False, {})] if out.text_delta else []
-
-        return await pump(gen, EventStream(request, "ndjson", state.write_timeout), render,
-                          on_error=lambda exc: {"error": exc.message})
+def _length_field(opts: dict, default: str) -> str:
+    return "options.num_ctx" if "num_ctx" in opts else default
 
 
-async def chat(request: web.Request) -> web.StreamResponse:
-    started = time.monotonic()
-    state = state_of(request)
-    body = await read_json(request, state.max_body_bytes)
+def parse_chat(body: dict, state: ServerState) -> Intake:
     f, opts = _check_request(state, body)
     messages = parse_messages(body.get("messages"))
     for i, msg in enumerate(body["messages"]):  # Ollama carries images per message; a text model must not drop them
         if msg.get("images"):
             raise ApiError(400, f"messages[{i}].images: images are not supported by this server",
                            param=f"messages[{i}].images")
-    params = _params(opts)
-    state.require_engine()
-    prompt_ids = await state.encode_chat(messages)
-    state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else "messages", opts.get("num_ctx"))
-    model = body["model"]
+    messages = normalise_history(body["messages"], messages)
+    tools = parse_tools(body["tools"]) if body.get("tools") else ()
+    prompt = ChatPrompt(messages, ToolSpec(tools) if tools else None, think=_think(body.get("think")))
+    return Intake(body["model"], prompt, checked_params(_params(opts)), f.get("stream", True),
+                  length_field=_length_field(opts, "messages"), num_ctx=opts.get("num_ctx"),
+                  answer=answer_format(body.get("format")))
 
-    def shape(text: str, done: bool, extra: dict) -> dict:
-        return {"model": model, "created_at": _now(), "message": {"role": "assistant", "content": text},
-                "done": done, **extra}
 
-    return await _run(request, state, prompt_ids, params, f.get("stream", True), shape, started)
+def parse_generate(body: dict, state: ServerState) -> Intake | None:
+    """None for Ollama's "load the model" request (no prompt, no suffix)."""
+    f, opts = _check_request(state, body)
+    prompt, suffix, system = f.get("prompt", ""), f.get("suffix", ""), f.get("system")
+    if not prompt and not suffix:
+        return None
+    if suffix:
+        kind = FimPrompt(prompt, suffix)
+    elif f.get("raw"):
+        kind = TextPrompt(prompt)
+    else:
+        kind = ChatPrompt(([{"role": "system", "content": system}] if system else [])
+                          + [{"role": "user", "content": prompt}], think=_think(body.get("think")))
+    return Intake(body["model"], kind, checked_params(_params(opts)), f.get("stream", True),
+                  length_field=_length_field(opts, "prompt"), num_ctx=opts.get("num_ctx"),
+                  answer=answer_format(body.get("format")))
+
+
+class _Answer:
+    """Ollama answers: every chunk, and the whole answer, is one shape with `done` and, at the end, the stats.
+    The text goes through the generation's OutputParser: content, thinking and tool calls (each call whole)."""
+
+    fmt = "ndjson"
+
+    def __init__(self, model: str):
+        self.model = model
+        self.started = time.monotonic()
+
+    def shape(self, piece: Piece, done: bool, extra: dict) -> dict:
+        raise NotImplementedError
+
+    def whole(self, gen: Generation, res: GenerationResult) -> dict:
+        return self.shape(gen.output.parse(res.text), True, _final_stats(gen, self.started))
+
+    def events(self, gen: Generation, out: RequestOutput) -> list:
+        piece = gen.output.feed(out.text_delta)
+        done = output_reason(out) is not None
+        if done:
+            piece.add(gen.output.finish())
+        events = [self.shape(piece, False, {})] if piece else []
+        if done:
+            events.append(self.shape(Piece(), True, _final_stats(gen, self.started)))
+        return events
+
+    def tail(self, gen: Generation) -> list:
+        return []
+
+    def error(self, exc: ApiError) -> dict:
+        return {"error": exc.message}
+
+
+class ChatAnswer(_Answer):
+    def shape(self, piece: Piece, done: bool, extra: dict) -> dict:
+        message: dict = {"role": "assistant", "content": piece.content}
+        if piece.reasoning:
+            message["thinking"] = piece.reasoning
+        if piece.calls:
+            message["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in piece.calls]
+        return {"model": self.model, "created_at": _now(), "message": message, "done": done, **extra}
+
+
+class GenerateAnswer(_Answer):
+    def shape(self, piece: Piece, done: bool, extra: dict) -> dict:
+        body = {"model": self.model, "created_at": _now(), "response": piece.content, "done": done}
+        if piece.reasoning:
+            body["thinking"] = piece.reasoning
+        return {**body, **extra}
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    body = await read_json(request, state.max_body_bytes)
+    intake = parse_chat(body, state)
+    return await run(request, state, intake, ChatAnswer(body["model"]))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    started = time.monotonic()
     state = state_of(request)
     body = await read_json(request, state.max_body_bytes)
-    f, opts = _check_request(state, body)
-    model = body["model"]
-    prompt, suffix, system = f.get("prompt", ""), f.get("suffix", ""), f.get("system")
-    state.require_engine()
-    if not prompt and not suffix:  # Ollama's "load the model" request
-        return web.json_response({"model": model, "created_at": _now(), "response": "", "done": True,
+    intake = parse_generate(body, state)
+    if intake is None:  # Ollama's "load the model" request
+        state.engine_for(body["model"])
+        return web.json_response({"model": body["model"], "created_at": _now(), "response": "", "done": True,
                                   "done_reason": "load"})
-    params = _params(opts)
-    if suffix:
-        prompt_ids = await state.fim_prompt(prompt, suffix)
-    elif f.get("raw"):
-        prompt_ids = await state.encode(prompt, True)
-    else:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        prompt_ids = await state.encode_chat(messages)
-    state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else "prompt", opts.get("num_ctx"))
-
-    def shape(text: str, done: bool, extra: dict) -> dict:
-        return {"model": model, "created_at": _now(), "response": text, "done": done, **extra}
-
-    return await _run(request, state, prompt_ids, params, f.get("stream", True), shape, started)
+    return await run(request, state, intake, GenerateAnswer(body["model"]))
 
 
 def _family(state: ServerState) -> str:
@@ -191,10 +249,17 @@ def _model_entry(state: ServerState) -> dict:
 
 
 def _capabilities(state: ServerState) -> list[str]:
+    """What the model itself can do: tools only with a template that renders them, thinking only with one that
+    knows a thought (the generic tool fallback serves any model, but is no capability of it)."""
     tok = state.engine.tokenizer
+    traits = traits_of(state.engine)
     caps = ["completion"]
+    if traits.tools.native:
+        caps.append("tools")
     if tok.fim_token_ids():
         caps.append("insert")
+    if traits.thinks:
+        caps.append("thinking")
     return caps
 
 

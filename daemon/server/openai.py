@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
 from aiohttp import web
 
-from ..engine.types import SamplingParams
-from .core import Generation, ServerState, output_reason, state_of
-from .responses import timings_dict
-from .streaming import EventStream, pump
+from ..engine.types import RequestOutput, SamplingParams
+from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
+from ..tools.spec import AnswerFormat, ToolSpec, check_schema, normalise_history, parse_tool_choice, parse_tools
+from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, TokenPrompt, checked_params
+from .responses import logprob_items, timings_dict
 from .validation import (LOGPROBS_TOP, MAX_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P,
-                         ApiError, Field, check_fields, parse_messages, read_json, require)
+                         ApiError, Field, bad_field, check_fields, parse_messages, read_json, require)
 
 DEFAULT_MAX_TOKENS = 2048  # when the client sends none; also capped by the context left
 
@@ -35,7 +37,8 @@ COMMON = {
     "repetition_penalty": REPEAT_PENALTY,
     "ignore_eos": Field("bool"),
 }
-CHAT_FIELDS = {**COMMON, "max_completion_tokens": MAX_TOKENS, "logprobs": Field("bool"), "top_logprobs": LOGPROBS_TOP}
+CHAT_FIELDS = {**COMMON, "max_completion_tokens": MAX_TOKENS, "logprobs": Field("bool"), "top_logprobs": LOGPROBS_TOP,
+               "parallel_tool_calls": Field("bool"), "chat_template_kwargs": Field("dict")}
 COMPLETION_FIELDS = {**COMMON, "prompt": Field("str|list"), "suffix": TEXT, "echo": Field("bool"),
                      "logprobs": LOGPROBS_TOP}
 
@@ -58,15 +61,8 @@ def _params(f: dict, max_tokens: int | None, logprobs: int | None) -> SamplingPa
 
 
 def _reject_unsupported(body: dict) -> None:
-    """Refuse features this server lacks instead of ignoring them: a client asking for JSON output or a tool call
-    would silently get prose. Their neutral values (text output, no tools, no bias, best_of 1) are fine."""
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise ApiError(400, f"response_format {kind!r} (structured output) is not supported; only {{\"type\": "
-                            f"\"text\"}}", param="response_format")
-    if body.get("tools") and body.get("tool_choice") != "none":
-        raise ApiError(400, "tools (function calling) are not supported by this server", param="tools")
+    """Refuse features this server lacks instead of ignoring them. Their neutral values (no bias, best_of 1) are
+    fine."""
     if body.get("logit_bias"):
         raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
     if body.get("best_of") not in (None, 1):
@@ -96,172 +92,247 @@ def _usage(gen: Generation, prompt_len: int, generated: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _piece(tok, token_id: int) -> str:
-    return tok.decode([token_id], skip_special_tokens=False)
+def _include_usage(f: dict) -> bool:
+    return bool((f.get("stream_options") or {}).get("include_usage"))
 
 
-def _chat_logprobs(tok, items) -> dict:
-    content = []
-    for lp in items:
-        piece = _piece(tok, lp.token_id)
-        content.append({
-            "token": piece, "logprob": lp.logprob, "bytes": list(piece.encode("utf-8")),
-            "top_logprobs": [{"token": (p := _piece(tok, tid)), "logprob": v, "bytes": list(p.encode("utf-8"))}
-                             for tid, v in lp.top],
-        })
-    return {"content": content}
+def response_format(value) -> AnswerFormat | None:
+    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad_field("response_format", "must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return AnswerFormat("json_object", "", "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_field("response_format.json_schema", "must be an object with name and schema")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad_field("response_format.json_schema.name", "is required (a string)")
+    schema = check_schema(spec.get("schema", {}), "response_format.json_schema.schema")
+    return AnswerFormat("json_schema", json.dumps(schema, ensure_ascii=False), "response_format")
 
 
-def _completion_logprobs(tok, items, offset: int) -> dict:
-    tokens, lps, tops, offsets = [], [], [], []
-    for lp in items:
-        piece = _piece(tok, lp.token_id)
-        tokens.append(piece)
-        lps.append(lp.logprob)
-        tops.append({_piece(tok, tid): v for tid, v in lp.top})
-        offsets.append(offset)
-        offset += len(piece)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+def tool_spec(body: dict, f: dict) -> ToolSpec | None:
+    tools = body.get("tools")
+    functions = parse_tools(tools) if tools is not None else ()
+    choice = parse_tool_choice(body.get("tool_choice"), functions)
+    if not functions:
+        return None
+    return ToolSpec(functions, choice, f.get("parallel_tool_calls", True))
+
+
+RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "add_generation_prompt"}
+
+
+def _template_kwargs(kwargs: dict) -> dict:
+    """vLLM's chat_template_kwargs: extra template variables (enable_thinking, ...), a few plain names."""
+    if len(kwargs) > 16:
+        raise bad_field("chat_template_kwargs", "may hold at most 16 variables")
+    for name, value in kwargs.items():
+        if not name.isidentifier() or name.startswith("_") or name in RESERVED_TEMPLATE_NAMES:
+            raise bad_field(f"chat_template_kwargs.{name}", "is not a template variable a request may set")
+    if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
+        raise bad_field("chat_template_kwargs.enable_thinking", "must be true or false")
+    return dict(kwargs)
+
+
+def parse_chat(body: dict, state: ServerState) -> Intake:
+    require(body, "messages")
+    f = _check_common(state, body, CHAT_FIELDS)
+    messages = normalise_history(body["messages"], parse_messages(body["messages"]))
+    if "top_logprobs" in f and not f.get("logprobs"):
+        raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    logprobs = f.get("top_logprobs", 0) if f.get("logprobs") else None
+    params = checked_params(_params(f, f.get("max_completion_tokens", f.get("max_tokens")), logprobs))
+    kwargs = _template_kwargs(f.get("chat_template_kwargs") or {})
+    prompt = ChatPrompt(messages, tool_spec(body, f), template_kwargs=kwargs)
+    return Intake(f.get("model"), prompt, params, bool(f.get("stream")), length_field="messages",
+                  answer=response_format(body.get("response_format")), include_usage=_include_usage(f))
+
+
+def parse_completion(body: dict, state: ServerState) -> Intake:
+    require(body, "prompt")
+    f = _check_common(state, body, COMPLETION_FIELDS)
+    params = checked_params(_params(f, f.get("max_tokens"), f.get("logprobs")))
+    prompt, suffix = f["prompt"], f.get("suffix")
+    if isinstance(prompt, list):
+        if suffix:
+            raise ApiError(400, "suffix needs a text prompt, not token ids", param="suffix")
+        kind = TokenPrompt(prompt)
+    elif len(prompt) > TEXT.max_len:
+        raise ApiError(400, f"prompt must be at most {TEXT.max_len} characters", param="prompt")
+    elif suffix:
+        kind = FimPrompt(prompt, suffix)
+    else:
+        kind = TextPrompt(prompt)
+    return Intake(f.get("model"), kind, params, bool(f.get("stream")), include_usage=_include_usage(f),
+                  answer=response_format(body.get("response_format")),
+                  echo=bool(f.get("echo")) and isinstance(kind, (TextPrompt, FimPrompt)))
+
+
+class _Answer:
+    """What both OpenAI renderers share: the id, the creation time, usage and the stream's end."""
+
+    fmt = "sse"
+    obj = ""
+
+    def __init__(self, intake: Intake, model: str, prefix: str):
+        self.intake = intake
+        self.id, self.created, self.model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model
+        self.generated = 0
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage(self, gen: Generation, generated: int) -> dict:
+        return _usage(gen, len(gen.prompt_ids), generated)
+
+    def chunk(self, choice: dict, gen: Generation, finish: str | None) -> dict:
+        c = {**self.head(self.obj), "choices": [choice]}
+        if self.intake.include_usage:
+            c["usage"] = None
+        if finish:
+            c["timings"] = timings_dict(gen.timings)
+        return c
+
+    def tail(self, gen: Generation) -> list:
+        events = []
+        if self.intake.include_usage:
+            events.append({**self.head(self.obj), "choices": [], "usage": self.usage(gen, self.generated)})
+        return events + ["[DONE]"]
+
+    def error(self, exc: ApiError) -> dict:
+        return _stream_error(exc)
+
+
+def _message_calls(calls) -> list[dict]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+            for c in calls]
+
+
+class ChatAnswer(_Answer):
+    """Content, reasoning_content and tool_calls from the generation's OutputParser. Streamed, a call's id, type
+    and name come once, then its arguments; a stop after calls is finish_reason "tool_calls"."""
+
+    obj = "chat.completion.chunk"
+
+    def __init__(self, intake: Intake, model: str):
+        super().__init__(intake, model, "chatcmpl")
+        self.first = True
+        self.index: dict[str, int] = {}  # call id -> its index in tool_calls
+
+    def _head(self, call_id: str, name: str) -> dict:
+        return {"index": self.index[call_id], "id": call_id, "type": "function",
+                "function": {"name": name, "arguments": ""}}
+
+    def _logprobs(self, gen: Generation, items) -> dict | None:
+        if self.intake.params.logprobs is None:
+            return None
+        return logprob_items(gen.engine.tokenizer, items, "chat")
+
+    @staticmethod
+    def _finish(gen: Generation, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and gen.output.calls else reason
+
+    def whole(self, gen: Generation, res: GenerationResult) -> dict:
+        piece = gen.output.parse(res.text)
+        message: dict = {"role": "assistant", "content": piece.content if piece.content or not piece.calls else None}
+        if piece.reasoning:
+            message["reasoning_content"] = piece.reasoning
+        if piece.calls:
+            message["tool_calls"] = _message_calls(piece.calls)
+        return {**self.head("chat.completion"),
+                "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(gen, res.logprobs),
+                             "finish_reason": self._finish(gen, res.finish_reason), "stop_reason": gen.stop_reason}],
+                "usage": self.usage(gen, len(res.token_ids)), "timings": timings_dict(gen.timings)}
+
+    def _choice(self, delta: dict, lp=None, finish: str | None = None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+
+    def events(self, gen: Generation, out: RequestOutput) -> list:
+        self.generated += len(out.new_token_ids)
+        finish = output_reason(out)
+        piece = gen.output.feed(out.text_delta)
+        if finish:
+            piece.add(gen.output.finish())
+        events = []
+        if self.first:
+            self.first = False
+            events.append(self.chunk(self._choice({"role": "assistant", "content": ""}), gen, None))
+        lp = self._logprobs(gen, out.logprobs) if out.logprobs else None
+        deltas = []
+        if piece.reasoning:
+            deltas.append({"reasoning_content": piece.reasoning})
+        if piece.content:
+            deltas.append({"content": piece.content})
+        for d in piece.deltas:  # calls streamed as they are written (a grammar keeps them valid)
+            if d.name is not None:
+                self.index[d.id] = len(self.index)
+                deltas.append({"tool_calls": [self._head(d.id, d.name)]})
+            elif d.arguments:
+                deltas.append({"tool_calls": [{"index": self.index[d.id], "function": {"arguments": d.arguments}}]})
+        for call in piece.calls:
+            if call.streamed:
+                continue
+            self.index[call.id] = len(self.index)
+            deltas += [{"tool_calls": [self._head(call.id, call.name)]},
+                       {"tool_calls": [{"index": self.index[call.id], "function": {"arguments": call.arguments_json}}]}]
+        if lp and not deltas and not finish:
+            deltas.append({})
+        for i, delta in enumerate(deltas):
+            events.append(self.chunk(self._choice(delta, lp if i == 0 else None), gen, None))
+        if finish:
+            events.append(self.chunk(self._choice({}, lp if not deltas else None, self._finish(gen, finish)), gen,
+                                     finish))
+        return events
+
+
+class CompletionAnswer(_Answer):
+    obj = "text_completion"
+
+    def __init__(self, intake: Intake, model: str):
+        super().__init__(intake, model, "cmpl")
+        prompt = intake.prompt
+        self.echo = (prompt.text if isinstance(prompt, TextPrompt) else prompt.prefix) if intake.echo else ""
+        self.pending_echo = self.echo
+        self.offset = len(self.echo)
+
+    def _logprobs(self, gen: Generation, items, offset: int) -> dict | None:
+        if self.intake.params.logprobs is None:
+            return None
+        return logprob_items(gen.engine.tokenizer, items, "completion", offset)
+
+    def whole(self, gen: Generation, res: GenerationResult) -> dict:
+        return {**self.head("text_completion"),
+                "choices": [{"index": 0, "text": self.echo + res.text, "finish_reason": res.finish_reason,
+                             "stop_reason": gen.stop_reason, "logprobs": self._logprobs(gen, res.logprobs,
+                                                                                        len(self.echo))}],
+                "usage": self.usage(gen, len(res.token_ids)), "timings": timings_dict(gen.timings)}
+
+    def events(self, gen: Generation, out: RequestOutput) -> list:
+        self.generated += len(out.new_token_ids)
+        finish = output_reason(out)
+        if not (out.text_delta or out.logprobs or finish or self.pending_echo):
+            return []
+        lp = self._logprobs(gen, out.logprobs, self.offset) if out.logprobs else None
+        self.offset += len(out.text_delta)
+        text, self.pending_echo = self.pending_echo + out.text_delta, ""
+        return [self.chunk({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}, gen, finish)]
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    body = await read_json(request, state.max_body_bytes)
-    require(body, "messages")
-    f = _check_common(state, body, CHAT_FIELDS)
-    messages = parse_messages(body["messages"])
-    if "top_logprobs" in f and not f.get("logprobs"):
-        raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-    logprobs = f.get("top_logprobs", 0) if f.get("logprobs") else None
-    params = _params(f, f.get("max_completion_tokens", f.get("max_tokens")), logprobs)
-    engine = state.require_engine()
-    prompt_ids = await state.encode_chat(messages)
-    state.check_length(prompt_ids, params, "messages")
-    tok = engine.tokenizer
-    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
-
-    async with Generation(state, request, prompt_ids, params) as gen:
-        if not f.get("stream"):
-            res = await gen.collect()
-            return web.json_response({
-                "id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
-                             "logprobs": _chat_logprobs(tok, res.logprobs) if logprobs is not None else None,
-                             "finish_reason": res.finish_reason, "stop_reason": gen.stop_reason}],
-                "usage": _usage(gen, len(prompt_ids), len(res.token_ids)),
-                "timings": timings_dict(gen.timings),
-            })
-
-        include_usage = bool((f.get("stream_options") or {}).get("include_usage"))
-        generated = 0
-        first = True
-
-        def chunk(delta: dict, finish: str | None, lp=None, extra: dict | None = None) -> dict:
-            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
-            if include_usage:
-                c["usage"] = None
-            return {**c, **(extra or {})}
-
-        def render(out):
-            nonlocal generated, first
-            generated += len(out.new_token_ids)
-            finish = output_reason(out)
-            events = []
-            if first:
-                first = False
-                events.append(chunk({"role": "assistant", "content": ""}, None))
-            if out.text_delta or out.logprobs or finish:
-                lp = _chat_logprobs(tok, out.logprobs) if logprobs is not None and out.logprobs else None
-                delta = {"content": out.text_delta} if out.text_delta else {}
-                extra = {"timings": timings_dict(gen.timings)} if finish else None
-                events.append(chunk(delta, finish, lp, extra))
-            return events
-
-        def tail():
-            events = []
-            if include_usage:
-                events.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "choices": [], "usage": _usage(gen, len(prompt_ids), generated)})
-            return events + ["[DONE]"]
-
-        return await pump(gen, EventStream(request, "sse", state.write_timeout), render, tail, _stream_error)
+    intake = parse_chat(await read_json(request, state.max_body_bytes), state)
+    return await run(request, state, intake, ChatAnswer(intake, state.model_name))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    body = await read_json(request, state.max_body_bytes)
-    require(body, "prompt")
-    f = _check_common(state, body, COMPLETION_FIELDS)
-    logprobs = f.get("logprobs")
-    params = _params(f, f.get("max_tokens"), logprobs)
-    engine = state.require_engine()
-    prompt = f["prompt"]
-    suffix = f.get("suffix")
-    if isinstance(prompt, list):
-        if suffix:
-            raise ApiError(400, "suffix needs a text prompt, not token ids", param="suffix")
-        vocab = engine.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        prompt_ids, prompt_text = prompt, None
-    elif len(prompt) > TEXT.max_len:
-        raise ApiError(400, f"prompt must be at most {TEXT.max_len} characters", param="prompt")
-    elif suffix:
-        prompt_ids, prompt_text = await state.fim_prompt(prompt, suffix), prompt
-    else:
-        prompt_ids, prompt_text = await state.encode(prompt, True), prompt
-    state.check_length(prompt_ids, params)
-    tok = engine.tokenizer
-    echo = prompt_text if f.get("echo") and prompt_text is not None else ""
-    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
-
-    async with Generation(state, request, prompt_ids, params) as gen:
-        if not f.get("stream"):
-            res = await gen.collect()
-            return web.json_response({
-                "id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": echo + res.text, "finish_reason": res.finish_reason,
-                             "stop_reason": gen.stop_reason,
-                             "logprobs": _completion_logprobs(tok, res.logprobs, len(echo))
-                             if logprobs is not None else None}],
-                "usage": _usage(gen, len(prompt_ids), len(res.token_ids)),
-                "timings": timings_dict(gen.timings),
-            })
-
-        include_usage = bool((f.get("stream_options") or {}).get("include_usage"))
-        generated = 0
-        offset = len(echo)
-        pending_echo = echo
-
-        def render(out):
-            nonlocal generated, offset, pending_echo
-            generated += len(out.new_token_ids)
-            finish = output_reason(out)
-            if not (out.text_delta or out.logprobs or finish or pending_echo):
-                return []
-            lp = None
-            if logprobs is not None and out.logprobs:
-                lp = _completion_logprobs(tok, out.logprobs, offset)
-            offset += len(out.text_delta)
-            c = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                 "choices": [{"index": 0, "text": pending_echo + out.text_delta, "logprobs": lp,
-                              "finish_reason": finish}]}
-            pending_echo = ""
-            if include_usage:
-                c["usage"] = None
-            if finish:
-                c["timings"] = timings_dict(gen.timings)
-            return [c]
-
-        def tail():
-            events = []
-            if include_usage:
-                events.append({"id": rid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [], "usage": _usage(gen, len(prompt_ids), generated)})
-            return events + ["[DONE]"]
-
-        return await pump(gen, EventStream(request, "sse", state.write_timeout), render, tail, _stream_error)
+    intake = parse_completion(await read_json(request, state.max_body_bytes), state)
+    return await run(request, state, intake, CompletionAnswer(intake, state.model_name))
 
 
 def _stream_error(exc: ApiError) -> dict:

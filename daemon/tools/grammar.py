@@ -1,0 +1,133 @@
+"""The constraints the server composes for the engine (llguidance grammars: JSON schema, GBNF, lark).
+
+- An answer format alone is a JSON schema (or the client's GBNF) as it is.
+- Tool calls are a lark grammar: the family's markers around `%json {...}` bodies that validate against each
+  allowed tool's parameters; `required` or a named function allows only calls, the generic fallback's `auto` allows
+  text (or the answer format) as the other alternative.
+- A reasoning model's thought stays free: a lazy `<think> ... </think>` rule comes first, the answer rule after it.
+
+JSON inside the grammars is compact (llguidance's `whitespace_flexible: false`): small models otherwise tend to
+emit whitespace until max_tokens, and compact JSON is still JSON to every client.
+
+The engine compiles them (AsyncEngine.compile_constraint); an invalid or unsatisfiable one is a 400 naming the request
+field (core.run).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..engine.types import Constraint
+from .families import ToolFormat
+from .spec import AnswerFormat, Function, ToolSpec
+
+COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}  # None: not the engine's default
+
+
+def _compact(schema: dict) -> dict:
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": COMPACT}
+
+
+def _json(schema: dict) -> str:
+    return "%json " + json.dumps(_compact(schema), ensure_ascii=False)
+
+
+def answer_schema(fmt: AnswerFormat) -> dict:
+    return {"type": "object"} if fmt.kind == "json_object" else json.loads(fmt.text)
+
+
+def answer_constraint(fmt: AnswerFormat) -> Constraint:
+    """A format on its own (no tools, no thought)."""
+    if fmt.kind == "gbnf":
+        return Constraint("gbnf", fmt.text)
+    return Constraint("json_schema", json.dumps(_compact(answer_schema(fmt)), ensure_ascii=False))
+
+
+def _call_body(fn: Function, args_key: str) -> dict:
+    return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: fn.parameters},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def _xml_function(i: int, fn: Function) -> list[str]:
+    """Qwen3-Coder's call body: <function=NAME>, then each parameter (required ones always, in the schema's order)
+    as <parameter=P> with a string as written (free up to its closing tag) or any other value as JSON."""
+    props = fn.parameters.get("properties") or {}
+    required = set(fn.parameters.get("required") or [])
+    rules, parts = [], []
+    for k, (pname, schema) in enumerate(props.items()):
+        schema = schema if isinstance(schema, dict) else {}
+        head = json.dumps(f"<parameter={pname}>\n")
+        if schema.get("type") == "string" and len(schema) <= 2:  # a plain string (maybe with a description)
+            rules.append(f'p_{i}_{k}[lazy]: {head} /(.|\\n)*/ "\\n</parameter>\\n"')
+        else:
+            rules.append(f'p_{i}_{k}: {head} {_json(schema)} "\\n</parameter>\\n"')
+        parts.append(f"p_{i}_{k}" + ("" if pname in required else "?"))
+    rules.append(f"fn_{i}: {json.dumps(f'<function={fn.name}>' + chr(10))} {' '.join(parts)} \"</function>\"")
+    return rules
+
+
+def _call_rules(fmt: ToolFormat, spec: ToolSpec) -> list[str]:
+    """Rules defining `calls`: one call, or several when parallel calls are allowed."""
+    fns = spec.allowed()
+    if fmt.name == "qwen3_coder":
+        rules = [rule for i, fn in enumerate(fns) for rule in _xml_function(i, fn)]
+    else:
+        rules = [f"fn_{i}: {_json(_call_body(fn, fmt.args_key))}" for i, fn in enumerate(fns)]
+    rules.append("fn: " + " | ".join(f"fn_{i}" for i in range(len(fns))))
+    if fmt.name == "llama3":
+        rules.append("call: fn")
+        sep = '";"'
+    elif fmt.name == "mistral":  # the [TOOL_CALLS] marker is a special token: the bare array is what the text keeps
+        rules.append('calls: "[" fn ("," fn)* "]"' if spec.parallel else 'calls: "[" fn "]"')
+        return rules
+    else:
+        rules.append('call: "<tool_call>\\n" fn "\\n</tool_call>"')
+        sep = '"\\n"'
+    rules.append(f"calls: call ({sep} call)*" if spec.parallel else "calls: call")
+    return rules
+
+
+def _not_starting_with(marker: str) -> str:
+    """A regex for a first stretch of text that cannot grow into `marker` (so text and calls never overlap), e.g.
+    for "<ab": ([^<]|<([^a]|a[^b])). Any other text, "<div>" included, stays possible."""
+    def esc(c: str) -> str:
+        return "\\" + c if c in "\\^]-[/" else c
+
+    head, *rest = marker
+    if not rest:
+        return f"[^{esc(head)}]"
+    return f"([^{esc(head)}]|{_re_lit(head)}{_not_starting_with(''.join(rest))})"
+
+
+def _re_lit(c: str) -> str:
+    return "\\" + c if c in ".^$*+?()[]{}|\\/" else c
+
+
+def grammar_has_calls(fmt: ToolFormat, spec: ToolSpec, answer: AnswerFormat | None) -> bool:
+    """Whether the grammar writes the calls. A native template's model calls freely under auto, unless the answer
+    has a format, which would shut calls out."""
+    return spec.choice != "none" and (spec.forced or not fmt.native or answer is not None)
+
+
+def lark_grammar(fmt: ToolFormat | None, spec: ToolSpec | None, answer: AnswerFormat | None,
+                 thought: str | None) -> Constraint | None:
+    """The whole answer's grammar, or None when nothing constrains it.
+    thought: None (no thought), "open" (the model opens `<think>` itself), "opened" (the prompt ends inside it)."""
+    rules: list[str] = []
+    forced = spec is not None and spec.forced
+    calls = fmt is not None and spec is not None and grammar_has_calls(fmt, spec, answer)
+    if calls:
+        rules += _call_rules(fmt, spec)  # type: ignore[arg-type]
+    if answer is not None and answer.kind != "gbnf":
+        rules.append(f"text: {_json(answer_schema(answer))}")
+    elif calls and not forced:
+        rules.append("text: TEXT")
+        rules.append(f"TEXT: /{_not_starting_with('<tool_call>')}(.|\\n)*/")  # the generic fallback's text
+    if not rules:
+        return None
+    body = "calls" if forced else "text | calls" if calls else "text"
+    if thought is None:
+        return Constraint("lark", "\n".join([f"start: {body}", *rules]))
+    opener = '"<think>" ' if thought == "open" else ""
+    head = ["start: think answer", f'think[lazy]: {opener}/(.|\\n)*/ "</think>"', f'answer: /[ \\n]*/ ({body})']
+    return Constraint("lark", "\n".join(head + rules))
