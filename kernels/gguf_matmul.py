@@ -1,0 +1,468 @@
+"""Fused dequantize + matmul for GGUF weights kept packed: y[M, N] = x[M, K] @ dequant(qweight).T.
+
+A packed GGUF weight is the file's own block bytes: `qweight` uint8 [N, (K / block_elems) * block_bytes], row n
+holding output channel n's blocks in file order, plus its GGML type name (`TYPES` lists those handled here). The
+values are those of `gguf.quants.dequantize` on the same bytes; `dequantize_gguf` is a pure-torch version of it,
+bit-exact, and `gguf_matmul_ref` the matmul over it.
+
+How the kernel walks a row: every type's block splits into "groups" of 2G consecutive elements whose low and high
+halves come from one run of G bytes or codes (the low and high nibbles of a Q4_K pair, the two halves of a Q4_0
+block, the low/high nibble quarters of a Q6_K half). A K step takes T // G such groups: it dequantizes a "lo" tile
+[BLOCK_N, T] (the first G elements of each group) and a "hi" tile (the last G), and multiplies each by the matching
+columns of x, so that no tile is interleaved in registers. Small M (decode) runs split-K tilings, each program with
+the whole batch in one M tile, so each weight byte is read once; M <= 4 may also take a GEMV tiling without tl.dot
+(products summed on the CUDA cores). Large M (prefill) runs a GEMM tiling. The accumulator is fp32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ._triton import triton, tl, HAVE_TRITON
+
+
+@dataclass(frozen=True)
+class GGUFType:
+    name: str
+    code: int  # constexpr selecting the dequantizer in the kernel
+    block_elems: int
+    block_bytes: int
+    group: int  # G: elements in the low (and in the high) half of one group, see the module docstring
+
+
+_TYPE_LIST = [
+    GGUFType("Q8_0", 0, 32, 34, 16),
+    GGUFType("Q4_0", 1, 32, 18, 16),
+    GGUFType("Q4_1", 2, 32, 20, 16),
+    GGUFType("Q5_0", 3, 32, 22, 16),
+    GGUFType("Q5_1", 4, 32, 24, 16),
+    GGUFType("IQ4_NL", 5, 32, 18, 16),
+    GGUFType("Q4_K", 6, 256, 144, 32),
+    GGUFType("Q5_K", 7, 256, 176, 32),
+    GGUFType("Q6_K", 8, 256, 210, 64),
+    GGUFType("Q2_K", 9, 256, 84, 64),
+    GGUFType("Q3_K", 10, 256, 110, 64),
+    GGUFType("IQ4_XS", 11, 256, 136, 16),
+]
+TYPES: dict[str, GGUFType] = {t.name: t for t in _TYPE_LIST}
+
+# IQ4_NL / IQ4_XS code book (ggml's kvalues_iq4nl).
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+# Decode-sized batches (M up to this) take the split-K tilings.
+SMALL_M = 16
+
+
+def gguf_type(type_name: str) -> GGUFType:
+    try:
+        return TYPES[type_name]
+    except KeyError:
+        raise ValueError(f"GGUF type {type_name!r} has no packed matmul (known: {', '.join(TYPES)})") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reference: the blocks dequantized with torch ops, in gguf.quants' order of float operations (so bit-exact)
+# ---------------------------------------------------------------------------------------------------------------
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] little-endian bytes -> fp32 [..., 1]."""
+    return b.contiguous().view(torch.float16).to(torch.float32)
+
+
+def _bits(b: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
+    """uint8 [..., n] -> [..., len(shifts), n]: (b >> s) & mask for each shift s."""
+    s = torch.tensor(shifts, dtype=torch.uint8, device=b.device).view(-1, 1)
+    return (b.unsqueeze(-2) >> s) & mask
+
+
+def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K: 12 bytes -> eight 6-bit scales and eight 6-bit mins."""
+    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
+    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
+    return sc.to(torch.float32), mn.to(torch.float32)
+
+
+def _dequant_blocks(b: torch.Tensor, name: str) -> torch.Tensor:
+    """uint8 [nb, block_bytes] -> fp32 [nb, block_elems]."""
+    nb = b.shape[0]
+    if name == "Q8_0":
+        return b[:, 2:].contiguous().view(torch.int8).to(torch.float32) * _f16(b[:, :2])
+    if name in ("Q4_0", "Q4_1", "IQ4_NL"):
+        off = 4 if name == "Q4_1" else 2
+        q = _bits(b[:, off:], [0, 4], 0x0F).reshape(nb, 32)
+        if name == "Q4_1":
+            return _f16(b[:, 0:2]) * q.to(torch.float32) + _f16(b[:, 2:4])
+        if name == "Q4_0":
+            return _f16(b[:, :2]) * (q.to(torch.int8) - 8).to(torch.float32)
+        lut = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=b.device)
+        return _f16(b[:, :2]) * lut[q.long()]
+    if name in ("Q5_0", "Q5_1"):
+        off = 4 if name == "Q5_1" else 2
+        qh = _bits(b[:, off:off + 4], list(range(8)), 1).transpose(-1, -2).reshape(nb, 32)  # bit i of the u32
+        q = _bits(b[:, off + 4:], [0, 4], 0x0F).reshape(nb, 32) | (qh << 4)
+        if name == "Q5_1":
+            return _f16(b[:, 0:2]) * q.to(torch.float32) + _f16(b[:, 2:4])
+        return _f16(b[:, :2]) * (q.to(torch.int8) - 16).to(torch.float32)
+    if name in ("Q4_K", "Q5_K"):
+        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        sc, mn = _k_scale_min(b[:, 4:16])
+        qs = b[:, 16:144] if name == "Q4_K" else b[:, 48:176]
+        q = _bits(qs.reshape(nb, 4, 32), [0, 4], 0x0F).reshape(nb, 8, 32)
+        if name == "Q5_K":
+            q = q | (_bits(b[:, 16:48], list(range(8)), 1) << 4)
+        return ((d * sc).unsqueeze(-1) * q.to(torch.float32) - (dmin * mn).unsqueeze(-1)).reshape(nb, 256)
+    if name == "Q6_K":
+        ql = _bits(b[:, 0:128].reshape(nb, 2, 64), [0, 4], 0x0F).reshape(nb, 8, 32)
+        qh = _bits(b[:, 128:192].reshape(nb, 2, 32), [0, 2, 4, 6], 0x03).reshape(nb, 8, 32)
+        q = ((ql | (qh << 4)).to(torch.int8) - 32).to(torch.float32).reshape(nb, 16, 16)
+        d = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
+        return (d.unsqueeze(-1) * q).reshape(nb, 256)
+    if name == "Q2_K":
+        sc = b[:, 0:16]
+        d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
+        dl = (d * (sc & 0x0F).to(torch.float32)).unsqueeze(-1)
+        ml = (dmin * (sc >> 4).to(torch.float32)).unsqueeze(-1)
+        q = _bits(b[:, 16:80].reshape(nb, 2, 32), [0, 2, 4, 6], 0x03).reshape(nb, 16, 16).to(torch.float32)
+        return (dl * q - ml).reshape(nb, 256)
+    if name == "Q3_K":
+        s = b[:, 96:108]
+        low = _bits(s[:, 0:8], [0, 4], 0x0F).reshape(nb, 16)
+        high = _bits(s[:, 8:12], [0, 2, 4, 6], 0x03).reshape(nb, 16)
+        sc = ((low | (high << 4)).to(torch.int8) - 32).to(torch.float32)
+        dl = (_f16(b[:, 108:110]) * sc).unsqueeze(-1)
+        ql = _bits(b[:, 32:96].reshape(nb, 2, 32), [0, 2, 4, 6], 0x03).reshape(nb, 16, 16)
+        qh = _bits(b[:, 0:32], list(range(8)), 1).reshape(nb, 16, 16) ^ 1
+        return (dl * (ql.to(torch.int8) - (qh << 2).to(torch.int8)).to(torch.float32)).reshape(nb, 256)
+    if name == "IQ4_XS":
+        d = _f16(b[:, 0:2])
+        sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # 16 bits, two per sub-block
+        sh = (sh >> torch.arange(0, 16, 2, device=b.device, dtype=torch.int32)) & 3
+        sl = _bits(b[:, 4:8], [0, 4], 0x0F).transpose(-1, -2).reshape(nb, 8)
+        dl = (d * ((sl | (sh.to(torch.uint8) << 4)).to(torch.int8) - 32).to(torch.float32)).unsqueeze(-1)
+        q = _bits(b[:, 8:136].reshape(nb, 8, 16), [0, 4], 0x0F).reshape(nb, 8, 32)
+        lut = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=b.device)
+        return (dl * lut[q.long()]).reshape(nb, 256)
+    raise ValueError(f"GGUF type {name!r} has no packed matmul")
+
+
+def dequantize_gguf(qweight: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
+    """uint8 [N, row bytes] -> fp32 [N, in_features], exactly as gguf.quants.dequantize."""
+    t = gguf_type(type_name)
+    n = qweight.shape[0]
+    _check_weight(qweight, t, in_features)
+    blocks = qweight.reshape(n * (in_features // t.block_elems), t.block_bytes)
+    return _dequant_blocks(blocks, t.name).reshape(n, in_features)
+
+
+def gguf_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
+    w = dequantize_gguf(qweight, type_name, in_features)
+    return (x.to(torch.float32) @ w.t()).to(x.dtype)
+
+
+def _check_weight(qweight: torch.Tensor, t: GGUFType, k: int) -> None:
+    if k % t.block_elems:
+        raise ValueError(f"{t.name}: in_features {k} is not a multiple of its {t.block_elems}-element block")
+    row = k // t.block_elems * t.block_bytes
+    if qweight.dtype != torch.uint8 or qweight.dim() != 2 or qweight.shape[1] != row:
+        raise ValueError(f"{t.name} weight for in_features {k}: expected uint8 [N, {row}], "
+                         f"got {qweight.dtype} {tuple(qweight.shape)}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# ---------------------------------------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _ld_f16(ptr, mask):
+        """An fp16 stored as two bytes at ptr (any alignment) -> fp32."""
+        lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+        hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+        return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _ld_i8(ptr, mask):
+        return tl.load(ptr, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _k_scale(ptr, sub, mask):
+        """Q4_K/Q5_K: 6-bit scale and min of sub-block `sub` (0..7) from the 12 scale bytes at ptr."""
+        low = sub < 4
+        a = tl.load(ptr + tl.where(low, sub, sub + 4), mask=mask, other=0)  # s[j] or s[j + 4]
+        b = tl.load(ptr + tl.where(low, sub + 4, sub - 4), mask=mask, other=0)  # s[j + 4] or s[j - 4]
+        c = tl.load(ptr + sub, mask=mask, other=0)
+        sc = tl.where(low, a & 0x3F, (a & 0x0F) | ((b >> 6) << 4))
+        mn = tl.where(low, b & 0x3F, (a >> 4) | ((c >> 6) << 4))
+        return sc.to(tl.float32), mn.to(tl.float32)
+
+    @triton.jit
+    def _dequant_tiles(w_ptr, lut_ptr, row, n_mask, k0, K,
+                       TYPE: tl.constexpr, QK: tl.constexpr, BYTES: tl.constexpr, G: tl.constexpr,
+                       BN: tl.constexpr, T: tl.constexpr):
+        """The lo and hi weight tiles [BLOCK_N, T] (fp32) of the K step starting at element k0: group s of the step
+        starts at k0 + 2 G s; lo column s * G + g is its element g, hi the element G + g."""
+        S: tl.constexpr = T // G
+        s = tl.arange(0, S)[None, :, None]
+        g = tl.arange(0, G)[None, None, :]
+        kb = k0 + s * (2 * G)  # first element of each group
+        mask = n_mask[:, None, None] & (kb < K)
+        blk = w_ptr + row[:, None, None] + (kb // QK) * BYTES  # [BN, S, 1] block start
+        e = kb % QK  # group start within its block
+        if TYPE == 0:  # Q8_0: d, 32 x int8
+            d = _ld_f16(blk, mask)
+            lo = _ld_i8(blk + 2 + g, mask) * d
+            hi = _ld_i8(blk + 18 + g, mask) * d
+        elif TYPE == 1 or TYPE == 2 or TYPE == 5:  # Q4_0 / Q4_1 / IQ4_NL: d, (m), 16 bytes of nibble pairs
+            QS: tl.constexpr = 4 if TYPE == 2 else 2
+            d = _ld_f16(blk, mask)
+            b = tl.load(blk + QS + g, mask=mask, other=0)
+            if TYPE == 1:
+                lo = d * ((b & 0x0F).to(tl.float32) - 8.0)
+                hi = d * ((b >> 4).to(tl.float32) - 8.0)
+            elif TYPE == 2:
+                m = _ld_f16(blk + 2, mask)
+                lo = d * (b & 0x0F).to(tl.float32) + m
+                hi = d * (b >> 4).to(tl.float32) + m
+            else:
+                lo = d * tl.load(lut_ptr + (b & 0x0F))
+                hi = d * tl.load(lut_ptr + (b >> 4))
+        elif TYPE == 3 or TYPE == 4:  # Q5_0 / Q5_1: d, (m), 32 high bits, 16 bytes of nibble pairs
+            QH: tl.constexpr = 4 if TYPE == 4 else 2
+            d = _ld_f16(blk, mask)
+            b = tl.load(blk + QH + 4 + g, mask=mask, other=0)
+            h_lo = (tl.load(blk + QH + g // 8, mask=mask, other=0) >> (g % 8)) & 1
+            h_hi = (tl.load(blk + QH + 2 + g // 8, mask=mask, other=0) >> (g % 8)) & 1
+            q_lo = ((b & 0x0F) | (h_lo << 4)).to(tl.float32)
+            q_hi = ((b >> 4) | (h_hi << 4)).to(tl.float32)
+            if TYPE == 3:
+                lo = d * (q_lo - 16.0)
+                hi = d * (q_hi - 16.0)
+            else:
+                m = _ld_f16(blk + 2, mask)
+                lo = d * q_lo + m
+                hi = d * q_hi + m
+        elif TYPE == 6 or TYPE == 7:  # Q4_K / Q5_K: d, dmin, 12 scale bytes, (32 high-bit bytes), 128 qs bytes
+            QS: tl.constexpr = 16 if TYPE == 6 else 48
+            pair = e // 64
+            d = _ld_f16(blk, mask)
+            dmin = _ld_f16(blk + 2, mask)
+            sc_lo, mn_lo = _k_scale(blk + 4, 2 * pair, mask)
+            sc_hi, mn_hi = _k_scale(blk + 4, 2 * pair + 1, mask)
+            b = tl.load(blk + QS + pair * 32 + g, mask=mask, other=0)
+            q_lo = b & 0x0F
+            q_hi = b >> 4
+            if TYPE == 7:
+                h = tl.load(blk + 16 + g, mask=mask, other=0)
+                q_lo = q_lo | (((h >> (2 * pair)) & 1) << 4)
+                q_hi = q_hi | (((h >> (2 * pair + 1)) & 1) << 4)
+            lo = (d * sc_lo) * q_lo.to(tl.float32) - dmin * mn_lo
+            hi = (d * sc_hi) * q_hi.to(tl.float32) - dmin * mn_hi
+        elif TYPE == 8:  # Q6_K: 128 ql bytes, 64 qh bytes, 16 int8 scales, d; a group is one half (128 elements)
+            half = e // 128
+            d = _ld_f16(blk + 208, mask)
+            b = tl.load(blk + half * 64 + g, mask=mask, other=0)
+            h = tl.load(blk + 128 + half * 32 + g % 32, mask=mask, other=0)
+            q_lo = ((b & 0x0F) | (((h >> (2 * (g // 32))) & 3) << 4)).to(tl.int8) - 32
+            q_hi = ((b >> 4) | (((h >> (4 + 2 * (g // 32))) & 3) << 4)).to(tl.int8) - 32
+            sub = half * 8 + g // 16
+            lo = (d * _ld_i8(blk + 192 + sub, mask)) * q_lo.to(tl.float32)
+            hi = (d * _ld_i8(blk + 196 + sub, mask)) * q_hi.to(tl.float32)
+        elif TYPE == 9:  # Q2_K: 16 scale/min bytes, 64 qs bytes (2-bit), d, dmin; a group is one half
+            half = e // 128
+            d = _ld_f16(blk + 80, mask)
+            dmin = _ld_f16(blk + 82, mask)
+            b = tl.load(blk + 16 + half * 32 + g % 32, mask=mask, other=0)
+            sh = 2 * (g // 32)
+            sub = half * 8 + g // 16
+            s_lo = tl.load(blk + sub, mask=mask, other=0)
+            s_hi = tl.load(blk + sub + 4, mask=mask, other=0)
+            lo = (d * (s_lo & 0x0F).to(tl.float32)) * ((b >> sh) & 3).to(tl.float32) - dmin * (s_lo >> 4).to(tl.float32)
+            hi = (d * (s_hi & 0x0F).to(tl.float32)) * ((b >> (sh + 4)) & 3).to(tl.float32) \
+                - dmin * (s_hi >> 4).to(tl.float32)
+        elif TYPE == 10:  # Q3_K: 32 hmask bytes, 64 qs bytes (2-bit), 12 scale bytes (6-bit), d; group = half
+            half = e // 128
+            d = _ld_f16(blk + 108, mask)
+            b = tl.load(blk + 32 + half * 32 + g % 32, mask=mask, other=0)
+            hm = tl.load(blk + g % 32, mask=mask, other=0)
+            sh = 2 * (g // 32)
+            hb = half * 4 + g // 32  # hmask bit of the lo element (the hi one is 2 further)
+            q_lo = ((b >> sh) & 3).to(tl.int8) - ((((hm >> hb) & 1) ^ 1) << 2).to(tl.int8)
+            q_hi = ((b >> (sh + 4)) & 3).to(tl.int8) - ((((hm >> (hb + 2)) & 1) ^ 1) << 2).to(tl.int8)
+            sub_lo = half * 8 + g // 16
+            sub_hi = sub_lo + 4
+            l_lo = (tl.load(blk + 96 + sub_lo % 8, mask=mask, other=0) >> (4 * (sub_lo // 8))) & 0x0F
+            l_hi = (tl.load(blk + 96 + sub_hi % 8, mask=mask, other=0) >> (4 * (sub_hi // 8))) & 0x0F
+            u_lo = (tl.load(blk + 104 + sub_lo % 4, mask=mask, other=0) >> (2 * (sub_lo // 4))) & 3
+            u_hi = (tl.load(blk + 104 + sub_hi % 4, mask=mask, other=0) >> (2 * (sub_hi // 4))) & 3
+            sc_lo = ((l_lo | (u_lo << 4)).to(tl.int8) - 32).to(tl.float32)
+            sc_hi = ((l_hi | (u_hi << 4)).to(tl.int8) - 32).to(tl.float32)
+            lo = (d * sc_lo) * q_lo.to(tl.float32)
+            hi = (d * sc_hi) * q_hi.to(tl.float32)
+        else:  # IQ4_XS: d, 2 bytes of high scale bits, 4 bytes of low scale nibbles, 128 qs bytes; group = sub-block
+            sub = e // 32
+            d = _ld_f16(blk, mask)
+            sl = (tl.load(blk + 4 + sub // 2, mask=mask, other=0) >> (4 * (sub % 2))) & 0x0F
+            su = (tl.load(blk + 2 + sub // 4, mask=mask, other=0) >> (2 * (sub % 4))) & 3
+            dl = d * ((sl | (su << 4)).to(tl.int8) - 32).to(tl.float32)
+            b = tl.load(blk + 8 + sub * 16 + g, mask=mask, other=0)
+            lo = dl * tl.load(lut_ptr + (b & 0x0F))
+            hi = dl * tl.load(lut_ptr + (b >> 4))
+        return tl.reshape(lo, (BN, T)), tl.reshape(hi, (BN, T))
+
+    # M is not specialized on (Triton otherwise compiles M == 1, M % 16 == 0 and other M apart), nor SPLIT_K (a grid
+    # size): one binary per tiling serves every batch size and split; only whether partial sums are atomically added
+    # (ATOMIC) is compiled in.
+    @triton.jit(do_not_specialize=["M", "SPLIT_K"])
+    def _gguf_mm_kernel(
+        x_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om, SPLIT_K,
+        TYPE: tl.constexpr, QK: tl.constexpr, BYTES: tl.constexpr, G: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr, USE_DOT: tl.constexpr,
+        ATOMIC: tl.constexpr, ROW64: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        if ROW64:
+            row = offs_n.to(tl.int64) * row_bytes
+        else:
+            row = offs_n * row_bytes
+        c = tl.arange(0, T)
+        k_lo = (c // G) * (2 * G) + c % G  # x columns of the lo tile, relative to the step's start
+        x_rows = x_ptr + offs_m[:, None] * stride_xm
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for step in range(pid_k, tl.cdiv(K, 2 * T), SPLIT_K):
+            k0 = step * (2 * T)
+            w_lo, w_hi = _dequant_tiles(w_ptr, lut_ptr, row, mask_n, k0, K, TYPE, QK, BYTES, G, BLOCK_N, T)
+            kx = k0 + k_lo
+            x_mask = mask_m[:, None] & (kx < K)[None, :]
+            x_lo = tl.load(x_rows + kx[None, :], mask=x_mask, other=0.0)
+            x_hi = tl.load(x_rows + (kx + G)[None, :], mask=x_mask, other=0.0)
+            if USE_DOT:
+                acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), out_dtype=tl.float32)
+                acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), out_dtype=tl.float32)
+            else:
+                prod = x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :] + \
+                    x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :]
+                acc += tl.sum(prod, axis=2)
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        if ATOMIC:
+            tl.atomic_add(out_ptrs, acc, mask=mask)
+        else:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _m_bucket(m: int) -> int:
+    return 1 << max(0, (m - 1).bit_length())
+
+
+def candidates(m: int, type_name: str, k: int) -> list[tuple[dict, dict]]:
+    """The (tiling, launch options) pairs that autotuning times for an [M, K] input, for sm_80..sm_90 (H200).
+    Kept few: each distinct tiling is a Triton compile per type. Small M: the whole batch in one M tile, split-K
+    fills the SMs (SPLIT_K is a runtime argument, so splits 2..8 share one binary)."""
+    t = gguf_type(type_name)
+    out = []
+    if m <= SMALL_M:
+        tilings = [dict(BLOCK_M=16, BLOCK_N=bn, T=tt, USE_DOT=True) for bn, tt in ((32, 128), (64, 64), (64, 128))]
+        if m <= 4:
+            bm = _m_bucket(m)
+            tilings += [dict(BLOCK_M=bm, BLOCK_N=bn, T=tt, USE_DOT=False) for bn, tt in ((16, 128), (32, 64))]
+        for tiling in tilings:
+            for split in (1, 2, 4, 8):
+                out.append((dict(tiling, SPLIT_K=split), dict(num_warps=4, num_stages=3)))
+    else:
+        for bm, bn, warps in ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8)):
+            out.append((dict(BLOCK_M=bm, BLOCK_N=bn, T=64, USE_DOT=True, SPLIT_K=1),
+                        dict(num_warps=warps, num_stages=3)))
+    return [(cfg, launch) for cfg, launch in out
+            if cfg["T"] % t.group == 0 and cfg["SPLIT_K"] <= max(1, -(-k // (2 * cfg["T"])))]
+
+
+def _interp_config(m: int, t: GGUFType, k: int) -> dict:
+    """One small, fixed tiling for the CPU interpreter (tests): no autotuning, which would time every config.
+    Small M: split-K over two programs when there are steps enough; M <= 4: the GEMV tiling."""
+    tt = max(t.group, 32)
+    steps = -(-k // (2 * tt))
+    if m <= 4:
+        return dict(BLOCK_M=_m_bucket(m), BLOCK_N=16, T=tt, USE_DOT=False, SPLIT_K=min(2, steps))
+    return dict(BLOCK_M=16, BLOCK_N=16, T=tt, USE_DOT=True, SPLIT_K=2 if (m <= SMALL_M and steps >= 2) else 1)
+
+
+_LUTS: dict = {}
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    if device not in _LUTS:
+        _LUTS[device] = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=device)
+    return _LUTS[device]
+
+
+def _run(x: torch.Tensor, qweight: torch.Tensor, t: GGUFType, k: int, cfg: dict, launch: dict) -> torch.Tensor:
+    m = x.shape[0]
+    n = qweight.shape[0]
+    split = cfg["SPLIT_K"]
+    out = torch.zeros((m, n), dtype=torch.float32, device=x.device) if split > 1 else \
+        torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
+    row_bytes = qweight.shape[1]
+    _gguf_mm_kernel[grid](
+        x, qweight, _lut(x.device), out, m, n, k, row_bytes, x.stride(0), out.stride(0), split,
+        TYPE=t.code, QK=t.block_elems, BYTES=t.block_bytes, G=t.group,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], T=cfg["T"], USE_DOT=cfg["USE_DOT"],
+        ATOMIC=split > 1, ROW64=n * row_bytes >= 2**31, **launch)
+    return out if split == 1 else out.to(x.dtype)
+
+
+# Chosen tiling per (type, M bucket, N, K, dtype): found once by timing the candidates on the device (autotune).
+_best: dict = {}
+
+
+def _best_config(x: torch.Tensor, qweight: torch.Tensor, t: GGUFType, k: int) -> tuple[dict, dict]:
+    m = x.shape[0]
+    n = qweight.shape[0]
+    key = (t.name, _m_bucket(m) if m <= SMALL_M else min(_m_bucket(m), 512), n, k, x.dtype)
+    if key in _best:
+        return _best[key]
+    from triton.testing import do_bench
+
+    best, best_ms = None, float("inf")
+    for cfg, launch in candidates(m, t.name, k):
+        try:
+            ms = do_bench(lambda: _run(x, qweight, t, k, cfg, launch), warmup=3, rep=10)
+        except Exception:  # a tiling that does not fit this device (shared memory, registers)
+            continue
+        if ms < best_ms:
+            best, best_ms = (cfg, launch), ms
+    if best is None:
+        raise RuntimeError(f"no {t.name} matmul tiling runs for M={m} N={n} K={k}")
+    _best[key] = best
+    return best
+
+
+def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
+    """x [M, K] (fp16/bf16/fp32) @ dequant(qweight: GGUF blocks uint8 [N, row bytes]).T -> [M, N] in x.dtype."""
+    t = gguf_type(type_name)
+    k = in_features
+    _check_weight(qweight, t, k)
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"expected x of shape [M, {k}], got {tuple(x.shape)}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    qweight = qweight.contiguous()
+    if x.is_cuda and not _interpreting():
+        cfg, launch = _best_config(x, qweight, t, k)
+    else:
+        cfg, launch = _interp_config(x.shape[0], t, k), {}
+    return _run(x, qweight, t, k, cfg, launch)
