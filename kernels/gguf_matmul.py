@@ -31,21 +31,22 @@ class GGUFType:
     block_elems: int
     block_bytes: int
     group: int  # G: elements in the low (and in the high) half of one group, see the module docstring
+    f16_at: tuple[int, ...]  # byte offsets of the block's fp16 fields (super-scales, mins)
 
 
 _TYPE_LIST = [
-    GGUFType("Q8_0", 0, 32, 34, 16),
-    GGUFType("Q4_0", 1, 32, 18, 16),
-    GGUFType("Q4_1", 2, 32, 20, 16),
-    GGUFType("Q5_0", 3, 32, 22, 16),
-    GGUFType("Q5_1", 4, 32, 24, 16),
-    GGUFType("IQ4_NL", 5, 32, 18, 16),
-    GGUFType("Q4_K", 6, 256, 144, 32),
-    GGUFType("Q5_K", 7, 256, 176, 32),
-    GGUFType("Q6_K", 8, 256, 210, 64),
-    GGUFType("Q2_K", 9, 256, 84, 64),
-    GGUFType("Q3_K", 10, 256, 110, 64),
-    GGUFType("IQ4_XS", 11, 256, 136, 16),
+    GGUFType("Q8_0", 0, 32, 34, 16, (0,)),
+    GGUFType("Q4_0", 1, 32, 18, 16, (0,)),
+    GGUFType("Q4_1", 2, 32, 20, 16, (0, 2)),
+    GGUFType("Q5_0", 3, 32, 22, 16, (0,)),
+    GGUFType("Q5_1", 4, 32, 24, 16, (0, 2)),
+    GGUFType("IQ4_NL", 5, 32, 18, 16, (0,)),
+    GGUFType("Q4_K", 6, 256, 144, 32, (0, 2)),
+    GGUFType("Q5_K", 7, 256, 176, 32, (0, 2)),
+    GGUFType("Q6_K", 8, 256, 210, 64, (208,)),
+    GGUFType("Q2_K", 9, 256, 84, 64, (80, 82)),
+    GGUFType("Q3_K", 10, 256, 110, 64, (108,)),
+    GGUFType("IQ4_XS", 11, 256, 136, 16, (0,)),
 ]
 TYPES: dict[str, GGUFType] = {t.name: t for t in _TYPE_LIST}
 
@@ -206,12 +207,17 @@ if HAVE_TRITON:
                        BN: tl.constexpr, T: tl.constexpr):
         """The lo and hi weight tiles [BLOCK_N, T] (fp32) of the K step starting at element k0: group s of the step
         starts at k0 + 2 G s; lo column s * G + g is its element g, hi the element G + g."""
+        # Index space [BN, S, U, 16]: group s, 16-element run u (the unit of Q6_K/Q3_K/Q2_K scales), element v;
+        # a value that is the same along a run is computed on [BN, S, U, 1] and loaded once.
         S: tl.constexpr = T // G
-        s = tl.arange(0, S)[None, :, None]
-        g = tl.arange(0, G)[None, None, :]
+        U: tl.constexpr = G // 16
+        s = tl.arange(0, S)[None, :, None, None]
+        u = tl.arange(0, U)[None, None, :, None]
+        v = tl.arange(0, 16)[None, None, None, :]
+        g = u * 16 + v
         kb = k0 + s * (2 * G)  # first element of each group
-        mask = n_mask[:, None, None] & (kb < K)
-        blk = w_ptr + row[:, None, None] + (kb // QK) * BYTES  # [BN, S, 1] block start
+        mask = n_mask[:, None, None, None] & (kb < K)
+        blk = w_ptr + row[:, None, None, None] + (kb // QK) * BYTES  # [BN, S, 1, 1] block start
         e = kb % QK  # group start within its block
         if TYPE == 0:  # Q8_0: d, 32 x int8
             d = _ld_f16(blk, mask)
@@ -235,8 +241,11 @@ if HAVE_TRITON:
             QH: tl.constexpr = 4 if TYPE == 4 else 2
             d = _ld_f16(blk, mask)
             b = tl.load(blk + QH + 4 + g, mask=mask, other=0)
-            h_lo = (tl.load(blk + QH + g // 8, mask=mask, other=0) >> (g % 8)) & 1
-            h_hi = (tl.load(blk + QH + 2 + g // 8, mask=mask, other=0) >> (g % 8)) & 1
+            qh = tl.load(blk + QH, mask=mask, other=0).to(tl.uint32)  # the 32 high bits, bit i for element i
+            for i in tl.static_range(1, 4):
+                qh = qh | (tl.load(blk + QH + i, mask=mask, other=0).to(tl.uint32) << (8 * i))
+            h_lo = ((qh >> g) & 1).to(tl.uint8)
+            h_hi = ((qh >> (g + 16)) & 1).to(tl.uint8)
             q_lo = ((b & 0x0F) | (h_lo << 4)).to(tl.float32)
             q_hi = ((b >> 4) | (h_hi << 4)).to(tl.float32)
             if TYPE == 3:
@@ -266,19 +275,19 @@ if HAVE_TRITON:
             half = e // 128
             d = _ld_f16(blk + 208, mask)
             b = tl.load(blk + half * 64 + g, mask=mask, other=0)
-            h = tl.load(blk + 128 + half * 32 + g % 32, mask=mask, other=0)
-            q_lo = ((b & 0x0F) | (((h >> (2 * (g // 32))) & 3) << 4)).to(tl.int8) - 32
-            q_hi = ((b >> 4) | (((h >> (4 + 2 * (g // 32))) & 3) << 4)).to(tl.int8) - 32
-            sub = half * 8 + g // 16
+            h = tl.load(blk + 128 + half * 32 + (u % 2) * 16 + v, mask=mask, other=0)
+            q_lo = ((b & 0x0F) | (((h >> (2 * (u // 2))) & 3) << 4)).to(tl.int8) - 32
+            q_hi = ((b >> 4) | (((h >> (4 + 2 * (u // 2))) & 3) << 4)).to(tl.int8) - 32
+            sub = half * 8 + u
             lo = (d * _ld_i8(blk + 192 + sub, mask)) * q_lo.to(tl.float32)
             hi = (d * _ld_i8(blk + 196 + sub, mask)) * q_hi.to(tl.float32)
         elif TYPE == 9:  # Q2_K: 16 scale/min bytes, 64 qs bytes (2-bit), d, dmin; a group is one half
             half = e // 128
             d = _ld_f16(blk + 80, mask)
             dmin = _ld_f16(blk + 82, mask)
-            b = tl.load(blk + 16 + half * 32 + g % 32, mask=mask, other=0)
-            sh = 2 * (g // 32)
-            sub = half * 8 + g // 16
+            b = tl.load(blk + 16 + half * 32 + (u % 2) * 16 + v, mask=mask, other=0)
+            sh = 2 * (u // 2)
+            sub = half * 8 + u
             s_lo = tl.load(blk + sub, mask=mask, other=0)
             s_hi = tl.load(blk + sub + 4, mask=mask, other=0)
             lo = (d * (s_lo & 0x0F).to(tl.float32)) * ((b >> sh) & 3).to(tl.float32) - dmin * (s_lo >> 4).to(tl.float32)
@@ -287,13 +296,13 @@ if HAVE_TRITON:
         elif TYPE == 10:  # Q3_K: 32 hmask bytes, 64 qs bytes (2-bit), 12 scale bytes (6-bit), d; group = half
             half = e // 128
             d = _ld_f16(blk + 108, mask)
-            b = tl.load(blk + 32 + half * 32 + g % 32, mask=mask, other=0)
-            hm = tl.load(blk + g % 32, mask=mask, other=0)
-            sh = 2 * (g // 32)
-            hb = half * 4 + g // 32  # hmask bit of the lo element (the hi one is 2 further)
+            b = tl.load(blk + 32 + half * 32 + (u % 2) * 16 + v, mask=mask, other=0)
+            hm = tl.load(blk + (u % 2) * 16 + v, mask=mask, other=0)
+            sh = 2 * (u // 2)
+            hb = half * 4 + u // 2  # hmask bit of the lo element (the hi one is 2 further)
             q_lo = ((b >> sh) & 3).to(tl.int8) - ((((hm >> hb) & 1) ^ 1) << 2).to(tl.int8)
             q_hi = ((b >> (sh + 4)) & 3).to(tl.int8) - ((((hm >> (hb + 2)) & 1) ^ 1) << 2).to(tl.int8)
-            sub_lo = half * 8 + g // 16
+            sub_lo = half * 8 + u
             sub_hi = sub_lo + 4
             l_lo = (tl.load(blk + 96 + sub_lo % 8, mask=mask, other=0) >> (4 * (sub_lo // 8))) & 0x0F
             l_hi = (tl.load(blk + 96 + sub_hi % 8, mask=mask, other=0) >> (4 * (sub_hi // 8))) & 0x0F
@@ -321,9 +330,9 @@ if HAVE_TRITON:
     def _gguf_mm_kernel(
         x_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om, SPLIT_K,
         TYPE: tl.constexpr, QK: tl.constexpr, BYTES: tl.constexpr, G: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr, USE_DOT: tl.constexpr,
-        ATOMIC: tl.constexpr, ROW64: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr, ATOMIC: tl.constexpr, ROW64: tl.constexpr,
     ):
+        """The tl.dot tilings: an [BLOCK_M, BLOCK_N] output tile, two dots per K step (lo and hi tiles)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
@@ -331,10 +340,7 @@ if HAVE_TRITON:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
-        if ROW64:
-            row = offs_n.to(tl.int64) * row_bytes
-        else:
-            row = offs_n * row_bytes
+        row = offs_n.to(tl.int64) * row_bytes if ROW64 else offs_n * row_bytes
         c = tl.arange(0, T)
         k_lo = (c // G) * (2 * G) + c % G  # x columns of the lo tile, relative to the step's start
         x_rows = x_ptr + offs_m[:, None] * stride_xm
@@ -346,19 +352,71 @@ if HAVE_TRITON:
             x_mask = mask_m[:, None] & (kx < K)[None, :]
             x_lo = tl.load(x_rows + kx[None, :], mask=x_mask, other=0.0)
             x_hi = tl.load(x_rows + (kx + G)[None, :], mask=x_mask, other=0.0)
-            if USE_DOT:
-                acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), out_dtype=tl.float32)
-                acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), out_dtype=tl.float32)
-            else:
-                prod = x_lo.to(tl.float32)[:, None, :] * w_lo[None, :, :] + \
-                    x_hi.to(tl.float32)[:, None, :] * w_hi[None, :, :]
-                acc += tl.sum(prod, axis=2)
+            acc += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), out_dtype=tl.float32)
+            acc += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), out_dtype=tl.float32)
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         if ATOMIC:
             tl.atomic_add(out_ptrs, acc, mask=mask)
         else:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gemv_row(acc, x_row, m, M, kx, K, G: tl.constexpr, w_lo, w_hi):
+        k_mask = kx < tl.where(m < M, K, 0)  # (a vector mask & a scalar one fails under the interpreter)
+        x_lo = tl.load(x_row + kx, mask=k_mask, other=0.0).to(tl.float32)
+        x_hi = tl.load(x_row + kx + G, mask=k_mask, other=0.0).to(tl.float32)
+        return acc + w_lo * x_lo[None, :] + w_hi * x_hi[None, :]
+
+    @triton.jit
+    def _gemv_store(out_ptr, m, M, N, stride_om, offs_n, acc, ATOMIC: tl.constexpr):
+        ptrs = out_ptr + m * stride_om + offs_n
+        mask = offs_n < tl.where(m < M, N, 0)
+        if ATOMIC:
+            tl.atomic_add(ptrs, tl.sum(acc, axis=1), mask=mask)
+        else:
+            tl.store(ptrs, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit(do_not_specialize=["M", "SPLIT_K"])
+    def _gguf_gemv_kernel(
+        x_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om, SPLIT_K,
+        TYPE: tl.constexpr, QK: tl.constexpr, BYTES: tl.constexpr, G: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr, ATOMIC: tl.constexpr, ROW64: tl.constexpr,
+    ):
+        """The GEMV tilings (BLOCK_M <= 4 rows of x, no tl.dot): each row's products are summed per column into an
+        accumulator laid out as the weight tile, and reduced across threads once, after the loop (a [M, N, T]
+        accumulator would have Triton move every dequantized tile through shared memory)."""
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        m0 = tl.program_id(0) * BLOCK_M
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        row = offs_n.to(tl.int64) * row_bytes if ROW64 else offs_n * row_bytes
+        c = tl.arange(0, T)
+        k_lo = (c // G) * (2 * G) + c % G
+        x_row = x_ptr + m0 * stride_xm
+        a0 = tl.zeros((BLOCK_N, T), dtype=tl.float32)
+        if BLOCK_M > 1:
+            a1 = tl.zeros((BLOCK_N, T), dtype=tl.float32)
+        if BLOCK_M > 2:
+            a2 = tl.zeros((BLOCK_N, T), dtype=tl.float32)
+            a3 = tl.zeros((BLOCK_N, T), dtype=tl.float32)
+        for step in range(pid_k, tl.cdiv(K, 2 * T), SPLIT_K):
+            k0 = step * (2 * T)
+            w_lo, w_hi = _dequant_tiles(w_ptr, lut_ptr, row, mask_n, k0, K, TYPE, QK, BYTES, G, BLOCK_N, T)
+            kx = k0 + k_lo
+            a0 = _gemv_row(a0, x_row, m0, M, kx, K, G, w_lo, w_hi)
+            if BLOCK_M > 1:
+                a1 = _gemv_row(a1, x_row + stride_xm, m0 + 1, M, kx, K, G, w_lo, w_hi)
+            if BLOCK_M > 2:
+                a2 = _gemv_row(a2, x_row + 2 * stride_xm, m0 + 2, M, kx, K, G, w_lo, w_hi)
+                a3 = _gemv_row(a3, x_row + 3 * stride_xm, m0 + 3, M, kx, K, G, w_lo, w_hi)
+        _gemv_store(out_ptr, m0, M, N, stride_om, offs_n, a0, ATOMIC)
+        if BLOCK_M > 1:
+            _gemv_store(out_ptr, m0 + 1, M, N, stride_om, offs_n, a1, ATOMIC)
+        if BLOCK_M > 2:
+            _gemv_store(out_ptr, m0 + 2, M, N, stride_om, offs_n, a2, ATOMIC)
+            _gemv_store(out_ptr, m0 + 3, M, N, stride_om, offs_n, a3, ATOMIC)
 
 
 def _interpreting() -> bool:
@@ -371,20 +429,21 @@ def _m_bucket(m: int) -> int:
 
 def candidates(m: int, type_name: str, k: int) -> list[tuple[dict, dict]]:
     """The (tiling, launch options) pairs that autotuning times for an [M, K] input, for sm_80..sm_90 (H200).
-    Kept few: each distinct tiling is a Triton compile per type. Small M: the whole batch in one M tile, split-K
-    fills the SMs (SPLIT_K is a runtime argument, so splits 2..8 share one binary)."""
+    Kept few, as each distinct tiling is a Triton compile per type (about 14 per type in all). Small M: the whole
+    batch in one M tile, split-K fills the SMs (SPLIT_K is a runtime argument, so splits 2..8 share one binary);
+    M <= 4 also tries the GEMV tilings (no tl.dot), with two shapes at M = 1."""
     t = gguf_type(type_name)
     out = []
     if m <= SMALL_M:
-        tilings = [dict(BLOCK_M=16, BLOCK_N=bn, T=tt, USE_DOT=True) for bn, tt in ((32, 128), (64, 64), (64, 128))]
+        tilings = [dict(BLOCK_M=16, BLOCK_N=bn, T=tt, USE_DOT=True) for bn, tt in ((32, 128), (64, 64))]
         if m <= 4:
-            bm = _m_bucket(m)
-            tilings += [dict(BLOCK_M=bm, BLOCK_N=bn, T=tt, USE_DOT=False) for bn, tt in ((16, 128), (32, 64))]
+            gemv = ((16, 128), (32, 64)) if m == 1 else ((32, 64),)
+            tilings += [dict(BLOCK_M=_m_bucket(m), BLOCK_N=bn, T=tt, USE_DOT=False) for bn, tt in gemv]
         for tiling in tilings:
             for split in (1, 2, 4, 8):
                 out.append((dict(tiling, SPLIT_K=split), dict(num_warps=4, num_stages=3)))
     else:
-        for bm, bn, warps in ((64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 8)):
+        for bm, bn, warps in ((64, 64, 4), (128, 64, 4), (128, 128, 8)):
             out.append((dict(BLOCK_M=bm, BLOCK_N=bn, T=64, USE_DOT=True, SPLIT_K=1),
                         dict(num_warps=warps, num_stages=3)))
     return [(cfg, launch) for cfg, launch in out
@@ -418,11 +477,12 @@ def _run(x: torch.Tensor, qweight: torch.Tensor, t: GGUFType, k: int, cfg: dict,
         torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
     row_bytes = qweight.shape[1]
-    _gguf_mm_kernel[grid](
+    kernel = _gguf_mm_kernel if cfg["USE_DOT"] else _gguf_gemv_kernel
+    kernel[grid](
         x, qweight, _lut(x.device), out, m, n, k, row_bytes, x.stride(0), out.stride(0), split,
         TYPE=t.code, QK=t.block_elems, BYTES=t.block_bytes, G=t.group,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], T=cfg["T"], USE_DOT=cfg["USE_DOT"],
-        ATOMIC=split > 1, ROW64=n * row_bytes >= 2**31, **launch)
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], T=cfg["T"], ATOMIC=split > 1,
+        ROW64=n * row_bytes >= 2**31, **launch)
     return out if split == 1 else out.to(x.dtype)
 
 

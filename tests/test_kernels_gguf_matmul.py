@@ -10,26 +10,16 @@ import numpy as np
 import pytest
 import torch
 
-from kernel_testing import DEVICE, load_kernel_module
+from kernel_testing import DEVICE, load_kernel_module, random_gguf_blocks
 
 pytest.importorskip("triton", reason="the kernels need triton (the reference is tested with them)")
 gm = load_kernel_module("gguf_matmul")
 
-# Byte offsets of the fp16 scales in each type's block: random bytes there are set to small finite values.
-F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "IQ4_NL": [0], "Q4_K": [0, 2],
-              "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108], "IQ4_XS": [0]}
 TYPES = list(gm.TYPES)
 
 
 def random_blocks(type_name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """uint8 [N, row bytes]: random quants and scale bits, finite fp16 scales around 0.01."""
-    t = gm.TYPES[type_name]
-    rng = np.random.default_rng(seed)
-    nb = n * k // t.block_elems
-    b = rng.integers(0, 256, size=(nb, t.block_bytes), dtype=np.uint8)
-    for off in F16_FIELDS[type_name]:
-        b[:, off:off + 2] = (rng.standard_normal(nb) * 0.01).astype(np.float16).view(np.uint8).reshape(nb, 2)
-    return b.reshape(n, -1)
+    return random_gguf_blocks(gm.TYPES[type_name], n, k, seed)
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -37,10 +27,6 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     scale = ref.float().abs().max().clamp_min(1e-6)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert ((out.float() - ref.float()).abs().max() / scale) < tol
-
-
-def test_every_type_has_its_fp16_fields_listed():
-    assert set(F16_FIELDS) == set(gm.TYPES)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -110,3 +96,66 @@ def test_rejects_bad_shapes_and_types():
         gm.dequantize_gguf(q, "Q4_K", 320)
     with pytest.raises(ValueError, match="'TQ1_0' has no packed matmul"):
         gm.gguf_matmul(torch.randn(2, 256), q, "TQ1_0", 256)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: Llama-3-8B shapes (run by tests/gpu/run_gpu_checks.sh)
+# ---------------------------------------------------------------------------------------------------------------
+
+Q4_K_M_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]  # what a Q4_K_M file holds
+LLAMA3_8B = [(4096, 4096), (14336, 4096), (4096, 14336)]
+
+
+def _gpu_case(type_name: str, m: int, n: int, k: int):
+    q = torch.from_numpy(random_blocks(type_name, n, k)).cuda()
+    x = torch.randn(m, k, device="cuda", generator=torch.Generator("cuda").manual_seed(m)).to(torch.bfloat16)
+    return x, q, gm.gguf_matmul_ref(x, q, type_name, k).float()
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("type_name", Q4_K_M_TYPES)
+@pytest.mark.parametrize("n,k", LLAMA3_8B)
+def test_real_shapes_on_gpu(type_name, n, k):
+    """Autotuned, bf16 activations, decode batches and a 512-row prefill."""
+    for m in (1, 2, 4, 8, 16, 512):
+        x, q, ref = _gpu_case(type_name, m, n, k)
+        assert _rel_err(gm.gguf_matmul(x, q, type_name, k), ref) < 2e-2, (m, n, k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("type_name", Q4_K_M_TYPES)
+@pytest.mark.parametrize("m", [1, 4, 16, 512])
+def test_every_autotune_candidate_computes_the_matmul_on_gpu(type_name, m):
+    """Autotuning keeps the fastest tiling without looking at its output, so each candidate must be right (the
+    binaries of test_real_shapes_on_gpu: no new compiles)."""
+    n = k = 4096
+    x, q, ref = _gpu_case(type_name, m, n, k)
+    t = gm.TYPES[type_name]
+    tried = 0
+    for cfg, launch in gm.candidates(m, type_name, k):
+        try:
+            out = gm._run(x, q, t, k, cfg, launch)
+        except Exception:  # a tiling this device cannot run is skipped by autotuning too
+            continue
+        tried += 1
+        assert _rel_err(out, ref) < 2e-2, cfg
+    assert tried > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("type_name", [t for t in TYPES if t not in Q4_K_M_TYPES])
+def test_other_types_on_gpu(type_name):
+    """The other types at one Llama shape, one fixed tiling per regime (GEMV, split-K dot, GEMM): three compiles
+    each, where autotuning would take about fourteen."""
+    n, k = 4096, 4096
+    t = gm.TYPES[type_name]
+    tilings = [(1, dict(BLOCK_M=1, BLOCK_N=32, T=64, USE_DOT=False, SPLIT_K=4)),
+               (16, dict(BLOCK_M=16, BLOCK_N=64, T=64, USE_DOT=True, SPLIT_K=2)),
+               (512, dict(BLOCK_M=128, BLOCK_N=64, T=64, USE_DOT=True, SPLIT_K=1))]
+    for m, cfg in tilings:
+        x, q, ref = _gpu_case(type_name, m, n, k)
+        assert _rel_err(gm._run(x, q, t, k, cfg, dict(num_warps=4, num_stages=3)), ref) < 2e-2, (m, cfg)
