@@ -177,7 +177,22 @@ def _check_weight(qweight: torch.Tensor, t: GGUFType, k: int) -> None:
 # Triton kernels
 # ---------------------------------------------------------------------------------------------------------------
 
+def _pack_i8(values) -> int:
+    """Eight int8 values as one signed 64-bit int, the first in the low byte."""
+    word = sum((v & 0xFF) << (8 * i) for i, v in enumerate(values))
+    return word - (1 << 64) if word >= 1 << 63 else word
+
+
 if HAVE_TRITON:
+    _IQ4_LO = tl.constexpr(_pack_i8(IQ4_VALUES[:8]))
+    _IQ4_HI = tl.constexpr(_pack_i8(IQ4_VALUES[8:]))
+
+    @triton.jit
+    def _iq4(q):
+        """IQ4 codes (uint8 0..15) -> their values, picked from two 64-bit constants (a table in memory would be a
+        gather per element, and Triton's pipeliner stages such gathers in shared memory: up to 240 KB a tiling)."""
+        word = tl.where(q < 8, _IQ4_LO, _IQ4_HI)
+        return ((word >> ((q & 7).to(tl.int64) * 8)) & 0xFF).to(tl.int8).to(tl.float32)
 
     @triton.jit
     def _ld_f16(ptr, mask):
@@ -202,7 +217,7 @@ if HAVE_TRITON:
         return sc.to(tl.float32), mn.to(tl.float32)
 
     @triton.jit
-    def _dequant_tiles(w_ptr, lut_ptr, row, n_mask, k0, K,
+    def _dequant_tiles(w_ptr, row, n_mask, k0, K,
                        TYPE: tl.constexpr, QK: tl.constexpr, BYTES: tl.constexpr, G: tl.constexpr,
                        BN: tl.constexpr, T: tl.constexpr):
         """The lo and hi weight tiles [BLOCK_N, T] (fp32) of the K step starting at element k0: group s of the step
@@ -235,8 +250,8 @@ if HAVE_TRITON:
                 lo = d * (b & 0x0F).to(tl.float32) + m
                 hi = d * (b >> 4).to(tl.float32) + m
             else:
-                lo = d * tl.load(lut_ptr + (b & 0x0F))
-                hi = d * tl.load(lut_ptr + (b >> 4))
+                lo = d * _iq4(b & 0x0F)
+                hi = d * _iq4(b >> 4)
         elif TYPE == 3 or TYPE == 4:  # Q5_0 / Q5_1: d, (m), 32 high bits, 16 bytes of nibble pairs
             QH: tl.constexpr = 4 if TYPE == 4 else 2
             d = _ld_f16(blk, mask)
@@ -319,8 +334,8 @@ if HAVE_TRITON:
             su = (tl.load(blk + 2 + sub // 4, mask=mask, other=0) >> (2 * (sub % 4))) & 3
             dl = d * ((sl | (su << 4)).to(tl.int8) - 32).to(tl.float32)
             b = tl.load(blk + 8 + sub * 16 + g, mask=mask, other=0)
-            lo = dl * tl.load(lut_ptr + (b & 0x0F))
-            hi = dl * tl.load(lut_ptr + (b >> 4))
+            lo = dl * _iq4(b & 0x0F)
+            hi = dl * _iq4(b >> 4)
         return tl.reshape(lo, (BN, T)), tl.reshape(hi, (BN, T))
 
     # M is not specialized on (Triton otherwise compiles M == 1, M % 16 == 0 and other M apart), nor SPLIT_K (a grid
@@ -328,7 +343,7 @@ if HAVE_TRITON:
     # (ATOMIC) is compiled in.
     @triton.jit(do_not_specialize=["M", "SPLIT_K"])
     def _gguf_mm_kernel(
-        x_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om, SPLIT_K,
+        x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om, SPLIT_K,
         TYPE: tl.constexpr, QK: tl.constexpr, BYTES: tl.constexpr, G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr, ATOMIC: tl.constexpr, ROW64: tl.constexpr,
     ):
@@ -347,7 +362,7 @@ if HAVE_TRITON:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for step in range(pid_k, tl.cdiv(K, 2 * T), SPLIT_K):
             k0 = step * (2 * T)
-            w_lo, w_hi = _dequant_tiles(w_ptr, lut_ptr, row, mask_n, k0, K, TYPE, QK, BYTES, G, BLOCK_N, T)
+            w_lo, w_hi = _dequant_tiles(w_ptr, row, mask_n, k0, K, TYPE, QK, BYTES, G, BLOCK_N, T)
             kx = k0 + k_lo
             x_mask = mask_m[:, None] & (kx < K)[None, :]
             x_lo = tl.load(x_rows + kx[None, :], mask=x_mask, other=0.0)
@@ -379,7 +394,7 @@ if HAVE_TRITON:
 
     @triton.jit(do_not_specialize=["M", "SPLIT_K"])
     def _gguf_gemv_kernel(
-        x_ptr, w_ptr, lut_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om, SPLIT_K,
+        x_ptr, w_ptr, out_ptr, M, N, K, row_bytes, stride_xm, stride_om, SPLIT_K,
         TYPE: tl.constexpr, QK: tl.constexpr, BYTES: tl.constexpr, G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr, ATOMIC: tl.constexpr, ROW64: tl.constexpr,
     ):
@@ -403,7 +418,7 @@ if HAVE_TRITON:
             a3 = tl.zeros((BLOCK_N, T), dtype=tl.float32)
         for step in range(pid_k, tl.cdiv(K, 2 * T), SPLIT_K):
             k0 = step * (2 * T)
-            w_lo, w_hi = _dequant_tiles(w_ptr, lut_ptr, row, mask_n, k0, K, TYPE, QK, BYTES, G, BLOCK_N, T)
+            w_lo, w_hi = _dequant_tiles(w_ptr, row, mask_n, k0, K, TYPE, QK, BYTES, G, BLOCK_N, T)
             kx = k0 + k_lo
             a0 = _gemv_row(a0, x_row, m0, M, kx, K, G, w_lo, w_hi)
             if BLOCK_M > 1:
@@ -460,15 +475,6 @@ def _interp_config(m: int, t: GGUFType, k: int) -> dict:
     return dict(BLOCK_M=16, BLOCK_N=16, T=tt, USE_DOT=True, SPLIT_K=2 if (m <= SMALL_M and steps >= 2) else 1)
 
 
-_LUTS: dict = {}
-
-
-def _lut(device: torch.device) -> torch.Tensor:
-    if device not in _LUTS:
-        _LUTS[device] = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=device)
-    return _LUTS[device]
-
-
 def _run(x: torch.Tensor, qweight: torch.Tensor, t: GGUFType, k: int, cfg: dict, launch: dict) -> torch.Tensor:
     m = x.shape[0]
     n = qweight.shape[0]
@@ -479,7 +485,7 @@ def _run(x: torch.Tensor, qweight: torch.Tensor, t: GGUFType, k: int, cfg: dict,
     row_bytes = qweight.shape[1]
     kernel = _gguf_mm_kernel if cfg["USE_DOT"] else _gguf_gemv_kernel
     kernel[grid](
-        x, qweight, _lut(x.device), out, m, n, k, row_bytes, x.stride(0), out.stride(0), split,
+        x, qweight, out, m, n, k, row_bytes, x.stride(0), out.stride(0), split,
         TYPE=t.code, QK=t.block_elems, BYTES=t.block_bytes, G=t.group,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], T=cfg["T"], ATOMIC=split > 1,
         ROW64=n * row_bytes >= 2**31, **launch)

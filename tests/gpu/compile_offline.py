@@ -47,7 +47,7 @@ def _compile(arch: int, name: str, cfg: dict, launch: dict) -> dict:
     kernel = gm._gguf_mm_kernel if cfg["USE_DOT"] else gm._gguf_gemv_kernel
     split = cfg["SPLIT_K"] > 1
     values = dict(
-        x_ptr="*bf16", w_ptr="*u8", lut_ptr="*fp32", out_ptr="*fp32" if split else "*bf16",
+        x_ptr="*bf16", w_ptr="*u8", out_ptr="*fp32" if split else "*bf16",
         M="i32", N="i32", K="i32", row_bytes="i32", stride_xm="i32", stride_om="i32", SPLIT_K="i32",
     )
     consts = dict(TYPE=t.code, QK=t.block_elems, BYTES=t.block_bytes, G=t.group, BLOCK_M=cfg["BLOCK_M"],
@@ -56,7 +56,7 @@ def _compile(arch: int, name: str, cfg: dict, launch: dict) -> dict:
     signature = {p: values.get(p, "constexpr") for p in params}
     constexprs = {(i,): consts[p] for i, p in enumerate(params) if p in consts}
     # as the launcher specializes them: pointers and the shape ints of Llama-3-8B layers are multiples of 16
-    aligned = {"x_ptr", "w_ptr", "lut_ptr", "out_ptr", "N", "K", "row_bytes", "stride_xm", "stride_om"}
+    aligned = {"x_ptr", "w_ptr", "out_ptr", "N", "K", "row_bytes", "stride_xm", "stride_om"}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in aligned}
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     row = dict(type=name, **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "T", "USE_DOT")}, atomic=split, **launch)
