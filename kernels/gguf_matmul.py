@@ -444,7 +444,7 @@ def _m_bucket(m: int) -> int:
 
 def candidates(m: int, type_name: str, k: int) -> list[tuple[dict, dict]]:
     """The (tiling, launch options) pairs that autotuning times for an [M, K] input, for sm_80..sm_90 (H200).
-    Kept few, as each distinct tiling is a Triton compile per type (about 14 per type in all). Small M: the whole
+    Kept few, as each distinct tiling is a Triton compile per type (15 per type in all). Small M: the whole
     batch in one M tile, split-K fills the SMs (SPLIT_K is a runtime argument, so splits 2..8 share one binary);
     M <= 4 also tries the GEMV tilings (no tl.dot), with two shapes at M = 1."""
     t = gguf_type(type_name)
@@ -525,6 +525,10 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, type_name: str, in_featu
     _check_weight(qweight, t, k)
     if x.dim() != 2 or x.shape[1] != k:
         raise ValueError(f"expected x of shape [M, {k}], got {tuple(x.shape)}")
+    if x.device != qweight.device:
+        raise ValueError(f"x is on {x.device} but the {t.name} weight on {qweight.device}")
+    if x.shape[0] == 0:
+        return x.new_empty((0, qweight.shape[0]))
     x = x if x.stride(1) == 1 else x.contiguous()
     qweight = qweight.contiguous()
     if x.is_cuda and not _interpreting():

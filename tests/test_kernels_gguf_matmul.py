@@ -98,6 +98,12 @@ def test_rejects_bad_shapes_and_types():
         gm.gguf_matmul(torch.randn(2, 256), q, "TQ1_0", 256)
 
 
+def test_empty_batch():
+    q = torch.from_numpy(random_blocks("Q6_K", 16, 256)).to(DEVICE)
+    out = gm.gguf_matmul(torch.randn(0, 256, device=DEVICE, dtype=torch.float16), q, "Q6_K", 256)
+    assert out.shape == (0, 16) and out.dtype == torch.float16
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # GPU: Llama-3-8B shapes (run by tests/gpu/run_gpu_checks.sh)
 # ---------------------------------------------------------------------------------------------------------------
@@ -150,7 +156,7 @@ def test_every_autotune_candidate_computes_the_matmul_on_gpu(type_name, m):
 @pytest.mark.parametrize("type_name", [t for t in TYPES if t not in Q4_K_M_TYPES])
 def test_other_types_on_gpu(type_name):
     """The other types at one Llama shape, one fixed tiling per regime (GEMV, split-K dot, GEMM): three compiles
-    each, where autotuning would take about fourteen."""
+    each, where autotuning would take fifteen."""
     n, k = 4096, 4096
     t = gm.TYPES[type_name]
     tilings = [(1, dict(BLOCK_M=1, BLOCK_N=32, T=64, USE_DOT=False, SPLIT_K=4)),
