@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from kernel_testing import DEVICE, load_kernel_module, random_gguf_blocks
+from kernel_testing import DEVICE, HAS_CUDA, load_kernel_module, random_gguf_blocks
 
 pytest.importorskip("triton", reason="the kernels need triton (the reference is tested with them)")
 gm = load_kernel_module("gguf_matmul")
@@ -61,6 +61,20 @@ def test_explicit_tilings_partial_tiles(type_name, cfg):
     q = torch.from_numpy(random_blocks(type_name, n, k, seed=7)).to(DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     _close(gm._run(x, q, t, k, cfg, {}), gm.gguf_matmul_ref(x, q, type_name, k), torch.float32)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0"])
+def test_every_autotune_candidate_computes_the_matmul(type_name):
+    """Autotuning on the GPU keeps the fastest tiling without looking at its output: each candidate (GEMV, split-K
+    dot, GEMM) must be right. (The interpreter's bf16 tl.dot is wrong, so fp16 here; the GPU test runs bf16.)"""
+    t = gm.TYPES[type_name]
+    n, k = 16, 512
+    q = torch.from_numpy(random_blocks(type_name, n, k, seed=5)).to(DEVICE)
+    for m in (1, 16, 40):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(torch.float16).to(DEVICE)
+        ref = gm.gguf_matmul_ref(x, q, type_name, k)
+        for cfg, launch in gm.candidates(m, type_name, k):
+            _close(gm._run(x, q, t, k, cfg, launch if HAS_CUDA else {}), ref, torch.float16)
 
 
 def test_real_tensors_of_the_gemma_q4_k_m_file():
