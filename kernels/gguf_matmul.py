@@ -458,7 +458,7 @@ def candidates(m: int, type_name: str, k: int) -> list[tuple[dict, dict]]:
             for split in (1, 2, 4, 8):
                 out.append((dict(tiling, SPLIT_K=split), dict(num_warps=4, num_stages=3)))
     else:
-        for bm, bn, warps in ((64, 64, 4), (128, 64, 4), (128, 128, 8)):
+        for bm, bn, warps in ((64, 64, 4), (128, 64, 8), (128, 128, 8)):
             out.append((dict(BLOCK_M=bm, BLOCK_N=bn, T=64, USE_DOT=True, SPLIT_K=1),
                         dict(num_warps=warps, num_stages=3)))
     return [(cfg, launch) for cfg, launch in out
