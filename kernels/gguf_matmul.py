@@ -461,8 +461,11 @@ def candidates(m: int, type_name: str, k: int) -> list[tuple[dict, dict]]:
             for split in (1, 2, 4, 8):
                 out.append((dict(tiling, SPLIT_K=split), dict(num_warps=4, num_stages=3)))
     else:
-        for bm, bn, warps in ((64, 64, 4), (128, 64, 8), (128, 128, 8)):
-            out.append((dict(BLOCK_M=bm, BLOCK_N=bn, T=64, USE_DOT=True, SPLIT_K=1),
+        # The middle tiling is one that does not spill on sm_80 (offline compiles): 128x64 stepping 64 elements
+        # (T = 32) where the type allows, else 64x64 over 8 warps; the 128x128 one is for sm_90's wgmma.
+        middle = (128, 64, 32, 8) if t.group <= 32 else (64, 64, 64, 8)
+        for bm, bn, tt, warps in ((64, 64, 64, 4), middle, (128, 128, 64, 8)):
+            out.append((dict(BLOCK_M=bm, BLOCK_N=bn, T=tt, USE_DOT=True, SPLIT_K=1),
                         dict(num_warps=warps, num_stages=3)))
     return [(cfg, launch) for cfg, launch in out
             if cfg["T"] % t.group == 0 and cfg["SPLIT_K"] <= max(1, -(-k // (2 * cfg["T"])))]

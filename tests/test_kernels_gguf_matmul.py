@@ -180,10 +180,10 @@ def test_other_types_on_gpu(type_name):
     each, where autotuning would take fifteen."""
     n, k = 4096, 4096
     t = gm.TYPES[type_name]
-    tilings = [(1, dict(BLOCK_M=1, BLOCK_N=32, T=64, USE_DOT=False, SPLIT_K=4)),
-               (16, dict(BLOCK_M=16, BLOCK_N=64, T=64, USE_DOT=True, SPLIT_K=2)),
-               (512, dict(BLOCK_M=128, BLOCK_N=64, T=64, USE_DOT=True, SPLIT_K=1))]
+    tilings = [(1, dict(BLOCK_M=1, BLOCK_N=32, T=64, USE_DOT=False, SPLIT_K=4), 4),
+               (16, dict(BLOCK_M=16, BLOCK_N=64, T=64, USE_DOT=True, SPLIT_K=2), 4),
+               (512, dict(BLOCK_M=128, BLOCK_N=128, T=64, USE_DOT=True, SPLIT_K=1), 8)]
     q, w = _gpu_weight(type_name, n, k)
-    for m, cfg in tilings:
+    for m, cfg, warps in tilings:
         x = _gpu_x(m, k)
-        assert _rel_err(gm._run(x, q, t, k, cfg, dict(num_warps=4, num_stages=3)), x, w) < 2e-2, (m, cfg)
+        assert _rel_err(gm._run(x, q, t, k, cfg, dict(num_warps=warps, num_stages=3)), x, w) < 2e-2, (m, cfg)
