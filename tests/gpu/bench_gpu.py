@@ -121,6 +121,12 @@ def gguf_kernel_bandwidth(peak_gbs: float, ms_list=(1, 2, 4, 8, 16), types=GGUF_
             del q
         del w
     torch.cuda.empty_cache()
+    for kind in ["bf16"] + list(types):
+        cells = []
+        for m in ms_list:
+            pct = [r["pct_peak"] for r in rows if r["kind"] == kind and r["M"] == m]
+            cells.append(f"M={m} {sum(pct) / len(pct):4.1f}%")
+        print(f"gguf {kind:6} % of peak, mean over the Llama-3-8B shapes: {'  '.join(cells)}", flush=True)
     return rows
 
 
