@@ -2,8 +2,8 @@
 
 A packed GGUF weight is the file's own block bytes: `qweight` uint8 [N, (K / block_elems) * block_bytes], row n
 holding output channel n's blocks in file order, plus its GGML type name (`TYPES` lists those handled here). The
-values are those of `gguf.quants.dequantize` on the same bytes; `dequantize_gguf` is a pure-torch version of it,
-bit-exact, and `gguf_matmul_ref` the matmul over it.
+values are those of `gguf.quants.dequantize` on the same bytes; `dequantize_gguf` checks the shapes and gives them
+bit-exact with pure-torch ops (`gguf_blocks.dequantize_blocks`), and `gguf_matmul_ref` is the matmul over it.
 
 How the kernel walks a row: every type's block splits into "groups" of 2G consecutive elements whose low and high
 halves come from one run of G bytes or codes (the low and high nibbles of a Q4_K pair, the two halves of a Q4_0
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import triton, tl, HAVE_TRITON
+from .gguf_blocks import dequantize_blocks
 
 
 @dataclass(frozen=True)
@@ -65,98 +66,14 @@ def gguf_type(type_name: str) -> GGUFType:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Reference: the blocks dequantized with torch ops, in gguf.quants' order of float operations (so bit-exact)
+# Reference: the blocks dequantized with torch ops (kernels/gguf_blocks.py, bit-exact with gguf.quants), then a matmul
 # ---------------------------------------------------------------------------------------------------------------
-
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """[..., 2] little-endian bytes -> fp32 [..., 1]."""
-    return b.contiguous().view(torch.float16).to(torch.float32)
-
-
-def _bits(b: torch.Tensor, shifts: list[int], mask: int) -> torch.Tensor:
-    """uint8 [..., n] -> [..., len(shifts), n]: (b >> s) & mask for each shift s."""
-    s = torch.tensor(shifts, dtype=torch.uint8, device=b.device).view(-1, 1)
-    return (b.unsqueeze(-2) >> s) & mask
-
-
-def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K: 12 bytes -> eight 6-bit scales and eight 6-bit mins."""
-    d, m, md = s[:, 0:4], s[:, 4:8], s[:, 8:12]
-    sc = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
-    mn = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return sc.to(torch.float32), mn.to(torch.float32)
-
-
-def _dequant_blocks(b: torch.Tensor, name: str) -> torch.Tensor:
-    """uint8 [nb, block_bytes] -> fp32 [nb, block_elems]."""
-    nb = b.shape[0]
-    if name == "Q8_0":
-        return b[:, 2:].contiguous().view(torch.int8).to(torch.float32) * _f16(b[:, :2])
-    if name in ("Q4_0", "Q4_1", "IQ4_NL"):
-        off = 4 if name == "Q4_1" else 2
-        q = _bits(b[:, off:], [0, 4], 0x0F).reshape(nb, 32)
-        if name == "Q4_1":
-            return _f16(b[:, 0:2]) * q.to(torch.float32) + _f16(b[:, 2:4])
-        if name == "Q4_0":
-            return _f16(b[:, :2]) * (q.to(torch.int8) - 8).to(torch.float32)
-        lut = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=b.device)
-        return _f16(b[:, :2]) * lut[q.long()]
-    if name in ("Q5_0", "Q5_1"):
-        off = 4 if name == "Q5_1" else 2
-        qh = _bits(b[:, off:off + 4], list(range(8)), 1).transpose(-1, -2).reshape(nb, 32)  # bit i of the u32
-        q = _bits(b[:, off + 4:], [0, 4], 0x0F).reshape(nb, 32) | (qh << 4)
-        if name == "Q5_1":
-            return _f16(b[:, 0:2]) * q.to(torch.float32) + _f16(b[:, 2:4])
-        return _f16(b[:, :2]) * (q.to(torch.int8) - 16).to(torch.float32)
-    if name in ("Q4_K", "Q5_K"):
-        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        sc, mn = _k_scale_min(b[:, 4:16])
-        qs = b[:, 16:144] if name == "Q4_K" else b[:, 48:176]
-        q = _bits(qs.reshape(nb, 4, 32), [0, 4], 0x0F).reshape(nb, 8, 32)
-        if name == "Q5_K":
-            q = q | (_bits(b[:, 16:48], list(range(8)), 1) << 4)
-        return ((d * sc).unsqueeze(-1) * q.to(torch.float32) - (dmin * mn).unsqueeze(-1)).reshape(nb, 256)
-    if name == "Q6_K":
-        ql = _bits(b[:, 0:128].reshape(nb, 2, 64), [0, 4], 0x0F).reshape(nb, 8, 32)
-        qh = _bits(b[:, 128:192].reshape(nb, 2, 32), [0, 2, 4, 6], 0x03).reshape(nb, 8, 32)
-        q = ((ql | (qh << 4)).to(torch.int8) - 32).to(torch.float32).reshape(nb, 16, 16)
-        d = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-        return (d.unsqueeze(-1) * q).reshape(nb, 256)
-    if name == "Q2_K":
-        sc = b[:, 0:16]
-        d, dmin = _f16(b[:, 80:82]), _f16(b[:, 82:84])
-        dl = (d * (sc & 0x0F).to(torch.float32)).unsqueeze(-1)
-        ml = (dmin * (sc >> 4).to(torch.float32)).unsqueeze(-1)
-        q = _bits(b[:, 16:80].reshape(nb, 2, 32), [0, 2, 4, 6], 0x03).reshape(nb, 16, 16).to(torch.float32)
-        return (dl * q - ml).reshape(nb, 256)
-    if name == "Q3_K":
-        s = b[:, 96:108]
-        low = _bits(s[:, 0:8], [0, 4], 0x0F).reshape(nb, 16)
-        high = _bits(s[:, 8:12], [0, 2, 4, 6], 0x03).reshape(nb, 16)
-        sc = ((low | (high << 4)).to(torch.int8) - 32).to(torch.float32)
-        dl = (_f16(b[:, 108:110]) * sc).unsqueeze(-1)
-        ql = _bits(b[:, 32:96].reshape(nb, 2, 32), [0, 2, 4, 6], 0x03).reshape(nb, 16, 16)
-        qh = _bits(b[:, 0:32], list(range(8)), 1).reshape(nb, 16, 16) ^ 1
-        return (dl * (ql.to(torch.int8) - (qh << 2).to(torch.int8)).to(torch.float32)).reshape(nb, 256)
-    if name == "IQ4_XS":
-        d = _f16(b[:, 0:2])
-        sh = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # 16 bits, two per sub-block
-        sh = (sh >> torch.arange(0, 16, 2, device=b.device, dtype=torch.int32)) & 3
-        sl = _bits(b[:, 4:8], [0, 4], 0x0F).transpose(-1, -2).reshape(nb, 8)
-        dl = (d * ((sl | (sh.to(torch.uint8) << 4)).to(torch.int8) - 32).to(torch.float32)).unsqueeze(-1)
-        q = _bits(b[:, 8:136].reshape(nb, 8, 16), [0, 4], 0x0F).reshape(nb, 8, 32)
-        lut = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=b.device)
-        return (dl * lut[q.long()]).reshape(nb, 256)
-    raise ValueError(f"GGUF type {name!r} has no packed matmul")
-
 
 def dequantize_gguf(qweight: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:
     """uint8 [N, row bytes] -> fp32 [N, in_features], exactly as gguf.quants.dequantize."""
     t = gguf_type(type_name)
-    n = qweight.shape[0]
     _check_weight(qweight, t, in_features)
-    blocks = qweight.reshape(n * (in_features // t.block_elems), t.block_bytes)
-    return _dequant_blocks(blocks, t.name).reshape(n, in_features)
+    return dequantize_blocks(qweight, t.name)
 
 
 def gguf_matmul_ref(x: torch.Tensor, qweight: torch.Tensor, type_name: str, in_features: int) -> torch.Tensor:

@@ -29,6 +29,13 @@ def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     assert ((out.float() - ref.float()).abs().max() / scale) < tol
 
 
+def test_block_sizes_agree_with_gguf_blocks():
+    from llmd.kernels import gguf_blocks
+
+    assert {name: (t.block_elems, t.block_bytes) for name, t in gm.TYPES.items()} == \
+        {name: gguf_blocks.block_shape(name) for name in gm.TYPES}
+
+
 @pytest.mark.parametrize("type_name", TYPES)
 def test_reference_dequantize_is_bit_exact_with_gguf(type_name):
     q = random_blocks(type_name, 6, 512, seed=3)
