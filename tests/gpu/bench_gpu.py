@@ -9,6 +9,9 @@
    % of the roofline (weight + KV bytes read per token / peak bandwidth).
 4. Decode through the engine with CUDA graphs on and off (llmd.engine.cuda_graphs), batch 1 and 8, for the random
    Llama-3-8B and a random Qwen2.5-0.5B (small enough that eager steps are bound by kernel launches).
+5. GGUF packed matmul (llmd.kernels.gguf_matmul) per type at Llama-3-8B shapes for M = 1..16: GB/s and % of peak
+   bandwidth, next to bf16 torch matmul at the same shape (section gguf_kernels; run_gpu_checks.sh runs it apart,
+   with its own time limit, as --sections gguf_kernels --name gguf_bench).
 Writes JSON and a text table to --out. Imports nothing outside torch/triton/llmd.
 """
 
@@ -69,6 +72,61 @@ def kernel_bandwidth(peak_gbs: float, ms_list=(1, 2, 4, 8, 16, 32)) -> list[dict
                     print(f"{model:11} N={n:6} K={k:6} M={m:3} {kind:10} {ms * 1e3:8.1f} us {gbs:7.0f} GB/s "
                           f"{100 * gbs / peak_gbs:5.1f}%", flush=True)
             del w, q8, q4
+    return rows
+
+
+GGUF_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]  # a Q4_K_M file's types (the GPU tests autotune the same ones)
+
+
+def _random_gguf_blocks(type_name: str, n: int, k: int) -> torch.Tensor:
+    """Random quants and scale bits with finite fp16 scales of ~0.01 (the same recipe as the kernel tests)."""
+    from kernel_testing import random_gguf_blocks
+
+    from llmd.kernels.gguf_matmul import TYPES
+
+    return torch.from_numpy(random_gguf_blocks(TYPES[type_name], n, k)).cuda()
+
+
+def gguf_kernel_bandwidth(peak_gbs: float, ms_list=(1, 2, 4, 8, 16), types=GGUF_TYPES) -> list[dict]:
+    """Achieved GB/s (packed weight + activation bytes per call) of gguf_matmul, autotuned, bf16 activations."""
+    from triton.testing import do_bench
+
+    from llmd.kernels import gguf_matmul as gm
+
+    rows = []
+    for n, k in SHAPES["llama3-8b"]:
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        bf16_us = {}
+        for type_name in ["bf16"] + list(types):
+            q = None if type_name == "bf16" else _random_gguf_blocks(type_name, n, k)
+            for m in ms_list:
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                if q is None:
+                    fn, wbytes = (lambda: x @ w.t()), n * k * 2
+                else:
+                    fn, wbytes = (lambda: gm.gguf_matmul(x, q, type_name, k)), q.numel()
+                fn()  # autotune outside the timing
+                ms = do_bench(fn, warmup=10, rep=30)
+                gbs = (wbytes + (m * k + m * n) * 2) / ms / 1e6
+                if q is None:
+                    bf16_us[m] = ms * 1e3
+                row = dict(N=n, K=k, M=m, kind=type_name, us=ms * 1e3, gbs=gbs, pct_peak=100 * gbs / peak_gbs,
+                           bits_per_weight=8 * wbytes / (n * k), speedup_vs_bf16=bf16_us[m] / (ms * 1e3))
+                if q is not None:
+                    row["tiling"] = gm._best.get((type_name, gm._m_bucket(m), n, k, x.dtype))
+                rows.append(row)
+                print(f"gguf N={n:6} K={k:6} M={m:3} {type_name:6} {ms * 1e3:8.1f} us {gbs:7.0f} GB/s "
+                      f"{100 * gbs / peak_gbs:5.1f}% of peak  {bf16_us[m] / (ms * 1e3):5.2f}x bf16's speed",
+                      flush=True)
+            del q
+        del w
+    torch.cuda.empty_cache()
+    for kind in ["bf16"] + list(types):
+        cells = []
+        for m in ms_list:
+            pct = [r["pct_peak"] for r in rows if r["kind"] == kind and r["M"] == m]
+            cells.append(f"M={m} {sum(pct) / len(pct):4.1f}%")
+        print(f"gguf {kind:6} % of peak, mean over the Llama-3-8B shapes: {'  '.join(cells)}", flush=True)
     return rows
 
 
@@ -284,17 +342,28 @@ def decode_cuda_graphs(peak_gbs: float) -> list[dict]:
     return rows
 
 
+SECTIONS = {"decode_cuda_graphs": decode_cuda_graphs, "kernels": kernel_bandwidth,
+            "prefill_attention": prefill_attention_speed, "decode": decode_roofline, "spec_verify": verify_cost,
+            "gguf_kernels": gguf_kernel_bandwidth}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--peak-gbs", type=float, default=4800.0)  # H200 HBM3e
+    parser.add_argument("--sections", default="", help=f"comma-separated, of: {', '.join(SECTIONS)} (default all "
+                                                       "but gguf_kernels)")
+    parser.add_argument("--name", default="gpu_bench", help="the JSON file's name under --out, without .json")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    chosen = args.sections.split(",") if args.sections else [s for s in SECTIONS if s != "gguf_kernels"]
+    unknown = [s for s in chosen if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}")
     results: dict = {"device": torch.cuda.get_device_name(), "peak_gbs": args.peak_gbs}
-    for name, fn in (("decode_cuda_graphs", decode_cuda_graphs), ("kernels", kernel_bandwidth),
-                     ("prefill_attention", prefill_attention_speed), ("decode", decode_roofline),
-                     ("spec_verify", verify_cost)):
+    for name in chosen:
+        fn = SECTIONS[name]
         start = time.perf_counter()
         try:
             results[name] = fn(args.peak_gbs)
@@ -302,7 +371,7 @@ def main() -> int:
             results[name + "_error"] = traceback.format_exc()
             print(results[name + "_error"], flush=True)
         results[name + "_seconds"] = time.perf_counter() - start
-        (out / "gpu_bench.json").write_text(json.dumps(results, indent=2))
+        (out / f"{args.name}.json").write_text(json.dumps(results, indent=2))
     return 0 if not any(k.endswith("_error") for k in results) else 1
 
 

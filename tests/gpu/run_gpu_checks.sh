@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in one go (budget: under 8 minutes on
-# an H200: the two timeouts below sum to 460 s).
-# Writes under $OUT (default ./gpu-results): pytest logs, gpu_bench.json and gpu_bench.txt.
+# Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in one go (budget: under 10 minutes on
+# an H200: the three timeouts below sum to 560 s).
+# Writes under $OUT (default ./gpu-results): pytest logs, gpu_bench.json/.txt and gguf_bench.json/.txt.
 set -u -o pipefail  # a failing pytest or benchmark, not tee, decides each step's status
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu-results}"
@@ -20,14 +20,18 @@ if ! "$PY" -c "import llmd" 2>/dev/null; then
 fi
 status=0
 # Most of the tests' time is Triton compiling kernels (hundreds of variants, about a second each on one core). With
-# pytest-xdist the five files run side by side, one per worker, so the wall time is the slowest file's, not the sum.
+# pytest-xdist the six files run side by side, one per worker, so the wall time is the slowest file's, not the sum.
 PARALLEL=()
-if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 5 --dist loadfile); fi
+if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 6 --dist loadfile); fi
 echo "== GPU tests" | tee "$OUT/summary.txt"
 timeout 220 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --durations=15 \
   tests/test_kernels_quant_matmul.py tests/test_kernels_paged_attention.py tests/test_kernels_prefill_attention.py tests/test_kv_int8.py \
-  tests/test_cuda_graphs.py \
+  tests/test_cuda_graphs.py tests/test_kernels_gguf_matmul.py \
   2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5 | tee -a "$OUT/summary.txt" || status=1
 echo "== GPU benchmarks" | tee -a "$OUT/summary.txt"
 timeout 240 "$PY" tests/gpu/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.txt" || status=1
+# GGUF packed matmul per type (its kernels are mostly compiled by then: the GPU tests autotuned the same shapes)
+echo "== GGUF matmul benchmark" | tee -a "$OUT/summary.txt"
+timeout 100 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections gguf_kernels --name gguf_bench 2>&1 \
+  | tee "$OUT/gguf_bench.txt" || status=1
 exit $status

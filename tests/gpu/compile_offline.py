@@ -1,0 +1,118 @@
+"""Compile the GGUF matmul kernel for a CUDA target without a GPU (Triton's compile API and bundled ptxas) and print
+each tiling's resources: shared memory, registers, spills (cuobjdump), and the global loads in its PTX.
+
+    python tests/gpu/compile_offline.py [--arch 90] [--types Q4_K,Q6_K] [--jobs 2]
+
+Every (type, tiling) that `gguf_matmul.candidates` can pick for M = 1, 2, 4, 16 and 512 with bf16 activations is
+compiled once (the binary does not depend on M or SPLIT_K). Exits non-zero if any compile fails or spills.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+
+
+def _variants(types: list[str]) -> list[tuple[str, dict, dict]]:
+    from llmd.kernels import gguf_matmul as gm
+
+    seen, out = set(), []
+    for name in types:
+        for m in (1, 2, 4, 16, 512):
+            for cfg, launch in gm.candidates(m, name, 4096):
+                key = (name, cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["T"], cfg["USE_DOT"], cfg["SPLIT_K"] > 1,
+                       launch["num_warps"], launch["num_stages"])
+                if key not in seen:
+                    seen.add(key)
+                    out.append((name, cfg, launch))
+    return out
+
+
+def _compile(arch: int, name: str, cfg: dict, launch: dict) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from llmd.kernels import gguf_matmul as gm
+
+    t = gm.TYPES[name]
+    kernel = gm._gguf_mm_kernel if cfg["USE_DOT"] else gm._gguf_gemv_kernel
+    split = cfg["SPLIT_K"] > 1
+    values = dict(
+        x_ptr="*bf16", w_ptr="*u8", out_ptr="*fp32" if split else "*bf16",
+        M="i32", N="i32", K="i32", row_bytes="i32", stride_xm="i32", stride_om="i32", SPLIT_K="i32",
+    )
+    consts = dict(TYPE=t.code, QK=t.block_elems, BYTES=t.block_bytes, G=t.group, BLOCK_M=cfg["BLOCK_M"],
+                  BLOCK_N=cfg["BLOCK_N"], T=cfg["T"], ATOMIC=split, ROW64=False)
+    params = [p.name for p in kernel.params]
+    signature = {p: values.get(p, "constexpr") for p in params}
+    constexprs = {(i,): consts[p] for i, p in enumerate(params) if p in consts}
+    # as the launcher specializes them: pointers and the shape ints of Llama-3-8B layers are multiples of 16
+    aligned = {"x_ptr", "w_ptr", "out_ptr", "N", "K", "row_bytes", "stride_xm", "stride_om"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in aligned}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    row = dict(type=name, **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "T", "USE_DOT")}, atomic=split, **launch)
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
+    except Exception as e:  # report and go on: one failure must not hide the others
+        return dict(row, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    row["shared"] = compiled.metadata.shared
+    ptx = compiled.asm["ptx"]
+    row["loads"] = {k: len(re.findall(rf"ld\.global(?:\.\w+)*\.{k}\b", ptx)) for k in ("v4", "v2")}
+    row["loads"]["all"] = len(re.findall(r"ld\.global", ptx))
+    row.update(_resources(compiled.asm["cubin"]))
+    return row
+
+
+def _resources(cubin: bytes) -> dict:
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|STACK|LOCAL):(\d+)", text))
+    return dict(regs=int(found.get("REG", -1)), stack=int(found.get("STACK", -1)), local=int(found.get("LOCAL", -1)))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--types", default="")
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args()
+    from llmd.kernels import gguf_matmul as gm
+
+    types = args.types.split(",") if args.types else list(gm.TYPES)
+    variants = _variants(types)
+    print(f"sm_{args.arch}: {len(variants)} compiles", flush=True)
+    bad = 0
+    with ProcessPoolExecutor(args.jobs) as pool:
+        futures = [pool.submit(_compile, args.arch, *v) for v in variants]
+        for fut in futures:
+            r = fut.result()
+            tiling = f"{r['type']:6} BM={r['BLOCK_M']:3} BN={r['BLOCK_N']:3} T={r['T']:3} dot={int(r['USE_DOT'])} " \
+                     f"atomic={int(r['atomic'])} warps={r['num_warps']}"
+            if "error" in r:
+                bad += 1
+                print(f"{tiling}  FAILED {r['error']}", flush=True)
+                continue
+            spill = r["stack"] > 0 or r["local"] > 0
+            bad += spill
+            print(f"{tiling}  shared {r['shared']:6} B  regs {r['regs']:3}  stack {r['stack']}  local {r['local']}  "
+                  f"global loads {r['loads']['all']:4} (v4 {r['loads']['v4']}, v2 {r['loads']['v2']})"
+                  f"{'  SPILLS' if spill else ''}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
