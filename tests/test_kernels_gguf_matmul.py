@@ -194,3 +194,19 @@ def test_other_types_on_gpu(type_name):
     for m, cfg, warps in tilings:
         x = _gpu_x(m, k)
         assert _rel_err(gm._run(x, q, t, k, cfg, dict(num_warps=warps, num_stages=3)), x, w) < 2e-2, (m, cfg)
+
+
+@pytest.mark.gpu
+def test_gguf_linear_on_cuda_runs_the_triton_kernel(monkeypatch):
+    """The model's GGUF layer calls gguf_matmul on CUDA (the binaries of test_real_shapes_on_gpu: no new compiles)."""
+    from llmd.model.quant.gguf_layers import GGUFLinear
+
+    n = k = 4096
+    q, w = _gpu_weight("Q4_K", n, k)
+    layer = GGUFLinear(k, n, "Q4_K", device="cuda")
+    layer.qweight.copy_(q)
+    calls = []
+    real = gm.gguf_matmul
+    monkeypatch.setattr(gm, "gguf_matmul", lambda *a: calls.append(a[2]) or real(*a))
+    x = _gpu_x(4, k)
+    assert _rel_err(layer(x), x, w) < 2e-2 and calls == ["Q4_K"]

@@ -3,8 +3,9 @@
 A GGUF weight of any type in llmd.kernels.gguf_blocks (Q4_K, Q5_K, Q6_K, Q5_0/1, IQ4, Q2_K/Q3_K, ...) stays the
 file's own block bytes, uint8 [N, row bytes], beside its GGML type name: resident bytes are the file's. Matmuls:
 - CPU, fp32 activations: the compiled kernel (llmd.kernels.cpu_gemm.gguf_layer_kernel) when it builds here;
-- otherwise (no C compiler, CUDA until its Triton kernel is wired in, other dtypes): the rows of the weight are
-  dequantized with the torch reference in bounded chunks per call and multiplied, so no fp32 copy is ever kept.
+- CUDA with Triton: the fused dequantize + matmul kernels of llmd.kernels.gguf_matmul;
+- otherwise (no C compiler, other dtypes): the rows of the weight are dequantized with the torch reference in
+  bounded chunks per call and multiplied, so no fp32 copy is ever kept.
 Q4_0 / Q4_1 linear layers keep loading into llmd's int4 layers instead (an exact byte rearrangement,
 llmd.model.quant.gguf_blocks), whose tuned kernels they share with --quant int4; a tied Q8_0 token table becomes the
 int8 head.
@@ -22,7 +23,7 @@ from llmd.kernels import gguf_blocks as gb
 
 from ...errors import ModelFileError
 from .gguf_blocks import int8_from_q8_0
-from .layers import Int8Linear, Int8RowEmbedding, QuantizedLinear
+from .layers import Int8Linear, Int8RowEmbedding, QuantizedLinear, _use_triton
 
 _CHUNK_ELEMENTS = 1 << 22  # weights dequantized at a time by the torch path (16 MiB of fp32)
 
@@ -56,6 +57,10 @@ class GGUFLinear(QuantizedLinear):
         return gb.dequantize_blocks(self.qweight, self.type_name)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_triton(x):
+            from llmd.kernels.gguf_matmul import gguf_matmul
+
+            return gguf_matmul(x, self.qweight, self.type_name, self.in_features)
         if x.device.type == "cpu" and x.dtype == torch.float32:
             kernel = cpu_gemm.gguf_layer_kernel(self._cpu_cache, self.qweight, self.type_name, self.in_features)
             if kernel is not None:
