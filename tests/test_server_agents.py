@@ -180,3 +180,56 @@ def test_responses_tool_loop_forced_through_the_grammar(daemon, oai, model):
     done = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert json.loads(args)["city"] in ("Paris", "Oslo", "Rome") and done[-1].arguments == args
     assert events[-1].type == "response.completed" and events[-1].response.output[-1].arguments == args
+
+
+# --- thinking: a tiny random-weight Qwen3 with a Hermes-style template that knows <think> --------------------------
+
+from test_server_tools import tiny  # noqa: E402,F401  (its daemon fixture)
+
+OK_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+             "additionalProperties": False}
+
+
+def test_thinking_blocks_and_reasoning_items(tiny):  # noqa: F811
+    import anthropic
+    import openai
+
+    model = tiny.stats()["model"]
+    claude = anthropic.Anthropic(base_url=tiny.url, api_key="unused", max_retries=0)
+    ask = [{"role": "user", "content": ASK}]
+    # thinking on with an answer format: the grammar opens the thought and leaves it free; 6 tokens are all thought
+    fmt = {"format": {"type": "json_schema", "schema": OK_SCHEMA}}
+    on = {"type": "enabled", "budget_tokens": 1024}
+    msg = claude.messages.create(model=model, max_tokens=6, messages=ask, thinking=on, output_config=fmt,
+                                 extra_body=GREEDY)
+    assert [b.type for b in msg.content] == ["thinking"] and msg.content[0].thinking
+    assert msg.stop_reason == "max_tokens"
+    events = list(claude.messages.create(model=model, max_tokens=6, messages=ask, thinking=on, output_config=fmt,
+                                         extra_body=GREEDY, stream=True))
+    assert [e.content_block.type for e in events if e.type == "content_block_start"] == ["thinking"]
+    assert "".join(e.delta.thinking for e in events if e.type == "content_block_delta") == msg.content[0].thinking
+    hidden = claude.messages.create(model=model, max_tokens=6, messages=ask, output_config=fmt, extra_body=GREEDY,
+                                    thinking={**on, "display": "omitted"})
+    assert [b.type for b in hidden.content] == ["thinking"] and hidden.content[0].thinking == ""
+    # thinking off: the template closes an empty thought, the answer alone follows the schema
+    # (random weights: the engine lets JSON hold some whitespace between tokens, so the answer gets room)
+    off = claude.messages.create(model=model, max_tokens=120, messages=ask, thinking={"type": "disabled"},
+                                 output_config=fmt, extra_body=GREEDY)
+    assert [b.type for b in off.content] == ["text"] and json.loads(off.content[0].text) in ({"ok": True},
+                                                                                              {"ok": False})
+    # Responses: a reasoning item, whole and streamed; effort none turns thinking off
+    oai = openai.OpenAI(base_url=tiny.url + "/v1", api_key="unused", max_retries=0)
+    text = {"format": {"type": "json_schema", "name": "r", "schema": OK_SCHEMA}}
+    r = oai.responses.create(model=model, input=ASK, reasoning={"effort": "medium"}, text=text, max_output_tokens=6,
+                             temperature=0)
+    assert [i.type for i in r.output] == ["reasoning"] and r.output[0].content[0].text
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens <= 6
+    events = list(oai.responses.create(model=model, input=ASK, reasoning={"effort": "medium"}, text=text,
+                                       max_output_tokens=6, temperature=0, stream=True))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == r.output[0].content[0].text
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [i.type for i in done] == ["reasoning"] and done[0].content[0].text == r.output[0].content[0].text
+    plain = oai.responses.create(model=model, input=ASK, reasoning={"effort": "none"}, text=text,
+                                 max_output_tokens=120, temperature=0)
+    assert [i.type for i in plain.output] == ["message"] and json.loads(plain.output_text) in ({"ok": True},
+                                                                                                {"ok": False})

@@ -10,8 +10,8 @@ Headers: `x-api-key` is accepted as the daemon's token (security.py), `anthropic
 accepted with any value (the fields a beta unlocks are judged by the rules below).
 
 The rule for each field the `anthropic` package's `messages.create` can send:
-- honoured: model (the served name or an alias), messages, system, max_tokens (at least 1: the cache pre-warming
-  `0` is refused), stop_sequences, stream, temperature (0..1), top_p, top_k, tools (client tools: `custom` or no
+- honoured: model (the served name or an alias), messages, system, max_tokens (a ceiling, as Anthropic defines it:
+  generation also ends at the context's end; at least 1, the cache pre-warming `0` is refused), stop_sequences, stream, temperature (0..1), top_p, top_k, tools (client tools: `custom` or no
   type), tool_choice (auto, any, tool, none; `disable_parallel_tool_use`), thinking (enabled: on, disabled: off,
   adaptive / between_tools: the template's default; `display: omitted` sends the thinking blocks empty; thinking
   tokens count toward max_tokens, `budget_tokens` is checked but is no separate cap), output_config.format (and the
@@ -39,12 +39,11 @@ from ..tools.spec import AnswerFormat, Function, ToolSpec, check_schema
 from .agents import MAX_BLOCKS, call_entry, flat_tools, parts_in_order, renamed, text_of, token_counts
 from .core import Generation, GenerationResult, ServerState, encode_prompt, output_reason, run, state_of
 from .intake import ChatPrompt, Intake, checked_params
-from .validation import (MAX_MESSAGES, MAX_TOKENS, STOP, TOP_P, ApiError, Field, bad_field, check_fields, read_json,
-                         require)
+from .validation import MAX_MESSAGES, STOP, TOP_P, ApiError, Field, bad_field, check_fields, read_json, require
 
 FIELDS = {
     "model": Field("str", max_len=512),
-    "max_tokens": MAX_TOKENS,
+    "max_tokens": Field("int", 1, 1 << 20),  # a ceiling: generation also ends at the context's end
     "stream": Field("bool"),
     "stop_sequences": STOP,
     "temperature": Field("number", 0, 1),

@@ -40,13 +40,13 @@ from ..tools.spec import AnswerFormat, Function, ToolSpec, check_schema
 from .agents import MAX_BLOCKS, call_entry, flat_tools, parts_in_order, renamed, text_of, token_counts
 from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
 from .intake import ChatPrompt, Intake, checked_params
-from .validation import MAX_TOKENS, TEXT, TOP_P, ApiError, Field, bad_field, check_fields, read_json, require
+from .validation import TEXT, TOP_P, ApiError, Field, bad_field, check_fields, read_json, require
 
 DEFAULT_MAX_TOKENS = 2048
 FIELDS = {
     "model": Field("str", max_len=512),
     "instructions": TEXT,
-    "max_output_tokens": MAX_TOKENS,
+    "max_output_tokens": Field("int", 1, 1 << 20),  # a ceiling: generation also ends at the context's end
     "temperature": Field("number", 0, 2),
     "top_p": TOP_P,
     "stream": Field("bool"),
