@@ -10,12 +10,13 @@ Headers: `x-api-key` is accepted as the daemon's token (security.py), `anthropic
 accepted with any value (the fields a beta unlocks are judged by the rules below).
 
 The rule for each field the `anthropic` package's `messages.create` can send:
-- honoured: model (the served name or an alias), messages, system, max_tokens (a ceiling, as Anthropic defines it:
-  generation also ends at the context's end; at least 1, the cache pre-warming `0` is refused), stop_sequences, stream, temperature (0..1), top_p, top_k, tools (client tools: `custom` or no
-  type), tool_choice (auto, any, tool, none; `disable_parallel_tool_use`), thinking (enabled: on, disabled: off,
-  adaptive / between_tools: the template's default; `display: omitted` sends the thinking blocks empty; thinking
-  tokens count toward max_tokens, `budget_tokens` is checked but is no separate cap), output_config.format (and the
-  older top-level output_format): a JSON schema the answer follows, through the grammar.
+- honoured: model (the served name or an alias), messages, system, max_tokens (a ceiling, as Anthropic defines
+  it: generation also ends at the context's end; at least 1, the cache pre-warming `0` is refused),
+  stop_sequences, stream, temperature (0..1), top_p, top_k, tools (client tools: `custom` or no type), tool_choice
+  (auto, any, tool, none; `disable_parallel_tool_use`), thinking (enabled: on, disabled: off, adaptive /
+  between_tools: the template's default; `display: omitted` sends the thinking blocks empty; thinking tokens count
+  toward max_tokens, `budget_tokens` is checked but is no separate cap), output_config.format (and the older
+  top-level output_format): a JSON schema the answer follows, through the grammar.
 - accepted with no effect, since they steer Anthropic's hosted service and a local daemon has one of each:
   metadata, service_tier, speed, inference_geo, workspace_id, user_profile_id, diagnostics, output_config.effort,
   and cache_control (the prefix cache reuses every shared prefix on its own; usage reports what it read).

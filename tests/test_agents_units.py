@@ -1,0 +1,114 @@
+"""The agent APIs' request side without a daemon: Anthropic and Responses bodies into the normalised history and
+ToolSpec the chat dialects use (tools.spec), composed with the generic tool plan; errors name the dialect's fields."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmd.server import anthropic, responses_api
+from llmd.server.validation import ApiError
+from llmd.tools.plan import generic_messages
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_anthropic_history_calls_results_and_thoughts():
+    body = {"system": [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Use tools."}],
+            "messages": [
+                {"role": "user", "content": "Weather in Paris and Oslo?"},
+                {"role": "assistant", "content": [
+                    {"type": "thinking", "thinking": "two calls", "signature": "s"},
+                    {"type": "text", "text": "Checking."},
+                    {"type": "tool_use", "id": "t1", "name": "weather", "input": {"city": "Paris"}},
+                    {"type": "tool_use", "id": "t2", "name": "weather", "input": {"city": "Oslo"}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t2", "content": [{"type": "text", "text": "Rain"}]},
+                    {"type": "tool_result", "tool_use_id": "t1", "content": "Sun", "is_error": True},
+                    {"type": "text", "text": "Summarise."}]}]}
+    out = anthropic.history(body)
+    assert out[0] == {"role": "system", "content": "Be brief.\nUse tools."}
+    assert out[2]["content"] == "Checking." and [c["function"] for c in out[2]["tool_calls"]] == [
+        {"name": "weather", "arguments": {"city": "Paris"}}, {"name": "weather", "arguments": {"city": "Oslo"}}]
+    assert out[3] == {"role": "tool", "content": "Rain", "tool_call_id": "t2", "name": "weather"}
+    assert out[4] == {"role": "tool", "content": "Error: Sun", "tool_call_id": "t1", "name": "weather"}
+    assert out[5] == {"role": "user", "content": "Summarise."} and len(out) == 6
+    # the generic fallback renders it for a template without tools: calls as tagged text, results as one user turn
+    plain = generic_messages(out, None)
+    assert "<tool_call>" in plain[2]["content"] and plain[3]["role"] == "user"
+    assert plain[3]["content"].count("<tool_response>") == 2 and plain[4]["content"] == "Summarise."
+
+
+def test_anthropic_tool_result_must_answer_the_turn_before():
+    call = {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "1"}]}
+    anthropic.history({"messages": [{"role": "user", "content": "go"}, call, result]})
+    with pytest.raises(ApiError) as late:  # a user turn between the call and its result
+        anthropic.history({"messages": [{"role": "user", "content": "go"}, call, {"role": "user", "content": "x"},
+                                        result]})
+    assert late.value.param == "messages[3].content[0].tool_use_id"
+
+
+def test_anthropic_tools_and_tool_choice():
+    tools = [{"name": "weather", "description": "d", "input_schema": SCHEMA},
+             {"type": "custom", "name": "time", "input_schema": {"type": "object"}}]
+    spec = anthropic.tool_spec({"tools": tools}, {"tool_choice": {"type": "any", "disable_parallel_tool_use": True}})
+    assert [f.name for f in spec.functions] == ["weather", "time"] and spec.choice == "required"
+    assert not spec.parallel and spec.functions[0].parameters == SCHEMA
+    named = anthropic.tool_spec({"tools": tools}, {"tool_choice": {"type": "tool", "name": "time"}})
+    assert named.choice == "time" and named.parallel
+    assert anthropic.tool_spec({"tools": tools}, {}).choice == "auto"
+    with pytest.raises(ApiError) as bad:
+        anthropic.tool_spec({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, {})
+    assert bad.value.param == "tools[0].input_schema" and bad.value.message.startswith("tools[0].input_schema")
+    with pytest.raises(ApiError) as bad:
+        anthropic.tool_spec({"tools": [{"name": "bad name!", "input_schema": SCHEMA}]}, {})
+    assert bad.value.param == "tools[0].name"
+
+
+def test_anthropic_thinking_switch():
+    assert anthropic.thinking({}) == (None, True)
+    assert anthropic.thinking({"thinking": {"type": "enabled", "budget_tokens": 2048}}) == (True, True)
+    assert anthropic.thinking({"thinking": {"type": "disabled"}}) == (False, True)
+    assert anthropic.thinking({"thinking": {"type": "adaptive", "display": "omitted"}}) == (None, False)
+    with pytest.raises(ApiError) as bad:
+        anthropic.thinking({"thinking": {"type": "enabled"}})
+    assert bad.value.param == "thinking.budget_tokens"
+
+
+def test_responses_history_items():
+    body = {"instructions": "Be brief.", "input": [
+        {"role": "developer", "content": "Use tools."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Weather in "}, {"type": "input_text",
+                                                                                      "text": "Paris?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+        {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{\"city\": \"Oslo\"}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "Sun"},
+        {"type": "function_call_output", "call_id": "c2", "output": [{"type": "input_text", "text": "Rain"}]}]}
+    out = responses_api.history(body)
+    assert [m["role"] for m in out] == ["system", "system", "user", "assistant", "tool", "tool"]
+    assert out[2]["content"] == "Weather in Paris?" and out[3]["content"] == "Checking."
+    assert [c["id"] for c in out[3]["tool_calls"]] == ["c1", "c2"]
+    assert out[3]["tool_calls"][1]["function"]["arguments"] == {"city": "Oslo"}
+    assert out[5] == {"role": "tool", "content": "Rain", "tool_call_id": "c2", "name": "weather"}
+    assert responses_api.history({"input": "hi"}) == [{"role": "user", "content": "hi"}]
+
+
+def test_responses_tools_choice_and_format():
+    tools = [{"type": "function", "name": "weather", "parameters": SCHEMA, "strict": True}]
+    spec = responses_api.tool_spec({"tools": tools, "tool_choice": {"type": "function", "name": "weather"}},
+                                   {"parallel_tool_calls": False})
+    assert spec.choice == "weather" and not spec.parallel and spec.functions[0].parameters == SCHEMA
+    with pytest.raises(ApiError) as bad:
+        responses_api.tool_spec({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, {})
+    assert bad.value.param == "tools[0].parameters"
+    with pytest.raises(ApiError) as bad:
+        responses_api.tool_spec({"tools": [{"type": "file_search", "vector_store_ids": []}]}, {})
+    assert bad.value.param == "tools[0].type"
+    fmt = responses_api.answer_format({"text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}})
+    assert fmt.kind == "json_schema" and fmt.field == "text.format"
+    assert responses_api.answer_format({"text": {"format": {"type": "text"}}}) is None
+    assert responses_api.reasoning({"reasoning": {"effort": "none"}}) is False
+    assert responses_api.reasoning({"reasoning": {"effort": "low", "summary": "auto"}}) is True
+    assert responses_api.reasoning({"reasoning": {"summary": "auto"}}) is None
