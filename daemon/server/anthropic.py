@@ -3,7 +3,7 @@
 A thin adapter: the body becomes the chat dialects' Intake (system + messages with their tool_use / tool_result
 blocks in the normalised history, tools, tool_choice, thinking as the reasoning switch) and the generation's parsed
 output (thought, text, calls) is rendered as content blocks, streamed in Anthropic's event sequence (`message_start`,
-`content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`; named SSE events). Errors take
+`ping`, `content_block_start` / `_delta` / `_stop`, `message_delta`, `message_stop`; named SSE events). Errors take
 Anthropic's shape `{"type": "error", "error": {"type", "message"}}`, the message naming the field.
 
 Headers: `x-api-key` is accepted as the daemon's token (security.py), `anthropic-version` and `anthropic-beta` are
@@ -342,6 +342,7 @@ class MessageAnswer:
             self.started = True
             events.append({"type": "message_start",
                            "message": self._message([], (None, None), {**self._usage(gen, 0), "output_tokens": 0})})
+            events.append({"type": "ping"})  # as Anthropic's own streams begin
         finish = output_reason(out)
         piece = gen.output.feed(out.text_delta)
         if finish:

@@ -87,7 +87,6 @@ class SecurityPolicy:
             return False
         return hmac.compare_digest(token.strip().encode("utf-8"), self.api_key.encode("utf-8"))
 
-
     def request_token_ok(self, headers) -> bool:
         """The token as a bearer (every dialect) or as Anthropic's `x-api-key` header."""
         if self.token_ok(headers.get("Authorization")):
