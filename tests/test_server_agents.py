@@ -233,3 +233,23 @@ def test_thinking_blocks_and_reasoning_items(tiny):  # noqa: F811
                                  max_output_tokens=120, temperature=0)
     assert [i.type for i in plain.output] == ["message"] and json.loads(plain.output_text) in ({"ok": True},
                                                                                                 {"ok": False})
+
+
+def test_structured_output_through_both_sdks(daemon, claude, oai, model):
+    import pydantic
+
+    class Capital(pydantic.BaseModel):
+        country: str
+        capital: str
+
+    before = server_errors(daemon)
+    question = "What is the capital of France? Answer as JSON."
+    msg = claude.messages.parse(model=model, max_tokens=60, messages=[{"role": "user", "content": question}],
+                                output_format=Capital, extra_body=GREEDY)
+    assert msg.stop_reason == "end_turn" and isinstance(msg.parsed_output, Capital)
+    resp = oai.responses.parse(model=model, input=question, text_format=Capital, max_output_tokens=60, temperature=0)
+    assert resp.status == "completed" and isinstance(resp.output_parsed, Capital)
+    # one prompt, one schema, greedy: both APIs answer the same
+    assert resp.output_parsed == msg.parsed_output
+    assert server_errors(daemon) == before
+    assert daemon.wait_idle()["kv_blocks_used"] == 0  # every agent request gave its KV blocks back
