@@ -5,8 +5,10 @@ compared exactly."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
+import aiohttp
 import pytest
 
 from llmd_daemon_proc import start_daemon
@@ -253,3 +255,27 @@ def test_structured_output_through_both_sdks(daemon, claude, oai, model):
     assert resp.output_parsed == msg.parsed_output
     assert server_errors(daemon) == before
     assert daemon.wait_idle()["kv_blocks_used"] == 0  # every agent request gave its KV blocks back
+
+
+async def test_a_client_leaving_an_agent_stream_aborts_it(daemon, model):
+    before = daemon.stats()["server"]["aborts"].get("disconnect", 0)
+    story = "Tell me a long story about a dragon."
+    bodies = [("/v1/messages", {"model": model, "max_tokens": 200, "stream": True,
+                                "messages": [{"role": "user", "content": story}]}),
+              ("/v1/responses", {"model": model, "max_output_tokens": 200, "stream": True, "input": story})]
+    async with aiohttp.ClientSession(daemon.url) as http:
+        for path, body in bodies:
+            resp = await http.post(path, json=body)
+            assert resp.status == 200 and resp.content_type == "text/event-stream"
+            names = []
+            async for line in resp.content:  # named events: an `event:` line before each `data:` line
+                if line.startswith(b"event: "):
+                    names.append(line[7:].strip().decode())
+                if len(names) >= 5:
+                    break
+            resp.close()  # drop the connection mid-stream
+            assert names[0] in ("message_start", "response.created"), names
+            await asyncio.to_thread(daemon.wait_idle, 60)
+    s = daemon.wait_idle(timeout=60)
+    assert s["server"]["aborts"].get("disconnect", 0) - before == 2
+    assert s["kv_blocks_used"] == 0
