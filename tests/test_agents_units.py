@@ -3,6 +3,8 @@ ToolSpec the chat dialects use (tools.spec), composed with the generic tool plan
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from llmd.server import anthropic, responses_api
@@ -112,3 +114,101 @@ def test_responses_tools_choice_and_format():
     assert responses_api.reasoning({"reasoning": {"effort": "none"}}) is False
     assert responses_api.reasoning({"reasoning": {"effort": "low", "summary": "auto"}}) is True
     assert responses_api.reasoning({"reasoning": {"summary": "auto"}}) is None
+
+
+# --- the renderers on a scripted answer: a thought, text and two calls, streamed in small pieces -----------------
+
+SCRIPT = ('<think>two cities</think>\n\nChecking.<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(smollm2_gguf):
+    from llmd.model.gguf import read_gguf_metadata
+    from llmd.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(read_gguf_metadata(smollm2_gguf), smollm2_gguf)
+
+
+def _generation(tokenizer):
+    from types import SimpleNamespace
+
+    from llmd.engine.types import SamplingParams
+    from llmd.server.core import Generation, ServerState
+    from llmd.tools.parsers import OutputParser, ReasoningSplit, TaggedParser
+
+    gen = Generation(ServerState(), None, SimpleNamespace(tokenizer=tokenizer), [1, 2, 3], SamplingParams())
+    gen.output = OutputParser(ReasoningSplit(), TaggedParser(frozenset({"weather"})))
+    gen.finished, gen.finish_reason = True, "stop"
+    return gen
+
+
+def _outputs(text: str, step: int = 3):
+    from llmd.engine.types import FinishReason, RequestOutput
+
+    pieces = [text[i:i + step] for i in range(0, len(text), step)]
+    return [RequestOutput("r", [7], p, finished=i == len(pieces) - 1,
+                          finish_reason=FinishReason.STOP if i == len(pieces) - 1 else None)
+            for i, p in enumerate(pieces)]
+
+
+def test_anthropic_stream_rebuilds_the_whole_message(smol_tokenizer):
+    from llmd.server.core import GenerationResult
+    from llmd.server.intake import Intake
+
+    intake = Intake("m", None, None, True)
+    whole = anthropic.MessageAnswer(intake, "m", True).whole(_generation(smol_tokenizer),
+                                                             GenerationResult(SCRIPT, [7] * 9, "stop", None, []))
+    assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use", "tool_use"]
+    assert whole["content"][0]["thinking"] == "two cities" and whole["content"][1]["text"] == "Checking."
+    assert [b["input"] for b in whole["content"][2:]] == [{"city": "Paris"}, {"city": "Oslo"}]
+    assert whole["stop_reason"] == "tool_use"
+    answer, gen = anthropic.MessageAnswer(intake, "m", True), _generation(smol_tokenizer)
+    events = [e for out in _outputs(SCRIPT) for e in answer.events(gen, out)]
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
+    blocks: list[dict] = []  # the content as a client rebuilds it from the events
+    for e in events:
+        if e["type"] == "content_block_start":
+            assert e["index"] == len(blocks)
+            blocks.append(dict(e["content_block"]))
+        elif e["type"] == "content_block_delta":
+            d, block = e["delta"], blocks[e["index"]]
+            key = {"text_delta": "text", "thinking_delta": "thinking", "input_json_delta": "partial"}[d["type"]]
+            block[key] = block.get(key, "") + d[key if key != "partial" else "partial_json"]
+    for block in blocks:
+        if block["type"] == "tool_use":
+            block["input"] = json.loads(block.pop("partial"))
+            block["id"] = "x"
+    assert kinds.count("content_block_stop") == len(blocks) == 4
+    expected = [dict(b, id="x") if b["type"] == "tool_use" else b for b in whole["content"]]
+    assert blocks == expected and events[-2]["delta"]["stop_reason"] == "tool_use"
+
+
+def test_responses_stream_rebuilds_the_whole_response(smol_tokenizer):
+    from llmd.server.core import GenerationResult
+    from llmd.server.intake import Intake
+
+    intake = Intake("m", None, None, True)
+    whole = responses_api.ResponseAnswer(intake, {}, "m").whole(
+        _generation(smol_tokenizer), GenerationResult(SCRIPT, [7] * 9, "stop", None, []))
+    assert [i["type"] for i in whole["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    assert whole["status"] == "completed" and whole["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
+    answer, gen = responses_api.ResponseAnswer(intake, {}, "m"), _generation(smol_tokenizer)
+    events = [e for out in _outputs(SCRIPT) for e in answer.events(gen, out)]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    kinds = [e["type"] for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    added = [e["item"]["type"] for e in events if e["type"] == "response.output_item.added"]
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert added == [i["type"] for i in done] == ["reasoning", "message", "function_call", "function_call"]
+    final = events[-1]["response"]["output"]
+
+    def strip(items):  # ids are fresh per answer
+        return [{k: v for k, v in i.items() if k not in ("id", "call_id")} for i in items]
+
+    assert strip(done) == strip(final) == strip(whole["output"])
+    args = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
+    assert args == done[2]["arguments"] + done[3]["arguments"]
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert text == "Checking." and done[0]["content"][0]["text"] == "two cities"
