@@ -1,5 +1,6 @@
-"""The agent APIs' request side without a daemon: Anthropic and Responses bodies into the normalised history and
-ToolSpec the chat dialects use (tools.spec), composed with the generic tool plan; errors name the dialect's fields."""
+"""The agent APIs without a daemon: Anthropic and Responses bodies into the normalised history and ToolSpec the chat
+dialects use (tools.spec), composed with the generic tool plan, errors naming the dialect's fields; and both
+renderers on a scripted answer, streamed and whole."""
 
 from __future__ import annotations
 
