@@ -530,6 +530,12 @@ BAD_INPUTS = [
         {"type": "tool_use", "id": "t1", "name": "w", "input": "x"}]}, *MSG]}, None, 400,
      "messages[0].content[0].input"),
     ("/v1/messages", {**ANT, "messages": [*MSG, {"role": "assistant", "content": "Sure"}]}, None, 400, "prefill"),
+    ("/v1/messages", {**ANT, "messages": [
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}]}]}]}, None,
+     400, "messages[2].content[0].content[0].type"),
     ("/v1/messages", {**ANT, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages[0].role"),
     ("/v1/messages", {**ANT, "messages": MSG * 1025}, None, 400, "at most 1024 messages"),
     ("/v1/messages", {**ANT, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 1025}]},
@@ -653,6 +659,7 @@ async def test_host_and_origin_checked_on_every_route(daemon):
         async with http.options("/v1/chat/completions", headers={"Origin": "vscode-webview://abc",
                                                                   "Access-Control-Request-Method": "POST"}) as r:
             assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "vscode-webview://abc"
+            assert "x-api-key" in r.headers["Access-Control-Allow-Headers"]  # browser Anthropic clients send it
         async with http.options("/v1/chat/completions", headers={"Origin": "https://evil.example.com"}) as r:
             assert r.status == 403
 
