@@ -213,3 +213,35 @@ def test_responses_stream_rebuilds_the_whole_response(smol_tokenizer):
     assert args == done[2]["arguments"] + done[3]["arguments"]
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     assert text == "Checking." and done[0]["content"][0]["text"] == "two cities"
+
+
+def test_response_store_is_bounded_oldest_first():
+    from llmd.server.response_store import ResponseStore
+
+    store = ResponseStore(max_responses=3, max_chars=2000)
+    turn = [{"role": "user", "content": "x" * 100}]
+    for i in range(5):
+        store.put({"id": f"r{i}"}, turn)
+    assert len(store) == 3 and store.get("r0") is None and store.get("r4").conversation == turn
+    store.put({"id": "big"}, [{"role": "user", "content": "y" * 1700}])  # past the characters: the oldest go
+    assert [k for k in ("r2", "r3", "r4", "big") if store.get(k)] == ["r4", "big"] and store.chars <= 2000
+    store.put({"id": "huge"}, [{"role": "user", "content": "z" * 5000}])  # larger than the store: not kept
+    assert store.get("huge") is None and store.get("big") is not None
+    assert store.delete("big") and not store.delete("big") and store.get("big") is None
+    assert store.chars == sum(s.chars for s in store._items.values())
+
+
+def test_responses_continue_a_stored_conversation():
+    previous = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "weather", "arguments": {}}}]}]
+    out = responses_api.history({"instructions": "Be brief.", "input": [
+        {"type": "function_call_output", "call_id": "c1", "output": "Sun"}]}, previous)
+    assert out[0]["role"] == "system" and out[1:3] == previous
+    assert out[3] == {"role": "tool", "content": "Sun", "tool_call_id": "c1", "name": "weather"}
+    turns = responses_api.answer_turns([
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]},
+        {"type": "message", "content": [{"type": "output_text", "text": "It is sunny."}]},
+        {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{\"city\": \"Oslo\"}"}])
+    assert turns == [{"role": "assistant", "content": "It is sunny.", "tool_calls": [
+        {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]}]

@@ -279,3 +279,31 @@ async def test_a_client_leaving_an_agent_stream_aborts_it(daemon, model):
     s = daemon.wait_idle(timeout=60)
     assert s["server"]["aborts"].get("disconnect", 0) - before == 2
     assert s["kv_blocks_used"] == 0
+
+
+def test_responses_store_and_previous_response_id(daemon, oai, model):
+    import openai
+
+    first = oai.responses.create(model=model, input=ASK, tools=[FN_WEATHER], tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+    assert first.store is True
+    (call,) = [i for i in first.output if i.type == "function_call"]
+    # the stored response continues with only the call's output: the same answer as sending everything again
+    chained = oai.responses.create(model=model, previous_response_id=first.id, tools=[FN_WEATHER],
+                                   tool_choice="none", max_output_tokens=16, temperature=0, input=[
+                                       {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
+    full = oai.responses.create(model=model, tools=[FN_WEATHER], tool_choice="none", max_output_tokens=16,
+                                temperature=0, store=False, input=[
+                                    {"role": "user", "content": ASK}, call.model_dump(exclude_none=True),
+                                    {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}])
+    assert chained.previous_response_id == first.id and chained.output_text == full.output_text
+    assert chained.usage.input_tokens == full.usage.input_tokens
+    assert oai.responses.retrieve(chained.id).output_text == chained.output_text
+    with pytest.raises(openai.NotFoundError):  # store false keeps nothing
+        oai.responses.retrieve(full.id)
+    oai.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve(first.id)
+    with pytest.raises(openai.BadRequestError) as gone:
+        oai.responses.create(model=model, previous_response_id=first.id, input="Again?", max_output_tokens=4)
+    assert gone.value.body["param"] == "previous_response_id"

@@ -567,8 +567,11 @@ BAD_INPUTS = [
      "messages[0].content"),
     # OpenAI Responses
     ("/v1/responses", {}, None, 400, "input is required"),
-    ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, None, 400, "previous_response_id"),
-    ("/v1/responses", {"input": "x", "store": True}, None, 400, "store must be false"),
+    ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, None, 400,
+     "previous_response_id names no stored response"),
+    ("/v1/responses", {"input": "x", "previous_response_id": 5}, None, 400, "previous_response_id must be a string"),
+    ("/v1/responses", {"input": "x", "store": "yes"}, None, 400, "store must be true or false"),
+    ("/v1/responses", {"input": "x", "conversation": "conv_1"}, None, 400, "conversation"),
     ("/v1/responses", {"input": "x", "background": True}, None, 400, "background"),
     ("/v1/responses", {"input": "x", "truncation": "auto"}, None, 400, "truncation"),
     ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c1", "output": "1"}]}, None, 400,
@@ -621,7 +624,8 @@ async def test_bad_inputs_every_endpoint(daemon, model_name):
                 assert words in error_message(path, payload), (path, words, payload)
         for method, path, status in (("GET", "/v1/nope", 404), ("DELETE", "/v1/models", 405), ("GET", "/api/nope", 404),
                                      ("GET", "/chat/completions", 404), ("PUT", "/completion", 405),
-                                     ("GET", "/v1/messages", 405), ("GET", "/v1/messages/nope", 404)):
+                                     ("GET", "/v1/messages", 405), ("GET", "/v1/messages/nope", 404),
+                                     ("GET", "/v1/responses/resp_nope", 404), ("DELETE", "/v1/responses/x", 404)):
             async with http.request(method, path) as r:
                 assert r.status == status
                 error_message(path, await r.json())

@@ -1,4 +1,4 @@
-"""OpenAI Responses: `POST /v1/responses`, whole or streamed, stateless.
+"""OpenAI Responses: `POST /v1/responses`, whole or streamed; `GET` / `DELETE /v1/responses/{id}` for stored ones.
 
 A thin adapter: `instructions` + `input` (a string, or items: messages, function_call, function_call_output) become
 the chat dialects' Intake; the parsed output becomes output items (reasoning, message with output_text,
@@ -8,20 +8,25 @@ function_call), streamed as Responses events (`response.created`, `response.in_p
 `response.output_item.done`, then `response.completed`, or `response.incomplete` when max_output_tokens cut it).
 Errors take the OpenAI shape, naming the field.
 
+Stored responses (response_store.py): as OpenAI does, a response is stored unless `store` is false, in memory and
+bounded (the last 256, 32 MiB of conversation); `previous_response_id` continues one (its conversation with its
+answer, without its instructions), and names no stored response -> 400.
+
 Field rules:
-- honoured: model, input, instructions, tools (function tools), tool_choice (auto, none, required, a function),
-  parallel_tool_calls, max_output_tokens, temperature, top_p, text.format (text, json_object, json_schema),
-  reasoning.effort (none: thinking off; minimal..max: on; absent: the template's default; a model without
-  thinking refuses "on"), stream, metadata (echoed back), store false.
+- honoured: model, input, instructions, previous_response_id, store, tools (function tools), tool_choice (auto,
+  none, required, a function), parallel_tool_calls, max_output_tokens (a ceiling: generation also ends at the
+  context's end), temperature, top_p, text.format (text, json_object, json_schema), reasoning.effort (none:
+  thinking off; minimal..max: on; absent: the template's default; a model without thinking refuses "on"), stream,
+  metadata (echoed back).
 - accepted with no effect, since they steer OpenAI's hosted service: user, safety_identifier, prompt_cache_key,
-  prompt_cache_retention, service_tier, include (nothing is encrypted or stored, so there is nothing to include),
-  truncation "disabled", text.verbosity, reasoning.summary / generate_summary (the thought is returned whole as
+  prompt_cache_retention, service_tier, include (nothing is encrypted, so there is nothing to include), truncation
+  "disabled", text.verbosity, reasoning.summary / generate_summary (the thought is returned whole as
   reasoning_text), stream_options.
-- refused with a 400 naming the field: previous_response_id, store: true, conversation, background, prompt (stored
-  state this stateless server does not keep), truncation "auto", top_logprobs, max_tool_calls, hosted tools
-  (web search, file search, MCP, code interpreter, ...), input items other than messages, function calls and their
-  outputs (reasoning items are accepted and dropped: templates do not show past thoughts), content parts other than
-  text, and a function_call_output whose call_id names no function_call before it.
+- refused with a 400 naming the field: conversation, background, prompt (stored prompt templates), truncation
+  "auto", top_logprobs, max_tool_calls, hosted tools (web search, file search, MCP, code interpreter, ...), input
+  items other than messages, function calls and their outputs (reasoning items are accepted and dropped: templates
+  do not show past thoughts), content parts other than text, and a function_call_output whose call_id names no
+  function_call before it (in the input or the continued response).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from ..tools.spec import AnswerFormat, Function, ToolSpec, check_schema
 from .agents import MAX_BLOCKS, call_entry, flat_tools, parts_in_order, renamed, text_of, token_counts
 from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
 from .intake import ChatPrompt, Intake, checked_params
+from .response_store import ResponseStore
 from .validation import TEXT, TOP_P, ApiError, Field, bad_field, check_fields, read_json, require
 
 DEFAULT_MAX_TOKENS = 2048
@@ -64,8 +70,8 @@ FIELDS = {
     "service_tier": Field("str", max_len=64),
 }
 REFUSED = {
-    "previous_response_id": "is not supported: this server is stateless, send the whole conversation as input",
-    "conversation": "is not supported: this server is stateless, send the whole conversation as input",
+    "conversation": "(the Conversations API) is not supported: send the conversation as input, or continue a stored "
+                    "response with previous_response_id",
     "prompt": "(stored prompt templates) is not supported",
     "background": "is not supported: responses run in the foreground",
     "top_logprobs": "is not supported on /v1/responses",
@@ -100,13 +106,11 @@ def _content_text(content: Any, where: str) -> str:
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
 
-def history(body: dict) -> list[dict]:
-    """instructions + input in the normalised history: consecutive function_call items join the assistant turn
-    before them, function_call_output items become tool messages."""
+def conversation(body: dict, previous: list[dict] | None = None) -> list[dict]:
+    """The stored conversation of previous_response_id (if any) and `input` in the normalised history: consecutive
+    function_call items join the assistant turn before them, function_call_output items become tool messages."""
     require(body, "input")
-    out: list[dict] = []
-    if body.get("instructions") is not None:
-        out.append({"role": "system", "content": text_of(body["instructions"], "instructions")})
+    out: list[dict] = list(previous or [])
     items = body["input"]
     if isinstance(items, str):
         return out + [{"role": "user", "content": text_of(items, "input")}]
@@ -114,7 +118,7 @@ def history(body: dict) -> list[dict]:
         raise bad_field("input", "must be a string or a non-empty array of items")
     if len(items) > MAX_BLOCKS:
         raise bad_field("input", f"may hold at most {MAX_BLOCKS} items")
-    calls: dict[str, str] = {}  # call_id -> name of every function_call so far
+    calls = {c["id"]: c["function"]["name"] for m in out for c in m.get("tool_calls", [])}  # call_id -> name
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -130,7 +134,8 @@ def history(body: dict) -> list[dict]:
                               "arguments")
             if not (out and out[-1]["role"] == "assistant"):
                 out.append({"role": "assistant", "content": ""})
-            out[-1].setdefault("tool_calls", []).append(call)
+            # a new dict: a stored turn this call continues stays as it was stored
+            out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", []), call]}
             calls[call["id"]] = call["function"]["name"]
         elif kind == "function_call_output":
             cid = item.get("call_id")
@@ -144,6 +149,17 @@ def history(body: dict) -> list[dict]:
             raise bad_field(f"{where}.type", f"{kind!r} is not supported (message, function_call, "
                                              "function_call_output, reasoning)")
     return out
+
+
+def instructions(body: dict) -> list[dict]:
+    """`instructions` as the system turn; those of a previous response are not carried on (as OpenAI does)."""
+    if body.get("instructions") is None:
+        return []
+    return [{"role": "system", "content": text_of(body["instructions"], "instructions")}]
+
+
+def history(body: dict, previous: list[dict] | None = None) -> list[dict]:
+    return instructions(body) + conversation(body, previous)
 
 
 def tool_spec(body: dict, f: dict) -> ToolSpec | None:
@@ -197,22 +213,35 @@ def reasoning(f: dict) -> bool | None:
     return effort != "none"
 
 
-def parse(body: dict, state: ServerState) -> Intake:
+def previous_conversation(body: dict, store: ResponseStore) -> list[dict] | None:
+    rid = body.get("previous_response_id")
+    if rid is None:
+        return None
+    if not isinstance(rid, str):
+        raise bad_field("previous_response_id", "must be a string")
+    stored = store.get(rid)
+    if stored is None:
+        raise bad_field("previous_response_id", f"names no stored response: {rid!r} (this daemon keeps the last "
+                                                f"{store.max_responses}, in memory)")
+    return stored.conversation
+
+
+def parse(body: dict, state: ServerState, store: ResponseStore) -> tuple[Intake, list[dict]]:
+    """The Intake, and the conversation a stored answer continues (without the instructions)."""
     for name, why in REFUSED.items():
         if body.get(name) not in (None, "", [], {}):
             raise bad_field(name, why)
     f = check_fields(body, FIELDS)
-    if f.get("store"):
-        raise bad_field("store", "must be false: this server is stateless and stores no responses")
     if f.get("truncation") == "auto":
         raise bad_field("truncation", "auto is not supported: a conversation too long for the context is a 400")
     state.check_model(f.get("model"))
-    prompt = ChatPrompt(history(body), tool_spec(body, f), think=reasoning(f))
+    conv = conversation(body, previous_conversation(body, store))
+    prompt = ChatPrompt(instructions(body) + conv, tool_spec(body, f), think=reasoning(f))
     params = checked_params(SamplingParams(
         max_tokens=f.get("max_output_tokens", DEFAULT_MAX_TOKENS), temperature=float(f.get("temperature", 1.0)),
         top_p=float(f.get("top_p", 1.0)) or 1e-6))
     return Intake(f.get("model"), prompt, params, bool(f.get("stream")), length_field="input",
-                  answer=answer_format(f))
+                  answer=answer_format(f)), conv
 
 
 def _dialect(exc: ApiError) -> ApiError:
@@ -226,14 +255,29 @@ def _id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+def answer_turns(items: list[dict]) -> list[dict]:
+    """A response's output items as the assistant turn of the normalised history (thoughts left out)."""
+    text = "".join(c["text"] for i in items if i["type"] == "message" for c in i["content"])
+    calls = [{"id": i["call_id"], "type": "function",
+              "function": {"name": i["name"], "arguments": json.loads(i["arguments"] or "{}")}}
+             for i in items if i["type"] == "function_call"]
+    turn: dict = {"role": "assistant", "content": text}
+    if calls:
+        turn["tool_calls"] = calls
+    return [turn]
+
+
 class ResponseAnswer:
     """One Response, whole or as its event stream. Streamed, an output item opens when the kind of output changes
     (thought, text, each call) and is done before the next opens."""
 
     fmt = "sse_named"
 
-    def __init__(self, intake: Intake, body: dict, model: str):
+    def __init__(self, intake: Intake, body: dict, model: str, store: ResponseStore | None = None,
+                 conv: list[dict] | None = None):
+        """store: where the finished response goes (None: not stored); conv: the conversation it answers."""
         self.intake, self.body, self.model = intake, body, model
+        self.store, self.conv = store, conv or []
         self.id, self.created = _id("resp"), int(time.time())
         self.seq = 0
         self.items: list[dict] = []  # output items so far (streamed: the open one is the last)
@@ -253,7 +297,8 @@ class ResponseAnswer:
                "temperature": b.get("temperature", 1.0), "top_p": b.get("top_p", 1.0),
                "tool_choice": b.get("tool_choice", "auto"), "tools": b.get("tools") or [],
                "text": {"format": fmt}, "reasoning": b.get("reasoning") or {"effort": None, "summary": None},
-               "store": False, "previous_response_id": None, "truncation": "disabled", "usage": None}
+               "store": self.store is not None, "previous_response_id": b.get("previous_response_id"),
+               "truncation": "disabled", "usage": None}
         if generated is not None:
             prompt, cached, done = token_counts(gen, generated)
             thought = sum(len(gen.engine.tokenizer.encode(i["content"][0]["text"], add_special_tokens=False))
@@ -290,7 +335,13 @@ class ResponseAnswer:
         status = self._status(res.finish_reason)
         if self.items and status == "incomplete":  # the last item is the one max_output_tokens cut
             self.items[-1]["status"] = "incomplete"
-        return self.response(gen, status, len(res.token_ids))
+        return self._stored(self.response(gen, status, len(res.token_ids)))
+
+    def _stored(self, response: dict) -> dict:
+        """Keep the finished response (and its conversation with the answer) when asked to."""
+        if self.store is not None:
+            self.store.put(response, self.conv + answer_turns(self.items))
+        return response
 
     # items, streamed
     def _event(self, kind: str, **fields) -> dict:
@@ -362,7 +413,8 @@ class ResponseAnswer:
         if finish:
             status = self._status(finish)
             events += self._finish_item(status)
-            events.append(self._event(f"response.{status}", response=self.response(gen, status, self.generated)))
+            response = self._stored(self.response(gen, status, self.generated))
+            events.append(self._event(f"response.{status}", response=response))
         return events
 
     def tail(self, gen: Generation) -> list:
@@ -372,15 +424,41 @@ class ResponseAnswer:
         return self._event("error", code="server_error", message=exc.message, param=exc.param)
 
 
+STORE = web.AppKey("llmd_response_store", ResponseStore)
+
+
 async def create_response(request: web.Request) -> web.StreamResponse:
-    state = state_of(request)
+    state, store = state_of(request), request.app[STORE]
     body = await read_json(request, state.max_body_bytes)
     try:
-        intake = parse(body, state)
-        return await run(request, state, intake, ResponseAnswer(intake, body, state.model_name))
+        intake, conv = parse(body, state, store)
+        keep = store if body.get("store", True) else None  # OpenAI stores by default
+        return await run(request, state, intake, ResponseAnswer(intake, body, state.model_name, keep, conv))
     except ApiError as exc:
         raise _dialect(exc) from None
 
 
+def _stored(request: web.Request):
+    rid = request.match_info["response_id"]
+    stored = request.app[STORE].get(rid)
+    if stored is None:
+        raise ApiError(404, f"no stored response {rid!r}", param="response_id", kind="not_found_error")
+    return rid, stored
+
+
+async def get_response(request: web.Request) -> web.Response:
+    _, stored = _stored(request)
+    return web.json_response(stored.response)
+
+
+async def delete_response(request: web.Request) -> web.Response:
+    rid, _ = _stored(request)
+    request.app[STORE].delete(rid)
+    return web.json_response({"id": rid, "object": "response", "deleted": True})
+
+
 def setup_routes(app: web.Application) -> None:
+    app[STORE] = ResponseStore()
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_get("/v1/responses/{response_id}", get_response)
+    app.router.add_delete("/v1/responses/{response_id}", delete_response)
