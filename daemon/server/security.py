@@ -118,7 +118,7 @@ def make_security_middleware(policy: SecurityPolicy):
         if request.method == "OPTIONS" and origin:  # CORS preflight from an allowed origin
             return web.Response(status=204, headers={
                 **cors,
-                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
+                "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
                 "Access-Control-Allow-Headers": "Authorization, Content-Type, x-api-key, anthropic-version, "
                                                 "anthropic-beta",
                 "Access-Control-Max-Age": "600",
