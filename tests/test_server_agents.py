@@ -307,3 +307,27 @@ def test_responses_store_and_previous_response_id(daemon, oai, model):
     with pytest.raises(openai.BadRequestError) as gone:
         oai.responses.create(model=model, previous_response_id=first.id, input="Again?", max_output_tokens=4)
     assert gone.value.body["param"] == "previous_response_id"
+
+
+def test_requests_shaped_like_claude_code_and_codex(daemon, claude, oai, model):
+    """What the agents send besides the basics (cache_control, metadata, betas, a large max_tokens ceiling, tool
+    schemas with $schema; include, store false, prompt_cache_key, strict tools) is accepted and changes nothing."""
+    tool = {**WEATHER, "input_schema": {"$schema": "http://json-schema.org/draft-07/schema#", **CITY},
+            "cache_control": {"type": "ephemeral"}}
+    plain = claude.messages.create(model=model, max_tokens=40, extra_body=GREEDY, tools=[WEATHER],
+                                   system="You are a coding agent.",
+                                   messages=[{"role": "user", "content": "What is the capital of France?"}])
+    agent = claude.messages.create(
+        model=model, max_tokens=16000, extra_body=GREEDY, tools=[tool], metadata={"user_id": "user_abc"},
+        service_tier="auto", extra_headers={"anthropic-beta": "interleaved-thinking-2025-05-14"},
+        system=[{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?",
+                                                 "cache_control": {"type": "ephemeral"}}]}])
+    assert agent.content == plain.content and agent.stop_reason == plain.stop_reason == "end_turn"
+    codex = list(oai.responses.create(
+        model=model, instructions="You are a coding agent.", stream=True, store=False, parallel_tool_calls=False,
+        include=["reasoning.encrypted_content"], prompt_cache_key="session-1", tool_choice="auto", temperature=0,
+        tools=[{**FN_WEATHER, "strict": False}], max_output_tokens=40,
+        input=[{"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                 "text": "What is the capital of France?"}]}]))
+    assert codex[-1].type == "response.completed" and codex[-1].response.output_text == plain.content[0].text
