@@ -245,3 +245,27 @@ def test_responses_continue_a_stored_conversation():
         {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{\"city\": \"Oslo\"}"}])
     assert turns == [{"role": "assistant", "content": "It is sunny.", "tool_calls": [
         {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]}]
+
+
+def test_anthropic_stop_reasons(smol_tokenizer):
+    from dataclasses import replace
+
+    from llmd.engine.types import SamplingParams
+    from llmd.server.core import GenerationResult
+    from llmd.server.intake import Intake
+
+    asked = SamplingParams(max_tokens=100, stop=["END"])
+
+    def stop_reason(gen_params, finish, stop=None, text="Hello"):
+        answer = anthropic.MessageAnswer(Intake("m", None, asked, False), "m", True)
+        gen = _generation(smol_tokenizer)
+        gen.params, gen.stop_reason = gen_params, stop
+        whole = answer.whole(gen, GenerationResult(text, [7], finish, None, []))
+        return whole["stop_reason"], whole["stop_sequence"]
+
+    assert stop_reason(asked, "length") == ("max_tokens", None)
+    # the context had room for fewer tokens than asked, and they ran out
+    assert stop_reason(replace(asked, max_tokens=10), "length") == ("model_context_window_exceeded", None)
+    assert stop_reason(asked, "stop", "END") == ("stop_sequence", "END")
+    assert stop_reason(asked, "stop", 2) == ("end_turn", None)  # a stop token (EOS)
+    assert stop_reason(asked, "stop", text=SCRIPT) == ("tool_use", None)

@@ -11,7 +11,8 @@ accepted with any value (the fields a beta unlocks are judged by the rules below
 
 The rule for each field the `anthropic` package's `messages.create` can send:
 - honoured: model (the served name or an alias), messages, system, max_tokens (a ceiling, as Anthropic defines
-  it: generation also ends at the context's end; at least 1, the cache pre-warming `0` is refused),
+  it: generation also ends at the context's end, stop_reason model_context_window_exceeded; at least 1, the cache
+  pre-warming `0` is refused),
   stop_sequences, stream, temperature (0..1), top_p, top_k, tools (client tools: `custom` or no type), tool_choice
   (auto, any, tool, none; `disable_parallel_tool_use`), thinking (enabled: on, disabled: off, adaptive /
   between_tools: the template's default; `display: omitted` sends the thinking blocks empty; thinking tokens count
@@ -260,9 +261,10 @@ def _dialect(exc: ApiError) -> ApiError:
 
 # --- the answer ----------------------------------------------------------------------------------------------------
 
-def _stop_reason(gen: Generation, reason: str | None, calls: int) -> tuple[str, str | None]:
+def _stop_reason(gen: Generation, reason: str | None, calls: int, requested: int) -> tuple[str, str | None]:
+    """requested: the client's max_tokens; the server lowers it to what the context has room for."""
     if reason == "length":
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if gen.params.max_tokens < requested else "max_tokens"), None
     if calls:
         return "tool_use", None
     stop = gen.stop_reason
@@ -283,6 +285,7 @@ class MessageAnswer:
 
     def __init__(self, intake: Intake, model: str, show_thinking: bool):
         self.intake, self.model, self.show = intake, model, show_thinking
+        self.requested = intake.params.max_tokens if intake.params is not None else 0  # before core caps it
         self.id = f"msg_{uuid.uuid4().hex}"
         self.started = False
         self.index = -1
@@ -309,7 +312,7 @@ class MessageAnswer:
                 content.append({"type": "text", "text": value})
             else:
                 content.append(_tool_use(value))  # type: ignore[arg-type]
-        stop = _stop_reason(gen, res.finish_reason, len(piece.calls))
+        stop = _stop_reason(gen, res.finish_reason, len(piece.calls), self.requested)
         return self._message(content, stop, self._usage(gen, len(res.token_ids)))
 
     def _open(self, kind: str, value) -> list[dict]:
@@ -353,7 +356,7 @@ class MessageAnswer:
             events.append(self._delta(kind, value))
             self.calls += kind == "call"
         if finish:
-            stop_reason, stop_sequence = _stop_reason(gen, finish, self.calls)
+            stop_reason, stop_sequence = _stop_reason(gen, finish, self.calls, self.requested)
             events += self._close()
             events.append({"type": "message_delta", "delta": {"stop_reason": stop_reason,
                                                               "stop_sequence": stop_sequence},
