@@ -104,10 +104,14 @@ def test_anthropic_tool_loop_forced_through_the_grammar(daemon, claude, model):
                                    tool_choice={"type": "none"}, extra_body=GREEDY)
     assert final.stop_reason in ("end_turn", "max_tokens") and [b.type for b in final.content] == ["text"]
     assert final.content[0].text
-    # streamed, a named tool: tool_use block with id and name, then its input as JSON deltas
-    events = list(claude.messages.create(model=model, max_tokens=60, messages=ask, tools=[WEATHER], stream=True,
-                                         tool_choice={"type": "tool", "name": "get_weather",
-                                                      "disable_parallel_tool_use": True}, extra_body=GREEDY))
+    # streamed, a named tool: tool_use block with id and name, then its input as JSON deltas, which the SDK's
+    # stream helper accumulates into the block's input
+    with claude.messages.stream(model=model, max_tokens=60, messages=ask, tools=[WEATHER], extra_body=GREEDY,
+                                tool_choice={"type": "tool", "name": "get_weather",
+                                             "disable_parallel_tool_use": True}) as stream:
+        events = list(stream)
+        streamed = stream.get_final_message()
+    assert streamed.stop_reason == "tool_use" and streamed.content[-1].input == use.input
     starts = [e.content_block for e in events if e.type == "content_block_start"]
     assert [b.type for b in starts][-1] == "tool_use" and starts[-1].name == "get_weather" and starts[-1].id
     partial = "".join(e.delta.partial_json for e in events
