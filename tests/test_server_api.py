@@ -394,6 +394,7 @@ async def test_load_32_streams_some_disconnecting(daemon):
 
 MSG = [{"role": "user", "content": "hi"}]
 OK_CHAT = {"messages": MSG, "max_tokens": 1}
+ANT = {"model": "@", "messages": MSG, "max_tokens": 1}
 BAD_INPUTS = [
     # (path, body: dict | bytes, content type, status, words the message must contain)
     ("/v1/chat/completions", b"{not json", "application/json", 400, "not valid JSON"),
@@ -510,10 +511,96 @@ BAD_INPUTS = [
      "unpaired surrogate"),
     ("/api/generate", b'{"model": "x", "prompt": "\\ud800", "raw": true}', "application/json", 400,
      "unpaired surrogate"),
+    # Anthropic Messages: Anthropic's error shape, the message naming the field
+    ("/v1/messages", b"{nope", "application/json", 400, "not valid JSON"),
+    ("/v1/messages", {"model": "@", "messages": MSG}, None, 400, "max_tokens is required"),
+    ("/v1/messages", {"max_tokens": 4, "messages": MSG}, None, 400, "model is required"),
+    ("/v1/messages", {"model": "nope", "max_tokens": 4, "messages": MSG}, None, 404, "nope"),
+    ("/v1/messages", {**ANT, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, None,
+     400, "messages[0].content[0].type"),
+    ("/v1/messages", {**ANT, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"}]}]}, None, 400,
+     "messages[0].content[0].tool_use_id"),
+    ("/v1/messages", {**ANT, "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "w", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t2", "content": "42"}]}]}, None, 400,
+     "messages[2].content[0].tool_use_id"),
+    ("/v1/messages", {**ANT, "messages": [{"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "w", "input": "x"}]}, *MSG]}, None, 400,
+     "messages[0].content[0].input"),
+    ("/v1/messages", {**ANT, "messages": [*MSG, {"role": "assistant", "content": "Sure"}]}, None, 400, "prefill"),
+    ("/v1/messages", {**ANT, "messages": [
+        {"role": "user", "content": "look"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "shot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "aGk="}}]}]}]}, None,
+     400, "messages[2].content[0].content[0].type"),
+    ("/v1/messages", {**ANT, "messages": [{"role": "wizard", "content": "x"}]}, None, 400, "messages[0].role"),
+    ("/v1/messages", {**ANT, "messages": MSG * 1025}, None, 400, "at most 1024 messages"),
+    ("/v1/messages", {**ANT, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 1025}]},
+     None, 400, "at most 1024 blocks"),
+    ("/v1/messages", {**ANT, "system": [{"type": "image"}]}, None, 400, "system[0].type"),
+    ("/v1/messages", {**ANT, "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, None, 400,
+     "tools[0].type"),
+    ("/v1/messages", {**ANT, "tools": [{"name": "f", "input_schema": {"type": "string"}}]}, None, 400,
+     "tools[0].input_schema"),
+    ("/v1/messages", {**ANT, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+                      "tool_choice": {"type": "tool", "name": "g"}}, None, 400, "tool_choice.name"),
+    ("/v1/messages", {**ANT, "tool_choice": {"type": "any"}}, None, 400, "tool_choice any needs tools"),
+    ("/v1/messages", {**ANT, "thinking": {"type": "enabled", "budget_tokens": 1024}}, None, 400,
+     "thinking: model"),
+    ("/v1/messages", {**ANT, "thinking": {"type": "sometimes"}}, None, 400, "thinking.type"),
+    ("/v1/messages", {**ANT, "container": "c1"}, None, 400, "container"),
+    ("/v1/messages", {**ANT, "mcp_servers": [{"type": "url", "url": "http://x"}]}, None, 400, "mcp_servers"),
+    ("/v1/messages", {**ANT, "temperature": 1.5}, None, 400, "temperature must be at most 1"),
+    ("/v1/messages", {**ANT, "max_tokens": 0}, None, 400, "max_tokens must be at least 1"),
+    ("/v1/messages", {**ANT, "stop_sequences": ["x"] * 17}, None, 400, "stop_sequences may hold at most 16"),
+    ("/v1/messages", {**ANT, "output_config": {"format": {"type": "xml"}}}, None, 400, "output_config.format"),
+    ("/v1/messages", {**ANT, "output_config": {"effort": "extreme"}}, None, 400, "output_config.effort"),
+    ("/v1/messages", {**ANT, "tools": [{"name": f"f{i}", "input_schema": {"type": "object"}} for i in range(129)]},
+     None, 400, "tools may hold at most 128 tools"),
+    ("/v1/messages", b'{"x": "' + b"a" * (5 * 1024 * 1024) + b'"}', "application/json", 413, "limit"),
+    ("/v1/responses", b'{"x": "' + b"a" * (5 * 1024 * 1024) + b'"}', "application/json", 413, "limit"),
+    ("/v1/messages/count_tokens", {"model": "@"}, None, 400, "messages is required"),
+    ("/v1/messages/count_tokens", {"model": "@", "messages": [{"role": "user", "content": 5}]}, None, 400,
+     "messages[0].content"),
+    # OpenAI Responses
+    ("/v1/responses", {}, None, 400, "input is required"),
+    ("/v1/responses", {"input": "x", "previous_response_id": "resp_1"}, None, 400,
+     "previous_response_id names no stored response"),
+    ("/v1/responses", {"input": "x", "previous_response_id": 5}, None, 400, "previous_response_id must be a string"),
+    ("/v1/responses", {"input": "x", "store": "yes"}, None, 400, "store must be true or false"),
+    ("/v1/responses", {"input": "x", "conversation": "conv_1"}, None, 400, "conversation"),
+    ("/v1/responses", {"input": "x", "background": True}, None, 400, "background"),
+    ("/v1/responses", {"input": "x", "truncation": "auto"}, None, 400, "truncation"),
+    ("/v1/responses", {"input": [{"type": "function_call_output", "call_id": "c1", "output": "1"}]}, None, 400,
+     "input[0].call_id"),
+    ("/v1/responses", {"input": [{"type": "item_reference", "id": "msg_1"}]}, None, 400, "input[0].type"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, None,
+     400, "input[0].content[0].type"),
+    ("/v1/responses", {"input": [{"role": "robot", "content": "x"}]}, None, 400, "input[0].role"),
+    ("/v1/responses", {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{x"}]}, None,
+     400, "input[0].arguments"),
+    ("/v1/responses", {"input": [{"role": "user", "content": "x"}] * 1025}, None, 400, "at most 1024 items"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "web_search"}]}, None, 400, "tools[0].type"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},
+     None, 400, "tools[0].parameters"),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "f"}],
+                       "tool_choice": {"type": "function", "name": "g"}}, None, 400, "tool_choice.name"),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema", "schema": {}}}}, None, 400,
+     "text.format.name"),
+    ("/v1/responses", {"input": "x", "reasoning": {"effort": "high"}}, None, 400, "reasoning.effort: model"),
+    ("/v1/responses", {"input": "x", "reasoning": {"effort": "ultra"}}, None, 400, "reasoning.effort must be"),
+    ("/v1/responses", {"input": "x", "max_output_tokens": 0}, None, 400, "max_output_tokens"),
+    ("/v1/responses", {"input": "x", "model": "nope"}, None, 404, "nope"),
 ]
 
 
 def error_message(path: str, body: dict) -> str:
+    if path.startswith("/v1/messages"):
+        assert body["type"] == "error" and isinstance(body["error"]["type"], str)  # Anthropic's shape
+        return body["error"]["message"]
     if path.startswith("/api/"):
         assert isinstance(body["error"], str)  # Ollama's shape
         return body["error"]
@@ -536,7 +623,9 @@ async def test_bad_inputs_every_endpoint(daemon, model_name):
                 assert r.status == status, (path, body if len(data) < 300 else "...", r.status, payload)
                 assert words in error_message(path, payload), (path, words, payload)
         for method, path, status in (("GET", "/v1/nope", 404), ("DELETE", "/v1/models", 405), ("GET", "/api/nope", 404),
-                                     ("GET", "/chat/completions", 404), ("PUT", "/completion", 405)):
+                                     ("GET", "/chat/completions", 404), ("PUT", "/completion", 405),
+                                     ("GET", "/v1/messages", 405), ("GET", "/v1/messages/nope", 404),
+                                     ("GET", "/v1/responses/resp_nope", 404), ("DELETE", "/v1/responses/x", 404)):
             async with http.request(method, path) as r:
                 assert r.status == status
                 error_message(path, await r.json())
@@ -551,7 +640,8 @@ ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/llmd/stats"), ("
           ("POST", "/v1/chat/completions"), ("POST", "/v1/completions"), ("POST", "/api/chat"),
           ("POST", "/api/generate"), ("GET", "/api/tags"), ("POST", "/api/show"), ("GET", "/api/ps"),
           ("GET", "/api/version"), ("GET", "/"), ("POST", "/completion"), ("POST", "/infill"), ("POST", "/tokenize"),
-          ("POST", "/detokenize"), ("GET", "/props")]
+          ("POST", "/detokenize"), ("GET", "/props"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
+          ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1")]
 
 
 async def test_host_and_origin_checked_on_every_route(daemon):
@@ -573,6 +663,7 @@ async def test_host_and_origin_checked_on_every_route(daemon):
         async with http.options("/v1/chat/completions", headers={"Origin": "vscode-webview://abc",
                                                                   "Access-Control-Request-Method": "POST"}) as r:
             assert r.status == 204 and r.headers["Access-Control-Allow-Origin"] == "vscode-webview://abc"
+            assert "x-api-key" in r.headers["Access-Control-Allow-Headers"]  # browser Anthropic clients send it
         async with http.options("/v1/chat/completions", headers={"Origin": "https://evil.example.com"}) as r:
             assert r.status == 403
 

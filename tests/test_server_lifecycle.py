@@ -53,12 +53,17 @@ async def test_token_required_on_every_route_but_health(daemon):
     async with aiohttp.ClientSession(daemon.url) as http:
         for method, path in ROUTES:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY},
-                            {"Authorization": f"Basic {KEY}"}):
+                            {"Authorization": f"Basic {KEY}"}, {"x-api-key": "wrong"}, {"x-api-key": ""}):
                 async with http.request(method, path, headers=headers, data=b"{}") as r:
                     expected = 200 if path == "/health" else 401
                     assert r.status == expected, (method, path, headers, r.status)
-            async with http.request(method, path, headers=auth(), data=b"{}") as r:
-                assert r.status not in (401, 403), (method, path)
+            # Anthropic clients send the key as x-api-key (with anthropic-version)
+            for headers in (auth(), {"x-api-key": KEY, "anthropic-version": "2023-06-01"}):
+                async with http.request(method, path, headers=headers, data=b"{}") as r:
+                    assert r.status not in (401, 403), (method, path, headers)
+        async with http.post("/v1/messages", json={"max_tokens": 1}, headers={"x-api-key": "wrong"}) as r:
+            body = await r.json()
+            assert r.status == 401 and body["type"] == "error" and body["error"]["type"] == "authentication_error"
 
 
 def test_stalled_reader_is_cut_off(daemon):

@@ -53,6 +53,11 @@ def test_token_compare():
     for bad in (None, "", "s3cret", "Bearer s3cre", "Bearer s3cret2", "Basic s3cret"):
         assert not p.token_ok(bad)
     assert SecurityPolicy().token_ok(None)
+    # Anthropic clients send the key as x-api-key
+    assert p.request_token_ok({"x-api-key": "s3cret"}) and p.request_token_ok({"Authorization": "Bearer s3cret"})
+    for headers in ({}, {"x-api-key": ""}, {"x-api-key": "s3cre"}, {"x-api-key": "Bearer s3cret"}):
+        assert not p.request_token_ok(headers)
+    assert SecurityPolicy().request_token_ok({})
 
 
 def test_key_file_must_be_private(tmp_path):

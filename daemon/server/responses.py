@@ -14,6 +14,8 @@ _OPENAI_TYPES = {
 
 
 def dialect_for_path(path: str) -> str:
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
     if path.startswith("/v1/"):
         return "openai"
     if path.startswith("/api/") or path == "/":
@@ -27,6 +29,10 @@ def error_response(dialect: str, status: int, message: str, *, param: str | None
         body = {"error": {"message": message, "type": kind if kind and kind != "invalid_request_error" and status < 500
                           else _OPENAI_TYPES.get(status, "invalid_request_error"),
                           "param": param, "code": kind if kind not in (None, "invalid_request_error") else None}}
+    elif dialect == "anthropic":
+        from .anthropic import error_body
+
+        body = error_body(status, message)
     elif dialect == "ollama":
         body = {"error": message}
     else:  # llama.cpp server shape

@@ -87,6 +87,14 @@ class SecurityPolicy:
             return False
         return hmac.compare_digest(token.strip().encode("utf-8"), self.api_key.encode("utf-8"))
 
+    def request_token_ok(self, headers) -> bool:
+        """The token as a bearer (every dialect) or as Anthropic's `x-api-key` header."""
+        if self.token_ok(headers.get("Authorization")):
+            return True
+        key = headers.get("x-api-key")
+        return bool(self.api_key and key) and hmac.compare_digest(key.strip().encode("utf-8"),
+                                                                  self.api_key.encode("utf-8"))
+
 
 def _on_unix_socket(request: web.Request) -> bool:
     sock = request.transport.get_extra_info("socket") if request.transport is not None else None
@@ -110,12 +118,14 @@ def make_security_middleware(policy: SecurityPolicy):
         if request.method == "OPTIONS" and origin:  # CORS preflight from an allowed origin
             return web.Response(status=204, headers={
                 **cors,
-                "Access-Control-Allow-Methods": "GET, POST, OPTIONS",
-                "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                "Access-Control-Allow-Methods": "GET, POST, DELETE, OPTIONS",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type, x-api-key, anthropic-version, "
+                                                "anthropic-beta",
                 "Access-Control-Max-Age": "600",
             })
-        if request.path not in PUBLIC_PATHS and not policy.token_ok(request.headers.get("Authorization")):
-            return error_response(dialect, 401, "missing or wrong bearer token (Authorization: Bearer <LLMD_API_KEY>)",
+        if request.path not in PUBLIC_PATHS and not policy.request_token_ok(request.headers):
+            return error_response(dialect, 401, "missing or wrong token (Authorization: Bearer <LLMD_API_KEY>, or "
+                                                "x-api-key: <LLMD_API_KEY>)",
                                   kind="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         response = await handler(request)
         if cors and not response.prepared:

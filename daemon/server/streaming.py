@@ -28,14 +28,15 @@ class ClientGone(Exception):
 
 
 class EventStream:
-    """One streaming response: `sse` (OpenAI, llama.cpp, stats) or `ndjson` (Ollama)."""
+    """One streaming response: `sse` (OpenAI, llama.cpp, stats), `sse_named` (SSE whose events also carry their
+    `type` as the event name: Anthropic Messages, OpenAI Responses) or `ndjson` (Ollama)."""
 
     def __init__(self, request: web.Request, fmt: str, write_timeout: float, headers: dict[str, str] | None = None):
-        assert fmt in ("sse", "ndjson")
+        assert fmt in ("sse", "sse_named", "ndjson")
         self.request = request
         self.fmt = fmt
         self.write_timeout = write_timeout
-        ctype = "text/event-stream" if fmt == "sse" else "application/x-ndjson"
+        ctype = "application/x-ndjson" if fmt == "ndjson" else "text/event-stream"
         self.response = web.StreamResponse(status=200, headers={
             "Content-Type": ctype, "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
             **request.get("cors_headers", {}), **(headers or {}),
@@ -57,7 +58,12 @@ class EventStream:
     async def send(self, obj) -> None:
         """Send one event: a dict as JSON, or a raw string (SSE `[DONE]`)."""
         payload = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-        line = f"data: {payload}\n\n" if self.fmt == "sse" else payload + "\n"
+        if self.fmt == "ndjson":
+            line = payload + "\n"
+        elif self.fmt == "sse_named" and isinstance(obj, dict):
+            line = f"event: {obj['type']}\ndata: {payload}\n\n"
+        else:
+            line = f"data: {payload}\n\n"
         await self._guard(self._write_and_drain(line.encode("utf-8")))
 
     async def close(self) -> None:
