@@ -11,7 +11,7 @@ import time
 from aiohttp import web
 
 from . import llamacpp, ollama, openai
-from .core import STATE, ServerState, state_of
+from .core import LEASES, STATE, ServerState, state_of
 from .responses import dialect_for_path, error_response, timings_dict
 from .security import SecurityPolicy, make_security_middleware
 from .streaming import ClientGone, EventStream, WriteStalled
@@ -71,7 +71,10 @@ async def errors_and_log(request: web.Request, handler):
                 response.headers["Server-Timing"] = value
         return response
     finally:
-        state_of(request).metrics.count_response(status)
+        state = state_of(request)
+        for served in request.pop(LEASES, []):  # the models this request used are idle again (keep-alive starts)
+            state.models.release(served)
+        state.metrics.count_response(status)
         log.info(_log_line(request, status, started))
 
 
@@ -87,8 +90,12 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = state_of(request)
-    stats = state.engine.stats() if state.engine is not None else None
-    return web.Response(text=state.metrics.render(stats, state.model_name or "loading"),
+    if state.models is not None:
+        text = state.metrics.render({e.name: e.engine.stats() for e in state.models.loaded()})
+    else:
+        text = state.metrics.render(state.engine.stats() if state.engine is not None else None,
+                                    state.model_name or "loading")
+    return web.Response(text=text,
                         content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
 
 

@@ -91,20 +91,29 @@ def ps(settings) -> str:
     if status != 200:
         raise LlmdError(_error_message(stats))
     lines = [f"daemon      pid {stats.get('pid')} on {client.where()}, up {stats.get('uptime_s', 0):.0f}s, "
-             f"{stats.get('status')}"]
+             f"{stats.get('status')}, process RSS {_rss_mib(stats.get('pid'))}"]
     if stats.get("status") == "ready":
-        total = stats.get("kv_blocks_total") or 0
-        used = stats.get("kv_blocks_used") or 0
-        cached = stats.get("kv_blocks_cached") or 0
-        lines += [
-            f"model       {stats.get('model')} (loaded in {stats.get('load_seconds', 0):.1f}s)",
-            f"memory      KV cache {used}/{total} blocks used ({cached} cached for reuse); "
-            f"process RSS {_rss_mib(stats.get('pid'))}",
-            f"requests    {stats.get('requests_running', 0)} running, {stats.get('requests_waiting', 0)} waiting, "
-            f"{stats.get('requests_finished_total', 0)} finished",
-            f"throughput  {stats.get('tokens_per_second') or 0:.1f} tok/s (recent), prefix-cache hit rate "
-            f"{100 * (stats.get('prefix_cache_hit_rate') or 0):.0f}%",
-        ]
+        budget = stats.get("memory_budget_bytes")
+        models = stats.get("models") or []
+        used = sum(m.get("size", 0) for m in models)
+        if budget:
+            lines.append(f"memory      {used / 2**20:.0f} MiB of the {budget / 2**20:.0f} MiB budget in use "
+                         f"({len(models)} model(s) loaded)")
+        for m in models:
+            s = m.get("stats") or {}
+            until = "forever (pinned)" if m.get("pinned") else "forever" if m["expires_at"].startswith("9999") \
+                else f"until {m['expires_at'][:19].replace('T', ' ')} UTC"
+            where = "GPU" if m.get("size_vram") else "CPU"
+            lines += [
+                f"model       {m['name']} ({m.get('source')}, {where}, {m.get('size', 0) / 2**20:.0f} MiB, {until})",
+                f"  KV cache  {s.get('kv_blocks_used', 0)}/{s.get('kv_blocks_total', 0)} blocks used "
+                f"({s.get('kv_blocks_cached', 0)} cached for reuse)",
+                f"  requests  {s.get('requests_running', 0)} running, {s.get('requests_waiting', 0)} waiting, "
+                f"{s.get('requests_finished_total', 0)} finished; {s.get('tokens_per_second') or 0:.1f} tok/s "
+                f"(recent), prefix-cache hit rate {100 * (s.get('prefix_cache_hit_rate') or 0):.0f}%",
+            ]
+        if not models:
+            lines.append("model       none loaded (a request loads one on demand)")
     return "\n".join(lines)
 
 

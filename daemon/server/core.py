@@ -7,6 +7,7 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -14,6 +15,9 @@ from ..engine.types import FinishReason, Priority, RequestOutput, RequestTimings
 from ..errors import EngineDead, InvalidRequest, LlmdError, QueueFull
 from .metrics import Metrics
 from .validation import ApiError
+
+if TYPE_CHECKING:
+    from .models import ModelManager
 
 RETRY_AFTER_QUEUE_S = 1
 RETRY_AFTER_LOADING_S = 2
@@ -37,6 +41,20 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     active: set = field(default_factory=set)  # running Generations, for the shutdown drain
     pid: int = field(default_factory=os.getpid)  # `llmd stop` signals it
+    models: ModelManager | None = None  # the daemon's models; None: `engine` is the one served model
+    options: dict = field(default_factory=dict)  # the bound model's default request options (Ollama params layer)
+
+    async def use_model(self, request: web.Request, name: str | None, keep_alive: object = None) -> ServerState:
+        """This request's view of the state, bound to the named model's engine (loaded on demand, through the
+        store: never a path). The model counts as in use until the request's handler returns."""
+        if self.models is None:
+            self.check_model(name)
+            return self
+        served = await self.models.acquire(name, keep_alive)
+        request.setdefault(LEASES, []).append(served)
+        return replace(self, engine=served.engine, model_name=served.name, model_info=served.info,
+                       aliases=set(served.aliases), status="ready", options=dict(served.options),
+                       metrics=self.metrics.for_model(served.name))
 
     # --- readiness and names ---
 
@@ -62,6 +80,8 @@ class ServerState:
             return
         if not isinstance(name, str):
             raise ApiError(400, "model must be a string", param="model")
+        if self.models is not None:
+            return  # use_model finds it (or answers 400/404)
         base = name[:-len(":latest")] if name.endswith(":latest") else name
         if name in self.names() or base in self.names():
             return
@@ -78,8 +98,12 @@ class ServerState:
 
     def stats(self) -> dict:
         """The contract's /v1/llmd/stats object: engine stats + model + uptime (+ server counters)."""
-        out = dict(self.engine.stats()) if self.engine is not None else {}
-        out.update({"model": self.model_name, "status": self.status, "uptime_s": round(time.monotonic() - self.started, 3),
+        if self.models is not None:
+            out = self.models.stats()
+        else:
+            out = dict(self.engine.stats()) if self.engine is not None else {}
+            out["model"] = self.model_name
+        out.update({"status": self.status, "uptime_s": round(time.monotonic() - self.started, 3),
                     "pid": self.pid, "load_seconds": round(self.load_seconds, 3),
                     "server": self.metrics.server_stats()})
         return out
@@ -129,6 +153,7 @@ class ServerState:
 
 
 STATE = web.AppKey("llmd_state", ServerState)
+LEASES = "llmd_models_in_use"  # request key: the Served entries this request holds (released by the app)
 
 
 def state_of(request: web.Request) -> ServerState:

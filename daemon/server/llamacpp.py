@@ -133,7 +133,7 @@ async def completion(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.max_body_bytes)
     require(body, "prompt")
     f = check_fields(body, COMPLETION_FIELDS)
-    state.check_model(f.get("model"))
+    state = await state.use_model(request, f.get("model"))
     engine = state.require_engine()
     prompt = f["prompt"]
     if isinstance(prompt, list):
@@ -170,8 +170,7 @@ async def infill(request: web.Request) -> web.StreamResponse:
     f = check_fields(body, INFILL_FIELDS)
     if "input_prefix" not in f and "input_suffix" not in f:
         raise ApiError(400, "input_prefix or input_suffix is required", param="input_prefix")
-    state.check_model(f.get("model"))
-    state.require_engine()
+    state = await state.use_model(request, f.get("model"))
     extra = _extra_context(f.get("input_extra", []))
     prompt_ids = await state.fim_prompt(f.get("input_prefix", ""), f.get("input_suffix", ""), extra,
                                         f.get("prompt", ""))
@@ -183,6 +182,7 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_json(request, state.max_body_bytes)
     require(body, "content")
     f = check_fields(body, {"content": TEXT, "add_special": Field("bool"), "with_pieces": Field("bool")})
+    state = await state.use_model(request, body.get("model"))  # llama.cpp's server has one model: the default
     tok = state.require_engine().tokenizer
     ids = await state.encode(f["content"], f.get("add_special", False))
     if f.get("with_pieces"):
@@ -198,6 +198,7 @@ async def detokenize(request: web.Request) -> web.Response:
     tokens = body["tokens"]
     if not isinstance(tokens, list) or len(tokens) > MAX_PROMPT_TOKEN_IDS:
         raise bad_field("tokens", f"must be an array of at most {MAX_PROMPT_TOKEN_IDS} token ids")
+    state = await state.use_model(request, body.get("model"))
     tok = state.require_engine().tokenizer
     if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < tok.vocab_size for t in tokens):
         raise bad_field("tokens", f"must hold integers in [0, {tok.vocab_size})")
@@ -205,7 +206,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def props(request: web.Request) -> web.Response:
-    state = state_of(request)
+    state = await state_of(request).use_model(request, request.query.get("model"))
     engine = state.require_engine()
     stats = engine.stats()
     return web.json_response({

@@ -27,7 +27,7 @@ REQUEST_FIELDS = {
     "prompt": TEXT,
     "suffix": TEXT,
 }
-# keep_alive is accepted in any form and ignored: the model stays loaded while the daemon runs.
+# keep_alive (the model manager's, llmd.server.models) is read by use_model, which answers 400 when it is bad.
 OPTION_FIELDS = {
     "temperature": Field("number", 0, 100),
     "top_k": TOP_K,
@@ -120,13 +120,18 @@ async def chat(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body = await read_json(request, state.max_body_bytes)
     f, opts = _check_request(state, body)
+    if body.get("messages") == []:  # Ollama's "load the model" (or, with keep_alive 0, "unload it") request
+        return await _load_or_unload(request, state, body, lambda reason: {
+            "model": body["model"], "created_at": _now(), "message": {"role": "assistant", "content": ""},
+            "done": True, "done_reason": reason})
+    state = await state.use_model(request, body["model"], body.get("keep_alive"))
+    opts = {**state.options, **opts}  # the model's own defaults (an Ollama params layer) under the request's
     messages = parse_messages(body.get("messages"))
     for i, msg in enumerate(body["messages"]):  # Ollama carries images per message; a text model must not drop them
         if msg.get("images"):
             raise ApiError(400, f"messages[{i}].images: images are not supported by this server",
                            param=f"messages[{i}].images")
     params = _params(opts)
-    state.require_engine()
     prompt_ids = await state.encode_chat(messages)
     state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else "messages", opts.get("num_ctx"))
     model = body["model"]
@@ -145,10 +150,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     f, opts = _check_request(state, body)
     model = body["model"]
     prompt, suffix, system = f.get("prompt", ""), f.get("suffix", ""), f.get("system")
-    state.require_engine()
-    if not prompt and not suffix:  # Ollama's "load the model" request
-        return web.json_response({"model": model, "created_at": _now(), "response": "", "done": True,
-                                  "done_reason": "load"})
+    if not prompt and not suffix:  # Ollama's "load the model" (or, with keep_alive 0, "unload it") request
+        return await _load_or_unload(request, state, body, lambda reason: {
+            "model": model, "created_at": _now(), "response": "", "done": True, "done_reason": reason})
+    state = await state.use_model(request, model, body.get("keep_alive"))
+    opts = {**state.options, **opts}  # the model's own defaults (an Ollama params layer) under the request's
     params = _params(opts)
     if suffix:
         prompt_ids = await state.fim_prompt(prompt, suffix)
@@ -198,13 +204,37 @@ def _capabilities(state: ServerState) -> list[str]:
     return caps
 
 
+async def _load_or_unload(request: web.Request, state: ServerState, body: dict, shape) -> web.Response:
+    """An empty prompt: keep_alive 0 unloads the model now (never loading it first), anything else loads it."""
+    from ..config import parse_keep_alive
+
+    keep_alive = body.get("keep_alive")
+    try:
+        unload = keep_alive is not None and parse_keep_alive(keep_alive) == 0
+    except ValueError as exc:
+        raise ApiError(400, f"keep_alive {exc}", param="keep_alive") from None
+    if unload and state.models is not None:
+        await state.models.unload(body["model"])
+        return web.json_response(shape("unload"))
+    await state.use_model(request, body["model"], keep_alive)
+    return web.json_response(shape("load"))
+
+
 async def tags(request: web.Request) -> web.Response:
     state = state_of(request)
+    if state.models is not None:
+        from .listing import ollama_tags
+
+        return web.json_response({"models": await ollama_tags(state)})
     return web.json_response({"models": [_model_entry(state)] if state.status == "ready" else []})
 
 
 async def ps(request: web.Request) -> web.Response:
     state = state_of(request)
+    if state.models is not None:
+        from .listing import ollama_ps
+
+        return web.json_response({"models": ollama_ps(state)})
     if state.status != "ready":
         return web.json_response({"models": []})
     entry = _model_entry(state)
@@ -222,7 +252,7 @@ async def show(request: web.Request) -> web.Response:
                         "verbose": Field("bool")})
     name = body.get("model") or body.get("name")
     state.check_model(name, required=True)
-    state.require_engine()
+    state = await state.use_model(request, name, body.get("keep_alive"))
     cfg = state.engine.loaded.config
     arch = _family(state)
     ctx = state.max_model_len()

@@ -129,6 +129,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.max_body_bytes)
     require(body, "messages")
     f = _check_common(state, body, CHAT_FIELDS)
+    state = await state.use_model(request, f.get("model"))
     messages = parse_messages(body["messages"])
     if "top_logprobs" in f and not f.get("logprobs"):
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
@@ -193,6 +194,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.max_body_bytes)
     require(body, "prompt")
     f = _check_common(state, body, COMPLETION_FIELDS)
+    state = await state.use_model(request, f.get("model"))
     logprobs = f.get("logprobs")
     params = _params(f, f.get("max_tokens"), logprobs)
     engine = state.require_engine()
@@ -273,13 +275,22 @@ def _model_card(state: ServerState) -> dict:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """Every model this daemon can serve (loaded or not), with where it lives (llmd.server.listing)."""
     state = state_of(request)
+    if state.models is not None:
+        from .listing import openai_models
+
+        return web.json_response({"object": "list", "data": await openai_models(state)})
     data = [_model_card(state)] if state.status == "ready" else []
     return web.json_response({"object": "list", "data": data})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = state_of(request)
+    if state.models is not None:
+        from .listing import openai_model
+
+        return web.json_response(await openai_model(state, request.match_info["name"]))
     state.require_engine()
     state.check_model(request.match_info["name"])
     return web.json_response(_model_card(state))
