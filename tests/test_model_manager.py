@@ -280,3 +280,40 @@ async def test_eviction_least_recently_used_under_the_budget(small_budget):
         status, body = await post(http, "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
         assert status == 200 and body["model"] == "tiny-a"
     assert "tiny-c" in loaded(d)
+
+
+def test_llmd_run_starts_a_daemon_and_leaves_it_serving(tmp_path):
+    """The README's first command: `llmd run` starts a daemon when none answers, answers through it, and leaves it
+    serving; `llmd ps` shows it and `llmd stop` stops it."""
+    import re
+    import signal
+    import subprocess
+
+    from llmd_daemon_proc import free_port, llmd_exe
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_")}
+    for sub in ("run", "config", "state", "data", "cache"):
+        (tmp_path / sub).mkdir(mode=0o700)
+    env.update(XDG_RUNTIME_DIR=str(tmp_path / "run"), XDG_CONFIG_HOME=str(tmp_path / "config"),
+               XDG_STATE_HOME=str(tmp_path / "state"), XDG_DATA_HOME=str(tmp_path / "data"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"), LLMD_PORT=str(free_port()), LLMD_KV_CACHE_BYTES=str(32 * MIB))
+    pid = None
+    try:
+        out = subprocess.run([llmd_exe(), "run", "smollm2:135m", "What is the capital of France?", "-t", "0",
+                              "-n", "12"], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        assert "Paris" in out.stdout and "starting llmd" in out.stderr
+        found = re.search(r"keeps serving in the background \(pid (\d+)", out.stderr)
+        assert found and "llmd ps" in out.stderr and "llmd stop" in out.stderr, out.stderr
+        pid = int(found.group(1))
+        ps = subprocess.run([llmd_exe(), "ps"], env=env, capture_output=True, text=True, timeout=60)
+        assert ps.returncode == 0 and "smollm2" in ps.stdout and f"pid {pid}" in ps.stdout, ps.stderr
+        again = subprocess.run([llmd_exe(), "run", "smollm2:135m", "Hi", "-n", "2"], env=env, capture_output=True,
+                               text=True, timeout=120)
+        assert again.returncode == 0 and "starting llmd" not in again.stderr  # the same daemon answers
+        stop = subprocess.run([llmd_exe(), "stop"], env=env, capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0 and f"stopped llmd (pid {pid})" in stop.stdout, stop.stderr
+        pid = None
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)

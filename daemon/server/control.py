@@ -35,6 +35,7 @@ class DaemonClient:
         self.settings = settings
         self.timeout = timeout
         self.socket_path = settings.resolved_socket_path()
+        self.started_pid: int | None = None  # set by ensure_daemon when it started the daemon
 
     def _connection(self, timeout: float | None = None) -> http.client.HTTPConnection:
         t = timeout or self.timeout
@@ -178,6 +179,7 @@ def ensure_daemon(settings, model: str | None) -> DaemonClient:
         print(f"starting llmd (log: {log_path}) ...", file=sys.stderr)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        client.started_pid = proc.pid
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         answer = client.health()
@@ -240,6 +242,23 @@ def chat_once(client: DaemonClient, model: str | None, messages: list[dict], out
         conn.close()
 
 
+def _request_name(model: str | None, started: bool) -> str | None:
+    """The model name to send. A request never names a file: a daemon started here with a path serves it as its
+    default (no name); a daemon already running must be given a name."""
+    from ..store import BadModelName, check_name
+
+    if model is None:
+        return None
+    try:
+        return check_name(model)
+    except BadModelName:
+        if started:
+            return None
+        raise LlmdError(f"{model} is a file, and the running daemon serves models by name (llmd list shows them); "
+                        f"to serve this file, stop it (llmd stop) and run again, or start `llmd serve --model {model}`"
+                        ) from None
+
+
 def run(settings, model: str | None, prompt: str | None, **options) -> None:
     """`llmd run MODEL [PROMPT]`: one-shot, or a simple prompt loop on a terminal (stdin is read when piped)."""
     if prompt is None and not sys.stdin.isatty():
@@ -247,8 +266,12 @@ def run(settings, model: str | None, prompt: str | None, **options) -> None:
         if not prompt.strip():
             raise LlmdError("no prompt: give one as an argument or on stdin")
     client = ensure_daemon(settings, model)
+    model = _request_name(model, started=client.started_pid is not None)
     if prompt is not None:
         chat_once(client, model, [{"role": "user", "content": prompt}], **options)
+        if client.started_pid is not None:
+            print(f"llmd keeps serving in the background (pid {client.started_pid}, {client.where()}); "
+                  "`llmd ps` shows it, `llmd stop` stops it", file=sys.stderr)
         return
     history: list[dict] = []
     while True:
