@@ -194,6 +194,9 @@ class Generation:
         try:
             self.params.validate()
             self.stream = engine.submit(self.prompt_ids, self.params, priority=self.priority)
+            started = getattr(self.stream, "started", None)
+            if started is not None:  # a remote engine (llmd.server.remote): upstream's status, before ours is sent
+                await started()
         except QueueFull as exc:
             self.state.metrics.rejected_queue_full += 1
             raise ApiError(429, f"{exc}; retry shortly", kind="rate_limit_exceeded",

@@ -341,6 +341,7 @@ class ModelManager:
             engine = RemoteEngine(entry.name, entry.remote)
             await engine.start()
             entry.engine, entry.status, entry.loaded_at = engine, "ready", time.time()
+            entry.idle_since, entry.keep_alive = time.monotonic(), self.default_keep_alive
             log.info("model %s: remote, at %s", entry.name, entry.remote["url"])
             return
         from ..store import describe
@@ -376,7 +377,8 @@ class ModelManager:
 
     def _resident(self, other_than: Served) -> list[Served]:
         """What holds memory: ready models, the one reserved while loading, and those still shutting down."""
-        held = [e for e in self._models.values() if e is not other_than and (e.status == "ready" or e.weight_bytes)]
+        held = [e for e in self._models.values() if e is not other_than and e.remote is None
+                and (e.status == "ready" or e.weight_bytes)]
         return held + [e for e in self._unloading if e is not other_than]
 
     async def _make_room(self, entry: Served, need: int) -> None:
