@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: run test install install-test torch clean bench-anchor
+.PHONY: run test lint install install-test torch clean bench-anchor
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,8 +30,13 @@ install-test: torch
 run: install
 	$(VENV)/bin/llmd run smollm2:135m "What is the capital of France?" --temperature 0
 
-test: install-test
+test: install-test lint
 	$(PY) -m pytest -q
+
+# ruff and mypy on the modules listed in pyproject.toml ([tool.ruff] include, [tool.mypy] files)
+lint: install-test
+	$(PY) -m ruff check
+	$(PY) -m mypy
 
 # Optional anchor for the CPU benchmarks (tests/benchmarks): llama.cpp via llama-cpp-python, compiled from source
 # (PyPI has no CPU wheel). Fixed to AVX2/FMA/F16C with no -march=native: some VMs advertise AMX or AVX-512 and fault

@@ -26,7 +26,7 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+def root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                       help="Print llmd's version and exit.")) -> None:
     """llmd: a local LLM serving daemon for one GPU (or the CPU)."""
 
@@ -185,9 +185,8 @@ def pull(name: str = typer.Argument(..., help="An alias (qwen2.5:0.5b), a repo i
 @app.command("list")
 def list_cmd():
     """List the models that can be served: bundled, in the Hugging Face cache, in Ollama's store, in the config."""
-    from .store import human_size, list_models
-
     from .config import load_settings
+    from .store import human_size, list_models
 
     rows = [("NAME", "ARCHITECTURE", "SIZE", "QUANTIZATION", "SOURCE")]
     for m in list_models():
@@ -200,7 +199,7 @@ def list_cmd():
         rows.append((name, "?", "?", "?", f"remote {table['url']}" if "url" in table else f"config {table['path']}"))
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
-        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
 
 
 @app.command()

@@ -186,6 +186,7 @@ _FALSE = {"0", "false", "no", "off"}
 def _convert(name: str, raw, source: str):
     """Turn a raw value (a string from env, any TOML value, a flag value) into the field's type, or raise."""
     kind, optional = _base_type(name)
+    value: int | float | str
 
     def bad(why: str) -> ConfigError:
         return ConfigError(f"bad value {raw!r} for {name} ({source}): {why}")
@@ -246,7 +247,7 @@ def _convert(name: str, raw, source: str):
         lo = "-inf" if low is None else low
         hi = "inf" if high is None else high
         raise bad(f"must be between {lo} and {hi}")
-    if name == "block_size" and value & (value - 1):
+    if name == "block_size" and isinstance(value, int) and value & (value - 1):
         raise bad("must be a power of two")
     return value
 
@@ -303,7 +304,7 @@ def parse_keep_alive(value) -> float | None:
     return None if seconds < 0 else seconds
 
 
-_MODEL_KEYS = {"url": str, "model": str, "api_key": str, "path": str, "keep_alive": (str, int, float),
+_MODEL_KEYS: dict[str, type | tuple[type, ...]] = {"url": str, "model": str, "api_key": str, "path": str, "keep_alive": (str, int, float),
                "timeout": (int, float)}
 
 

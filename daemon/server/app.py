@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -73,7 +74,8 @@ async def errors_and_log(request: web.Request, handler):
     finally:
         state = state_of(request)
         for served in request.pop(LEASES, []):  # the models this request used are idle again (keep-alive starts)
-            state.models.release(served)
+            if state.models is not None:
+                state.models.release(served)
         state.metrics.count_response(status)
         log.info(_log_line(request, status, started))
 
@@ -93,8 +95,8 @@ async def metrics(request: web.Request) -> web.Response:
     if state.models is not None:
         text = state.metrics.render({e.name: e.engine.stats() for e in state.models.loaded()})
     else:
-        text = state.metrics.render(state.engine.stats() if state.engine is not None else None,
-                                    state.model_name or "loading")
+        engine: Any = state.engine
+        text = state.metrics.render(engine.stats() if engine is not None else None, state.model_name or "loading")
     return web.Response(text=text,
                         content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
 

@@ -8,7 +8,6 @@ exit 0.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -95,12 +94,14 @@ def _useful_kv_bytes(settings: "Settings", loaded: "LoadedModel") -> int:
 
     config = engine_config(settings).resolved(loaded.device.type, loaded.config.max_position_embeddings)
     per_block = kv_bytes_per_block(loaded.config, config.block_size, loaded.dtype, config.kv_cache_dtype)
+    assert config.max_model_len is not None and config.max_num_seqs is not None  # resolved() fills them
     blocks_per_seq = -(-config.max_model_len // config.block_size)
     return per_block * blocks_per_seq * config.max_num_seqs
 
 
 def load_served(entry: "Served", settings: "Settings", kv_cache_bytes: int, default: bool) -> tuple:
     """The model manager's loader: (engine, weight bytes, KV pool bytes, on a GPU)."""
+    assert entry.files is not None  # remote models have no loader
     loaded, engine = build_engine(settings, entry.files, kv_cache_bytes, with_draft=default)
     weights = loaded.report.weight_bytes if loaded.report is not None else 0
     return engine, weights, engine.runner.kv_cache_bytes, loaded.device.type == "cuda"
@@ -110,7 +111,7 @@ def security_policy(settings) -> SecurityPolicy:
     api_key = settings.api_key
     if settings.api_key_file:
         api_key = read_key_file(settings.api_key_file)  # also refuses a key file others can read
-    extra_hosts = frozenset()
+    extra_hosts: frozenset[str] = frozenset()
     if not is_loopback_host(settings.host):
         if not api_key:
             raise LlmdError(f"refusing to listen on {settings.host} (not loopback) without an API key: "
@@ -174,6 +175,7 @@ class Daemon:
 
     async def _listen(self) -> None:
         s = self.settings
+        assert self.runner is not None
         targets = [("tcp", s.host, s.port)]
         if s.ollama_port:
             targets.append(("tcp", s.host, s.ollama_port))
@@ -189,12 +191,12 @@ class Daemon:
             _prepare_socket_path(self.socket_path)
             old = os.umask(0o177)  # the socket is created 0600: only this user may talk to the daemon
             try:
-                site = web.UnixSite(self.runner, str(self.socket_path))
-                await site.start()
+                unix = web.UnixSite(self.runner, str(self.socket_path))
+                await unix.start()
             finally:
                 os.umask(old)
             os.chmod(self.socket_path, 0o600)
-            self.sites.append(site)
+            self.sites.append(unix)
             where.append(f"unix:{self.socket_path}")
         log.info("listening on %s (pid %d)", ", ".join(where), os.getpid())
 

@@ -14,7 +14,12 @@ from .validation import ApiError
 if TYPE_CHECKING:
     from ..store import ListedModel, ModelInfo
     from .core import ServerState
-    from .models import Served
+    from .models import ModelManager, Served
+
+
+def _manager(state: ServerState) -> ModelManager:
+    assert state.models is not None, "the listing routes need a model manager"
+    return state.models
 
 
 def _real(path) -> str:
@@ -32,14 +37,14 @@ def _stores() -> list[ListedModel]:
 
 async def servable(state: ServerState) -> list[dict]:
     """One row per model: name, source, where, size, info (ModelInfo or None), loaded (a Served or None)."""
-    models = state.models
+    models = _manager(state)
     listed = await asyncio.get_running_loop().run_in_executor(None, _stores)
     loaded = models.loaded()
     default = models.default_name
     loaded.sort(key=lambda e: (e.name != default, e.name))
     rows, seen = [], set()
     for e in loaded:
-        where = e.remote["url"] if e.remote else str(e.files.path)
+        where = e.remote["url"] if e.remote else str(e.files.path) if e.files else ""
         rows.append({"name": e.name, "source": e.source, "where": where, "size": e.size_bytes, "info": e.info,
                      "loaded": e})
         seen.add(e.name)
@@ -51,7 +56,7 @@ async def servable(state: ServerState) -> list[dict]:
         seen |= {m.name, _real(m.where)}
         rows.append({"name": m.name, "source": m.source, "where": m.where, "size": m.size_bytes, "info": m.info,
                      "loaded": None})
-    for name, table in state.models.settings.models.items():
+    for name, table in models.settings.models.items():
         if name not in seen:
             rows.append({"name": name, "source": "remote" if "url" in table else "config",
                          "where": table.get("url") or table.get("path"), "size": 0, "info": None, "loaded": None})
@@ -69,7 +74,7 @@ async def openai_models(state: ServerState) -> list[dict]:
 
 async def openai_model(state: ServerState, name: str) -> dict:
     """/v1/models/{id}: a loaded model by any of its names, else a servable one by name; never loads it."""
-    served = state.models.lookup(name)
+    served = _manager(state).lookup(name)
     rows = await servable(state)
     for row in rows:
         if row["name"] == name or (served is not None and row["loaded"] is served):
@@ -115,7 +120,7 @@ def ollama_ps(state: ServerState) -> list[dict]:
     from .models import iso_time
 
     out = []
-    for e in state.models.loaded():
+    for e in _manager(state).loaded():
         stats = e.engine.stats()
         out.append({"name": e.name, "model": e.name, "size": e.size_bytes, "digest": "", "details": details(e.info),
                     "expires_at": iso_time(e.expires_at()), "size_vram": e.size_bytes if e.on_gpu else 0,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from typing import Any
 
 from ..engine.types import RequestTimings
 
@@ -36,7 +37,7 @@ class Histogram:
     def render(self, labels: str) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         cumulative = 0
-        for edge, n in zip(self.buckets, self.counts):
+        for edge, n in zip(self.buckets, self.counts[:-1], strict=True):
             cumulative += n
             lines.append(f'{self.name}_bucket{{{labels},le="{edge}"}} {cumulative}')
         lines.append(f'{self.name}_bucket{{{labels},le="+Inf"}} {self.count}')
@@ -149,7 +150,7 @@ class Metrics:
             series[model_name] = series.pop("")
         lines: list[str] = []
 
-        def family(name: str, kind: str, help_text: str, values: list[tuple[str, object]]) -> None:
+        def family(name: str, kind: str, help_text: str, values: list[tuple[str, Any]]) -> None:
             values = [(labels, v) for labels, v in values if v is not None]
             if not values:
                 return

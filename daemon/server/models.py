@@ -124,7 +124,7 @@ def _mib(n: int) -> str:
 
 
 class ModelManager:
-    def __init__(self, settings: "Settings", load: Callable[..., Any] | None = None):
+    def __init__(self, settings: "Settings", load: Callable[..., tuple]):
         self.settings = settings
         self.default_keep_alive = parse_keep_alive(settings.keep_alive)
         self.max_loaded = settings.max_loaded_models
@@ -309,28 +309,28 @@ class ModelManager:
         if entry.ready is None:
             entry.ready = asyncio.get_running_loop().create_future()
             self._register(entry)
-            asyncio.get_running_loop().create_task(self._load_entry(entry))
+            asyncio.get_running_loop().create_task(self._load_entry(entry, entry.ready))
         await asyncio.shield(entry.ready)
         return entry
 
-    async def _load_entry(self, entry: Served) -> None:
+    async def _load_entry(self, entry: Served, ready: asyncio.Future) -> None:
         try:
             async with self._load_lock:
                 await self._load_now(entry)
         except ApiError as exc:
             self._forget(entry)
-            entry.ready.set_exception(exc)
+            ready.set_exception(exc)
         except Exception as exc:  # noqa: BLE001 - the loader's message goes to the requests waiting for it
             self._forget(entry)
             message = str(exc) if isinstance(exc, (LlmdError, ValueError)) else f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, (LlmdError, ValueError)):
                 log.exception("loading %s failed", entry.name)
             log.error("cannot load model %s: %s", entry.name, message)
-            entry.ready.set_exception(ApiError(503, f"model {entry.name!r} failed to load: {message}",
-                                               kind="service_unavailable"))
+            ready.set_exception(ApiError(503, f"model {entry.name!r} failed to load: {message}",
+                                         kind="service_unavailable"))
         else:
-            entry.ready.set_result(entry)
-        entry.ready.exception()  # marks a failure as seen, should no request be left waiting for it
+            ready.set_result(entry)
+        ready.exception()  # marks a failure as seen, should no request be left waiting for it
 
     async def _load_now(self, entry: Served) -> None:
         loop = asyncio.get_running_loop()
@@ -346,6 +346,7 @@ class ModelManager:
             return
         from ..store import describe
 
+        assert entry.files is not None  # a local model
         info = await loop.run_in_executor(None, describe, entry.files)
         weights = estimate_weight_bytes(info, self.settings, self.on_gpu)
         kv = self._kv_bytes_for(weights)
@@ -479,8 +480,8 @@ def _short_names(files: "ModelFiles") -> set[str]:
     from ..store.aliases import alias_for_repo
     from ..store.bundled import BUNDLED_REPO_ID
 
-    repos = {files.repo_id} | ({BUNDLED_REPO_ID} if files.source == "bundled" else set())
-    candidates = {n for repo in repos - {None} for n in (repo, alias_for_repo(repo)) if n}
+    repos = {r for r in (files.repo_id, BUNDLED_REPO_ID if files.source == "bundled" else None) if r}
+    candidates = {n for repo in repos for n in (repo, alias_for_repo(repo)) if n}
     served = Path(files.path).resolve()
     names = {files.name}
     if files.source == "path":

@@ -25,6 +25,8 @@ from ..engine.types import FinishReason, RequestOutput, RequestTimings
 from .validation import ApiError
 
 if TYPE_CHECKING:
+    import aiohttp
+
     from ..engine.types import Priority, SamplingParams
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -160,6 +162,7 @@ class RemoteStream:
 
     async def _exchange(self, route: str, body: dict) -> None:
         owner = self._owner
+        assert owner.session is not None, "RemoteEngine.start() was not awaited"
         async with owner.session.post(owner.url + route, json=body, headers=owner.headers) as resp:
             if resp.status >= 400:
                 raise _upstream_error(owner.url, resp.status, await resp.text())
@@ -227,7 +230,7 @@ class RemoteEngine:
         self.loaded = SimpleNamespace(name=name, dtype="remote", config=SimpleNamespace(
             architecture="remote", max_position_embeddings=REMOTE_CONTEXT, hidden_size=0, num_hidden_layers=0,
             num_attention_heads=0, num_key_value_heads=0))
-        self.session = None
+        self.session: aiohttp.ClientSession | None = None
         self.running = 0
         self.aborted_total = 0
         self.finished_total = 0

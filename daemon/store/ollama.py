@@ -119,7 +119,7 @@ class OllamaStore:
     def list(self) -> list[OllamaModel]:
         """Every model in the store (an unreadable manifest is skipped: one bad entry must not hide the others)."""
         top = self.root / "manifests"
-        found = []
+        found: list[OllamaModel] = []
         if not top.is_dir():
             return found
         for manifest in sorted(top.glob("*/*/*/*")):
@@ -193,7 +193,7 @@ def check_params(params: dict, path: Path) -> dict:
         value = params[key]
         if isinstance(value, bool) or not isinstance(value, kinds):
             raise ModelFileError(path, f"params: {key} has the wrong type ({type(value).__name__})")
-        if key == "stop" and not all(isinstance(s, str) for s in value):
+        if key == "stop" and not (isinstance(value, list) and all(isinstance(s, str) for s in value)):
             raise ModelFileError(path, "params: stop must be a list of strings")
         out[key] = value
     return out
