@@ -192,8 +192,10 @@ def test_keep_alive_expires(daemon):
     while "unloaded model tiny (keep-alive of 1s expired)" not in daemon.log():
         assert time.monotonic() < deadline, daemon.log()[-2000:]
         time.sleep(0.1)
-    client.generate(model="tiny", prompt="Hi", options={"num_predict": 1}, keep_alive=-1)  # negative: forever
+    cold = client.generate(model="tiny", prompt="Hi", options={"num_predict": 1}, keep_alive=-1)  # -1: forever
     assert loaded(daemon)["tiny"]["expires_at"].startswith("9999")
+    warm = client.generate(model="tiny", prompt="Hi", options={"num_predict": 1}, keep_alive=-1)
+    assert cold.load_duration > warm.load_duration >= 0  # Ollama's field: the time spent loading the model
     with pytest.raises(ollama.ResponseError) as err:
         client.generate(model="tiny", prompt="Hi", keep_alive="soon")
     assert err.value.status_code == 400 and "keep_alive" in err.value.error

@@ -12,9 +12,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import state_dir
 from ..errors import LlmdError
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 START_TIMEOUT_S = 300.0
 
@@ -31,7 +35,7 @@ class _UnixConnection(http.client.HTTPConnection):
 
 
 class DaemonClient:
-    def __init__(self, settings, timeout: float = 600.0):
+    def __init__(self, settings: Settings, timeout: float = 600.0):
         self.settings = settings
         self.timeout = timeout
         self.socket_path = settings.resolved_socket_path()
@@ -84,7 +88,7 @@ def _error_message(body: dict) -> str:
     return str(err or body)
 
 
-def ps(settings) -> str:
+def ps(settings: Settings) -> str:
     client = DaemonClient(settings)
     if client.health() is None:
         raise LlmdError(f"no llmd daemon is running ({client.where()}); start one with `llmd serve`")
@@ -146,7 +150,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def stop(settings, timeout: float | None = None) -> str:
+def stop(settings: Settings, timeout: float | None = None) -> str:
     """SIGTERM the daemon and wait for it to exit (its grace period plus a margin)."""
     client = DaemonClient(settings)
     if client.health() is None:
@@ -164,7 +168,7 @@ def stop(settings, timeout: float | None = None) -> str:
     raise LlmdError(f"llmd (pid {pid}) did not exit in time")
 
 
-def ensure_daemon(settings, model: str | None) -> DaemonClient:
+def ensure_daemon(settings: Settings, model: str | None) -> DaemonClient:
     """Return a client of a ready daemon, starting one in the background (logs in the state dir) if none runs."""
     client = DaemonClient(settings)
     answer = client.health()
@@ -259,7 +263,7 @@ def _request_name(model: str | None, started: bool) -> str | None:
                         ) from None
 
 
-def run(settings, model: str | None, prompt: str | None, **options) -> None:
+def run(settings: Settings, model: str | None, prompt: str | None, **options: float | int | None) -> None:
     """`llmd run MODEL [PROMPT]`: one-shot, or a simple prompt loop on a terminal (stdin is read when piped)."""
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()

@@ -43,6 +43,7 @@ class ServerState:
     pid: int = field(default_factory=os.getpid)  # `llmd stop` signals it
     models: ModelManager | None = None  # the daemon's models; None: `engine` is the one served model
     options: dict = field(default_factory=dict)  # the bound model's default request options (Ollama params layer)
+    load_wait_s: float = 0.0  # how long this request waited for its model to load (Ollama's load_duration)
 
     async def use_model(self, request: web.Request, name: str | None, keep_alive: object = None) -> ServerState:
         """This request's view of the state, bound to the named model's engine (loaded on demand, through the
@@ -50,11 +51,12 @@ class ServerState:
         if self.models is None:
             self.check_model(name)
             return self
+        asked = time.monotonic()
         served = await self.models.acquire(name, keep_alive)
         request.setdefault(LEASES, []).append(served)
         return replace(self, engine=served.engine, model_name=served.name, model_info=served.info,
                        aliases=set(served.aliases), status="ready", options=dict(served.options),
-                       metrics=self.metrics.for_model(served.name))
+                       metrics=self.metrics.for_model(served.name), load_wait_s=time.monotonic() - asked)
 
     # --- readiness and names ---
 

@@ -47,7 +47,7 @@ def _dtype(name: str | None):
             "float16": torch.float16, "fp16": torch.float16}[name]
 
 
-def model_threads(settings) -> int | None:
+def model_threads(settings: Settings) -> int | None:
     """CPU threads for the model: --threads, else (model on the CPU) one per core but one, which stays free for the
     HTTP server and local clients. When every core computes, their threads preempt the model's mid-step: on 2 cores
     SmolLM2 streamed 13-21 tok/s to one client with 2 threads and 29-30 with 1 (16 clients: 71-95 vs 65-74)."""
@@ -107,7 +107,7 @@ def load_served(entry: "Served", settings: "Settings", kv_cache_bytes: int, defa
     return engine, weights, engine.runner.kv_cache_bytes, loaded.device.type == "cuda"
 
 
-def security_policy(settings) -> SecurityPolicy:
+def security_policy(settings: Settings) -> SecurityPolicy:
     api_key = settings.api_key
     if settings.api_key_file:
         api_key = read_key_file(settings.api_key_file)  # also refuses a key file others can read
@@ -138,7 +138,7 @@ def _prepare_socket_path(path: Path) -> None:
 
 
 class Daemon:
-    def __init__(self, settings):
+    def __init__(self, settings: Settings):
         self.settings = settings
         self.policy = security_policy(settings)
         self.socket_path = settings.resolved_socket_path()
@@ -249,7 +249,7 @@ class Daemon:
                 await asyncio.sleep(0.05)
 
 
-def serve(settings) -> int:
+def serve(settings: Settings) -> int:
     """Run the daemon until SIGTERM/SIGINT; return the exit code."""
     configure_logging()
     daemon = Daemon(settings)

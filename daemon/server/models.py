@@ -56,6 +56,7 @@ class Served:
     name: str  # the canonical name, as /api/ps shows it
     files: "ModelFiles | None"  # None for a remote model
     source: str  # bundled | hf-cache | ollama | path | config | remote
+    real_path: str | None = None  # the files' real path: one entry per file
     pinned: bool = False
     remote: dict | None = None  # a [models.NAME] table with a url
     options: dict = field(default_factory=dict)  # default request options (an Ollama params layer)
@@ -152,7 +153,7 @@ class ModelManager:
                  "GPU" if self.on_gpu else "RAM", self.max_loaded, self.settings.keep_alive)
         pinned = [self.settings.model] + list(self.settings.preload)
         for i, name in enumerate(pinned):
-            entry = await loop.run_in_executor(None, self._find_for_operator, name)
+            entry = self._entry(await loop.run_in_executor(None, self._find_for_operator, name), name)
             entry.pinned = True
             if i == 0:
                 self.default_name = entry.name
@@ -229,7 +230,7 @@ class ModelManager:
         if known is not None:
             return known
         try:
-            return await asyncio.get_running_loop().run_in_executor(None, self._find_for_request, name)
+            found = await asyncio.get_running_loop().run_in_executor(None, self._find_for_request, name)
         except BadModelName as exc:
             raise ApiError(400, str(exc), param="model") from None
         except ModelNotFound as exc:
@@ -237,50 +238,50 @@ class ModelManager:
         except LlmdError as exc:  # a store entry that cannot be read: its file and problem
             raise ApiError(404, f"model {name!r} cannot be served: {exc}", param="model",
                            kind="model_not_found") from None
+        return self._entry(found, name)
 
-    def _find_for_request(self, name: str) -> Served:
+    def _find_for_request(self, name: str) -> _Found:
         """(worker thread) A config model, else the stores: never a path."""
         from ..store import resolve_name
 
-        configured = self.settings.models.get(name) or self.settings.models.get(name.removesuffix(":latest"))
-        if configured is not None:
-            return self._configured(name.removesuffix(":latest") if name not in self.settings.models else name)
-        files = resolve_name(name)
-        return self._entry_for_files(files, name)
+        base = name.removesuffix(":latest")
+        key = name if name in self.settings.models else base if base in self.settings.models else None
+        if key is not None:
+            return self._configured(key)
+        return _found(resolve_name(name))
 
-    def _find_for_operator(self, name: str | None) -> Served:
+    def _find_for_operator(self, name: str | None) -> _Found:
         """(worker thread) A name from the command line: a config model, or anything `llmd.store.resolve` takes."""
         from ..store import resolve
 
         if name is not None and name in self.settings.models:
             return self._configured(name)
-        files = resolve(name)
-        entry = self._entry_for_files(files, name)
+        found = _found(resolve(name))
         if name:
-            entry.aliases |= {name, Path(name).name, Path(name).stem}
-        return entry
+            found.names |= {name, Path(name).name, Path(name).stem}
+        return found
 
-    def _configured(self, name: str) -> Served:
+    def _configured(self, name: str) -> _Found:
         table = self.settings.models[name]
         if "url" in table:
-            return self._known(Served(name=name, files=None, source="remote", remote=table))
+            return _Found(key=name, remote=table)
         from ..store import resolve
 
-        files = resolve(table["path"])
-        return self._entry_for_files(files, name, canonical=name, source="config")
+        return _found(resolve(table["path"]), key=name)
 
-    def _entry_for_files(self, files: "ModelFiles", requested: str | None, canonical: str | None = None,
-                         source: str | None = None) -> Served:
-        """One entry per file: two names of one file share it."""
-        real = str(Path(files.path).resolve())
+    def _entry(self, found: _Found, requested: str | None) -> Served:
+        """(event loop) The entry of what a name resolved to: one per file, so two names of one file share it."""
+        if found.remote is not None:
+            assert found.key is not None
+            return self._known(Served(name=found.key, files=None, source="remote", remote=found.remote))
+        assert found.files is not None
         for entry in self._models.values():
-            if entry.files is not None and str(Path(entry.files.path).resolve()) == real:
-                if requested:
-                    entry.aliases.add(requested)
+            if entry.real_path is not None and entry.real_path == found.real_path:
+                entry.aliases |= found.names | ({requested} if requested else set())
                 return entry
-        entry = Served(name=canonical or files.name, files=files, source=source or files.source,
-                       options=dict(files.options))
-        entry.aliases |= _short_names(files) | ({requested} if requested else set())
+        entry = Served(name=found.key or found.files.name, files=found.files, real_path=found.real_path,
+                       source="config" if found.key else found.files.source, options=dict(found.files.options))
+        entry.aliases |= found.names | ({requested} if requested else set())
         return self._known(entry)
 
     def _known(self, entry: Served) -> Served:
@@ -471,6 +472,22 @@ class ModelManager:
                 "size_vram": e.size_bytes if e.on_gpu else 0, "expires_at": iso_time(e.expires_at()),
                 "active_requests": e.active, "load_seconds": round(e.load_seconds, 3),
                 "stats": stats if stats is not None else e.engine.stats()}
+
+
+@dataclass
+class _Found:
+    """What a name resolved to, worked out in a worker thread (file system reads) for the event loop to use."""
+
+    key: str | None = None  # a [models.NAME] of the config
+    files: "ModelFiles | None" = None
+    remote: dict | None = None
+    real_path: str | None = None
+    names: set[str] = field(default_factory=set)  # the names the files answer to
+
+
+def _found(files: "ModelFiles", key: str | None = None) -> _Found:
+    return _Found(key=key, files=files, real_path=str(Path(files.path).resolve()),
+                  names=_short_names(files) | ({key} if key else set()))
 
 
 def _short_names(files: "ModelFiles") -> set[str]:

@@ -89,7 +89,7 @@ def _final_stats(gen: Generation, started: float, prompt_len: int) -> dict:
     return {
         "done_reason": gen.finish_reason or "stop",
         "total_duration": ns(time.monotonic() - started),
-        "load_duration": 0,  # the model is resident; loading happened at daemon start
+        "load_duration": ns(gen.state.load_wait_s),  # the time this request waited for its model to load
         "prompt_eval_count": (t.num_prompt_tokens if t else 0) or prompt_len,
         "prompt_eval_duration": ns(t.ttft if t else 0),
         "eval_count": t.num_generated_tokens if t else 0,
