@@ -329,6 +329,11 @@ def configured_models(raw, path: Path) -> dict[str, dict]:
             raise ConfigError(f"{where}: url must start with http:// or https:// (it is {table['url']!r})")
         if "timeout" in table and not 0 < table["timeout"] <= 86400:
             raise ConfigError(f"{where}: timeout must be between 0 and 86400 seconds")
+        if "keep_alive" in table:
+            try:
+                parse_keep_alive(table["keep_alive"])
+            except ValueError as exc:
+                raise ConfigError(f"{where}: keep_alive {exc}") from None
         out[str(name)] = dict(table)
     return out
 

@@ -23,7 +23,9 @@ async def manager(tiny_models, request):
     places = getattr(request, "param", 2)
     paths = {"a": tiny_models["llama"], "b": tiny_models["qwen2"], "b2": tiny_models["qwen2"],
              "c": tiny_models["qwen3"]}
-    settings = Settings(model="a", models={k: {"path": str(v)} for k, v in paths.items()}, max_loaded_models=places,
+    tables = {k: {"path": str(v)} for k, v in paths.items()}
+    tables["c"]["keep_alive"] = "-1"  # a configured model's own default keep-alive
+    settings = Settings(model="a", models=tables, max_loaded_models=places,
                         memory_budget=1024 * MIB, kv_cache_bytes=4 * MIB, max_num_seqs=4)
     m = ModelManager(settings, load_served)
     await m.start()
@@ -39,9 +41,11 @@ async def test_max_loaded_models_evicts_the_least_recently_used_idle_one(manager
     b = await manager.acquire("b")
     manager.release(b)
     assert names(manager) == {"a", "b"}
+    assert b.keep_alive == 300  # the daemon's default, 5m
     c = await manager.acquire("c")  # two places: a is pinned, b is idle -> b goes
     assert names(manager) == {"a", "c"} and c.engine is not None
     manager.release(c)
+    assert c.keep_alive is None and c.expires_at() is None  # its [models.c] keep_alive = "-1": forever
     assert (await manager.acquire("a")).pinned
 
 
@@ -79,3 +83,17 @@ async def test_names_of_one_file_share_its_engine(manager):
     assert b.active == 0 and b.idle_since is not None
     s = manager.stats()
     assert {m["name"] for m in s["models"]} == {"a", "b"} and s["requests_running"] == 0
+
+
+@pytest.mark.parametrize("table,words", [({"path": "x", "url": "http://h/v1"}, "exactly one of url"),
+                                         ({}, "exactly one of url"), ({"url": "ftp://h"}, "http:// or https://"),
+                                         ({"path": "x", "keep_alive": "soon"}, "keep_alive"),
+                                         ({"path": "x", "colour": "red"}, "unknown key 'colour'"),
+                                         ({"url": "http://h", "timeout": 0}, "timeout"),
+                                         ({"path": 3}, "path has the wrong type")])
+def test_configured_models_are_checked(table, words, tmp_path):
+    from llmd.config import ConfigError, configured_models
+
+    with pytest.raises(ConfigError, match=words) as err:
+        configured_models({"m": table}, tmp_path / "config.toml")
+    assert "[models.m]" in str(err.value)

@@ -173,13 +173,15 @@ class ModelManager:
     # ---- requests ---------------------------------------------------------------------------------------------
     async def acquire(self, name: str | None, keep_alive: Any = None) -> Served:
         """The named model, loaded and counted in use; release() it when the request is done. ApiError otherwise."""
-        seconds = self.default_keep_alive
+        seconds: float | None = None
         if keep_alive is not None:
             try:
                 seconds = parse_keep_alive(keep_alive)
             except ValueError as exc:
                 raise ApiError(400, f"keep_alive {exc}", param="keep_alive") from None
         entry = await self._entry_for(name)
+        if keep_alive is None:
+            seconds = self._default_keep_alive(entry)
         entry = await self._get_loaded(entry, requested=name)
         entry.active += 1
         entry.idle_since = None
@@ -342,7 +344,7 @@ class ModelManager:
             engine = RemoteEngine(entry.name, entry.remote)
             await engine.start()
             entry.engine, entry.status, entry.loaded_at = engine, "ready", time.time()
-            entry.idle_since, entry.keep_alive = time.monotonic(), self.default_keep_alive
+            entry.idle_since, entry.keep_alive = time.monotonic(), self._default_keep_alive(entry)
             log.info("model %s: remote, at %s", entry.name, entry.remote["url"])
             return
         from ..store import describe
@@ -366,9 +368,16 @@ class ModelManager:
             self._names.setdefault(alias, entry.name)
         entry.status, entry.loaded_at, entry.load_seconds = "ready", time.time(), time.monotonic() - started
         entry.idle_since = time.monotonic()
-        entry.keep_alive = self.default_keep_alive
+        entry.keep_alive = self._default_keep_alive(entry)
         log.info("model %s ready in %.1fs (%s weights + %s KV)", entry.name, entry.load_seconds,
                  _mib(weight_bytes), _mib(kv_bytes))
+
+    def _default_keep_alive(self, entry: Served) -> float | None:
+        """A [models.NAME] keep_alive of the config, else the daemon's (checked when the settings load)."""
+        table = self.settings.models.get(entry.name) if entry.source in ("config", "remote") else None
+        if table is not None and "keep_alive" in table:
+            return parse_keep_alive(table["keep_alive"])
+        return self.default_keep_alive
 
     def _kv_bytes_for(self, weights: int) -> int:
         if self.settings.kv_cache_bytes:
@@ -448,7 +457,10 @@ class ModelManager:
             for entry in list(self._models.values()):
                 if (entry.status == "ready" and not entry.pinned and entry.active == 0 and entry.keep_alive is not None
                         and entry.idle_since is not None and now - entry.idle_since >= entry.keep_alive):
-                    await self._unload(entry, f"keep-alive of {entry.keep_alive:g}s expired")
+                    try:
+                        await self._unload(entry, f"keep-alive of {entry.keep_alive:g}s expired")
+                    except Exception:  # noqa: BLE001 - one failed unload must not stop the expiry of the others
+                        log.exception("unloading %s failed", entry.name)
 
     # ---- reports ----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
