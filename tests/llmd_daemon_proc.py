@@ -86,7 +86,7 @@ class DaemonProc:
 def start_daemon(base: Path, *args: str, api_key: str | None = None, env: dict | None = None) -> DaemonProc:
     for sub in ("run", "config", "state", "data", "cache"):
         (base / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
-    extra = env or {}
+    extra = {"OLLAMA_MODELS": str(base / "ollama-models"), **(env or {})}  # never the user's Ollama store
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_")}
     env.update(extra)
     env.update(XDG_RUNTIME_DIR=str(base / "run"), XDG_CONFIG_HOME=str(base / "config"),
