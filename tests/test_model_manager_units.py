@@ -97,3 +97,18 @@ def test_configured_models_are_checked(table, words, tmp_path):
     with pytest.raises(ConfigError, match=words) as err:
         configured_models({"m": table}, tmp_path / "config.toml")
     assert "[models.m]" in str(err.value)
+
+
+async def test_two_cold_models_at_once_with_one_free_place(manager):
+    """The second load waits while the first model serves its request, then evicts it. (acquire holds a model from
+    before its load completes, so no later load or expiry can take it between its load and its request.)"""
+    tb = asyncio.create_task(manager.acquire("b"))
+    tc = asyncio.create_task(manager.acquire("c"))
+    b = await asyncio.wait_for(tb, 60)
+    assert b.engine is not None and b.status == "ready" and b.active == 1
+    await asyncio.sleep(0.2)
+    assert not tc.done()  # c waits for room
+    manager.release(b)
+    c = await asyncio.wait_for(tc, 60)
+    assert c.engine is not None and names(manager) == {"a", "c"}
+    manager.release(c)

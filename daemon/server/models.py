@@ -179,12 +179,16 @@ class ModelManager:
                 seconds = parse_keep_alive(keep_alive)
             except ValueError as exc:
                 raise ApiError(400, f"keep_alive {exc}", param="keep_alive") from None
-        entry = await self._entry_for(name)
+        entry = self._current(await self._entry_for(name))
         if keep_alive is None:
             seconds = self._default_keep_alive(entry)
-        entry = await self._get_loaded(entry, requested=name)
-        entry.active += 1
+        entry.active += 1  # held from here: neither eviction nor expiry touches it while its load finishes
         entry.idle_since = None
+        try:
+            await self._get_loaded(entry, requested=name)
+        except BaseException:
+            entry.active -= 1
+            raise
         entry.last_used = time.monotonic()
         entry.keep_alive = seconds
         self.last_name = entry.name
@@ -302,9 +306,12 @@ class ModelManager:
             del self._names[alias]
 
     # ---- loading ----------------------------------------------------------------------------------------------
+    def _current(self, entry: Served) -> Served:
+        """The registered entry of that name (a name resolved while another request registered it)."""
+        return self._models.get(entry.name, entry)
+
     async def _get_loaded(self, entry: Served, requested: str | None) -> Served:
-        if entry.name in self._models and self._models[entry.name] is not entry:
-            entry = self._models[entry.name]
+        entry = self._current(entry)
         if entry.status == "ready":
             for alias in entry.aliases:
                 self._names.setdefault(alias, entry.name)
@@ -344,7 +351,8 @@ class ModelManager:
             engine = RemoteEngine(entry.name, entry.remote)
             await engine.start()
             entry.engine, entry.status, entry.loaded_at = engine, "ready", time.time()
-            entry.idle_since, entry.keep_alive = time.monotonic(), self._default_keep_alive(entry)
+            entry.idle_since = time.monotonic() if entry.active == 0 else None
+            entry.keep_alive = self._default_keep_alive(entry)
             log.info("model %s: remote, at %s", entry.name, entry.remote["url"])
             return
         from ..store import describe
@@ -367,7 +375,7 @@ class ModelManager:
         for alias in entry.aliases:
             self._names.setdefault(alias, entry.name)
         entry.status, entry.loaded_at, entry.load_seconds = "ready", time.time(), time.monotonic() - started
-        entry.idle_since = time.monotonic()
+        entry.idle_since = time.monotonic() if entry.active == 0 else None
         entry.keep_alive = self._default_keep_alive(entry)
         log.info("model %s ready in %.1fs (%s weights + %s KV)", entry.name, entry.load_seconds,
                  _mib(weight_bytes), _mib(kv_bytes))
