@@ -124,13 +124,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
         return await _load_or_unload(request, state, body, lambda reason: {
             "model": body["model"], "created_at": _now(), "message": {"role": "assistant", "content": ""},
             "done": True, "done_reason": reason})
-    state = await state.use_model(request, body["model"], body.get("keep_alive"))
-    opts = {**state.options, **opts}  # the model's own defaults (an Ollama params layer) under the request's
     messages = parse_messages(body.get("messages"))
     for i, msg in enumerate(body["messages"]):  # Ollama carries images per message; a text model must not drop them
         if msg.get("images"):
             raise ApiError(400, f"messages[{i}].images: images are not supported by this server",
                            param=f"messages[{i}].images")
+    state = await state.use_model(request, body["model"], body.get("keep_alive"))
+    opts = {**state.options, **opts}  # the model's own defaults (an Ollama params layer) under the request's
     params = _params(opts)
     prompt_ids = await state.encode_chat(messages)
     state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else "messages", opts.get("num_ctx"))

@@ -129,12 +129,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.max_body_bytes)
     require(body, "messages")
     f = _check_common(state, body, CHAT_FIELDS)
-    state = await state.use_model(request, f.get("model"))
     messages = parse_messages(body["messages"])
     if "top_logprobs" in f and not f.get("logprobs"):
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     logprobs = f.get("top_logprobs", 0) if f.get("logprobs") else None
     params = _params(f, f.get("max_completion_tokens", f.get("max_tokens")), logprobs)
+    state = await state.use_model(request, f.get("model"))  # a bad request never loads a model: checked above
     engine = state.require_engine()
     prompt_ids = await state.encode_chat(messages)
     state.check_length(prompt_ids, params, "messages")
@@ -194,9 +194,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state.max_body_bytes)
     require(body, "prompt")
     f = _check_common(state, body, COMPLETION_FIELDS)
-    state = await state.use_model(request, f.get("model"))
     logprobs = f.get("logprobs")
     params = _params(f, f.get("max_tokens"), logprobs)
+    state = await state.use_model(request, f.get("model"))
     engine = state.require_engine()
     prompt = f["prompt"]
     suffix = f.get("suffix")
