@@ -102,13 +102,13 @@ def test_configured_models_are_checked(table, words, tmp_path):
 async def test_two_cold_models_at_once_with_one_free_place(manager):
     """The second load waits while the first model serves its request, then evicts it. (acquire holds a model from
     before its load completes, so no later load or expiry can take it between its load and its request.)"""
-    tb = asyncio.create_task(manager.acquire("b"))
-    tc = asyncio.create_task(manager.acquire("c"))
-    b = await asyncio.wait_for(tb, 60)
-    assert b.engine is not None and b.status == "ready" and b.active == 1
+    tasks = {asyncio.create_task(manager.acquire(n)) for n in ("b", "c")}  # either may resolve its name first
+    done, pending = await asyncio.wait(tasks, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+    first = done.pop().result()
+    assert first.engine is not None and first.status == "ready" and first.active == 1
     await asyncio.sleep(0.2)
-    assert not tc.done()  # c waits for room
-    manager.release(b)
-    c = await asyncio.wait_for(tc, 60)
-    assert c.engine is not None and names(manager) == {"a", "c"}
-    manager.release(c)
+    assert len(pending) == 1 and not next(iter(pending)).done()  # the other waits for room
+    manager.release(first)
+    second = await asyncio.wait_for(pending.pop(), 60)
+    assert second.engine is not None and names(manager) == {"a", second.name} and first.engine is None
+    manager.release(second)
