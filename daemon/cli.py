@@ -26,7 +26,7 @@ def _print_version(value: bool) -> None:
 
 
 @app.callback()
-def main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+def root(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
                                       help="Print llmd's version and exit.")) -> None:
     """llmd: a local LLM serving daemon for one GPU (or the CPU)."""
 
@@ -70,7 +70,15 @@ def top(
 
 @app.command()
 def serve(
-    model: str = typer.Option(None, "--model", "-m", help="Model to serve (default: the bundled SmolLM2)."),
+    ctx: typer.Context,
+    model: list[str] = typer.Option(None, "--model", "-m", help="Model to load at start and keep loaded (pinned); "
+                                    "repeat for more. The first one answers requests that name no model (default: "
+                                    "the bundled SmolLM2). Any other model a request names is loaded on demand."),
+    keep_alive: str = typer.Option(None, "--keep-alive", help="How long an idle model stays loaded: 30s, 5m, 1h, -1 "
+                                   "(forever), 0 (default 5m; a request's keep_alive overrides it)."),
+    max_loaded_models: int = typer.Option(None, "--max-loaded-models", help="Models loaded at once (default 3)."),
+    memory_budget: int = typer.Option(None, "--memory-budget", help="Bytes for all loaded models' weights and KV "
+                                      "caches (default: 90% of the GPU's memory, or 75% of RAM)."),
     host: str = typer.Option(None, "--host", help="TCP address (default 127.0.0.1; anything else needs an API key)."),
     port: int = typer.Option(None, "--port", "-p", help="TCP port (default 8471)."),
     socket_path: str = typer.Option(None, "--socket", help="Unix socket path (default $XDG_RUNTIME_DIR/llmd.sock; 'off')."),
@@ -96,13 +104,10 @@ def serve(
     from .config import load_settings
     from .server.daemon import serve as run_daemon
 
-    settings = load_settings(model=model, host=host, port=port, socket_path=socket_path, ollama_port=ollama_port,
-                             max_queue=max_queue, write_timeout=write_timeout, shutdown_grace=shutdown_grace,
-                             api_key_file=api_key_file, device=device, threads=threads, dtype=dtype, quant=quant, max_num_seqs=max_num_seqs,
-                             kv_cache_bytes=kv_cache_bytes, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
-                             cuda_graphs=cuda_graphs, draft_model=draft,
-                             num_speculative_tokens=num_speculative_tokens, spec_mode=spec_mode)
-    raise typer.Exit(run_daemon(settings))
+    flags = dict(ctx.params)  # every flag is a setting of the same name, but these
+    models = flags.pop("model") or []
+    flags.update(model=models[0] if models else None, preload=models[1:] or None, draft_model=flags.pop("draft"))
+    raise typer.Exit(run_daemon(load_settings(**flags)))
 
 
 @app.command()
@@ -179,19 +184,22 @@ def pull(name: str = typer.Argument(..., help="An alias (qwen2.5:0.5b), a repo i
 
 @app.command("list")
 def list_cmd():
-    """List the models available locally: the bundled default and what is in the Hugging Face cache."""
+    """List the models that can be served: bundled, in the Hugging Face cache, in Ollama's store, in the config."""
+    from .config import load_settings
     from .store import human_size, list_models
 
-    rows = [("NAME", "ARCHITECTURE", "SIZE", "QUANTIZATION")]
+    rows = [("NAME", "ARCHITECTURE", "SIZE", "QUANTIZATION", "SOURCE")]
     for m in list_models():
         if m.info is None:
-            rows.append((m.name, f"unreadable: {m.problem}", human_size(m.size_bytes), "?"))
+            rows.append((m.name, f"unreadable: {m.problem}", human_size(m.size_bytes), "?", m.source))
             continue
         quant = m.info.quantization or f"none ({(m.info.dtype or '?').split(' ')[0]})"
-        rows.append((m.name, m.info.architecture or "?", human_size(m.size_bytes), quant))
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        rows.append((m.name, m.info.architecture or "?", human_size(m.size_bytes), quant, m.source))
+    for name, table in load_settings().models.items():  # [models.NAME] of the config
+        rows.append((name, "?", "?", "?", f"remote {table['url']}" if "url" in table else f"config {table['path']}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for r in rows:
-        typer.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[3])
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r[:4], widths, strict=True)) + "  " + r[4])
 
 
 @app.command()

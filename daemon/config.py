@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 import tempfile
 import types
@@ -107,6 +108,15 @@ class Settings:
     write_timeout: float = 30.0  # seconds a client may stall a stream before it is cut off
     shutdown_grace: float = 10.0  # seconds running streams get to finish on SIGTERM
 
+    # the model manager (llmd.server.models)
+    preload: list[str] = field(default_factory=list)  # more models loaded at start and never expired (pinned)
+    keep_alive: str = "5m"  # how long an idle model stays loaded: 30s, 5m, 1h, seconds, negative = forever, 0
+    max_loaded_models: int = 3
+    memory_budget: int | None = None  # bytes for weights + KV of all loaded models; None: 90% VRAM / 75% RAM
+    # [models.NAME] tables of config.toml: a model served under NAME, local (path = "...") or on another server
+    # speaking OpenAI's API (url = "http://gpu-box:8000/v1", model = its name there, api_key, timeout)
+    models: dict = field(default_factory=dict)
+
     # engine
     block_size: int = 16
     # None below means the engine's own default for the device (see llmd.engine.config.EngineConfig.resolved)
@@ -134,6 +144,8 @@ class Settings:
 _BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "port": (0, 65535),
     "threads": (1, 1024),
+    "max_loaded_models": (1, 64),
+    "memory_budget": (1, None),
     "ollama_port": (0, 65535),
     "max_queue": (1, 1_000_000),
     "max_body_bytes": (1024, 1 << 31),
@@ -174,6 +186,7 @@ _FALSE = {"0", "false", "no", "off"}
 def _convert(name: str, raw, source: str):
     """Turn a raw value (a string from env, any TOML value, a flag value) into the field's type, or raise."""
     kind, optional = _base_type(name)
+    value: int | float | str
 
     def bad(why: str) -> ConfigError:
         return ConfigError(f"bad value {raw!r} for {name} ({source}): {why}")
@@ -234,7 +247,7 @@ def _convert(name: str, raw, source: str):
         lo = "-inf" if low is None else low
         hi = "inf" if high is None else high
         raise bad(f"must be between {lo} and {hi}")
-    if name == "block_size" and value & (value - 1):
+    if name == "block_size" and isinstance(value, int) and value & (value - 1):
         raise bad("must be a power of two")
     return value
 
@@ -250,14 +263,79 @@ def _read_toml(path: Path) -> dict:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
     # Accept `max-queue` as well as `max_queue`, and tables ([server], [engine]) as a way to group keys.
+    # [models.NAME] tables stay tables: each one is a model (checked by configured_models).
     flat: dict = {}
     for key, value in data.items():
-        if isinstance(value, dict):
+        if key == "models":
+            flat[key] = value
+        elif isinstance(value, dict):
             for sub, subvalue in value.items():
                 flat[sub] = subvalue
         else:
             flat[key] = value
     return {k.replace("-", "_"): v for k, v in flat.items()}
+
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value) -> float | None:
+    """Ollama's keep_alive: a number of seconds or a Go duration string ("5m", "1h30m", "90s", "300"); negative means
+    forever (None), 0 means unload at once. ValueError with the reason otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("must be a duration like \"5m\" or a number of seconds")
+    if isinstance(value, str):
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        try:
+            seconds = float(body)  # a bare number: seconds
+        except ValueError:
+            parts = _DURATION_PART.findall(body)
+            if not body or "".join(n + u for n, u in parts) != body:
+                raise ValueError(f"{value!r} is not a duration (examples: 30s, 5m, 1h30m, -1 for forever)") from None
+            seconds = sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+        seconds *= sign
+    else:
+        seconds = float(value)
+    if seconds != seconds or abs(seconds) == float("inf"):
+        raise ValueError("must be a finite duration")
+    return None if seconds < 0 else seconds
+
+
+_MODEL_KEYS: dict[str, type | tuple[type, ...]] = {"url": str, "model": str, "api_key": str, "path": str, "keep_alive": (str, int, float),
+               "timeout": (int, float)}
+
+
+def configured_models(raw, path: Path) -> dict[str, dict]:
+    """The [models.NAME] tables, checked: each has a url (a remote OpenAI-compatible server) or a path (a file)."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: models must be a table of [models.NAME] tables")
+    out = {}
+    for name, table in raw.items():
+        where = f"[models.{name}] in {path}"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{where}: must be a table (url = ..., or path = ...)")
+        unknown = set(table) - set(_MODEL_KEYS)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r} (known: {', '.join(_MODEL_KEYS)})")
+        for key, kind in _MODEL_KEYS.items():
+            if key in table and (isinstance(table[key], bool) or not isinstance(table[key], kind)):
+                raise ConfigError(f"{where}: {key} has the wrong type ({type(table[key]).__name__})")
+        if ("url" in table) == ("path" in table):
+            raise ConfigError(f"{where}: give exactly one of url (a remote server) or path (a model file or folder)")
+        if "url" in table and not str(table["url"]).startswith(("http://", "https://")):
+            raise ConfigError(f"{where}: url must start with http:// or https:// (it is {table['url']!r})")
+        if "timeout" in table and not 0 < table["timeout"] <= 86400:
+            raise ConfigError(f"{where}: timeout must be between 0 and 86400 seconds")
+        if "keep_alive" in table:
+            try:
+                parse_keep_alive(table["keep_alive"])
+            except ValueError as exc:
+                raise ConfigError(f"{where}: keep_alive {exc}") from None
+        out[str(name)] = dict(table)
+    return out
 
 
 def load_settings(**overrides) -> Settings:
@@ -271,9 +349,11 @@ def load_settings(**overrides) -> Settings:
     for key, raw in _read_toml(path).items():
         if key not in _FIELDS:
             raise ConfigError(f"unknown key {key!r} in {path} (known keys: {', '.join(_FIELDS)})")
-        values[key] = _convert(key, raw, f"config file {path}")
+        values[key] = configured_models(raw, path) if key == "models" else _convert(key, raw, f"config file {path}")
 
     for name in _FIELDS:
+        if name == "models":
+            continue  # only the config file names models by table
         env = ENV_PREFIX + name.upper()
         if env in os.environ:
             values[name] = _convert(name, os.environ[env], f"environment variable {env}")
@@ -283,6 +363,10 @@ def load_settings(**overrides) -> Settings:
             values[name] = _convert(name, raw, "--" + name.replace("_", "-"))
 
     settings = Settings(**values)
+    try:
+        parse_keep_alive(settings.keep_alive)
+    except ValueError as exc:
+        raise ConfigError(f"bad value {settings.keep_alive!r} for keep_alive: {exc}") from None
     if settings.api_key_file and not settings.api_key:
         key_path = Path(settings.api_key_file).expanduser()
         try:

@@ -83,10 +83,12 @@ class DaemonProc:
         return self.proc.returncode
 
 
-def start_daemon(base: Path, *args: str, api_key: str | None = None) -> DaemonProc:
+def start_daemon(base: Path, *args: str, api_key: str | None = None, env: dict | None = None) -> DaemonProc:
     for sub in ("run", "config", "state", "data", "cache"):
         (base / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
+    extra = {"OLLAMA_MODELS": str(base / "ollama-models"), **(env or {})}  # never the user's Ollama store
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_")}
+    env.update(extra)
     env.update(XDG_RUNTIME_DIR=str(base / "run"), XDG_CONFIG_HOME=str(base / "config"),
                XDG_STATE_HOME=str(base / "state"), XDG_DATA_HOME=str(base / "data"),
                XDG_CACHE_HOME=str(base / "cache"), PYTHONUNBUFFERED="1")

@@ -377,7 +377,7 @@ async def messages(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     try:
         intake, show = parse(await read_json(request, state.max_body_bytes), state)
-        return await run(request, state, intake, MessageAnswer(intake, state.model_name, show))
+        return await run(request, state, intake, MessageAnswer(intake, intake.model or state.model_name, show))
     except ApiError as exc:
         raise _dialect(exc) from None
 
@@ -386,8 +386,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
     try:
         intake, _ = parse(await read_json(request, state.max_body_bytes), state, count_only=True)
-        engine = state.engine_for(intake.model)
-        ids, _, _ = await encode_prompt(engine, intake, state.model_name)
+        engine = await state.engine_for(request, intake.model)
+        ids, _, _ = await encode_prompt(engine, intake, intake.model or state.model_name)
     except ApiError as exc:
         raise _dialect(exc) from None
     return web.json_response({"input_tokens": len(ids)})

@@ -7,11 +7,12 @@ import json
 import logging
 import sys
 import time
+from typing import Any
 
 from aiohttp import web
 
 from . import anthropic, llamacpp, ollama, openai, responses_api
-from .core import STATE, ServerState, state_of
+from .core import LEASES, STATE, ServerState, state_of
 from .responses import dialect_for_path, error_response, timings_dict
 from .security import SecurityPolicy, make_security_middleware
 from .streaming import ClientGone, EventStream, WriteStalled
@@ -71,7 +72,11 @@ async def errors_and_log(request: web.Request, handler):
                 response.headers["Server-Timing"] = value
         return response
     finally:
-        state_of(request).metrics.count_response(status)
+        state = state_of(request)
+        for served in request.pop(LEASES, []):  # the models this request used are idle again (keep-alive starts)
+            if state.models is not None:
+                state.models.release(served)
+        state.metrics.count_response(status)
         log.info(_log_line(request, status, started))
 
 
@@ -87,8 +92,12 @@ async def health(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = state_of(request)
-    stats = state.engine.stats() if state.engine is not None else None
-    return web.Response(text=state.metrics.render(stats, state.model_name or "loading"),
+    if state.models is not None:
+        text = state.metrics.render({e.name: e.engine.stats() for e in state.models.loaded()})
+    else:
+        engine: Any = state.engine
+        text = state.metrics.render(engine.stats() if engine is not None else None, state.model_name or "loading")
+    return web.Response(text=text,
                         content_type="text/plain", charset="utf-8", headers={"X-Content-Type-Options": "nosniff"})
 
 

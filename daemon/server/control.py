@@ -12,9 +12,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import state_dir
 from ..errors import LlmdError
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 START_TIMEOUT_S = 300.0
 
@@ -31,10 +35,11 @@ class _UnixConnection(http.client.HTTPConnection):
 
 
 class DaemonClient:
-    def __init__(self, settings, timeout: float = 600.0):
+    def __init__(self, settings: Settings, timeout: float = 600.0):
         self.settings = settings
         self.timeout = timeout
         self.socket_path = settings.resolved_socket_path()
+        self.started_pid: int | None = None  # set by ensure_daemon when it started the daemon
 
     def _connection(self, timeout: float | None = None) -> http.client.HTTPConnection:
         t = timeout or self.timeout
@@ -83,7 +88,7 @@ def _error_message(body: dict) -> str:
     return str(err or body)
 
 
-def ps(settings) -> str:
+def ps(settings: Settings) -> str:
     client = DaemonClient(settings)
     if client.health() is None:
         raise LlmdError(f"no llmd daemon is running ({client.where()}); start one with `llmd serve`")
@@ -91,20 +96,29 @@ def ps(settings) -> str:
     if status != 200:
         raise LlmdError(_error_message(stats))
     lines = [f"daemon      pid {stats.get('pid')} on {client.where()}, up {stats.get('uptime_s', 0):.0f}s, "
-             f"{stats.get('status')}"]
+             f"{stats.get('status')}, process RSS {_rss_mib(stats.get('pid'))}"]
     if stats.get("status") == "ready":
-        total = stats.get("kv_blocks_total") or 0
-        used = stats.get("kv_blocks_used") or 0
-        cached = stats.get("kv_blocks_cached") or 0
-        lines += [
-            f"model       {stats.get('model')} (loaded in {stats.get('load_seconds', 0):.1f}s)",
-            f"memory      KV cache {used}/{total} blocks used ({cached} cached for reuse); "
-            f"process RSS {_rss_mib(stats.get('pid'))}",
-            f"requests    {stats.get('requests_running', 0)} running, {stats.get('requests_waiting', 0)} waiting, "
-            f"{stats.get('requests_finished_total', 0)} finished",
-            f"throughput  {stats.get('tokens_per_second') or 0:.1f} tok/s (recent), prefix-cache hit rate "
-            f"{100 * (stats.get('prefix_cache_hit_rate') or 0):.0f}%",
-        ]
+        budget = stats.get("memory_budget_bytes")
+        models = stats.get("models") or []
+        used = sum(m.get("size", 0) for m in models)
+        if budget:
+            lines.append(f"memory      {used / 2**20:.0f} MiB of the {budget / 2**20:.0f} MiB budget in use "
+                         f"({len(models)} model(s) loaded)")
+        for m in models:
+            s = m.get("stats") or {}
+            until = "forever (pinned)" if m.get("pinned") else "forever" if m["expires_at"].startswith("9999") \
+                else f"until {m['expires_at'][:19].replace('T', ' ')} UTC"
+            where = "GPU" if m.get("size_vram") else "CPU"
+            lines += [
+                f"model       {m['name']} ({m.get('source')}, {where}, {m.get('size', 0) / 2**20:.0f} MiB, {until})",
+                f"  KV cache  {s.get('kv_blocks_used', 0)}/{s.get('kv_blocks_total', 0)} blocks used "
+                f"({s.get('kv_blocks_cached', 0)} cached for reuse)",
+                f"  requests  {s.get('requests_running', 0)} running, {s.get('requests_waiting', 0)} waiting, "
+                f"{s.get('requests_finished_total', 0)} finished; {s.get('tokens_per_second') or 0:.1f} tok/s "
+                f"(recent), prefix-cache hit rate {100 * (s.get('prefix_cache_hit_rate') or 0):.0f}%",
+            ]
+        if not models:
+            lines.append("model       none loaded (a request loads one on demand)")
     return "\n".join(lines)
 
 
@@ -136,7 +150,7 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def stop(settings, timeout: float | None = None) -> str:
+def stop(settings: Settings, timeout: float | None = None) -> str:
     """SIGTERM the daemon and wait for it to exit (its grace period plus a margin)."""
     client = DaemonClient(settings)
     if client.health() is None:
@@ -154,7 +168,7 @@ def stop(settings, timeout: float | None = None) -> str:
     raise LlmdError(f"llmd (pid {pid}) did not exit in time")
 
 
-def ensure_daemon(settings, model: str | None) -> DaemonClient:
+def ensure_daemon(settings: Settings, model: str | None) -> DaemonClient:
     """Return a client of a ready daemon, starting one in the background (logs in the state dir) if none runs."""
     client = DaemonClient(settings)
     answer = client.health()
@@ -169,6 +183,7 @@ def ensure_daemon(settings, model: str | None) -> DaemonClient:
         print(f"starting llmd (log: {log_path}) ...", file=sys.stderr)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+        client.started_pid = proc.pid
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         answer = client.health()
@@ -231,15 +246,36 @@ def chat_once(client: DaemonClient, model: str | None, messages: list[dict], out
         conn.close()
 
 
-def run(settings, model: str | None, prompt: str | None, **options) -> None:
+def _request_name(model: str | None, started: bool) -> str | None:
+    """The model name to send. A request never names a file: a daemon started here with a path serves it as its
+    default (no name); a daemon already running must be given a name."""
+    from ..store import BadModelName, check_name
+
+    if model is None:
+        return None
+    try:
+        return check_name(model)
+    except BadModelName:
+        if started:
+            return None
+        raise LlmdError(f"{model} is a file, and the running daemon serves models by name (llmd list shows them); "
+                        f"to serve this file, stop it (llmd stop) and run again, or start `llmd serve --model {model}`"
+                        ) from None
+
+
+def run(settings: Settings, model: str | None, prompt: str | None, **options: float | int | None) -> None:
     """`llmd run MODEL [PROMPT]`: one-shot, or a simple prompt loop on a terminal (stdin is read when piped)."""
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
         if not prompt.strip():
             raise LlmdError("no prompt: give one as an argument or on stdin")
     client = ensure_daemon(settings, model)
+    model = _request_name(model, started=client.started_pid is not None)
     if prompt is not None:
         chat_once(client, model, [{"role": "user", "content": prompt}], **options)
+        if client.started_pid is not None:
+            print(f"llmd keeps serving in the background (pid {client.started_pid}, {client.where()}); "
+                  "`llmd ps` shows it, `llmd stop` stops it", file=sys.stderr)
         return
     history: list[dict] = []
     while True:

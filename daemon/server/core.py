@@ -26,6 +26,7 @@ from .validation import ApiError
 
 if TYPE_CHECKING:
     from ..engine.async_engine import AsyncEngine
+    from .models import ModelManager
 
 RETRY_AFTER_QUEUE_S = 1
 RETRY_AFTER_LOADING_S = 2
@@ -49,6 +50,22 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     active: set = field(default_factory=set)  # running Generations, for the shutdown drain
     pid: int = field(default_factory=os.getpid)  # `llmd stop` signals it
+    models: ModelManager | None = None  # the daemon's models; None: `engine` is the one served model
+    options: dict = field(default_factory=dict)  # the bound model's default request options (Ollama params layer)
+    load_wait_s: float = 0.0  # how long this request waited for its model to load (Ollama's load_duration)
+
+    async def use_model(self, request: web.Request, name: str | None, keep_alive: object = None) -> ServerState:
+        """This request's view of the state, bound to the named model's engine (loaded on demand, through the
+        store: never a path). The model counts as in use until the request's handler returns."""
+        if self.models is None:
+            self.check_model(name)
+            return self
+        asked = time.monotonic()
+        served = await self.models.acquire(name, keep_alive)
+        request.setdefault(LEASES, []).append(served)
+        return replace(self, engine=served.engine, model_name=served.name, model_info=served.info,
+                       aliases=set(served.aliases), status="ready", options=dict(served.options),
+                       metrics=self.metrics.for_model(served.name), load_wait_s=time.monotonic() - asked)
 
     # --- readiness and names ---
 
@@ -74,6 +91,8 @@ class ServerState:
             return
         if not isinstance(name, str):
             raise ApiError(400, "model must be a string", param="model")
+        if self.models is not None:
+            return  # use_model finds it (or answers 400/404)
         base = name[:-len(":latest")] if name.endswith(":latest") else name
         if name in self.names() or base in self.names():
             return
@@ -85,16 +104,19 @@ class ServerState:
 
     def stats(self) -> dict:
         """The contract's /v1/llmd/stats object: engine stats + model + uptime (+ server counters)."""
-        out = dict(self.engine.stats()) if self.engine is not None else {}
-        out.update({"model": self.model_name, "status": self.status,
-                    "uptime_s": round(time.monotonic() - self.started, 3),
+        if self.models is not None:
+            out = self.models.stats()
+        else:
+            out = dict(self.engine.stats()) if self.engine is not None else {}
+            out["model"] = self.model_name
+        out.update({"status": self.status, "uptime_s": round(time.monotonic() - self.started, 3),
                     "pid": self.pid, "load_seconds": round(self.load_seconds, 3),
                     "server": self.metrics.server_stats()})
         return out
 
-    def engine_for(self, name: str | None) -> AsyncEngine:
-        """The engine that serves the model a request names (the one place a request finds its engine)."""
-        return self.require_engine()
+    async def engine_for(self, request: web.Request, name: str | None, keep_alive: object = None) -> AsyncEngine:
+        """The engine that serves the model a request names, for routes that need no more of the bound state."""
+        return (await self.use_model(request, name, keep_alive)).require_engine()
 
 
 def context_length(engine: AsyncEngine) -> int:
@@ -157,6 +179,8 @@ async def encode_prompt(engine: AsyncEngine, intake: Intake,
                         model_name: str) -> tuple[list[int], Constraint | None, OutputParser]:
     """The prompt's token ids, the answer's constraint and the parser its text goes through."""
     tok, prompt = engine.tokenizer, intake.prompt
+    if isinstance(prompt, ChatPrompt) and prompt.raw_without_template and not tok.has_chat_template:
+        prompt = TextPrompt("\n\n".join(m["content"] for m in prompt.messages))
     if isinstance(prompt, ChatPrompt):
         traits = traits_of(engine)
         if prompt.think and not traits.thinks:
@@ -212,7 +236,10 @@ class Renderer(Protocol):
 
 async def run(request: web.Request, state: ServerState, intake: Intake, renderer: Renderer) -> web.StreamResponse:
     """Serve one parsed request: find the engine, encode, check the length, submit, then stream or collect."""
-    engine = state.engine_for(intake.model)
+    state = await state.use_model(request, intake.model, intake.keep_alive)  # the one place a request binds its model
+    if state.options and intake.with_model_options is not None:
+        intake = intake.with_model_options(state.options)
+    engine = state.require_engine()
     prompt_ids, constraint, parser = await encode_prompt(engine, intake, state.model_name)
     check_length(engine, prompt_ids, intake.params, intake.length_field, intake.num_ctx)
     params = intake.params
@@ -231,6 +258,7 @@ async def run(request: web.Request, state: ServerState, intake: Intake, renderer
 
 
 STATE = web.AppKey("llmd_state", ServerState)
+LEASES = "llmd_models_in_use"  # request key: the Served entries this request holds (released by the app)
 
 
 def state_of(request: web.Request) -> ServerState:
@@ -272,6 +300,9 @@ class Generation:
     async def __aenter__(self) -> "Generation":
         try:
             self.stream = self.engine.submit(self.prompt_ids, self.params, priority=self.priority)
+            started = getattr(self.stream, "started", None)
+            if started is not None:  # a remote engine (llmd.server.remote): upstream's status, before ours is sent
+                await started()
         except QueueFull as exc:
             self.state.metrics.rejected_queue_full += 1
             raise ApiError(429, f"{exc}; retry shortly", kind="rate_limit_exceeded",

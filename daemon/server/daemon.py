@@ -8,20 +8,30 @@ exit 0.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
 import socket
 import time
-from pathlib import Path
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from ..errors import LlmdError
 from .app import configure_logging, create_app
 from .core import ServerState
+from .models import ModelManager
 from .security import SecurityPolicy, is_loopback_host, read_key_file
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from ..config import Settings
+    from ..engine import Engine, EngineConfig
+    from ..model.loader import LoadedModel
+    from ..store import ModelFiles
+    from .models import Served
 
 log = logging.getLogger("llmd.server")
 
@@ -37,7 +47,7 @@ def _dtype(name: str | None):
             "float16": torch.float16, "fp16": torch.float16}[name]
 
 
-def model_threads(settings) -> int | None:
+def model_threads(settings: Settings) -> int | None:
     """CPU threads for the model: --threads, else (model on the CPU) one per core but one, which stays free for the
     HTTP server and local clients. When every core computes, their threads preempt the model's mid-step: on 2 cores
     SmolLM2 streamed 13-21 tok/s to one client with 2 threads and 29-30 with 1 (16 clients: 71-95 vs 65-74)."""
@@ -49,73 +59,59 @@ def model_threads(settings) -> int | None:
     return max(1, torch.get_num_threads() - 1) if on_cpu else None
 
 
-def build_engine(settings):
-    """Resolve, load and wrap the model (runs in a worker thread while /health says loading)."""
-    from ..engine import Engine, EngineConfig
-    from ..generate import set_threads
+def engine_config(settings: "Settings", **overrides: Any) -> "EngineConfig":
+    """The one place settings become engine settings: every EngineConfig field that Settings has, by name (R6)."""
+    from ..engine import EngineConfig
+
+    values = {f.name: getattr(settings, f.name) for f in fields(EngineConfig) if hasattr(settings, f.name)}
+    values["speculative_mode"] = settings.spec_mode or ("auto" if settings.draft_model else "off")
+    values["seed"] = settings.seed or 0
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def build_engine(settings: "Settings", files: "ModelFiles", kv_cache_bytes: int | None = None,
+                 with_draft: bool = True) -> tuple["LoadedModel", "Engine"]:
+    """Load one model and build its engine (in a worker thread: never on the event loop or an engine thread).
+    A draft model (speculation) only serves the default model: it shares that model's tokenizer."""
+    from ..engine import Engine
     from ..model.loader import load_model
-    from ..store import resolve
 
-    files = resolve(settings.model)
-    set_threads(model_threads(settings))
     loaded = load_model(files, dtype=_dtype(settings.dtype), device=settings.device, quant=settings.quant)
-    cuda = str(loaded.device).startswith("cuda")
-    config = EngineConfig(
-        block_size=settings.block_size,
-        kv_cache_bytes=settings.kv_cache_bytes,
-        kv_cache_fraction=settings.kv_cache_fraction if cuda and settings.kv_cache_bytes is None else None,
-        max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        max_model_len=settings.max_model_len,
-        enable_prefix_caching=settings.enable_prefix_caching,
-        kv_cache_dtype=settings.kv_cache_dtype,
-        cuda_graphs=settings.cuda_graphs,
-        max_queue=settings.max_queue,
-        seed=settings.seed or 0,
-        # speculative decoding (llmd.engine.speculative)
-        speculative_mode=settings.spec_mode or ("auto" if settings.draft_model else "off"),
-        num_speculative_tokens=settings.num_speculative_tokens,
-        draft_model=settings.draft_model,
-        spec_max_batch=settings.spec_max_batch,
-    )
-    return files, loaded, Engine(loaded, config)
+    overrides: dict[str, Any] = {}
+    if kv_cache_bytes is not None:
+        overrides["kv_cache_bytes"] = min(kv_cache_bytes, _useful_kv_bytes(settings, loaded))
+    if not with_draft:
+        overrides["draft_model"] = None
+        overrides["speculative_mode"] = "ngram" if settings.spec_mode == "ngram" else "off"
+    return loaded, Engine(loaded, engine_config(settings, **overrides))
 
 
-def short_names(files) -> set[str]:
-    """The alias and repo id that resolve to the served files, so that clients may name the model as they would load
-    it: the bundled default answers to `smollm2:135m` and its repo id until that repo is pulled."""
-    from ..store import resolve
-    from ..store.aliases import alias_for_repo
-    from ..store.bundled import BUNDLED_REPO_ID, is_bundled
+def _useful_kv_bytes(settings: "Settings", loaded: "LoadedModel") -> int:
+    """The most KV cache this model can use: every running sequence at its full context. A small model gets no
+    bigger pool than that, leaving the memory budget to the others."""
+    from ..engine.runner import kv_bytes_per_block
 
-    repos = {files.repo_id} | ({BUNDLED_REPO_ID} if is_bundled(files.path) else set())
-    candidates = {name for repo in repos - {None} for name in (repo, alias_for_repo(repo)) if name}
-    served = Path(files.path).resolve()
-    names = set()
-    for name in candidates:
-        try:
-            if Path(resolve(name).path).resolve() == served:
-                names.add(name)
-        except LlmdError:  # not in the cache: it names nothing here
-            pass
-    return names
+    config = engine_config(settings).resolved(loaded.device.type, loaded.config.max_position_embeddings)
+    per_block = kv_bytes_per_block(loaded.config, config.block_size, loaded.dtype, config.kv_cache_dtype)
+    assert config.max_model_len is not None and config.max_num_seqs is not None  # resolved() fills them
+    blocks_per_seq = -(-config.max_model_len // config.block_size)
+    return per_block * blocks_per_seq * config.max_num_seqs
 
 
-def model_info(files):
-    """The served files' header facts (what `ollama list` and `ollama show` print); None if unreadable."""
-    from ..store import describe
-
-    try:
-        return describe(files)
-    except (LlmdError, OSError, ValueError):
-        return None
+def load_served(entry: "Served", settings: "Settings", kv_cache_bytes: int, default: bool) -> tuple:
+    """The model manager's loader: (engine, weight bytes, KV pool bytes, on a GPU)."""
+    assert entry.files is not None  # remote models have no loader
+    loaded, engine = build_engine(settings, entry.files, kv_cache_bytes, with_draft=default)
+    weights = loaded.report.weight_bytes if loaded.report is not None else 0
+    return engine, weights, engine.runner.kv_cache_bytes, loaded.device.type == "cuda"
 
 
-def security_policy(settings) -> SecurityPolicy:
+def security_policy(settings: Settings) -> SecurityPolicy:
     api_key = settings.api_key
     if settings.api_key_file:
         api_key = read_key_file(settings.api_key_file)  # also refuses a key file others can read
-    extra_hosts = frozenset()
+    extra_hosts: frozenset[str] = frozenset()
     if not is_loopback_host(settings.host):
         if not api_key:
             raise LlmdError(f"refusing to listen on {settings.host} (not loopback) without an API key: "
@@ -142,12 +138,13 @@ def _prepare_socket_path(path: Path) -> None:
 
 
 class Daemon:
-    def __init__(self, settings):
+    def __init__(self, settings: Settings):
         self.settings = settings
         self.policy = security_policy(settings)
         self.socket_path = settings.resolved_socket_path()
+        self.models = ModelManager(settings, load_served)
         self.state = ServerState(write_timeout=settings.write_timeout, shutdown_grace=settings.shutdown_grace,
-                                 max_body_bytes=settings.max_body_bytes)
+                                 max_body_bytes=settings.max_body_bytes, models=self.models)
         self.stop_requested = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.sites: list[web.BaseSite] = []
@@ -170,8 +167,7 @@ class Daemon:
             await self._drain()
         finally:
             await self.runner.cleanup()
-            if self.state.engine is not None:
-                await self.state.engine.shutdown()
+            await self.models.shutdown()
             if self.socket_path is not None:
                 self.socket_path.unlink(missing_ok=True)
         log.info("stopped")
@@ -179,6 +175,7 @@ class Daemon:
 
     async def _listen(self) -> None:
         s = self.settings
+        assert self.runner is not None
         targets = [("tcp", s.host, s.port)]
         if s.ollama_port:
             targets.append(("tcp", s.host, s.ollama_port))
@@ -194,22 +191,23 @@ class Daemon:
             _prepare_socket_path(self.socket_path)
             old = os.umask(0o177)  # the socket is created 0600: only this user may talk to the daemon
             try:
-                site = web.UnixSite(self.runner, str(self.socket_path))
-                await site.start()
+                unix = web.UnixSite(self.runner, str(self.socket_path))
+                await unix.start()
             finally:
                 os.umask(old)
             os.chmod(self.socket_path, 0o600)
-            self.sites.append(site)
+            self.sites.append(unix)
             where.append(f"unix:{self.socket_path}")
         log.info("listening on %s (pid %d)", ", ".join(where), os.getpid())
 
     async def _load(self) -> None:
-        from ..engine import AsyncEngine
+        """Load the pinned models (the model manager); a failure ends the daemon with one clear line."""
+        from ..generate import set_threads
 
-        started = time.monotonic()
+        set_threads(model_threads(self.settings))
         log.info("loading model %s", self.settings.model or "(bundled default)")
         try:
-            files, loaded, engine = await asyncio.get_running_loop().run_in_executor(None, build_engine, self.settings)
+            await self.models.start()
         except Exception as exc:  # noqa: BLE001 - any load failure ends the daemon with one clear line
             message = str(exc) if isinstance(exc, (LlmdError, ValueError)) else f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, (LlmdError, ValueError)):
@@ -219,24 +217,16 @@ class Daemon:
             self.exit_code = 1
             self.stop_requested.set()
             return
-        async_engine = AsyncEngine(engine)
-        async_engine.start()
         st = self.state
-        st.engine, st.model_name, st.load_seconds = async_engine, loaded.name, time.monotonic() - started
-        names = {files.name, loaded.name, Path(files.path).name, Path(files.path).stem}
-        if self.settings.model:
-            names.add(self.settings.model)
-        if files.repo_id:
-            names.add(files.repo_id)
-        names |= await asyncio.get_running_loop().run_in_executor(None, short_names, files)
-        st.model_info = await asyncio.get_running_loop().run_in_executor(None, model_info, files)
-        st.aliases = {n for n in names if n}
+        default = self.models.lookup(self.models.default_name or "")
+        if default is not None:
+            st.model_name, st.load_seconds = default.name, default.load_seconds
         st.status = "ready"
         import torch
 
-        threads = f", {torch.get_num_threads()} CPU threads" if loaded.device.type == "cpu" else ""
-        log.info("model %s ready in %.1fs on %s (%s%s)", loaded.name, st.load_seconds, loaded.device,
-                 str(loaded.dtype).replace("torch.", ""), threads)
+        on_cpu = default is None or not default.on_gpu
+        threads = f", {torch.get_num_threads()} CPU threads" if on_cpu else ""
+        log.info("ready: %s%s", ", ".join(e.name for e in self.models.loaded()), threads)
 
     async def _drain(self) -> None:
         st = self.state
@@ -259,7 +249,7 @@ class Daemon:
                 await asyncio.sleep(0.05)
 
 
-def serve(settings) -> int:
+def serve(settings: Settings) -> int:
     """Run the daemon until SIGTERM/SIGINT; return the exit code."""
     configure_logging()
     daemon = Daemon(settings)

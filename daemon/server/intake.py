@@ -9,7 +9,7 @@ From there one path serves every route: encode the prompt, check its length, sub
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Callable, Union
 
 from ..engine.types import SamplingParams
 from ..errors import InvalidRequest
@@ -26,6 +26,9 @@ class ChatPrompt:
     tools: ToolSpec | None = None
     think: bool | None = None  # None: the template's default
     template_kwargs: dict = field(default_factory=dict)
+    # Ollama's /api/generate: a model without a chat template (a base model) reads the prompt as it is, as Ollama's
+    # default template does; the chat routes answer 400 there instead
+    raw_without_template: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,10 @@ class Intake:
     include_usage: bool = False  # OpenAI stream_options
     echo: bool = False  # OpenAI completions: the prompt text before the answer
     time_limit_s: float | None = None
+    keep_alive: object = None  # Ollama's keep_alive, read by the model manager (llmd.server.models)
+    # The same request with the bound model's default options under its own (Ollama's params layer), for the
+    # dialects that take them
+    with_model_options: Callable[[dict], "Intake"] | None = None
 
 
 def checked_params(params: SamplingParams) -> SamplingParams:

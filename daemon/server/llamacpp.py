@@ -208,7 +208,8 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_json(request, state.max_body_bytes)
     require(body, "content")
     f = check_fields(body, {"content": TEXT, "add_special": Field("bool"), "with_pieces": Field("bool")})
-    tok = state.engine_for(f.get("model")).tokenizer
+    tok = await state.engine_for(request, body.get("model"))  # llama.cpp's server has one model: the default
+    tok = tok.tokenizer
     ids = await encode_text(tok, f["content"], f.get("add_special", False))
     if f.get("with_pieces"):
         return web.json_response({"tokens": [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)}
@@ -223,6 +224,7 @@ async def detokenize(request: web.Request) -> web.Response:
     tokens = body["tokens"]
     if not isinstance(tokens, list) or len(tokens) > MAX_PROMPT_TOKEN_IDS:
         raise bad_field("tokens", f"must be an array of at most {MAX_PROMPT_TOKEN_IDS} token ids")
+    state = await state.use_model(request, body.get("model"))
     tok = state.require_engine().tokenizer
     if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < tok.vocab_size for t in tokens):
         raise bad_field("tokens", f"must hold integers in [0, {tok.vocab_size})")
@@ -230,7 +232,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def props(request: web.Request) -> web.Response:
-    state = state_of(request)
+    state = await state_of(request).use_model(request, request.query.get("model"))
     engine = state.require_engine()
     stats = engine.stats()
     return web.json_response({

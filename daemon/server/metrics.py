@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+from typing import Any
 
 from ..engine.types import RequestTimings
 
@@ -36,7 +37,7 @@ class Histogram:
     def render(self, labels: str) -> list[str]:
         lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} histogram"]
         cumulative = 0
-        for edge, n in zip(self.buckets, self.counts):
+        for edge, n in zip(self.buckets, self.counts[:-1], strict=True):
             cumulative += n
             lines.append(f'{self.name}_bucket{{{labels},le="{edge}"}} {cumulative}')
         lines.append(f'{self.name}_bucket{{{labels},le="+Inf"}} {self.count}')
@@ -45,34 +46,65 @@ class Histogram:
         return lines
 
 
+def _histograms() -> dict[str, Histogram]:
+    return {h.name: h for h in (
+        Histogram("llmd:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
+        Histogram("llmd:inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS),
+        Histogram("llmd:request_queue_time_seconds", "Time spent waiting before the first schedule.",
+                  REQUEST_BUCKETS),
+        Histogram("llmd:request_prefill_time_seconds", "Time from first schedule to first token.", REQUEST_BUCKETS),
+        Histogram("llmd:request_decode_time_seconds", "Time from first to last token.", REQUEST_BUCKETS),
+        Histogram("llmd:e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_BUCKETS),
+        Histogram("llmd:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
+        Histogram("llmd:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
+    )}
+
+
+class _Series:
+    """One model's request histograms and counters."""
+
+    def __init__(self):
+        self.histograms = _histograms()
+        self.finished: dict[str, int] = {}  # finish reason -> count
+        self.aborts: dict[str, int] = {}  # why the server aborted: disconnect, write_stall, shutdown
+        self.rejected_queue_full = 0
+
+
 class Metrics:
-    """Server-side metrics; `observe_request` is called once per finished engine request."""
+    """Server-side metrics, one series per model (vLLM's `model_name` label); `observe_request` is called once per
+    finished engine request. A request's handler sees `for_model(name)`, which records under its model."""
 
     def __init__(self):
         self._lock = threading.Lock()
-        self.histograms = {h.name: h for h in (
-            Histogram("llmd:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS),
-            Histogram("llmd:inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS),
-            Histogram("llmd:request_queue_time_seconds", "Time spent waiting before the first schedule.",
-                      REQUEST_BUCKETS),
-            Histogram("llmd:request_prefill_time_seconds", "Time from first schedule to first token.",
-                      REQUEST_BUCKETS),
-            Histogram("llmd:request_decode_time_seconds", "Time from first to last token.", REQUEST_BUCKETS),
-            Histogram("llmd:e2e_request_latency_seconds", "End-to-end request latency.", REQUEST_BUCKETS),
-            Histogram("llmd:request_prompt_tokens", "Prompt tokens per request.", TOKEN_BUCKETS),
-            Histogram("llmd:request_generation_tokens", "Generated tokens per request.", TOKEN_BUCKETS),
-        )}
-        self.finished: dict[str, int] = {}  # finish reason -> count
-        self.aborts: dict[str, int] = {}  # why the server aborted: disconnect, write_stall, shutdown
+        self._series: dict[str, _Series] = {}
         self.http_responses: dict[int, int] = {}
-        self.rejected_queue_full = 0
 
-    def observe_request(self, t: RequestTimings | None, finish_reason: str | None) -> None:
+    def series(self, model_name: str = "") -> _Series:
         with self._lock:
-            self.finished[finish_reason or "abort"] = self.finished.get(finish_reason or "abort", 0) + 1
+            return self._series.setdefault(model_name, _Series())
+
+    def for_model(self, model_name: str) -> ModelMetrics:
+        return ModelMetrics(self, model_name)
+
+    @property
+    def histograms(self) -> dict[str, Histogram]:
+        return self.series().histograms
+
+    @property
+    def rejected_queue_full(self) -> int:
+        return self.series().rejected_queue_full
+
+    @rejected_queue_full.setter
+    def rejected_queue_full(self, value: int) -> None:
+        self.series().rejected_queue_full = value
+
+    def observe_request(self, t: RequestTimings | None, finish_reason: str | None, model_name: str = "") -> None:
+        series = self.series(model_name)
+        with self._lock:
+            series.finished[finish_reason or "abort"] = series.finished.get(finish_reason or "abort", 0) + 1
             if t is None:
                 return
-            h = self.histograms
+            h = series.histograms
             for name, value in (("llmd:time_to_first_token_seconds", t.ttft),
                                 ("llmd:request_queue_time_seconds", t.queue_time),
                                 ("llmd:request_prefill_time_seconds", t.prefill_time),
@@ -85,75 +117,118 @@ class Metrics:
             h["llmd:request_prompt_tokens"].observe(t.num_prompt_tokens)
             h["llmd:request_generation_tokens"].observe(t.num_generated_tokens)
 
-    def count_abort(self, why: str) -> None:
+    def count_abort(self, why: str, model_name: str = "") -> None:
+        series = self.series(model_name)
         with self._lock:
-            self.aborts[why] = self.aborts.get(why, 0) + 1
+            series.aborts[why] = series.aborts.get(why, 0) + 1
 
     def count_response(self, status: int) -> None:
         with self._lock:
             self.http_responses[status] = self.http_responses.get(status, 0) + 1
 
     def server_stats(self) -> dict:
+        """Counters summed over every model."""
         with self._lock:
-            return {"aborts": dict(self.aborts), "finished": dict(self.finished),
+            aborts: dict[str, int] = {}
+            finished: dict[str, int] = {}
+            for series in self._series.values():
+                for why, n in series.aborts.items():
+                    aborts[why] = aborts.get(why, 0) + n
+                for reason, n in series.finished.items():
+                    finished[reason] = finished.get(reason, 0) + n
+            return {"aborts": aborts, "finished": finished,
                     "http_responses": {str(k): v for k, v in sorted(self.http_responses.items())},
-                    "rejected_queue_full": self.rejected_queue_full}
+                    "rejected_queue_full": sum(s.rejected_queue_full for s in self._series.values())}
 
-    def render(self, stats: dict | None, model_name: str) -> str:
-        labels = f'model_name="{_escape(model_name)}"'
+    def render(self, stats: dict[str, dict] | dict | None, model_name: str | None = None) -> str:
+        """The exposition text. `stats`: engine stats by model name (or one model's stats with its name)."""
+        by_model: dict[str, dict] = ({model_name: stats} if stats else {}) if model_name is not None \
+            else dict(stats or {})
+        with self._lock:
+            series = dict(self._series)
+        if model_name is not None and "" in series:  # a single-model state records without a name
+            series[model_name] = series.pop("")
         lines: list[str] = []
 
-        def metric(name: str, kind: str, help_text: str, value, extra: str = "") -> None:
-            if value is None:
+        def family(name: str, kind: str, help_text: str, values: list[tuple[str, Any]]) -> None:
+            values = [(labels, v) for labels, v in values if v is not None]
+            if not values:
                 return
-            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}",
-                          f"{name}{{{labels}{extra}}} {float(value):g}"])
+            lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"])
+            lines.extend(f"{name}{{{labels}}} {float(v):g}" for labels, v in values)
 
-        if stats:
-            total = stats.get("kv_blocks_total") or 0
-            # kv_blocks_used counts blocks held by requests; evictable cached blocks are free for new work,
-            # as in vLLM's usage figure.
-            used = stats.get("kv_blocks_used") or 0
-            metric("llmd:num_requests_running", "gauge", "Requests in the running batch.",
-                   stats.get("requests_running"))
-            metric("llmd:num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
-                   stats.get("requests_waiting"))
-            metric("llmd:kv_cache_usage_perc", "gauge", "KV-cache usage: 1 means 100 percent.",
-                   max(used, 0) / total if total else 0.0)
-            metric("llmd:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-                   stats.get("prefix_cache_queries_tokens"))
-            metric("llmd:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
-                   stats.get("prefix_cache_hits_tokens"))
-            metric("llmd:num_preemptions_total", "counter", "Preemptions (recompute) so far.",
-                   stats.get("num_preemptions"))
-            metric("llmd:prompt_tokens_total", "counter", "Prefill tokens processed.", stats.get("prompt_tokens_total"))
-            metric("llmd:generation_tokens_total", "counter", "Generation tokens produced.",
-                   stats.get("generation_tokens_total"))
-            metric("llmd:spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.",
-                   stats.get("spec_proposed_total"))
-            metric("llmd:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
-                   stats.get("spec_accepted_total"))
-            if "spec_num_drafts_total" in stats:  # speculation configured
-                metric("llmd:spec_decode_num_drafts_total", "counter", "Speculative verify runs (one per sequence).",
-                       stats.get("spec_num_drafts_total"))
-                metric("llmd:spec_decode_draft_acceptance_rate", "gauge", "Accepted over proposed draft tokens.",
-                       stats.get("spec_acceptance_rate"))
-                metric("llmd:spec_decode_mean_accepted_length", "gauge", "Accepted draft tokens per verify run.",
-                       stats.get("spec_mean_accepted_length"))
+        def label(model: str) -> str:
+            return f'model_name="{_escape(model)}"'
+
+        def gauge(name: str, kind: str, help_text: str, read) -> None:
+            family(name, kind, help_text, [(label(m), read(s)) for m, s in sorted(by_model.items())])
+
+        gauge("llmd:num_requests_running", "gauge", "Requests in the running batch.",
+              lambda s: s.get("requests_running"))
+        gauge("llmd:num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
+              lambda s: s.get("requests_waiting"))
+        # kv_blocks_used counts blocks held by requests; evictable cached blocks are free for new work, as in vLLM.
+        gauge("llmd:kv_cache_usage_perc", "gauge", "KV-cache usage: 1 means 100 percent.",
+              lambda s: max(s.get("kv_blocks_used") or 0, 0) / s["kv_blocks_total"] if s.get("kv_blocks_total")
+              else 0.0)
+        gauge("llmd:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+              lambda s: s.get("prefix_cache_queries_tokens"))
+        gauge("llmd:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
+              lambda s: s.get("prefix_cache_hits_tokens"))
+        gauge("llmd:num_preemptions_total", "counter", "Preemptions (recompute) so far.",
+              lambda s: s.get("num_preemptions"))
+        gauge("llmd:prompt_tokens_total", "counter", "Prefill tokens processed.",
+              lambda s: s.get("prompt_tokens_total"))
+        gauge("llmd:generation_tokens_total", "counter", "Generation tokens produced.",
+              lambda s: s.get("generation_tokens_total"))
+        gauge("llmd:spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.",
+              lambda s: s.get("spec_proposed_total"))
+        gauge("llmd:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
+              lambda s: s.get("spec_accepted_total"))
+        gauge("llmd:spec_decode_num_drafts_total", "counter", "Speculative verify runs (one per sequence).",
+              lambda s: s.get("spec_num_drafts_total"))  # present when speculation is configured
+        gauge("llmd:spec_decode_draft_acceptance_rate", "gauge", "Accepted over proposed draft tokens.",
+              lambda s: s.get("spec_acceptance_rate") if "spec_num_drafts_total" in s else None)
+        gauge("llmd:spec_decode_mean_accepted_length", "gauge", "Accepted draft tokens per verify run.",
+              lambda s: s.get("spec_mean_accepted_length") if "spec_num_drafts_total" in s else None)
         with self._lock:
-            if self.finished:
-                lines += ["# HELP llmd:request_success_total Finished requests by finish reason.",
-                          "# TYPE llmd:request_success_total counter"]
-                for reason, n in sorted(self.finished.items()):
-                    lines.append(f'llmd:request_success_total{{{labels},finished_reason="{reason}"}} {n}')
-            if self.aborts:
-                lines += ["# HELP llmd:request_aborts_total Requests the server aborted, by cause.",
-                          "# TYPE llmd:request_aborts_total counter"]
-                for why, n in sorted(self.aborts.items()):
-                    lines.append(f'llmd:request_aborts_total{{{labels},reason="{why}"}} {n}')
-            for h in self.histograms.values():
-                lines += h.render(labels)
+            family("llmd:request_success_total", "counter", "Finished requests by finish reason.",
+                   [(f'{label(m)},finished_reason="{reason}"', n) for m, sr in sorted(series.items())
+                    for reason, n in sorted(sr.finished.items())])
+            family("llmd:request_aborts_total", "counter", "Requests the server aborted, by cause.",
+                   [(f'{label(m)},reason="{why}"', n) for m, sr in sorted(series.items())
+                    for why, n in sorted(sr.aborts.items())])
+            for name in _histograms():
+                rendered = [sr.histograms[name].render(label(m)) for m, sr in sorted(series.items())]
+                if rendered:
+                    lines += rendered[0][:2]  # HELP and TYPE once per family
+                    for r in rendered:
+                        lines += r[2:]
         return "\n".join(lines) + "\n"
+
+
+class ModelMetrics:
+    """The metrics as one model's requests see them: every record carries that model's name."""
+
+    def __init__(self, parent: Metrics, model_name: str):
+        self._parent, self.model_name = parent, model_name
+
+    def observe_request(self, t: RequestTimings | None, finish_reason: str | None) -> None:
+        self._parent.observe_request(t, finish_reason, self.model_name)
+
+    def count_abort(self, why: str) -> None:
+        self._parent.count_abort(why, self.model_name)
+
+    def count_response(self, status: int) -> None:
+        self._parent.count_response(status)
+
+    @property
+    def rejected_queue_full(self) -> int:
+        return self._parent.series(self.model_name).rejected_queue_full
+
+    @rejected_queue_full.setter
+    def rejected_queue_full(self, value: int) -> None:
+        self._parent.series(self.model_name).rejected_queue_full = value
 
 
 def _escape(value: str) -> str:

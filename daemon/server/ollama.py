@@ -30,7 +30,7 @@ REQUEST_FIELDS = {
     "prompt": TEXT,
     "suffix": TEXT,
 }
-# keep_alive is accepted in any form and ignored: the model stays loaded while the daemon runs.
+# keep_alive (the model manager's, llmd.server.models) is read by use_model, which answers 400 when it is bad.
 OPTION_FIELDS = {
     "temperature": Field("number", 0, 100),
     "top_k": TOP_K,
@@ -109,7 +109,7 @@ def _final_stats(gen: Generation, started: float) -> dict:
     return {
         "done_reason": gen.finish_reason or "stop",
         "total_duration": ns(time.monotonic() - started),
-        "load_duration": 0,  # the model is resident; loading happened at daemon start
+        "load_duration": ns(gen.state.load_wait_s),  # the time this request waited for its model to load
         "prompt_eval_count": (t.num_prompt_tokens if t else 0) or len(gen.prompt_ids),
         "prompt_eval_duration": ns(t.ttft if t else 0),
         "eval_count": t.num_generated_tokens if t else 0,
@@ -121,8 +121,18 @@ def _length_field(opts: dict, default: str) -> str:
     return "options.num_ctx" if "num_ctx" in opts else default
 
 
-def parse_chat(body: dict, state: ServerState) -> Intake:
+def _intake(body: dict, f: dict, opts: dict, prompt, length_field: str, with_defaults) -> Intake:
+    """`opts`: the request's options over the model's defaults; `with_defaults(defaults)` parses the request again
+    over a bound model's defaults (an Ollama params layer), in core.run."""
+    return Intake(body["model"], prompt, checked_params(_params(opts)), f.get("stream", True),
+                  length_field=_length_field(opts, length_field), num_ctx=opts.get("num_ctx"),
+                  answer=answer_format(body.get("format")), keep_alive=body.get("keep_alive"),
+                  with_model_options=with_defaults)
+
+
+def parse_chat(body: dict, state: ServerState, defaults: dict | None = None) -> Intake:
     f, opts = _check_request(state, body)
+    defaults = defaults or {}
     messages = parse_messages(body.get("messages"))
     for i, msg in enumerate(body["messages"]):  # Ollama carries images per message; a text model must not drop them
         if msg.get("images"):
@@ -131,27 +141,23 @@ def parse_chat(body: dict, state: ServerState) -> Intake:
     messages = normalise_history(body["messages"], messages)
     tools = parse_tools(body["tools"]) if body.get("tools") else ()
     prompt = ChatPrompt(messages, ToolSpec(tools) if tools else None, think=_think(body.get("think")))
-    return Intake(body["model"], prompt, checked_params(_params(opts)), f.get("stream", True),
-                  length_field=_length_field(opts, "messages"), num_ctx=opts.get("num_ctx"),
-                  answer=answer_format(body.get("format")))
+    return _intake(body, f, {**defaults, **opts}, prompt, "messages", lambda more: parse_chat(body, state, more))
 
 
-def parse_generate(body: dict, state: ServerState) -> Intake | None:
-    """None for Ollama's "load the model" request (no prompt, no suffix)."""
+def parse_generate(body: dict, state: ServerState, defaults: dict | None = None) -> Intake:
+    """A request with a prompt or a suffix (without either it is Ollama's load/unload request, see generate)."""
     f, opts = _check_request(state, body)
     prompt, suffix, system = f.get("prompt", ""), f.get("suffix", ""), f.get("system")
-    if not prompt and not suffix:
-        return None
     if suffix:
         kind = FimPrompt(prompt, suffix)
     elif f.get("raw"):
         kind = TextPrompt(prompt)
     else:
         kind = ChatPrompt(([{"role": "system", "content": system}] if system else [])
-                          + [{"role": "user", "content": prompt}], think=_think(body.get("think")))
-    return Intake(body["model"], kind, checked_params(_params(opts)), f.get("stream", True),
-                  length_field=_length_field(opts, "prompt"), num_ctx=opts.get("num_ctx"),
-                  answer=answer_format(body.get("format")))
+                          + [{"role": "user", "content": prompt}], think=_think(body.get("think")),
+                          raw_without_template=True)
+    return _intake(body, f, {**(defaults or {}), **opts}, kind, "prompt",
+                   lambda more: parse_generate(body, state, more))
 
 
 class _Answer:
@@ -208,6 +214,11 @@ class GenerateAnswer(_Answer):
 async def chat(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body = await read_json(request, state.max_body_bytes)
+    if body.get("messages") == []:  # Ollama's "load the model" (or, with keep_alive 0, "unload it") request
+        _check_request(state, body)
+        return await _load_or_unload(request, state, body, lambda reason: {
+            "model": body["model"], "created_at": _now(), "message": {"role": "assistant", "content": ""},
+            "done": True, "done_reason": reason})
     intake = parse_chat(body, state)
     return await run(request, state, intake, ChatAnswer(body["model"]))
 
@@ -215,11 +226,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
 async def generate(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body = await read_json(request, state.max_body_bytes)
+    if not body.get("prompt") and not body.get("suffix"):  # Ollama's "load the model" (or, with keep_alive 0,
+        _check_request(state, body)                       # "unload it") request
+        return await _load_or_unload(request, state, body, lambda reason: {
+            "model": body["model"], "created_at": _now(), "response": "", "done": True, "done_reason": reason})
     intake = parse_generate(body, state)
-    if intake is None:  # Ollama's "load the model" request
-        state.engine_for(body["model"])
-        return web.json_response({"model": body["model"], "created_at": _now(), "response": "", "done": True,
-                                  "done_reason": "load"})
     return await run(request, state, intake, GenerateAnswer(body["model"]))
 
 
@@ -263,13 +274,37 @@ def _capabilities(state: ServerState) -> list[str]:
     return caps
 
 
+async def _load_or_unload(request: web.Request, state: ServerState, body: dict, shape) -> web.Response:
+    """An empty prompt: keep_alive 0 unloads the model now (never loading it first), anything else loads it."""
+    from ..config import parse_keep_alive
+
+    keep_alive = body.get("keep_alive")
+    try:
+        unload = keep_alive is not None and parse_keep_alive(keep_alive) == 0
+    except ValueError as exc:
+        raise ApiError(400, f"keep_alive {exc}", param="keep_alive") from None
+    if unload and state.models is not None:
+        await state.models.unload(body["model"])
+        return web.json_response(shape("unload"))
+    await state.use_model(request, body["model"], keep_alive)
+    return web.json_response(shape("load"))
+
+
 async def tags(request: web.Request) -> web.Response:
     state = state_of(request)
+    if state.models is not None:
+        from .listing import ollama_tags
+
+        return web.json_response({"models": await ollama_tags(state)})
     return web.json_response({"models": [_model_entry(state)] if state.status == "ready" else []})
 
 
 async def ps(request: web.Request) -> web.Response:
     state = state_of(request)
+    if state.models is not None:
+        from .listing import ollama_ps
+
+        return web.json_response({"models": ollama_ps(state)})
     if state.status != "ready":
         return web.json_response({"models": []})
     entry = _model_entry(state)
@@ -287,7 +322,7 @@ async def show(request: web.Request) -> web.Response:
                         "verbose": Field("bool")})
     name = body.get("model") or body.get("name")
     state.check_model(name, required=True)
-    state.require_engine()
+    state = await state.use_model(request, name, body.get("keep_alive"))
     cfg = state.engine.loaded.config
     arch = _family(state)
     ctx = state.max_model_len()

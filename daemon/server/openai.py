@@ -326,13 +326,13 @@ class CompletionAnswer(_Answer):
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     intake = parse_chat(await read_json(request, state.max_body_bytes), state)
-    return await run(request, state, intake, ChatAnswer(intake, state.model_name))
+    return await run(request, state, intake, ChatAnswer(intake, intake.model or state.model_name))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     intake = parse_completion(await read_json(request, state.max_body_bytes), state)
-    return await run(request, state, intake, CompletionAnswer(intake, state.model_name))
+    return await run(request, state, intake, CompletionAnswer(intake, intake.model or state.model_name))
 
 
 def _stream_error(exc: ApiError) -> dict:
@@ -344,13 +344,22 @@ def _model_card(state: ServerState) -> dict:
 
 
 async def list_models(request: web.Request) -> web.Response:
+    """Every model this daemon can serve (loaded or not), with where it lives (llmd.server.listing)."""
     state = state_of(request)
+    if state.models is not None:
+        from .listing import openai_models
+
+        return web.json_response({"object": "list", "data": await openai_models(state)})
     data = [_model_card(state)] if state.status == "ready" else []
     return web.json_response({"object": "list", "data": data})
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = state_of(request)
+    if state.models is not None:
+        from .listing import openai_model
+
+        return web.json_response(await openai_model(state, request.match_info["name"]))
     state.require_engine()
     state.check_model(request.match_info["name"])
     return web.json_response(_model_card(state))

@@ -433,7 +433,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     try:
         intake, conv = parse(body, state, store)
         keep = store if body.get("store", True) else None  # OpenAI stores by default
-        return await run(request, state, intake, ResponseAnswer(intake, body, state.model_name, keep, conv))
+        return await run(request, state, intake, ResponseAnswer(intake, body, intake.model or state.model_name, keep, conv))
     except ApiError as exc:
         raise _dialect(exc) from None
 

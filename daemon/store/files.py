@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+# Where a model's files live, as listings show it.
+Source = Literal["path", "bundled", "hf-cache", "ollama"]
 
 
 @dataclass(frozen=True)
@@ -13,3 +16,6 @@ class ModelFiles:
     kind: Literal["hf", "gguf"]
     path: Path  # the model folder (hf) or the .gguf file (gguf); inside the HF cache, a snapshot path
     repo_id: str | None = None  # the Hugging Face repo, when the files come from the hub cache
+    source: Source = "path"
+    # default request options the model brings (an Ollama manifest's params layer: stop, num_ctx, temperature, ...)
+    options: dict = field(default_factory=dict, compare=False, hash=False)

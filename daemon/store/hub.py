@@ -47,9 +47,10 @@ def find_snapshot(repo_id: str) -> Path | None:
     except IncompleteSnapshotError as exc:
         # `llmd pull` fetches only weights and tokenizer files, so against the full repo listing a pulled snapshot
         # always looks incomplete. The caller checks that the files a model needs are there.
-        folder = getattr(exc, "snapshot_path", None)
-        if folder is None:
+        partial = getattr(exc, "snapshot_path", None)
+        if partial is None:
             return None
+        folder = str(partial)
     except (LocalEntryNotFoundError, FileNotFoundError, ValueError):
         return None
     path = Path(folder)

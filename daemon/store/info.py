@@ -39,7 +39,7 @@ def describe(files: ModelFiles) -> ModelInfo:
     return _describe_gguf(files) if files.kind == "gguf" else _describe_hf(files)
 
 
-def human_size(n: int | None) -> str:
+def human_size(n: float | None) -> str:
     if n is None:
         return "?"
     for unit in ("B", "KB", "MB", "GB"):
@@ -75,7 +75,7 @@ def _describe_hf(files: ModelFiles) -> ModelInfo:
         bits = quant.get("bits") or ("4" if quant.get("load_in_4bit") else "8" if quant.get("load_in_8bit") else None)
         info.quantization = f"{method} {bits}-bit" if bits else str(method)
 
-    params, dtypes = 0, collections.Counter()
+    params, dtypes = 0, collections.Counter[str]()
     for shard in sorted(folder.glob("*.safetensors")):
         for dtype, shape in _safetensors_tensors(shard):
             count = math.prod(shape)
@@ -153,7 +153,7 @@ def _describe_gguf(files: ModelFiles) -> ModelInfo:
     info.architecture = arch
     info.context_length = meta.get(f"{arch}.context_length") if arch else None
     info.chat_template = bool(meta.get("tokenizer.chat_template"))
-    types = collections.Counter()
+    types = collections.Counter[str]()
     params = 0
     for tensor in tensors:
         count = math.prod(tensor.shape)

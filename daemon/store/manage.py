@@ -12,6 +12,7 @@ from .bundled import BUNDLED_NAME, bundled_model_path
 from .files import ModelFiles
 from .hub import hub_cache_dir, main_revision, scan_cached_models
 from .info import ModelInfo, describe
+from .ollama import OllamaStore
 from .resolve import parse_hub_name
 
 
@@ -21,14 +22,17 @@ class ListedModel:
     info: ModelInfo | None  # None when the files could not be read
     size_bytes: int
     problem: str | None = None
+    source: str = "path"  # bundled | hf-cache | ollama | config (where it lives)
+    where: str = ""  # the file, folder or URL
 
 
 def list_models() -> list[ListedModel]:
-    """The bundled default, then every usable model repo in the hub cache (GGUF repos: one entry per file)."""
+    """The bundled default, every usable model repo in the hub cache (GGUF repos: one entry per file), then every
+    GGUF model in Ollama's store."""
     found: list[ListedModel] = []
     bundled = bundled_model_path()
     if bundled is not None:
-        found.append(_listed(ModelFiles(BUNDLED_NAME, "gguf", bundled, None), bundled.stat().st_size))
+        found.append(_listed(ModelFiles(BUNDLED_NAME, "gguf", bundled, None, "bundled"), bundled.stat().st_size))
     for repo in scan_cached_models():
         revision = main_revision(repo)
         if revision is None:
@@ -36,19 +40,22 @@ def list_models() -> list[ListedModel]:
         snapshot = Path(revision.snapshot_path)
         name = alias_for_repo(repo.repo_id) or repo.repo_id
         if (snapshot / "config.json").is_file():
-            found.append(_listed(ModelFiles(name, "hf", snapshot, repo.repo_id), repo.size_on_disk))
+            found.append(_listed(ModelFiles(name, "hf", snapshot, repo.repo_id, "hf-cache"), repo.size_on_disk))
             continue
         for gguf in sorted(snapshot.rglob("*.gguf")):
             file_name = f"{repo.repo_id}:{gguf.name}"
-            found.append(_listed(ModelFiles(file_name, "gguf", gguf, repo.repo_id), gguf.stat().st_size))
+            found.append(_listed(ModelFiles(file_name, "gguf", gguf, repo.repo_id, "hf-cache"), gguf.stat().st_size))
+    for model in OllamaStore().list():
+        files = ModelFiles(model.name.short, "gguf", model.gguf, None, "ollama", options=model.params)
+        found.append(_listed(files, model.size_bytes))
     return found
 
 
 def _listed(files: ModelFiles, size: int) -> ListedModel:
     try:
-        return ListedModel(files.name, describe(files), size)
+        return ListedModel(files.name, describe(files), size, source=files.source, where=str(files.path))
     except LlmdError as exc:  # one unreadable model must not hide the others
-        return ListedModel(files.name, None, size, problem=str(exc))
+        return ListedModel(files.name, None, size, problem=str(exc), source=files.source, where=str(files.path))
 
 
 def remove_model(name: str) -> tuple[str, int]:

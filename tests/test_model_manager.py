@@ -1,0 +1,321 @@
+"""The model manager through real daemons and real clients: models load on demand (off the event loop: a stream of
+the pinned SmolLM2 keeps flowing while a tiny model loads), concurrent requests share one load, Ollama's keep_alive
+(durations, 0, empty-prompt load/unload), eviction of the least recently used idle model under a small memory
+budget, a 507 naming the numbers for a model that cannot fit, a load failure that leaves the daemon serving,
+hostile model names that open nothing, and Ollama's store read in place (manifest + blob written by a fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import aiohttp
+import ollama
+import openai
+import pytest
+
+from llmd_daemon_proc import start_daemon
+
+pytestmark = pytest.mark.slow
+
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+MIB = 2**20
+
+
+def write_config(base: Path, models: dict[str, Path]) -> None:
+    folder = base / "config" / "llmd"
+    folder.mkdir(parents=True, exist_ok=True)
+    tables = "".join(f'[models.{name}]\npath = "{path}"\n\n' for name, path in models.items())
+    (folder / "config.toml").write_text(tables)
+
+
+def blob_name(data: bytes) -> str:
+    import hashlib
+
+    return "sha256-" + hashlib.sha256(data).hexdigest()
+
+
+def write_ollama_store(root: Path, gguf: Path) -> Path:
+    """A fake `~/.ollama/models`: `smol:latest` (the bundled GGUF, hard-linked or copied inside the store, with a
+    params layer), `escape:latest` whose blob is a symlink out of the store, and `baddigest:latest`."""
+    blobs = root / "blobs"
+    blobs.mkdir(parents=True)
+    digest = "ab" * 32
+    model_blob = blobs / f"sha256-{digest}"
+    try:
+        os.link(gguf, model_blob)
+    except OSError:
+        shutil.copyfile(gguf, model_blob)
+    params = json.dumps({"stop": ["Paris"], "num_ctx": 512, "temperature": 0, "mirostat": 0}).encode()
+    (blobs / blob_name(params)).write_bytes(params)
+    outside = root.parent / "outside.gguf"
+    outside.write_bytes(gguf.read_bytes()[:4096])
+    (blobs / f"sha256-{'cd' * 32}").symlink_to(outside)
+
+    def manifest(name: str, tag: str, model_digest: str, with_params: bool) -> None:
+        layers = [{"mediaType": "application/vnd.ollama.image.model", "digest": model_digest, "size": 1}]
+        if with_params:
+            layers.append({"mediaType": "application/vnd.ollama.image.params",
+                           "digest": "sha256:" + blob_name(params)[7:], "size": len(params)})
+        folder = root / "manifests" / "registry.ollama.ai" / "library" / name
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / tag).write_text(json.dumps({"schemaVersion": 2, "layers": layers}))
+
+    manifest("smol", "latest", f"sha256:{digest}", True)
+    manifest("escape", "latest", f"sha256:{'cd' * 32}", False)
+    manifest("baddigest", "latest", "sha256:../../../etc/passwd", False)
+    return root
+
+
+@pytest.fixture(scope="module")
+def broken_model(tmp_path_factory, smollm2_gguf) -> Path:
+    """The bundled GGUF cut after 1 MiB: its header is fine, its tensors point past the end of the file."""
+    path = tmp_path_factory.mktemp("broken") / "broken.gguf"
+    with open(smollm2_gguf, "rb") as src:
+        path.write_bytes(src.read(MIB))
+    return path
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, tiny_qwen2, broken_model, smollm2_gguf):
+    base = tmp_path_factory.mktemp("llmd_models")
+    write_config(base, {"tiny": tiny_qwen2, "broken": broken_model})
+    store = write_ollama_store(base / "ollama" / "models", smollm2_gguf)
+    d = start_daemon(base, "--kv-cache-bytes", str(48 * MIB), env={"OLLAMA_MODELS": str(store)})
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+@pytest.fixture(scope="module")
+def small_budget(tmp_path_factory, tiny_models):
+    """Tiny models only: tiny-a pinned, a 45 MiB budget (each tiny model needs ~17 MiB with a 16 MiB KV pool)."""
+    base = tmp_path_factory.mktemp("llmd_budget")
+    write_config(base, {"tiny-a": tiny_models["llama"], "tiny-b": tiny_models["qwen2"], "tiny-c": tiny_models["qwen3"]})
+    d = start_daemon(base, "--model", "tiny-a", "--memory-budget", str(45 * MIB), "--kv-cache-bytes", str(16 * MIB),
+                     env={"OLLAMA_MODELS": str(base / "no-ollama")})
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def loaded(d) -> dict[str, dict]:
+    status, body = d.get_json("/api/ps")
+    assert status == 200, body
+    return {m["name"]: m for m in body["models"]}
+
+
+def wait_unloaded(d, name: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while name in loaded(d):
+        assert time.monotonic() < deadline, loaded(d)
+        time.sleep(0.2)
+
+
+async def post(http, path: str, body: dict) -> tuple[int, dict]:
+    async with http.post(path, json=body) as r:
+        return r.status, await r.json()
+
+
+async def test_loads_on_demand_while_the_other_model_streams(daemon):
+    """A cold model loads in a worker thread: the pinned model's stream keeps flowing meanwhile, and both answer."""
+    assert "tiny" not in loaded(daemon)
+    arrivals: list[float] = []
+    async with aiohttp.ClientSession(daemon.url, timeout=aiohttp.ClientTimeout(total=300)) as http:
+        async def long_stream():
+            body = {"messages": FRANCE, "max_tokens": 48, "ignore_eos": True, "temperature": 0, "stream": True}
+            async with http.post("/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        arrivals.append(time.monotonic())
+
+        stream = asyncio.create_task(long_stream())
+        while len(arrivals) < 3:  # SmolLM2 is streaming
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        status, body = await post(http, "/v1/chat/completions", {"model": "tiny", "messages": FRANCE,
+                                                                  "max_tokens": 4})
+        finished = time.monotonic()
+        assert status == 200 and body["model"] == "tiny" and body["usage"]["completion_tokens"] == 4, body
+        assert not stream.done(), "the long stream should outlast the tiny model's load and answer"
+        await stream
+    # the SmolLM2 stream delivered tokens while the tiny model was being loaded and answering
+    assert any(started < t < finished for t in arrivals), (started, finished, arrivals)
+    ps = loaded(daemon)
+    assert set(ps) == {"smollm2:135m-instruct-q4_1", "tiny"}
+    assert ps["smollm2:135m-instruct-q4_1"]["expires_at"].startswith("9999")  # pinned
+    assert ps["tiny"]["expires_at"] > time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime())
+    assert ps["tiny"]["size"] > 0 and ps["tiny"]["size_vram"] == 0 and ps["tiny"]["context_length"] == 512
+    metrics = urlread(daemon, "/metrics")
+    assert 'llmd:request_success_total{model_name="tiny",finished_reason="length"}' in metrics
+    assert 'llmd:num_requests_running{model_name="smollm2:135m-instruct-q4_1"}' in metrics
+
+
+def urlread(d, path: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(d.url + path, timeout=30) as r:
+        return r.read().decode()
+
+
+async def test_concurrent_requests_share_one_load_and_keep_alive_zero_unloads(daemon):
+    client = ollama.Client(host=daemon.url)
+    client.generate(model="tiny", prompt="", keep_alive=0)  # unload (it may be loaded from the test above)
+    assert "tiny" not in loaded(daemon)
+    before = daemon.log().count("loading model tiny")
+    async with aiohttp.ClientSession(daemon.url, timeout=aiohttp.ClientTimeout(total=300)) as http:
+        results = await asyncio.gather(*(post(http, "/api/generate", {"model": "tiny", "prompt": "Hi", "stream": False,
+                                                                      "options": {"num_predict": 2}})
+                                         for _ in range(4)))
+    assert [status for status, _ in results] == [200] * 4, results
+    assert daemon.log().count("loading model tiny") == before + 1
+    # keep_alive 0 on a request: the model unloads as soon as it is done
+    resp = client.generate(model="tiny", prompt="Hi", options={"num_predict": 2}, keep_alive=0)
+    assert resp.done
+    wait_unloaded(daemon, "tiny", timeout=10)
+    # an empty prompt loads it (Ollama's preload) and keep_alive 0 with an empty prompt unloads it
+    assert client.generate(model="tiny", prompt="").done_reason == "load"
+    assert "tiny" in loaded(daemon)
+    assert client.chat(model="tiny", messages=[], keep_alive=0).done_reason == "unload"
+    assert "tiny" not in loaded(daemon)
+
+
+def test_keep_alive_expires(daemon):
+    client = ollama.Client(host=daemon.url)
+    client.generate(model="tiny", prompt="Hi", options={"num_predict": 1}, keep_alive="1s")
+    assert "tiny" in loaded(daemon)
+    wait_unloaded(daemon, "tiny", timeout=15)  # expired, unloaded by the reaper
+    deadline = time.monotonic() + 10
+    while "unloaded model tiny (keep-alive of 1s expired)" not in daemon.log():
+        assert time.monotonic() < deadline, daemon.log()[-2000:]
+        time.sleep(0.1)
+    cold = client.generate(model="tiny", prompt="Hi", options={"num_predict": 1}, keep_alive=-1)  # -1: forever
+    assert loaded(daemon)["tiny"]["expires_at"].startswith("9999")
+    warm = client.generate(model="tiny", prompt="Hi", options={"num_predict": 1}, keep_alive=-1)
+    assert cold.load_duration > warm.load_duration >= 0  # Ollama's field: the time spent loading the model
+    with pytest.raises(ollama.ResponseError) as err:
+        client.generate(model="tiny", prompt="Hi", keep_alive="soon")
+    assert err.value.status_code == 400 and "keep_alive" in err.value.error
+
+
+def test_load_failure_fails_its_requests_and_others_keep_serving(daemon):
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+    for _ in range(2):  # no entry is left behind: the second request tries again and gets the same message
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(model="broken", messages=FRANCE, max_tokens=1)
+        assert err.value.status_code == 503 and "broken" in err.value.message, err.value
+    assert "failed to load" in err.value.message and "broken.gguf" in err.value.message
+    resp = client.chat.completions.create(model="smollm2:135m", messages=FRANCE, max_tokens=2)
+    assert resp.choices[0].message.content
+    assert "Traceback" not in daemon.log()
+
+
+HOSTILE = ["/etc/passwd", "../../x", "file:///etc/passwd", "a\x00b", "x\\y", "~/.ssh/id_rsa", "./model.gguf",
+           "models/../../etc/passwd", "a//b", "x.gguf", "%2e%2e/x", "a/b/c/d"]
+
+
+def error_text(answer: dict) -> str:
+    err = answer.get("error")
+    return err.get("message", "") if isinstance(err, dict) else str(err)
+
+
+async def test_hostile_model_names_open_nothing(daemon, smollm2_gguf, tmp_path):
+    """A request's model name is never a path: not even the absolute path of a real, loadable GGUF file."""
+    real = tmp_path / "real.gguf"
+    shutil.copyfile(smollm2_gguf, real)
+    async with aiohttp.ClientSession(daemon.url) as http:
+        for name in HOSTILE + [str(real), str(smollm2_gguf)]:
+            for path, body in (("/v1/chat/completions", {"model": name, "messages": FRANCE, "max_tokens": 1}),
+                               ("/api/generate", {"model": name, "prompt": "x", "stream": False}),
+                               ("/api/chat", {"model": name, "messages": FRANCE, "stream": False}),
+                               ("/completion", {"model": name, "prompt": "x", "n_predict": 1})):
+                status, answer = await post(http, path, body)
+                assert status in (400, 404), (name, path, status, answer)
+                assert f"model {name!r}"[:24] in error_text(answer) or f"model name {name!r}"[:24] in \
+                    error_text(answer), (name, path, answer)
+    assert set(loaded(daemon)) <= {"smollm2:135m-instruct-q4_1", "tiny"}
+
+
+def test_ollama_store_in_place(daemon):
+    client = ollama.Client(host=daemon.url)
+    names = {m.model: m for m in client.list().models}
+    assert "smol:latest" in names and names["smol:latest"].details.quantization_level == "Q4_1"
+    assert "escape:latest" not in names and "baddigest:latest" not in names  # unreadable entries are left out
+    # the params layer applies as Ollama's does: its stop string ends the answer before "Paris"
+    resp = client.chat(model="smol", messages=FRANCE, options={"num_predict": 24})
+    assert "Paris" not in resp.message.content and resp.done_reason == "stop", resp
+    resp = client.chat(model="smol:latest", messages=FRANCE, options={"num_predict": 24, "stop": ["\n\n\n"]})
+    assert "Paris" in resp.message.content  # the request's own options win over the model's
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model="escape", messages=FRANCE)
+    assert err.value.status_code == 404 and "outside" in err.value.error
+    with pytest.raises(ollama.ResponseError) as err:
+        client.chat(model="baddigest", messages=FRANCE)
+    assert err.value.status_code == 404 and "digest" in err.value.error
+    models = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x").models.list().data
+    sources = {m.id: m.llmd["source"] for m in models}
+    assert sources["smol:latest"] == "ollama" and sources["smollm2:135m-instruct-q4_1"] == "bundled", sources
+    assert sources["tiny"] == "config"
+    client.generate(model="smol", prompt="", keep_alive=0)
+
+
+async def test_eviction_least_recently_used_under_the_budget(small_budget):
+    d = small_budget
+    async with aiohttp.ClientSession(d.url, timeout=aiohttp.ClientTimeout(total=300)) as http:
+        for name in ("tiny-b", "tiny-c"):
+            status, body = await post(http, "/v1/completions", {"model": name, "prompt": "Hi", "max_tokens": 2})
+            assert status == 200, body
+        ps = loaded(d)
+        # tiny-a is pinned; tiny-b, idle and least recently used, made room for tiny-c within 45 MiB
+        assert set(ps) == {"tiny-a", "tiny-c"}, ps
+        assert sum(m["size"] for m in ps.values()) <= 45 * MIB
+        assert "evicted (least recently used) to make room for tiny-c" in d.log()
+        # a model bigger than the whole budget: a 507 that names the numbers
+        status, body = await post(http, "/v1/completions", {"model": "smollm2:135m", "prompt": "Hi", "max_tokens": 1})
+        assert status == 507, body
+        message = body["error"]["message"]
+        assert "smollm2" in message and "45 MiB" in message and "MiB (weights + KV cache)" in message
+        # requests naming no model go to the first --model
+        status, body = await post(http, "/v1/completions", {"prompt": "Hi", "max_tokens": 1})
+        assert status == 200 and body["model"] == "tiny-a"
+    assert "tiny-c" in loaded(d)
+
+
+def test_llmd_run_starts_a_daemon_and_leaves_it_serving(tmp_path):
+    """The README's first command: `llmd run` starts a daemon when none answers, answers through it, and leaves it
+    serving; `llmd ps` shows it and `llmd stop` stops it."""
+    import re
+    import signal
+    import subprocess
+
+    from llmd_daemon_proc import free_port, llmd_exe
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_")}
+    for sub in ("run", "config", "state", "data", "cache"):
+        (tmp_path / sub).mkdir(mode=0o700)
+    env.update(XDG_RUNTIME_DIR=str(tmp_path / "run"), XDG_CONFIG_HOME=str(tmp_path / "config"),
+               XDG_STATE_HOME=str(tmp_path / "state"), XDG_DATA_HOME=str(tmp_path / "data"),
+               XDG_CACHE_HOME=str(tmp_path / "cache"), LLMD_PORT=str(free_port()), LLMD_KV_CACHE_BYTES=str(32 * MIB))
+    pid = None
+    try:
+        out = subprocess.run([llmd_exe(), "run", "smollm2:135m", "What is the capital of France?", "-t", "0",
+                              "-n", "12"], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        assert "Paris" in out.stdout and "starting llmd" in out.stderr
+        found = re.search(r"keeps serving in the background \(pid (\d+)", out.stderr)
+        assert found and "llmd ps" in out.stderr and "llmd stop" in out.stderr, out.stderr
+        pid = int(found.group(1))
+        ps = subprocess.run([llmd_exe(), "ps"], env=env, capture_output=True, text=True, timeout=60)
+        assert ps.returncode == 0 and "smollm2" in ps.stdout and f"pid {pid}" in ps.stdout, ps.stderr
+        again = subprocess.run([llmd_exe(), "run", "smollm2:135m", "Hi", "-n", "2"], env=env, capture_output=True,
+                               text=True, timeout=120)
+        assert again.returncode == 0 and "starting llmd" not in again.stderr  # the same daemon answers
+        stop = subprocess.run([llmd_exe(), "stop"], env=env, capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0 and f"stopped llmd (pid {pid})" in stop.stdout, stop.stderr
+        pid = None
+    finally:
+        if pid is not None:
+            os.kill(pid, signal.SIGTERM)
