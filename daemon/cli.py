@@ -93,7 +93,7 @@ def serve(
     quant: str = typer.Option(None, "--quant", help="Weight format: none, gguf (keep a GGUF's packing), int8, int4[-g32|-g64|-g128], bnb-int8, bnb-nf4 (default: auto)."),
     max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Sequences in one batch."),
     kv_cache_bytes: int = typer.Option(None, "--kv-cache-bytes", help="KV-cache pool size in bytes."),
-    kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype", help="auto (the model's dtype) or int8 (per-token scales: ~2x the context of bf16 in the same memory, small quality cost)."),
+    kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype", help="auto (the model's dtype), fp32, fp16, bf16, or int8 (per-token scales: ~2x the context of fp16 in the same memory, small quality cost)."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Context length cap."),
     cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps from CUDA graphs (default on; CUDA only)."),
     draft: str = typer.Option(None, "--draft", help="Draft model for speculative decoding (same tokenizer; 'self:N' = the target's first N layers)."),

@@ -126,7 +126,7 @@ class Settings:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | int8 (per-token, per-head scales: ~2x the tokens of bf16)
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp32 | fp16 | bf16 | int8 (per-token, per-head scales)
     cuda_graphs: bool = True  # CUDA: replay decode steps from CUDA graphs (off: every step launches its kernels)
     draft_model: str | None = None  # speculative decoding draft; None: off
     num_speculative_tokens: int = 4
@@ -163,7 +163,7 @@ _BOUNDS: dict[str, tuple[float | None, float | None]] = {
 _CHOICES: dict[str, tuple[str, ...]] = {"dtype": ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
                                         "quant": QUANT_MODES,
                                         "spec_mode": ("off", "ngram", "draft", "auto"),
-                                        "kv_cache_dtype": ("auto", "int8")}
+                                        "kv_cache_dtype": ("auto", "fp32", "fp16", "bf16", "int8")}
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 _HINTS = typing.get_type_hints(Settings)

@@ -27,15 +27,21 @@ int llmd_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t
                   float eps);
 int llmd_rope(float *x, int64_t ldx, const float *cos, const float *ssin, int64_t rows, int64_t heads, int64_t d);
 int llmd_silu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t rows, int64_t n);
+/* one layer's paged KV cache: K and V [num_blocks, block_size, kv_heads, d] of `dtype` (KV_*); with KV_I8 also an
+ * fp32 scale per (slot, KV head) for each, k_scale and v_scale [num_blocks, block_size, kv_heads] */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2, KV_I8 = 3 };
+typedef struct {
+    int64_t dtype, num_blocks, block_size, kv_heads, d;
+    void *k, *v;
+    float *k_scale, *v_scale;
+} llmd_kv;
+
 int llmd_write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots, int64_t rows,
-                  float *k_cache, float *v_cache, int64_t width, int64_t num_slots);
+                  const llmd_kv *kv);
 int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, int64_t num_rows,
-                          const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
-                          int64_t kv_heads, int64_t d, const int64_t *block_tables, int64_t bt_stride,
-                          const int64_t *seq_lens, int64_t heads, float scale, float *out, int64_t ldo, float *work,
-                          int64_t work_per_thread, int threads);
-int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const float *k_cache,
-                           const float *v_cache, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t d,
-                           const int64_t *table, int64_t heads, float scale, float *out, int64_t ldo, float *work,
-                           int64_t work_per_thread, int threads);
+                          const llmd_kv *kv, const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
+                          int64_t heads, float scale, float *out, int64_t ldo, int threads);
+int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const llmd_kv *kv,
+                           const int64_t *table, int64_t table_len, int64_t heads, float scale, float *out,
+                           int64_t ldo, int threads);
 #endif

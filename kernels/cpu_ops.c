@@ -7,6 +7,7 @@
  * Every output row is computed by one thread in a fixed order, whatever the batch and thread count, so a sequence's
  * results never depend on what else runs in its step (llmd's exactness invariant).
  */
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,7 +27,7 @@
 
 /* ---- exp on 8 lanes: exp(x) = 2^n * exp(r), n = round(x / ln 2), |r| <= ln2 / 2, exp(r) by a degree-6 polynomial
  * (Taylor coefficients; relative error below 2e-7 on that interval). Scalar code uses expf. ---------------------- */
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 INLINE __m256 exp8(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -75,8 +76,8 @@ INLINE float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* s[t] = exp(s[t] - max(s)), t < n; returns their sum */
-static float softmax_numerators(float *s, int64_t n) {
+/* s[t] = exp(s[t] - max(s)), t < n; returns their sum and puts max(s) in *max */
+static float softmax_numerators(float *s, int64_t n, float *max) {
     float m = s[0], sum = 0.0f;
     for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
     int64_t t = 0;
@@ -86,6 +87,7 @@ static float softmax_numerators(float *s, int64_t n) {
 #endif
     for (; t < n; t++) s[t] = expf(s[t] - m);
     for (t = 0; t < n; t++) sum += s[t];
+    *max = m;
     return sum;
 }
 
@@ -140,43 +142,172 @@ int llmd_silu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t ro
     return 0;
 }
 
-/* Copy each new token's K and V (rows of `width` values, row strides ldk, ldv) into its cache slot; a cache is
- * [slots, width] contiguous. */
+/* ---- the paged KV cache -------------------------------------------------------------------------------------------
+ * One layer's cache (llmd_kv, cpu_kernels.h): K and V [num_blocks, block_size, kv_heads, d] in fp32, fp16, bf16 or
+ * int8, the int8 one with an fp32 scale per (slot, KV head) for each (llmd.model.kv_int8: x ~= q * scale). The
+ * attention kernels read the cache in its own type and widen it to fp32 in registers, so a compact cache halves
+ * (fp16, bf16) or quarters (int8) the bytes a decode step reads; the arithmetic stays fp32. */
+
+INLINE float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+INLINE uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+/* IEEE half <-> float, exact (half -> float) and round-to-nearest-even (float -> half), as torch and F16C do */
+INLINE float half_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0) return sign ? -(float)m * 5.9604644775390625e-8f : (float)m * 5.9604644775390625e-8f;
+    if (e == 31) return bits_f32(sign | 0x7f800000u | m << 13);
+    return bits_f32(sign | (e + 112) << 23 | m << 13);
+}
+
+INLINE uint16_t f32_half(float f) {
+    uint32_t u = f32_bits(f);
+    const uint16_t sign = (uint16_t)((u >> 16) & 0x8000);
+    u &= 0x7fffffffu;
+    if (u > 0x7f800000u) return sign | 0x7e00;  /* NaN */
+    if (u >= 0x477ff000u) return sign | 0x7c00; /* rounds past 65504: inf */
+    if (u < 0x38800000u) return sign | (uint16_t)nearbyintf(bits_f32(u) * 16777216.0f); /* subnormal: x / 2^-24 */
+    return sign | (uint16_t)(((u + 0xfff + ((u >> 13) & 1)) >> 13) - (112 << 10));
+}
+
+INLINE float bf16_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+INLINE uint16_t f32_bf16(float f) {
+    const uint32_t u = f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN, as torch writes it */
+    return (uint16_t)((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+}
+
+INLINE int64_t kv_elem_size(int64_t dt) { return dt == KV_F32 ? 4 : dt == KV_I8 ? 1 : 2; }
+
+/* the cache's element i as fp32 (an int8 element unscaled) */
+INLINE float load1(const void *p, int64_t i, const int DT) {
+    if (DT == KV_F32) return ((const float *)p)[i];
+    if (DT == KV_F16) return half_f32(((const uint16_t *)p)[i]);
+    if (DT == KV_BF16) return bf16_f32(((const uint16_t *)p)[i]);
+    return (float)((const int8_t *)p)[i];
+}
+
+#if SIMD
+/* elements i .. i + 7 as fp32 (int8 unscaled) */
+INLINE __m256 load8(const void *p, int64_t i, const int DT) {
+    if (DT == KV_F32) return _mm256_loadu_ps((const float *)p + i);
+    if (DT == KV_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)p + i))));
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    if (DT == KV_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
+
+static int kv_ok(const llmd_kv *kv) {
+    return kv && kv->k && kv->v && kv->dtype >= KV_F32 && kv->dtype <= KV_I8 && kv->num_blocks > 0 &&
+           kv->block_size > 0 && kv->kv_heads > 0 && kv->d > 0 && (kv->dtype != KV_I8 || (kv->k_scale && kv->v_scale));
+}
+
+/* one token's `heads` rows of d values into a cache row (and its scales) of type dt */
+static void store_row(void *dst, float *scales, const float *x, int64_t heads, int64_t d, int64_t dt) {
+    const int64_t n = heads * d;
+    if (dt == KV_F32) {
+        memcpy(dst, x, (size_t)n * sizeof(float));
+    } else if (dt == KV_F16) {
+        uint16_t *h = (uint16_t *)dst;
+        int64_t i = 0;
+#if SIMD
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(h + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+        for (; i < n; i++) h[i] = f32_half(x[i]);
+    } else if (dt == KV_BF16) {
+        uint16_t *h = (uint16_t *)dst;
+        for (int64_t i = 0; i < n; i++) h[i] = f32_bf16(x[i]);
+    } else { /* int8: kv_int8.quantize_int8's operations, so the same values and scales */
+        int8_t *qv = (int8_t *)dst;
+        for (int64_t hd = 0; hd < heads; hd++) {
+            const float *xr = x + hd * d;
+            float amax = 0.0f;
+            for (int64_t i = 0; i < d; i++) amax = fabsf(xr[i]) > amax ? fabsf(xr[i]) : amax;
+            scales[hd] = amax / 127.0f;
+            const float inv = 1.0f / (amax > FLT_MIN ? amax : FLT_MIN) * 127.0f;
+            for (int64_t i = 0; i < d; i++) {
+                float r = nearbyintf(xr[i] * inv);
+                qv[hd * d + i] = (int8_t)(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+            }
+        }
+    }
+}
+
+/* Store each new token's K and V (rows of kv_heads * d values, row strides ldk, ldv) into its cache slot. */
 int llmd_write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, const int64_t *slots, int64_t rows,
-                  float *k_cache, float *v_cache, int64_t width, int64_t num_slots) {
+                  const llmd_kv *kv) {
+    if (!kv_ok(kv)) return -1;
+    const int64_t heads = kv->kv_heads, d = kv->d, width = heads * d, es = kv_elem_size(kv->dtype);
+    const int64_t num_slots = kv->num_blocks * kv->block_size;
     for (int64_t t = 0; t < rows; t++) {
-        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
-        memcpy(k_cache + slots[t] * width, k + t * ldk, width * sizeof(float));
-        memcpy(v_cache + slots[t] * width, v + t * ldv, width * sizeof(float));
+        const int64_t s = slots[t];
+        if (s < 0 || s >= num_slots) return -1;
+        store_row((char *)kv->k + s * width * es, kv->k_scale ? kv->k_scale + s * heads : NULL, k + t * ldk, heads, d,
+                  kv->dtype);
+        store_row((char *)kv->v + s * width * es, kv->v_scale ? kv->v_scale + s * heads : NULL, v + t * ldv, heads, d,
+                  kv->dtype);
     }
     return 0;
 }
 
+int llmd_kv_dtype_supported(int64_t dt) { return dt >= KV_F32 && dt <= KV_I8; }
+
 /* ---- attention ------------------------------------------------------------------------------------------------
  * Decode tokens and chunks of new tokens (prefill, speculative verify) share one tile: up to PQ queries on one KV
- * head, each seeing the first len[j] tokens of a paged context (off[t]: token t's row in the cache). Each query's
- * scores, softmax and weighted sum are its own operations in a fixed order, whatever tile it shares, so a token's
- * attention output is bit-identical decoded alone, decoded in a batch or verified in a chunk: speculation and
- * recompute after preemption do not change a sequence's numbers. The tile only shares loads: each K row serves every
- * query's dot product (2 tokens at a time), each V vector every query's weighted sum. */
+ * head. A query's context is cut into partitions of PART tokens from its start (fixed: it depends on nothing but the
+ * context's length); per partition the tile computes each query's max score, sum of exponentials and unnormalised
+ * weighted sum of V, and `combine` then merges a query's partitions in their order. Each query's scores, softmax and
+ * sums are its own operations in a fixed order, whatever tile it shares, whichever thread runs which partition, so
+ * a token's attention output is bit-identical decoded alone, decoded in a batch or verified in a chunk, at any
+ * thread count: speculation and recompute after preemption do not change a sequence's numbers. The tile only shares
+ * loads: each K row serves every query's dot product (2 tokens at a time), each V vector every query's weighted sum.
+ * Decode runs the partitions of one sequence on all threads (flash-decoding), so a lone long context uses every
+ * core and reads its KV once per KV head. */
 #define PQ 4
+#define PART 256
 
-/* A tile of P queries (P <= PQ, a compile-time constant so the accumulators stay in registers); `s` holds P rows of
- * `ctx` floats (ctx >= every len[j]). */
-INLINE void attend_tile_p(const float *const *q, const int64_t *len, const float *kb, const float *vb,
-                          const int64_t *off, int64_t d, float scale, float *const *oj, float *s, int64_t ctx,
-                          const int P) {
-    int64_t longest = 0;
-    for (int j = 0; j < P; j++) longest = len[j] > longest ? len[j] : longest;
-    for (int64_t t = 0; t < longest; t += 2) {
-        const float *k0 = kb + off[t], *k1 = t + 1 < longest ? kb + off[t + 1] : k0;
+/* where one KV head's rows lie: token t of a context is row off[t] (its slot), at element off[t] * row of k and v
+ * (already offset to the head) and, for int8, scale off[t] * srow of ks and vs */
+typedef struct {
+    const void *k, *v;
+    const float *ks, *vs;
+    int64_t row, srow;
+} head_view;
+
+/* P queries (P <= PQ, compile-time like the cache type DT, so the accumulators stay in registers) over partition
+ * [t0, t0 + PART) of their contexts: query j takes tokens t0 <= t < len[j]; each query with a token there gets
+ * part[j] = {max score, sum of exp(score - max), sum of exp(score - max) * v [d]}. s: P * PART floats. */
+INLINE void attend_part_p(const float *const *q, const int64_t *len, const head_view *hv, const int64_t *off,
+                          int64_t d, float scale, int64_t t0, float *s, float *const *part, const int P, const int DT) {
+    int64_t n = 0, nj[PQ];
+    for (int j = 0; j < P; j++) {
+        nj[j] = (len[j] < t0 + PART ? len[j] : t0 + PART) - t0;
+        n = nj[j] > n ? nj[j] : n;
+    }
+    const int64_t row = hv->row;
+    for (int64_t i = 0; i < n; i += 2) {
+        const int64_t t = t0 + i, t1 = i + 1 < n ? t + 1 : t;
+        const int64_t r0 = off[t] * row, r1 = off[t1] * row;
         int64_t c = 0;
         float d0[PQ] = {0}, d1[PQ] = {0};
 #if SIMD
         __m256 a0[PQ], a1[PQ];
         for (int j = 0; j < P; j++) a0[j] = a1[j] = _mm256_setzero_ps();
         for (; c + 8 <= d; c += 8) {
-            const __m256 kv0 = _mm256_loadu_ps(k0 + c), kv1 = _mm256_loadu_ps(k1 + c);
+            const __m256 kv0 = load8(hv->k, r0 + c, DT), kv1 = load8(hv->k, r1 + c, DT);
             for (int j = 0; j < P; j++) {
                 const __m256 qv = _mm256_loadu_ps(q[j] + c);
                 a0[j] = _mm256_fmadd_ps(qv, kv0, a0[j]);
@@ -185,153 +316,247 @@ INLINE void attend_tile_p(const float *const *q, const int64_t *len, const float
         }
         for (int j = 0; j < P; j++) d0[j] = hsum8(a0[j]), d1[j] = hsum8(a1[j]);
 #endif
-        for (; c < d; c++)
-            for (int j = 0; j < P; j++) d0[j] += q[j][c] * k0[c], d1[j] += q[j][c] * k1[c];
+        for (; c < d; c++) {
+            const float k0 = load1(hv->k, r0 + c, DT), k1 = load1(hv->k, r1 + c, DT);
+            for (int j = 0; j < P; j++) d0[j] += q[j][c] * k0, d1[j] += q[j][c] * k1;
+        }
+        const float f0 = DT == KV_I8 ? hv->ks[off[t] * hv->srow] * scale : scale;
+        const float f1 = DT == KV_I8 ? hv->ks[off[t1] * hv->srow] * scale : scale;
         for (int j = 0; j < P; j++) {
-            s[j * ctx + t] = d0[j] * scale;
-            if (t + 1 < longest) s[j * ctx + t + 1] = d1[j] * scale;
+            s[j * PART + i] = d0[j] * f0;
+            if (i + 1 < n) s[j * PART + i + 1] = d1[j] * f1;
         }
     }
-    float inv[PQ];
     for (int j = 0; j < P; j++) {
-        const int64_t n = len[j];
-        float *sj = s + j * ctx;
-        inv[j] = 1.0f / softmax_numerators(sj, n);
-        for (int64_t t = n; t < longest; t++) sj[t] = 0.0f;
+        float *sj = s + j * PART;
+        if (nj[j] <= 0) { /* a chunk's early query ends before this partition: it adds nothing here */
+            for (int64_t i = 0; i < n; i++) sj[i] = 0.0f;
+            continue;
+        }
+        part[j][1] = softmax_numerators(sj, nj[j], part[j]);
+        for (int64_t i = nj[j]; i < n; i++) sj[i] = 0.0f;
+        if (DT == KV_I8)
+            for (int64_t i = 0; i < nj[j]; i++) sj[i] = sj[i] * hv->vs[off[t0 + i] * hv->srow];
     }
     int64_t c = 0;
 #if SIMD
     for (; c + 16 <= d; c += 16) {
         __m256 o0[PQ], o1[PQ];
         for (int j = 0; j < P; j++) o0[j] = o1[j] = _mm256_setzero_ps();
-        for (int64_t t = 0; t < longest; t++) {
-            const __m256 v0 = _mm256_loadu_ps(vb + off[t] + c), v1 = _mm256_loadu_ps(vb + off[t] + c + 8);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t r = off[t0 + i] * row;
+            const __m256 v0 = load8(hv->v, r + c, DT), v1 = load8(hv->v, r + c + 8, DT);
             for (int j = 0; j < P; j++) {
-                const __m256 p = _mm256_broadcast_ss(s + j * ctx + t);
+                const __m256 p = _mm256_broadcast_ss(s + j * PART + i);
                 o0[j] = _mm256_fmadd_ps(p, v0, o0[j]);
                 o1[j] = _mm256_fmadd_ps(p, v1, o1[j]);
             }
         }
-        for (int j = 0; j < P; j++) {
-            _mm256_storeu_ps(oj[j] + c, _mm256_mul_ps(o0[j], _mm256_set1_ps(inv[j])));
-            _mm256_storeu_ps(oj[j] + c + 8, _mm256_mul_ps(o1[j], _mm256_set1_ps(inv[j])));
-        }
+        for (int j = 0; j < P; j++)
+            if (nj[j] > 0) {
+                _mm256_storeu_ps(part[j] + 2 + c, o0[j]);
+                _mm256_storeu_ps(part[j] + 2 + c + 8, o1[j]);
+            }
     }
 #endif
     for (; c < d; c++)
         for (int j = 0; j < P; j++) {
             float acc = 0.0f;
-            for (int64_t t = 0; t < longest; t++) acc += s[j * ctx + t] * vb[off[t] + c];
-            oj[j][c] = acc * inv[j];
+            for (int64_t i = 0; i < n; i++) acc += s[j * PART + i] * load1(hv->v, off[t0 + i] * row + c, DT);
+            if (nj[j] > 0) part[j][2 + c] = acc;
         }
 }
 
-static void attend_tile(const float *const *q, const int64_t *len, int nq, const float *kb, const float *vb,
-                        const int64_t *off, int64_t d, float scale, float *const *oj, float *s, int64_t ctx) {
+#define ATTEND_DT(P)                                                                                                 \
+    switch (dt) {                                                                                                    \
+    case KV_F32: attend_part_p(q, len, hv, off, d, scale, t0, s, part, P, KV_F32); break;                            \
+    case KV_F16: attend_part_p(q, len, hv, off, d, scale, t0, s, part, P, KV_F16); break;                            \
+    case KV_BF16: attend_part_p(q, len, hv, off, d, scale, t0, s, part, P, KV_BF16); break;                          \
+    default: attend_part_p(q, len, hv, off, d, scale, t0, s, part, P, KV_I8); break;                                 \
+    }
+
+static void attend_part(const float *const *q, const int64_t *len, int nq, int64_t dt, const head_view *hv,
+                        const int64_t *off, int64_t d, float scale, int64_t t0, float *s, float *const *part) {
     switch (nq) {
-    case 1: attend_tile_p(q, len, kb, vb, off, d, scale, oj, s, ctx, 1); break;
-    case 2: attend_tile_p(q, len, kb, vb, off, d, scale, oj, s, ctx, 2); break;
-    case 3: attend_tile_p(q, len, kb, vb, off, d, scale, oj, s, ctx, 3); break;
-    default: attend_tile_p(q, len, kb, vb, off, d, scale, oj, s, ctx, PQ); break;
+    case 1: ATTEND_DT(1); break;
+    case 2: ATTEND_DT(2); break;
+    case 3: ATTEND_DT(3); break;
+    default: ATTEND_DT(PQ); break;
     }
 }
 
-/* token -> its row offset in a cache [num_blocks, block_size, kv_heads, d], through a block table */
-static void token_offsets(int64_t *off, const int64_t *table, int64_t len, int64_t block_size, int64_t kv_heads,
-                          int64_t d) {
-    for (int64_t t = 0; t < len; t++) off[t] = (table[t / block_size] * block_size + t % block_size) * kv_heads * d;
+/* o = a query's attention output from its n partitions ({m, l, acc[d]} at part + p * stride), merged in partition
+ * order: o = sum_p acc_p * w_p / sum_p l_p * w_p with w_p = exp(m_p - max m). (One partition: w = 1 exactly.) */
+static void combine(float *part, int64_t n, int64_t stride, int64_t d, float *o) {
+    float m = part[0], l = 0.0f;
+    for (int64_t p = 1; p < n; p++) m = part[p * stride] > m ? part[p * stride] : m;
+    for (int64_t p = 0; p < n; p++) {
+        part[p * stride] = expf(part[p * stride] - m); /* the partition's weight, in place of its max */
+        l += part[p * stride + 1] * part[p * stride];
+    }
+    const float inv = 1.0f / l;
+    int64_t c = 0;
+#if SIMD
+    for (; c + 8 <= d; c += 8) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t p = 0; p < n; p++)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(part + p * stride + 2 + c), _mm256_broadcast_ss(part + p * stride),
+                                  acc);
+        _mm256_storeu_ps(o + c, _mm256_mul_ps(acc, _mm256_set1_ps(inv)));
+    }
+#endif
+    for (; c < d; c++) {
+        float acc = 0.0f;
+        for (int64_t p = 0; p < n; p++) acc += part[p * stride + 2 + c] * part[p * stride];
+        o[c] = acc * inv;
+    }
 }
+
+/* token -> its slot, through a block table */
+static void token_slots(int64_t *off, const int64_t *table, int64_t len, int64_t block_size) {
+    for (int64_t t = 0; t < len; t++) off[t] = table[t / block_size] * block_size + t % block_size;
+}
+
+static head_view head_of(const llmd_kv *kv, int64_t kvh) {
+    const int64_t es = kv_elem_size(kv->dtype), d = kv->d;
+    head_view hv = {(const char *)kv->k + kvh * d * es, (const char *)kv->v + kvh * d * es,
+                    kv->k_scale ? kv->k_scale + kvh : NULL, kv->v_scale ? kv->v_scale + kvh : NULL,
+                    kv->kv_heads * d, kv->kv_heads};
+    return hv;
+}
+
+static int64_t parts_of(int64_t len) { return (len + PART - 1) / PART; }
 
 /* Attention of B single-token queries over their paged contexts.
  * q: row b at q + rows[b] * ldq (rows NULL: row b) of num_rows, [heads, d] each; the output goes to the same row of
- * `out` (stride ldo). Caches [num_blocks, block_size, kv_heads, d]; block_tables [B, bt_stride]; seq_lens [B].
- * A task is a tile of up to PQ query heads sharing a KV head, or a single query head where that leaves too few tasks
- * to share among the threads (one sequence). `work` holds PQ * max(seq_lens) floats per thread. */
+ * `out` (stride ldo). block_tables [B, bt_stride]; seq_lens [B]. A task is one partition of one sequence's context
+ * for a tile of up to PQ query heads sharing a KV head, or for a single query head where tiles leave too few tasks
+ * to share among the threads (short contexts); a second pass merges each query's partitions. */
 int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, int64_t num_rows,
-                          const float *k_cache, const float *v_cache, int64_t num_blocks, int64_t block_size,
-                          int64_t kv_heads, int64_t d, const int64_t *block_tables, int64_t bt_stride,
-                          const int64_t *seq_lens, int64_t heads, float scale, float *out, int64_t ldo, float *work,
-                          int64_t work_per_thread, int threads) {
-    const int64_t group = heads / kv_heads;
-    int64_t total = 0;
+                          const llmd_kv *kv, const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
+                          int64_t heads, float scale, float *out, int64_t ldo, int threads) {
+    if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads) return -1;
+    const int64_t kv_heads = kv->kv_heads, d = kv->d, bs = kv->block_size, group = heads / kv_heads;
+    int64_t total = 0, tasks_pq = 0;
+    const int64_t per_group = (group + PQ - 1) / PQ;
     for (int64_t b = 0; b < B; b++) {
         const int64_t len = seq_lens[b], row = rows ? rows[b] : b;
-        if (len < 1 || PQ * len > work_per_thread || row < 0 || row >= num_rows) return -1;
-        for (int64_t j = 0; j < (len + block_size - 1) / block_size; j++) {
+        if (len < 1 || row < 0 || row >= num_rows || (len + bs - 1) / bs > bt_stride) return -1;
+        for (int64_t j = 0; j < (len + bs - 1) / bs; j++) {
             const int64_t blk = block_tables[b * bt_stride + j];
-            if (blk < 0 || blk >= num_blocks) return -1;
+            if (blk < 0 || blk >= kv->num_blocks) return -1;
         }
         total += len;
+        tasks_pq += parts_of(len) * kv_heads * per_group;
     }
-    int64_t *off = (int64_t *)malloc((size_t)(total + B + 1) * sizeof(int64_t)); /* offsets, then where each starts */
+    const int tile = tasks_pq >= 2 * threads ? PQ : 1; /* queries per task */
+    const int64_t tiles = tile == PQ ? per_group : group; /* tasks per KV head and partition */
+    /* slots of every context, where each starts, and where each sequence's tasks start */
+    int64_t *off = (int64_t *)malloc((size_t)(total + 2 * (B + 1)) * sizeof(int64_t));
     if (!off) return -2;
-    int64_t *start = off + total;
-    start[0] = 0;
+    int64_t *start = off + total, *first = start + B + 1;
+    start[0] = first[0] = 0;
     for (int64_t b = 0; b < B; b++) {
-        token_offsets(off + start[b], block_tables + b * bt_stride, seq_lens[b], block_size, kv_heads, d);
+        token_slots(off + start[b], block_tables + b * bt_stride, seq_lens[b], bs);
         start[b + 1] = start[b] + seq_lens[b];
+        first[b + 1] = first[b] + parts_of(seq_lens[b]) * kv_heads * tiles;
     }
-    const int64_t per_group = (group + PQ - 1) / PQ;
-    const int tile = B * kv_heads * per_group >= 2 * threads ? PQ : 1; /* queries per task */
-    const int64_t tiles = tile == PQ ? per_group : group;           /* tasks per KV head */
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < B * kv_heads * tiles; task++) {
+    const int64_t ntasks = first[B], stride = d + 2;
+    float *partial = (float *)malloc((size_t)(ntasks * tile * stride + (int64_t)threads * PQ * PART) * sizeof(float));
+    if (!partial) {
+        free(off);
+        return -2;
+    }
+    float *scores = partial + ntasks * tile * stride;
+#pragma omp parallel num_threads(threads)
+    {
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        const int64_t b = task / (kv_heads * tiles), kvh = task / tiles % kv_heads;
-        const int64_t h0 = kvh * group + task % tiles * tile;
-        const int nq = (int)(kvh * group + group - h0 < tile ? kvh * group + group - h0 : tile);
-        const int64_t row = rows ? rows[b] : b, len = seq_lens[b];
-        const float *qj[PQ];
-        float *oj[PQ];
-        int64_t lens[PQ];
-        for (int j = 0; j < nq; j++) {
-            qj[j] = q + row * ldq + (h0 + j) * d;
-            oj[j] = out + row * ldo + (h0 + j) * d;
-            lens[j] = len;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < ntasks; task++) {
+            int64_t lo = 0, hi = B; /* the sequence: first[b] <= task < first[b + 1] */
+            while (hi - lo > 1) {
+                const int64_t mid = (lo + hi) / 2;
+                if (first[mid] <= task) lo = mid;
+                else hi = mid;
+            }
+            const int64_t b = lo, np = parts_of(seq_lens[b]), local = task - first[b];
+            const int64_t p = local % np, kvh = local / np / tiles, h0 = kvh * group + local / np % tiles * tile;
+            const int nq = (int)(kvh * group + group - h0 < tile ? kvh * group + group - h0 : tile);
+            const int64_t row = rows ? rows[b] : b;
+            const float *qj[PQ];
+            float *pj[PQ];
+            int64_t lens[PQ];
+            for (int j = 0; j < nq; j++) {
+                qj[j] = q + row * ldq + (h0 + j) * d;
+                pj[j] = partial + (task * tile + j) * stride;
+                lens[j] = seq_lens[b];
+            }
+            const head_view hv = head_of(kv, kvh);
+            attend_part(qj, lens, nq, kv->dtype, &hv, off + start[b], d, scale, p * PART,
+                        scores + (int64_t)tid * PQ * PART, pj);
         }
-        attend_tile(qj, lens, nq, k_cache + kvh * d, v_cache + kvh * d, off + start[b], d, scale, oj,
-                    work + tid * work_per_thread, len);
+#pragma omp for schedule(static)
+        for (int64_t bh = 0; bh < B * heads; bh++) {
+            const int64_t b = bh / heads, h = bh % heads, kvh = h / group, hi = h - kvh * group;
+            const int64_t np = parts_of(seq_lens[b]), task = first[b] + (kvh * tiles + hi / tile) * np;
+            combine(partial + (task * tile + hi % tile) * stride, np, tile * stride, d,
+                    out + (rows ? rows[b] : b) * ldo + h * d);
+        }
     }
+    free(partial);
     free(off);
     return 0;
 }
 
 /* Causal attention of one sequence's chunk of q_len new tokens (positions ctx - q_len .. ctx - 1) over its paged
  * context of ctx tokens (table: its block table): query i sees tokens 0 .. ctx - q_len + i. A task is one query head
- * and a tile of PQ consecutive queries. `work` holds PQ * ctx floats per thread. */
-int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const float *k_cache,
-                           const float *v_cache, int64_t num_blocks, int64_t block_size, int64_t kv_heads, int64_t d,
-                           const int64_t *table, int64_t heads, float scale, float *out, int64_t ldo, float *work,
-                           int64_t work_per_thread, int threads) {
-    if (q_len < 1 || ctx < q_len || PQ * ctx > work_per_thread) return -1;
-    for (int64_t j = 0; j < (ctx + block_size - 1) / block_size; j++)
-        if (table[j] < 0 || table[j] >= num_blocks) return -1;
+ * and a tile of PQ consecutive queries, through every partition of their contexts, then merges each query's. */
+int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const llmd_kv *kv,
+                           const int64_t *table, int64_t table_len, int64_t heads, float scale, float *out,
+                           int64_t ldo, int threads) {
+    if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads || q_len < 1 || ctx < q_len) return -1;
+    const int64_t bs = kv->block_size, d = kv->d, stride = d + 2;
+    if ((ctx + bs - 1) / bs > table_len) return -1;
+    for (int64_t j = 0; j < (ctx + bs - 1) / bs; j++)
+        if (table[j] < 0 || table[j] >= kv->num_blocks) return -1;
+    const int64_t nparts = parts_of(ctx), per_thread = PQ * PART + nparts * PQ * stride;
     int64_t *off = (int64_t *)malloc((size_t)ctx * sizeof(int64_t));
-    if (!off) return -2;
-    token_offsets(off, table, ctx, block_size, kv_heads, d);
-    const int64_t group = heads / kv_heads, tiles = (q_len + PQ - 1) / PQ;
+    float *work = (float *)malloc((size_t)(threads * per_thread) * sizeof(float));
+    if (!off || !work) {
+        free(off);
+        free(work);
+        return -2;
+    }
+    token_slots(off, table, ctx, bs);
+    const int64_t group = heads / kv->kv_heads, tiles = (q_len + PQ - 1) / PQ;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < heads * tiles; task++) {
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        const int64_t h = task / tiles, i0 = (task % tiles) * PQ, kvh = h / group;
+        const int64_t h = task / tiles, i0 = (task % tiles) * PQ;
         const int nq = q_len - i0 < PQ ? (int)(q_len - i0) : PQ;
+        float *scores = work + tid * per_thread, *partial = scores + PQ * PART;
         const float *qj[PQ];
-        float *oj[PQ];
         int64_t len[PQ];
         for (int j = 0; j < nq; j++) {
             qj[j] = q + (i0 + j) * ldq + h * d;
-            oj[j] = out + (i0 + j) * ldo + h * d;
             len[j] = ctx - q_len + i0 + j + 1;
         }
-        attend_tile(qj, len, nq, k_cache + kvh * d, v_cache + kvh * d, off, d, scale, oj,
-                    work + tid * work_per_thread, ctx);
+        const head_view hv = head_of(kv, h / group);
+        for (int64_t p = 0; p < parts_of(len[nq - 1]); p++) {
+            float *pj[PQ];
+            for (int j = 0; j < nq; j++) pj[j] = partial + (p * PQ + j) * stride;
+            attend_part(qj, len, nq, kv->dtype, &hv, off, d, scale, p * PART, scores, pj);
+        }
+        for (int j = 0; j < nq; j++)
+            combine(partial + j * stride, parts_of(len[j]), PQ * stride, d, out + (i0 + j) * ldo + h * d);
     }
+    free(work);
     free(off);
     return 0;
 }

@@ -2,6 +2,10 @@
 RMSNorm, RoPE in place, SiLU(gate) * up, the paged KV write, and attention: decode tokens, and causal chunks of new
 tokens (prefill, speculative verify).
 
+A layer's KV cache is the pair (k_cache, v_cache) [num_blocks, block_size, kv_heads, d] in fp32, fp16 or bf16, or
+the 4-tuple (k, v, k_scale, v_scale) of llmd.model.kv_int8 (int8 values, fp32 scales [num_blocks, block_size,
+kv_heads]); the kernels read each in its own type.
+
 Each op replaces five to fifteen small torch calls whose fixed cost dominated a small model's decode step. Every
 function returns None (or False) when the library is unavailable (no compiler, LLMD_CPU_GEMM=0 before the first
 use, a failed self-check) or the tensors are not the plain fp32 CPU layouts it takes; the caller then runs its
@@ -24,20 +28,51 @@ log = logging.getLogger("llmd.kernels.cpu_ops")
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-_work = threading.local()  # each calling thread reuses one growing buffer for attention scores
-ATTENTION_TILE = 4  # PQ in cpu_ops.c: queries per attention tile, each with a row of scores
+PARTITION = 256  # PART in cpu_ops.c: tokens per partition of a context in attention
+# llmd_kv.dtype: the cache element types the kernels read (KV_* in cpu_kernels.h)
+KV_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+
+
+class KV(ctypes.Structure):
+    """llmd_kv: one layer's paged cache as the C kernels take it."""
+
+    _fields_ = [("dtype", ctypes.c_int64), ("num_blocks", ctypes.c_int64), ("block_size", ctypes.c_int64),
+                ("kv_heads", ctypes.c_int64), ("d", ctypes.c_int64), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p),
+                ("k_scale", ctypes.c_void_p), ("v_scale", ctypes.c_void_p)]
+
+
+def kv_view(kv_cache: tuple) -> KV | None:
+    """The C description of a layer cache (a (k, v) pair in fp32/fp16/bf16, or an int8 (k, v, k_scale, v_scale)),
+    or None where the kernels cannot read it (another dtype or device, a strided tensor, mismatched shapes)."""
+    if len(kv_cache) == 2:
+        (k, v), scales = kv_cache, None
+    elif len(kv_cache) == 4:
+        k, v, *scales = kv_cache
+    else:
+        return None
+    code = KV_DTYPES.get(k.dtype)
+    shape = k.shape
+    if code is None or len(shape) != 4 or v.dtype is not k.dtype or v.shape != shape or not (k.is_cpu and v.is_cpu) \
+            or not (k.is_contiguous() and v.is_contiguous()) or (scales is None) != (code != 3):
+        return None
+    view = KV(dtype=code, num_blocks=shape[0], block_size=shape[1], kv_heads=shape[2], d=shape[3],
+              k=k.data_ptr(), v=v.data_ptr())
+    if scales is not None:
+        if any(s.dtype is not torch.float32 or not s.is_cpu or not s.is_contiguous() or s.shape != shape[:3]
+               for s in scales):
+            return None
+        view.k_scale, view.v_scale = scales[0].data_ptr(), scales[1].data_ptr()
+    return view
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    i64, ptr, f32, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    i64, ptr, f32, cint, kv = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int, ctypes.POINTER(KV)
     lib.llmd_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32]
     lib.llmd_rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
     lib.llmd_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
-    lib.llmd_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64]
-    lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, ptr, i64,
-                                          f32, ptr, i64, ptr, i64, cint]
-    lib.llmd_prefill_attention.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, i64, ptr, i64, f32, ptr, i64,
-                                           ptr, i64, cint]
+    lib.llmd_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, kv]
+    lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, i64, kv, ptr, i64, ptr, i64, f32, ptr, i64, cint]
+    lib.llmd_prefill_attention.argtypes = [ptr, i64, i64, i64, kv, ptr, i64, i64, f32, ptr, i64, cint]
     for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_write_kv, lib.llmd_decode_attention,
                lib.llmd_prefill_attention):
         fn.restype = cint
@@ -128,88 +163,76 @@ def _rows_of(t: torch.Tensor) -> bool:
     return t.dim() == 3 and _plain(t) and t.stride(1) == t.shape[2]
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> bool:
-    """Store K/V [T, kv_heads, d] into the caches [num_blocks, block_size, kv_heads, d] at `slot_mapping`."""
-    ok = _rows_of(k) and _rows_of(v) and _plain(k_cache) and k_cache.is_contiguous() and _plain(v_cache) \
-        and v_cache.is_contiguous() and slot_mapping.dtype == torch.long and slot_mapping.is_contiguous()
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple, slot_mapping: torch.Tensor) -> bool:
+    """Store K/V [T, kv_heads, d] (fp32) into a layer cache at `slot_mapping`, converted to the cache's type (int8:
+    kv_int8.quantize_int8's values and scales, bit for bit)."""
+    ok = _rows_of(k) and _rows_of(v) and slot_mapping.dtype == torch.long and slot_mapping.is_contiguous() \
+        and slot_mapping.numel() == k.shape[0] == v.shape[0]
     lib = load() if ok else None
-    if lib is None:
+    view = kv_view(kv_cache) if lib is not None else None
+    if view is None or k.shape[1:] != v.shape[1:] or tuple(k.shape[1:]) != (view.kv_heads, view.d):
         return False
-    width = k.shape[1] * k.shape[2]
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
     rc = lib.llmd_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(),
-                           k.shape[0], k_cache.data_ptr(), v_cache.data_ptr(), width, num_slots)
+                           k.shape[0], ctypes.byref(view))
     if rc != 0:
         raise IndexError("KV slot outside the cache")
     return True
 
 
-def _scores_buffer(floats: int) -> torch.Tensor:
-    buf = getattr(_work, "buf", None)
-    if buf is None or buf.numel() < floats:
-        buf = _work.buf = torch.empty(max(floats, 1 << 14), dtype=torch.float32)
-    return buf
+def _attention_view(q: torch.Tensor, out: torch.Tensor, kv_cache: tuple) -> KV | None:
+    if not (_rows_of(q) and _rows_of(out) and q.shape[1:] == out.shape[1:]):
+        return None
+    view = kv_view(kv_cache)
+    if view is None or view.d != q.shape[2] or q.shape[1] % view.kv_heads:
+        return None
+    return view
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, rows: torch.Tensor | None, scale: float, out: torch.Tensor,
-                     longest: int | None = None) -> bool:
+def decode_attention(q: torch.Tensor, kv_cache: tuple, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     rows: torch.Tensor | None, scale: float, out: torch.Tensor) -> bool:
     """Attention of single-token queries over their paged contexts, written into `out` [T, heads, d].
 
-    q [T, heads, d]; sequence b's query is row rows[b] (rows None: row b); block_tables [B, nb] and seq_lens [B]
-    long; longest: max(seq_lens) if the caller knows it. False (nothing written) where the op does not apply."""
+    q [T, heads, d] fp32; sequence b's query is row rows[b] (rows None: row b); block_tables [B, nb] and seq_lens
+    [B] long. A long context is split across the threads. False (nothing written) where the op does not apply."""
     b = seq_lens.shape[0]
-    ok = _rows_of(q) and _rows_of(out) and _plain(k_cache) and k_cache.is_contiguous() and _plain(v_cache) \
-        and v_cache.is_contiguous() and block_tables.dtype == seq_lens.dtype == torch.long \
-        and block_tables.is_contiguous() and seq_lens.is_contiguous() and block_tables.shape[0] == b \
-        and (rows is None or (rows.dtype == torch.long and rows.is_contiguous()))
+    ok = block_tables.dtype == seq_lens.dtype == torch.long and block_tables.is_contiguous() \
+        and seq_lens.is_contiguous() and block_tables.dim() == 2 and block_tables.shape[0] == b \
+        and (rows is None or (rows.dtype == torch.long and rows.is_contiguous() and rows.numel() == b))
     lib = load() if ok else None
-    if lib is None:
+    view = _attention_view(q, out, kv_cache) if lib is not None else None
+    if view is None:
         return False
     if b == 0:
         return True
-    heads, d = q.shape[1], q.shape[2]
-    num_blocks, block_size, kv_heads = k_cache.shape[:3]
-    threads = torch.get_num_threads()
-    per_thread = ATTENTION_TILE * (longest or int(seq_lens.max()))  # the C code checks that every length fits
-    work = _scores_buffer(per_thread * threads)
     rc = lib.llmd_decode_attention(
         q.data_ptr(), q.stride(0), None if rows is None else rows.data_ptr(), b, min(q.shape[0], out.shape[0]),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(), num_blocks, block_size, kv_heads, d, block_tables.data_ptr(), block_tables.shape[1],
-        seq_lens.data_ptr(), heads, scale, out.data_ptr(), out.stride(0), work.data_ptr(), per_thread, threads)
+        ctypes.byref(view), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), q.shape[1], scale,
+        out.data_ptr(), out.stride(0), torch.get_num_threads())
     if rc == -2:
-        raise MemoryError("CPU decode attention could not allocate its row table")
+        raise MemoryError("CPU decode attention could not allocate its scratch")
     if rc != 0:
         raise IndexError("a query row, a sequence's length or its block table lies outside its buffer")
     return True
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                      context: int, scale: float, out: torch.Tensor) -> bool:
+def prefill_attention(q: torch.Tensor, kv_cache: tuple, block_table: torch.Tensor, context: int, scale: float,
+                      out: torch.Tensor) -> bool:
     """Causal attention of one sequence's chunk of new tokens q [L, heads, d] (positions context - L .. context - 1,
     their K/V already in the cache) over its paged context, written into `out` [L, heads, d]: query i sees the first
     context - L + i + 1 tokens. block_table: the sequence's block ids (long). False where the op does not apply."""
-    ok = _rows_of(q) and _rows_of(out) and out.shape == q.shape and _plain(k_cache) and k_cache.is_contiguous() \
-        and _plain(v_cache) and v_cache.is_contiguous() and block_table.dtype == torch.long \
-        and block_table.is_contiguous() and block_table.numel() * k_cache.shape[1] >= context >= q.shape[0] > 0
+    ok = out.shape == q.shape and block_table.dtype == torch.long and block_table.is_contiguous() \
+        and block_table.dim() == 1 and context >= q.shape[0] > 0
     lib = load() if ok else None
-    if lib is None:
+    view = _attention_view(q, out, kv_cache) if lib is not None else None
+    if view is None:
         return False
-    heads, d = q.shape[1], q.shape[2]
-    num_blocks, block_size, kv_heads = k_cache.shape[:3]
-    threads = torch.get_num_threads()
-    per_thread = ATTENTION_TILE * context
-    work = _scores_buffer(per_thread * threads)
     rc = lib.llmd_prefill_attention(
-        q.data_ptr(), q.stride(0), q.shape[0], context, k_cache.data_ptr(), v_cache.data_ptr(), num_blocks,
-        block_size, kv_heads, d, block_table.data_ptr(), heads, scale, out.data_ptr(), out.stride(0),
-        work.data_ptr(), per_thread, threads)
+        q.data_ptr(), q.stride(0), q.shape[0], context, ctypes.byref(view), block_table.data_ptr(),
+        block_table.numel(), q.shape[1], scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
     if rc == -2:
-        raise MemoryError("CPU prefill attention could not allocate its row table")
+        raise MemoryError("CPU prefill attention could not allocate its scratch")
     if rc != 0:
-        raise IndexError("a block id lies outside the KV cache")
+        raise IndexError("a block id lies outside the KV cache, or the block table is too short")
     return True
 
 
@@ -242,7 +265,7 @@ def _self_check() -> None:
     tables, lens = torch.tensor([[3, 1, 4], [0, 2, 0]]), torch.tensor([11, 5])
     q = torch.randn(2, 6, 8, generator=g)
     got = torch.empty_like(q)
-    decode_attention(q, k_cache, v_cache, tables, lens, None, 0.3, got)
+    decode_attention(q, (k_cache, v_cache), tables, lens, None, 0.3, got)
     checks.append(("decode_attention", got, decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3)))
     for name, got, want in checks:
         if got is None or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):

@@ -23,11 +23,11 @@ typedef struct {
 typedef struct {
     const float *input_norm, *post_norm;
     llmd_linear qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* [num_blocks, block_size, kv_heads, head_dim] fp32 each */
+    llmd_kv kv; /* the layer's paged KV cache, in any of its element types */
 } llmd_layer;
 
 typedef struct {
-    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, num_blocks, block_size;
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
 } llmd_dims;
 
@@ -41,7 +41,7 @@ typedef struct {
     int64_t num_decodes;
     const int64_t *decode_rows; /* NULL: row b is decode b */
     const int64_t *decode_tables, *decode_lens;
-    int64_t decode_stride, decode_longest;
+    int64_t decode_stride;
     int64_t num_chunks;
     const int64_t *chunks; /* [num_chunks, 4] */
     const int64_t *chunk_tables; /* [num_tables, chunk_stride] */
@@ -80,28 +80,21 @@ static void add_rows(float *x, const float *y, int64_t count) {
 }
 
 static int attention(const llmd_dims *dm, const llmd_layer *L, const llmd_step *st, const float *qkv, int64_t ldq,
-                     float *out, float *scores, int64_t per_thread, int nth) {
-    const int64_t H = dm->heads, KV = dm->kv_heads, d = dm->head_dim;
-    /* the attention functions read a block table only as far as the length they are given */
-    if (st->decode_longest > st->decode_stride * dm->block_size) return -1;
-    for (int64_t b = 0; b < st->num_decodes; b++)
-        if (st->decode_lens[b] > st->decode_longest) return -1;
+                     float *out, int nth) {
+    const int64_t H = dm->heads, d = dm->head_dim;
+    if (L->kv.kv_heads != dm->kv_heads || L->kv.d != d) return -1;
     if (st->num_decodes) {
-        const int rc = llmd_decode_attention(qkv, ldq, st->decode_rows, st->num_decodes, st->T, L->k_cache,
-                                             L->v_cache, dm->num_blocks, dm->block_size, KV, d, st->decode_tables,
-                                             st->decode_stride, st->decode_lens, H, dm->scale, out, H * d, scores,
-                                             per_thread, nth);
+        const int rc = llmd_decode_attention(qkv, ldq, st->decode_rows, st->num_decodes, st->T, &L->kv,
+                                             st->decode_tables, st->decode_stride, st->decode_lens, H, dm->scale, out,
+                                             H * d, nth);
         if (rc) return rc;
     }
     for (int64_t i = 0; i < st->num_chunks; i++) {
         const int64_t *c = st->chunks + 4 * i;
-        if (c[0] < 0 || c[1] < 1 || c[0] + c[1] > st->T || c[3] < 0 || c[3] >= st->num_tables ||
-            c[2] > st->chunk_stride * dm->block_size)
-            return -1;
-        const int rc = llmd_prefill_attention(qkv + c[0] * ldq, ldq, c[1], c[2], L->k_cache, L->v_cache,
-                                              dm->num_blocks, dm->block_size, KV, d,
-                                              st->chunk_tables + c[3] * st->chunk_stride, H, dm->scale,
-                                              out + c[0] * H * d, H * d, scores, per_thread, nth);
+        if (c[0] < 0 || c[1] < 1 || c[0] + c[1] > st->T || c[3] < 0 || c[3] >= st->num_tables) return -1;
+        const int rc = llmd_prefill_attention(qkv + c[0] * ldq, ldq, c[1], c[2], &L->kv,
+                                              st->chunk_tables + c[3] * st->chunk_stride, st->chunk_stride, H,
+                                              dm->scale, out + c[0] * H * d, H * d, nth);
         if (rc) return rc;
     }
     return 0;
@@ -113,27 +106,23 @@ int llmd_decoder_stack(const llmd_dims *dm, const llmd_layer *layers, const llmd
     const int64_t T = st->T, D = dm->hidden, H = dm->heads, KV = dm->kv_heads, d = dm->head_dim,
                   I = dm->intermediate, qkv_w = (H + 2 * KV) * d;
     if (T < 1) return 0;
-    int64_t per_thread = 4 * st->decode_longest; /* attention scores: 4 rows (a tile) of the longest context */
-    for (int64_t i = 0; i < st->num_chunks; i++)
-        if (4 * st->chunks[4 * i + 2] > per_thread) per_thread = 4 * st->chunks[4 * i + 2];
-    if (per_thread < 1) per_thread = 1;
-    const size_t floats = (size_t)(T * (D + qkv_w + H * d + D + 2 * I + I) + nth * per_thread);
+    const size_t floats = (size_t)(T * (D + qkv_w + H * d + D + 2 * I + I));
     float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!buf) return -2;
     float *h = buf, *qkv = h + T * D, *att = qkv + T * qkv_w, *y = att + T * H * d, *gu = y + T * D,
-          *act = gu + T * 2 * I, *scores = act + T * I;
+          *act = gu + T * 2 * I;
     int rc = 0;
     for (int64_t l = 0; l < dm->num_layers && rc == 0; l++) {
         const llmd_layer *L = layers + l;
         llmd_rms_norm(x, D, L->input_norm, h, D, T, D, dm->eps);
         if ((rc = linear(&L->qkv, h, D, qkv, T, nth))) break;
         llmd_rope(qkv, qkv_w, st->cos, st->ssin, T, H + KV, d);
-        if (llmd_write_kv(qkv + H * d, qkv_w, qkv + (H + KV) * d, qkv_w, st->slots, T, L->k_cache, L->v_cache,
-                          KV * d, dm->num_blocks * dm->block_size)) {
+        if (L->kv.kv_heads != KV || L->kv.d != d ||
+            llmd_write_kv(qkv + H * d, qkv_w, qkv + (H + KV) * d, qkv_w, st->slots, T, &L->kv)) {
             rc = -1;
             break;
         }
-        if ((rc = attention(dm, L, st, qkv, qkv_w, att, scores, per_thread, nth))) break;
+        if ((rc = attention(dm, L, st, qkv, qkv_w, att, nth))) break;
         if ((rc = linear(&L->o, att, H * d, y, T, nth))) break;
         add_rows(x, y, T * D);
         llmd_rms_norm(x, D, L->post_norm, h, D, T, D, dm->eps);

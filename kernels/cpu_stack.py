@@ -22,18 +22,18 @@ class Linear(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
-                ("down", Linear), ("k_cache", _ptr), ("v_cache", _ptr)]
+                ("down", Linear), ("kv", cpu_ops.KV)]
 
 
 class Dims(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
-                ("intermediate", _i64), ("num_blocks", _i64), ("block_size", _i64), ("eps", _f32), ("scale", _f32)]
+                ("intermediate", _i64), ("eps", _f32), ("scale", _f32)]
 
 
 class Step(ctypes.Structure):
     _fields_ = [("T", _i64), ("cos", _ptr), ("ssin", _ptr), ("slots", _ptr),
                 ("num_decodes", _i64), ("decode_rows", _ptr), ("decode_tables", _ptr), ("decode_lens", _ptr),
-                ("decode_stride", _i64), ("decode_longest", _i64),
+                ("decode_stride", _i64),
                 ("num_chunks", _i64), ("chunks", _ptr), ("chunk_tables", _ptr), ("num_tables", _i64),
                 ("chunk_stride", _i64)]
 

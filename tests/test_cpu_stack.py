@@ -68,6 +68,12 @@ def test_stack_matches_the_modules_bit_for_bit(tiny_llama, mode):
     _assert_stack_matches_modules(load_model(tiny_llama, quant=mode))
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["fp16", "bf16", "int8"])
+def test_stack_reads_compact_kv_caches_as_the_modules_do(tiny_llama, kv_cache_dtype):
+    """fp16, bf16 and int8 KV caches run through the stack too (it used to need fp32), with the modules' bits."""
+    _assert_stack_matches_modules(load_model(tiny_llama, quant="int4-g32"), kv_cache_dtype=kv_cache_dtype)
+
+
 def test_stack_with_qkv_bias_and_speculative_verifies(tiny_qwen2):
     """Qwen2's qkv bias is added in the stack as in the modules; prompt-lookup speculation adds verify chunks."""
     _assert_stack_matches_modules(load_model(tiny_qwen2, quant="int4-g32"), speculative_mode="ngram")
@@ -92,12 +98,13 @@ def test_stack_steps_aside_where_it_does_not_apply(tiny_llama, tiny_qwen3):
     assert cpu_stack.CpuLayerStack.build(fp32.model) is None  # fp32 weights: MKL through torch
     assert cpu_stack.CpuLayerStack.build(load_model(tiny_qwen3, quant="int8").model) is None  # q/k norm
     loaded = load_model(tiny_llama, quant="int8")
-    engine = make_engine(loaded, kv_cache_dtype="int8")
-    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    engine.add_request("0", loaded.tokenizer.encode("Hello"), params)
-    while engine.has_work():
-        engine.step()
-    assert loaded.model._cpu_stack is not None  # built, then declined the int8 cache: the modules ran
+    ids = torch.tensor(loaded.tokenizer.encode("Hello"))
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0]], 16)
+    caches = [(torch.zeros(2, 16, 2, 16, dtype=torch.float64),) * 2 for _ in loaded.model.model.layers]
+    with torch.inference_mode():
+        loaded.model(ids, torch.arange(len(ids)), caches, meta)
+    stack = loaded.model._cpu_stack
+    assert stack is not None and not stack._caches  # built, then declined the fp64 cache: the modules ran
 
 
 def test_replaced_weights_rebuild_the_stack(tiny_llama):
@@ -149,8 +156,9 @@ def test_stack_does_not_keep_a_kv_pool_alive(tiny_llama):
     assert first() is None
 
 
-@pytest.mark.parametrize("model", ["tiny-int4", "smollm2"])
-def test_tokens_decoded_or_verified_in_a_chunk_get_the_same_logits(model, tiny_llama, smollm2_gguf):
+@pytest.mark.parametrize("model,kv_cache_dtype", [("tiny-int4", "auto"), ("smollm2", "auto"), ("smollm2", "fp16"),
+                                                  ("smollm2", "int8")])
+def test_tokens_decoded_or_verified_in_a_chunk_get_the_same_logits(model, kv_cache_dtype, tiny_llama, smollm2_gguf):
     """Speculative verification and recompute after preemption run a sequence's tokens as a chunk where plain
     decoding runs them one by one: on the CPU path the logits and the KV cache are bit for bit the same."""
     from llmd.model.simple import SingleSequence
@@ -160,13 +168,14 @@ def test_tokens_decoded_or_verified_in_a_chunk_get_the_same_logits(model, tiny_l
         else load_model(smollm2_gguf)
     prompt = loaded.tokenizer.encode("The capital of France is")
     tokens = loaded.tokenizer.encode(" Paris, and Berlin is the capital of Germany.")[:6]
-    one_by_one, chunked = SingleSequence(loaded, 64), SingleSequence(loaded, 64)
+    one_by_one, chunked = SingleSequence(loaded, 64, kv_cache_dtype=kv_cache_dtype), \
+        SingleSequence(loaded, 64, kv_cache_dtype=kv_cache_dtype)
     one_by_one.feed(prompt)
     chunked.feed(prompt)
     decoded = torch.cat([one_by_one.feed([t]) for t in tokens])
     assert torch.equal(decoded, chunked.feed(tokens))
-    for (k1, v1), (k2, v2) in zip(one_by_one.kv_caches, chunked.kv_caches):
-        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    for one, chunk in zip(one_by_one.kv_caches, chunked.kv_caches):
+        assert all(torch.equal(a, b) for a, b in zip(one, chunk))
 
 
 def test_two_threads_on_one_model_keep_their_own_caches(tiny_llama):

@@ -66,13 +66,13 @@ def test_write_kv_and_a_bad_slot():
     qkv = torch.randn(3, 6 * 8, generator=g)  # k and v as views of a fused output
     k, v = qkv[:, 16:32].view(3, 2, 8), qkv[:, 32:].view(3, 2, 8)
     slots = torch.tensor([5, 14, 0])
-    if not cpu_ops.write_kv(k, v, k_cache, v_cache, slots):
+    if not cpu_ops.write_kv(k, v, (k_cache, v_cache), slots):
         assert not HAVE_OPS
         return
     assert torch.equal(k_cache.view(16, 2, 8)[slots], k) and torch.equal(v_cache.view(16, 2, 8)[slots], v)
     assert int((k_cache != 0).any(-1).any(-1).sum()) == 3
     with pytest.raises(IndexError, match="slot"):
-        cpu_ops.write_kv(k, v, k_cache, v_cache, torch.tensor([1, 16, 2]))
+        cpu_ops.write_kv(k, v, (k_cache, v_cache), torch.tensor([1, 16, 2]))
 
 
 def _paged_case(group: int, lens: list[int], block_size: int = 4, kv_heads: int = 2, d: int = 16, seed: int = 0):
@@ -98,7 +98,7 @@ def test_decode_attention_matches_the_reference(group):
     want = torch_paged_attention(q, (k_cache, v_cache), meta, 0.25)
     got = torch.full_like(q, float("nan"))
     plan_tables = meta.block_tables.contiguous()
-    if not cpu_ops.decode_attention(q, k_cache, v_cache, plan_tables, meta.seq_lens, None, 0.25, got):
+    if not cpu_ops.decode_attention(q, (k_cache, v_cache), plan_tables, meta.seq_lens, None, 0.25, got):
         assert not HAVE_OPS
         return
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -110,25 +110,25 @@ def test_decode_attention_is_batch_and_thread_invariant():
     q, k_cache, v_cache, tables = _paged_case(3, lens, seed=1)
     meta = AttentionMetadata.build([1] * len(lens), lens, tables, 4)
     full = torch.empty_like(q)
-    if not cpu_ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, None, 0.3, full):
+    if not cpu_ops.decode_attention(q, (k_cache, v_cache), meta.block_tables, meta.seq_lens, None, 0.3, full):
         assert not HAVE_OPS
         return
     for i in range(len(lens)):
         alone = torch.empty_like(q[i : i + 1])
         table = meta.block_tables[i : i + 1, : (lens[i] + 3) // 4].contiguous()
-        cpu_ops.decode_attention(q[i : i + 1], k_cache, v_cache, table, meta.seq_lens[i : i + 1], None, 0.3, alone)
+        cpu_ops.decode_attention(q[i : i + 1], (k_cache, v_cache), table, meta.seq_lens[i : i + 1], None, 0.3, alone)
         assert torch.equal(alone, full[i : i + 1])
     # the queries at other rows of a larger batch (a step that mixes in prefill chunks)
     wide, out = torch.randn(9, *q.shape[1:]), torch.zeros(9, *q.shape[1:])
     rows = torch.tensor([8, 0, 3, 5, 6])
     wide[rows] = q
-    cpu_ops.decode_attention(wide, k_cache, v_cache, meta.block_tables, meta.seq_lens, rows, 0.3, out)
+    cpu_ops.decode_attention(wide, (k_cache, v_cache), meta.block_tables, meta.seq_lens, rows, 0.3, out)
     assert torch.equal(out[rows], full) and not out[[1, 2, 4, 7]].any()
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(3)
         again = torch.empty_like(q)
-        cpu_ops.decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, None, 0.3, again)
+        cpu_ops.decode_attention(q, (k_cache, v_cache), meta.block_tables, meta.seq_lens, None, 0.3, again)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(again, full)
@@ -150,12 +150,12 @@ def test_a_decoded_token_attends_bit_for_bit_as_in_a_chunk(group, d):
         chunk = torch.randn(chunk_len, *q.shape[1:], generator=_gen(i))
         chunk[-1] = q[i]  # the chunk's last query is the decoded one, at the same position
         in_chunk = torch.empty_like(chunk)
-        assert cpu_ops.prefill_attention(chunk, k_cache, v_cache, table, n, 0.3, in_chunk)
+        assert cpu_ops.prefill_attention(chunk, (k_cache, v_cache), table, n, 0.3, in_chunk)
         for t in (1, 4):  # one query head per task, or tiles of query heads sharing their KV head
             torch.set_num_threads(t)
             try:
                 decoded = torch.empty_like(q[i : i + 1])
-                assert cpu_ops.decode_attention(q[i : i + 1], k_cache, v_cache, table[None], torch.tensor([n]), None,
+                assert cpu_ops.decode_attention(q[i : i + 1], (k_cache, v_cache), table[None], torch.tensor([n]), None,
                                                 0.3, decoded)
             finally:
                 torch.set_num_threads(threads)
@@ -169,10 +169,10 @@ def test_decode_attention_refuses_rows_and_blocks_outside_their_buffers():
         return
     bad = torch.tensor([[tables[0][0], k_cache.shape[0]]])
     with pytest.raises(IndexError, match="block table"):
-        cpu_ops.decode_attention(q, k_cache, v_cache, bad, torch.tensor([6]), None, 0.3, out)
+        cpu_ops.decode_attention(q, (k_cache, v_cache), bad, torch.tensor([6]), None, 0.3, out)
     good = torch.tensor([tables[0]])
     with pytest.raises(IndexError, match="query row"):  # a row past q and out
-        cpu_ops.decode_attention(q, k_cache, v_cache, good, torch.tensor([6]), torch.tensor([1]), 0.3, out)
+        cpu_ops.decode_attention(q, (k_cache, v_cache), good, torch.tensor([6]), torch.tensor([1]), 0.3, out)
 
 
 @pytest.mark.parametrize("group", [1, 3, 8])
@@ -188,7 +188,7 @@ def test_prefill_attention_matches_the_reference(group):
     for i, (q_len, n) in enumerate(zip(q_lens, lens)):
         rows = slice(start, start + q_len)
         got = torch.full_like(q[rows], float("nan"))
-        if not cpu_ops.prefill_attention(q[rows], k_cache, v_cache, meta.block_tables[i], n, 0.25, got):
+        if not cpu_ops.prefill_attention(q[rows], (k_cache, v_cache), meta.block_tables[i], n, 0.25, got):
             assert not HAVE_OPS
             return
         torch.testing.assert_close(got, want[rows], rtol=1e-5, atol=1e-5)
@@ -196,4 +196,118 @@ def test_prefill_attention_matches_the_reference(group):
     if HAVE_OPS:
         with pytest.raises(IndexError, match="block id"):
             bad = torch.tensor([tables[2][0], k_cache.shape[0], 0, 0, 0, 0])
-            cpu_ops.prefill_attention(q[-9:], k_cache, v_cache, bad, 23, 0.25, torch.empty_like(q[-9:]))
+            cpu_ops.prefill_attention(q[-9:], (k_cache, v_cache), bad, 23, 0.25, torch.empty_like(q[-9:]))
+
+
+# ---- compact caches: fp16, bf16 and int8 read in place by the same kernels -----------------------------------------
+
+KV_KINDS = ["fp32", "fp16", "bf16", "int8"]
+
+
+def _as_kind(k_cache: torch.Tensor, v_cache: torch.Tensor, kind: str) -> tuple:
+    """fp32 caches in another cache type: a (k, v) pair, or int8's (k, v, k_scale, v_scale)."""
+    if kind == "int8":
+        from llmd.model.kv_int8 import Int8KVCache, quantize_int8
+
+        (kq, ks), (vq, vs) = quantize_int8(k_cache), quantize_int8(v_cache)
+        return Int8KVCache(kq, vq, ks, vs)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[kind]
+    return k_cache.to(dtype), v_cache.to(dtype)
+
+
+@pytest.mark.parametrize("kind", KV_KINDS[1:])
+def test_write_kv_converts_as_torch_does(kind):
+    """The C write stores what torch's conversion (or kv_int8.quantize_int8, scales included) stores, bit for bit:
+    rounding ties, fp16 subnormals and overflow, a row of zeros."""
+    if not HAVE_OPS:
+        return
+    g = _gen(3)
+    k = torch.randn(5, 3, 24, generator=g) * 4
+    v = torch.randn(5, 3, 24, generator=g)
+    k[0, 0, :6] = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 3e-6, -7e-8, 7e4, 65519.0])  # fp16 ties, tiny, huge
+    k[1, 2] = 0.0
+    v[2, 1, :3] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, 1e-40])  # bf16 ties, an fp32 subnormal
+    zeros = torch.zeros(4, 4, 3, 24)
+    cache = _as_kind(zeros, zeros.clone(), kind)
+    slots = torch.tensor([9, 0, 15, 4, 3])
+    assert cpu_ops.write_kv(k, v, cache, slots)
+    want = _as_kind(k.view(1, 5, 3, 24), v.view(1, 5, 3, 24), kind)
+    for got, ref in zip(cache, want):
+        assert torch.equal(got.flatten(0, 1)[slots], ref[0])
+
+
+def _long_case(kind: str, lens: list[int], group: int = 3, d: int = 64, block_size: int = 16, seed: int = 0):
+    q, k_cache, v_cache, tables = _paged_case(group, lens, block_size=block_size, kv_heads=2, d=d, seed=seed)
+    return q, _as_kind(k_cache, v_cache, kind), tables
+
+
+@pytest.mark.parametrize("kind", KV_KINDS)
+def test_decode_and_chunk_attention_match_the_reference_on_every_cache_type(kind):
+    """Contexts of one partition, of several (256 tokens each) and a partial last one; the reference reads the same
+    cache through torch (dequantized for int8)."""
+    if not HAVE_OPS:
+        return
+    lens = [3, 256, 700]
+    q, cache, tables = _long_case(kind, lens)
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, 16)
+    got = torch.full_like(q, float("nan"))
+    assert cpu_ops.decode_attention(q, cache, meta.block_tables, meta.seq_lens, None, 0.125, got)
+    torch.testing.assert_close(got, torch_paged_attention(q, cache, meta, 0.125), rtol=1e-4, atol=1e-5)
+    q_lens = [3, 5, 9]
+    chunk = torch.randn(sum(q_lens), *q.shape[1:], generator=_gen(4))
+    meta = AttentionMetadata.build(q_lens, lens, tables, 16)
+    want = torch_paged_attention(chunk, cache, meta, 0.125)
+    start = 0
+    for i, (q_len, n) in enumerate(zip(q_lens, lens)):
+        rows = slice(start, start + q_len)
+        out = torch.full_like(chunk[rows], float("nan"))
+        assert cpu_ops.prefill_attention(chunk[rows], cache, meta.block_tables[i], n, 0.125, out)
+        torch.testing.assert_close(out, want[rows], rtol=1e-4, atol=1e-5)
+        start += q_len
+
+
+@pytest.mark.parametrize("kind", KV_KINDS)
+def test_long_context_split_across_threads_is_bit_identical(kind):
+    """One long sequence's partitions run on every thread; its output is bit for bit the same at 1, 2 and 4
+    threads, alone or in a batch, and decoded or as the last query of a chunk."""
+    if not HAVE_OPS:
+        return
+    lens = [1100, 40, 513]
+    q, cache, tables = _long_case(kind, lens, seed=5)
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, 16)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for t in (1, 2, 4):
+            torch.set_num_threads(t)
+            batch = torch.empty_like(q)
+            assert cpu_ops.decode_attention(q, cache, meta.block_tables, meta.seq_lens, None, 0.125, batch)
+            alone = torch.empty_like(q[:1])
+            table = torch.tensor([tables[0]])
+            assert cpu_ops.decode_attention(q[:1], cache, table, torch.tensor([lens[0]]), None, 0.125, alone)
+            chunk = torch.randn(6, *q.shape[1:], generator=_gen(6))
+            chunk[-1] = q[0]
+            in_chunk = torch.empty_like(chunk)
+            assert cpu_ops.prefill_attention(chunk, cache, table[0], lens[0], 0.125, in_chunk)
+            outs.append((batch, alone, in_chunk))
+    finally:
+        torch.set_num_threads(threads)
+    batch, alone, in_chunk = outs[0]
+    assert torch.equal(alone[0], batch[0]) and torch.equal(in_chunk[-1], batch[0])
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+def test_caches_the_kernels_cannot_read_are_declined():
+    """Another element type, mismatched K/V, a strided cache, scales of the wrong type: False, nothing written."""
+    if not HAVE_OPS:
+        return
+    q, k_cache, v_cache, tables = _paged_case(1, [6])
+    out = torch.zeros_like(q)
+    table, lens = torch.tensor([tables[0]]), torch.tensor([6])
+    int8 = _as_kind(k_cache, v_cache, "int8")
+    for bad in ((k_cache.double(), v_cache.double()), (k_cache, v_cache.half()), (k_cache[:, :, :1], v_cache[:, :, :1]),
+                (int8.k, int8.v), int8._replace(k_scale=int8.k_scale.half())):
+        assert not cpu_ops.decode_attention(q, bad, table, lens, None, 0.3, out)
+        assert not cpu_ops.write_kv(q[:, :2], q[:, :2], bad, torch.tensor([0]))
+    assert not out.any()

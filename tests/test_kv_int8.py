@@ -338,7 +338,9 @@ def test_setting_from_flag_env_and_config_file(tmp_path, monkeypatch):
     monkeypatch.setenv("LLMD_KV_CACHE_DTYPE", "auto")
     assert load_settings().kv_cache_dtype == "auto"
     assert load_settings(kv_cache_dtype="int8").kv_cache_dtype == "int8"
-    with pytest.raises(ConfigError, match=r"kv_cache_dtype \(--kv-cache-dtype\): must be one of auto, int8"):
+    assert load_settings(kv_cache_dtype="fp16").kv_cache_dtype == "fp16"
+    with pytest.raises(ConfigError,
+                       match=r"kv_cache_dtype \(--kv-cache-dtype\): must be one of auto, fp32, fp16, bf16, int8"):
         load_settings(kv_cache_dtype="fp8")
     monkeypatch.setenv("LLMD_KV_CACHE_DTYPE", "int4")
     with pytest.raises(ConfigError, match="LLMD_KV_CACHE_DTYPE"):
@@ -346,7 +348,7 @@ def test_setting_from_flag_env_and_config_file(tmp_path, monkeypatch):
 
 
 def test_engine_config_rejects_unknown_kv_dtype():
-    with pytest.raises(ValueError, match="kv_cache_dtype .*auto or int8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype .*one of auto, fp32, fp16, bf16, int8"):
         EngineConfig(kv_cache_dtype="fp8").validate()
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         allocate_kv_cache(1, 1, 16, 1, 8, torch.float32, kv_cache_dtype="int4")

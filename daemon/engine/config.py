@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 CPU_KV_CACHE_BYTES = 512 * 1024**2
+# "auto": the model's dtype; fp32/fp16/bf16: that float type; int8: per-token, per-head scales (llmd.model.kv_int8)
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8")
 
 
 @dataclass
@@ -17,7 +19,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # default 512 on CPU, 2048 on CUDA
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 32768)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "int8": per-token, per-head scales (llmd.model.kv_int8)
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
     cuda_graphs: bool = True  # CUDA only: replay decode steps from CUDA graphs (llmd.engine.cuda_graphs)
     max_queue: int = 1024  # waiting requests beyond this are refused with QueueFull
     seed: int = 0  # seeds the generators of sampled requests that bring no seed of their own
@@ -62,8 +64,8 @@ class EngineConfig:
             bad("kv_cache_bytes", "must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             bad("num_kv_blocks", "must be at least 1")
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            bad("kv_cache_dtype", f"is {self.kv_cache_dtype!r}; must be auto or int8")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"is {self.kv_cache_dtype!r}; must be one of {', '.join(KV_CACHE_DTYPES)}")
         if self.max_queue < 1:
             bad("max_queue", "must be at least 1")
         if self.speculative_mode not in ("off", "ngram", "draft", "auto"):

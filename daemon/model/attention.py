@@ -5,13 +5,13 @@ for the whole flattened batch (decodes and prefill chunks mixed). K/V of the new
 `slot_mapping`; attention then reads each sequence's context through its block table.
 
 Cache layout, per layer: a pair (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim], in the
-model's dtype; or, with kv_cache_dtype "int8", an `Int8KVCache` (llmd.model.kv_int8): int8 values in that layout plus
-a per-token, per-head scale. Readers turn either into values through `kv_int8.gather_blocks`.
-Slot s lives at block s // block_size, offset s % block_size.
+model's dtype ("auto") or in fp32/fp16/bf16 (kv_cache_dtype "fp32", "fp16", "bf16"); or, with "int8", an
+`Int8KVCache` (llmd.model.kv_int8): int8 values in that layout plus a per-token, per-head scale. Readers turn any of
+them into values through `kv_int8.gather_blocks`. Slot s lives at block s // block_size, offset s % block_size.
 
 The Triton kernels (llmd.kernels) plug in through `set_attention_backend`; the torch functions here are the reference
-and the CPU path, where fp32 K/V writes and attention (all decodes of a step in one call, each prefill chunk in
-one) run as C calls (llmd.kernels.cpu_ops) wherever those build.
+and the CPU path, where K/V writes and attention (all decodes of a step in one call, each prefill chunk in one) run
+as C calls (llmd.kernels.cpu_ops) that read every cache type in place, wherever those build.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu_ops
-from .kv_int8 import KV_CACHE_DTYPES, Int8KVCache, allocate_int8, gather_blocks, kv_parts, write_int8
+from .kv_int8 import KV_CACHE_DTYPES, Int8KVCache, allocate_int8, cache_dtype, gather_blocks, kv_parts, write_int8
 
 KVCache = tuple[torch.Tensor, torch.Tensor] | Int8KVCache
 
@@ -87,12 +87,12 @@ class AttentionMetadata:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) into their cache slots (quantized for an int8 cache)."""
+    if k.is_cpu and cpu_ops.write_kv(k, v, kv_cache, slot_mapping):  # one C call on the CPU, any cache type
+        return
     if isinstance(kv_cache, Int8KVCache):
         write_int8(k, v, kv_cache, slot_mapping)
         return
     k_cache, v_cache = kv_cache
-    if cpu_ops.write_kv(k, v, k_cache, v_cache, slot_mapping):  # one C call on the CPU
-        return
     num_blocks, block_size = k_cache.shape[:2]
     k_cache.view(num_blocks * block_size, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -202,33 +202,33 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
     return out.reshape(bd, num_heads, d)
 
 
-def cpu_attention(q: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-                  plan: "DecodePlan", scale: float, out: torch.Tensor) -> bool:
+def cpu_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, plan: "DecodePlan", scale: float,
+                  out: torch.Tensor) -> bool:
     """The compiled CPU attention (llmd.kernels.cpu_ops) into `out`: all decodes in one call, then each prefill chunk or
     speculative verify in one call. False where it does not apply (then use torch; `out` may be partly written)."""
-    if plan.block_tables.shape[0] and not cpu_ops.decode_attention(q, *kv_cache, plan.block_tables, plan.seq_lens,
-                                                                    plan.rows, scale, out, plan.longest):
+    if plan.block_tables.shape[0] and not cpu_ops.decode_attention(q, kv_cache, plan.block_tables, plan.seq_lens,
+                                                                    plan.rows, scale, out):
         return False
     starts = [0]
     for n in meta.query_lens_list:
         starts.append(starts[-1] + n)
     for i in plan.others:
         rows = slice(starts[i], starts[i + 1])
-        if not cpu_ops.prefill_attention(q[rows], *kv_cache, meta.block_tables[i], meta.seq_lens_list[i], scale,
+        if not cpu_ops.prefill_attention(q[rows], kv_cache, meta.block_tables[i], meta.seq_lens_list[i], scale,
                                          out[rows]):
             return False
     return True
 
 
 def fast_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The default backend. On the CPU with an fp32 cache: the compiled C attention (`cpu_attention`). Otherwise all
+    """The default backend. On the CPU: the compiled C attention (`cpu_attention`), any cache type. Otherwise all
     decode tokens of the step in one batched torch computation, other sequences (prefill chunks, speculative
     verifies) through the per-sequence reference. Which path a sequence takes depends only on its own query length,
     never on the rest of the batch."""
     plan = meta._decode_plan
     if plan is None:
         plan = meta._decode_plan = DecodePlan.build(meta)
-    if q.is_cpu and not isinstance(kv_cache, Int8KVCache):
+    if q.is_cpu:
         out = torch.empty_like(q)
         if cpu_attention(q, kv_cache, meta, plan, scale, out):
             return out
@@ -268,11 +268,13 @@ def allocate_kv_cache(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, device: torch.device | str = "cpu", kv_cache_dtype: str = "auto",
 ) -> list[KVCache]:
-    """Zeroed caches for every layer: (k, v) pairs in `dtype`, or Int8KVCaches with kv_cache_dtype "int8"."""
+    """Zeroed caches for every layer: (k, v) pairs in `dtype` ("auto") or the named one ("fp32", "fp16", "bf16"),
+    or Int8KVCaches with kv_cache_dtype "int8"."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: must be one of {', '.join(KV_CACHE_DTYPES)}")
     if kv_cache_dtype == "int8":
         return [allocate_int8(num_blocks, block_size, num_kv_heads, head_dim, device) for _ in range(num_layers)]
+    dtype = cache_dtype(kv_cache_dtype, dtype)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))

@@ -6,8 +6,8 @@ Python between them, about a third of a small model's decode step at batch 1.
 
 It applies to Llama-shaped models (no q/k norm) whose fused qkv, o, gate/up and down projections are int8 or int4
 layers or packed GGUF layers (one type, or a GGUFConcat of several) with a prepared CPU kernel, with fp32 activations
-and an fp32 KV cache, under the default attention backend.
-Everything else (fp32 or bitsandbytes weights, Qwen3, an int8 KV cache, CUDA, LLMD_CPU_GEMM=0) keeps the module path.
+and a KV cache the C attention reads (fp32, fp16, bf16 or int8), under the default attention backend. Everything else
+(fp32 or bitsandbytes weights, Qwen3, CUDA, LLMD_CPU_GEMM=0) keeps the module path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from ..kernels import cpu_gemm
+from ..kernels import cpu_gemm, cpu_ops
 from ..kernels import cpu_stack as ck
 from .attention import AttentionMetadata, DecodePlan, attention_backend, fast_paged_attention
 from .quant import GGUFConcat, GGUFLinear, Int4Linear, Int8Linear
@@ -31,7 +31,8 @@ class CpuLayerStack:
         self.lib, self.dims, self.layers = lib, dims, layers
         self._linears = linears  # (module, its cpu_gemm cache entry): the kernels whose weights the C code reads
         self._norms = norms  # (RMSNorm, its weight)
-        self._caches: list = []  # weak references to the KV caches whose pointers `layers` holds
+        self._caches: list = []  # weak references to the KV cache tensors whose pointers `layers` holds
+        self.block_size = 0
         self._lock = threading.Lock()  # two threads running the model on different caches must not mix pointers
 
     @classmethod
@@ -72,29 +73,29 @@ class CpuLayerStack:
             and all(n._parameters["weight"] is w for n, w in self._norms)
 
     def _bind_caches(self, kv_caches: list) -> bool:
-        """Point the layers at these caches: (k, v) fp32 pairs of one shape [blocks, block_size, kv_heads, d]."""
+        """Point the layers at these caches: one per layer, all of one type and shape, each one the C attention reads
+        ((k, v) in fp32/fp16/bf16, or an int8 cache with its scales)."""
         self._caches = []
         d = self.dims
-        if len(kv_caches) != d.num_layers or type(kv_caches[0]) is not tuple:  # e.g. an int8 KV cache
+        if len(kv_caches) != d.num_layers:
             return False
-        shape = kv_caches[0][0].shape
-        if len(shape) != 4 or tuple(shape[2:]) != (d.kv_heads, d.head_dim):
+        views = [cpu_ops.kv_view(c) if isinstance(c, tuple) else None for c in kv_caches]
+        first = views[0]
+        if first is None or (first.kv_heads, first.d) != (d.kv_heads, d.head_dim):
             return False
-        for pair in kv_caches:
-            if type(pair) is not tuple or len(pair) != 2 or any(
-                    t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous() or t.shape != shape
-                    for t in pair):
-                return False
-        for c_layer, (k, v) in zip(self.layers, kv_caches):
-            c_layer.k_cache, c_layer.v_cache = k.data_ptr(), v.data_ptr()
-        d.num_blocks, d.block_size = shape[0], shape[1]
+        key = (first.dtype, first.num_blocks, first.block_size)
+        if any(v is None or (v.dtype, v.num_blocks, v.block_size) != key for v in views):
+            return False
+        for c_layer, view in zip(self.layers, views):
+            c_layer.kv = view
+        self.block_size = first.block_size
         # weak: the stack lives with the model and must not keep an engine's KV pool alive after the engine
-        self._caches = [(weakref.ref(k), weakref.ref(v)) for k, v in kv_caches]
+        self._caches = [tuple(weakref.ref(t) for t in c) for c in kv_caches]
         return True
 
     def _bound_to(self, kv_caches: list) -> bool:
         return len(kv_caches) == len(self._caches) and all(
-            type(pair) is tuple and k() is pair[0] and v() is pair[1] for (k, v), pair in zip(self._caches, kv_caches))
+            len(refs) == len(c) and all(r() is t for r, t in zip(refs, c)) for refs, c in zip(self._caches, kv_caches))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> bool:
@@ -106,7 +107,7 @@ class CpuLayerStack:
         if not self._bound_to(kv_caches) and not self._bind_caches(kv_caches):
             return False
         t = x.shape[0]
-        if meta.block_size != self.dims.block_size or not (cos.is_contiguous() and sin.is_contiguous()) \
+        if meta.block_size != self.block_size or not (cos.is_contiguous() and sin.is_contiguous()) \
                 or cos.numel() != t * self.dims.head_dim or meta.slot_mapping.numel() != t:
             return False
         plan = meta._decode_plan
@@ -114,7 +115,7 @@ class CpuLayerStack:
             plan = meta._decode_plan = DecodePlan.build(meta)
         step = ck.Step(T=t, cos=cos.data_ptr(), ssin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr())
         if plan.block_tables.shape[0]:
-            step.num_decodes, step.decode_longest = plan.block_tables.shape[0], plan.longest
+            step.num_decodes = plan.block_tables.shape[0]
             step.decode_rows = None if plan.rows is None else plan.rows.data_ptr()
             step.decode_tables, step.decode_lens = plan.block_tables.data_ptr(), plan.seq_lens.data_ptr()
             step.decode_stride = plan.block_tables.shape[1]

@@ -1,6 +1,7 @@
 """The int8 KV cache: symmetric per-token, per-head quantization of K and V, and the gather every reader goes through.
 
-A layer's cache is either a plain pair (k_cache, v_cache) in the model dtype ("auto"), or an `Int8KVCache` ("int8"):
+A layer's cache is either a plain pair (k_cache, v_cache) in the model dtype ("auto") or a named float type ("fp32",
+"fp16", "bf16"), or an `Int8KVCache` ("int8"):
 the same [num_blocks, block_size, kv_heads, head_dim] layout holding int8 values, plus one fp32 scale per
 (block, offset, kv_head) for K and for V, so that x ~= q * scale with q in [-127, 127].
 
@@ -19,8 +20,16 @@ from typing import NamedTuple
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8")  # "auto": the model's dtype
+KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8")  # "auto": the model's dtype
 SCALE_DTYPE = torch.float32
+_FLOAT_KV = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of a cache: the model's for "auto", the named one for fp32/fp16/bf16, int8 for "int8"."""
+    if kv_cache_dtype == "int8":
+        return torch.int8
+    return _FLOAT_KV.get(kv_cache_dtype, model_dtype)
 
 
 class Int8KVCache(NamedTuple):
@@ -78,7 +87,7 @@ def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cac
     """Bytes one token's K and V take in one layer's cache, scales included."""
     if kv_cache_dtype == "int8":
         return 2 * num_kv_heads * (head_dim + torch.empty((), dtype=SCALE_DTYPE).element_size())
-    return 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_kv_heads * head_dim * torch.empty((), dtype=cache_dtype(kv_cache_dtype, dtype)).element_size()
 
 
 def allocate_int8(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

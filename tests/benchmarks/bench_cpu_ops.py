@@ -62,8 +62,8 @@ def attention_case(batch: int, length: int):
     k, v = torch.randn(batch, KV_HEADS, D), torch.randn(batch, KV_HEADS, D)
 
     def c_op():
-        cpu_ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        cpu_ops.decode_attention(q, k_cache, v_cache, plan.block_tables, plan.seq_lens, None, 0.125, out, plan.longest)
+        cpu_ops.write_kv(k, v, (k_cache, v_cache), meta.slot_mapping)
+        cpu_ops.decode_attention(q, (k_cache, v_cache), plan.block_tables, plan.seq_lens, None, 0.125, out)
 
     def torch_code():  # write_kv's and fast_paged_attention's torch branches
         k_cache.view(-1, KV_HEADS, D).index_copy_(0, meta.slot_mapping, k)
@@ -79,7 +79,7 @@ def prefill_case(new: int, context: int):
     table = torch.arange(nb)
     meta = AttentionMetadata.build([new], [context], [table.tolist()], BLOCK)
     q, out = torch.randn(new, HEADS, D), torch.empty(new, HEADS, D)
-    return (lambda: cpu_ops.prefill_attention(q, k_cache, v_cache, table, context, 0.125, out),
+    return (lambda: cpu_ops.prefill_attention(q, (k_cache, v_cache), table, context, 0.125, out),
             lambda: torch_paged_attention(q, (k_cache, v_cache), meta, 0.125))
 
 
