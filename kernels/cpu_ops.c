@@ -76,17 +76,31 @@ INLINE float dot(const float *a, const float *b, int64_t n) {
     return s;
 }
 
-/* s[t] = exp(s[t] - max(s)), t < n; returns their sum and puts max(s) in *max */
+/* s[t] = exp(s[t] - max(s)), t < n; returns their sum (8 lane sums, then the lanes and the tail in a fixed order
+ * that depends only on n) and puts max(s) in *max */
 static float softmax_numerators(float *s, int64_t n, float *max) {
     float m = s[0], sum = 0.0f;
-    for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
     int64_t t = 0;
 #if SIMD
-    const __m256 mv = _mm256_set1_ps(m);
-    for (; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv)));
+    __m256 mv = _mm256_set1_ps(m);
+    for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #endif
-    for (; t < n; t++) s[t] = expf(s[t] - m);
-    for (t = 0; t < n; t++) sum += s[t];
+    for (; t < n; t++) m = s[t] > m ? s[t] : m;
+    t = 0;
+#if SIMD
+    mv = _mm256_set1_ps(m);
+    __m256 acc = _mm256_setzero_ps();
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum8(acc);
+#endif
+    for (; t < n; t++) sum += s[t] = expf(s[t] - m);
     *max = m;
     return sum;
 }

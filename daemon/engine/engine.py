@@ -19,7 +19,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .accept import accept
 from .grammar import CompiledGrammar, GrammarCompiler, step_masks
-from .runner import ModelRunner
+from .runner import ModelRunner, sequences_that_fit
 from .scheduler import Scheduler, ScheduledSeq
 from .sequence import Sequence
 from .stop import StopStringMatcher
@@ -59,6 +59,8 @@ class Engine:
         device = next(loaded.model.parameters()).device
         self.config = (config or EngineConfig()).resolved(device.type, loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded, self.config)
+        self._seqs_8k = sequences_that_fit(loaded.config, self.runner.kv_cache_bytes, self.config.block_size,
+                                           self.runner.dtype)
         self.device = self.runner.device
         salt = f"{loaded.name}|{loaded.config.architecture}|{self.runner.dtype}"
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
@@ -301,6 +303,10 @@ class Engine:
             "kv_blocks_used": bm.num_used_blocks,
             "kv_blocks_cached": bm.num_cached_blocks,
             "kv_blocks_free": bm.num_free_blocks - bm.num_cached_blocks,
+            "kv_cache_dtype": KV_DTYPE_NAMES.get(self.runner.kv_element, str(self.runner.kv_element)),
+            "kv_cache_bytes": self.runner.kv_cache_bytes,
+            # 8,192-token sequences this pool's bytes would hold with each KV cache dtype
+            "kv_8k_sequences_by_dtype": self._seqs_8k,
             "prefix_cache_queries_tokens": queries,
             "prefix_cache_hits_tokens": bm.hits_tokens,
             "prefix_cache_hit_rate": bm.hits_tokens / queries if queries else 0.0,
@@ -326,6 +332,9 @@ class Engine:
         self.block_manager.check_idle()
         if self.speculator is not None:
             self.speculator.check_no_leaks()
+
+
+KV_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8"}
 
 
 def percentiles(values: list[float]) -> dict:

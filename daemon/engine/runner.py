@@ -15,7 +15,7 @@ import logging
 import torch
 
 from ..model.attention import AttentionMetadata, allocate_kv_cache
-from ..model.kv_int8 import bytes_per_token
+from ..model.kv_int8 import bytes_per_token, cache_dtype
 from .config import EngineConfig
 from .cuda_graphs import Capture, CudaGraphRunner, cuda_graph_capture, graph_blocker
 from .scheduler import ScheduledSeq
@@ -28,6 +28,15 @@ def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cac
     c = model_config
     per_token = bytes_per_token(c.num_key_value_heads, c.head_dim, dtype, kv_cache_dtype)
     return c.num_hidden_layers * block_size * per_token
+
+
+def sequences_that_fit(model_config, budget_bytes: int, block_size: int, dtype: torch.dtype,
+                       tokens: int = 8192) -> dict[str, int]:
+    """How many sequences of `tokens` tokens a KV budget holds, per KV cache dtype ("fp32", "fp16", "bf16", "int8"):
+    the trade between long contexts and batch size."""
+    blocks = -(-tokens // block_size)
+    return {kind: int(budget_bytes // (blocks * kv_bytes_per_block(model_config, block_size, dtype, kind)))
+            for kind in ("fp32", "fp16", "bf16", "int8")}
 
 
 def activation_headroom_bytes(model_config, config: EngineConfig, dtype: torch.dtype) -> int:
@@ -86,7 +95,8 @@ class ModelRunner:
             dtype=self.dtype, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
         )
         self.kv_cache_bytes = pool_blocks * kv_bytes_per_block(c, self.block_size, self.dtype, self.kv_cache_dtype)
-        kind = "int8 + scales" if self.kv_cache_dtype == "int8" else str(self.dtype).removeprefix("torch.")
+        self.kv_element = cache_dtype(self.kv_cache_dtype, self.dtype)  # what the pool holds
+        kind = "int8 + scales" if self.kv_cache_dtype == "int8" else str(self.kv_element).removeprefix("torch.")
         log.info("KV pool: %d blocks of %d tokens (%.0f MiB, %s)", self.num_blocks, self.block_size,
                  self.kv_cache_bytes / 2**20, kind)
         self.graphs: CudaGraphRunner | None = None

@@ -56,8 +56,9 @@ class LlamaCpp:
     def close(self) -> None:
         self.lib.llama_model_free(self.model)
 
-    def generate(self, prompts: list[list[int]], steps: int, warmup: int = 0) -> Timing:
-        """Prefill every prompt, then warmup + steps greedy decode steps; the first `warmup` steps are not timed."""
+    def generate(self, prompts: list[list[int]], steps: int, warmup: int = 0, **context) -> Timing:
+        """Prefill every prompt, then warmup + steps greedy decode steps; the first `warmup` steps are not timed.
+        `context`: llama_context_params fields to set (type_k, type_v, flash_attn_type, rope_freq_scale, ...)."""
         lib, batch = self.lib, len(prompts)
         per_seq = max(len(p) for p in prompts) + warmup + steps + 1
         params = lib.llama_context_default_params()
@@ -65,6 +66,8 @@ class LlamaCpp:
         params.n_ctx = batch * -(-per_seq // 256) * 256  # split evenly over the sequences, padded to 256 per sequence
         params.n_batch = params.n_ubatch = max(512, sum(len(p) for p in prompts))
         params.n_threads = params.n_threads_batch = self.threads
+        for name, value in context.items():
+            setattr(params, name, value)
         ctx = lib.llama_init_from_model(self.model, params)
         if not ctx:
             raise RuntimeError("llama.cpp could not create a context")
