@@ -117,7 +117,26 @@ def test_real_shapes_on_gpu(batch, context):
     assert (out.float() - ref.float()).abs().max() < 2e-2
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+@pytest.mark.parametrize("kv_cache_dtype", ["fp16", "bf16"])
+def test_compact_float_caches_under_an_fp32_model(kv_cache_dtype):
+    """--kv-cache-dtype fp16/bf16 with fp32 activations: both kernels (a decode-only step, then a step with a prefill
+    chunk over a cached prefix) read the compact cache and widen it, as the torch path does. bf16 runs on the GPU only
+    (the interpreter has no bf16)."""
+    if kv_cache_dtype == "bf16" and DEVICE == "cpu":
+        pytest.skip("bf16 needs CUDA (the Triton interpreter computes through numpy, which has no bf16)")
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[kv_cache_dtype]
+    q, k_cache, v_cache, meta = _ragged_batch([40, 3, 17], 2, 3, 32, 16, torch.float32, seed=6)
+    cache = (k_cache.to(dtype), v_cache.to(dtype))
+    out = pa.triton_paged_attention(q, cache, meta, 0.3)
+    _check(out, torch_paged_attention(q, cache, meta, 0.3), torch.float32)
+    tables = [meta.block_tables[i, : -(-n // 16)].tolist() for i, n in enumerate([40, 3, 17])]
+    mixed = AttentionMetadata.build([5, 1, 2], [40, 3, 17], tables, 16, device=DEVICE)
+    qm = torch.randn(8, 6, 32, device=DEVICE)
+    _check(pa.triton_paged_attention(qm, cache, mixed, 0.3), torch_paged_attention(qm, cache, mixed, 0.3),
+           torch.float32)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp16", "int8"])
 def test_startup_check_accepts_the_kernels_and_refuses_a_wrong_backend(kv_cache_dtype):
     """The check the CUDA runner runs before switching to the Triton kernels (here on the interpreter): the real
     backend passes for SmolLM2's head shape; a backend that ignores the context, or one that raises, is refused
