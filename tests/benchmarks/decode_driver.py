@@ -12,23 +12,28 @@ from llmd.model.attention import AttentionMetadata, allocate_kv_cache
 
 @torch.inference_mode()
 def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, block_size: int = 16,
-                             warmup: int = 2, sync=lambda: None, query_len: int = 1) -> float:
+                             warmup: int = 2, sync=lambda: None, query_len: int = 1, kv_cache_dtype: str = "auto",
+                             prefill_chunk: int | None = None) -> float:
     """Steps per second times batch. query_len > 1 feeds that many positions per sequence per step, the shape of a
-    speculative verify (k proposals + 1), so its cost can be compared with a plain decode step."""
+    speculative verify (k proposals + 1), so its cost can be compared with a plain decode step. prefill_chunk: feed
+    the prompts in chunks of that many positions (a long prompt in one forward needs its activations at once)."""
     cfg = model.config
     param = next(p for p in model.parameters())
     device, dtype = param.device, (param.dtype if param.is_floating_point() else torch.float32)
     max_len = prompt_len + query_len * (steps + warmup) + 1
     per_seq = -(-max_len // block_size)
     kv = allocate_kv_cache(cfg.num_hidden_layers, batch * per_seq + 1, block_size, cfg.num_key_value_heads,
-                           cfg.head_dim, dtype, device)
+                           cfg.head_dim, dtype, device, kv_cache_dtype=kv_cache_dtype)
     tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen)
-    meta = AttentionMetadata.build([prompt_len] * batch, [prompt_len] * batch, tables, block_size, device=device)
-    pos = torch.arange(prompt_len).repeat(batch).to(device)
-    hidden = model(prompt.flatten().to(device), pos, kv, meta)
-    last = hidden.view(batch, prompt_len, -1)[:, -1]
+    chunk = prefill_chunk or prompt_len
+    for lo in range(0, prompt_len, chunk):
+        hi = min(lo + chunk, prompt_len)
+        meta = AttentionMetadata.build([hi - lo] * batch, [hi] * batch, tables, block_size, device=device)
+        pos = torch.arange(lo, hi).repeat(batch).to(device)
+        hidden = model(prompt[:, lo:hi].flatten().to(device), pos, kv, meta)
+    last = hidden.view(batch, hi - lo, -1)[:, -1]
     length = prompt_len
     elapsed = 0.0
     for step in range(warmup + steps):

@@ -12,6 +12,9 @@
 5. GGUF packed matmul (llmd.kernels.gguf_matmul) per type at Llama-3-8B shapes for M = 1..16: GB/s and % of peak
    bandwidth, next to bf16 torch matmul at the same shape (section gguf_kernels; run_gpu_checks.sh runs it apart,
    with its own time limit, as --sections gguf_kernels --name gguf_bench).
+6. Long-context decode (section long_context; run_gpu_checks.sh runs it apart, as --sections long_context --name
+   gpu_long_context): batch 1 after 8k and 32k tokens for the random bf16 Llama-3-8B with a
+   bf16 and an int8 KV cache, with achieved GB/s of weights + KV read per step and % of the roofline.
 Writes JSON and a text table to --out. Imports nothing outside torch/triton/llmd.
 """
 
@@ -342,9 +345,42 @@ def decode_cuda_graphs(peak_gbs: float) -> list[dict]:
     return rows
 
 
+def long_context_decode(peak_gbs: float, contexts=(8192, 32768), steps: int = 16) -> list[dict]:
+    from decode_driver import decode_tokens_per_second
+
+    from llmd.kernels.paged_attention import enable_cuda_attention
+    from llmd.model.kv_int8 import bytes_per_token
+
+    attention = enable_cuda_attention()
+    model, config = random_model("bf16")
+    embed = model.model.embed_tokens.weight
+    read = sum(t.numel() * t.element_size() for t in model.parameters()) - embed.numel() * embed.element_size()
+    rows = []
+    for context in contexts:
+        for kv in ("auto", "int8"):  # auto: the model's bf16
+            per_token = config.num_hidden_layers * bytes_per_token(config.num_key_value_heads, config.head_dim,
+                                                                   torch.bfloat16, kv)
+            kv_read = per_token * (context + steps // 2)  # mean context read per step
+            tok_s = decode_tokens_per_second(model, 1, context, steps, sync=torch.cuda.synchronize,
+                                             kv_cache_dtype=kv, prefill_chunk=4096)
+            gbs = tok_s * (read + kv_read) / 1e9
+            roof = peak_gbs * 1e9 / (read + kv_read)
+            name = "bf16" if kv == "auto" else kv
+            rows.append(dict(context=context, kv_cache=name, tok_s=tok_s, weight_bytes=read, kv_bytes=kv_read,
+                             gbs=gbs, pct_roofline=100 * tok_s / roof, triton_attention=attention))
+            print(f"long-context decode {context:6d} tokens, {name:4} KV: {tok_s:7.1f} tok/s  {gbs:6.0f} GB/s "
+                  f"(weights {read / 1e9:.1f} GB + KV {kv_read / 1e9:.2f} GB per step)  {100 * tok_s / roof:4.1f}% "
+                  f"of the roofline", flush=True)
+            torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
 SECTIONS = {"decode_cuda_graphs": decode_cuda_graphs, "kernels": kernel_bandwidth,
             "prefill_attention": prefill_attention_speed, "decode": decode_roofline, "spec_verify": verify_cost,
-            "gguf_kernels": gguf_kernel_bandwidth}
+            "gguf_kernels": gguf_kernel_bandwidth, "long_context": long_context_decode}
+APART = ("gguf_kernels", "long_context")  # run_gpu_checks.sh runs these on their own, with their own time limits
 
 
 def main() -> int:
@@ -352,12 +388,12 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--peak-gbs", type=float, default=4800.0)  # H200 HBM3e
     parser.add_argument("--sections", default="", help=f"comma-separated, of: {', '.join(SECTIONS)} (default all "
-                                                       "but gguf_kernels)")
+                                                       f"but {', '.join(APART)})")
     parser.add_argument("--name", default="gpu_bench", help="the JSON file's name under --out, without .json")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    chosen = args.sections.split(",") if args.sections else [s for s in SECTIONS if s != "gguf_kernels"]
+    chosen = args.sections.split(",") if args.sections else [s for s in SECTIONS if s not in APART]
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}")

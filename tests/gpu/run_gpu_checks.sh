@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in one go (budget: under 10 minutes on
-# an H200: the three timeouts below sum to 560 s).
-# Writes under $OUT (default ./gpu-results): pytest logs, gpu_bench.json/.txt and gguf_bench.json/.txt.
+# Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in one go (budget: under 12 minutes on
+# an H200: the four timeouts below sum to 680 s).
+# Writes under $OUT (default ./gpu-results): pytest logs, gpu_bench.json/.txt, gguf_bench.json/.txt and
+# gpu_long_context.json/.txt.
 set -u -o pipefail  # a failing pytest or benchmark, not tee, decides each step's status
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu-results}"
@@ -34,4 +35,7 @@ timeout 240 "$PY" tests/gpu/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/gpu_bench
 echo "== GGUF matmul benchmark" | tee -a "$OUT/summary.txt"
 timeout 100 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections gguf_kernels --name gguf_bench 2>&1 \
   | tee "$OUT/gguf_bench.txt" || status=1
+echo "== long-context decode (8k, 32k; bf16 and int8 KV)" | tee -a "$OUT/summary.txt"
+timeout 120 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections long_context --name gpu_long_context 2>&1 \
+  | tee "$OUT/gpu_long_context.txt" | tail -4 | tee -a "$OUT/summary.txt" || status=1
 exit $status
