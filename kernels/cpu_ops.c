@@ -292,6 +292,7 @@ int llmd_kv_dtype_supported(int64_t dt) { return dt >= KV_F32 && dt <= KV_I8; }
  * core and reads its KV once per KV head. */
 #define PQ 4
 #define PART 256
+#define PREFETCH 8 /* tokens */
 
 /* where one KV head's rows lie: token t of a context is row off[t] (its slot), at element off[t] * row of k and v
  * (already offset to the head) and, for int8, scale off[t] * srow of ks and vs */
@@ -311,10 +312,20 @@ INLINE void attend_part_p(const float *const *q, const int64_t *len, const head_
         nj[j] = (len[j] < t0 + PART ? len[j] : t0 + PART) - t0;
         n = nj[j] > n ? nj[j] : n;
     }
-    const int64_t row = hv->row;
+    const int64_t row = hv->row, es = kv_elem_size(DT), bytes = d * es;
     for (int64_t i = 0; i < n; i += 2) {
         const int64_t t = t0 + i, t1 = i + 1 < n ? t + 1 : t;
         const int64_t r0 = off[t] * row, r1 = off[t1] * row;
+        /* the cache rows are scattered by the block table: fetch K PREFETCH tokens ahead, and this token's V, which
+         * the weighted sum below reads once the partition's scores are done */
+        for (int u = 0; u < 2 && i + u < n; u++) {
+            const char *vr = (const char *)hv->v + off[t + u] * row * es;
+            for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(vr + c);
+            if (i + u + PREFETCH < n) {
+                const char *kr = (const char *)hv->k + off[t + u + PREFETCH] * row * es;
+                for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(kr + c);
+            }
+        }
         int64_t c = 0;
         float d0[PQ] = {0}, d1[PQ] = {0};
 #if SIMD
@@ -445,7 +456,9 @@ static int64_t parts_of(int64_t len) { return (len + PART - 1) / PART; }
  * q: row b at q + rows[b] * ldq (rows NULL: row b) of num_rows, [heads, d] each; the output goes to the same row of
  * `out` (stride ldo). block_tables [B, bt_stride]; seq_lens [B]. A task is one partition of one sequence's context
  * for a tile of up to PQ query heads sharing a KV head, or for a single query head where tiles leave too few tasks
- * to share among the threads (short contexts); a second pass merges each query's partitions. */
+ * to share among the threads (short contexts); a second pass merges each query's partitions. A sequence's tasks
+ * go partition by partition, its KV heads within one, so the rows a partition's first head brings into the cache
+ * serve the other heads too (a token's K and V rows hold every head). */
 int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, int64_t num_rows,
                           const llmd_kv *kv, const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
                           int64_t heads, float scale, float *out, int64_t ldo, int threads) {
@@ -497,7 +510,8 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
                 else hi = mid;
             }
             const int64_t b = lo, np = parts_of(seq_lens[b]), local = task - first[b];
-            const int64_t p = local % np, kvh = local / np / tiles, h0 = kvh * group + local / np % tiles * tile;
+            const int64_t p = local / (kv_heads * tiles), kvh = local / tiles % kv_heads;
+            const int64_t h0 = kvh * group + local % tiles * tile;
             const int nq = (int)(kvh * group + group - h0 < tile ? kvh * group + group - h0 : tile);
             const int64_t row = rows ? rows[b] : b;
             const float *qj[PQ];
@@ -515,8 +529,8 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * heads; bh++) {
             const int64_t b = bh / heads, h = bh % heads, kvh = h / group, hi = h - kvh * group;
-            const int64_t np = parts_of(seq_lens[b]), task = first[b] + (kvh * tiles + hi / tile) * np;
-            combine(partial + (task * tile + hi % tile) * stride, np, tile * stride, d,
+            const int64_t np = parts_of(seq_lens[b]), task = first[b] + kvh * tiles + hi / tile;
+            combine(partial + (task * tile + hi % tile) * stride, np, kv_heads * tiles * tile * stride, d,
                     out + (rows ? rows[b] : b) * ldo + h * d);
         }
     }

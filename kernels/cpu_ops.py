@@ -267,6 +267,11 @@ def _self_check() -> None:
     got = torch.empty_like(q)
     decode_attention(q, (k_cache, v_cache), tables, lens, None, 0.3, got)
     checks.append(("decode_attention", got, decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3)))
+    k16, v16 = k_cache.half(), v_cache.half()  # a compact cache: read in place, widened in registers
+    got16 = torch.empty_like(q)
+    decode_attention(q, (k16, v16), tables, lens, None, 0.3, got16)
+    checks.append(("fp16-cache decode_attention", got16,
+                   decode_attention_ref(q, k16.float(), v16.float(), tables, lens, 0.3)))
     for name, got, want in checks:
         if got is None or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
             raise RuntimeError(f"self-check of {name} failed")
