@@ -8,6 +8,7 @@ import torch
 
 from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
 from llmd.engine import SamplingParams, generate
+from llmd.engine.config import CPU_KV_CACHE_DTYPE
 from llmd.engine.runner import kv_bytes_per_block
 from test_kv_int8 import GREEDY, random_prompts, staggered
 
@@ -43,11 +44,12 @@ def test_stats_name_the_kv_dtype_and_the_8k_sequences_each_dtype_fits(tiny_llama
     budget = 64 * 1024**2
     cfg = tiny_llama_loaded.config
     seen = {}
-    for kind in ("auto", "fp16", "int8"):
+    for kind in ("auto", "fp32", "fp16", "int8"):
         stats = make_engine(tiny_llama_loaded, num_kv_blocks=None, kv_cache_bytes=budget, kv_cache_dtype=kind).stats()
         seen[kind] = stats["kv_cache_dtype"], stats["kv_8k_sequences_by_dtype"]
         assert stats["kv_cache_bytes"] <= budget
-    assert [seen[k][0] for k in ("auto", "fp16", "int8")] == ["fp32", "fp16", "int8"]  # the tiny model is fp32
+    # the tiny model is fp32; "auto" on the CPU is the measured default (llmd.engine.config.CPU_KV_CACHE_DTYPE)
+    assert [seen[k][0] for k in ("auto", "fp32", "fp16", "int8")] == [CPU_KV_CACHE_DTYPE, "fp32", "fp16", "int8"]
     fits = seen["fp16"][1]
     pool = make_engine(tiny_llama_loaded, num_kv_blocks=None, kv_cache_bytes=budget, kv_cache_dtype="fp16")
     for kind, n in fits.items():  # what a pool of this one's bytes holds: whole 8,192-token sequences

@@ -321,7 +321,7 @@ def test_engine_int8_pool_fills_its_byte_budget_with_scales_counted(tiny_llama_l
     per_block = kv_bytes_per_block(tiny_llama_loaded.config, runner.block_size, runner.dtype, "int8")
     assert allocated == runner.num_blocks * per_block == runner.kv_cache_bytes
     assert allocated <= budget < allocated + per_block  # as many blocks as fit, and no more
-    fp_engine = make_engine(tiny_llama_loaded, num_kv_blocks=None, kv_cache_bytes=budget)
+    fp_engine = make_engine(tiny_llama_loaded, num_kv_blocks=None, kv_cache_bytes=budget, kv_cache_dtype="fp32")
     assert sum(t.nbytes for c in fp_engine.runner.kv_caches for t in c) <= budget
     assert engine.stats()["kv_blocks_total"] > 3 * fp_engine.stats()["kv_blocks_total"]  # head_dim 16: 3.2x
 
