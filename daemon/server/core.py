@@ -179,6 +179,8 @@ async def encode_prompt(engine: AsyncEngine, intake: Intake,
                         model_name: str) -> tuple[list[int], Constraint | None, OutputParser]:
     """The prompt's token ids, the answer's constraint and the parser its text goes through."""
     tok, prompt = engine.tokenizer, intake.prompt
+    if getattr(engine, "url", None) is not None:  # a remote engine (llmd.server.remote): upstream renders
+        return remote_prompt(tok, intake, model_name), None, OutputParser()
     if isinstance(prompt, ChatPrompt) and prompt.raw_without_template and not tok.has_chat_template:
         prompt = TextPrompt("\n\n".join(m["content"] for m in prompt.messages))
     if isinstance(prompt, ChatPrompt):
@@ -197,6 +199,23 @@ async def encode_prompt(engine: AsyncEngine, intake: Intake,
     if any(not 0 <= t < tok.vocab_size for t in prompt.token_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
     return list(prompt.token_ids), constraint, OutputParser()
+
+
+def remote_prompt(tok, intake: Intake, model_name: str) -> list[int]:
+    """What a remote model is sent: the chat messages or the text as they are (upstream applies its own template
+    and tokenizer). Tools, answer formats, FIM and token prompts are not forwarded: a 400 naming the field."""
+    prompt = intake.prompt
+    if intake.answer is not None:
+        raise ApiError(400, f"{intake.answer.field} is not supported for remote model {model_name!r}",
+                       param=intake.answer.field)
+    if isinstance(prompt, ChatPrompt):
+        if prompt.tools is not None:
+            raise ApiError(400, f"tools are not supported for remote model {model_name!r}", param="tools")
+        return tok.encode_chat(prompt.messages)
+    if isinstance(prompt, TextPrompt):
+        return tok.encode(prompt.text, prompt.add_special_tokens)
+    field = "suffix" if isinstance(prompt, FimPrompt) else "prompt"
+    raise ApiError(400, f"{field}: remote model {model_name!r} takes chat messages or a text prompt", param=field)
 
 
 async def compiled_constraint(engine: AsyncEngine, constraint: Constraint, field: str) -> None:
