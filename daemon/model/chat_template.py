@@ -99,6 +99,7 @@ def render_chat(
     messages: list[dict],
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str | None] | None = None,
+    tools: list[dict] | None = None,
     **extra,
 ) -> str:
     """Render `messages` with `template` (or FALLBACK_TEMPLATE). Template errors become InvalidRequest."""
@@ -109,7 +110,7 @@ def render_chat(
     variables.update(extra)
     try:
         return compiled.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt, **variables
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
         )
     except jinja2.TemplateError as e:
         raise InvalidRequest(f"chat template error: {e.message or e}", "messages") from None

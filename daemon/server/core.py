@@ -1,5 +1,6 @@
-"""What every dialect shares: the server state (engine or loading), model-name checks, prompt encoding, and
-`Generation`, which submits one request and guarantees it is aborted in the engine on every early exit."""
+"""What every dialect shares: the server state (engine or loading), model-name checks, prompt encoding, `run` (the
+one path from a parsed `Intake` to an answer) and `Generation`, which submits one request and guarantees it is
+aborted in the engine on every early exit."""
 
 from __future__ import annotations
 
@@ -7,12 +8,15 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from aiohttp import web
 
 from ..engine.types import FinishReason, Priority, RequestOutput, RequestTimings, SamplingParams
 from ..errors import EngineDead, InvalidRequest, LlmdError, QueueFull
+from .intake import ChatPrompt, FimPrompt, Intake, Prompt, TextPrompt
 from .metrics import Metrics
+from .streaming import EventStream, pump
 from .validation import ApiError
 
 RETRY_AFTER_QUEUE_S = 1
@@ -69,12 +73,7 @@ class ServerState:
                        kind="model_not_found")
 
     def max_model_len(self) -> int:
-        engine = self.require_engine()
-        inner = getattr(engine, "engine", None)
-        cfg = getattr(inner, "config", None)
-        if getattr(cfg, "max_model_len", None):
-            return int(cfg.max_model_len)
-        return int(engine.loaded.config.max_position_embeddings)
+        return context_length(self.require_engine())
 
     def stats(self) -> dict:
         """The contract's /v1/llmd/stats object: engine stats + model + uptime (+ server counters)."""
@@ -84,48 +83,103 @@ class ServerState:
                     "server": self.metrics.server_stats()})
         return out
 
-    # --- prompts ---
+    def engine_for(self, name: str | None):
+        """The engine that serves the model a request names (the one place a request finds its engine)."""
+        return self.require_engine()
 
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        tok = self.require_engine().tokenizer
-        if len(text) > ENCODE_IN_THREAD_CHARS:
-            return await asyncio.get_running_loop().run_in_executor(None, tok.encode, text, add_special_tokens)
-        return tok.encode(text, add_special_tokens=add_special_tokens)
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
-        tok = self.require_engine().tokenizer
-        try:
-            if sum(len(m["content"]) for m in messages) > ENCODE_IN_THREAD_CHARS:
-                return await asyncio.get_running_loop().run_in_executor(None, tok.encode_chat, messages)
-            return tok.encode_chat(messages)
-        except LlmdError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        except Exception as exc:  # a template's own raise_exception() or a Jinja error: the client's messages
-            raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+def context_length(engine) -> int:
+    cfg = getattr(getattr(engine, "engine", None), "config", None)
+    if getattr(cfg, "max_model_len", None):
+        return int(cfg.max_model_len)
+    return int(engine.loaded.config.max_position_embeddings)
 
-    async def fim_prompt(self, prefix: str, suffix: str, extra: str = "", after_middle: str = "") -> list[int]:
-        """Prefix-suffix-middle order with the model's own FIM tokens; 400 when the model has none."""
-        tok = self.require_engine().tokenizer
-        fim = tok.fim_token_ids()
-        if not fim:
-            raise ApiError(400, f"model {self.model_name!r} has no fill-in-the-middle tokens; use a code model",
-                           param="suffix")
-        pre, suf, mid = fim
-        ids = [pre] + await self.encode(extra + prefix, False) + [suf] + await self.encode(suffix, False) + [mid]
-        if after_middle:
-            ids += await self.encode(after_middle, False)
-        return ids
 
-    def check_length(self, prompt_ids: list[int], params: SamplingParams, field: str = "prompt",
-                     num_ctx: int | None = None) -> None:
-        """A prompt that leaves no room in the context is a 400 naming `field` (the request field it came from)."""
-        limit = self.max_model_len() if num_ctx is None else min(num_ctx, self.max_model_len())
-        if not prompt_ids:
-            raise ApiError(400, "the prompt is empty", param="prompt")
-        if len(prompt_ids) >= limit:
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the context holds {limit}", param=field)
-        # Generation stops at the context end anyway; cap max_tokens so the engine never refuses for it.
-        params.max_tokens = max(1, min(params.max_tokens, limit - len(prompt_ids)))
+# --- prompts ---
+
+async def encode_text(tok, text: str, add_special_tokens: bool = True) -> list[int]:
+    if len(text) > ENCODE_IN_THREAD_CHARS:
+        return await asyncio.get_running_loop().run_in_executor(None, tok.encode, text, add_special_tokens)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+async def encode_chat(tok, prompt: ChatPrompt) -> list[int]:
+    def render() -> list[int]:
+        return tok.encode_chat(prompt.messages, tools=prompt.tools, **prompt.template_kwargs)
+
+    try:
+        if sum(len(m.get("content") or "") for m in prompt.messages) > ENCODE_IN_THREAD_CHARS:
+            return await asyncio.get_running_loop().run_in_executor(None, render)
+        return render()
+    except LlmdError as exc:
+        raise ApiError(400, str(exc), param="messages") from None
+    except Exception as exc:  # a template's own raise_exception() or a Jinja error: the client's messages
+        raise ApiError(400, f"the chat template rejected the messages: {exc}", param="messages") from None
+
+
+async def encode_fim(tok, prompt: FimPrompt, model_name: str) -> list[int]:
+    """Prefix-suffix-middle order with the model's own FIM tokens; 400 when the model has none."""
+    fim = tok.fim_token_ids()
+    if not fim:
+        raise ApiError(400, f"model {model_name!r} has no fill-in-the-middle tokens; use a code model",
+                       param="suffix")
+    pre, suf, mid = fim
+    ids = [pre] + await encode_text(tok, prompt.extra + prompt.prefix, False) + [suf]
+    ids += await encode_text(tok, prompt.suffix, False) + [mid]
+    if prompt.after_middle:
+        ids += await encode_text(tok, prompt.after_middle, False)
+    return ids
+
+
+async def encode_prompt(tok, prompt: Prompt, model_name: str) -> list[int]:
+    if isinstance(prompt, ChatPrompt):
+        return await encode_chat(tok, prompt)
+    if isinstance(prompt, FimPrompt):
+        return await encode_fim(tok, prompt, model_name)
+    if isinstance(prompt, TextPrompt):
+        return await encode_text(tok, prompt.text, prompt.add_special_tokens)
+    if any(not 0 <= t < tok.vocab_size for t in prompt.token_ids):
+        raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
+    return list(prompt.token_ids)
+
+
+def check_length(engine, prompt_ids: list[int], params: SamplingParams, field: str = "prompt",
+                 num_ctx: int | None = None) -> None:
+    """A prompt that leaves no room in the context is a 400 naming `field` (the request field it came from)."""
+    limit = context_length(engine) if num_ctx is None else min(num_ctx, context_length(engine))
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    if len(prompt_ids) >= limit:
+        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the context holds {limit}", param=field)
+    # Generation stops at the context end anyway; cap max_tokens so the engine never refuses for it.
+    params.max_tokens = max(1, min(params.max_tokens, limit - len(prompt_ids)))
+
+
+class Renderer(Protocol):
+    """A dialect's answer for one request, streamed or whole. `fmt`: "sse" or "ndjson"."""
+
+    fmt: str
+
+    def whole(self, gen: "Generation", res: "GenerationResult") -> dict: ...
+
+    def events(self, gen: "Generation", out: RequestOutput) -> list: ...
+
+    def tail(self, gen: "Generation") -> list: ...
+
+    def error(self, exc: ApiError) -> dict: ...
+
+
+async def run(request: web.Request, state: ServerState, intake: Intake, renderer: Renderer) -> web.StreamResponse:
+    """Serve one parsed request: find the engine, encode, check the length, submit, then stream or collect."""
+    engine = state.engine_for(intake.model)
+    prompt_ids = await encode_prompt(engine.tokenizer, intake.prompt, state.model_name)
+    check_length(engine, prompt_ids, intake.params, intake.length_field, intake.num_ctx)
+    async with Generation(state, request, engine, prompt_ids, intake.params) as gen:
+        gen.time_limit_s = intake.time_limit_s
+        if not intake.stream:
+            return web.json_response(renderer.whole(gen, await gen.collect()))
+        return await pump(gen, EventStream(request, renderer.fmt, state.write_timeout),
+                          lambda out: renderer.events(gen, out), lambda: renderer.tail(gen), renderer.error)
 
 
 STATE = web.AppKey("llmd_state", ServerState)
@@ -148,9 +202,10 @@ class Generation:
     """One engine request. Use as `async with Generation(...) as gen: async for out in gen: ...`; leaving the block
     before the last output (disconnect, stall, error, shutdown) aborts the request in the engine."""
 
-    def __init__(self, state: ServerState, request: web.Request, prompt_ids: list[int], params: SamplingParams,
-                 priority: Priority = Priority.INTERACTIVE):
+    def __init__(self, state: ServerState, request: web.Request, engine, prompt_ids: list[int],
+                 params: SamplingParams, priority: Priority = Priority.INTERACTIVE):
         self.state = state
+        self.engine = engine
         self.request = request
         self.prompt_ids = prompt_ids
         self.params = params
@@ -165,10 +220,8 @@ class Generation:
         self._first_token_at: float | None = None
 
     async def __aenter__(self) -> "Generation":
-        engine = self.state.require_engine()
         try:
-            self.params.validate()
-            self.stream = engine.submit(self.prompt_ids, self.params, priority=self.priority)
+            self.stream = self.engine.submit(self.prompt_ids, self.params, priority=self.priority)
         except QueueFull as exc:
             self.state.metrics.rejected_queue_full += 1
             raise ApiError(429, f"{exc}; retry shortly", kind="rate_limit_exceeded",

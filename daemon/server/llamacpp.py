@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from ..engine.types import SamplingParams
-from .core import Generation, ServerState, output_reason, state_of
-from .responses import timings_dict
-from .streaming import EventStream, pump
+from ..engine.types import RequestOutput, SamplingParams
+from .core import Generation, GenerationResult, ServerState, encode_text, output_reason, run, state_of
+from .intake import FimPrompt, Intake, Prompt, TextPrompt, TokenPrompt, checked_params
+from .responses import logprob_items, timings_dict
 from .validation import (LOGPROBS_TOP, MAX_INPUT_EXTRA, MAX_NEW_TOKENS, MAX_PROMPT_TOKEN_IDS, MIN_P, PENALTY,
                          REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P, ApiError, Field, bad_field, check_fields,
                          read_json, require)
@@ -68,16 +68,6 @@ def _native_timings(gen: Generation, n_pred: int) -> dict:
             "predicted_per_second": 1000 * (n_pred - 1) / predicted_ms if predicted_ms and n_pred > 1 else 0.0}
 
 
-def _probs(tok, items) -> list[dict]:
-    out = []
-    for lp in items or []:
-        piece = tok.decode([lp.token_id], skip_special_tokens=False)
-        out.append({"id": lp.token_id, "token": piece, "logprob": lp.logprob,
-                    "top_logprobs": [{"id": i, "token": tok.decode([i], skip_special_tokens=False), "logprob": v}
-                                     for i, v in lp.top]})
-    return out
-
-
 _STOP_TYPE = {"stop": "eos", "length": "limit", "abort": "none"}
 
 
@@ -86,65 +76,78 @@ def _stop_type(gen) -> str:
     return "word" if isinstance(gen.stop_reason, str) else _STOP_TYPE.get(gen.finish_reason or "", "none")
 
 
-async def _generate(request: web.Request, state: ServerState, f: dict, prompt_ids: list[int]) -> web.StreamResponse:
-    params = _params(f)
-    state.check_length(prompt_ids, params)
-    tok = state.engine.tokenizer
-    time_limit = f.get("t_max_predict_ms")
-    # n_predict 0 (llama.vim's cache warm-up): the prompt is evaluated into the prefix cache, nothing is generated.
-    # The engine samples one token after the prefill; it is dropped here.
-    evaluate_only = f.get("n_predict") == 0
+class CompletionAnswer:
+    """llama.cpp's /completion and /infill answer. n_predict 0 (llama.vim's cache warm-up): the prompt is evaluated
+    into the prefix cache and nothing is generated (the engine samples one token after the prefill; it is dropped)."""
 
-    def final(text: str) -> dict:
-        predicted = 0 if evaluate_only or gen.timings is None else gen.timings.num_generated_tokens
-        return {"content": text, "stop": True, "model": state.model_name,
-                "stop_type": "limit" if evaluate_only else _stop_type(gen),
+    fmt = "sse"
+
+    def __init__(self, intake: Intake, model: str, evaluate_only: bool):
+        self.intake = intake
+        self.model = model
+        self.evaluate_only = evaluate_only
+        self.logprobs = bool(intake.params.logprobs)
+
+    def final(self, gen: Generation, text: str) -> dict:
+        predicted = 0 if self.evaluate_only or gen.timings is None else gen.timings.num_generated_tokens
+        return {"content": text, "stop": True, "model": self.model,
+                "stop_type": "limit" if self.evaluate_only else _stop_type(gen),
                 "stopping_word": gen.stop_reason if isinstance(gen.stop_reason, str) else "",
-                "tokens_predicted": predicted, "tokens_evaluated": len(prompt_ids),
+                "tokens_predicted": predicted, "tokens_evaluated": len(gen.prompt_ids),
                 "tokens_cached": gen.timings.num_cached_tokens if gen.timings else 0, "truncated": False,
                 "timings": _native_timings(gen, predicted), "llmd_timings": timings_dict(gen.timings)}
 
-    async with Generation(state, request, prompt_ids, params) as gen:
-        gen.time_limit_s = time_limit / 1000.0 if time_limit else None
-        if not f.get("stream"):
-            res = await gen.collect()
-            body = final("" if evaluate_only else res.text)
-            if params.logprobs and not evaluate_only:
-                body["completion_probabilities"] = _probs(tok, res.logprobs)
-            return web.json_response(body)
+    def whole(self, gen: Generation, res: GenerationResult) -> dict:
+        body = self.final(gen, "" if self.evaluate_only else res.text)
+        if self.logprobs and not self.evaluate_only:
+            body["completion_probabilities"] = logprob_items(gen.engine.tokenizer, res.logprobs, "llamacpp")
+        return body
 
-        def render(out):
-            events = []
-            if (out.text_delta or out.logprobs) and not evaluate_only:
-                ev = {"content": out.text_delta, "stop": False}
-                if params.logprobs and out.logprobs:
-                    ev["completion_probabilities"] = _probs(tok, out.logprobs)
-                events.append(ev)
-            if output_reason(out) is not None:
-                events.append(final(""))
-            return events
+    def events(self, gen: Generation, out: RequestOutput) -> list:
+        events = []
+        if (out.text_delta or out.logprobs) and not self.evaluate_only:
+            ev = {"content": out.text_delta, "stop": False}
+            if self.logprobs and out.logprobs:
+                ev["completion_probabilities"] = logprob_items(gen.engine.tokenizer, out.logprobs, "llamacpp")
+            events.append(ev)
+        if output_reason(out) is not None:
+            events.append(self.final(gen, ""))
+        return events
 
-        return await pump(gen, EventStream(request, "sse", state.write_timeout), render,
-                          on_error=lambda exc: {"error": {"code": 500, "message": exc.message, "type": "server_error"}})
+    def tail(self, gen: Generation) -> list:
+        return []
+
+    def error(self, exc: ApiError) -> dict:
+        return {"error": {"code": 500, "message": exc.message, "type": "server_error"}}
+
+
+def _intake(f: dict, prompt: Prompt) -> Intake:
+    limit = f.get("t_max_predict_ms")
+    return Intake(f.get("model"), prompt, checked_params(_params(f)), bool(f.get("stream")),
+                  time_limit_s=limit / 1000.0 if limit else None)
+
+
+def parse_completion(body: dict, state: ServerState) -> Intake:
+    require(body, "prompt")
+    f = check_fields(body, COMPLETION_FIELDS)
+    state.check_model(f.get("model"))
+    prompt = f["prompt"]
+    if isinstance(prompt, list):
+        return _intake(f, TokenPrompt(prompt))
+    if len(prompt) > TEXT.max_len:
+        raise bad_field("prompt", f"must be at most {TEXT.max_len} characters")
+    return _intake(f, TextPrompt(prompt))
+
+
+async def _serve(request: web.Request, state: ServerState, body: dict, intake: Intake) -> web.StreamResponse:
+    answer = CompletionAnswer(intake, state.model_name, evaluate_only=body.get("n_predict") == 0)
+    return await run(request, state, intake, answer)
 
 
 async def completion(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body = await read_json(request, state.max_body_bytes)
-    require(body, "prompt")
-    f = check_fields(body, COMPLETION_FIELDS)
-    state.check_model(f.get("model"))
-    engine = state.require_engine()
-    prompt = f["prompt"]
-    if isinstance(prompt, list):
-        if any(not 0 <= t < engine.tokenizer.vocab_size for t in prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {engine.tokenizer.vocab_size})", param="prompt")
-        prompt_ids = prompt
-    else:
-        if len(prompt) > TEXT.max_len:
-            raise bad_field("prompt", f"must be at most {TEXT.max_len} characters")
-        prompt_ids = await state.encode(prompt, True)
-    return await _generate(request, state, f, prompt_ids)
+    return await _serve(request, state, body, parse_completion(body, state))
 
 
 def _extra_context(chunks: list) -> str:
@@ -164,18 +167,19 @@ def _extra_context(chunks: list) -> str:
     return "".join(parts)
 
 
-async def infill(request: web.Request) -> web.StreamResponse:
-    state = state_of(request)
-    body = await read_json(request, state.max_body_bytes)
+def parse_infill(body: dict, state: ServerState) -> Intake:
     f = check_fields(body, INFILL_FIELDS)
     if "input_prefix" not in f and "input_suffix" not in f:
         raise ApiError(400, "input_prefix or input_suffix is required", param="input_prefix")
     state.check_model(f.get("model"))
-    state.require_engine()
     extra = _extra_context(f.get("input_extra", []))
-    prompt_ids = await state.fim_prompt(f.get("input_prefix", ""), f.get("input_suffix", ""), extra,
-                                        f.get("prompt", ""))
-    return await _generate(request, state, f, prompt_ids)
+    return _intake(f, FimPrompt(f.get("input_prefix", ""), f.get("input_suffix", ""), extra, f.get("prompt", "")))
+
+
+async def infill(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    body = await read_json(request, state.max_body_bytes)
+    return await _serve(request, state, body, parse_infill(body, state))
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -183,8 +187,8 @@ async def tokenize(request: web.Request) -> web.Response:
     body = await read_json(request, state.max_body_bytes)
     require(body, "content")
     f = check_fields(body, {"content": TEXT, "add_special": Field("bool"), "with_pieces": Field("bool")})
-    tok = state.require_engine().tokenizer
-    ids = await state.encode(f["content"], f.get("add_special", False))
+    tok = state.engine_for(f.get("model")).tokenizer
+    ids = await encode_text(tok, f["content"], f.get("add_special", False))
     if f.get("with_pieces"):
         return web.json_response({"tokens": [{"id": i, "piece": tok.decode([i], skip_special_tokens=False)}
                                              for i in ids]})

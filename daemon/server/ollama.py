@@ -9,9 +9,9 @@ from datetime import datetime, timezone
 from aiohttp import web
 
 from .. import __version__ as llmd_version
-from ..engine.types import SamplingParams
-from .core import Generation, ServerState, output_reason, state_of
-from .streaming import EventStream, pump
+from ..engine.types import RequestOutput, SamplingParams
+from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
+from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, checked_params
 from .validation import (MAX_NEW_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P, ApiError,
                          Field, check_fields, parse_messages, read_json)
 
@@ -83,86 +83,107 @@ def _params(opts: dict) -> SamplingParams:
     )
 
 
-def _final_stats(gen: Generation, started: float, prompt_len: int) -> dict:
+def _final_stats(gen: Generation, started: float) -> dict:
     t = gen.timings
     ns = lambda s: int((s or 0.0) * 1e9)  # noqa: E731
     return {
         "done_reason": gen.finish_reason or "stop",
         "total_duration": ns(time.monotonic() - started),
         "load_duration": 0,  # the model is resident; loading happened at daemon start
-        "prompt_eval_count": (t.num_prompt_tokens if t else 0) or prompt_len,
+        "prompt_eval_count": (t.num_prompt_tokens if t else 0) or len(gen.prompt_ids),
         "prompt_eval_duration": ns(t.ttft if t else 0),
         "eval_count": t.num_generated_tokens if t else 0,
         "eval_duration": ns(t.decode_time if t else 0),
     }
 
 
-async def _run(request: web.Request, state: ServerState, prompt_ids: list[int], params: SamplingParams, stream: bool,
-               shape, started: float) -> web.StreamResponse:
-    """shape(text, done, extra) builds one response object (chat: a message; generate: a response string)."""
-    async with Generation(state, request, prompt_ids, params) as gen:
-        if not stream:
-            res = await gen.collect()
-            return web.json_response(shape(res.text, True, _final_stats(gen, started, len(prompt_ids))))
-
-        def render(out):
-            if output_reason(out) is not None:
-                events = [shape(out.text_delta, False, {})] if out.text_delta else []
-                return events + [shape("", True, _final_stats(gen, started, len(prompt_ids)))]
-            return [shape(out.text_delta, False, {})] if out.text_delta else []
-
-        return await pump(gen, EventStream(request, "ndjson", state.write_timeout), render,
-                          on_error=lambda exc: {"error": exc.message})
+def _length_field(opts: dict, default: str) -> str:
+    return "options.num_ctx" if "num_ctx" in opts else default
 
 
-async def chat(request: web.Request) -> web.StreamResponse:
-    started = time.monotonic()
-    state = state_of(request)
-    body = await read_json(request, state.max_body_bytes)
+def parse_chat(body: dict, state: ServerState) -> Intake:
     f, opts = _check_request(state, body)
     messages = parse_messages(body.get("messages"))
     for i, msg in enumerate(body["messages"]):  # Ollama carries images per message; a text model must not drop them
         if msg.get("images"):
             raise ApiError(400, f"messages[{i}].images: images are not supported by this server",
                            param=f"messages[{i}].images")
-    params = _params(opts)
-    state.require_engine()
-    prompt_ids = await state.encode_chat(messages)
-    state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else "messages", opts.get("num_ctx"))
-    model = body["model"]
+    return Intake(body["model"], ChatPrompt(messages), checked_params(_params(opts)), f.get("stream", True),
+                  length_field=_length_field(opts, "messages"), num_ctx=opts.get("num_ctx"))
 
-    def shape(text: str, done: bool, extra: dict) -> dict:
-        return {"model": model, "created_at": _now(), "message": {"role": "assistant", "content": text},
+
+def parse_generate(body: dict, state: ServerState) -> Intake | None:
+    """None for Ollama's "load the model" request (no prompt, no suffix)."""
+    f, opts = _check_request(state, body)
+    prompt, suffix, system = f.get("prompt", ""), f.get("suffix", ""), f.get("system")
+    if not prompt and not suffix:
+        return None
+    if suffix:
+        kind = FimPrompt(prompt, suffix)
+    elif f.get("raw"):
+        kind = TextPrompt(prompt)
+    else:
+        kind = ChatPrompt(([{"role": "system", "content": system}] if system else [])
+                          + [{"role": "user", "content": prompt}])
+    return Intake(body["model"], kind, checked_params(_params(opts)), f.get("stream", True),
+                  length_field=_length_field(opts, "prompt"), num_ctx=opts.get("num_ctx"))
+
+
+class _Answer:
+    """Ollama answers: every chunk, and the whole answer, is one shape with `done` and, at the end, the stats."""
+
+    fmt = "ndjson"
+
+    def __init__(self, model: str):
+        self.model = model
+        self.started = time.monotonic()
+
+    def shape(self, text: str, done: bool, extra: dict) -> dict:
+        raise NotImplementedError
+
+    def whole(self, gen: Generation, res: GenerationResult) -> dict:
+        return self.shape(res.text, True, _final_stats(gen, self.started))
+
+    def events(self, gen: Generation, out: RequestOutput) -> list:
+        events = [self.shape(out.text_delta, False, {})] if out.text_delta else []
+        if output_reason(out) is not None:
+            events.append(self.shape("", True, _final_stats(gen, self.started)))
+        return events
+
+    def tail(self, gen: Generation) -> list:
+        return []
+
+    def error(self, exc: ApiError) -> dict:
+        return {"error": exc.message}
+
+
+class ChatAnswer(_Answer):
+    def shape(self, text: str, done: bool, extra: dict) -> dict:
+        return {"model": self.model, "created_at": _now(), "message": {"role": "assistant", "content": text},
                 "done": done, **extra}
 
-    return await _run(request, state, prompt_ids, params, f.get("stream", True), shape, started)
+
+class GenerateAnswer(_Answer):
+    def shape(self, text: str, done: bool, extra: dict) -> dict:
+        return {"model": self.model, "created_at": _now(), "response": text, "done": done, **extra}
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    body = await read_json(request, state.max_body_bytes)
+    intake = parse_chat(body, state)
+    return await run(request, state, intake, ChatAnswer(body["model"]))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    started = time.monotonic()
     state = state_of(request)
     body = await read_json(request, state.max_body_bytes)
-    f, opts = _check_request(state, body)
-    model = body["model"]
-    prompt, suffix, system = f.get("prompt", ""), f.get("suffix", ""), f.get("system")
-    state.require_engine()
-    if not prompt and not suffix:  # Ollama's "load the model" request
-        return web.json_response({"model": model, "created_at": _now(), "response": "", "done": True,
+    intake = parse_generate(body, state)
+    if intake is None:  # Ollama's "load the model" request
+        state.engine_for(body["model"])
+        return web.json_response({"model": body["model"], "created_at": _now(), "response": "", "done": True,
                                   "done_reason": "load"})
-    params = _params(opts)
-    if suffix:
-        prompt_ids = await state.fim_prompt(prompt, suffix)
-    elif f.get("raw"):
-        prompt_ids = await state.encode(prompt, True)
-    else:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        prompt_ids = await state.encode_chat(messages)
-    state.check_length(prompt_ids, params, "options.num_ctx" if "num_ctx" in opts else "prompt", opts.get("num_ctx"))
-
-    def shape(text: str, done: bool, extra: dict) -> dict:
-        return {"model": model, "created_at": _now(), "response": text, "done": done, **extra}
-
-    return await _run(request, state, prompt_ids, params, f.get("stream", True), shape, started)
+    return await run(request, state, intake, GenerateAnswer(body["model"]))
 
 
 def _family(state: ServerState) -> str:

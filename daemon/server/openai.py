@@ -7,10 +7,10 @@ import uuid
 
 from aiohttp import web
 
-from ..engine.types import SamplingParams
-from .core import Generation, ServerState, output_reason, state_of
-from .responses import timings_dict
-from .streaming import EventStream, pump
+from ..engine.types import RequestOutput, SamplingParams
+from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
+from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, TokenPrompt, checked_params
+from .responses import logprob_items, timings_dict
 from .validation import (LOGPROBS_TOP, MAX_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P,
                          ApiError, Field, check_fields, parse_messages, read_json, require)
 
@@ -96,172 +96,154 @@ def _usage(gen: Generation, prompt_len: int, generated: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _piece(tok, token_id: int) -> str:
-    return tok.decode([token_id], skip_special_tokens=False)
+def _include_usage(f: dict) -> bool:
+    return bool((f.get("stream_options") or {}).get("include_usage"))
 
 
-def _chat_logprobs(tok, items) -> dict:
-    content = []
-    for lp in items:
-        piece = _piece(tok, lp.token_id)
-        content.append({
-            "token": piece, "logprob": lp.logprob, "bytes": list(piece.encode("utf-8")),
-            "top_logprobs": [{"token": (p := _piece(tok, tid)), "logprob": v, "bytes": list(p.encode("utf-8"))}
-                             for tid, v in lp.top],
-        })
-    return {"content": content}
-
-
-def _completion_logprobs(tok, items, offset: int) -> dict:
-    tokens, lps, tops, offsets = [], [], [], []
-    for lp in items:
-        piece = _piece(tok, lp.token_id)
-        tokens.append(piece)
-        lps.append(lp.logprob)
-        tops.append({_piece(tok, tid): v for tid, v in lp.top})
-        offsets.append(offset)
-        offset += len(piece)
-    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    state = state_of(request)
-    body = await read_json(request, state.max_body_bytes)
+def parse_chat(body: dict, state: ServerState) -> Intake:
     require(body, "messages")
     f = _check_common(state, body, CHAT_FIELDS)
     messages = parse_messages(body["messages"])
     if "top_logprobs" in f and not f.get("logprobs"):
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     logprobs = f.get("top_logprobs", 0) if f.get("logprobs") else None
-    params = _params(f, f.get("max_completion_tokens", f.get("max_tokens")), logprobs)
-    engine = state.require_engine()
-    prompt_ids = await state.encode_chat(messages)
-    state.check_length(prompt_ids, params, "messages")
-    tok = engine.tokenizer
-    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
+    params = checked_params(_params(f, f.get("max_completion_tokens", f.get("max_tokens")), logprobs))
+    return Intake(f.get("model"), ChatPrompt(messages), params, bool(f.get("stream")), length_field="messages",
+                  include_usage=_include_usage(f))
 
-    async with Generation(state, request, prompt_ids, params) as gen:
-        if not f.get("stream"):
-            res = await gen.collect()
-            return web.json_response({
-                "id": rid, "object": "chat.completion", "created": created, "model": model,
+
+def parse_completion(body: dict, state: ServerState) -> Intake:
+    require(body, "prompt")
+    f = _check_common(state, body, COMPLETION_FIELDS)
+    params = checked_params(_params(f, f.get("max_tokens"), f.get("logprobs")))
+    prompt, suffix = f["prompt"], f.get("suffix")
+    if isinstance(prompt, list):
+        if suffix:
+            raise ApiError(400, "suffix needs a text prompt, not token ids", param="suffix")
+        kind = TokenPrompt(prompt)
+    elif len(prompt) > TEXT.max_len:
+        raise ApiError(400, f"prompt must be at most {TEXT.max_len} characters", param="prompt")
+    elif suffix:
+        kind = FimPrompt(prompt, suffix)
+    else:
+        kind = TextPrompt(prompt)
+    return Intake(f.get("model"), kind, params, bool(f.get("stream")), include_usage=_include_usage(f),
+                  echo=bool(f.get("echo")) and isinstance(kind, (TextPrompt, FimPrompt)))
+
+
+class _Answer:
+    """What both OpenAI renderers share: the id, the creation time, usage and the stream's end."""
+
+    fmt = "sse"
+    obj = ""
+
+    def __init__(self, intake: Intake, model: str, prefix: str):
+        self.intake = intake
+        self.id, self.created, self.model = f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model
+        self.generated = 0
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def usage(self, gen: Generation, generated: int) -> dict:
+        return _usage(gen, len(gen.prompt_ids), generated)
+
+    def chunk(self, choice: dict, gen: Generation, finish: str | None) -> dict:
+        c = {**self.head(self.obj), "choices": [choice]}
+        if self.intake.include_usage:
+            c["usage"] = None
+        if finish:
+            c["timings"] = timings_dict(gen.timings)
+        return c
+
+    def tail(self, gen: Generation) -> list:
+        events = []
+        if self.intake.include_usage:
+            events.append({**self.head(self.obj), "choices": [], "usage": self.usage(gen, self.generated)})
+        return events + ["[DONE]"]
+
+    def error(self, exc: ApiError) -> dict:
+        return _stream_error(exc)
+
+
+class ChatAnswer(_Answer):
+    obj = "chat.completion.chunk"
+
+    def __init__(self, intake: Intake, model: str):
+        super().__init__(intake, model, "chatcmpl")
+        self.first = True
+
+    def _logprobs(self, gen: Generation, items) -> dict | None:
+        if self.intake.params.logprobs is None:
+            return None
+        return logprob_items(gen.engine.tokenizer, items, "chat")
+
+    def whole(self, gen: Generation, res: GenerationResult) -> dict:
+        return {**self.head("chat.completion"),
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
-                             "logprobs": _chat_logprobs(tok, res.logprobs) if logprobs is not None else None,
+                             "logprobs": self._logprobs(gen, res.logprobs),
                              "finish_reason": res.finish_reason, "stop_reason": gen.stop_reason}],
-                "usage": _usage(gen, len(prompt_ids), len(res.token_ids)),
-                "timings": timings_dict(gen.timings),
-            })
+                "usage": self.usage(gen, len(res.token_ids)), "timings": timings_dict(gen.timings)}
 
-        include_usage = bool((f.get("stream_options") or {}).get("include_usage"))
-        generated = 0
-        first = True
+    def events(self, gen: Generation, out: RequestOutput) -> list:
+        self.generated += len(out.new_token_ids)
+        finish = output_reason(out)
+        events = []
+        if self.first:
+            self.first = False
+            events.append(self.chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                      "finish_reason": None}, gen, None))
+        if out.text_delta or out.logprobs or finish:
+            lp = self._logprobs(gen, out.logprobs) if out.logprobs else None
+            delta = {"content": out.text_delta} if out.text_delta else {}
+            events.append(self.chunk({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}, gen,
+                                     finish))
+        return events
 
-        def chunk(delta: dict, finish: str | None, lp=None, extra: dict | None = None) -> dict:
-            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]}
-            if include_usage:
-                c["usage"] = None
-            return {**c, **(extra or {})}
 
-        def render(out):
-            nonlocal generated, first
-            generated += len(out.new_token_ids)
-            finish = output_reason(out)
-            events = []
-            if first:
-                first = False
-                events.append(chunk({"role": "assistant", "content": ""}, None))
-            if out.text_delta or out.logprobs or finish:
-                lp = _chat_logprobs(tok, out.logprobs) if logprobs is not None and out.logprobs else None
-                delta = {"content": out.text_delta} if out.text_delta else {}
-                extra = {"timings": timings_dict(gen.timings)} if finish else None
-                events.append(chunk(delta, finish, lp, extra))
-            return events
+class CompletionAnswer(_Answer):
+    obj = "text_completion"
 
-        def tail():
-            events = []
-            if include_usage:
-                events.append({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                               "choices": [], "usage": _usage(gen, len(prompt_ids), generated)})
-            return events + ["[DONE]"]
+    def __init__(self, intake: Intake, model: str):
+        super().__init__(intake, model, "cmpl")
+        prompt = intake.prompt
+        self.echo = (prompt.text if isinstance(prompt, TextPrompt) else prompt.prefix) if intake.echo else ""
+        self.pending_echo = self.echo
+        self.offset = len(self.echo)
 
-        return await pump(gen, EventStream(request, "sse", state.write_timeout), render, tail, _stream_error)
+    def _logprobs(self, gen: Generation, items, offset: int) -> dict | None:
+        if self.intake.params.logprobs is None:
+            return None
+        return logprob_items(gen.engine.tokenizer, items, "completion", offset)
+
+    def whole(self, gen: Generation, res: GenerationResult) -> dict:
+        return {**self.head("text_completion"),
+                "choices": [{"index": 0, "text": self.echo + res.text, "finish_reason": res.finish_reason,
+                             "stop_reason": gen.stop_reason, "logprobs": self._logprobs(gen, res.logprobs,
+                                                                                        len(self.echo))}],
+                "usage": self.usage(gen, len(res.token_ids)), "timings": timings_dict(gen.timings)}
+
+    def events(self, gen: Generation, out: RequestOutput) -> list:
+        self.generated += len(out.new_token_ids)
+        finish = output_reason(out)
+        if not (out.text_delta or out.logprobs or finish or self.pending_echo):
+            return []
+        lp = self._logprobs(gen, out.logprobs, self.offset) if out.logprobs else None
+        self.offset += len(out.text_delta)
+        text, self.pending_echo = self.pending_echo + out.text_delta, ""
+        return [self.chunk({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}, gen, finish)]
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = state_of(request)
+    intake = parse_chat(await read_json(request, state.max_body_bytes), state)
+    return await run(request, state, intake, ChatAnswer(intake, state.model_name))
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
-    body = await read_json(request, state.max_body_bytes)
-    require(body, "prompt")
-    f = _check_common(state, body, COMPLETION_FIELDS)
-    logprobs = f.get("logprobs")
-    params = _params(f, f.get("max_tokens"), logprobs)
-    engine = state.require_engine()
-    prompt = f["prompt"]
-    suffix = f.get("suffix")
-    if isinstance(prompt, list):
-        if suffix:
-            raise ApiError(400, "suffix needs a text prompt, not token ids", param="suffix")
-        vocab = engine.tokenizer.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
-        prompt_ids, prompt_text = prompt, None
-    elif len(prompt) > TEXT.max_len:
-        raise ApiError(400, f"prompt must be at most {TEXT.max_len} characters", param="prompt")
-    elif suffix:
-        prompt_ids, prompt_text = await state.fim_prompt(prompt, suffix), prompt
-    else:
-        prompt_ids, prompt_text = await state.encode(prompt, True), prompt
-    state.check_length(prompt_ids, params)
-    tok = engine.tokenizer
-    echo = prompt_text if f.get("echo") and prompt_text is not None else ""
-    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_name
-
-    async with Generation(state, request, prompt_ids, params) as gen:
-        if not f.get("stream"):
-            res = await gen.collect()
-            return web.json_response({
-                "id": rid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": echo + res.text, "finish_reason": res.finish_reason,
-                             "stop_reason": gen.stop_reason,
-                             "logprobs": _completion_logprobs(tok, res.logprobs, len(echo))
-                             if logprobs is not None else None}],
-                "usage": _usage(gen, len(prompt_ids), len(res.token_ids)),
-                "timings": timings_dict(gen.timings),
-            })
-
-        include_usage = bool((f.get("stream_options") or {}).get("include_usage"))
-        generated = 0
-        offset = len(echo)
-        pending_echo = echo
-
-        def render(out):
-            nonlocal generated, offset, pending_echo
-            generated += len(out.new_token_ids)
-            finish = output_reason(out)
-            if not (out.text_delta or out.logprobs or finish or pending_echo):
-                return []
-            lp = None
-            if logprobs is not None and out.logprobs:
-                lp = _completion_logprobs(tok, out.logprobs, offset)
-            offset += len(out.text_delta)
-            c = {"id": rid, "object": "text_completion", "created": created, "model": model,
-                 "choices": [{"index": 0, "text": pending_echo + out.text_delta, "logprobs": lp,
-                              "finish_reason": finish}]}
-            pending_echo = ""
-            if include_usage:
-                c["usage"] = None
-            if finish:
-                c["timings"] = timings_dict(gen.timings)
-            return [c]
-
-        def tail():
-            events = []
-            if include_usage:
-                events.append({"id": rid, "object": "text_completion", "created": created, "model": model,
-                               "choices": [], "usage": _usage(gen, len(prompt_ids), generated)})
-            return events + ["[DONE]"]
-
-        return await pump(gen, EventStream(request, "sse", state.write_timeout), render, tail, _stream_error)
+    intake = parse_completion(await read_json(request, state.max_body_bytes), state)
+    return await run(request, state, intake, CompletionAnswer(intake, state.model_name))
 
 
 def _stream_error(exc: ApiError) -> dict:

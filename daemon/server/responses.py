@@ -1,4 +1,4 @@
-"""Error shapes per dialect and the per-response timings object."""
+"""Error shapes per dialect, the per-response timings object and the one logprob renderer."""
 
 from __future__ import annotations
 
@@ -67,3 +67,30 @@ def timings_header(t: RequestTimings | None) -> str:
     d = timings_dict(t)
     parts = [f"{k[:-3]};dur={v}" for k, v in d.items() if k.endswith("_ms") and v is not None]
     return ", ".join(parts)
+
+
+def logprob_items(tok, items, style: str, offset: int = 0):
+    """Token logprobs in a dialect's shape. style: "chat" (OpenAI chat: content entries with bytes), "completion"
+    (OpenAI completions: parallel lists with text offsets from `offset`), "llamacpp" (completion_probabilities)."""
+    items = items or []
+
+    def piece(token_id: int) -> str:
+        return tok.decode([token_id], skip_special_tokens=False)
+
+    if style == "chat":
+        def entry(token_id: int, logprob: float) -> dict:
+            p = piece(token_id)
+            return {"token": p, "logprob": logprob, "bytes": list(p.encode("utf-8"))}
+
+        return {"content": [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                            for lp in items]}
+    if style == "completion":
+        tokens, offsets = [piece(lp.token_id) for lp in items], []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in items],
+                "top_logprobs": [{piece(i): v for i, v in lp.top} for lp in items], "text_offset": offsets}
+    assert style == "llamacpp", style
+    return [{"id": lp.token_id, "token": piece(lp.token_id), "logprob": lp.logprob,
+             "top_logprobs": [{"id": i, "token": piece(i), "logprob": v} for i, v in lp.top]} for lp in items]
