@@ -12,6 +12,24 @@ MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "lark", "regex", "gbnf")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar the output must follow; the engine compiles it (engine/grammar.py) and masks the logits by it."""
+
+    kind: str  # "json_schema" | "json_object" | "lark" | "regex" | "gbnf"
+    text: str  # the JSON schema as JSON text, or the grammar / regex text ("" for json_object)
+
+
+class ConstraintError(InvalidRequest, ValueError):
+    """A constraint is invalid, unsatisfiable, or past a bound; the server answers 400 (field names the request field)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message, field=field)
+
+
 class Priority(enum.IntEnum):
     """Lower value is served first."""
 
@@ -34,6 +52,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None = off; n >= 0: chosen token's logprob plus the top n
+    constraint: Constraint | None = None  # grammar-constrained output (compiled off the engine thread)
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +88,8 @@ class SamplingParams:
             bad("stop", f"strings must be non-empty and at most {MAX_STOP_STRING_LEN} characters")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        if self.constraint is not None and self.constraint.kind not in CONSTRAINT_KINDS:
+            raise ConstraintError(f"constraint kind must be one of {', '.join(CONSTRAINT_KINDS)}", field="constraint")
         return self
 
 
