@@ -12,9 +12,15 @@ from typing import Protocol
 
 from aiohttp import web
 
-from ..engine.types import FinishReason, Priority, RequestOutput, RequestTimings, SamplingParams
+from ..engine.types import (Constraint, ConstraintError, FinishReason, Priority, RequestOutput, RequestTimings,
+                            SamplingParams)
 from ..errors import EngineDead, InvalidRequest, LlmdError, QueueFull
-from .intake import ChatPrompt, FimPrompt, Intake, Prompt, TextPrompt
+from ..tools.families import ModelTraits, model_traits
+from ..tools.grammar import answer_constraint
+from ..tools.grammar import check as check_grammar
+from ..tools.parsers import OutputParser
+from ..tools.plan import ChatPlan, plan_chat
+from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt
 from .metrics import Metrics
 from .streaming import EventStream, pump
 from .validation import ApiError
@@ -103,12 +109,12 @@ async def encode_text(tok, text: str, add_special_tokens: bool = True) -> list[i
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
-async def encode_chat(tok, prompt: ChatPrompt) -> list[int]:
-    def render() -> list[int]:
-        return tok.encode_chat(prompt.messages, tools=prompt.tools, **prompt.template_kwargs)
+async def render_chat(tok, plan: ChatPlan) -> str:
+    def render() -> str:
+        return tok.apply_chat_template(plan.messages, tools=plan.tools, **plan.template_kwargs)
 
     try:
-        if sum(len(m.get("content") or "") for m in prompt.messages) > ENCODE_IN_THREAD_CHARS:
+        if sum(len(m.get("content") or "") for m in plan.messages) > ENCODE_IN_THREAD_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, render)
         return render()
     except LlmdError as exc:
@@ -131,16 +137,38 @@ async def encode_fim(tok, prompt: FimPrompt, model_name: str) -> list[int]:
     return ids
 
 
-async def encode_prompt(tok, prompt: Prompt, model_name: str) -> list[int]:
+def traits_of(engine) -> ModelTraits:
+    return model_traits(str(engine.loaded.config.architecture), engine.tokenizer.chat_template)
+
+
+async def encode_prompt(engine, intake: Intake, model_name: str) -> tuple[list[int], Constraint | None, OutputParser]:
+    """The prompt's token ids, the answer's constraint and the parser its text goes through."""
+    tok, prompt = engine.tokenizer, intake.prompt
     if isinstance(prompt, ChatPrompt):
-        return await encode_chat(tok, prompt)
+        traits = traits_of(engine)
+        if prompt.think and not traits.thinks:
+            raise ApiError(400, f"think: model {model_name!r} does not support thinking", param="think")
+        plan = plan_chat(prompt.messages, prompt.tools, intake.answer, prompt.think, prompt.template_kwargs, traits)
+        text = await render_chat(tok, plan)
+        constraint, parser = plan.output(text)
+        return await encode_text(tok, text, False), constraint, parser
+    constraint = answer_constraint(intake.answer) if intake.answer is not None else None
     if isinstance(prompt, FimPrompt):
-        return await encode_fim(tok, prompt, model_name)
+        return await encode_fim(tok, prompt, model_name), constraint, OutputParser()
     if isinstance(prompt, TextPrompt):
-        return await encode_text(tok, prompt.text, prompt.add_special_tokens)
+        return await encode_text(tok, prompt.text, prompt.add_special_tokens), constraint, OutputParser()
     if any(not 0 <= t < tok.vocab_size for t in prompt.token_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
-    return list(prompt.token_ids)
+    return list(prompt.token_ids), constraint, OutputParser()
+
+
+async def checked_constraint(constraint: Constraint, intake: Intake) -> None:
+    """An invalid or unsatisfiable grammar is a 400 naming the request field it came from."""
+    field = intake.answer.field if intake.answer is not None else "tools"
+    if len(constraint.text) > ENCODE_IN_THREAD_CHARS:
+        await asyncio.get_running_loop().run_in_executor(None, check_grammar, constraint, field)
+    else:
+        check_grammar(constraint, field)
 
 
 def check_length(engine, prompt_ids: list[int], params: SamplingParams, field: str = "prompt",
@@ -172,10 +200,16 @@ class Renderer(Protocol):
 async def run(request: web.Request, state: ServerState, intake: Intake, renderer: Renderer) -> web.StreamResponse:
     """Serve one parsed request: find the engine, encode, check the length, submit, then stream or collect."""
     engine = state.engine_for(intake.model)
-    prompt_ids = await encode_prompt(engine.tokenizer, intake.prompt, state.model_name)
+    prompt_ids, constraint, parser = await encode_prompt(engine, intake, state.model_name)
     check_length(engine, prompt_ids, intake.params, intake.length_field, intake.num_ctx)
-    async with Generation(state, request, engine, prompt_ids, intake.params) as gen:
-        gen.time_limit_s = intake.time_limit_s
+    params = intake.params
+    if constraint is not None:
+        await checked_constraint(constraint, intake)
+        params = replace(params, constraint=constraint)
+    gen = Generation(state, request, engine, prompt_ids, params)
+    gen.time_limit_s, gen.output = intake.time_limit_s, parser
+    gen.constraint_field = intake.answer.field if intake.answer is not None else "tools"
+    async with gen:
         if not intake.stream:
             return web.json_response(renderer.whole(gen, await gen.collect()))
         return await pump(gen, EventStream(request, renderer.fmt, state.write_timeout),
@@ -217,6 +251,8 @@ class Generation:
         self.timings: RequestTimings | None = None
         self.abort_reason = "disconnect"
         self.time_limit_s: float | None = None  # llama.cpp t_max_predict_ms: cap on the decode phase
+        self.output = OutputParser()  # turns the text into content, reasoning and tool calls
+        self.constraint_field = "tools"  # the request field a ConstraintError from the engine is blamed on
         self._first_token_at: float | None = None
 
     async def __aenter__(self) -> "Generation":
@@ -226,6 +262,8 @@ class Generation:
             self.state.metrics.rejected_queue_full += 1
             raise ApiError(429, f"{exc}; retry shortly", kind="rate_limit_exceeded",
                            headers={"Retry-After": str(RETRY_AFTER_QUEUE_S)}) from None
+        except ConstraintError as exc:
+            raise ApiError(400, f"{self.constraint_field}: {exc}", param=self.constraint_field) from None
         except InvalidRequest as exc:
             raise ApiError(400, str(exc), param=exc.field) from None
         except EngineDead as exc:

@@ -13,15 +13,18 @@ from typing import Union
 
 from ..engine.types import SamplingParams
 from ..errors import InvalidRequest
+from ..tools.spec import AnswerFormat, ToolSpec
 from .validation import ApiError
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
-    """Messages rendered with the model's chat template; `tools` and `template_kwargs` go to the template too."""
+    """Messages rendered with the model's chat template (with their tool calls and results normalised, see
+    tools.spec); the tools and `think` are planned per model in core.run (tools.plan)."""
 
     messages: list[dict]
-    tools: list[dict] | None = None
+    tools: ToolSpec | None = None
+    think: bool | None = None  # None: the template's default
     template_kwargs: dict = field(default_factory=dict)
 
 
@@ -60,6 +63,7 @@ class Intake:
     stream: bool
     length_field: str = "prompt"
     num_ctx: int | None = None
+    answer: AnswerFormat | None = None  # response_format / format / grammar / json_schema
     include_usage: bool = False  # OpenAI stream_options
     echo: bool = False  # OpenAI completions: the prompt text before the answer
     time_limit_s: float | None = None

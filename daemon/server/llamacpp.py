@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import json
+
 from aiohttp import web
 
 from ..engine.types import RequestOutput, SamplingParams
+from ..tools.spec import MAX_GRAMMAR_CHARS, AnswerFormat, check_schema
 from .core import Generation, GenerationResult, ServerState, encode_text, output_reason, run, state_of
 from .intake import FimPrompt, Intake, Prompt, TextPrompt, TokenPrompt, checked_params
 from .responses import logprob_items, timings_dict
@@ -121,10 +124,27 @@ class CompletionAnswer:
         return {"error": {"code": 500, "message": exc.message, "type": "server_error"}}
 
 
-def _intake(f: dict, prompt: Prompt) -> Intake:
+def answer_format(body: dict) -> AnswerFormat | None:
+    """llama.cpp's grammar (GBNF) or json_schema; not both."""
+    grammar, schema = body.get("grammar"), body.get("json_schema")
+    if grammar not in (None, "") and schema is not None:
+        raise bad_field("grammar", "and json_schema cannot be used together")
+    if schema is not None:
+        return AnswerFormat("json_schema", json.dumps(check_schema(schema, "json_schema"), ensure_ascii=False),
+                            "json_schema")
+    if grammar in (None, ""):
+        return None
+    if not isinstance(grammar, str):
+        raise bad_field("grammar", "must be a string (GBNF)")
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise bad_field("grammar", f"must be at most {MAX_GRAMMAR_CHARS} characters")
+    return AnswerFormat("gbnf", grammar, "grammar")
+
+
+def _intake(f: dict, prompt: Prompt, body: dict) -> Intake:
     limit = f.get("t_max_predict_ms")
     return Intake(f.get("model"), prompt, checked_params(_params(f)), bool(f.get("stream")),
-                  time_limit_s=limit / 1000.0 if limit else None)
+                  answer=answer_format(body), time_limit_s=limit / 1000.0 if limit else None)
 
 
 def parse_completion(body: dict, state: ServerState) -> Intake:
@@ -133,10 +153,10 @@ def parse_completion(body: dict, state: ServerState) -> Intake:
     state.check_model(f.get("model"))
     prompt = f["prompt"]
     if isinstance(prompt, list):
-        return _intake(f, TokenPrompt(prompt))
+        return _intake(f, TokenPrompt(prompt), body)
     if len(prompt) > TEXT.max_len:
         raise bad_field("prompt", f"must be at most {TEXT.max_len} characters")
-    return _intake(f, TextPrompt(prompt))
+    return _intake(f, TextPrompt(prompt), body)
 
 
 async def _serve(request: web.Request, state: ServerState, body: dict, intake: Intake) -> web.StreamResponse:
@@ -173,7 +193,8 @@ def parse_infill(body: dict, state: ServerState) -> Intake:
         raise ApiError(400, "input_prefix or input_suffix is required", param="input_prefix")
     state.check_model(f.get("model"))
     extra = _extra_context(f.get("input_extra", []))
-    return _intake(f, FimPrompt(f.get("input_prefix", ""), f.get("input_suffix", ""), extra, f.get("prompt", "")))
+    return _intake(f, FimPrompt(f.get("input_prefix", ""), f.get("input_suffix", ""), extra, f.get("prompt", "")),
+                   body)
 
 
 async def infill(request: web.Request) -> web.StreamResponse:

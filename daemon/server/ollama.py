@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from datetime import datetime, timezone
 
@@ -10,10 +11,12 @@ from aiohttp import web
 
 from .. import __version__ as llmd_version
 from ..engine.types import RequestOutput, SamplingParams
-from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
+from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of, traits_of
+from ..tools.parsers import Piece
+from ..tools.spec import AnswerFormat, ToolSpec, check_schema, normalise_history, parse_tools
 from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, checked_params
 from .validation import (MAX_NEW_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P, ApiError,
-                         Field, check_fields, parse_messages, read_json)
+                         Field, bad_field, check_fields, parse_messages, read_json)
 
 # The Ollama API level this dialect follows; clients compare it to feature thresholds.
 OLLAMA_API_VERSION = "0.6.0"
@@ -50,15 +53,32 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
 
 
+def answer_format(value) -> AnswerFormat | None:
+    """Ollama's format: "json" or a JSON schema ("" and null: free text)."""
+    if value is None or value == "":
+        return None
+    if value == "json":
+        return AnswerFormat("json_object", "", "format")
+    if isinstance(value, str):
+        raise bad_field("format", "must be \"json\" or a JSON schema")
+    return AnswerFormat("json_schema", json.dumps(check_schema(value, "format"), ensure_ascii=False), "format")
+
+
+def _think(value) -> bool | None:
+    """think: true / false, or a level ("low", "medium", "high") which means true here."""
+    if value is None or isinstance(value, bool):
+        return value
+    if value in ("low", "medium", "high"):
+        return True
+    raise bad_field("think", "must be true, false, or one of low, medium, high")
+
+
 def _check_request(state: ServerState, body: dict) -> tuple[dict, dict]:
-    if body.get("format"):
-        raise ApiError(400, "format (structured output) is not supported", param="format")
     if body.get("template"):
         raise ApiError(400, "template overrides are not supported; the model's own chat template is used",
                        param="template")
-    for unsupported in ("images", "tools"):
-        if body.get(unsupported):
-            raise ApiError(400, f"{unsupported} are not supported by this server", param=unsupported)
+    if body.get("images"):
+        raise ApiError(400, "images are not supported by this server", param="images")
     f = check_fields(body, REQUEST_FIELDS)
     state.check_model(body.get("model"), required=True)
     opts = check_fields(f.get("options") or {}, OPTION_FIELDS, prefix="options.")
@@ -108,8 +128,12 @@ def parse_chat(body: dict, state: ServerState) -> Intake:
         if msg.get("images"):
             raise ApiError(400, f"messages[{i}].images: images are not supported by this server",
                            param=f"messages[{i}].images")
-    return Intake(body["model"], ChatPrompt(messages), checked_params(_params(opts)), f.get("stream", True),
-                  length_field=_length_field(opts, "messages"), num_ctx=opts.get("num_ctx"))
+    messages = normalise_history(body["messages"], messages)
+    tools = parse_tools(body["tools"]) if body.get("tools") else ()
+    prompt = ChatPrompt(messages, ToolSpec(tools) if tools else None, think=_think(body.get("think")))
+    return Intake(body["model"], prompt, checked_params(_params(opts)), f.get("stream", True),
+                  length_field=_length_field(opts, "messages"), num_ctx=opts.get("num_ctx"),
+                  answer=answer_format(body.get("format")))
 
 
 def parse_generate(body: dict, state: ServerState) -> Intake | None:
@@ -124,13 +148,15 @@ def parse_generate(body: dict, state: ServerState) -> Intake | None:
         kind = TextPrompt(prompt)
     else:
         kind = ChatPrompt(([{"role": "system", "content": system}] if system else [])
-                          + [{"role": "user", "content": prompt}])
+                          + [{"role": "user", "content": prompt}], think=_think(body.get("think")))
     return Intake(body["model"], kind, checked_params(_params(opts)), f.get("stream", True),
-                  length_field=_length_field(opts, "prompt"), num_ctx=opts.get("num_ctx"))
+                  length_field=_length_field(opts, "prompt"), num_ctx=opts.get("num_ctx"),
+                  answer=answer_format(body.get("format")))
 
 
 class _Answer:
-    """Ollama answers: every chunk, and the whole answer, is one shape with `done` and, at the end, the stats."""
+    """Ollama answers: every chunk, and the whole answer, is one shape with `done` and, at the end, the stats.
+    The text goes through the generation's OutputParser: content, thinking and tool calls (each call whole)."""
 
     fmt = "ndjson"
 
@@ -138,16 +164,20 @@ class _Answer:
         self.model = model
         self.started = time.monotonic()
 
-    def shape(self, text: str, done: bool, extra: dict) -> dict:
+    def shape(self, piece: Piece, done: bool, extra: dict) -> dict:
         raise NotImplementedError
 
     def whole(self, gen: Generation, res: GenerationResult) -> dict:
-        return self.shape(res.text, True, _final_stats(gen, self.started))
+        return self.shape(gen.output.parse(res.text), True, _final_stats(gen, self.started))
 
     def events(self, gen: Generation, out: RequestOutput) -> list:
-        events = [self.shape(out.text_delta, False, {})] if out.text_delta else []
-        if output_reason(out) is not None:
-            events.append(self.shape("", True, _final_stats(gen, self.started)))
+        piece = gen.output.feed(out.text_delta)
+        done = output_reason(out) is not None
+        if done:
+            piece.add(gen.output.finish())
+        events = [self.shape(piece, False, {})] if piece else []
+        if done:
+            events.append(self.shape(Piece(), True, _final_stats(gen, self.started)))
         return events
 
     def tail(self, gen: Generation) -> list:
@@ -158,14 +188,21 @@ class _Answer:
 
 
 class ChatAnswer(_Answer):
-    def shape(self, text: str, done: bool, extra: dict) -> dict:
-        return {"model": self.model, "created_at": _now(), "message": {"role": "assistant", "content": text},
-                "done": done, **extra}
+    def shape(self, piece: Piece, done: bool, extra: dict) -> dict:
+        message: dict = {"role": "assistant", "content": piece.content}
+        if piece.reasoning:
+            message["thinking"] = piece.reasoning
+        if piece.calls:
+            message["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in piece.calls]
+        return {"model": self.model, "created_at": _now(), "message": message, "done": done, **extra}
 
 
 class GenerateAnswer(_Answer):
-    def shape(self, text: str, done: bool, extra: dict) -> dict:
-        return {"model": self.model, "created_at": _now(), "response": text, "done": done, **extra}
+    def shape(self, piece: Piece, done: bool, extra: dict) -> dict:
+        body = {"model": self.model, "created_at": _now(), "response": piece.content, "done": done}
+        if piece.reasoning:
+            body["thinking"] = piece.reasoning
+        return {**body, **extra}
 
 
 async def chat(request: web.Request) -> web.StreamResponse:
@@ -212,10 +249,17 @@ def _model_entry(state: ServerState) -> dict:
 
 
 def _capabilities(state: ServerState) -> list[str]:
+    """What the model itself can do: tools only with a template that renders them, thinking only with one that
+    knows a thought (the generic tool fallback serves any model, but is no capability of it)."""
     tok = state.engine.tokenizer
+    traits = traits_of(state.engine)
     caps = ["completion"]
+    if traits.tools.native:
+        caps.append("tools")
     if tok.fim_token_ids():
         caps.append("insert")
+    if traits.thinks:
+        caps.append("thinking")
     return caps
 
 

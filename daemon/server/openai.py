@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -9,10 +10,11 @@ from aiohttp import web
 
 from ..engine.types import RequestOutput, SamplingParams
 from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
+from ..tools.spec import AnswerFormat, ToolSpec, check_schema, normalise_history, parse_tool_choice, parse_tools
 from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, TokenPrompt, checked_params
 from .responses import logprob_items, timings_dict
 from .validation import (LOGPROBS_TOP, MAX_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P,
-                         ApiError, Field, check_fields, parse_messages, read_json, require)
+                         ApiError, Field, bad_field, check_fields, parse_messages, read_json, require)
 
 DEFAULT_MAX_TOKENS = 2048  # when the client sends none; also capped by the context left
 
@@ -35,7 +37,8 @@ COMMON = {
     "repetition_penalty": REPEAT_PENALTY,
     "ignore_eos": Field("bool"),
 }
-CHAT_FIELDS = {**COMMON, "max_completion_tokens": MAX_TOKENS, "logprobs": Field("bool"), "top_logprobs": LOGPROBS_TOP}
+CHAT_FIELDS = {**COMMON, "max_completion_tokens": MAX_TOKENS, "logprobs": Field("bool"), "top_logprobs": LOGPROBS_TOP,
+               "parallel_tool_calls": Field("bool"), "chat_template_kwargs": Field("dict")}
 COMPLETION_FIELDS = {**COMMON, "prompt": Field("str|list"), "suffix": TEXT, "echo": Field("bool"),
                      "logprobs": LOGPROBS_TOP}
 
@@ -58,15 +61,8 @@ def _params(f: dict, max_tokens: int | None, logprobs: int | None) -> SamplingPa
 
 
 def _reject_unsupported(body: dict) -> None:
-    """Refuse features this server lacks instead of ignoring them: a client asking for JSON output or a tool call
-    would silently get prose. Their neutral values (text output, no tools, no bias, best_of 1) are fine."""
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        raise ApiError(400, f"response_format {kind!r} (structured output) is not supported; only {{\"type\": "
-                            f"\"text\"}}", param="response_format")
-    if body.get("tools") and body.get("tool_choice") != "none":
-        raise ApiError(400, "tools (function calling) are not supported by this server", param="tools")
+    """Refuse features this server lacks instead of ignoring them. Their neutral values (no bias, best_of 1) are
+    fine."""
     if body.get("logit_bias"):
         raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
     if body.get("best_of") not in (None, 1):
@@ -100,16 +96,48 @@ def _include_usage(f: dict) -> bool:
     return bool((f.get("stream_options") or {}).get("include_usage"))
 
 
+def response_format(value) -> AnswerFormat | None:
+    """OpenAI's response_format: text, json_object, or json_schema {name, schema, strict}."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad_field("response_format", "must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return AnswerFormat("json_object", "", "response_format")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise bad_field("response_format.json_schema", "must be an object with name and schema")
+    if not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad_field("response_format.json_schema.name", "is required (a string)")
+    schema = check_schema(spec.get("schema", {}), "response_format.json_schema.schema")
+    return AnswerFormat("json_schema", json.dumps(schema, ensure_ascii=False), "response_format")
+
+
+def tool_spec(body: dict, f: dict) -> ToolSpec | None:
+    tools = body.get("tools")
+    functions = parse_tools(tools) if tools is not None else ()
+    choice = parse_tool_choice(body.get("tool_choice"), functions)
+    if not functions:
+        return None
+    return ToolSpec(functions, choice, f.get("parallel_tool_calls", True))
+
+
 def parse_chat(body: dict, state: ServerState) -> Intake:
     require(body, "messages")
     f = _check_common(state, body, CHAT_FIELDS)
-    messages = parse_messages(body["messages"])
+    messages = normalise_history(body["messages"], parse_messages(body["messages"]))
     if "top_logprobs" in f and not f.get("logprobs"):
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     logprobs = f.get("top_logprobs", 0) if f.get("logprobs") else None
     params = checked_params(_params(f, f.get("max_completion_tokens", f.get("max_tokens")), logprobs))
-    return Intake(f.get("model"), ChatPrompt(messages), params, bool(f.get("stream")), length_field="messages",
-                  include_usage=_include_usage(f))
+    kwargs = f.get("chat_template_kwargs") or {}
+    if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
+        raise bad_field("chat_template_kwargs.enable_thinking", "must be true or false")
+    prompt = ChatPrompt(messages, tool_spec(body, f), template_kwargs=dict(kwargs))
+    return Intake(f.get("model"), prompt, params, bool(f.get("stream")), length_field="messages",
+                  answer=response_format(body.get("response_format")), include_usage=_include_usage(f))
 
 
 def parse_completion(body: dict, state: ServerState) -> Intake:
@@ -128,6 +156,7 @@ def parse_completion(body: dict, state: ServerState) -> Intake:
     else:
         kind = TextPrompt(prompt)
     return Intake(f.get("model"), kind, params, bool(f.get("stream")), include_usage=_include_usage(f),
+                  answer=response_format(body.get("response_format")),
                   echo=bool(f.get("echo")) and isinstance(kind, (TextPrompt, FimPrompt)))
 
 
@@ -166,37 +195,74 @@ class _Answer:
         return _stream_error(exc)
 
 
+def _message_calls(calls) -> list[dict]:
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+            for c in calls]
+
+
 class ChatAnswer(_Answer):
+    """Content, reasoning_content and tool_calls from the generation's OutputParser. Streamed, a call's id, type
+    and name come once, then its arguments; a stop after calls is finish_reason "tool_calls"."""
+
     obj = "chat.completion.chunk"
 
     def __init__(self, intake: Intake, model: str):
         super().__init__(intake, model, "chatcmpl")
         self.first = True
+        self.num_calls = 0
 
     def _logprobs(self, gen: Generation, items) -> dict | None:
         if self.intake.params.logprobs is None:
             return None
         return logprob_items(gen.engine.tokenizer, items, "chat")
 
+    @staticmethod
+    def _finish(gen: Generation, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and gen.output.calls else reason
+
     def whole(self, gen: Generation, res: GenerationResult) -> dict:
+        piece = gen.output.parse(res.text)
+        message: dict = {"role": "assistant", "content": piece.content if piece.content or not piece.calls else None}
+        if piece.reasoning:
+            message["reasoning_content"] = piece.reasoning
+        if piece.calls:
+            message["tool_calls"] = _message_calls(piece.calls)
         return {**self.head("chat.completion"),
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": res.text},
-                             "logprobs": self._logprobs(gen, res.logprobs),
-                             "finish_reason": res.finish_reason, "stop_reason": gen.stop_reason}],
+                "choices": [{"index": 0, "message": message, "logprobs": self._logprobs(gen, res.logprobs),
+                             "finish_reason": self._finish(gen, res.finish_reason), "stop_reason": gen.stop_reason}],
                 "usage": self.usage(gen, len(res.token_ids)), "timings": timings_dict(gen.timings)}
+
+    def _choice(self, delta: dict, lp=None, finish: str | None = None) -> dict:
+        return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
     def events(self, gen: Generation, out: RequestOutput) -> list:
         self.generated += len(out.new_token_ids)
         finish = output_reason(out)
+        piece = gen.output.feed(out.text_delta)
+        if finish:
+            piece.add(gen.output.finish())
         events = []
         if self.first:
             self.first = False
-            events.append(self.chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                      "finish_reason": None}, gen, None))
-        if out.text_delta or out.logprobs or finish:
-            lp = self._logprobs(gen, out.logprobs) if out.logprobs else None
-            delta = {"content": out.text_delta} if out.text_delta else {}
-            events.append(self.chunk({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}, gen,
+            events.append(self.chunk(self._choice({"role": "assistant", "content": ""}), gen, None))
+        lp = self._logprobs(gen, out.logprobs) if out.logprobs else None
+        deltas = []
+        if piece.reasoning:
+            deltas.append({"reasoning_content": piece.reasoning})
+        if piece.content:
+            deltas.append({"content": piece.content})
+        for call in piece.calls:
+            head = {"index": self.num_calls, "id": call.id, "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}
+            deltas += [{"tool_calls": [head]},
+                       {"tool_calls": [{"index": self.num_calls, "function": {"arguments": call.arguments_json}}]}]
+            self.num_calls += 1
+        if lp and not deltas and not finish:
+            deltas.append({})
+        for i, delta in enumerate(deltas):
+            events.append(self.chunk(self._choice(delta, lp if i == 0 else None), gen, None))
+        if finish:
+            events.append(self.chunk(self._choice({}, lp if not deltas else None, self._finish(gen, finish)), gen,
                                      finish))
         return events
 

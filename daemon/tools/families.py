@@ -1,0 +1,61 @@
+"""How a model family writes tool calls and thoughts, read from its architecture and chat template.
+
+A template that uses the `tools` variable renders the tools itself (native); its call format is recognised by the
+markers it writes. A template without tools gets the generic fallback: the tools are described in the system turn
+(see plan.py) and calls are asked for in the tagged format, which the grammar then enforces.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .parsers import LeadingJsonParser, TaggedParser, ToolCallParser
+
+FORMATS = ("hermes", "qwen3_coder", "llama3", "mistral", "generic")
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """name: one of FORMATS; native: the model's template renders `tools` itself."""
+
+    name: str
+    native: bool
+
+    @property
+    def args_key(self) -> str:
+        return "parameters" if self.name == "llama3" else "arguments"
+
+    def parser(self, names: frozenset[str]) -> ToolCallParser:
+        if self.name == "llama3":
+            return LeadingJsonParser(names, ("<|python_tag|>",))
+        if self.name == "mistral":
+            return LeadingJsonParser(names, ("[TOOL_CALLS]",), name_args=True)
+        return TaggedParser(names)
+
+
+@dataclass(frozen=True)
+class ModelTraits:
+    tools: ToolFormat
+    thinks: bool  # the template knows a <think> block (Qwen3, DeepSeek-R1 style)
+
+
+_USES_TOOLS = re.compile(r"\btools\b")
+
+
+@lru_cache(maxsize=32)
+def model_traits(architecture: str, template: str | None) -> ModelTraits:
+    text = template or ""
+    thinks = "<think>" in text or "enable_thinking" in text
+    if not _USES_TOOLS.search(text):
+        return ModelTraits(ToolFormat("generic", native=False), thinks)
+    if "<tool_call>" in text:
+        name = "qwen3_coder" if "<function=" in text else "hermes"
+    elif "[TOOL_CALLS]" in text:
+        name = "mistral"
+    elif "<|python_tag|>" in text or ("<|start_header_id|>" in text and "parameters" in text):
+        name = "llama3"
+    else:  # a template that takes tools in a format not known here: describe them ourselves
+        return ModelTraits(ToolFormat("generic", native=False), thinks)
+    return ModelTraits(ToolFormat(name, native=True), thinks)

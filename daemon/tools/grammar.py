@@ -1,0 +1,110 @@
+"""The constraints the server composes for the engine (llguidance grammars: JSON schema, GBNF, lark).
+
+- An answer format alone is a JSON schema (or the client's GBNF) as it is.
+- Tool calls are a lark grammar: the family's markers around `%json {...}` bodies that validate against each
+  allowed tool's parameters; `required` or a named function allows only calls, the generic fallback's `auto` allows
+  text (or the answer format) as the other alternative.
+- A reasoning model's thought stays free: a lazy `<think> ... </think>` rule comes first, the answer rule after it.
+
+JSON inside the grammars is compact (llguidance's `whitespace_flexible: false`): small models otherwise tend to
+emit whitespace until max_tokens, and compact JSON is still JSON to every client.
+
+`check` runs llguidance's own validator on the result, so an invalid or unsatisfiable schema or grammar is a 400
+naming the request field before anything is queued.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..engine.types import Constraint
+from ..server.validation import bad_field
+from .families import ToolFormat
+from .spec import AnswerFormat, Function, ToolSpec
+
+COMPACT = {"whitespace_flexible": False}
+
+
+def _compact(schema: dict) -> dict:
+    return schema if "x-guidance" in schema else {**schema, "x-guidance": COMPACT}
+
+
+def _json(schema: dict) -> str:
+    return "%json " + json.dumps(_compact(schema), ensure_ascii=False)
+
+
+def answer_schema(fmt: AnswerFormat) -> dict:
+    return {"type": "object"} if fmt.kind == "json_object" else json.loads(fmt.text)
+
+
+def answer_constraint(fmt: AnswerFormat) -> Constraint:
+    """A format on its own (no tools, no thought)."""
+    if fmt.kind == "gbnf":
+        return Constraint("gbnf", fmt.text)
+    return Constraint("json_schema", json.dumps(_compact(answer_schema(fmt)), ensure_ascii=False))
+
+
+def _call_body(fn: Function, args_key: str) -> dict:
+    return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: fn.parameters},
+            "required": ["name", args_key], "additionalProperties": False}
+
+
+def _call_rules(fmt: ToolFormat, spec: ToolSpec) -> list[str]:
+    """Rules defining `calls`: one call, or several when parallel calls are allowed."""
+    fns = spec.allowed()
+    rules = [f"fn_{i}: {_json(_call_body(fn, fmt.args_key))}" for i, fn in enumerate(fns)]
+    rules.append("fn: " + " | ".join(f"fn_{i}" for i in range(len(fns))))
+    if fmt.name == "llama3":
+        rules.append("call: fn")
+        sep = '";"'
+    elif fmt.name == "mistral":  # the [TOOL_CALLS] marker is a special token: the bare array is what the text keeps
+        rules.append('calls: "[" fn ("," fn)* "]"' if spec.parallel else 'calls: "[" fn "]"')
+        return rules
+    else:
+        rules.append('call: "<tool_call>\\n" fn "\\n</tool_call>"')
+        sep = '"\\n"'
+    rules.append(f"calls: call ({sep} call)*" if spec.parallel else "calls: call")
+    return rules
+
+
+def lark_grammar(fmt: ToolFormat | None, spec: ToolSpec | None, answer: AnswerFormat | None,
+                 thought: str | None) -> Constraint | None:
+    """The whole answer's grammar, or None when nothing constrains it.
+    thought: None (no thought), "open" (the model opens `<think>` itself), "opened" (the prompt ends inside it)."""
+    rules: list[str] = []
+    forced = spec is not None and spec.forced
+    calls = spec is not None and spec.choice != "none" and fmt is not None and (forced or not fmt.native)
+    if calls:
+        rules += _call_rules(fmt, spec)  # type: ignore[arg-type]
+    if answer is not None and answer.kind != "gbnf":
+        rules.append(f"text: {_json(answer_schema(answer))}")
+    elif calls and not forced:
+        rules.append(r"text: TEXT")
+        rules.append(r"TEXT: /[^<](.|\n)*/")  # the generic fallback: text, or a call that starts with <tool_call>
+    if not rules:
+        return None
+    body = "calls" if forced else "text | calls" if calls else "text"
+    if thought is None:
+        return Constraint("lark", "\n".join([f"start: {body}", *rules]))
+    opener = '"<think>" ' if thought == "open" else ""
+    head = ["start: think answer", f'think[lazy]: {opener}/(.|\\n)*/ "</think>"', f'answer: /[ \\n]*/ ({body})']
+    return Constraint("lark", "\n".join(head + rules))
+
+
+_KIND = {"json_schema": "json_schema", "lark": "lark", "gbnf": "gbnf", "regex": "regex"}
+
+
+def check(constraint: Constraint, field: str) -> None:
+    """llguidance's validator; an invalid or unsatisfiable grammar is a 400 naming `field`."""
+    import llguidance
+
+    text = constraint.text if constraint.kind != "json_object" else '{"type": "object"}'
+    kind = _KIND.get(constraint.kind, "json_schema")
+    try:
+        grammar = llguidance.grammar_from(kind, text)
+    except Exception as exc:  # noqa: BLE001 - the GBNF converter raises plain Exceptions too
+        raise bad_field(field, f"is not a valid grammar: {exc}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise bad_field(field, f"is not a valid {'grammar' if kind in ('gbnf', 'lark') else 'schema'}: "
+                               f"{error.strip().splitlines()[0][:500]}")

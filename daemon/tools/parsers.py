@@ -1,0 +1,324 @@
+"""Streaming parsers that turn a model's text into content, reasoning and tool calls, per model family.
+
+Text arrives in arbitrary pieces (a marker may be split across tokens), so each parser holds back only what could
+still be the start of a marker, and releases everything else at once. A call is emitted whole, when its closing
+marker (or the end of the output) arrives; a call that does not parse, or names no tool of the request, is given
+back as the text it was: a malformed call is never an error.
+
+Formats (what the model writes; the engine's text keeps non-special marker tokens, drops special ones):
+- tagged (Hermes, Qwen2.5, Qwen3, and the generic fallback): `<tool_call>{"name": .., "arguments": {..}}</tool_call>`,
+  repeated for parallel calls; Qwen3-Coder's XML body `<function=NAME><parameter=P>V</parameter></function>` inside
+  the same tags is read too.
+- llama3: the answer is one JSON object `{"name": .., "parameters": {..}}` (after `<|python_tag|>`, if kept), or
+  several separated by `;`.
+- mistral: `[TOOL_CALLS]` (a special token, so often dropped) then a JSON array of `{"name", "arguments"}`, or
+  `NAME[ARGS]{..}` in newer tokenizers.
+Reasoning (Qwen3, DeepSeek-R1 style): `<think>...</think>` before the answer; see ReasoningSplit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: dict
+    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+
+    @property
+    def arguments_json(self) -> str:
+        return json.dumps(self.arguments, ensure_ascii=False)
+
+
+@dataclass
+class Piece:
+    """What one piece of output text turned into."""
+
+    content: str = ""
+    reasoning: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.calls)
+
+    def add(self, other: "Piece") -> "Piece":
+        self.content += other.content
+        self.reasoning += other.reasoning
+        self.calls.extend(other.calls)
+        return self
+
+
+def _held_prefix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that is a proper start of `marker` (it may yet become the marker)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _call_from(obj, names: frozenset[str]) -> ToolCall | None:
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    args = obj.get("arguments", obj.get("parameters"))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if args is None:
+        args = {}
+    if not isinstance(name, str) or name not in names or not isinstance(args, dict):
+        return None
+    return ToolCall(name, args)
+
+
+_FUNCTION_XML = re.compile(r"^\s*<function=([^>\s]+)>(.*?)</function>\s*$", re.S)
+_PARAMETER_XML = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _xml_call(body: str, names: frozenset[str]) -> ToolCall | None:
+    """Qwen3-Coder: <function=NAME><parameter=P>VALUE</parameter>...</function>; values are JSON when they parse."""
+    m = _FUNCTION_XML.match(body)
+    if not m or m.group(1) not in names:
+        return None
+    args = {}
+    for pname, raw in _PARAMETER_XML.findall(m.group(2)):
+        try:
+            args[pname] = json.loads(raw)
+        except ValueError:
+            args[pname] = raw
+    return ToolCall(m.group(1), args)
+
+
+def _json_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
+    """One JSON object, an array of them, or objects separated by ';' (Llama 3.x); None unless all are calls."""
+    text = text.strip()
+    try:
+        values = [json.loads(text)]
+    except ValueError:
+        try:
+            values = [json.loads(part) for part in text.split(";") if part.strip()]
+        except ValueError:
+            return None
+    if len(values) == 1 and isinstance(values[0], list):
+        values = values[0]
+    calls = [_call_from(v, names) for v in values]
+    if not calls or any(c is None for c in calls):
+        return None
+    return calls  # type: ignore[return-value]
+
+
+class ToolCallParser:
+    """Base: `feed(text) -> Piece` as text arrives, `finish() -> Piece` at the end of the output."""
+
+    def __init__(self, names: frozenset[str]):
+        self.names = names
+
+    def feed(self, text: str) -> Piece:
+        raise NotImplementedError
+
+    def finish(self) -> Piece:
+        raise NotImplementedError
+
+
+class TaggedParser(ToolCallParser):
+    """Calls between an opening and a closing tag, anywhere in the text, any number of them."""
+
+    def __init__(self, names: frozenset[str], open_tag: str = "<tool_call>", close_tag: str = "</tool_call>"):
+        super().__init__(names)
+        self.open_tag, self.close_tag = open_tag, close_tag
+        self.buf = ""
+        self.in_call = False
+        self.seen_call = False
+
+    def _body(self, body: str) -> list[ToolCall] | None:
+        call = _xml_call(body, self.names) if body.lstrip().startswith("<function=") else None
+        return [call] if call else _json_calls(body, self.names)
+
+    def feed(self, text: str) -> Piece:
+        self.buf += text
+        out = Piece()
+        while True:
+            if not self.in_call:
+                at = self.buf.find(self.open_tag)
+                if at < 0:
+                    # hold what may still become the tag, and whitespace alone (around calls it is no content)
+                    keep = _held_prefix(self.buf, self.open_tag)
+                    keep = len(self.buf) if not self.buf[:len(self.buf) - keep].strip() else keep
+                    out.content, self.buf = out.content + self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                    return out
+                before = self.buf[:at]
+                if before.strip():
+                    out.content += before
+                self.buf, self.in_call = self.buf[at + len(self.open_tag):], True
+            else:
+                at = self.buf.find(self.close_tag)
+                if at < 0:
+                    return out
+                body, self.buf, self.in_call = self.buf[:at], self.buf[at + len(self.close_tag):], False
+                calls = self._body(body)
+                if calls is None:
+                    out.content += self.open_tag + body + self.close_tag
+                else:
+                    out.calls.extend(calls)
+                    self.seen_call = True
+
+    def finish(self) -> Piece:
+        out = Piece()
+        if self.in_call:  # the output ended inside a call (a stop token took the closing tag, or max_tokens)
+            calls = self._body(self.buf)
+            if calls is None:
+                out.content = self.open_tag + self.buf
+            else:
+                out.calls = calls
+        elif not (self.seen_call and not self.buf.strip()):
+            out.content = self.buf
+        self.buf, self.in_call = "", False
+        return out
+
+
+class LeadingJsonParser(ToolCallParser):
+    """Llama 3.x and Mistral: the answer is calls when it starts with a call (after an optional marker); then the
+    whole answer is held to the end and read as JSON calls, else released as text. `name_args`: Mistral's newer
+    `NAME[ARGS]{...}` form is read too."""
+
+    def __init__(self, names: frozenset[str], markers: tuple[str, ...], name_args: bool = False):
+        super().__init__(names)
+        self.markers = markers
+        self.name_args = name_args
+        self.buf = ""
+        self.mode: str | None = None  # None: undecided; "text"; "calls"
+
+    def _decide(self) -> str | None:
+        head = self.buf.lstrip()
+        for marker in self.markers:
+            head = head[len(marker):].lstrip() if head.startswith(marker) else head
+        if not head or any(m.startswith(head) for m in self.markers):
+            return None
+        if head[0] in "{[":
+            return "calls"
+        if self.name_args:
+            m = re.match(r"^([A-Za-z0-9_.\-]+)(.*)$", head, re.S)
+            name, rest = (m.group(1), m.group(2)) if m else ("", head)
+            if rest.startswith("[ARGS]") and name in self.names:
+                return "calls"
+            if ("[ARGS]".startswith(rest) if rest else any(n.startswith(name) for n in self.names)):
+                return None
+        return "text"
+
+    def feed(self, text: str) -> Piece:
+        self.buf += text
+        if self.mode is None:
+            self.mode = self._decide()
+        if self.mode == "text":
+            out, self.buf = Piece(content=self.buf), ""
+            return out
+        return Piece()
+
+    def _calls(self, text: str) -> list[ToolCall] | None:
+        for marker in self.markers:
+            text = text.replace(marker, ";")
+        if self.name_args:
+            found = re.findall(r"([A-Za-z0-9_.\-]+)\[ARGS\](\{.*?\})(?=;|\s*$|[A-Za-z0-9_.\-]+\[ARGS\])", text, re.S)
+            if found:
+                try:
+                    calls = [_call_from({"name": n, "arguments": json.loads(a)}, self.names) for n, a in found]
+                except ValueError:
+                    return None
+                return calls if all(calls) else None  # type: ignore[return-value]
+        return _json_calls(text.strip().strip(";"), self.names)
+
+    def finish(self) -> Piece:
+        text, self.buf = self.buf, ""
+        if self.mode == "text" or not text.strip():
+            return Piece(content=text)
+        calls = self._calls(text)
+        return Piece(calls=calls) if calls else Piece(content=text)
+
+
+class ReasoningSplit:
+    """`<think>...</think>` before the answer: the thought goes to `reasoning`, the rest on to `content`.
+    `started`: the prompt already opened the thought (the template ends with `<think>`)."""
+
+    def __init__(self, started: bool = False, open_tag: str = "<think>", close_tag: str = "</think>"):
+        self.open_tag, self.close_tag = open_tag, close_tag
+        self.state = "thinking" if started else "start"  # start -> thinking -> (gap ->) answer
+        self.buf = ""
+
+    def feed(self, text: str) -> Piece:
+        self.buf += text
+        out = Piece()
+        if self.state == "start":
+            head = self.buf.lstrip()
+            if head.startswith(self.open_tag):
+                self.buf, self.state = head[len(self.open_tag):], "thinking"
+            elif self.open_tag.startswith(head):
+                return out  # not yet known
+            else:
+                self.state = "answer"
+        if self.state == "thinking":
+            at = self.buf.find(self.close_tag)
+            if at < 0:
+                keep = _held_prefix(self.buf, self.close_tag)
+                out.reasoning, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                return out
+            out.reasoning = self.buf[:at]
+            self.buf, self.state = self.buf[at + len(self.close_tag):], "gap"
+        if self.state == "gap":  # the blank lines between the thought and the answer belong to neither
+            self.buf = self.buf.lstrip()
+            if not self.buf:
+                return out
+            self.state = "answer"
+        if self.state == "answer":
+            out.content, self.buf = self.buf, ""
+        return out
+
+    def finish(self) -> Piece:
+        out = Piece()
+        if self.state == "thinking":
+            out.reasoning = self.buf
+        elif self.state != "gap":
+            out.content = self.buf
+        self.buf = ""
+        return out
+
+
+class OutputParser:
+    """Reasoning split first (its answer goes on), then the tool-call parser; either may be absent."""
+
+    def __init__(self, reasoning: ReasoningSplit | None = None, tools: ToolCallParser | None = None):
+        self.reasoning = reasoning
+        self.tools = tools
+        self.calls = 0
+
+    def _after_reasoning(self, piece: Piece, final: bool) -> Piece:
+        if self.tools is None:
+            return piece
+        out = Piece(reasoning=piece.reasoning)
+        if piece.content:
+            out.add(self.tools.feed(piece.content))
+        if final:
+            out.add(self.tools.finish())
+        return out
+
+    def feed(self, text: str) -> Piece:
+        piece = self.reasoning.feed(text) if self.reasoning else Piece(content=text)
+        out = self._after_reasoning(piece, final=False)
+        self.calls += len(out.calls)
+        return out
+
+    def finish(self) -> Piece:
+        piece = self.reasoning.finish() if self.reasoning else Piece()
+        out = self._after_reasoning(piece, final=True)
+        self.calls += len(out.calls)
+        return out
+
+    def parse(self, text: str) -> Piece:
+        """The whole output at once (non-streamed answers)."""
+        return self.feed(text).add(self.finish())

@@ -1,0 +1,122 @@
+"""One chat request on one model: the messages and template variables, then the constraint and output parser.
+
+`plan_chat` is model-aware (it needs the model's ModelTraits) and runs once the request's engine is known:
+- a native template gets the tools as its `tools` variable and the history as it is;
+- the generic fallback describes the tools in the system turn, writes past calls as tagged text in the assistant
+  turns and tool results as a user turn, so any template (SmolLM2's, Gemma's) can render them;
+- `think` becomes the template's `enable_thinking`.
+After rendering, `ChatPlan.output(prompt_text)` knows whether the prompt already opened a thought and builds the
+constraint and the parser.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from ..engine.types import Constraint
+from .families import ModelTraits
+from .grammar import answer_constraint, lark_grammar
+from .parsers import OutputParser, ReasoningSplit
+from .spec import AnswerFormat, ToolSpec
+
+GENERIC_INSTRUCTIONS = """You can call the following tools. To call a tool, answer with exactly:
+<tool_call>
+{{"name": "<tool name>", "arguments": <the arguments as a JSON object>}}
+</tool_call>
+{when}
+Tools:
+{tools}"""
+
+
+def _describe(spec: ToolSpec) -> str:
+    lines = []
+    for fn in spec.allowed():
+        lines.append(f"- {fn.name}: {fn.description or '(no description)'} Arguments (JSON schema): "
+                     f"{json.dumps(fn.parameters, ensure_ascii=False)}")
+    return "\n".join(lines)
+
+
+def _when(spec: ToolSpec) -> str:
+    if spec.choice == "required":
+        return "You must call one of the tools."
+    if spec.forced:
+        return f"You must call the tool {spec.choice}."
+    return "Call a tool only when it helps; otherwise answer in plain text."
+
+
+def _call_text(call: dict) -> str:
+    fn = call["function"]
+    body = json.dumps({"name": fn["name"], "arguments": fn["arguments"]}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def generic_messages(messages: list[dict], spec: ToolSpec | None) -> list[dict]:
+    """The history in plain turns: calls as tagged text, tool results as one user turn per run of results."""
+    out: list[dict] = []
+    for msg in messages:
+        if msg["role"] == "tool":
+            text = f"<tool_response>\n{msg.get('content', '')}\n</tool_response>"
+            if out and out[-1].get("_results"):
+                out[-1]["content"] += "\n" + text
+            else:
+                out.append({"role": "user", "content": text, "_results": True})
+        elif msg["role"] == "assistant" and msg.get("tool_calls"):
+            parts = [msg.get("content") or ""] + [_call_text(c) for c in msg["tool_calls"]]
+            out.append({"role": "assistant", "content": "\n".join(p for p in parts if p)})
+        else:
+            out.append({"role": msg["role"], "content": msg.get("content") or ""})
+    out = [{k: v for k, v in m.items() if k != "_results"} for m in out]
+    if spec is not None and spec.choice != "none" and spec.functions:
+        note = GENERIC_INSTRUCTIONS.format(when=_when(spec), tools=_describe(spec))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + note}
+        else:
+            out.insert(0, {"role": "system", "content": note})
+    return out
+
+
+@dataclass
+class ChatPlan:
+    messages: list[dict]
+    tools: list[dict] | None  # the template's `tools` variable
+    template_kwargs: dict
+    traits: ModelTraits
+    spec: ToolSpec | None
+    answer: AnswerFormat | None
+    think: bool | None
+    calls_possible: bool = field(default=False)
+
+    def output(self, prompt_text: str) -> tuple[Constraint | None, OutputParser]:
+        """The constraint and the parser, once the prompt's text is known."""
+        thinking = self.traits.thinks and self.think is not False
+        opened = thinking and prompt_text.rstrip().endswith("<think>")
+        # a template that closes an empty thought itself when thinking is off (Qwen3) leaves nothing to split
+        reasoning = ReasoningSplit(started=opened) if thinking else None
+        fmt = self.traits.tools
+        parser_tools = None
+        if self.calls_possible:
+            parser_tools = fmt.parser(frozenset(f.name for f in self.spec.allowed()))  # type: ignore[union-attr]
+        thought = ("opened" if opened else "open") if thinking else None
+        spec = self.spec if self.calls_possible else None
+        if spec is None and thought is None and self.answer is not None:
+            constraint = answer_constraint(self.answer)
+        else:
+            constraint = lark_grammar(fmt, spec, self.answer, thought)
+        return constraint, OutputParser(reasoning, parser_tools)
+
+
+def plan_chat(messages: list[dict], spec: ToolSpec | None, answer: AnswerFormat | None, think: bool | None,
+              template_kwargs: dict, traits: ModelTraits) -> ChatPlan:
+    kwargs = dict(template_kwargs)
+    if think is not None:
+        kwargs.setdefault("enable_thinking", think)
+    if "enable_thinking" in kwargs:
+        think = bool(kwargs["enable_thinking"])
+    calls = spec is not None and spec.choice != "none" and bool(spec.functions)
+    if calls and traits.tools.native:
+        tools = [f.as_tool() for f in spec.allowed()]  # type: ignore[union-attr]
+        return ChatPlan(messages, tools, kwargs, traits, spec, answer, think, calls_possible=True)
+    # a native template renders a history with calls itself; any other gets it as plain turns
+    msgs = messages if traits.tools.native else generic_messages(messages, spec if calls else None)
+    return ChatPlan(msgs, None, kwargs, traits, spec, answer, think, calls_possible=calls)
