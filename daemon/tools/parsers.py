@@ -148,14 +148,13 @@ class TaggedParser(ToolCallParser):
             if not self.in_call:
                 at = self.buf.find(self.open_tag)
                 if at < 0:
-                    # hold what may still become the tag, and whitespace alone (around calls it is no content)
+                    # hold what may still become the tag, and trailing whitespace (before a call it is no content)
                     keep = _held_prefix(self.buf, self.open_tag)
-                    keep = len(self.buf) if not self.buf[:len(self.buf) - keep].strip() else keep
+                    release = self.buf[:len(self.buf) - keep]
+                    keep += len(release) - len(release.rstrip())
                     out.content, self.buf = out.content + self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
                     return out
-                before = self.buf[:at]
-                if before.strip():
-                    out.content += before
+                out.content += self.buf[:at].rstrip()
                 self.buf, self.in_call = self.buf[at + len(self.open_tag):], True
             else:
                 at = self.buf.find(self.close_tag)

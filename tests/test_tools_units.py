@@ -1,0 +1,322 @@
+"""The server's tool-call, structured-output and reasoning parts without an engine: per-family parsers on scripted
+outputs streamed piece by piece (character by character, and token by token with the bundled SmolLM2 tokenizer),
+request checks, the chat plans, and the composed grammars run through llguidance with a real tokenizer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmd.server.validation import ApiError
+from llmd.tools.families import ToolFormat, model_traits
+from llmd.tools.grammar import answer_constraint, check, lark_grammar
+from llmd.tools.parsers import OutputParser, Piece, ReasoningSplit
+from llmd.tools.plan import generic_messages, plan_chat
+from llmd.tools.spec import AnswerFormat, ToolSpec, normalise_history, parse_tool_choice, parse_tools
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+FUNCTIONS = parse_tools([WEATHER, ADD])
+NAMES = frozenset({"get_weather", "add"})
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer(smollm2_gguf):
+    from llmd.model.gguf import read_gguf_metadata
+    from llmd.model.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(read_gguf_metadata(smollm2_gguf), path=smollm2_gguf)
+
+
+def run_parser(make, text: str, pieces) -> Piece:
+    parser = make()
+    out = Piece()
+    for p in pieces(text):
+        out.add(parser.feed(p))
+    return out.add(parser.finish())
+
+
+def by_chars(text):
+    return list(text)
+
+
+def whole(text):
+    return [text]
+
+
+def by_tokens(tok):
+    def split(text):
+        ids = tok.encode(text)
+        return [tok.decode([i], skip_special_tokens=False) for i in ids]
+    return split
+
+
+def summary(piece: Piece) -> tuple:
+    return piece.content, piece.reasoning, [(c.name, c.arguments) for c in piece.calls]
+
+
+FAMILY_CASES = [
+    # (format name, thinks, scripted output, expected (content, reasoning, calls))
+    ("hermes", False, 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                      '</tool_call>\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+     ("Let me check.", "", [("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})])),
+    ("hermes", True, '<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+                     '"arguments": {"city": "Oslo"}}\n</tool_call>',
+     ("", "\nThe user wants weather.\n", [("get_weather", {"city": "Oslo"})])),
+    ("qwen3_coder", False, '<tool_call>\n<function=add>\n<parameter=a>\n3\n</parameter>\n<parameter=b>\n4\n'
+                           '</parameter>\n</function>\n</tool_call>',
+     ("", "", [("add", {"a": 3, "b": 4})])),
+    ("llama3", False, '{"name": "get_weather", "parameters": {"city": "Rome"}}',
+     ("", "", [("get_weather", {"city": "Rome"})])),
+    ("llama3", False, '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 1}}; '
+                      '{"name": "add", "parameters": {"a": 2, "b": 2}}',
+     ("", "", [("add", {"a": 1, "b": 1}), ("add", {"a": 2, "b": 2})])),
+    ("llama3", False, "The capital of France is Paris.", ("The capital of France is Paris.", "", [])),
+    ("mistral", False, '[TOOL_CALLS][{"name": "add", "arguments": {"a": 5, "b": 6}}]',
+     ("", "", [("add", {"a": 5, "b": 6})])),
+    ("mistral", False, '[{"name": "get_weather", "arguments": {"city": "Lima"}}, {"name": "add", "arguments": '
+                       '{"a": 0, "b": 0}}]', ("", "", [("get_weather", {"city": "Lima"}), ("add", {"a": 0, "b": 0})])),
+    ("mistral", False, 'get_weather[ARGS]{"city": "Kyiv"}', ("", "", [("get_weather", {"city": "Kyiv"})])),
+    ("mistral", False, "adding numbers is easy", ("adding numbers is easy", "", [])),
+    ("generic", False, "Hello! How can I help?", ("Hello! How can I help?", "", [])),
+    ("generic", False, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+     ("", "", [("add", {"a": 1, "b": 2})])),
+]
+
+
+@pytest.mark.parametrize("family, thinks, text, expected", FAMILY_CASES)
+def test_family_parsers_streamed_any_way_give_the_same_calls(family, thinks, text, expected, smol_tokenizer):
+    fmt = ToolFormat(family, native=family != "generic")
+
+    def make():
+        return OutputParser(ReasoningSplit() if thinks else None, fmt.parser(NAMES))
+
+    for pieces in (whole, by_chars, by_tokens(smol_tokenizer)):
+        assert summary(run_parser(make, text, pieces)) == expected, pieces
+
+
+MALFORMED = [
+    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>', "hermes"),  # bad JSON
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "hermes"),  # names no tool
+    ('<tool_call>{"name": "add", "arguments": "not an object"}</tool_call>', "hermes"),
+    ('<tool_call>{"name": "add", "argu', "hermes"),  # cut off by max_tokens
+    ('{"name": "add", "parameters": [1, 2]}', "llama3"),
+    ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}', "mistral"),
+]
+
+
+@pytest.mark.parametrize("text, family", MALFORMED)
+def test_malformed_calls_come_back_as_text(text, family):
+    fmt = ToolFormat(family, native=True)
+    for pieces in (whole, by_chars):
+        out = run_parser(lambda: OutputParser(None, fmt.parser(NAMES)), text, pieces)
+        assert out.calls == [] and out.content == text
+
+
+def test_reasoning_split_opened_by_the_prompt_and_unclosed():
+    out = run_parser(lambda: OutputParser(ReasoningSplit(started=True)), "still thinking </thi", by_chars)
+    assert (out.reasoning, out.content) == ("still thinking </thi", "")
+    out = run_parser(lambda: OutputParser(ReasoningSplit()), "No thought here.", by_chars)
+    assert (out.reasoning, out.content) == ("", "No thought here.")
+    out = run_parser(lambda: OutputParser(ReasoningSplit(started=True)), "a</think>\n\nb", by_chars)
+    assert (out.reasoning, out.content) == ("a", "b")
+
+
+def test_call_ids_are_unique_and_arguments_are_json_text():
+    out = run_parser(lambda: OutputParser(None, ToolFormat("hermes", True).parser(NAMES)),
+                     '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' * 2, whole)
+    assert len({c.id for c in out.calls}) == 2
+    assert json.loads(out.calls[0].arguments_json) == {"a": 1, "b": 2}
+
+
+# --- request checks ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tools, field", [
+    ("x", "tools"),
+    ([{"type": "function", "function": {"description": "no name"}}], "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "has space"}}], "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": 5}}], "tools[0].function.parameters"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}],
+     "tools[0].function.parameters"),
+    ([{"type": "retrieval"}], "tools[0].type"),
+    ([WEATHER, WEATHER], "tools[1].function.name"),
+    ([{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)], "tools"),
+])
+def test_bad_tools_name_the_field(tools, field):
+    with pytest.raises(ApiError) as err:
+        parse_tools(tools)
+    assert err.value.status == 400 and err.value.param == field
+
+
+def test_tool_choice_forms():
+    assert parse_tool_choice(None, FUNCTIONS) == "auto" and parse_tool_choice(None, ()) == "none"
+    assert parse_tool_choice("required", FUNCTIONS) == "required"
+    assert parse_tool_choice({"type": "function", "function": {"name": "add"}}, FUNCTIONS) == "add"
+    for bad, field in ((["x"], "tool_choice"), ("always", "tool_choice"),
+                       ({"type": "function", "function": {"name": "nope"}}, "tool_choice.function.name")):
+        with pytest.raises(ApiError) as err:
+            parse_tool_choice(bad, FUNCTIONS)
+        assert err.value.param == field
+
+
+def test_history_normalised_and_tool_messages_must_follow_a_call():
+    raw = [{"role": "user", "content": "weather?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+           {"role": "tool", "tool_call_id": "c1", "content": "-3 C"}]
+    texts = [{"role": m["role"], "content": m["content"] or ""} for m in raw]
+    msgs = normalise_history(raw, texts)
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert msgs[2]["tool_call_id"] == "c1"
+    ollama = [raw[0], {"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+              {"role": "tool", "content": "-3 C", "tool_name": "get_weather"}]
+    assert normalise_history(ollama, texts)[2]["name"] == "get_weather"
+    for bad, field in (([texts[0], texts[2]], "messages[1].role"),
+                       ([raw[0], raw[1], {**raw[2], "tool_call_id": "c9"}], "messages[2].tool_call_id")):
+        with pytest.raises(ApiError) as err:
+            normalise_history(bad, [{"role": m["role"], "content": m["content"] or ""} for m in bad])
+        assert err.value.param == field
+
+
+# --- families and plans ------------------------------------------------------------------------------------------
+
+HERMES_TEMPLATE = ("{%- if tools %}<|im_start|>system\n<tools>{{ tools | tojson }}</tools><|im_end|>\n{%- endif %}"
+                   "{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                   "{%- for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{%- endfor %}"
+                   "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+QWEN3_LIKE = HERMES_TEMPLATE.replace("{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}",
+                                     "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- if enable_thinking is "
+                                     "defined and not enable_thinking %}<think>\n\n</think>\n\n{%- endif %}"
+                                     "{%- endif %}")
+
+
+def test_model_traits_from_templates(smol_tokenizer):
+    assert model_traits("LlamaForCausalLM", smol_tokenizer.chat_template).tools == ToolFormat("generic", False)
+    assert model_traits("Qwen2ForCausalLM", HERMES_TEMPLATE).tools == ToolFormat("hermes", True)
+    qwen3 = model_traits("Qwen3ForCausalLM", QWEN3_LIKE)
+    assert qwen3.thinks and qwen3.tools.name == "hermes"
+    assert model_traits("MistralForCausalLM", "{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]").tools.name \
+        == "mistral"
+    assert model_traits("LlamaForCausalLM", None).tools.native is False
+
+
+def test_generic_plan_describes_tools_and_renders_history_with_any_template(smol_tokenizer):
+    spec = ToolSpec(FUNCTIONS, "required")
+    raw = [{"role": "user", "content": "Oslo?"},
+           {"role": "assistant", "content": "", "tool_calls": [
+               {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+           {"role": "tool", "content": "-3 C", "tool_call_id": "c1"}, {"role": "tool", "content": "snow"}]
+    msgs = generic_messages(raw, spec)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user"]
+    assert "get_weather" in msgs[0]["content"] and "must call" in msgs[0]["content"]
+    assert "<tool_call>" in msgs[2]["content"] and "-3 C" in msgs[3]["content"] and "snow" in msgs[3]["content"]
+    traits = model_traits("LlamaForCausalLM", smol_tokenizer.chat_template)
+    plan = plan_chat(raw, spec, None, None, {}, traits)
+    text = smol_tokenizer.apply_chat_template(plan.messages, tools=plan.tools, **plan.template_kwargs)
+    assert "get_weather" in text and plan.tools is None
+    constraint, parser = plan.output(text)
+    assert constraint.kind == "lark" and parser.tools is not None
+
+
+def test_native_plan_passes_tools_to_the_template():
+    traits = model_traits("Qwen3ForCausalLM", QWEN3_LIKE)
+    plan = plan_chat([{"role": "user", "content": "hi"}], ToolSpec(FUNCTIONS), None, False, {}, traits)
+    assert [t["function"]["name"] for t in plan.tools] == ["get_weather", "add"]
+    assert plan.template_kwargs == {"enable_thinking": False}
+    from llmd.model.chat_template import render_chat
+
+    text = render_chat(QWEN3_LIKE, plan.messages, tools=plan.tools, **plan.template_kwargs)
+    assert "<tools>" in text and text.endswith("<think>\n\n</think>")
+    constraint, parser = plan.output(text)
+    # auto on a native template: the model chooses (no grammar); thinking off: nothing to split
+    assert constraint is None and parser.reasoning is None and parser.tools is not None
+
+
+# --- grammars, run through llguidance with the SmolLM2 tokenizer --------------------------------------------------
+
+@pytest.fixture(scope="module")
+def matcher_for(smol_tokenizer):
+    import llguidance
+    import llguidance.hf
+    import transformers
+
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=smol_tokenizer.backend)
+    ll = llguidance.hf.from_tokenizer(hf, eos_token=min(smol_tokenizer.eos_token_ids))
+
+    def accepts(constraint, text: str) -> bool:
+        kind = {"json_schema": "json_schema", "lark": "lark", "gbnf": "gbnf"}[constraint.kind]
+        m = llguidance.LLMatcher(ll, llguidance.grammar_from(kind, constraint.text), log_level=0)
+        assert not m.is_error(), m.get_error()
+        return m.consume_tokens(smol_tokenizer.encode(text)) and m.is_accepting()
+
+    return accepts
+
+
+CALL = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'
+
+
+def test_required_grammar_allows_only_valid_calls(matcher_for):
+    generic = ToolFormat("generic", False)
+    required = lark_grammar(generic, ToolSpec(FUNCTIONS, "required"), None, None)
+    check(required, "tools")
+    assert matcher_for(required, CALL)
+    assert matcher_for(required, CALL + "\n" + CALL.replace('"a":1', '"a":7'))
+    assert not matcher_for(required, "Sure, the answer is 3.")
+    assert not matcher_for(required, CALL.replace('"b":2', '"b":"two"'))
+    single = lark_grammar(generic, ToolSpec(FUNCTIONS, "required", parallel=False), None, None)
+    assert matcher_for(single, CALL) and not matcher_for(single, CALL + "\n" + CALL)
+    named = lark_grammar(generic, ToolSpec(FUNCTIONS, "get_weather"), None, None)
+    assert not matcher_for(named, CALL) and matcher_for(
+        named, '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>')
+
+
+def test_auto_generic_grammar_allows_text_or_a_call(matcher_for):
+    auto = lark_grammar(ToolFormat("generic", False), ToolSpec(FUNCTIONS, "auto"), None, None)
+    assert matcher_for(auto, "Paris is the capital of France.") and matcher_for(auto, CALL)
+    assert not matcher_for(auto, "<tool_call>\nnot json\n</tool_call>")
+
+
+def test_family_grammars_match_what_their_parsers_read(matcher_for):
+    spec = ToolSpec(FUNCTIONS, "required")
+    llama = lark_grammar(ToolFormat("llama3", True), spec, None, None)
+    assert matcher_for(llama, '{"name":"add","parameters":{"a":1,"b":2}}')
+    mistral = lark_grammar(ToolFormat("mistral", True), spec, None, None)
+    assert matcher_for(mistral, '[{"name":"add","arguments":{"a":1,"b":2}}]')
+
+
+def test_thought_stays_free_and_the_answer_follows_the_schema(matcher_for):
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    fmt = AnswerFormat("json_schema", json.dumps(schema), "response_format")
+    g = lark_grammar(None, None, fmt, "open")
+    assert matcher_for(g, '<think>\nAnything {"at": all} goes.\n</think>\n\n{"city":"Paris"}')
+    assert not matcher_for(g, '<think>\nhm\n</think>\n\nParis')
+    opened = lark_grammar(None, None, fmt, "opened")
+    assert matcher_for(opened, 'free text</think>{"city":"Rome"}')
+    plain = answer_constraint(fmt)
+    assert plain.kind == "json_schema" and matcher_for(plain, '{"city":"Paris"}')
+    assert not matcher_for(plain, '{"city": 3}')
+    assert matcher_for(answer_constraint(AnswerFormat("json_object", "", "format")), '{"any":[1,2]}')
+
+
+@pytest.mark.parametrize("fmt, field", [
+    (AnswerFormat("json_schema", json.dumps({"type": "string", "minLength": 5, "maxLength": 2}), "format"), "format"),
+    (AnswerFormat("json_schema", json.dumps({"$ref": "#/$defs/missing"}), "response_format"), "response_format"),
+    (AnswerFormat("gbnf", "root ::= undefined-rule", "grammar"), "grammar"),
+    (AnswerFormat("gbnf", "root ::= (", "grammar"), "grammar"),
+])
+def test_invalid_or_unsatisfiable_constraints_are_400s_naming_the_field(fmt, field):
+    with pytest.raises(ApiError) as err:
+        check(answer_constraint(fmt), fmt.field)
+    assert err.value.status == 400 and err.value.param == field
+
+
+def test_gbnf_grammar_is_enforced(matcher_for):
+    g = answer_constraint(AnswerFormat("gbnf", 'root ::= ("yes" | "no") "."', "grammar"))
+    check(g, "grammar")
+    assert matcher_for(g, "yes.") and not matcher_for(g, "maybe.")
