@@ -152,7 +152,8 @@ class TaggedParser(ToolCallParser):
                     keep = _held_prefix(self.buf, self.open_tag)
                     release = self.buf[:len(self.buf) - keep]
                     keep += len(release) - len(release.rstrip())
-                    out.content, self.buf = out.content + self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+                    cut = len(self.buf) - keep
+                    out.content, self.buf = out.content + self.buf[:cut], self.buf[cut:]
                     return out
                 out.content += self.buf[:at].rstrip()
                 self.buf, self.in_call = self.buf[at + len(self.open_tag):], True
