@@ -73,7 +73,9 @@ def lark_grammar(fmt: ToolFormat | None, spec: ToolSpec | None, answer: AnswerFo
     thought: None (no thought), "open" (the model opens `<think>` itself), "opened" (the prompt ends inside it)."""
     rules: list[str] = []
     forced = spec is not None and spec.forced
-    calls = spec is not None and spec.choice != "none" and fmt is not None and (forced or not fmt.native)
+    # a native template's model calls freely under auto, unless the answer has a format, which would shut calls out
+    calls = spec is not None and spec.choice != "none" and fmt is not None and (
+        forced or not fmt.native or answer is not None)
     if calls:
         rules += _call_rules(fmt, spec)  # type: ignore[arg-type]
     if answer is not None and answer.kind != "gbnf":
