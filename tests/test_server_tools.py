@@ -151,8 +151,9 @@ def test_llamacpp_grammar_and_json_schema_with_curl(smol):
 def test_openai_tool_loop_on_the_generic_fallback(smol):
     client = _client(smol)
     model = smol.stats()["model"]
+    # one call (parallel_tool_calls false): after it the grammar allows only the end
     first = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                           max_tokens=60, temperature=0)
+                                           parallel_tool_calls=False, max_tokens=60, temperature=0)
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     call = choice.message.tool_calls[0]
@@ -175,7 +176,7 @@ def test_openai_streamed_tool_call_sends_name_once_then_arguments(smol):
     client = _client(smol)
     chunks = list(client.chat.completions.create(
         model=smol.stats()["model"], messages=ASK, tools=[WEATHER], max_tokens=60, temperature=0, stream=True,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+        tool_choice={"type": "function", "function": {"name": "get_weather"}}, parallel_tool_calls=False))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     heads = [d for d in deltas if d.id]
     assert len(heads) == 1 and heads[0].type == "function" and heads[0].function.name == "get_weather"
@@ -228,7 +229,7 @@ def test_native_template_required_call_and_capabilities(tiny):
     plain = client.chat.completions.create(model=model, messages=ASK, max_tokens=1, temperature=0,
                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     resp = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                          max_tokens=40, temperature=0,
+                                          parallel_tool_calls=False, max_tokens=40, temperature=0,
                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     # the model's own template rendered the tools: the prompt grew by their description
     assert resp.usage.prompt_tokens > plain.usage.prompt_tokens + 20
