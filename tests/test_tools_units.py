@@ -81,6 +81,8 @@ FAMILY_CASES = [
     ("mistral", False, '[{"name": "get_weather", "arguments": {"city": "Lima"}}, {"name": "add", "arguments": '
                        '{"a": 0, "b": 0}}]', ("", "", [("get_weather", {"city": "Lima"}), ("add", {"a": 0, "b": 0})])),
     ("mistral", False, 'get_weather[ARGS]{"city": "Kyiv"}', ("", "", [("get_weather", {"city": "Kyiv"})])),
+    ("mistral", False, 'add[ARGS]{"a": 1, "b": 2}add[ARGS]{"a": 3, "b": 4}', ("", "", [("add", {"a": 1, "b": 2}),
+                                                                                     ("add", {"a": 3, "b": 4})])),
     ("mistral", False, "adding numbers is easy", ("adding numbers is easy", "", [])),
     ("generic", False, "Hello! How can I help?", ("Hello! How can I help?", "", [])),
     ("generic", False, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
@@ -175,7 +177,11 @@ def test_history_normalised_and_tool_messages_must_follow_a_call():
     ollama = [raw[0], {"role": "assistant", "content": "", "tool_calls": [
         {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
               {"role": "tool", "content": "-3 C", "tool_name": "get_weather"}]
-    assert normalise_history(ollama, texts)[2]["name"] == "get_weather"
+    normalised = normalise_history(ollama, texts)
+    assert normalised[2]["name"] == "get_weather"
+    # Ollama sends no ids: each call gets 9 alphanumerics (Mistral's templates insist) and its result the same id
+    assert normalised[2]["tool_call_id"] == normalised[1]["tool_calls"][0]["id"]
+    assert len(normalised[1]["tool_calls"][0]["id"]) == 9 and normalised[1]["tool_calls"][0]["id"].isalnum()
     for bad, field in (([texts[0], texts[2]], "messages[1].role"),
                        ([raw[0], raw[1], {**raw[2], "tool_call_id": "c9"}], "messages[2].tool_call_id")):
         with pytest.raises(ApiError) as err:

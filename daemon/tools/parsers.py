@@ -239,6 +239,9 @@ class LeadingJsonParser(ToolCallParser):
         if self.mode == "text" or not text.strip():
             return Piece(content=text)
         calls = self._calls(text)
+        if calls and self.name_args:  # Mistral's templates take back only ids of 9 alphanumerics
+            for call in calls:
+                call.id = uuid.uuid4().hex[:9]
         return Piece(calls=calls) if calls else Piece(content=text)
 
 

@@ -170,6 +170,7 @@ def normalise_history(raw: list, messages: list[dict], name: str = "messages") -
     already checked by validation.parse_messages). A tool message must follow a call."""
     out: list[dict] = []
     open_ids: list[str] | None = None  # ids of the last assistant turn's calls, while its results come in
+    results = 0
     for i, (src, msg) in enumerate(zip(raw, messages)):
         where = f"{name}[{i}]"
         msg = dict(msg)
@@ -183,7 +184,7 @@ def normalise_history(raw: list, messages: list[dict], name: str = "messages") -
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
                     raise bad_field(f"{cw}.function.name", "is required")
-                cid = call.get("id") or f"call_{i}_{j}"
+                cid = call.get("id") or f"c{i:04d}{j:04d}"  # 9 alphanumerics: what Mistral's templates demand
                 if not isinstance(cid, str):
                     raise bad_field(f"{cw}.id", "must be a string")
                 norm.append({"id": cid, "type": "function",
@@ -191,7 +192,7 @@ def normalise_history(raw: list, messages: list[dict], name: str = "messages") -
                                           "arguments": _arguments(fn.get("arguments"), f"{cw}.function.arguments")}})
             if norm:
                 msg["tool_calls"] = norm
-                open_ids = [c["id"] for c in norm]
+                open_ids, results = [c["id"] for c in norm], 0
             else:
                 open_ids = None
         elif msg["role"] == "tool":
@@ -203,6 +204,9 @@ def normalise_history(raw: list, messages: list[dict], name: str = "messages") -
             tname = src.get("tool_name", src.get("name"))
             if tname is not None and not isinstance(tname, str):
                 raise bad_field(f"{where}.tool_name", "must be a string")
+            if cid is None and results < len(open_ids):  # Ollama's results name no id: the calls' order does
+                cid = open_ids[results]
+            results += 1
             if cid is not None:
                 msg["tool_call_id"] = cid
             if tname is not None:
