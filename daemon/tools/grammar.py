@@ -16,6 +16,7 @@ naming the request field before anything is queued.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 
 from ..engine.types import Constraint
 from ..server.validation import bad_field
@@ -96,17 +97,25 @@ def lark_grammar(fmt: ToolFormat | None, spec: ToolSpec | None, answer: AnswerFo
 _KIND = {"json_schema": "json_schema", "lark": "lark", "gbnf": "gbnf", "regex": "regex"}
 
 
-def check(constraint: Constraint, field: str) -> None:
-    """llguidance's validator; an invalid or unsatisfiable grammar is a 400 naming `field`."""
+@lru_cache(maxsize=64)  # keys hold the text: at most 64 x MAX_SCHEMA_BYTES
+def _problem(kind: str, text: str) -> str | None:
+    """What llguidance finds wrong with a grammar, or None (cached: agents resend the same tools every turn)."""
     import llguidance
 
-    text = constraint.text if constraint.kind != "json_object" else '{"type": "object"}'
-    kind = _KIND.get(constraint.kind, "json_schema")
     try:
         grammar = llguidance.grammar_from(kind, text)
     except Exception as exc:  # noqa: BLE001 - the GBNF converter raises plain Exceptions too
-        raise bad_field(field, f"is not a valid grammar: {exc}") from None
+        return f"is not a valid grammar: {exc}"
     error = llguidance.LLMatcher.validate_grammar(grammar)
     if error:
-        raise bad_field(field, f"is not a valid {'grammar' if kind in ('gbnf', 'lark') else 'schema'}: "
-                               f"{error.strip().splitlines()[0][:500]}")
+        return f"is not a valid {'grammar' if kind in ('gbnf', 'lark') else 'schema'}: " \
+               f"{error.strip().splitlines()[0][:500]}"
+    return None
+
+
+def check(constraint: Constraint, field: str) -> None:
+    """llguidance's validator; an invalid or unsatisfiable grammar is a 400 naming `field`."""
+    text = constraint.text if constraint.kind != "json_object" else '{"type": "object"}'
+    problem = _problem(_KIND.get(constraint.kind, "json_schema"), text)
+    if problem:
+        raise bad_field(field, problem)
