@@ -84,7 +84,8 @@ class ServerState:
     def stats(self) -> dict:
         """The contract's /v1/llmd/stats object: engine stats + model + uptime (+ server counters)."""
         out = dict(self.engine.stats()) if self.engine is not None else {}
-        out.update({"model": self.model_name, "status": self.status, "uptime_s": round(time.monotonic() - self.started, 3),
+        out.update({"model": self.model_name, "status": self.status,
+                    "uptime_s": round(time.monotonic() - self.started, 3),
                     "pid": self.pid, "load_seconds": round(self.load_seconds, 3),
                     "server": self.metrics.server_stats()})
         return out

@@ -30,7 +30,8 @@ def error_response(dialect: str, status: int, message: str, *, param: str | None
     elif dialect == "ollama":
         body = {"error": message}
     else:  # llama.cpp server shape
-        body = {"error": {"code": status, "message": message, "type": _OPENAI_TYPES.get(status, "invalid_request_error")}}
+        body = {"error": {"code": status, "message": message,
+                          "type": _OPENAI_TYPES.get(status, "invalid_request_error")}}
     return web.json_response(body, status=status, headers=headers)
 
 
