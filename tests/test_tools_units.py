@@ -295,6 +295,21 @@ def test_family_grammars_match_what_their_parsers_read(matcher_for):
     assert matcher_for(mistral, '[{"name":"add","arguments":{"a":1,"b":2}}]')
 
 
+def test_qwen3_coder_xml_grammar_and_typed_values(matcher_for):
+    fns = parse_tools([{"type": "function", "function": {"name": "note", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer"}, "text": {"type": "string"}},
+        "required": ["n", "text"]}}}])
+    fmt = ToolFormat("qwen3_coder", True)
+    g = lark_grammar(fmt, ToolSpec(fns, "required"), None, None)
+    check(g, "tools")
+    xml = '<tool_call>\n<function=note>\n<parameter=n>\n7\n</parameter>\n<parameter=text>\n123 <b>\n' \
+          '</parameter>\n</function>\n</tool_call>'
+    assert matcher_for(g, xml)
+    assert not matcher_for(g, xml.replace("\n7\n", "\nseven\n"))
+    out = run_parser(lambda: OutputParser(None, fmt.parser({fn.name: fn.parameters for fn in fns})), xml, by_chars)
+    assert summary(out) == ("", "", [("note", {"n": 7, "text": "123 <b>"})])  # a string stays a string
+
+
 def test_thought_stays_free_and_the_answer_follows_the_schema(matcher_for):
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
               "additionalProperties": False}

@@ -8,6 +8,7 @@ markers it writes. A template without tools gets the generic fallback: the tools
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -27,7 +28,8 @@ class ToolFormat:
     def args_key(self) -> str:
         return "parameters" if self.name == "llama3" else "arguments"
 
-    def parser(self, names: frozenset[str]) -> ToolCallParser:
+    def parser(self, names: Collection[str]) -> ToolCallParser:
+        """names: the tools a call may name (mapped to their parameters schema, which types XML values)."""
         if self.name == "llama3":
             return LeadingJsonParser(names, ("<|python_tag|>",))
         if self.name == "mistral":

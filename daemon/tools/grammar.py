@@ -50,10 +50,31 @@ def _call_body(fn: Function, args_key: str) -> dict:
             "required": ["name", args_key], "additionalProperties": False}
 
 
+def _xml_function(i: int, fn: Function) -> list[str]:
+    """Qwen3-Coder's call body: <function=NAME>, then each parameter (required ones always, in the schema's order)
+    as <parameter=P> with a string as written (free up to its closing tag) or any other value as JSON."""
+    props = fn.parameters.get("properties") or {}
+    required = set(fn.parameters.get("required") or [])
+    rules, parts = [], []
+    for k, (pname, schema) in enumerate(props.items()):
+        schema = schema if isinstance(schema, dict) else {}
+        head = json.dumps(f"<parameter={pname}>\n")
+        if schema.get("type") == "string" and len(schema) <= 2:  # a plain string (maybe with a description)
+            rules.append(f'p_{i}_{k}[lazy]: {head} /(.|\\n)*/ "\\n</parameter>\\n"')
+        else:
+            rules.append(f'p_{i}_{k}: {head} {_json(schema)} "\\n</parameter>\\n"')
+        parts.append(f"p_{i}_{k}" + ("" if pname in required else "?"))
+    rules.append(f"fn_{i}: {json.dumps(f'<function={fn.name}>' + chr(10))} {' '.join(parts)} \"</function>\"")
+    return rules
+
+
 def _call_rules(fmt: ToolFormat, spec: ToolSpec) -> list[str]:
     """Rules defining `calls`: one call, or several when parallel calls are allowed."""
     fns = spec.allowed()
-    rules = [f"fn_{i}: {_json(_call_body(fn, fmt.args_key))}" for i, fn in enumerate(fns)]
+    if fmt.name == "qwen3_coder":
+        rules = [rule for i, fn in enumerate(fns) for rule in _xml_function(i, fn)]
+    else:
+        rules = [f"fn_{i}: {_json(_call_body(fn, fmt.args_key))}" for i, fn in enumerate(fns)]
     rules.append("fn: " + " | ".join(f"fn_{i}" for i in range(len(fns))))
     if fmt.name == "llama3":
         rules.append("call: fn")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 
@@ -61,7 +62,7 @@ def _held_prefix(text: str, marker: str) -> int:
     return 0
 
 
-def _call_from(obj, names: frozenset[str]) -> ToolCall | None:
+def _call_from(obj, names: Collection[str]) -> ToolCall | None:
     if not isinstance(obj, dict):
         return None
     name = obj.get("name")
@@ -82,21 +83,30 @@ _FUNCTION_XML = re.compile(r"^\s*<function=([^>\s]+)>(.*?)</function>\s*$", re.S
 _PARAMETER_XML = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
-def _xml_call(body: str, names: frozenset[str]) -> ToolCall | None:
-    """Qwen3-Coder: <function=NAME><parameter=P>VALUE</parameter>...</function>; values are JSON when they parse."""
+def _xml_value(raw: str, schema: dict):
+    """A Qwen3-Coder parameter value: strings as written, other types as JSON (or Python's True/False/None)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string":
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {"True": True, "False": False, "None": None}.get(raw.strip(), raw)
+
+
+def _xml_call(body: str, names) -> ToolCall | None:
+    """Qwen3-Coder: <function=NAME><parameter=P>VALUE</parameter>...</function>. `names` may map each tool's name
+    to its parameters schema, which types the values."""
     m = _FUNCTION_XML.match(body)
     if not m or m.group(1) not in names:
         return None
-    args = {}
-    for pname, raw in _PARAMETER_XML.findall(m.group(2)):
-        try:
-            args[pname] = json.loads(raw)
-        except ValueError:
-            args[pname] = raw
+    params = names.get(m.group(1), {}) if isinstance(names, dict) else {}
+    props = params.get("properties", {}) if isinstance(params, dict) else {}
+    args = {pname: _xml_value(raw, props.get(pname, {})) for pname, raw in _PARAMETER_XML.findall(m.group(2))}
     return ToolCall(m.group(1), args)
 
 
-def _json_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
+def _json_calls(text: str, names: Collection[str]) -> list[ToolCall] | None:
     """One JSON object, an array of them, or objects separated by ';' (Llama 3.x); None unless all are calls."""
     text = text.strip()
     try:
@@ -117,7 +127,7 @@ def _json_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
 class ToolCallParser:
     """Base: `feed(text) -> Piece` as text arrives, `finish() -> Piece` at the end of the output."""
 
-    def __init__(self, names: frozenset[str]):
+    def __init__(self, names: Collection[str]):
         self.names = names
 
     def feed(self, text: str) -> Piece:
@@ -130,7 +140,7 @@ class ToolCallParser:
 class TaggedParser(ToolCallParser):
     """Calls between an opening and a closing tag, anywhere in the text, any number of them."""
 
-    def __init__(self, names: frozenset[str], open_tag: str = "<tool_call>", close_tag: str = "</tool_call>"):
+    def __init__(self, names: Collection[str], open_tag: str = "<tool_call>", close_tag: str = "</tool_call>"):
         super().__init__(names)
         self.open_tag, self.close_tag = open_tag, close_tag
         self.buf = ""
@@ -188,7 +198,7 @@ class LeadingJsonParser(ToolCallParser):
     whole answer is held to the end and read as JSON calls, else released as text. `name_args`: Mistral's newer
     `NAME[ARGS]{...}` form is read too."""
 
-    def __init__(self, names: frozenset[str], markers: tuple[str, ...], name_args: bool = False):
+    def __init__(self, names: Collection[str], markers: tuple[str, ...], name_args: bool = False):
         super().__init__(names)
         self.markers = markers
         self.name_args = name_args

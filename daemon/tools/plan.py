@@ -96,7 +96,7 @@ class ChatPlan:
         fmt = self.traits.tools
         parser_tools = None
         if self.calls_possible:
-            parser_tools = fmt.parser(frozenset(f.name for f in self.spec.allowed()))  # type: ignore[union-attr]
+            parser_tools = fmt.parser({f.name: f.parameters for f in self.spec.allowed()})  # type: ignore[union-attr]
         thought = ("opened" if opened else "open") if thinking else None
         spec = self.spec if self.calls_possible else None
         if spec is None and thought is None and self.answer is not None:
