@@ -109,6 +109,32 @@ async def test_slow_reader_gets_everything_through_a_bounded_buffer(tiny):
     engine.check_no_leaks()
 
 
+async def test_a_full_stream_buffer_keeps_the_stop_reason(tiny):
+    """With speculation on and a reader that lags, merged outputs keep the stop string that ended the request."""
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9]
+    params = SamplingParams(max_tokens=40, **GREEDY)
+    plain = generate(Engine(tiny, EngineConfig(num_kv_blocks=64)), [prompt], params)[0]
+    stop_text = plain.text[len(plain.text) // 2:len(plain.text) // 2 + 2]
+    params = SamplingParams(max_tokens=40, stop=[stop_text], **GREEDY)
+    ref = generate(Engine(tiny, EngineConfig(num_kv_blocks=64)), [prompt], params)[0]
+    assert ref.stop_reason == stop_text
+    engine = Engine(tiny, EngineConfig(num_kv_blocks=64, speculative_mode="draft", draft_model=tiny))
+    front = AsyncEngine(engine, stream_buffer=1)
+    front.start()
+    try:
+        stream = front.submit(prompt, params)
+        while not stream.finished:
+            await asyncio.sleep(0.05)
+        tokens, text, outs = await collect(stream)
+        assert len(outs) == 1, "everything was merged into the one buffered output"
+        assert (tokens, text, outs[-1].finish_reason, outs[-1].stop_reason) == (
+            ref.token_ids, ref.text, FinishReason.STOP, stop_text)
+        assert engine.stats()["spec_accepted_total"] > 0
+    finally:
+        await front.shutdown()
+    engine.check_no_leaks()
+
+
 async def test_engine_failure_fails_requests_and_shows_in_stats(tiny):
     engine = Engine(tiny, EngineConfig(num_kv_blocks=64))
     front = AsyncEngine(engine)

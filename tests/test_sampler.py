@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from llmd.engine.sampler import SampleRequest, Sampler, apply_penalties, warp
+from llmd.engine.accept import accept
+from llmd.engine.sampler import SampleRequest, apply_penalties, warp
 from llmd.engine.stop import StopStringMatcher
 from llmd.engine.types import SamplingParams
 from llmd.errors import InvalidRequest
@@ -38,6 +39,12 @@ def test_min_p_keeps_tokens_above_fraction_of_top():
     assert p.tolist() == pytest.approx([0.5 / 0.8, 0.3 / 0.8, 0.0, 0.0])
 
 
+def sample(logits, reqs):
+    """One token per row: the engine's acceptance path with empty proposals (a plain decode)."""
+    runs, lps = accept(logits, reqs, [[] for _ in reqs])
+    return [run[0] for run in runs], [lp[0] if lp else None for lp in lps]
+
+
 def test_top_p_and_top_k():
     logp = torch.tensor([0.4, 0.3, 0.2, 0.1]).log()
     p = warp(logp, SamplingParams(temperature=1.0, top_p=0.65))  # 0.4 < 0.65, 0.7 >= 0.65 -> keep two
@@ -54,29 +61,29 @@ def test_temperature_sharpens():
 
 def test_greedy_with_penalty_changes_choice():
     logits = torch.tensor([[5.0, 4.0, 0.0]])
-    tokens, _ = Sampler()(logits, [req(output=[0], temperature=0, repetition_penalty=2.0)])
+    tokens, _ = sample(logits, [req(output=[0], temperature=0, repetition_penalty=2.0)])
     assert tokens == [1]
 
 
 def test_seeded_rows_do_not_depend_on_batch():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
-    alone = [Sampler()(logits[1:2], [req(seed=7, temperature=1.0)])[0][0] for _ in range(1)]
+    alone = [sample(logits[1:2], [req(seed=7, temperature=1.0)])[0][0] for _ in range(1)]
     seq = []
     r = req(seed=7, temperature=1.0)
     for _ in range(5):
-        seq.append(Sampler()(logits[1:2], [r])[0][0])
+        seq.append(sample(logits[1:2], [r])[0][0])
     r2 = req(seed=7, temperature=1.0)
     batched = []
     for _ in range(5):
-        toks, _ = Sampler()(logits, [req(seed=1, temperature=1.0), r2, req(temperature=0)])
+        toks, _ = sample(logits, [req(seed=1, temperature=1.0), r2, req(temperature=0)])
         batched.append(toks[1])
     assert seq == batched and alone[0] == seq[0]
 
 
 def test_logprobs_top_n():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
-    tokens, lps = Sampler()(logits, [req(temperature=0, logprobs=2)])
+    tokens, lps = sample(logits, [req(temperature=0, logprobs=2)])
     ref = torch.log_softmax(logits[0], -1)
     assert tokens == [1]
     assert lps[0].logprob == pytest.approx(ref[1].item())

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from llmd.engine import Engine, EngineConfig, SamplingParams, generate
+from llmd.engine import Engine, EngineConfig, FinishReason, SamplingParams, generate
 from llmd.engine.spec_draft import TokenizerMismatch
 from llmd.model.loader import load_model
 
@@ -113,9 +113,38 @@ def test_stops_inside_an_accepted_run_match_plain_decoding(tiny):
         off = generate(make_engine(tiny), [prompt], params)[0]
         on_engine = make_engine(tiny, speculative_mode="draft", draft_model=tiny, num_speculative_tokens=5)
         on = generate(on_engine, [prompt], params)[0]
-        assert (on.token_ids, on.text, on.finish_reason) == (off.token_ids, off.text, off.finish_reason)
+        assert (on.token_ids, on.text, on.finish_reason, on.stop_reason) == (off.token_ids, off.text,
+                                                                              off.finish_reason, off.stop_reason)
         assert on_engine.stats()["spec_accepted_total"] > 0
     assert len(generate(make_engine(tiny), [prompt], cases[0])[0].token_ids) == first_at + 1
+
+
+def test_stop_string_inside_an_accepted_run_reports_its_stop_reason(tiny):
+    """The run that ends the request holds several accepted tokens, and the stop string lands inside it: the final
+    output (engine, generate() and the async stream's merge) names the stop string, as plain decoding does."""
+    prompt = prompts_for(tiny.config.vocab_size, n=1, seed=2)[0]
+    plain = generate(make_engine(tiny), [prompt], SamplingParams(max_tokens=40, **GREEDY))[0]
+    stop_text = next(plain.text[i:i + 2] for i in range(len(plain.text) // 2, len(plain.text) - 2)
+                     if plain.text[i:i + 2].strip() and plain.text.find(plain.text[i:i + 2]) == i)
+    params = SamplingParams(max_tokens=40, stop=[stop_text], **GREEDY)
+    off = generate(make_engine(tiny), [prompt], params)[0]
+    assert off.finish_reason is FinishReason.STOP and off.stop_reason == stop_text
+    engine = make_engine(tiny, speculative_mode="draft", draft_model=tiny, num_speculative_tokens=6)
+    engine.add_request("r", prompt, params)
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    last = outs[-1]
+    assert last.finished and last.finish_reason is FinishReason.STOP and last.stop_reason == stop_text
+    assert len(last.new_token_ids) > 1, "the stop must land inside a multi-token accepted run"
+    merged = outs[0]
+    for o in outs[1:]:
+        merged = merged.merge(o)
+    assert (merged.new_token_ids, merged.text_delta, merged.stop_reason) == (off.token_ids, off.text, stop_text)
+    on = generate(make_engine(tiny, speculative_mode="draft", draft_model=tiny, num_speculative_tokens=6),
+                  [prompt], params)[0]
+    assert (on.token_ids, on.text, on.finish_reason, on.stop_reason) == (off.token_ids, off.text,
+                                                                          off.finish_reason, off.stop_reason)
 
 
 def test_greedy_logprobs_match_plain_decoding(tiny):

@@ -27,23 +27,6 @@ STREAM_BUFFER = 64
 IDLE_WAIT_S = 0.5
 
 
-def merge_outputs(a: RequestOutput, b: RequestOutput) -> RequestOutput:
-    """One output equivalent to a followed by b."""
-    logprobs = None
-    if a.logprobs is not None or b.logprobs is not None:
-        logprobs = (a.logprobs or []) + (b.logprobs or [])
-    return RequestOutput(
-        request_id=a.request_id,
-        new_token_ids=a.new_token_ids + b.new_token_ids,
-        text_delta=a.text_delta + b.text_delta,
-        finished=b.finished,
-        finish_reason=b.finish_reason,
-        logprobs=logprobs,
-        timings=b.timings or a.timings,
-        error=b.error or a.error,
-    )
-
-
 class RequestStream:
     """Async iterator over one request's outputs; the last one has finished=True."""
 
@@ -60,7 +43,7 @@ class RequestStream:
         if self._finished:
             return
         if len(self._buf) >= self._maxlen:
-            self._buf[-1] = merge_outputs(self._buf[-1], out)
+            self._buf[-1] = self._buf[-1].merge(out)
         else:
             self._buf.append(out)
         self._finished = out.finished

@@ -175,7 +175,7 @@ class CudaGraphRunner:
         if attention_backend() is not self.backend:
             return False
         limit = self.max_model_len
-        return all(s.num_new_tokens == 1 and s.seq.num_computed_tokens < limit for s in scheduled)
+        return all(s.num_tokens == 1 and s.seq.num_computed_tokens < limit for s in scheduled)
 
     def execute(self, scheduled: list) -> torch.Tensor | None:
         """Run the step through a graph; fp32 logits of the sampling rows, as ModelRunner.execute returns them.

@@ -17,9 +17,9 @@ import torch
 from ..errors import InvalidRequest, QueueFull
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .accept import accept
 from .runner import ModelRunner
-from .sampler import Sampler
-from .scheduler import Scheduler
+from .scheduler import Scheduler, ScheduledSeq
 from .sequence import Sequence
 from .stop import StopStringMatcher
 from .types import FinishReason, Priority, RequestOutput, RequestTimings, SamplingParams, TokenLogprob
@@ -62,8 +62,6 @@ class Engine:
         salt = f"{loaded.name}|{loaded.config.architecture}|{self.runner.dtype}"
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching, salt)
-        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        self.sampler = Sampler()
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None:
@@ -88,7 +86,9 @@ class Engine:
         if self.config.speculative_mode != "off":
             from .speculative import Speculator
 
-            self.speculator = Speculator(self)
+            self.speculator = Speculator(loaded, self.config, self.runner.num_blocks, self.runner.dtype, self.device)
+        self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   proposer=self.speculator)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -147,68 +147,86 @@ class Engine:
     # ---- the step ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
-        plan = self.scheduler.schedule()
+        plan = self.scheduler.schedule()  # speculative proposals included (ScheduledSeq.spec)
         if plan.is_empty:
             return outputs
         now = time.monotonic()
         for s in plan.scheduled:
             if s.seq.timings.first_scheduled is None:
                 s.seq.timings.first_scheduled = now
-        spec = {}
-        if self.speculator is not None:  # widens some decodes to 1 + k positions (llmd.engine.speculative)
-            spec = self.speculator.propose(plan, self.config.max_num_batched_tokens - plan.num_tokens)
-        samples = [s.samples for s in plan.scheduled]
-        sampled = [s.seq for s, f in zip(plan.scheduled, samples) if f and s.seq.request_id not in spec]
+        sampled = [s for s in plan.scheduled if s.samples]
         logits = self.runner.execute(plan.scheduled)
-        spec_emitted = 0
-        if spec:
-            logits, spec_outputs, spec_emitted = self.speculator.verify(plan.scheduled, samples, logits, spec, now)
-            outputs.extend(spec_outputs)
+        runs, logprobs = ([], [])
+        if sampled:
+            runs, logprobs = accept(logits, [s.seq for s in sampled], [s.spec for s in sampled],
+                                    [s.draft_probs for s in sampled])
+        kv_tokens = {}  # a verified proposal's tokens with KV, until the run is appended
+        for s in plan.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+        for s, run in zip(sampled, runs):
+            if s.spec:
+                kv_tokens[id(s.seq)] = self._keep_verified(s, len(run) - 1)
         bm = self.block_manager
         for s in plan.scheduled:
             seq = s.seq
-            if seq.request_id in spec:
-                continue  # verified, rolled back and registered by the speculator
-            seq.num_computed_tokens += s.num_new_tokens
-            bm.register_full_blocks(seq.block_ids, seq.block_hashes, seq.token_ids, seq.num_computed_tokens)
-        tokens, logprobs = self.sampler(logits, sampled) if sampled else ([], [])
+            bm.register_full_blocks(seq.block_ids, seq.block_hashes, kv_tokens.get(id(seq), seq.token_ids),
+                                    seq.num_computed_tokens)
         now = time.monotonic()
-        for seq, token, lp in zip(sampled, tokens, logprobs):
-            out = self._append_token(seq, token, lp, now)
-            if out is not None:
-                outputs.append(out)
+        emitted = 0
+        for s, run, lps in zip(sampled, runs, logprobs):
+            before = s.seq.num_tokens
+            outputs.append(self._append_tokens(s.seq, run, lps, now))
+            emitted += s.seq.num_tokens - before
         self.steps_total += 1
         self.last_batch_size = len(plan.scheduled)
         self.last_step_tokens = plan.num_tokens
-        self.generation_tokens_total += len(sampled) + spec_emitted
+        self.generation_tokens_total += emitted
         with self._stats_lock:
-            self._throughput.append((now, len(sampled) + spec_emitted))
+            self._throughput.append((now, emitted))
         return outputs
 
-    def _append_token(self, seq: Sequence, token: int, lp: TokenLogprob | None, now: float) -> RequestOutput | None:
-        seq.token_ids.append(token)
+    def _keep_verified(self, s: ScheduledSeq, num_accepted: int) -> list[int]:
+        """Keep the KV of the accepted proposals only (the forward wrote all k); returns the tokens with KV."""
+        seq, k = s.seq, len(s.spec)
+        seq.num_computed_tokens += num_accepted
+        self.block_manager.rollback(seq.block_ids, seq.block_hashes, seq.num_computed_tokens)
+        verified = seq.token_ids + s.spec[:num_accepted]
+        self.speculator.verified(seq, verified, k, num_accepted)
+        seq.timings.spec_proposed += k
+        seq.timings.spec_accepted += num_accepted
+        self.spec_proposed_total += k
+        self.spec_accepted_total += num_accepted
+        return verified
+
+    def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None,
+                       now: float) -> RequestOutput:
+        """Append a run of accepted tokens, applying EOS, stop token ids, stop strings, max_tokens and the context
+        length to every one of them: the run is cut exactly where plain decoding would have stopped."""
         t = seq.timings
         if t.first_token is None:
             t.first_token = now
-        t.token_times.append(now)
-        t.num_generated_tokens += 1
-        seq.pending_token_ids.append(token)
-        if lp is not None:
-            seq.pending_logprobs.append(lp)
         p = seq.params
-        reason, hit, stop_reason = None, False, None
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            reason = FinishReason.STOP  # the stop token's own text is not emitted
-            stop_reason = token if token in p.stop_token_ids else None
-        else:
-            delta, hit = self._text[seq.request_id].push(token)
-            seq.pending_text += delta
-            if hit:
-                reason, stop_reason = FinishReason.STOP, self._text[seq.request_id].matcher.matched
-            elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
-                reason = FinishReason.LENGTH
-        if reason is not None:
-            return self._finish(seq, reason, now, stopped_on_string=hit, stop_reason=stop_reason)
+        text = self._text[seq.request_id]
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            t.token_times.append(now)
+            t.num_generated_tokens += 1
+            seq.pending_token_ids.append(token)
+            if logprobs is not None:
+                seq.pending_logprobs.append(logprobs[i])
+            reason, hit, stop_reason = None, False, None
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                reason = FinishReason.STOP  # the stop token's own text is not emitted
+                stop_reason = token if token in p.stop_token_ids else None
+            else:
+                delta, hit = text.push(token)
+                seq.pending_text += delta
+                if hit:
+                    reason, stop_reason = FinishReason.STOP, text.matcher.matched
+                elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                    reason = FinishReason.LENGTH
+            if reason is not None:
+                return self._finish(seq, reason, now, stopped_on_string=hit, stop_reason=stop_reason)
         return self._take_output(seq)
 
     def _take_output(self, seq: Sequence, **final) -> RequestOutput:
@@ -334,16 +352,18 @@ def generate(engine: Engine, prompts: list[list[int]], params: SamplingParams | 
         results[rid] = GenerationResult(rid, list(prompt), [], "", None, [] if p.logprobs is not None else None, None)
         order.append(rid)
     remaining = set(order)
+    merged: dict[str, RequestOutput] = {}
     while remaining:
         for out in engine.step():
-            r = results.get(out.request_id)
-            if r is None:
+            if out.request_id not in results:
                 continue
-            r.token_ids.extend(out.new_token_ids)
-            r.text += out.text_delta
-            if out.logprobs is not None and r.logprobs is not None:
-                r.logprobs.extend(out.logprobs)
+            merged[out.request_id] = merged[out.request_id].merge(out) if out.request_id in merged else out
             if out.finished:
-                r.finish_reason, r.timings, r.stop_reason = out.finish_reason, out.timings, out.stop_reason
                 remaining.discard(out.request_id)
+    for rid in order:
+        out, r = merged[rid], results[rid]
+        r.token_ids, r.text, r.finish_reason, r.timings, r.stop_reason = (
+            out.new_token_ids, out.text_delta, out.finish_reason, out.timings, out.stop_reason)
+        if r.logprobs is not None:
+            r.logprobs = out.logprobs or []
     return [results[rid] for rid in order]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampler import SampleRequest, _needs_penalties, apply_penalties, warp
+from .sampler import SampleRequest, needs_penalties, apply_penalties, warp
 from .types import SamplingParams
 
 
@@ -29,7 +29,7 @@ def row_distributions(logits: torch.Tensor, params: SamplingParams, prompt_ids: 
     requests and warped probabilities otherwise.
     """
     rows = []
-    penalties = _needs_penalties(params)
+    penalties = needs_penalties(params)
     for j in range(logits.shape[0]):
         row = logits[j].float()
         if penalties:

@@ -101,7 +101,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the batch; return fp32 logits [rows, vocab]: for each scheduled chunk that samples, its last
-        `num_logits` positions (normally one), in the order of `scheduled`."""
+        `num_logits` positions (one, or 1 + k for a speculative proposal of k), in the order of `scheduled`."""
         if self.graphs is not None and self.graphs.can_run(scheduled):
             logits = self.graphs.execute(scheduled)
             if logits is not None:
@@ -115,9 +115,11 @@ class ModelRunner:
         positions: list[int] = []
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
         for s in scheduled:
-            seq, n = s.seq, s.num_new_tokens
+            seq = s.seq
             start = seq.num_computed_tokens
-            input_ids.extend(seq.token_ids[start : start + n])
+            input_ids.extend(seq.token_ids[start : start + s.num_new_tokens])
+            input_ids.extend(s.spec)  # a speculative proposal runs right after its decode token
+            n = s.num_tokens
             positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)

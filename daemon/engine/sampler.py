@@ -27,7 +27,7 @@ class SampleRequest:
     generator: torch.Generator | None = None
 
 
-def _needs_penalties(p: SamplingParams) -> bool:
+def needs_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
@@ -70,7 +70,7 @@ def warp(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 def sample_row(logits: torch.Tensor, req: SampleRequest) -> int:
     p = req.params
-    if _needs_penalties(p):
+    if needs_penalties(p):
         logits = apply_penalties(logits, req)
     if p.greedy:
         return int(torch.argmax(logits))
@@ -84,19 +84,3 @@ def top_logprobs(logprobs_row: torch.Tensor, token_id: int, n: int) -> TokenLogp
         vals, ids = torch.topk(logprobs_row, n)
         top = list(zip(ids.tolist(), vals.tolist()))
     return TokenLogprob(token_id=token_id, logprob=float(logprobs_row[token_id]), top=top)
-
-
-class Sampler:
-    def __call__(self, logits: torch.Tensor, reqs: list[SampleRequest]) -> tuple[list[int], list[TokenLogprob | None]]:
-        """Sample one token per row of logits [N, V] (fp32). Returns the tokens and, per row, its logprobs or None."""
-        if all(r.params.greedy and not _needs_penalties(r.params) for r in reqs):
-            tokens = torch.argmax(logits, dim=-1).tolist()  # one batched op for the common greedy case
-        else:
-            tokens = [sample_row(logits[i], r) for i, r in enumerate(reqs)]
-        logprobs: list[TokenLogprob | None] = [None] * len(reqs)
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        if want:
-            lp = torch.log_softmax(logits[want].float(), dim=-1)
-            for row, i in enumerate(want):
-                logprobs[i] = top_logprobs(lp[row], tokens[i], reqs[i].params.logprobs)
-        return tokens, logprobs

@@ -9,28 +9,62 @@ Order within a step, under the token budget `max_num_batched_tokens`:
 When a running sequence needs a new block and none is free, the lowest-priority, newest running sequence is
 preempted by recompute: its blocks are freed (full ones stay in the prefix cache, which makes recompute cheap) and
 it goes back to the head of its waiting queue.
+
+Speculation is part of the plan: after the decodes have their one slot each (and before prefill chunks spend the
+budget), a `Proposer` (engine/speculative.py) may guess k tokens for some of them. A guess gets KV slots only from
+free blocks or the ones its sequence already holds (`_reserve(..., may_preempt=False)`): nobody is preempted for a
+guess. The step's ScheduledSeq then carries the proposal (`spec`), and the engine verifies it in the same forward.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SeqStatus
 from .types import Priority
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class Proposal:
+    """A speculative guess of the next tokens of one decoding sequence."""
+
+    tokens: list[int]
+    draft_probs: "torch.Tensor | None" = None  # [k, V] for sampled requests with a draft model; None = point mass
+
+
+class Proposer(Protocol):
+    def propose(self, decodes: list[Sequence], budget: int, load: int) -> dict[str, Proposal]:
+        """Proposals (by request id, at most `budget` tokens in all) for decodes that have their slot this step;
+        load: the requests in the engine (running and waiting)."""
 
 
 @dataclass
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens of seq.token_ids[num_computed_tokens:] processed this step
-    num_logits: int = 1  # trailing positions whose logits are needed when the chunk samples (k+1 to verify k)
+    spec: list[int] = field(default_factory=list)  # proposed tokens fed after them (a decode), verified this step
+    draft_probs: "torch.Tensor | None" = None  # the proposal's draft distributions [k, V]; None = point mass
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the token list, so the step yields a new token."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        """Positions this step's forward runs for the sequence: its new tokens plus the proposal."""
+        return self.num_new_tokens + len(self.spec)
+
+    @property
+    def num_logits(self) -> int:
+        """Trailing positions whose logits are needed when the chunk samples: 1 + k to verify k proposals."""
+        return 1 + len(self.spec)
 
 
 @dataclass
@@ -40,7 +74,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -48,8 +82,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 proposer: Proposer | None = None):
         self.bm = block_manager
+        self.proposer = proposer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: dict[Priority, deque[Sequence]] = {p: deque() for p in Priority}
@@ -98,11 +134,21 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        load = len(self.running) + self.num_waiting
         self.running.sort(key=lambda s: s.sort_key)
         decodes = [s for s in self.running if not s.is_prefilling]
         prefills = [s for s in self.running if s.is_prefilling]
         scheduled: set[int] = set()
-        for seq in decodes + prefills:
+        budget = self._schedule_running(decodes, budget, out, scheduled)
+        if self.proposer is not None and budget > 0:
+            budget = self._add_proposals(out, budget, load)
+        budget = self._schedule_running(prefills, budget, out, scheduled)
+        if not out.preempted:  # admitting right after preempting would only thrash
+            budget = self._admit(out, budget)
+        return out
+
+    def _schedule_running(self, seqs: list[Sequence], budget: int, out: SchedulerOutput, scheduled: set[int]) -> int:
+        for seq in seqs:
             if budget <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
@@ -113,17 +159,40 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             scheduled.add(id(seq))
             budget -= n
-        if not out.preempted:  # admitting right after preempting would only thrash
-            budget = self._admit(out, budget)
-        return out
+        return budget
 
-    def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput, scheduled: set[int]) -> bool:
+    def _add_proposals(self, out: SchedulerOutput, budget: int, load: int) -> int:
+        """Ask the proposer for guesses for this step's decodes and give each the KV slots it can have for free."""
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1 and s.samples]
+        if not decodes:
+            return budget
+        proposals = self.proposer.propose([s.seq for s in decodes], budget, load)
+        for s in decodes:
+            prop = proposals.get(s.seq.request_id)
+            if prop is None or budget <= 0:
+                continue
+            seq = s.seq
+            k = min(len(prop.tokens), budget)
+            if not self._reserve(seq, seq.num_computed_tokens + 1 + k, out, set(), may_preempt=False):
+                k = min(k, len(seq.block_ids) * self.bm.block_size - seq.num_computed_tokens - 1)
+            if k <= 0:
+                continue
+            s.spec = prop.tokens[:k]
+            s.draft_probs = None if prop.draft_probs is None else prop.draft_probs[:k]
+            budget -= k
+        return budget
+
+    def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput, scheduled: set[int],
+                 may_preempt: bool = True) -> bool:
         """Make seq's block table cover num_tokens, preempting newer/lower-priority sequences if needed.
 
         Victims come from the end of `running` (sorted: lowest priority, newest last), skipping sequences already
-        scheduled in this step; when none is left, seq itself is preempted.
+        scheduled in this step; when none is left, seq itself is preempted. With may_preempt=False (a speculative
+        guess) nothing is preempted: False when the free blocks do not suffice.
         """
         need = self.bm.blocks_needed(num_tokens) - len(seq.block_ids)
+        if need > 0 and not may_preempt and not self.bm.can_allocate(need):
+            return False
         while need > 0 and not self.bm.can_allocate(need):
             victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
             self._preempt(victim, out)

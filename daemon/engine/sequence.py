@@ -4,17 +4,21 @@ The KV state of a sequence is two explicit numbers over one token list: `token_i
 generated token) and `num_computed_tokens` (how many of them have K/V in the cache). Whatever remains,
 `token_ids[num_computed_tokens:]`, is what the next forward must process; when that forward reaches the end of the
 list, a new token is sampled. Prefill, chunked prefill, decode and recompute after preemption are all this one rule,
-and speculative decoding can append proposals and roll back by truncating both numbers (plus free_trailing blocks).
+and speculative decoding runs a proposal after the last token and keeps the KV of what verification accepted.
 """
 
 from __future__ import annotations
 
 import enum
 import itertools
+from typing import TYPE_CHECKING
 
 import torch
 
 from .types import FinishReason, Priority, RequestTimings, SamplingParams, TokenLogprob
+
+if TYPE_CHECKING:
+    from .grammar import GrammarMatcher
 
 _arrival_counter = itertools.count()
 
@@ -34,6 +38,7 @@ class Sequence:
         priority: Priority,
         timings: RequestTimings,
         generator: torch.Generator | None = None,
+        grammar: "GrammarMatcher | None" = None,
     ):
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -47,6 +52,7 @@ class Sequence:
         self.status = SeqStatus.WAITING
         self.timings = timings
         self.generator = generator
+        self.grammar = grammar  # the output's grammar state: it has consumed exactly the output tokens
         self.finish_reason: FinishReason | None = None
         self.admitted_once = False
         # Output not yet handed to the caller (filled by the engine after sampling).

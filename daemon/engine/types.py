@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -24,7 +25,7 @@ class Constraint:
 
 
 class ConstraintError(InvalidRequest, ValueError):
-    """A constraint is invalid, unsatisfiable, or past a bound; the server answers 400 (field names the request field)."""
+    """A constraint is invalid, unsatisfiable, or past a bound: the server answers 400 (field: the request field)."""
 
     def __init__(self, message: str, field: str | None = None):
         super().__init__(message, field=field)
@@ -189,3 +190,14 @@ class RequestOutput:
     timings: RequestTimings | None = None
     error: str | None = None  # set when the request failed inside the engine
     stop_reason: str | int | None = None  # on STOP: the stop string or stop token id that ended it (None: EOS)
+
+    def merge(self, later: "RequestOutput") -> "RequestOutput":
+        """One output equivalent to this one followed by `later` (the same request's next increment): tokens,
+        text and logprobs concatenated; whatever describes the end (finished, reasons, timings, error) from later."""
+        logprobs = None
+        if self.logprobs is not None or later.logprobs is not None:
+            logprobs = (self.logprobs or []) + (later.logprobs or [])
+        return dataclasses.replace(
+            later, new_token_ids=self.new_token_ids + later.new_token_ids,
+            text_delta=self.text_delta + later.text_delta, logprobs=logprobs,
+            timings=later.timings or self.timings, error=later.error or self.error)
