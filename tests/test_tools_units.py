@@ -284,7 +284,9 @@ def test_required_grammar_allows_only_valid_calls(matcher_for):
 def test_auto_generic_grammar_allows_text_or_a_call(matcher_for):
     auto = lark_grammar(ToolFormat("generic", False), ToolSpec(FUNCTIONS, "auto"), None, None)
     assert matcher_for(auto, "Paris is the capital of France.") and matcher_for(auto, CALL)
+    assert matcher_for(auto, "<div>HTML is text too</div>") and matcher_for(auto, "<tool_cab> is no tag")
     assert not matcher_for(auto, "<tool_call>\nnot json\n</tool_call>")
+    assert not matcher_for(auto, "<tool_call>\n" + '{"name":"rm","arguments":{}}' + "\n</tool_call>")
 
 
 def test_family_grammars_match_what_their_parsers_read(matcher_for):

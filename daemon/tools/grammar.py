@@ -89,6 +89,22 @@ def _call_rules(fmt: ToolFormat, spec: ToolSpec) -> list[str]:
     return rules
 
 
+def _not_starting_with(marker: str) -> str:
+    """A regex for a first stretch of text that cannot grow into `marker` (so text and calls never overlap), e.g.
+    for "<ab": ([^<]|<([^a]|a[^b])). Any other text, "<div>" included, stays possible."""
+    def esc(c: str) -> str:
+        return "\\" + c if c in "\\^]-[/" else c
+
+    head, *rest = marker
+    if not rest:
+        return f"[^{esc(head)}]"
+    return f"([^{esc(head)}]|{_re_lit(head)}{_not_starting_with(''.join(rest))})"
+
+
+def _re_lit(c: str) -> str:
+    return "\\" + c if c in ".^$*+?()[]{}|\\/" else c
+
+
 def lark_grammar(fmt: ToolFormat | None, spec: ToolSpec | None, answer: AnswerFormat | None,
                  thought: str | None) -> Constraint | None:
     """The whole answer's grammar, or None when nothing constrains it.
@@ -103,8 +119,8 @@ def lark_grammar(fmt: ToolFormat | None, spec: ToolSpec | None, answer: AnswerFo
     if answer is not None and answer.kind != "gbnf":
         rules.append(f"text: {_json(answer_schema(answer))}")
     elif calls and not forced:
-        rules.append(r"text: TEXT")
-        rules.append(r"TEXT: /[^<](.|\n)*/")  # the generic fallback: text, or a call that starts with <tool_call>
+        rules.append("text: TEXT")
+        rules.append(f"TEXT: /{_not_starting_with('<tool_call>')}(.|\\n)*/")  # the generic fallback's text
     if not rules:
         return None
     body = "calls" if forced else "text | calls" if calls else "text"
