@@ -12,7 +12,7 @@ constraint and the parser.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..engine.types import Constraint
 from .families import ModelTraits
@@ -85,7 +85,7 @@ class ChatPlan:
     spec: ToolSpec | None
     answer: AnswerFormat | None
     think: bool | None
-    calls_possible: bool = field(default=False)
+    calls_possible: bool = False
 
     def output(self, prompt_text: str) -> tuple[Constraint | None, OutputParser]:
         """The constraint and the parser, once the prompt's text is known."""
@@ -115,7 +115,7 @@ def plan_chat(messages: list[dict], spec: ToolSpec | None, answer: AnswerFormat 
         think = bool(kwargs["enable_thinking"])
     calls = spec is not None and spec.choice != "none" and bool(spec.functions)
     if calls and traits.tools.native:
-        tools = [f.as_tool() for f in spec.allowed()]  # type: ignore[union-attr]
+        tools = [f.as_tool() for f in spec.functions]  # type: ignore[union-attr]  # all: the grammar narrows
         return ChatPlan(messages, tools, kwargs, traits, spec, answer, think, calls_possible=True)
     # a native template renders a history with calls itself; any other gets it as plain turns
     msgs = messages if traits.tools.native else generic_messages(messages, spec if calls else None)
