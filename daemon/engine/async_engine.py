@@ -6,11 +6,17 @@ its outputs from a RequestStream whose buffer is bounded: when a slow reader let
 into the last buffered one (tokens and text concatenated), so nothing is lost and nothing grows without limit.
 If a step raises, every in-flight request ends with an error output, and the engine is marked dead (stats show
 it, and submit raises EngineDead) rather than leaving requests hanging.
+
+Grammars (SamplingParams.constraint) compile on a small thread pool, never on the engine thread or the event loop:
+`await compile_constraint(c)` before submit() raises ConstraintError for a bad one (the server's 400) and warms the
+cache; submit() itself takes a cached grammar at once, raises for a cached failure, and otherwise lets the request
+wait for its compile while the step loop goes on (a failure then ends its stream with an error output).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -19,12 +25,14 @@ from collections import deque
 
 from ..errors import EngineDead, InvalidRequest, QueueFull
 from .engine import Engine
-from .types import FinishReason, Priority, RequestOutput, SamplingParams
+from .grammar import COMPILE_TIMEOUT_S, CompiledGrammar
+from .types import Constraint, ConstraintError, FinishReason, Priority, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
 STREAM_BUFFER = 64
 IDLE_WAIT_S = 0.5
+GRAMMAR_THREADS = 2
 
 
 class RequestStream:
@@ -86,6 +94,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # touched only on the event loop thread
         self.error: str | None = None
         self.started_at: float | None = None
+        self._compiler = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="llmd-grammar")
+        self._grammar_wait: list[tuple] = []  # add commands whose grammar is still compiling (engine thread only)
 
     @property
     def tokenizer(self):
@@ -113,6 +123,7 @@ class AsyncEngine:
         self._wake.set()
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._compiler.shutdown(wait=False, cancel_futures=True)
         self._fail_all("the engine shut down", FinishReason.ABORT)
 
     # ---- requests (event loop thread) -------------------------------------------------------------------------
@@ -126,6 +137,11 @@ class AsyncEngine:
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", field="request_id")
         self.engine.check_request(prompt_token_ids, params)
+        grammar = None
+        if params.constraint is not None:
+            grammar = self._grammar(params.constraint)
+            if grammar.done() and grammar.exception() is not None:
+                raise grammar.exception()
         with self._lock:
             # as Engine.add_request counts it: the adds not yet handed over wait only beyond the free running places
             scheduler = self.engine.scheduler
@@ -134,9 +150,33 @@ class AsyncEngine:
             self._num_pending_adds += 1
             stream = RequestStream(request_id, self, self.stream_buffer)
             self._streams[request_id] = stream
-            self._commands.append(("add", request_id, list(prompt_token_ids), params, priority, time.monotonic()))
+            self._commands.append(("add", request_id, list(prompt_token_ids), params, priority, time.monotonic(),
+                                   grammar))
+        if grammar is not None and not grammar.done():
+            grammar.add_done_callback(lambda _f: self._wake.set())
         self._wake.set()
         return stream
+
+    async def compile_constraint(self, constraint: Constraint) -> None:
+        """Compile a constraint off the event loop (cached for the submit that follows); raises ConstraintError when
+        it is invalid, unsatisfiable, past a bound, or takes longer than COMPILE_TIMEOUT_S."""
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(self._grammar(constraint)), COMPILE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ConstraintError(f"the {constraint.kind} took longer than {COMPILE_TIMEOUT_S:.0f} s to compile; "
+                                  "simplify it") from None
+
+    def _grammar(self, constraint: Constraint) -> concurrent.futures.Future:
+        """A future of the compiled grammar: done at once when cached, else compiling on the grammar threads."""
+        cached = self.engine.grammars.cached(constraint)
+        if cached is None:
+            return self._compiler.submit(self.engine.grammars.compile, constraint)
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        if isinstance(cached, CompiledGrammar):
+            done.set_result(cached)
+        else:
+            done.set_exception(ConstraintError(str(cached), field=cached.field))
+        return done
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -166,20 +206,35 @@ class AsyncEngine:
     # ---- the engine thread ------------------------------------------------------------------------------------
     def _drain_commands(self) -> list[RequestOutput]:
         with self._lock:
-            commands = list(self._commands)
+            commands = self._grammar_wait + list(self._commands)
             self._commands.clear()
+        self._grammar_wait = []
         failed = []
+        now = time.monotonic()
         for cmd in commands:
             if cmd[0] == "add":
-                _, rid, prompt, params, priority, arrival = cmd
+                _, rid, prompt, params, priority, arrival, grammar = cmd
+                if grammar is not None and not grammar.done():
+                    if now - arrival < COMPILE_TIMEOUT_S:
+                        self._grammar_wait.append(cmd)  # not ready: the step loop goes on without it
+                        continue
+                    grammar.cancel()
+                    grammar = ConstraintError(f"the {params.constraint.kind} took longer than "
+                                              f"{COMPILE_TIMEOUT_S:.0f} s to compile; simplify it")
                 try:
-                    self.engine.add_request(rid, prompt, params, priority, arrival=arrival)
+                    compiled = _compiled(grammar)
+                    self.engine.add_request(rid, prompt, params, priority, arrival=arrival, grammar=compiled)
                 except (InvalidRequest, QueueFull) as e:
                     failed.append(RequestOutput(rid, [], "", finished=True, finish_reason=FinishReason.ABORT,
                                                 error=str(e)))
                 finally:
                     with self._lock:
                         self._num_pending_adds -= 1
+            elif any(w[1] == cmd[1] for w in self._grammar_wait):  # aborted while its grammar compiles
+                self._grammar_wait = [w for w in self._grammar_wait if w[1] != cmd[1]]
+                failed.append(RequestOutput(cmd[1], [], "", finished=True, finish_reason=FinishReason.ABORT))
+                with self._lock:
+                    self._num_pending_adds -= 1
             else:
                 self.engine.abort(cmd[1])
         return failed
@@ -188,12 +243,12 @@ class AsyncEngine:
         engine = self.engine
         while not self._stop.is_set():
             try:
+                self._wake.clear()  # before draining: a command or compiled grammar arriving later still wakes us
                 outputs = self._drain_commands()
                 if engine.has_work():
                     outputs += engine.step()
                 elif not outputs:
-                    self._wake.wait(IDLE_WAIT_S)
-                    self._wake.clear()
+                    self._wake.wait(IDLE_WAIT_S)  # a command, a compiled grammar or shutdown wakes it
                     continue
             except Exception as e:  # noqa: BLE001 - any failure must end the requests, not hang them
                 log.exception("engine step failed")
@@ -215,3 +270,17 @@ class AsyncEngine:
         except Exception:  # noqa: BLE001 - state may be broken; the error outputs below still go out
             log.exception("cleanup after engine failure failed")
         self._loop.call_soon_threadsafe(self._fail_all, f"engine error: {message}")
+
+
+def _compiled(grammar: concurrent.futures.Future | ConstraintError | None) -> CompiledGrammar | None:
+    """The compiled grammar of a finished compile; ConstraintError for any failure of it."""
+    if grammar is None:
+        return None
+    if isinstance(grammar, ConstraintError):
+        raise grammar
+    try:
+        return grammar.result(timeout=0)
+    except ConstraintError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a library failure is this request's error, not the engine's
+        raise ConstraintError(f"the grammar failed to compile: {type(e).__name__}: {e}") from None

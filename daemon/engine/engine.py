@@ -18,6 +18,7 @@ from ..errors import InvalidRequest, QueueFull
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .accept import accept
+from .grammar import CompiledGrammar, GrammarCompiler, step_masks
 from .runner import ModelRunner
 from .scheduler import Scheduler, ScheduledSeq
 from .sequence import Sequence
@@ -66,6 +67,8 @@ class Engine:
         self.eos_token_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
+        # grammar-constrained output (engine/grammar.py): compiled on first use, cached
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Sequence] = {}
         self._text: dict[str, _TextState] = {}
         self._pending_outputs: list[RequestOutput] = []  # from abort() between steps
@@ -114,10 +117,15 @@ class Engine:
                 "lower max_tokens or the prompt length", field="max_tokens")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: Priority = Priority.INTERACTIVE, arrival: float | None = None) -> None:
+                    priority: Priority = Priority.INTERACTIVE, arrival: float | None = None,
+                    grammar: CompiledGrammar | None = None) -> None:
+        """grammar: params.constraint compiled already (AsyncEngine does it off this thread); None compiles here."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", field="request_id")
         self.check_request(prompt_token_ids, params)
+        matcher = None
+        if params.constraint is not None:
+            matcher = (grammar or self.grammars.compile(params.constraint)).matcher()
         # a request that a free running place will take does not count as waiting, even before the next step
         if self.scheduler.num_waiting - self.scheduler.free_slots >= self.config.max_queue:
             raise QueueFull(f"the queue is full ({self.config.max_queue} requests waiting)")
@@ -127,7 +135,7 @@ class Engine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        seq = Sequence(request_id, prompt_token_ids, params, priority, timings, generator)
+        seq = Sequence(request_id, prompt_token_ids, params, priority, timings, generator, matcher)
         self.requests[request_id] = seq
         self._text[request_id] = _TextState(self.tokenizer, params.stop)
         self.prompt_tokens_total += len(prompt_token_ids)
@@ -155,11 +163,12 @@ class Engine:
             if s.seq.timings.first_scheduled is None:
                 s.seq.timings.first_scheduled = now
         sampled = [s for s in plan.scheduled if s.samples]
-        logits = self.runner.execute(plan.scheduled)
+        logits = self.runner.execute(plan.scheduled)  # on CUDA the forward runs while the masks fill here
         runs, logprobs = ([], [])
         if sampled:
+            masks = step_masks([(s.seq.grammar, s.spec) for s in sampled])
             runs, logprobs = accept(logits, [s.seq for s in sampled], [s.spec for s in sampled],
-                                    [s.draft_probs for s in sampled])
+                                    [s.draft_probs for s in sampled], masks)
         kv_tokens = {}  # a verified proposal's tokens with KV, until the run is appended
         for s in plan.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
@@ -200,8 +209,8 @@ class Engine:
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None,
                        now: float) -> RequestOutput:
-        """Append a run of accepted tokens, applying EOS, stop token ids, stop strings, max_tokens and the context
-        length to every one of them: the run is cut exactly where plain decoding would have stopped."""
+        """Append a run of accepted tokens, applying EOS, stop token ids, stop strings, the grammar, max_tokens and
+        the context length to every one of them: the run is cut exactly where plain decoding would have stopped."""
         t = seq.timings
         if t.first_token is None:
             t.first_token = now
@@ -223,6 +232,11 @@ class Engine:
                 seq.pending_text += delta
                 if hit:
                     reason, stop_reason = FinishReason.STOP, text.matcher.matched
+                elif seq.grammar is not None and not seq.grammar.accept(token):  # the masks make this unreachable
+                    return self._finish(seq, FinishReason.ABORT, now,
+                                        error=f"token {token} broke the output's grammar: {seq.grammar.error}")
+                elif seq.grammar is not None and seq.grammar.is_finished:
+                    reason = FinishReason.STOP  # the grammar is complete: nothing but EOS could follow
                 elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
                     reason = FinishReason.LENGTH
             if reason is not None:
@@ -241,7 +255,7 @@ class Engine:
         return out
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float, stopped_on_string: bool = False,
-                stop_reason: str | int | None = None) -> RequestOutput:
+                stop_reason: str | int | None = None, error: str | None = None) -> RequestOutput:
         self.scheduler.remove(seq)
         if self.speculator is not None:
             self.speculator.release(seq.request_id)
@@ -255,7 +269,7 @@ class Engine:
         self.requests_finished_total += 1
         self._record_latency(seq.timings)
         return self._take_output(seq, finished=True, finish_reason=reason, timings=seq.timings,
-                                 stop_reason=stop_reason)
+                                 stop_reason=stop_reason, error=error)
 
     # ---- stats ------------------------------------------------------------------------------------------------
     def _record_latency(self, t: RequestTimings) -> None:
