@@ -10,7 +10,7 @@ import pytest
 
 from llmd.server.validation import ApiError
 from llmd.tools.families import ToolFormat, model_traits
-from llmd.tools.grammar import answer_constraint, check, lark_grammar
+from llmd.tools.grammar import answer_constraint, lark_grammar
 from llmd.tools.parsers import OutputParser, Piece, ReasoningSplit
 from llmd.tools.plan import generic_messages, plan_chat
 from llmd.tools.spec import AnswerFormat, ToolSpec, normalise_history, parse_tool_choice, parse_tools
@@ -244,6 +244,20 @@ def test_native_plan_passes_tools_to_the_template():
 
 
 # --- grammars, run through llguidance with the SmolLM2 tokenizer --------------------------------------------------
+
+def check(constraint, field: str) -> None:
+    """The engine's compile (its error is the server's 400 naming `field`)."""
+    from llmd.engine.grammar import grammar_source
+    from llmd.engine.types import ConstraintError
+    import llguidance
+
+    try:
+        problem = llguidance.LLMatcher.validate_grammar(grammar_source(constraint))
+    except ConstraintError as exc:
+        problem = str(exc)
+    if problem:
+        raise ApiError(400, f"{field}: {problem}", param=field)
+
 
 @pytest.fixture(scope="module")
 def matcher_for(smol_tokenizer):

@@ -17,7 +17,6 @@ from ..engine.types import (Constraint, ConstraintError, FinishReason, Priority,
 from ..errors import EngineDead, InvalidRequest, LlmdError, QueueFull
 from ..tools.families import ModelTraits, model_traits
 from ..tools.grammar import answer_constraint
-from ..tools.grammar import check as check_grammar
 from ..tools.parsers import OutputParser
 from ..tools.plan import ChatPlan, plan_chat
 from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt
@@ -163,13 +162,13 @@ async def encode_prompt(engine, intake: Intake, model_name: str) -> tuple[list[i
     return list(prompt.token_ids), constraint, OutputParser()
 
 
-async def checked_constraint(constraint: Constraint, intake: Intake) -> None:
-    """An invalid or unsatisfiable grammar is a 400 naming the request field it came from."""
-    field = intake.answer.field if intake.answer is not None else "tools"
-    if len(constraint.text) > ENCODE_IN_THREAD_CHARS:
-        await asyncio.get_running_loop().run_in_executor(None, check_grammar, constraint, field)
-    else:
-        check_grammar(constraint, field)
+async def compiled_constraint(engine, constraint: Constraint, field: str) -> None:
+    """The engine compiles the grammar off the event loop (then cached for the submit); an invalid, unsatisfiable
+    or too large one is a 400 naming the request field it came from."""
+    try:
+        await engine.compile_constraint(constraint)
+    except ConstraintError as exc:
+        raise ApiError(400, f"{field}: {exc}", param=field) from None
 
 
 def check_length(engine, prompt_ids: list[int], params: SamplingParams, field: str = "prompt",
@@ -204,12 +203,13 @@ async def run(request: web.Request, state: ServerState, intake: Intake, renderer
     prompt_ids, constraint, parser = await encode_prompt(engine, intake, state.model_name)
     check_length(engine, prompt_ids, intake.params, intake.length_field, intake.num_ctx)
     params = intake.params
+    field = intake.answer.field if intake.answer is not None else "tools"
     if constraint is not None:
-        await checked_constraint(constraint, intake)
+        await compiled_constraint(engine, constraint, field)
         params = replace(params, constraint=constraint)
     gen = Generation(state, request, engine, prompt_ids, params)
     gen.time_limit_s, gen.output = intake.time_limit_s, parser
-    gen.constraint_field = intake.answer.field if intake.answer is not None else "tools"
+    gen.constraint_field = field
     async with gen:
         if not intake.stream:
             return web.json_response(renderer.whole(gen, await gen.collect()))

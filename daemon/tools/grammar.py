@@ -9,21 +9,19 @@
 JSON inside the grammars is compact (llguidance's `whitespace_flexible: false`): small models otherwise tend to
 emit whitespace until max_tokens, and compact JSON is still JSON to every client.
 
-`check` runs llguidance's own validator on the result, so an invalid or unsatisfiable schema or grammar is a 400
-naming the request field before anything is queued.
+The engine compiles them (AsyncEngine.compile_constraint); an invalid or unsatisfiable one is a 400 naming the request
+field (core.run).
 """
 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 
 from ..engine.types import Constraint
-from ..server.validation import bad_field
 from .families import ToolFormat
 from .spec import AnswerFormat, Function, ToolSpec
 
-COMPACT = {"whitespace_flexible": False}
+COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}  # None: not the engine's default
 
 
 def _compact(schema: dict) -> dict:
@@ -129,30 +127,3 @@ def lark_grammar(fmt: ToolFormat | None, spec: ToolSpec | None, answer: AnswerFo
     opener = '"<think>" ' if thought == "open" else ""
     head = ["start: think answer", f'think[lazy]: {opener}/(.|\\n)*/ "</think>"', f'answer: /[ \\n]*/ ({body})']
     return Constraint("lark", "\n".join(head + rules))
-
-
-_KIND = {"json_schema": "json_schema", "lark": "lark", "gbnf": "gbnf", "regex": "regex"}
-
-
-@lru_cache(maxsize=64)  # keys hold the text: at most 64 x MAX_SCHEMA_BYTES
-def _problem(kind: str, text: str) -> str | None:
-    """What llguidance finds wrong with a grammar, or None (cached: agents resend the same tools every turn)."""
-    import llguidance
-
-    try:
-        grammar = llguidance.grammar_from(kind, text)
-    except Exception as exc:  # noqa: BLE001 - the GBNF converter raises plain Exceptions too
-        return f"is not a valid grammar: {exc}"
-    error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        return f"is not a valid {'grammar' if kind in ('gbnf', 'lark') else 'schema'}: " \
-               f"{error.strip().splitlines()[0][:500]}"
-    return None
-
-
-def check(constraint: Constraint, field: str) -> None:
-    """llguidance's validator; an invalid or unsatisfiable grammar is a 400 naming `field`."""
-    text = constraint.text if constraint.kind != "json_object" else '{"type": "object"}'
-    problem = _problem(_KIND.get(constraint.kind, "json_schema"), text)
-    if problem:
-        raise bad_field(field, problem)
