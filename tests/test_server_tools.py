@@ -40,6 +40,19 @@ HERMES_THINKING_TEMPLATE = (
     "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{%- endif %}{%- endif %}")
 
 
+# Llama 3.x JSON tool calling: {"name": ..., "parameters": ...} as the whole answer, results in the ipython role.
+LLAMA3_TOOLS_TEMPLATE = (
+    "{{- bos_token }}{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\nAnswer a function call as JSON: "
+    "{\"name\": function name, \"parameters\": its arguments}.\n{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}"
+    "<|eot_id|>{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ m.content }}<|eot_id|>"
+    "{%- elif m.tool_calls %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- for c in m.tool_calls %}"
+    "{{ {'name': c.function.name, 'parameters': c.function.arguments} | tojson }}{%- endfor %}<|eot_id|>"
+    "{%- else %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content }}<|eot_id|>{%- endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
+
+
 @pytest.fixture(scope="module")
 def smol(tmp_path_factory):
     d = start_daemon(tmp_path_factory.mktemp("llmd_tools_smol"))
@@ -58,6 +71,19 @@ def tiny(tiny_qwen3, tmp_path_factory):
     tok.save(str(folder / "tokenizer.json"))
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     cfg["chat_template"] = HERMES_THINKING_TEMPLATE
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    d = start_daemon(base, "--model", str(folder))
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama3_tools(tiny_llama, tmp_path_factory):
+    base = tmp_path_factory.mktemp("llmd_tools_llama3")
+    folder = base / "tiny-llama3-tools"
+    shutil.copytree(tiny_llama, folder)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = LLAMA3_TOOLS_TEMPLATE
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     d = start_daemon(base, "--model", str(folder))
     yield d
@@ -270,3 +296,20 @@ def test_reasoning_split_and_think_switch(tiny):
     on = list(oc.chat(model=model, messages=ASK, think=True, format=schema, stream=True,
                       options={"num_predict": 6, "temperature": 0}))
     assert "".join(p.message.thinking or "" for p in on) and not "".join(p.message.content for p in on)
+
+
+def test_llama3_json_calls_and_ipython_results(tiny_llama3_tools):
+    client = _client(tiny_llama3_tools)
+    model = tiny_llama3_tools.stats()["model"]
+    resp = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                          parallel_tool_calls=False, max_tokens=120, temperature=0)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in (
+        "Paris", "Oslo", "Rome")
+    history = ASK + [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "Sunny"}]
+    final = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=4, temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length") and not final.choices[0].message.tool_calls
