@@ -209,6 +209,7 @@ def test_openai_streamed_tool_call_sends_name_once_then_arguments(smol):
     assert all(d.function.name is None for d in deltas if not d.id)
     args = "".join(d.function.arguments or "" for d in deltas)
     assert json.loads(args)["city"] in ("Paris", "Oslo", "Rome")
+    assert len([d for d in deltas if not d.id and d.function.arguments]) > 1  # streamed as written, not at the end
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
 
 

@@ -128,6 +128,27 @@ def test_reasoning_split_opened_by_the_prompt_and_unclosed():
     assert (out.reasoning, out.content) == ("a", "b")
 
 
+@pytest.mark.parametrize("pieces", [whole, by_chars], ids=["whole", "by_chars"])
+def test_grammar_kept_calls_stream_their_arguments_as_written(pieces):
+    text = 'Ok.<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris, \\"FR\\" {x}"}}\n</tool_call>\n' \
+           '<tool_call>\n{"name":"add","arguments":{"a":1,"b":{"c":[2]}}}\n</tool_call>'
+    parser = OutputParser(None, ToolFormat("generic", False).parser(NAMES, stream_args=True))
+    seen, heads_before_end = Piece(), 0
+    for p in pieces(text):
+        got = parser.feed(p)
+        heads_before_end += sum(d.name is not None for d in got.deltas) if p != text else 0
+        seen.add(got)
+    seen.add(parser.finish())
+    assert seen.content == "Ok." and [c.name for c in seen.calls] == ["get_weather", "add"]
+    assert all(c.streamed for c in seen.calls)
+    for call in seen.calls:
+        frags = [d for d in seen.deltas if d.id == call.id]
+        assert frags[0].name == call.name and all(d.name is None for d in frags[1:])
+        assert json.loads("".join(d.arguments for d in frags)) == call.arguments
+    if pieces is by_chars:  # the name goes out long before the call ends
+        assert heads_before_end == 2 and len([d for d in seen.deltas if d.name is None]) > 10
+
+
 def test_call_ids_are_unique_and_arguments_are_json_text():
     out = run_parser(lambda: OutputParser(None, ToolFormat("hermes", True).parser(NAMES)),
                      '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' * 2, whole)

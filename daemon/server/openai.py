@@ -209,7 +209,11 @@ class ChatAnswer(_Answer):
     def __init__(self, intake: Intake, model: str):
         super().__init__(intake, model, "chatcmpl")
         self.first = True
-        self.num_calls = 0
+        self.index: dict[str, int] = {}  # call id -> its index in tool_calls
+
+    def _head(self, call_id: str, name: str) -> dict:
+        return {"index": self.index[call_id], "id": call_id, "type": "function",
+                "function": {"name": name, "arguments": ""}}
 
     def _logprobs(self, gen: Generation, items) -> dict | None:
         if self.intake.params.logprobs is None:
@@ -251,12 +255,18 @@ class ChatAnswer(_Answer):
             deltas.append({"reasoning_content": piece.reasoning})
         if piece.content:
             deltas.append({"content": piece.content})
+        for d in piece.deltas:  # calls streamed as they are written (a grammar keeps them valid)
+            if d.name is not None:
+                self.index[d.id] = len(self.index)
+                deltas.append({"tool_calls": [self._head(d.id, d.name)]})
+            elif d.arguments:
+                deltas.append({"tool_calls": [{"index": self.index[d.id], "function": {"arguments": d.arguments}}]})
         for call in piece.calls:
-            head = {"index": self.num_calls, "id": call.id, "type": "function",
-                    "function": {"name": call.name, "arguments": ""}}
-            deltas += [{"tool_calls": [head]},
-                       {"tool_calls": [{"index": self.num_calls, "function": {"arguments": call.arguments_json}}]}]
-            self.num_calls += 1
+            if call.streamed:
+                continue
+            self.index[call.id] = len(self.index)
+            deltas += [{"tool_calls": [self._head(call.id, call.name)]},
+                       {"tool_calls": [{"index": self.index[call.id], "function": {"arguments": call.arguments_json}}]}]
         if lp and not deltas and not finish:
             deltas.append({})
         for i, delta in enumerate(deltas):

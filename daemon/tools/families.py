@@ -28,13 +28,14 @@ class ToolFormat:
     def args_key(self) -> str:
         return "parameters" if self.name == "llama3" else "arguments"
 
-    def parser(self, names: Collection[str]) -> ToolCallParser:
-        """names: the tools a call may name (mapped to their parameters schema, which types XML values)."""
+    def parser(self, names: Collection[str], stream_args: bool = False) -> ToolCallParser:
+        """names: the tools a call may name (mapped to their parameters schema, which types XML values);
+        stream_args: a grammar keeps the calls valid, so they may stream before they are complete."""
         if self.name == "llama3":
             return LeadingJsonParser(names, ("<|python_tag|>",))
         if self.name == "mistral":
             return LeadingJsonParser(names, ("[TOOL_CALLS]",), name_args=True)
-        return TaggedParser(names)
+        return TaggedParser(names, stream_args=stream_args)
 
 
 @dataclass(frozen=True)

@@ -103,15 +103,19 @@ def _re_lit(c: str) -> str:
     return "\\" + c if c in ".^$*+?()[]{}|\\/" else c
 
 
+def grammar_has_calls(fmt: ToolFormat, spec: ToolSpec, answer: AnswerFormat | None) -> bool:
+    """Whether the grammar writes the calls. A native template's model calls freely under auto, unless the answer
+    has a format, which would shut calls out."""
+    return spec.choice != "none" and (spec.forced or not fmt.native or answer is not None)
+
+
 def lark_grammar(fmt: ToolFormat | None, spec: ToolSpec | None, answer: AnswerFormat | None,
                  thought: str | None) -> Constraint | None:
     """The whole answer's grammar, or None when nothing constrains it.
     thought: None (no thought), "open" (the model opens `<think>` itself), "opened" (the prompt ends inside it)."""
     rules: list[str] = []
     forced = spec is not None and spec.forced
-    # a native template's model calls freely under auto, unless the answer has a format, which would shut calls out
-    calls = spec is not None and spec.choice != "none" and fmt is not None and (
-        forced or not fmt.native or answer is not None)
+    calls = fmt is not None and spec is not None and grammar_has_calls(fmt, spec, answer)
     if calls:
         rules += _call_rules(fmt, spec)  # type: ignore[arg-type]
     if answer is not None and answer.kind != "gbnf":

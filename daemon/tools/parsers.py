@@ -25,11 +25,16 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 @dataclass
 class ToolCall:
     name: str
     arguments: dict
-    id: str = field(default_factory=lambda: f"call_{uuid.uuid4().hex[:24]}")
+    id: str = field(default_factory=_call_id)
+    streamed: bool = False  # its start and arguments already went out as CallDeltas
 
     @property
     def arguments_json(self) -> str:
@@ -37,12 +42,23 @@ class ToolCall:
 
 
 @dataclass
+class CallDelta:
+    """A call streamed as it is written: its start (id and name), then fragments of its arguments' JSON text."""
+
+    id: str
+    name: str | None = None
+    arguments: str = ""
+
+
+@dataclass
 class Piece:
-    """What one piece of output text turned into."""
+    """What one piece of output text turned into. `deltas` stream calls early (OpenAI); every call also comes whole
+    in `calls` once complete (Ollama, non-streamed answers)."""
 
     content: str = ""
     reasoning: str = ""
     calls: list[ToolCall] = field(default_factory=list)
+    deltas: list[CallDelta] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.calls)
@@ -51,6 +67,7 @@ class Piece:
         self.content += other.content
         self.reasoning += other.reasoning
         self.calls.extend(other.calls)
+        self.deltas.extend(other.deltas)
         return self
 
 
@@ -137,19 +154,65 @@ class ToolCallParser:
         raise NotImplementedError
 
 
-class TaggedParser(ToolCallParser):
-    """Calls between an opening and a closing tag, anywhere in the text, any number of them."""
+_JSON_HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.\-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
-    def __init__(self, names: Collection[str], open_tag: str = "<tool_call>", close_tag: str = "</tool_call>"):
+
+class TaggedParser(ToolCallParser):
+    """Calls between an opening and a closing tag, anywhere in the text, any number of them.
+
+    stream_args: a JSON call streams as CallDeltas as soon as its name is read, then its arguments as they come
+    (holding back what may be the object's closing brace and tag). Only for output a grammar keeps valid: a call
+    already streamed cannot be taken back as text."""
+
+    def __init__(self, names: Collection[str], open_tag: str = "<tool_call>", close_tag: str = "</tool_call>",
+                 stream_args: bool = False):
         super().__init__(names)
         self.open_tag, self.close_tag = open_tag, close_tag
+        self.stream_args = stream_args
         self.buf = ""
         self.in_call = False
         self.seen_call = False
+        self.head: CallDelta | None = None  # the streaming call's start
+        self.args_at = 0  # where its arguments start in buf
+        self.sent = 0  # characters of its arguments sent
 
     def _body(self, body: str) -> list[ToolCall] | None:
         call = _xml_call(body, self.names) if body.lstrip().startswith("<function=") else None
         return [call] if call else _json_calls(body, self.names)
+
+    def _args_so_far(self, final: bool) -> str:
+        """The arguments' text that is surely theirs: not the object's closing brace, nor a start of the tag."""
+        pending = self.buf[self.args_at:]
+        if not final:
+            pending = pending[:len(pending) - _held_prefix(pending, self.close_tag)]
+        pending = pending.rstrip()
+        return pending[:-1].rstrip() if pending.endswith("}") else pending
+
+    def _stream(self, out: Piece, final: bool = False) -> None:
+        if self.head is None:
+            m = _JSON_HEAD.match(self.buf)
+            if not m or m.group(1) not in self.names:
+                return
+            self.head, self.args_at, self.sent = CallDelta(_call_id(), m.group(1)), m.end(), 0
+            out.deltas.append(self.head)
+        args = self._args_so_far(final)
+        if len(args) > self.sent:
+            out.deltas.append(CallDelta(self.head.id, arguments=args[self.sent:]))
+            self.sent = len(args)
+
+    def _close(self, body: str, out: Piece) -> None:
+        """A complete call body (its closing tag came, or the output ended)."""
+        calls = self._body(body)
+        if self.stream_args and calls is not None and len(calls) == 1:
+            self._stream(out, final=True)  # what is left of its arguments (all of them, if it came in one piece)
+            if self.head is not None:
+                calls[0].id, calls[0].streamed = self.head.id, True
+        self.head = None
+        if calls is None:
+            out.content += self.open_tag + body + (self.close_tag if self.in_call is False else "")
+        else:
+            out.calls.extend(calls)
+            self.seen_call = True
 
     def feed(self, text: str) -> Piece:
         self.buf += text
@@ -170,23 +233,18 @@ class TaggedParser(ToolCallParser):
             else:
                 at = self.buf.find(self.close_tag)
                 if at < 0:
+                    if self.stream_args:
+                        self._stream(out)
                     return out
-                body, self.buf, self.in_call = self.buf[:at], self.buf[at + len(self.close_tag):], False
-                calls = self._body(body)
-                if calls is None:
-                    out.content += self.open_tag + body + self.close_tag
-                else:
-                    out.calls.extend(calls)
-                    self.seen_call = True
+                body, rest = self.buf[:at], self.buf[at + len(self.close_tag):]
+                self.buf, self.in_call = body, False
+                self._close(body, out)
+                self.buf = rest
 
     def finish(self) -> Piece:
         out = Piece()
         if self.in_call:  # the output ended inside a call (a stop token took the closing tag, or max_tokens)
-            calls = self._body(self.buf)
-            if calls is None:
-                out.content = self.open_tag + self.buf
-            else:
-                out.calls = calls
+            self._close(self.buf, out)
         elif not (self.seen_call and not self.buf.strip()):
             out.content = self.buf
         self.buf, self.in_call = "", False

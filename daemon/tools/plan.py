@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..engine.types import Constraint
 from .families import ModelTraits
-from .grammar import answer_constraint, lark_grammar
+from .grammar import answer_constraint, grammar_has_calls, lark_grammar
 from .parsers import OutputParser, ReasoningSplit
 from .spec import AnswerFormat, ToolSpec
 
@@ -94,11 +94,12 @@ class ChatPlan:
         # a template that closes an empty thought itself when thinking is off (Qwen3) leaves nothing to split
         reasoning = ReasoningSplit(started=opened) if thinking else None
         fmt = self.traits.tools
-        parser_tools = None
-        if self.calls_possible:
-            parser_tools = fmt.parser({f.name: f.parameters for f in self.spec.allowed()})  # type: ignore[union-attr]
-        thought = ("opened" if opened else "open") if thinking else None
         spec = self.spec if self.calls_possible else None
+        parser_tools = None
+        if spec is not None:  # calls the grammar writes are valid, so they may stream before they are complete
+            parser_tools = fmt.parser({f.name: f.parameters for f in spec.allowed()},
+                                      stream_args=grammar_has_calls(fmt, spec, self.answer))
+        thought = ("opened" if opened else "open") if thinking else None
         if spec is None and thought is None and self.answer is not None:
             constraint = answer_constraint(self.answer)
         else:
