@@ -208,6 +208,13 @@ def test_mask_rows_for_a_proposal_equal_step_by_step_masks_and_roll_back(tiny):
         if j < 5:
             assert ref.accept(proposal[j])
     assert torch.equal(step_masks([(m, [])]).bitmask, step_masks([(compiler.compile(person()).matcher(), [])]).bitmask)
+    # a proposal that completes the grammar and goes on to EOS (which llguidance does not count for rollback)
+    for t in tokens[:-1]:
+        assert m.accept(t)
+    eos = min(tok.eos_token_ids)
+    masks = step_masks([(m, [tokens[-1], eos, tokens[0]])])
+    assert masks.rows == [0, 1]  # the row before "}" and the one before EOS: nothing after EOS is ever sampled
+    assert m.accept(tokens[-1]) and m.is_finished  # the state is where it was
 
 
 @pytest.mark.parametrize("constraint,message", [
