@@ -108,6 +108,21 @@ def test_constrained_greedy_is_exact_batched_cached_preempted_and_speculating(ti
     assert one.token_ids == alone[0] and spec.stats()["spec_accepted_total"] > 0
 
 
+def test_prompt_lookup_proposes_what_the_grammar_forces(tiny):
+    """The keys of the schema are forced text: with speculation on they come as proposals, mostly accepted."""
+    prompt = prompts_for(tiny.tokenizer, 1)
+    params = SamplingParams(max_tokens=120, constraint=person(), **GREEDY)
+    plain = generate(make_engine(tiny), prompt, params)[0]
+    engine = make_engine(tiny, speculative_mode="ngram")
+    spec = generate(engine, prompt, params)[0]
+    assert spec.token_ids == plain.token_ids
+    stats = engine.stats()
+    assert stats["spec_accepted_total"] >= 8, stats  # '{"name":"' and the other keys at least
+    compiler = engine.grammars
+    m = compiler.compile(Constraint("regex", "The quick brown fox (a|b)")).matcher()
+    assert m.forced_tokens(3) == tiny.tokenizer.encode("The quick brown")
+
+
 @pytest.mark.parametrize("sampling", [
     dict(temperature=1.0),
     dict(temperature=1.3, top_k=20),

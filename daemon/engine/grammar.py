@@ -259,6 +259,13 @@ class GrammarMatcher:
         self.rollback(stepped)
         return stepped + 1
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here (e.g. a JSON key that must come next), canonically
+        tokenized: a speculative proposal that costs nothing to make."""
+        if limit <= 0 or self._m.is_stopped():
+            return []
+        return self._m.compute_ff_tokens()[:limit]
+
     def step(self, token: int) -> bool:
         """Look ahead by one allowed, non-EOS token (undo with rollback); False (nothing done) otherwise."""
         if token in self.eos_token_ids or not self._m.validate_tokens([token]):
