@@ -12,10 +12,10 @@ the draft model when lookup finds nothing and a draft is configured; per step an
 whether to speculate and how far, and switches itself off on a busy batch or at low acceptance).
 
 A grammar-constrained request proposes first what its grammar forces (llguidance's fast-forward tokens: a JSON key
-and its quotes and colon, say) when there is any, else prompt lookup. Its point-mass proposals (prompt lookup, greedy drafts) are cut at the first token its
-grammar rejects: such a token could never be accepted, and cutting changes nothing in the output (a point mass
-rejected leaves the target's own distribution as the residual). A sampled draft proposal is kept whole: its
-rejection sampling needs the draft's own distribution, and the masked target rejects the invalid token anyway.
+and its quotes and colon, say) when there is any, else prompt lookup. Its point-mass proposals (prompt lookup,
+greedy drafts) are cut at the first token its grammar rejects: such a token could never be accepted, and cutting
+changes nothing in the output (a point mass rejected leaves the target's own distribution as the residual). A draft
+model's rows are masked by the grammar too (spec_draft.py), so its sampled proposals stay inside it as well.
 """
 
 from __future__ import annotations
