@@ -165,6 +165,20 @@ def test_regex_lark_gbnf_and_json_object(tiny):
         assert r.finish_reason is FinishReason.LENGTH and r.text.startswith("{")
 
 
+def test_lark_grammars_may_name_special_tokens(tiny):
+    """Special tokens are marked for llguidance, so a lark grammar can require one (<|name|>) and free text cannot
+    produce it."""
+    tok = tiny.tokenizer
+    compiler = GrammarCompiler(tok, tiny.config.vocab_size, sorted(tok.eos_token_ids))
+    header = tok.backend.token_to_id("<|start_header_id|>")
+    m = compiler.compile(Constraint("lark", 'start: "ab" <|start_header_id|> "c"')).matcher()
+    ab, c = tok.encode("ab"), tok.encode("c")
+    assert m.valid_prefix_len(ab + [header] + c) == len(ab) + 1 + len(c)
+    assert m.valid_prefix_len(ab + tok.encode("<|", add_special_tokens=False)) == len(ab)
+    free = compiler.compile(Constraint("regex", ".{0,20}")).matcher()
+    assert free.valid_prefix_len([header]) == 0
+
+
 def test_stop_strings_and_max_tokens_cut_a_constrained_output(tiny):
     prompt = prompts_for(tiny.tokenizer, 1)
     full = generate(make_engine(tiny), prompt, SamplingParams(max_tokens=200, constraint=person(), **GREEDY))[0]
