@@ -108,6 +108,21 @@ def test_constrained_greedy_is_exact_batched_cached_preempted_and_speculating(ti
     assert one.token_ids == alone[0] and spec.stats()["spec_accepted_total"] > 0
 
 
+def test_prompt_lookup_proposes_what_the_grammar_forces(tiny):
+    """The keys of the schema are forced text: with speculation on they come as proposals, mostly accepted."""
+    prompt = prompts_for(tiny.tokenizer, 1)
+    params = SamplingParams(max_tokens=120, constraint=person(), **GREEDY)
+    plain = generate(make_engine(tiny), prompt, params)[0]
+    engine = make_engine(tiny, speculative_mode="ngram")
+    spec = generate(engine, prompt, params)[0]
+    assert spec.token_ids == plain.token_ids
+    stats = engine.stats()
+    assert stats["spec_accepted_total"] >= 8, stats  # '{"name":"' and the other keys at least
+    compiler = engine.grammars
+    m = compiler.compile(Constraint("regex", "The quick brown fox (a|b)")).matcher()
+    assert m.forced_tokens(3) == tiny.tokenizer.encode("The quick brown")
+
+
 @pytest.mark.parametrize("sampling", [
     dict(temperature=1.0),
     dict(temperature=1.3, top_k=20),
@@ -148,6 +163,20 @@ def test_regex_lark_gbnf_and_json_object(tiny):
         assert isinstance(json.loads(r.text), dict)
     else:  # an open object may run past max_tokens; what there is still starts as one
         assert r.finish_reason is FinishReason.LENGTH and r.text.startswith("{")
+
+
+def test_lark_grammars_may_name_special_tokens(tiny):
+    """Special tokens are marked for llguidance, so a lark grammar can require one (<|name|>) and free text cannot
+    produce it."""
+    tok = tiny.tokenizer
+    compiler = GrammarCompiler(tok, tiny.config.vocab_size, sorted(tok.eos_token_ids))
+    header = tok.backend.token_to_id("<|start_header_id|>")
+    m = compiler.compile(Constraint("lark", 'start: "ab" <|start_header_id|> "c"')).matcher()
+    ab, c = tok.encode("ab"), tok.encode("c")
+    assert m.valid_prefix_len(ab + [header] + c) == len(ab) + 1 + len(c)
+    assert m.valid_prefix_len(ab + tok.encode("<|", add_special_tokens=False)) == len(ab)
+    free = compiler.compile(Constraint("regex", ".{0,20}")).matcher()
+    assert free.valid_prefix_len([header]) == 0
 
 
 def test_stop_strings_and_max_tokens_cut_a_constrained_output(tiny):
@@ -208,6 +237,13 @@ def test_mask_rows_for_a_proposal_equal_step_by_step_masks_and_roll_back(tiny):
         if j < 5:
             assert ref.accept(proposal[j])
     assert torch.equal(step_masks([(m, [])]).bitmask, step_masks([(compiler.compile(person()).matcher(), [])]).bitmask)
+    # a proposal that completes the grammar and goes on to EOS (which llguidance does not count for rollback)
+    for t in tokens[:-1]:
+        assert m.accept(t)
+    eos = min(tok.eos_token_ids)
+    masks = step_masks([(m, [tokens[-1], eos, tokens[0]])])
+    assert masks.rows == [0, 1]  # the row before "}" and the one before EOS: nothing after EOS is ever sampled
+    assert m.accept(tokens[-1]) and m.is_finished  # the state is where it was
 
 
 @pytest.mark.parametrize("constraint,message", [

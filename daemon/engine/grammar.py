@@ -136,13 +136,15 @@ def grammar_source(constraint: Constraint) -> str:
 class CompiledGrammar:
     """A checked grammar: a fresh matcher to copy for every request."""
 
-    def __init__(self, constraint: Constraint, template: llguidance.LLMatcher, vocab_size: int):
+    def __init__(self, constraint: Constraint, template: llguidance.LLMatcher, vocab_size: int,
+                 eos_token_ids: frozenset[int]):
         self.constraint = constraint
         self._template = template
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
 
     def matcher(self) -> GrammarMatcher:
-        return GrammarMatcher(self._template.deep_copy(), self.vocab_size)
+        return GrammarMatcher(self._template.deep_copy(), self.vocab_size, self.eos_token_ids)
 
 
 class GrammarCompiler:
@@ -198,13 +200,13 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ConstraintError(f"invalid {constraint.kind}: {_first_line(matcher.get_error())}")
         # Unsatisfiable from the start (e.g. an empty enum): no token at all is allowed.
-        probe = GrammarMatcher(matcher.deep_copy(), self.vocab_size)
+        probe = GrammarMatcher(matcher.deep_copy(), self.vocab_size, frozenset(self._eos))
         mask = probe.new_bitmask(1)
         probe.fill(mask, 0)
         if probe.error or not mask.any():
             why = probe.error or "no output can satisfy it"
             raise ConstraintError(f"the {constraint.kind} cannot be satisfied: {_first_line(why)}")
-        return CompiledGrammar(constraint, matcher, self.vocab_size)
+        return CompiledGrammar(constraint, matcher, self.vocab_size, frozenset(self._eos))
 
 
 def _first_line(message: str) -> str:
@@ -213,11 +215,16 @@ def _first_line(message: str) -> str:
 
 # ---- per request --------------------------------------------------------------------------------------------------
 class GrammarMatcher:
-    """One request's grammar state; it has consumed exactly the request's output tokens."""
+    """One request's grammar state; it has consumed exactly the request's output tokens.
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+    Looking ahead (a proposal's mask rows, a draft's proposal) steps the state with `step` and undoes it with
+    `rollback`. llguidance does not count an EOS among the tokens it can roll back, so `step` never takes one: an
+    EOS ends the request, and the positions after it are never sampled."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int]):
         self._m = matcher
         self.vocab_size = vocab_size
+        self.eos_token_ids = eos_token_ids
 
     @property
     def error(self) -> str | None:
@@ -240,19 +247,39 @@ class GrammarMatcher:
 
     def fill_run(self, bitmask: torch.Tensor, row: int, proposal: list[int]) -> int:
         """Fill rows row .. row + m for the positions of a speculative proposal whose first m tokens the grammar
-        allows (m <= k); the matcher steps through those m tokens and rolls back. Returns m + 1 (rows written)."""
+        allows (m <= k, up to an EOS); the matcher steps through those m tokens and rolls back. Returns m + 1."""
         m = self._m.validate_tokens(proposal) if proposal else 0
         self.fill(bitmask, row)
+        stepped = 0
         for j in range(m):
-            self._m.consume_token(proposal[j])
+            if not self.step(proposal[j]):
+                break
+            stepped += 1
             self.fill(bitmask, row + 1 + j)
-        if m:
-            self._m.rollback(m)
-        return m + 1
+        self.rollback(stepped)
+        return stepped + 1
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces from here (e.g. a JSON key that must come next), canonically
+        tokenized: a speculative proposal that costs nothing to make."""
+        if limit <= 0 or self._m.is_stopped():
+            return []
+        return self._m.compute_ff_tokens()[:limit]
+
+    def step(self, token: int) -> bool:
+        """Look ahead by one allowed, non-EOS token (undo with rollback); False (nothing done) otherwise."""
+        if token in self.eos_token_ids or not self._m.validate_tokens([token]):
+            return False
+        return self._m.consume_token(token)
 
     def valid_prefix_len(self, tokens: list[int]) -> int:
         """How many leading tokens the grammar allows from here (nothing is consumed)."""
         return self._m.validate_tokens(tokens)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last num_tokens stepped tokens."""
+        if num_tokens:
+            self._m.rollback(num_tokens)
 
     def accept(self, token: int) -> bool:
         """Consume one accepted output token; False if the grammar does not allow it (then it is in error)."""

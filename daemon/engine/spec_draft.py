@@ -3,6 +3,8 @@
 Each speculating request has a DraftSeq mirroring the target sequence's tokens. A proposal round runs one batched
 catch-up forward (the tokens the draft has not seen yet, usually the last accepted run) and then k-1 batched
 one-token decodes; after verification the draft's KV is rolled back to the verified prefix, like the target's.
+A grammar-constrained request's draft rows are masked by its grammar too (stepping the matcher through the proposal
+and rolling it back), so the draft proposes only tokens the target could accept.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 from ..errors import LlmdError
 from .block_manager import BlockManager
 from .config import EngineConfig
+from .grammar import step_masks
 from .rejection import row_distributions
 from .runner import ModelRunner
 from .scheduler import ScheduledSeq
@@ -180,19 +183,29 @@ class DraftModel:
         if not active:
             return {}
         # Round 0 catches up on unseen tokens; each later round feeds the previous proposal.
-        for r in range(max(k for _, k, *_ in active)):
-            batch = [item for item in active if len(item[3]) < item[1]]
-            scheduled = [ScheduledSeq(st, st.num_tokens - st.num_computed_tokens) for _, _, st, _, _ in batch]
-            logits = self.runner.execute(scheduled)
-            for (seq, _k, st, proposal, probs), s, row in zip(batch, scheduled, logits):
-                st.num_computed_tokens += s.num_new_tokens
-                # penalties must see the proposal so far: extend a view of the output
-                view = _ProposalView(seq, proposal)
-                token, p = self._sample(row, view, proposal, vocab)
-                proposal.append(token)
-                st.token_ids.append(token)
-                if p is not None:
-                    probs.append(p)
+        stepped: dict[str, int] = {}  # tokens each request's grammar stepped through
+        try:
+            for r in range(max(k for _, k, *_ in active)):
+                batch = [item for item in active if len(item[3]) < item[1]]
+                scheduled = [ScheduledSeq(st, st.num_tokens - st.num_computed_tokens) for _, _, st, _, _ in batch]
+                logits = self.runner.execute(scheduled)
+                for (seq, _k, st, proposal, probs), s, row in zip(batch, scheduled, logits):
+                    st.num_computed_tokens += s.num_new_tokens
+                    if seq.grammar is not None:  # propose only what the grammar allows (the state follows)
+                        step_masks([(seq.grammar, [])]).apply(row.unsqueeze(0))
+                    # penalties must see the proposal so far: extend a view of the output
+                    view = _ProposalView(seq, proposal)
+                    token, p = self._sample(row, view, proposal, vocab)
+                    proposal.append(token)
+                    st.token_ids.append(token)
+                    if p is not None:
+                        probs.append(p)
+                    if seq.grammar is not None and seq.grammar.step(token):
+                        stepped[seq.request_id] = stepped.get(seq.request_id, 0) + 1
+        finally:  # the grammar state is the output's again
+            for seq, *_ in active:
+                if stepped.get(seq.request_id):
+                    seq.grammar.rollback(stepped[seq.request_id])
         out = {}
         for seq, k, st, proposal, probs in active:
             out[seq.request_id] = (proposal, torch.stack(probs) if probs else None)

@@ -11,10 +11,11 @@ Modes: off; ngram (prompt lookup, always on); draft (draft model, always on); au
 the draft model when lookup finds nothing and a draft is configured; per step and per request the policy decides
 whether to speculate and how far, and switches itself off on a busy batch or at low acceptance).
 
-A grammar-constrained request's point-mass proposals (prompt lookup, greedy drafts) are cut at the first token its
-grammar rejects: such a token could never be accepted, and cutting changes nothing in the output (a point mass
-rejected leaves the target's own distribution as the residual). A sampled draft proposal is kept whole: its
-rejection sampling needs the draft's own distribution, and the masked target rejects the invalid token anyway.
+A grammar-constrained request proposes first what its grammar forces (llguidance's fast-forward tokens: a JSON key
+and its quotes and colon, say) when there is any, else prompt lookup. Its point-mass proposals (prompt lookup,
+greedy drafts) are cut at the first token its grammar rejects: such a token could never be accepted, and cutting
+changes nothing in the output (a point mass rejected leaves the target's own distribution as the residual). A draft
+model's rows are masked by the grammar too (spec_draft.py), so its sampled proposals stay inside it as well.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ class Speculator:
             if k <= 0:
                 continue
             if self.mode in ("ngram", "auto"):
-                tokens = _within_grammar(seq, ngram_propose(seq.token_ids, k))
+                tokens = seq.grammar.forced_tokens(k) if seq.grammar is not None else []
+                tokens = tokens or _within_grammar(seq, ngram_propose(seq.token_ids, k))
                 if tokens:
                     proposals[seq.request_id] = Proposal(tokens)
                     budget -= len(tokens)
