@@ -453,6 +453,10 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": [{"role": "assistant", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, None, 400,
      "messages[0].tool_calls[0].function.arguments"),
+    ("/v1/chat/completions", {**OK_CHAT, "chat_template_kwargs": {"messages": []}}, None, 400,
+     "chat_template_kwargs.messages"),
+    ("/v1/chat/completions", {**OK_CHAT, "chat_template_kwargs": {"enable_thinking": "no"}}, None, 400,
+     "chat_template_kwargs.enable_thinking"),
     ("/v1/chat/completions", {**OK_CHAT, "logit_bias": {"50": 100}}, None, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1, "best_of": 3}, None, 400, "best_of"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 1, "logit_bias": {"50": -100}}, None, 400, "logit_bias"),

@@ -290,6 +290,11 @@ def test_reasoning_split_and_think_switch(tiny):
                                             extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert json.loads(answer.choices[0].message.content) in ({"ok": True}, {"ok": False})
     assert not answer.choices[0].message.model_extra.get("reasoning_content")
+    streamed = list(client.chat.completions.create(model=model, messages=ASK, response_format=rf, max_tokens=6,
+                                                   temperature=0, stream=True))
+    deltas = [c.choices[0].delta for c in streamed if c.choices]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == message.reasoning_content
+    assert not "".join(d.content or "" for d in deltas)
     oc = ollama.Client(host=tiny.url)
     off = oc.chat(model=model, messages=ASK, think=False, format=schema, options={"num_predict": 40,
                                                                                    "temperature": 0})

@@ -124,6 +124,21 @@ def tool_spec(body: dict, f: dict) -> ToolSpec | None:
     return ToolSpec(functions, choice, f.get("parallel_tool_calls", True))
 
 
+RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "add_generation_prompt"}
+
+
+def _template_kwargs(kwargs: dict) -> dict:
+    """vLLM's chat_template_kwargs: extra template variables (enable_thinking, ...), a few plain names."""
+    if len(kwargs) > 16:
+        raise bad_field("chat_template_kwargs", "may hold at most 16 variables")
+    for name, value in kwargs.items():
+        if not name.isidentifier() or name.startswith("_") or name in RESERVED_TEMPLATE_NAMES:
+            raise bad_field(f"chat_template_kwargs.{name}", "is not a template variable a request may set")
+    if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
+        raise bad_field("chat_template_kwargs.enable_thinking", "must be true or false")
+    return dict(kwargs)
+
+
 def parse_chat(body: dict, state: ServerState) -> Intake:
     require(body, "messages")
     f = _check_common(state, body, CHAT_FIELDS)
@@ -132,10 +147,8 @@ def parse_chat(body: dict, state: ServerState) -> Intake:
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     logprobs = f.get("top_logprobs", 0) if f.get("logprobs") else None
     params = checked_params(_params(f, f.get("max_completion_tokens", f.get("max_tokens")), logprobs))
-    kwargs = f.get("chat_template_kwargs") or {}
-    if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
-        raise bad_field("chat_template_kwargs.enable_thinking", "must be true or false")
-    prompt = ChatPrompt(messages, tool_spec(body, f), template_kwargs=dict(kwargs))
+    kwargs = _template_kwargs(f.get("chat_template_kwargs") or {})
+    prompt = ChatPrompt(messages, tool_spec(body, f), template_kwargs=kwargs)
     return Intake(f.get("model"), prompt, params, bool(f.get("stream")), length_field="messages",
                   answer=response_format(body.get("response_format")), include_usage=_include_usage(f))
 
