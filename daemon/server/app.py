@@ -10,7 +10,7 @@ import time
 
 from aiohttp import web
 
-from . import llamacpp, ollama, openai
+from . import embeddings, llamacpp, ollama, openai
 from .core import STATE, ServerState, state_of
 from .responses import dialect_for_path, error_response, timings_dict
 from .security import SecurityPolicy, make_security_middleware
@@ -120,6 +120,7 @@ def create_app(state: ServerState, policy: SecurityPolicy | None = None) -> web.
     openai.setup_routes(app)
     ollama.setup_routes(app)
     llamacpp.setup_routes(app)
+    embeddings.setup_routes(app)
     return app
 
 
