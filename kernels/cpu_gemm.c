@@ -944,3 +944,611 @@ int llmd_int4_matmul_q8(const float *x, int64_t ldx, const uint8_t *q, const flo
                         int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t g, void *work, int nthreads) {
     return q8_matmul(x, ldx, q, s, z, y, ldy, m, n, k, g, work, nthreads, 1);
 }
+
+/* ==== GGUF blocks: matmul straight from the file's block bytes ==================================================
+ *
+ * Weights: q uint8 [N, row bytes], each row K / block_elems blocks of a GGML type (layouts and the reference values:
+ * llmd.kernels.gguf_blocks). A panel of columns is dequantized into fp32 exactly as gguf.quants.dequantize computes
+ * it (fp16 -> fp32 exactly, scale products first, then scale * q, then the offset, each rounded: this file is built
+ * with -ffp-contract=off, so no multiply-add is fused; the loops are plain C that the compiler vectorizes), and then
+ * multiplied from L1 by the int8 panel code above: PANEL_TILE below 16 rows, int8_rows_tile (rows in the vector lanes)
+ * from 16. Both give each output PANEL_TILE's operations in the same order, so a row's result is the same bits
+ * whatever the batch, its position, the path or the thread count. */
+
+/* fp16 at p -> fp32, exactly (subnormals, infinities and NaNs included). */
+static inline float gguf_f16(const uint8_t *p) {
+    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+#ifdef __F16C__
+    return _cvtsh_ss((unsigned short)h); /* the same exact conversion in one instruction */
+#endif
+    uint32_t sign = (h & 0x8000u) << 16, e = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (e == 0) {
+        if (man == 0)
+            bits = sign;
+        else { /* subnormal: normalise */
+            int s = -1;
+            do {
+                s++;
+                man <<= 1;
+            } while (!(man & 0x400));
+            bits = sign | (uint32_t)(112 - s) << 23 | (man & 0x3FF) << 13;
+        }
+    } else if (e == 31)
+        bits = sign | 0x7F800000u | man << 13;
+    else
+        bits = sign | (e + 112) << 23 | man << 13;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static const float IQ4_KV[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* One block row each: nb blocks at q -> nb * block_elems floats at w. */
+__attribute__((unused)) static void dq_q4_0(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 18, w += 32) {
+        const float d = gguf_f16(q);
+        for (int j = 0; j < 16; j++) w[j] = d * (float)((q[2 + j] & 0xF) - 8);
+        for (int j = 0; j < 16; j++) w[16 + j] = d * (float)((q[2 + j] >> 4) - 8);
+    }
+}
+
+__attribute__((unused)) static void dq_q4_1(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 20, w += 32) {
+        const float d = gguf_f16(q), m = gguf_f16(q + 2);
+        for (int j = 0; j < 16; j++) w[j] = d * (float)(q[4 + j] & 0xF) + m;
+        for (int j = 0; j < 16; j++) w[16 + j] = d * (float)(q[4 + j] >> 4) + m;
+    }
+}
+
+static inline uint32_t gguf_u32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+__attribute__((unused)) static void dq_q5_0(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 22, w += 32) {
+        const float d = gguf_f16(q);
+        const uint32_t qh = gguf_u32(q + 2);
+        for (int j = 0; j < 16; j++) w[j] = d * (float)((int)((q[6 + j] & 0xF) | ((qh >> j) & 1) << 4) - 16);
+        for (int j = 0; j < 16; j++) w[16 + j] = d * (float)((int)((q[6 + j] >> 4) | ((qh >> (16 + j)) & 1) << 4) - 16);
+    }
+}
+
+__attribute__((unused)) static void dq_q5_1(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 24, w += 32) {
+        const float d = gguf_f16(q), m = gguf_f16(q + 2);
+        const uint32_t qh = gguf_u32(q + 4);
+        for (int j = 0; j < 16; j++) w[j] = d * (float)((q[8 + j] & 0xF) | ((qh >> j) & 1) << 4) + m;
+        for (int j = 0; j < 16; j++) w[16 + j] = d * (float)((q[8 + j] >> 4) | ((qh >> (16 + j)) & 1) << 4) + m;
+    }
+}
+
+__attribute__((unused)) static void dq_q8_0(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 34, w += 32) {
+        const float d = gguf_f16(q);
+        const int8_t *qs = (const int8_t *)(q + 2);
+        for (int j = 0; j < 32; j++) w[j] = (float)qs[j] * d;
+    }
+}
+
+__attribute__((unused)) static void dq_iq4_nl(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 18, w += 32) {
+        const float d = gguf_f16(q);
+        for (int j = 0; j < 16; j++) w[j] = d * IQ4_KV[q[2 + j] & 0xF];
+        for (int j = 0; j < 16; j++) w[16 + j] = d * IQ4_KV[q[2 + j] >> 4];
+    }
+}
+
+__attribute__((unused)) static void dq_q2_k(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 84, w += 256) {
+        const uint8_t *sc = q, *qs = q + 16;
+        const float d = gguf_f16(q + 80), dmin = gguf_f16(q + 82);
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++)
+                for (int half = 0; half < 2; half++) { /* sub-block s = 8h + 2t + half: 16 elements */
+                    const int s = 8 * h + 2 * t + half;
+                    const float dl = d * (float)(sc[s] & 0xF), ml = dmin * (float)(sc[s] >> 4);
+                    float *o = w + 16 * s;
+                    const uint8_t *src = qs + 32 * h + 16 * half;
+                    for (int l = 0; l < 16; l++) o[l] = dl * (float)((src[l] >> (2 * t)) & 3) - ml;
+                }
+    }
+}
+
+__attribute__((unused)) static void dq_q3_k(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 110, w += 256) {
+        const uint8_t *hm = q, *qs = q + 32, *sb = q + 96;
+        const float d = gguf_f16(q + 108);
+        float dl[16];
+        for (int s = 0; s < 16; s++) {
+            const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
+            dl[s] = d * (float)((int8_t)(low | high << 4) - 32);
+        }
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++) {
+                const int bit = 4 * h + t; /* element j = 128h + 32t + l: hmask bit j / 32 */
+                for (int half = 0; half < 2; half++) {
+                    const int s = 8 * h + 2 * t + half;
+                    float *o = w + 16 * s;
+                    const uint8_t *src = qs + 32 * h + 16 * half, *hs = hm + 16 * half;
+                    for (int l = 0; l < 16; l++)
+                        o[l] = dl[s] * (float)((int)((src[l] >> (2 * t)) & 3) - (((hs[l] >> bit) & 1) ? 0 : 4));
+                }
+            }
+    }
+}
+
+/* Q4_K / Q5_K: the 6-bit scale and min of sub-block s from the 12 scale bytes. */
+static inline void scale_min_k4(const uint8_t *b, int s, int *sc, int *mn) {
+    if (s < 4) {
+        *sc = b[s] & 63;
+        *mn = b[s + 4] & 63;
+    } else {
+        *sc = (b[s + 4] & 0xF) | (b[s - 4] >> 6) << 4;
+        *mn = (b[s + 4] >> 4) | (b[s] >> 6) << 4;
+    }
+}
+
+__attribute__((unused)) static void dq_q4_k(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 144, w += 256) {
+        const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
+        const uint8_t *qs = q + 16;
+        for (int c = 0; c < 4; c++)
+            for (int h = 0; h < 2; h++) {
+                int sc, mn;
+                scale_min_k4(q + 4, 2 * c + h, &sc, &mn);
+                const float a = d * (float)sc, m = dmin * (float)mn;
+                float *o = w + 64 * c + 32 * h;
+                const uint8_t *src = qs + 32 * c;
+                for (int l = 0; l < 32; l++) o[l] = a * (float)((src[l] >> (4 * h)) & 0xF) - m;
+            }
+    }
+}
+
+__attribute__((unused)) static void dq_q5_k(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 176, w += 256) {
+        const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
+        const uint8_t *qh = q + 16, *qs = q + 48;
+        for (int c = 0; c < 4; c++)
+            for (int h = 0; h < 2; h++) {
+                const int s = 2 * c + h;
+                int sc, mn;
+                scale_min_k4(q + 4, s, &sc, &mn);
+                const float a = d * (float)sc, m = dmin * (float)mn;
+                float *o = w + 32 * s;
+                const uint8_t *src = qs + 32 * c;
+                for (int l = 0; l < 32; l++)
+                    o[l] = a * (float)(((src[l] >> (4 * h)) & 0xF) | ((qh[l] >> s) & 1) << 4) - m;
+            }
+    }
+}
+
+__attribute__((unused)) static void dq_q6_k(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 210, w += 256) {
+        const uint8_t *ql = q, *qh = q + 128;
+        const int8_t *sc = (const int8_t *)(q + 192);
+        const float d = gguf_f16(q + 208);
+        for (int h = 0; h < 2; h++)
+            for (int t = 0; t < 4; t++)
+                for (int half = 0; half < 2; half++) {
+                    const int s = 8 * h + 2 * t + half;
+                    const float a = d * (float)sc[s];
+                    float *o = w + 16 * s;
+                    const uint8_t *lo = ql + 64 * h + 32 * (t & 1) + 16 * half, *hi = qh + 32 * h + 16 * half;
+                    const int shift = 4 * (t >> 1);
+                    for (int l = 0; l < 16; l++)
+                        o[l] = a * (float)((int)(((lo[l] >> shift) & 0xF) | ((hi[l] >> (2 * t)) & 3) << 4) - 32);
+                }
+    }
+}
+
+__attribute__((unused)) static void dq_iq4_xs(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 136, w += 256) {
+        const float d = gguf_f16(q);
+        const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
+        const uint8_t *sl = q + 4, *qs = q + 8;
+        for (int s = 0; s < 8; s++) {
+            const int sc = (int)(((sl[s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
+            const float a = d * (float)sc;
+            float *o = w + 32 * s;
+            for (int t = 0; t < 16; t++) o[t] = a * IQ4_KV[qs[16 * s + t] & 0xF];
+            for (int t = 0; t < 16; t++) o[16 + t] = a * IQ4_KV[qs[16 * s + t] >> 4];
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* The vector dequantizers: integer codes decoded with byte operations, widened exactly to fp32, then the same
+ * multiplications and additions as the scalar ones above (elementwise, so the same bits). Each block's code is written
+ * once, for two uses: `fused` 0 stores the weights (a panel), 1 multiplies them straight into a column's accumulator
+ * (the one-row path: acc = fma(x, w, acc) per 8 weights in rising k, PANEL_TILE's very operations, without the
+ * panel's store and load). */
+
+INLINE __m256 i8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
+
+INLINE void emit(__m256 v, float *w, const float *x, __m256 *acc, const int fused) {
+    if (fused)
+        *acc = _mm256_fmadd_ps(_mm256_loadu_ps(x), v, *acc);
+    else
+        _mm256_storeu_ps(w, v);
+}
+
+enum { OFF_NONE, OFF_ADD, OFF_SUB };
+
+/* 32 int8 codes -> weights 0..32: a * q [+ b | - b] (a2 and b2 for the last 16) */
+INLINE void emit32h(__m256i q, float a, float a2, float b, float b2, const int off, float *w, const float *x,
+                    __m256 *acc, const int fused) {
+    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; i++) {
+        __m256 v = _mm256_mul_ps(_mm256_set1_ps(i < 2 ? a : a2), i8_to_f32(parts[i]));
+        if (off == OFF_ADD) v = _mm256_add_ps(v, _mm256_set1_ps(i < 2 ? b : b2));
+        if (off == OFF_SUB) v = _mm256_sub_ps(v, _mm256_set1_ps(i < 2 ? b : b2));
+        emit(v, w + 8 * i, x + 8 * i, acc, fused);
+    }
+}
+
+INLINE void emit32(__m256i q, float a, float a2, float b, const int off, float *w, const float *x, __m256 *acc,
+                   const int fused) {
+    emit32h(q, a, a2, b, b, off, w, x, acc, fused);
+}
+
+/* 16 bytes of nibbles -> 32 codes: low nibbles are codes 0..15, high nibbles 16..31. */
+INLINE __m256i nibbles32(const uint8_t *qs) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+
+/* bit j of `bits` -> byte j of the result: 0x10 where set, else 0 (the fifth bit of a 5-bit code). */
+INLINE __m256i fifth_bits(uint32_t bits) {
+    const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  /* byte j: byte j / 8 */
+                                           2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), which);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+INLINE __m256i iq4_lookup(__m256i codes) {
+    const __m128i t = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
+}
+
+/* One block each: q -> weights w (fused 0) or into acc with activations x (fused 1). */
+INLINE void blk_q4_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    emit32(_mm256_sub_epi8(nibbles32(q + 2), _mm256_set1_epi8(8)), d, d, 0, OFF_NONE, w, x, acc, fused);
+}
+
+INLINE void blk_q4_1(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    emit32(nibbles32(q + 4), d, d, gguf_f16(q + 2), OFF_ADD, w, x, acc, fused);
+}
+
+INLINE void blk_q5_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    const __m256i v = _mm256_or_si256(nibbles32(q + 6), fifth_bits(gguf_u32(q + 2)));
+    emit32(_mm256_sub_epi8(v, _mm256_set1_epi8(16)), d, d, 0, OFF_NONE, w, x, acc, fused);
+}
+
+INLINE void blk_q5_1(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    emit32(_mm256_or_si256(nibbles32(q + 8), fifth_bits(gguf_u32(q + 4))), d, d, gguf_f16(q + 2), OFF_ADD, w, x,
+           acc, fused);
+}
+
+INLINE void blk_q8_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const __m256 dv = _mm256_set1_ps(gguf_f16(q));
+    for (int i = 0; i < 4; i++) /* 8 codes per load, widened from memory */
+        emit(_mm256_mul_ps(i8_to_f32(_mm_loadl_epi64((const __m128i *)(q + 2 + 8 * i))), dv), w + 8 * i, x + 8 * i,
+             acc, fused);
+}
+
+INLINE void blk_iq4_nl(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    emit32(iq4_lookup(nibbles32(q + 2)), d, d, 0, OFF_NONE, w, x, acc, fused);
+}
+
+INLINE void blk_iq4_xs(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const float d = gguf_f16(q);
+    const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
+    for (int s = 0; s < 8; s++) {
+        const int sc = (int)(((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
+        const float a = d * (float)sc;
+        emit32(iq4_lookup(nibbles32(q + 8 + 16 * s)), a, a, 0, OFF_NONE, w + 32 * s, x + 32 * s, acc, fused);
+    }
+}
+
+INLINE void blk_q4_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
+        for (int h = 0; h < 2; h++) {
+            int sc, mn;
+            scale_min_k4(q + 4, 2 * c + h, &sc, &mn);
+            const float a = d * (float)sc, m = dmin * (float)mn;
+            const __m256i codes = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
+            emit32(codes, a, a, m, OFF_SUB, w + 64 * c + 32 * h, x + 64 * c + 32 * h, acc, fused);
+        }
+    }
+}
+
+INLINE void blk_q5_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 16));
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 48 + 32 * c));
+        for (int h = 0; h < 2; h++) {
+            const int s = 2 * c + h;
+            int sc, mn;
+            scale_min_k4(q + 4, s, &sc, &mn);
+            const float a = d * (float)sc, m = dmin * (float)mn;
+            const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), one);
+            const __m256i codes = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4),
+                                                  _mm256_slli_epi16(hb, 4));
+            emit32(codes, a, a, m, OFF_SUB, w + 32 * s, x + 32 * s, acc, fused);
+        }
+    }
+}
+
+INLINE void blk_q6_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    const int8_t *sc = (const int8_t *)(q + 192);
+    const float d = gguf_f16(q + 208);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
+        for (int t = 0; t < 4; t++) {
+            const __m256i lo = t & 1 ? l1 : l0;
+            const __m256i low = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4);
+            const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), m2);
+            const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), off);
+            const int s = 8 * h + 2 * t;
+            emit32(codes, d * (float)sc[s], d * (float)sc[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t,
+                   x + 128 * h + 32 * t, acc, fused);
+        }
+    }
+}
+
+INLINE void blk_q2_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const __m256i m2 = _mm256_set1_epi8(3);
+    const uint8_t *sc = q;
+    const float d = gguf_f16(q + 80), dmin = gguf_f16(q + 82);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * h));
+        for (int t = 0; t < 4; t++) {
+            const int s = 8 * h + 2 * t; /* elements 128h + 32t + l: sub-block s for l < 16, s + 1 after */
+            const __m256i codes = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * t)), m2);
+            emit32h(codes, d * (float)(sc[s] & 0xF), d * (float)(sc[s + 1] & 0xF), dmin * (float)(sc[s] >> 4),
+                    dmin * (float)(sc[s + 1] >> 4), OFF_SUB, w + 128 * h + 32 * t, x + 128 * h + 32 * t, acc, fused);
+        }
+    }
+}
+
+INLINE void blk_q3_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+    const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
+    const uint8_t *sb = q + 96;
+    const float d = gguf_f16(q + 108);
+    float dl[16];
+    for (int s = 0; s < 16; s++) {
+        const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
+        dl[s] = d * (float)((int8_t)(low | high << 4) - 32);
+    }
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)q);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 + 32 * h));
+        for (int t = 0; t < 4; t++) {
+            const int s = 8 * h + 2 * t;
+            const __m256i crumbs = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * t)), m2);
+            const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(4 * h + t)), one);
+            const __m256i minus4 = _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2); /* 4 where the bit is clear */
+            emit32(_mm256_sub_epi8(crumbs, minus4), dl[s], dl[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t,
+                   x + 128 * h + 32 * t, acc, fused);
+        }
+    }
+}
+
+/* Per type: dqv_T dequantizes nb blocks (a panel's column); dot_T gives `cols` (<= GGUF_DOT_COLS) columns' dot
+ * products with one row x, the columns' blocks interleaved so that their accumulators run as independent chains. */
+#define GGUF_DOT_COLS 8
+#define GGUF_VECTOR(T, ELEMS, BYTES)                                                                               \
+    static void dqv_##T(const uint8_t *q, int64_t nb, float *w) {                                                 \
+        for (int64_t b = 0; b < nb; b++) blk_##T(q + b * BYTES, w + b * ELEMS, NULL, NULL, 0);                    \
+    }                                                                                                              \
+    static void dot_##T(const uint8_t *q, int64_t rb, int64_t nb, const float *x, float *y, int cols) {          \
+        __m256 acc[GGUF_DOT_COLS];                                                                                 \
+        for (int c = 0; c < GGUF_DOT_COLS; c++) acc[c] = _mm256_setzero_ps();                                     \
+        for (int64_t b = 0; b < nb; b++)                                                                           \
+            for (int c = 0; c < GGUF_DOT_COLS; c++)                                                                \
+                if (c < cols) blk_##T(q + c * rb + b * BYTES, NULL, x + b * ELEMS, &acc[c], 1);                   \
+        for (int c = 0; c < cols; c++) y[c] = hsum(acc[c]);                                                        \
+    }
+GGUF_VECTOR(q4_0, 32, 18)
+GGUF_VECTOR(q4_1, 32, 20)
+GGUF_VECTOR(q5_0, 32, 22)
+GGUF_VECTOR(q5_1, 32, 24)
+GGUF_VECTOR(q8_0, 32, 34)
+GGUF_VECTOR(iq4_nl, 32, 18)
+GGUF_VECTOR(iq4_xs, 256, 136)
+GGUF_VECTOR(q4_k, 256, 144)
+GGUF_VECTOR(q5_k, 256, 176)
+GGUF_VECTOR(q6_k, 256, 210)
+GGUF_VECTOR(q2_k, 256, 84)
+GGUF_VECTOR(q3_k, 256, 110)
+typedef void (*gguf_dot_fn)(const uint8_t *, int64_t, int64_t, const float *, float *, int);
+#define DOT(fn) fn
+#define DQ(scalar, vector) vector
+#else
+#define DQ(scalar, vector) scalar
+#define DOT(fn) NULL
+#endif
+
+typedef void (*gguf_dq_fn)(const uint8_t *, int64_t, float *);
+typedef struct {
+    int type, elems, bytes;
+    gguf_dq_fn fn;
+    void *dot; /* the fused one-row dot products (gguf_dot_fn), NULL where there are none */
+} gguf_type;
+
+/* GGML type ids (gguf.GGMLQuantizationType) */
+static const gguf_type GGUF_TYPES[] = {
+    {2, 32, 18, DQ(dq_q4_0, dqv_q4_0), DOT(dot_q4_0)},
+    {3, 32, 20, DQ(dq_q4_1, dqv_q4_1), DOT(dot_q4_1)},
+    {6, 32, 22, DQ(dq_q5_0, dqv_q5_0), DOT(dot_q5_0)},
+    {7, 32, 24, DQ(dq_q5_1, dqv_q5_1), DOT(dot_q5_1)},
+    {8, 32, 34, DQ(dq_q8_0, dqv_q8_0), DOT(dot_q8_0)},
+    {10, 256, 84, DQ(dq_q2_k, dqv_q2_k), DOT(dot_q2_k)},
+    {11, 256, 110, DQ(dq_q3_k, dqv_q3_k), DOT(dot_q3_k)},
+    {12, 256, 144, DQ(dq_q4_k, dqv_q4_k), DOT(dot_q4_k)},
+    {13, 256, 176, DQ(dq_q5_k, dqv_q5_k), DOT(dot_q5_k)},
+    {14, 256, 210, DQ(dq_q6_k, dqv_q6_k), DOT(dot_q6_k)},
+    {20, 32, 18, DQ(dq_iq4_nl, dqv_iq4_nl), DOT(dot_iq4_nl)},
+    {23, 256, 136, DQ(dq_iq4_xs, dqv_iq4_xs), DOT(dot_iq4_xs)},
+};
+
+static const gguf_type *gguf_type_of(int type, int64_t k) {
+    for (size_t i = 0; i < sizeof GGUF_TYPES / sizeof GGUF_TYPES[0]; i++)
+        if (GGUF_TYPES[i].type == type) return k > 0 && k % GGUF_TYPES[i].elems == 0 ? &GGUF_TYPES[i] : NULL;
+    return NULL;
+}
+
+/* rows of block bytes (row stride ldq bytes) -> fp32 [rows, k] (row stride ldw); -1 for an unknown type or bad k. */
+int llmd_gguf_dequant(int type, const uint8_t *q, int64_t ldq, int64_t rows, int64_t k, float *w, int64_t ldw) {
+    const gguf_type *t = gguf_type_of(type, k);
+    if (!t || rows < 0) return -1;
+    for (int64_t r = 0; r < rows; r++) t->fn(q + r * ldq, k / t->elems, w + r * ldw);
+    return 0;
+}
+
+/* In a parallel region: this thread's columns [n0, n1) and a panel of `floats` floats (thread_panel's, in every
+ * build); NULL, with *rc set to -2, when out of memory. */
+static float *gguf_thread_panel(int64_t n, size_t floats, int64_t *n0, int64_t *n1, int *rc) {
+    int tid, nth;
+    thread_id(&tid, &nth);
+    column_range(n, tid, nth, n0, n1);
+    float *wp = (float *)aligned_alloc(32, (floats * 4 + 31) / 32 * 32);
+    if (!wp) {
+#pragma omp atomic write
+        *rc = -2;
+    }
+    return wp;
+}
+
+/* Columns [c0, c0 + cols) dequantized into the panel w [cols][k]. */
+static void gguf_panel(const gguf_type *t, const uint8_t *q, int64_t rb, int64_t k, int64_t c0, int cols, float *w) {
+    for (int c = 0; c < cols; c++) t->fn(q + (c0 + c) * rb, k / t->elems, w + c * k);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+PANEL_TILE(1, 4)
+#define GGUF_PW1 4 /* columns per panel at one row: 4 independent FMA chains, their weights 4 * K floats in L1/L2 */
+
+static int gguf_rows(const gguf_type *t, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy,
+                     int64_t m, int64_t n, int64_t k, int nthreads) {
+    const int64_t rb = k / t->elems * t->bytes, blocks = (m + 15) / 16;
+    float *xt = transpose_rows(x, ldx, m, k, k, 0, 0);
+    if (!xt) return -2;
+    const int64_t chunk_blocks = (row_chunk(k) + 15) / 16;
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int64_t n0, n1;
+        float *wp = gguf_thread_panel(n, (size_t)(RP_COLS * k), &n0, &n1, &rc);
+        for (int64_t b0 = 0; wp && b0 < blocks; b0 += chunk_blocks) {
+            const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
+            for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
+                const int cc = (int)(n1 - c0 < RP_COLS ? n1 - c0 : RP_COLS);
+                gguf_panel(t, q, rb, k, c0, cc, wp);
+                for (int64_t b = b0; b < b1; b++) {
+                    const int rows = (int)(m - b * 16 < 16 ? m - b * 16 : 16);
+                    const float *xb = xt + b * k * 16;
+                    float *yb = y + b * 16 * ldy + c0;
+                    switch (cc) {
+                    case 1: int8_rows_tile(xb, wp, k, yb, ldy, rows, 1); break;
+                    case 2: int8_rows_tile(xb, wp, k, yb, ldy, rows, 2); break;
+                    case 3: int8_rows_tile(xb, wp, k, yb, ldy, rows, 3); break;
+                    case 4: int8_rows_tile(xb, wp, k, yb, ldy, rows, 4); break;
+                    default: int8_rows_tile(xb, wp, k, yb, ldy, rows, RP_COLS); break;
+                    }
+                }
+            }
+        }
+        free(wp);
+    }
+    free(xt);
+    return rc;
+}
+#endif
+
+/* y [M, N] = x [M, K] @ dequant(q).T for GGUF blocks of `type` (a GGML type id), q [N, K / elems * bytes]. */
+int llmd_gguf_matmul(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
+                     int64_t n, int64_t k, int nthreads) {
+    const gguf_type *t = gguf_type_of(type, k);
+    if (!t || m < 0 || n < 0) return -1;
+    if (nthreads < 1) nthreads = 1;
+    const int64_t rb = k / t->elems * t->bytes;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (m >= RP_MIN_ROWS) return gguf_rows(t, x, ldx, q, y, ldy, m, n, k, nthreads);
+    const int pw = m > 1 ? PANEL_W : t->dot ? GGUF_DOT_COLS : GGUF_PW1;
+#else
+    const int pw = 1;
+#endif
+    int rc = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int64_t n0, n1;
+        float *panel = gguf_thread_panel(n, (size_t)(pw * k), &n0, &n1, &rc);
+        for (int64_t p0 = n0; panel && p0 < n1; p0 += pw) {
+            const int cols = (int)(n1 - p0 < pw ? n1 - p0 : pw);
+#if defined(__AVX2__) && defined(__FMA__)
+            if (p0 + (PF_TILES + 1) * pw <= n1) /* the panel PF_TILES ahead, while this one is used */
+                for (int64_t off = 0; off < pw * rb; off += 64)
+                    _mm_prefetch((const char *)(q + (p0 + PF_TILES * pw) * rb + off), _MM_HINT_T0);
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+            if (m == 1 && t->dot) { /* no panel: the weights go from registers into the accumulators */
+                ((gguf_dot_fn)t->dot)(q + p0 * rb, rb, k / t->elems, x, y + p0, cols);
+                continue;
+            }
+#endif
+            gguf_panel(t, q, rb, k, p0, cols, panel);
+#if defined(__AVX2__) && defined(__FMA__)
+            if (m == 1 && cols == GGUF_PW1) {
+                panel_tile_1_4(x, ldx, panel, y + p0, ldy, k);
+                continue;
+            }
+            for (int64_t r0 = 0; r0 < m; r0 += TILE_R) {
+                const int rr = (int)(m - r0 < TILE_R ? m - r0 : TILE_R);
+                for (int c = 0; c < cols; c += PANEL_C) {
+                    const int cc = cols - c < PANEL_C ? cols - c : PANEL_C;
+                    PANEL_TILES[cc - 1][rr - 1](x + r0 * ldx, ldx, panel + c * k, y + r0 * ldy + p0 + c, ldy, k);
+                }
+            }
+#else
+            for (int64_t r = 0; r < m; r++) {
+                float s = 0.0f;
+                for (int64_t i = 0; i < k; i++) s += x[r * ldx + i] * panel[i];
+                y[r * ldy + p0] = s;
+            }
+#endif
+        }
+        free(panel);
+    }
+    return rc;
+}
+
+/* Parts of different GGUF types side by side on one input (a fused q/k/v or gate/up whose projections differ in type):
+ * part i fills columns [col_i, col_i + n_i) of y, each with llmd_gguf_matmul's very results. */
+int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
+                           int64_t ldy, int64_t m, int64_t k, int nthreads) {
+    int64_t col = 0;
+    for (int64_t i = 0; i < nparts; i++) {
+        const int rc = llmd_gguf_matmul((int)parts[i].type, x, ldx, parts[i].q, y + col, ldy, m, parts[i].n, k,
+                                        nthreads);
+        if (rc) return rc;
+        col += parts[i].n;
+    }
+    return 0;
+}

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from . import gguf_blocks as gb
 from . import quant_matmul as qmm
 
 log = logging.getLogger("llmd.kernels.cpu_gemm")
@@ -110,6 +111,10 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.llmd_q8_work_bytes.argtypes = [i64, i64, i64]
     lib.llmd_q8_work_bytes.restype = i64
     lib.llmd_cpu_gemm_simd.restype = cint
+    lib.llmd_gguf_matmul.argtypes = [cint, ptr, i64, ptr, ptr, i64, i64, i64, i64, cint]
+    lib.llmd_gguf_dequant.argtypes = [cint, ptr, i64, i64, i64, ptr, i64]
+    lib.llmd_gguf_parts_matmul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, cint]
+    lib.llmd_gguf_matmul.restype = lib.llmd_gguf_dequant.restype = lib.llmd_gguf_parts_matmul.restype = cint
     return lib
 
 
@@ -127,6 +132,10 @@ def _self_check(lib: ctypes.CDLL) -> None:
                      (_int4_q8(lib, x, q4, s4, z4, 32, 1), int4_matmul_q8_ref(x, q4, s4, z4, 32))):
         if not torch.allclose(got, ref, rtol=1e-4, atol=1e-4):
             raise RuntimeError(f"self-check failed (max diff {(got - ref).abs().max().item():.3g})")
+    blocks = torch.randint(0, 256, (3, 144), dtype=torch.uint8, generator=g)  # Q4_K, finite fp16 scales
+    blocks[:, 0:4] = torch.tensor([0.01, 0.002], dtype=torch.float16).view(torch.uint8)
+    if not torch.equal(_gguf_dequant(lib, blocks, "Q4_K", 256), gb.dequantize_blocks(blocks, "Q4_K")):
+        raise RuntimeError("self-check failed: GGUF Q4_K blocks dequantize to other values than the reference")
 
 
 def build_and_load() -> ctypes.CDLL | None:
@@ -357,4 +366,107 @@ def layer_kernel(cache: dict, kind: str, qweight: torch.Tensor, scales: torch.Te
     ok = lib is not None and (supports_int4(k, group_size) if kind == "int4" else supports_int8(k, group_size))
     kernel = LayerKernel(lib, kind, qweight, scales, zeros, group_size) if ok else None
     cache["cpu_gemm"] = (qweight, scales, zeros, kernel)
+    return kernel
+
+
+# ---- GGUF blocks (llmd.kernels.gguf_blocks), read in place ---------------------------------------------------------
+
+# GGML type ids (gguf.GGMLQuantizationType) of the types cpu_gemm.c dequantizes
+GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
+                 "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+
+
+def _gguf_dequant(lib, blocks: torch.Tensor, type_name: str, k: int) -> torch.Tensor:
+    blocks = blocks.contiguous()
+    out = torch.empty(blocks.shape[0], k, dtype=torch.float32)
+    rc = lib.llmd_gguf_dequant(GGUF_TYPE_IDS[type_name], blocks.data_ptr(), blocks.shape[1], blocks.shape[0], k,
+                               out.data_ptr(), k)
+    if rc != 0:
+        raise ValueError(f"{type_name} dequantize rejected K={k}")
+    return out
+
+
+def gguf_dequantize(blocks: torch.Tensor, type_name: str) -> torch.Tensor | None:
+    """The C dequantize of GGUF block rows [N, row bytes] -> fp32 [N, K] (the reference's very values); None when
+    the kernel library is unavailable or does not know the type."""
+    lib = load()
+    if lib is None or type_name not in GGUF_TYPE_IDS or blocks.device.type != "cpu":
+        return None
+    elems, nbytes = gb.block_shape(type_name)
+    return _gguf_dequant(lib, blocks, type_name, blocks.shape[1] // nbytes * elems)
+
+
+class GGUFPart(ctypes.Structure):
+    """llmd_gguf_part: one projection's blocks [n, row bytes] of GGML type `type`."""
+    _fields_ = [("type", ctypes.c_int64), ("n", ctypes.c_int64), ("q", ctypes.c_void_p)]
+
+
+class GGUFKernel:
+    """A packed GGUF layer's CPU matmul (fp32 activations): its blocks are dequantized panel by panel in the kernel
+    and multiplied with one fixed operation order per output, so a row's result never depends on the batch. Several
+    parts of different types (a fused q/k/v) fill their own columns side by side."""
+
+    kind = "gguf"
+
+    def __init__(self, lib, parts: list[tuple[torch.Tensor, str]], k: int):
+        self.k = k
+        self._keep = []
+        self.parts = (GGUFPart * len(parts))()
+        for c_part, (qweight, type_name) in zip(self.parts, parts):
+            if qweight.shape[1] != gb.row_bytes(type_name, k):
+                raise ValueError(f"{type_name} rows of {qweight.shape[1]} bytes do not hold K={k}")
+            q = qweight.contiguous()
+            self._keep.append(q)  # the pointers below stay valid as long as the kernel lives
+            c_part.type, c_part.n, c_part.q = GGUF_TYPE_IDS[type_name], q.shape[0], q.data_ptr()
+        self.n = sum(p.n for p in self.parts)
+        self.types = [t for _, t in parts]
+        self._fn = lib.llmd_gguf_parts_matmul
+        self.parts_pointer = ctypes.addressof(self.parts)
+
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        x = _prepare_x(x, self.k)
+        y = torch.empty(x.shape[0], self.n, dtype=torch.float32)
+        rc = self._fn(self.parts_pointer, len(self.parts), x.data_ptr(), x.stride(0), y.data_ptr(), self.n,
+                      x.shape[0], self.k, threads or torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("CPU kernel could not allocate its weight panel")
+        if rc != 0:
+            raise ValueError(f"{'/'.join(self.types)} kernel rejected N={self.n} K={self.k}")
+        return y
+
+
+def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, type_name: str, threads: int | None = None
+                ) -> torch.Tensor | None:
+    """fp32 x [M, K] @ dequantize_blocks(qweight [N, row bytes], type_name).T -> fp32 [M, N]; None when the kernel
+    is unavailable or does not know the type (then use the torch path)."""
+    lib = load()
+    if lib is None or type_name not in GGUF_TYPE_IDS:
+        return None
+    elems, nbytes = gb.block_shape(type_name)
+    return GGUFKernel(lib, [(qweight, type_name)], qweight.shape[1] // nbytes * elems)(x, threads)
+
+
+def gguf_layer_kernel(cache: dict, qweight: torch.Tensor, type_name: str, k: int) -> GGUFKernel | None:
+    """The GGUFKernel for a packed GGUF weight, kept in the layer's cache (rebuilt when the buffer is replaced);
+    None where the kernel is off or unavailable (then the layer dequantizes in torch)."""
+    entry = cache.get("cpu_gemm")
+    if entry is not None and entry[0] is qweight:
+        return entry[3]
+    lib = load() if enabled() else None
+    kernel = GGUFKernel(lib, [(qweight, type_name)], k) if lib is not None and type_name in GGUF_TYPE_IDS else None
+    cache["cpu_gemm"] = (qweight, None, None, kernel)
+    return kernel
+
+
+def gguf_parts_kernel(cache: dict, parts: list[tuple[torch.Tensor, str]], k: int) -> GGUFKernel | None:
+    """The GGUFKernel of several packed parts side by side (GGUFConcat), kept in the layer's cache while the parts'
+    buffers stay the same; None where the kernel is off or unavailable."""
+    entry = cache.get("cpu_gemm")
+    weights = tuple(q for q, _ in parts)
+    if entry is not None and len(entry[1]) == len(weights) and all(a is b for a, b in zip(entry[1], weights)):
+        return entry[3]
+    lib = load() if enabled() else None
+    ok = lib is not None and all(t in GGUF_TYPE_IDS for _, t in parts)
+    kernel = GGUFKernel(lib, parts, k) if ok else None
+    cache["cpu_gemm"] = (None, weights, None, kernel)  # [0]: no single qweight buffer (llmd.model.cpu_stack)
     return kernel

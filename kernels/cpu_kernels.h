@@ -13,6 +13,16 @@ int llmd_int8_matmul_q8(const float *x, int64_t ldx, const int8_t *q, const floa
 int llmd_int4_matmul_q8(const float *x, int64_t ldx, const uint8_t *q, const float *s, const float *z, float *y,
                         int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t g, void *work, int nthreads);
 
+/* GGUF blocks (cpu_gemm.c): `type` is the GGML type id; a part is one projection's blocks [n, K / elems * bytes]. */
+typedef struct {
+    int64_t type, n;
+    const uint8_t *q;
+} llmd_gguf_part;
+int llmd_gguf_matmul(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
+                     int64_t n, int64_t k, int nthreads);
+int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
+                           int64_t ldy, int64_t m, int64_t k, int nthreads);
+
 int llmd_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows, int64_t n,
                   float eps);
 int llmd_rope(float *x, int64_t ldx, const float *cos, const float *ssin, int64_t rows, int64_t heads, int64_t d);

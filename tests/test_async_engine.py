@@ -148,9 +148,9 @@ async def test_engine_failure_fails_requests_and_shows_in_stats(tiny):
             raise RuntimeError("simulated device fault")
         return real_execute(scheduled)
 
-    engine.runner.execute = broken
     try:
         streams = [front.submit([5 + i, 6, 7], SamplingParams(max_tokens=50, **GREEDY)) for i in range(3)]
+        engine.runner.execute = broken  # after the submits: the engine thread may step between them
         results = await asyncio.wait_for(asyncio.gather(*(collect(s) for s in streams)), timeout=20)
         for _, _, outs in results:
             assert outs[-1].finished and "simulated device fault" in outs[-1].error

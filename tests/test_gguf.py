@@ -171,7 +171,7 @@ def test_small_file_loads_with_reference_values(small_gguf):
         assert torch.equal(tensors[name], ref), name
     assert model.metadata["general.architecture"] == "llama"
     assert "tokenizer.ggml.tokens" not in model.metadata  # only small scalars for display
-    assert model.tokenizer.eos_token_ids == {2}
+    assert model.tokenizer.eos_token_ids == {0, 2}  # eos, and <|endoftext|> as llama.cpp ends generation there too
 
 
 def test_raw_tensors_stay_packed_and_match(small_gguf):
@@ -222,11 +222,11 @@ def test_unknown_tensor_type_id(small_gguf, tmp_path):
 
 
 def test_unsupported_tensor_type_is_refused_by_name(tmp_path):
-    path = tmp_path / "q5k.gguf"
-    blocks = np.random.default_rng(0).integers(0, 255, (4, 176), dtype=np.uint8)  # one Q5_K block per row
-    write_gguf(path, extra_tensor=("blk.0.attn_v.bias", blocks, T.Q5_K))
+    path = tmp_path / "q8k.gguf"
+    blocks = np.random.default_rng(0).integers(0, 255, (4, 292), dtype=np.uint8)  # one Q8_K block per row
+    write_gguf(path, extra_tensor=("blk.0.attn_v.bias", blocks, T.Q8_K))  # a type gguf cannot dequantize either
     message = _error(path)
-    assert "Q5_K" in message and "supported" in message
+    assert "Q8_K" in message and "supported" in message
     with pytest.raises(ModelFileError):
         list(iter_raw_tensors(path))
 

@@ -165,6 +165,18 @@ def test_regex_lark_gbnf_and_json_object(tiny):
         assert r.finish_reason is FinishReason.LENGTH and r.text.startswith("{")
 
 
+def test_logprobs_of_a_constrained_output_are_the_raw_distributions(tiny):
+    """Logprobs are taken before the mask (finite, the model's own), and asking for them changes no token."""
+    prompt = prompts_for(tiny.tokenizer, 1)
+    plain = generate(make_engine(tiny), prompt, SamplingParams(max_tokens=120, constraint=person(), **GREEDY))[0]
+    for kw in ({}, dict(speculative_mode="draft", draft_model=tiny)):
+        r = generate(make_engine(tiny, **kw), prompt, SamplingParams(max_tokens=120, constraint=person(), logprobs=3,
+                                                                     **GREEDY))[0]
+        assert r.token_ids == plain.token_ids
+        assert [lp.token_id for lp in r.logprobs] == r.token_ids
+        assert all(lp.logprob > -1e9 and len(lp.top) == 3 and all(v > -1e9 for _, v in lp.top) for lp in r.logprobs)
+
+
 def test_lark_grammars_may_name_special_tokens(tiny):
     """Special tokens are marked for llguidance, so a lark grammar can require one (<|name|>) and free text cannot
     produce it."""

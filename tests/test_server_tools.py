@@ -319,3 +319,31 @@ def test_llama3_json_calls_and_ipython_results(tiny_llama3_tools):
     final = client.chat.completions.create(model=model, messages=history, tools=[WEATHER], tool_choice="none",
                                            max_tokens=4, temperature=0)
     assert final.choices[0].finish_reason in ("stop", "length") and not final.choices[0].message.tool_calls
+
+
+async def test_constrained_answers_are_the_same_alone_and_batched(smol):
+    """Greedy constrained requests give the same text alone and in a batch with free and other constrained ones."""
+    import asyncio
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    body = {"messages": [{"role": "user", "content": "Weather in Rome?"}], "max_tokens": 24, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": schema}}}
+    tool_body = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False,
+                 "max_tokens": 40, "temperature": 0}
+    free = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 24, "temperature": 0}
+
+    async with aiohttp.ClientSession(smol.url) as http:
+        async def ask(b):
+            async with http.post("/v1/chat/completions", json=b) as r:
+                assert r.status == 200, await r.text()
+                return (await r.json())["choices"][0]["message"]
+
+        alone, alone_call = await ask(body), await ask(tool_body)
+        batch = await asyncio.gather(*[ask(b) for b in [body, free, tool_body, body, free, tool_body, body]])
+    assert json.loads(alone["content"])["city"]
+    for got in batch[0::3]:
+        assert got["content"] == alone["content"]
+    for got in (batch[2], batch[5]):
+        assert got["tool_calls"][0]["function"] == alone_call["tool_calls"][0]["function"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from llmd.errors import InvalidRequest
-from llmd.model.chat_template import FALLBACK_TEMPLATE
 from llmd.model.detokenizer import IncrementalDetokenizer
 from llmd.model.gguf import read_gguf_metadata
 from llmd.model.tokenizer import Tokenizer
@@ -22,6 +21,10 @@ TEXTS = [
     "don't can't I'm we'll",
     "a\n\n\nb  \n c",
     "Café naïve über ÅÄÖ",
+    "tabs\tand\t\ttabs\r\nwindows newline, six      spaces, a\u00a0non-breaking one",
+    "12 123 1234 12345 -7 1e10 x = [1, 2]; y = {'a': 1} != z",
+    "flags 🇫🇷 and <|endoftext|> inside text",
+    " ",
 ]
 
 CHATS = {
@@ -58,7 +61,7 @@ def smol_ref(smollm2_gguf):
 def test_gguf_tokenizer_matches_transformers(smol, smol_ref):
     assert smol.vocab_size == len(smol_ref)
     assert smol.bos_token_id == smol_ref.bos_token_id == 1
-    assert smol.eos_token_ids == {smol_ref.eos_token_id}
+    assert smol_ref.eos_token_id == 2 and smol.eos_token_ids == {0, 2}  # <|im_end|>, and <|endoftext|> (llama.cpp)
     for text in TEXTS:
         ids = smol.encode(text)
         assert ids == smol_ref.encode(text, add_special_tokens=False), text
@@ -161,12 +164,14 @@ def test_template_helpers(smol):
     assert out == '<|im_start|>|<|im_end|>|4|[{"role": "user", "content": "é<b>"}]'
 
 
-def test_model_without_template_uses_fallback(smol):
+def test_model_without_template_refuses_chat(smol):
     tok = _with_template(smol, None)
-    out = tok.apply_chat_template(CHATS["system"])
-    assert out == "system: Be terse.\nuser: Hi 😀\nassistant:"
-    assert "assistant:" not in tok.apply_chat_template(CHATS["system"], add_generation_prompt=False)
-    assert "message['role']" in FALLBACK_TEMPLATE
+    assert not tok.has_chat_template and smol.has_chat_template
+    with pytest.raises(InvalidRequest, match="no chat template") as err:
+        tok.apply_chat_template(CHATS["system"])
+    assert err.value.field == "messages"
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        tok.encode_chat(CHATS["user"])
 
 
 # ---- incremental detokenizer

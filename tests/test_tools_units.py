@@ -250,6 +250,24 @@ def test_generic_plan_describes_tools_and_renders_history_with_any_template(smol
     assert constraint.kind == "lark" and parser.tools is not None
 
 
+GEMMA2_LIKE = ("{%- for m in messages %}{%- if m.role == 'system' %}{{ raise_exception('System role not supported') }}"
+               "{%- endif %}<start_of_turn>{{ m.role }}\n{{ m.content }}<end_of_turn>\n{%- endfor %}"
+               "{%- if add_generation_prompt %}<start_of_turn>model\n{%- endif %}")
+
+
+async def test_a_template_without_a_system_role_gets_the_tool_note_in_the_first_user_turn(smol_tokenizer):
+    import copy
+
+    from llmd.server.core import render_chat
+
+    tok = copy.copy(smol_tokenizer)
+    tok.chat_template = GEMMA2_LIKE
+    traits = model_traits("Gemma2ForCausalLM", GEMMA2_LIKE)
+    plan = plan_chat([{"role": "user", "content": "Oslo?"}], ToolSpec(FUNCTIONS, "required"), None, None, {}, traits)
+    text = await render_chat(tok, plan)
+    assert text.startswith("<start_of_turn>user\nYou can call the following tools") and "Oslo?" in text
+
+
 def test_native_plan_passes_tools_to_the_template():
     traits = model_traits("Qwen3ForCausalLM", QWEN3_LIKE)
     plan = plan_chat([{"role": "user", "content": "hi"}], ToolSpec(FUNCTIONS), None, False, {}, traits)

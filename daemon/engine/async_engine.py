@@ -121,6 +121,7 @@ class AsyncEngine:
         self.started_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="llmd-engine", daemon=True)
         self._thread.start()
+        self._compiler.submit(self.engine.grammars.warm_up)  # the first grammar then compiles in milliseconds
 
     async def shutdown(self) -> None:
         self._stop.set()

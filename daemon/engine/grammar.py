@@ -157,18 +157,27 @@ class GrammarCompiler:
         self._eos = sorted(eos_token_ids)
         self._lltok: llguidance.LLTokenizer | None = None
         self._lock = threading.Lock()
+        self._tokenizer_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar | ConstraintError] = OrderedDict()
         self._cache_size = cache_size
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS)
 
     def _llt(self) -> llguidance.LLTokenizer:
-        with self._lock:
+        with self._tokenizer_lock:  # not the cache's lock: cached() on the event loop never waits for this build
             if self._lltok is None:
                 if self._tokenizer is None or not self._eos:
                     raise ConstraintError("this model has no tokenizer with an end-of-sequence token, so its "
                                           "output cannot be constrained")
                 self._lltok = lltokenizer(self._tokenizer, self.vocab_size, self._eos)
             return self._lltok
+
+    def warm_up(self) -> None:
+        """Build the tokenizer adapter now (about a second for a large vocabulary), so the first constrained request
+        does not wait for it. Safe to call from any thread; a model without a tokenizer skips it."""
+        try:
+            self._llt()
+        except ConstraintError:
+            pass
 
     def cached(self, constraint: Constraint) -> CompiledGrammar | ConstraintError | None:
         with self._lock:

@@ -102,7 +102,7 @@ def _quantize_block(block: nn.Module, layers: dict[str, quant.Int4Linear], prefi
         row = 0
         for name in names:
             rows = slice(row, row + layers[name].out_features)
-            quant.fill_int4(layers[name], packed[rows], scales[rows], zeros[rows])
+            quant.layers.fill_int4(layers[name], packed[rows], scales[rows], zeros[rows])
             linears[name].weight = nn.Parameter(layers[name].dequantized_weight().to(dtype), requires_grad=False)
             row = rows.stop
     out = forward()

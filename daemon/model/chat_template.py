@@ -99,19 +99,17 @@ def render_chat(
     messages: list[dict],
     add_generation_prompt: bool = True,
     special_tokens: dict[str, str | None] | None = None,
-    tools: list[dict] | None = None,
     **extra,
 ) -> str:
     """Render `messages` with `template` (or FALLBACK_TEMPLATE). Template errors become InvalidRequest."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
         raise InvalidRequest("messages must be a list of objects with role and content", "messages")
     compiled = compile_template(template if template is not None else FALLBACK_TEMPLATE)
-    variables = {k: v for k, v in (special_tokens or {}).items() if v is not None}
+    variables = {"tools": None, "documents": None}  # `extra` may give them (e.g. tools=[...])
+    variables.update({k: v for k, v in (special_tokens or {}).items() if v is not None})
     variables.update(extra)
     try:
-        return compiled.render(
-            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables
-        )
+        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as e:
         raise InvalidRequest(f"chat template error: {e.message or e}", "messages") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError) as e:

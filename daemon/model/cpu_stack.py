@@ -5,7 +5,8 @@ The C code makes, layer by layer, the same kernel calls with the same arguments 
 Python between them, about a third of a small model's decode step at batch 1.
 
 It applies to Llama-shaped models (no q/k norm) whose fused qkv, o, gate/up and down projections are int8 or int4
-layers with a prepared CPU kernel, with fp32 activations and an fp32 KV cache, under the default attention backend.
+layers or packed GGUF layers (one type, or a GGUFConcat of several) with a prepared CPU kernel, with fp32 activations
+and an fp32 KV cache, under the default attention backend.
 Everything else (fp32 or bitsandbytes weights, Qwen3, an int8 KV cache, CUDA, LLMD_CPU_GEMM=0) keeps the module path.
 """
 
@@ -20,7 +21,7 @@ import torch
 from ..kernels import cpu_gemm
 from ..kernels import cpu_stack as ck
 from .attention import AttentionMetadata, DecodePlan, attention_backend, fast_paged_attention
-from .quant import Int4Linear, Int8Linear
+from .quant import GGUFConcat, GGUFLinear, Int4Linear, Int8Linear
 
 
 class CpuLayerStack:
@@ -66,7 +67,8 @@ class CpuLayerStack:
 
     def current(self) -> bool:
         """Whether every kernel and norm weight is still the model's (a replaced buffer needs a new stack)."""
-        return all(m._cpu_cache.get("cpu_gemm") is e and m._buffers["qweight"] is e[0] for m, e in self._linears) \
+        # (a GGUFConcat has no qweight of its own: None in both)
+        return all(m._cpu_cache.get("cpu_gemm") is e and m._buffers.get("qweight") is e[0] for m, e in self._linears) \
             and all(n._parameters["weight"] is w for n, w in self._norms)
 
     def _bind_caches(self, kv_caches: list) -> bool:
@@ -126,14 +128,25 @@ class CpuLayerStack:
 
 
 def _linear(module) -> ck.Linear | None:
+    bias = module.bias if module is not None else None
+    if bias is not None and (bias.dtype is not torch.float32 or not bias.is_cpu or not bias.is_contiguous()):
+        return None
+    if isinstance(module, (GGUFLinear, GGUFConcat)):  # packed GGUF blocks: the kernel's parts array (one or more)
+        if type(module) is GGUFLinear:
+            kernel = cpu_gemm.gguf_layer_kernel(module._cpu_cache, module.qweight, module.type_name,
+                                                module.in_features)
+        else:
+            kernel = cpu_gemm.gguf_parts_kernel(module._cpu_cache, [(p.qweight, p.type_name) for p in module.parts],
+                                                module.in_features)
+        return None if kernel is None else ck.Linear(
+            kind=ck.KINDS["gguf", False], n=kernel.n, k=kernel.k, group=len(kernel.parts), q=kernel.parts_pointer,
+            s=None, z=None, bias=None if bias is None else bias.data_ptr())
     kind = {Int8Linear: "int8", Int4Linear: "int4"}.get(type(module))
     if kind is None:
         return None
     zeros = module.zeros if kind == "int4" else None
     kernel = cpu_gemm.layer_kernel(module._cpu_cache, kind, module.qweight, module.scales, zeros, module.group_size)
-    bias = module.bias
-    if kernel is None or (bias is not None and (bias.dtype is not torch.float32 or not bias.is_cpu
-                                                or not bias.is_contiguous())):
+    if kernel is None:
         return None
     ptrs = kernel.weight_pointers
     return ck.Linear(kind=ck.KINDS[kind, kernel.q8], n=kernel.n, k=kernel.k, group=kernel.group_size, q=ptrs[0],

@@ -35,23 +35,32 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly "")."""
         self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        full_text = self._decode(self._ids[self._prefix :])
+        prefix_text, full_text = self._texts()
         pending = len(self._ids) - self._read
         if full_text.endswith(_REPLACEMENT) and pending < _MAX_PENDING:
             return ""
-        delta = full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else full_text
-        self._advance()
-        return delta
+        return self._emit(prefix_text, full_text)
 
     def flush(self) -> str:
         """Text of any tokens still held back (an unfinished character at the end comes out as U+FFFD)."""
         if self._read == len(self._ids):
             return ""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        full_text = self._decode(self._ids[self._prefix :])
+        return self._emit(*self._texts())
+
+    def _texts(self) -> tuple[str, str]:
+        return self._decode(self._ids[self._prefix : self._read]), self._decode(self._ids[self._prefix :])
+
+    def _emit(self, prefix_text: str, full_text: str) -> str:
+        if full_text.startswith(prefix_text):
+            delta = full_text[len(prefix_text) :]
+        else:
+            # A byte-fallback decoder read the emitted character's bytes and an invalid new byte as one broken run
+            # (all U+FFFD): the new tokens' own bytes give their text without touching what was already shown.
+            new = [i for i in self._ids[self._read :]
+                   if not (self.skip_special_tokens and i in self.tokenizer.special_ids)]
+            delta = b"".join(self.tokenizer.token_bytes(i) for i in new).decode("utf-8", errors="replace")
         self._advance()
-        return full_text[len(prefix_text) :] if full_text.startswith(prefix_text) else full_text
+        return delta
 
     def _advance(self) -> None:
         # The tokens just emitted become the next window's context. They start and end on character boundaries

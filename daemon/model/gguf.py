@@ -14,6 +14,8 @@ Two entry points:
 
 from __future__ import annotations
 
+import functools
+import logging
 import mmap
 import re
 import struct
@@ -24,19 +26,21 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from llmd.kernels import gguf_blocks as gb
+
 from ..errors import ModelFileError, UnsupportedArchitecture
 from .pooling import gguf_pooling
 
+log = logging.getLogger(__name__)
+
 SUPPORTED_ARCHITECTURES = ("llama",)
-# ggml type name -> (elements per block, bytes per block)
-SUPPORTED_TYPES = {
-    "F32": (1, 4),
-    "F16": (1, 2),
-    "BF16": (1, 2),
-    "Q8_0": (32, 34),
-    "Q4_0": (32, 18),
-    "Q4_1": (32, 20),
-}
+# ggml type name -> (elements per block, bytes per block): the float types and every packed type that llmd keeps as
+# it is in the file (llmd.kernels.gguf_blocks)
+SUPPORTED_TYPES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), **gb.BLOCKS}
+# Other types that the gguf package can dequantize (IQ2/IQ3/IQ1, TQ, MXFP4, ...) have no kernel here: their weights
+# are converted to Q8_0 blocks as they load (gguf's own Q8_0 quantizer), with one warning per type that names it and
+# the measured cost (the relative RMS change of the first tensor converted). Types gguf cannot dequantize are refused.
+CONVERTED_TO = "Q8_0"
 _GGUF_MAGIC = b"GGUF"
 _MAX_DIMS = 4
 _MAX_ARRAY_NESTING = 4
@@ -211,7 +215,22 @@ def _parse_header(path: Path, buf) -> tuple[dict[str, Any], list[TensorInfo]]:
                 f"({cur.size} bytes): the file is truncated or corrupt",
             )
         tensors.append(TensorInfo(name, type_id, dims, offset, nbytes))
+    _check_no_overlap(path, tensors)
     return metadata, tensors
+
+
+def _check_no_overlap(path: Path, tensors: list[TensorInfo]) -> None:
+    """GGUF stores no tensor sizes, only offsets: a size that does not match a tensor's type and shape shows as two
+    tensors sharing bytes. Refused with both names (before any tensor byte is read)."""
+    ordered = sorted(tensors, key=lambda t: t.offset)
+    for a, b in zip(ordered, ordered[1:]):
+        if a.offset + a.nbytes > b.offset and a.nbytes and b.nbytes:
+            raise ModelFileError(
+                path,
+                f"corrupt GGUF: tensor {a.name!r} ({a.type_name} {list(a.shape)}: {a.nbytes} bytes at offset "
+                f"{a.offset}) overlaps tensor {b.name!r} at offset {b.offset}: its size does not match its type and "
+                "shape",
+            )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -278,9 +297,46 @@ def dequantize(raw: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch
             out = (_nibbles(blocks[:, 2:]) - np.float32(8.0)) * d
         else:
             out = d * _nibbles(blocks[:, 4:]) + _f16_scales(blocks, 2)
+    elif type_name in gb.BLOCKS:
+        rows = torch.from_numpy(data.copy()).view(-1, gb.BLOCKS[type_name][1])
+        return gb.dequantize_blocks(rows, type_name).reshape(shape)
+    elif gguf_can_dequantize(type_name):
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize as gguf_dequantize
+
+        out = gguf_dequantize(data, GGMLQuantizationType[type_name]).astype(np.float32, copy=False)
     else:
         raise ValueError(f"unsupported tensor type {type_name}")
     return torch.from_numpy(out).reshape(shape)
+
+
+@functools.lru_cache(maxsize=None)
+def gguf_can_dequantize(type_name: str) -> bool:
+    """Whether the gguf package has a dequantizer for this GGML type (tried on one zero block)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    try:
+        qtype = GGMLQuantizationType[type_name]
+        gguf_dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], dtype=np.uint8), qtype)
+        return True
+    except (KeyError, NotImplementedError, ValueError, TypeError):
+        return False
+
+
+def convert_to_q8_0(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> tuple[np.ndarray, float]:
+    """A tensor of a type without a kernel here -> (Q8_0 block rows [rows, row bytes], relative RMS change)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    values = gguf_dequantize(np.ascontiguousarray(data).reshape(-1), GGMLQuantizationType[type_name])
+    values = values.astype(np.float32, copy=False).reshape(-1, shape[-1])
+    blocks = gguf_quantize(values, GGMLQuantizationType.Q8_0)
+    back = gguf_dequantize(blocks, GGMLQuantizationType.Q8_0)
+    rms = float(np.sqrt(np.mean(np.square(values, dtype=np.float64))))
+    err = float(np.sqrt(np.mean(np.square(back - values, dtype=np.float64))))
+    return blocks, (err / rms if rms > 0 else 0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -409,11 +465,10 @@ def build_config(cfg: dict):
 class RawTensor:
     """One tensor still packed as GGML blocks.
 
-    `name` is the Hugging Face name, `type_name` the ggml type ("Q8_0", "Q4_0", "Q4_1", "F16", ...), `shape` the
+    `name` is the Hugging Face name, `type_name` the ggml type ("Q4_K", "Q6_K", "Q8_0", "F16", ...), `shape` the
     logical PyTorch shape (e.g. [out_features, in_features]), `data` a uint8 array [rows, row_bytes] with one
     matrix row per line (rows of q_proj/k_proj already in Hugging Face order). For a 1-D tensor rows == 1.
-    Block layouts: Q8_0 = fp16 d + 32 int8 (x = d*q); Q4_0 = fp16 d + 16 bytes of nibbles (low nibbles are
-    elements 0..15, high ones 16..31; x = d*(q-8)); Q4_1 = fp16 d, fp16 m + 16 bytes (x = d*q + m).
+    Block layouts: llmd.kernels.gguf_blocks (a type without a kernel here arrives already converted to Q8_0).
     """
 
     name: str
@@ -438,11 +493,11 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> Iterator[tuple[TensorInfo, str
         name = hf_tensor_name(info.name)
         if name is None:
             continue
-        if info.type_name not in SUPPORTED_TYPES:
+        if info.type_name not in SUPPORTED_TYPES and not gguf_can_dequantize(info.type_name):
             raise ModelFileError(
                 gf.path,
                 f"tensor {info.name!r} has type {info.type_name}, which llmd does not load "
-                f"(supported: {', '.join(SUPPORTED_TYPES)})",
+                f"(supported: {', '.join(SUPPORTED_TYPES)}; others the gguf package dequantizes load as Q8_0)",
             )
         heads = None
         if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
@@ -464,19 +519,43 @@ def _open(path) -> tuple[_GGUFFile, dict]:
 def iter_raw_tensors(path) -> Iterator[RawTensor]:
     """Yield every model tensor of a checked GGUF file still packed (see RawTensor), in file order.
 
-    Types outside F32/F16/BF16/Q8_0/Q4_0/Q4_1 are refused (ModelFileError) before anything is yielded.
+    Types outside SUPPORTED_TYPES load converted to Q8_0 where the gguf package can dequantize them (one warning
+    per type); any other type is refused (ModelFileError) before anything is yielded.
     """
     gf, hf_cfg = _open(path)
     return _raw_generator(gf, _iter_checked(gf, hf_cfg))
 
 
+def quantized_elements(path) -> tuple[list[str], int]:
+    """(the quantized types of a GGUF file's tensors, how many elements they hold); reads no weights."""
+    gf = _GGUFFile(path)
+    infos = [t for t in gf.tensors if t.type_name not in ("F32", "F16", "BF16")]
+    return sorted({t.type_name for t in infos}), sum(int(np.prod(t.shape)) for t in infos)
+
+
+def raw_tensor_types(path) -> dict[str, str]:
+    """Hugging Face name -> the GGML type its RawTensor will have (after any Q8_0 conversion); reads no weights."""
+    gf, hf_cfg = _open(path)
+    return {name: info.type_name if info.type_name in SUPPORTED_TYPES else CONVERTED_TO
+            for info, name, _ in _iter_checked(gf, hf_cfg)}
+
+
 def _raw_generator(gf: _GGUFFile, checked) -> Iterator[RawTensor]:
+    warned: set[str] = set()
     for info, name, heads in checked:
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         data = gf.raw_bytes(info).reshape(rows, -1)
+        type_name = info.type_name
+        if type_name not in SUPPORTED_TYPES:
+            data, change = convert_to_q8_0(data, type_name, info.shape)
+            if type_name not in warned:
+                warned.add(type_name)
+                log.warning("%s: GGUF type %s has no kernel in llmd; its tensors load converted to %s (measured on "
+                            "%s: relative RMS change %.2g)", gf.path.name, type_name, CONVERTED_TO, info.name, change)
+            type_name = CONVERTED_TO
         if heads is not None:
             data = unpermute_rows(data, heads)
-        yield RawTensor(name, info.type_name, info.shape, data)
+        yield RawTensor(name, type_name, info.shape, data)
 
 
 def _dequant_generator(gf: _GGUFFile, checked) -> Iterator[tuple[str, torch.Tensor]]:
@@ -508,6 +587,18 @@ def _small_metadata(meta: dict) -> dict:
         for k, v in meta.items()
         if not isinstance(v, list) and not (isinstance(v, str) and len(v) > 200)
     }
+
+
+def dequantized_tensors(path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, fp32 tensor) of a checked GGUF file, dequantized one at a time as it is consumed."""
+    gf, hf_cfg = _open(path)
+    return _dequant_generator(gf, _iter_checked(gf, hf_cfg))
+
+
+def gguf_config(path):
+    """The model config of a checked GGUF file (header only: no tokenizer, no weights)."""
+    _, hf_cfg = _open(path)
+    return build_config(hf_cfg)
 
 
 def load_gguf(path) -> GGUFModel:

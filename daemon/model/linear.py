@@ -71,16 +71,19 @@ class TransposedEmbedding(nn.Module):
 
 
 def use_transposed_weights(model: nn.Module) -> None:
-    """Swap every plain fp nn.Linear for a TransposedLinear (quantized layers keep their own layout); a tied head
-    becomes a TransposedLinear too, and the embeddings read from it."""
+    """Swap every plain fp nn.Linear for a TransposedLinear (quantized layers keep their own layout)."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and child.weight.is_floating_point():
                 setattr(parent, name, _transposed(child.weight, child.bias))
-    if getattr(model, "lm_head", "untied") is None:  # CausalLM with tie_word_embeddings
-        head = _transposed(model.model.embed_tokens.weight, None)
-        model.lm_head = head
-        model.model.embed_tokens = TransposedEmbedding(head)
+
+
+def transposed_tied_head(model: nn.Module) -> None:
+    """A tied model on CPU (lm_head None, fp embeddings): the table becomes a TransposedLinear head, and the
+    embeddings read from it, so it is held once (llmd.model.loader.tie_output_head decides when)."""
+    head = _transposed(model.model.embed_tokens.weight, None)
+    model.lm_head = head
+    model.model.embed_tokens = TransposedEmbedding(head)
 
 
 def _transposed(weight: torch.Tensor, bias: torch.Tensor | None) -> TransposedLinear:

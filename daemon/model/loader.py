@@ -13,11 +13,12 @@ from torch import nn
 
 from ..errors import ModelFileError
 from .config import ModelConfig
-from .linear import use_transposed_weights
-from .quant import (build_empty_quantized, gguf_raw_tensors, gguf_tensor_types, keep_tied_q8_0_head, parse_quant,
-                    quantize_tied_head, quantized_weight_bytes, quantizing_stream)
+from .linear import transposed_tied_head, use_transposed_weights
+from .quant import (QuantSpec, build_empty_quantized, parse_quant, quantize_tied_head, quantized_weight_bytes,
+                    quantizing_stream, tie_gguf_head)
 from .quant_cache import load_quantized  # second starts read packed weights from the XDG cache
-from .weights import LoadReport, build_empty, iter_safetensors, load_hf_weights, load_tensors, safetensors_files
+from .source import open_source
+from .weights import LoadReport, load_tensors
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,10 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
                quant: str | None = None, quantize_head: bool = False) -> LoadedModel:
     """Load a model from a `llmd.store.ModelFiles`, a folder in Hugging Face layout, a .gguf file, or a store name.
 
+    One pipeline over the weight source (llmd.model.source): build the model with its quantized layers swapped in
+    (meta device), stream the tensors in, each quantized / kept packed / copied on its way (quantized layers:
+    llmd.model.quant; int8/int4 results cached, int4 calibrated, by llmd.model.quant_cache), tie the output head,
+    fuse the projections and lay the weights out for the device.
     Default dtype: fp32 on CPU, bf16 on CUDA. Raises ModelFileError / UnsupportedArchitecture / ModelNotFound with a
     message for the user.
     """
@@ -53,44 +58,21 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
     device_t = torch.device(device or default_device())
     dtype = dtype or default_dtype(device_t)
     start = time.perf_counter()
-    if kind == "gguf":
-        from .gguf import load_gguf
+    source = open_source(kind, path)
+    config = source.config
+    spec = parse_quant(quant, source.kind, device_t)
+    if source.kind == "gguf" and spec.method == "none" and quant in (None, "auto"):
+        _warn_dequantizing(path, dtype)
 
-        gguf = load_gguf(path)
-        config, tokenizer = gguf.config, gguf.tokenizer
-        spec = parse_quant(quant, "gguf", device_t)  # quantized layers: llmd.model.quant
-        if spec.method == "none":
-            model = build_empty(config, dtype, device_t)
-            report = load_tensors(model, gguf.tensors, path)
-        else:
-            types = gguf_tensor_types(path) if spec.method == "gguf" else None
+    def build():
+        model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head,
+                                               source.raw_types(spec.method))
+        stream = quantizing_stream(source.stream(spec.method), swapped, spec, path)
+        return model, load_tensors(model, stream, path)
 
-            def build():
-                model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head, types)
-                return model, load_tensors(model, quantizing_stream(gguf_raw_tensors(path), swapped, spec, path), path)
-
-            model, report, _ = load_quantized([path], config, dtype, device_t, spec, quantize_head, build)
-            if spec.method == "gguf":
-                keep_tied_q8_0_head(model, path, dtype)
-    else:
-        from .tokenizer import Tokenizer
-
-        config = ModelConfig.from_hf_folder(path)
-        spec = parse_quant(quant, "hf", device_t)
-        if spec.method == "none":
-            model = build_empty(config, dtype, device_t)
-            report = load_hf_weights(model, path)
-        else:
-            def build():
-                model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head)
-                stream = quantizing_stream(iter_safetensors(safetensors_files(path)), swapped, spec, path)
-                return model, load_tensors(model, stream, path)
-
-            model, report, _ = load_quantized(safetensors_files(path), config, dtype, device_t, spec, quantize_head,
-                                              build)
-        tokenizer = Tokenizer.from_hf_folder(path)
-    if quantize_head and spec.method not in ("none", "gguf"):
-        quantize_tied_head(model, spec)
+    model, report, _ = load_quantized(source.files, config, dtype, device_t, spec, quantize_head, build)
+    tokenizer = source.tokenizer()
+    tie_output_head(model, spec, quantize_head, dtype, device_t)
     model.fuse_projections()
     if device_t.type == "cpu":
         use_transposed_weights(model)
@@ -99,6 +81,34 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
     report.seconds = seconds
     log.info("loaded %s (%s, %s on %s): %s", name, config.architecture, dtype, device_t, report.summary())
     return LoadedModel(model, tokenizer, config, name, dtype, device_t, seconds, report)
+
+
+def tie_output_head(model: nn.Module, spec: QuantSpec, quantize_head: bool, dtype: torch.dtype,
+                    device: torch.device) -> None:
+    """The one place a tied model (tie_word_embeddings: no lm_head of its own) gets its output head:
+    - a packed GGUF token table: the head reads that very table (llmd.model.quant.tie_gguf_head);
+    - --quantize-head with an int8/int4/bnb mode: a quantized copy of the table (the table stays as it is);
+    - otherwise on CPU: one [hidden, vocab] fp copy serving as head and, transposed, as the embeddings;
+    - otherwise (CUDA, fp) the head stays None and the logits are taken from the embedding table."""
+    if getattr(model, "lm_head", "untied") is not None:
+        return
+    if spec.method == "gguf" and tie_gguf_head(model, dtype):
+        return
+    if quantize_head and spec.method not in ("none", "gguf"):
+        quantize_tied_head(model, spec)
+    elif device.type == "cpu":
+        transposed_tied_head(model)
+
+
+def _warn_dequantizing(path: Path, dtype: torch.dtype) -> None:
+    """One line when --quant auto dequantizes a quantized GGUF (the CPU kernels did not build here)."""
+    from .gguf import quantized_elements
+
+    types, elements = quantized_elements(path)
+    if types:
+        log.warning("%s: the compiled CPU kernels are unavailable, so its %s weights are dequantized to %s (%.2f GB); "
+                    "--quant gguf keeps the file's blocks (less memory, slower matmuls)", path.name, "/".join(types),
+                    str(dtype).replace("torch.", ""), elements * dtype.itemsize / 1e9)
 
 
 def _describe(files: Any) -> tuple[str, Path, str]:

@@ -1,39 +1,32 @@
 """The tokenizer: a `tokenizers.Tokenizer` plus what serving needs around it (special ids, chat template, FIM ids).
 
 Two sources:
-- a Hugging Face folder: tokenizer.json, tokenizer_config.json (bos/eos, add_bos_token, chat_template, or a
-  chat_template.jinja file), generation_config.json and config.json (eos ids);
-- GGUF metadata (`tokenizer.ggml.*`): a byte-level BPE ("gpt2" model) rebuilt from its tokens and merges, with the
-  pre-tokenizer its `tokenizer.ggml.pre` names, control tokens as special tokens, and the chat template.
+- a Hugging Face folder: tokenizer.json, tokenizer_config.json (bos/eos, add_bos/eos_token, chat_template, or a
+  chat_template.jinja or chat_template.json file), generation_config.json and config.json (eos ids);
+- GGUF metadata (`tokenizer.ggml.*`, rebuilt by gguf_vocab: byte-level BPE or SentencePiece), its BOS/EOS flags
+  and its chat template.
+
+A model without a chat template (a base model) has `has_chat_template` False: its prompts are raw text, and
+apply_chat_template refuses with an InvalidRequest saying so.
 """
 
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from ..errors import InvalidRequest, ModelFileError
 from .chat_template import render_chat
+from .gguf_vocab import backend_from_gguf, byte_decoder
 
-# Split patterns for byte-level BPE vocabularies, keyed by llama.cpp's `tokenizer.ggml.pre` names.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_SPLITS = {
-    "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "smaug-bpe": _LLAMA3_SPLIT,
-    "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT,
-}
-# GPT-2's own split, with every digit on its own first (as SmolLM2's and StarCoder's tokenizer.json do)
-_DIGITS_FIRST = {"smollm", "starcoder", "refact"}
+# the end-of-generation tokens llama.cpp recognises by their text in a GGUF vocabulary
+_END_OF_TURN = frozenset({
+    "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>", "_<EOT>", "[EOT]", "<|return|>", "<|call|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+})
 
 # (prefix, suffix, middle) spellings of fill-in-the-middle tokens, StarCoder/SmolLM style then Qwen style
 _FIM_SPELLINGS = (
@@ -41,24 +34,6 @@ _FIM_SPELLINGS = (
     ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
     ("<|fim▁begin|>", "<|fim▁hole|>", "<|fim▁end|>"),
 )
-
-_TOKEN_CONTROL, _TOKEN_USER_DEFINED = 3, 4
-
-
-@lru_cache(maxsize=1)
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, reversed: printable stand-in character -> byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    mapping, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            mapping[chr(b)] = b
-        else:
-            mapping[chr(256 + extra)] = b
-            extra += 1
-    return mapping
-
 
 def _token_text(value) -> str | None:
     if isinstance(value, dict):
@@ -94,6 +69,7 @@ class Tokenizer:
         eos_token_ids: set[int] | None = None,
         chat_template: str | None = None,
         special_tokens: dict[str, str | None] | None = None,
+        named_templates: dict[str, str] | None = None,
     ):
         self.backend = backend
         self.bos_token = bos_token
@@ -104,6 +80,8 @@ class Tokenizer:
             eos_ids.add(backend.token_to_id(eos_token))
         self.eos_token_ids: set[int] = eos_ids
         self.chat_template = chat_template
+        # other templates by name; "tool_use" renders requests that carry tools, as in transformers
+        self.named_templates: dict[str, str] = dict(named_templates or {})
         # variables a chat template sees (bos_token, eos_token, ...), as transformers passes them
         self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token, **(special_tokens or {})}
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -126,80 +104,57 @@ class Tokenizer:
         gen = _read_json(folder / "generation_config.json")
         model_cfg = _read_json(folder / "config.json")
         bos, eos = _token_text(cfg.get("bos_token")), _token_text(cfg.get("eos_token"))
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # named templates: use the default one
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
+        template, named = cfg.get("chat_template"), {}
+        if isinstance(template, list):  # named templates: "default", and e.g. "tool_use" for requests with tools
+            named = {t.get("name"): t.get("template") for t in template
+                     if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+            template = named.pop("default", None)
         jinja_file = folder / "chat_template.jinja"
         if template is None and jinja_file.exists():
             template = jinja_file.read_text(encoding="utf-8")
+        if template is None:  # multimodal repos keep it in chat_template.json
+            template = _read_json(folder / "chat_template.json").get("chat_template")
         eos_ids = set(_id_list(gen.get("eos_token_id")) or _id_list(model_cfg.get("eos_token_id")))
         if bos is None:  # some repos only give the id
             bos_id = gen.get("bos_token_id", model_cfg.get("bos_token_id"))
             bos = backend.id_to_token(bos_id) if isinstance(bos_id, int) else None
-        if "add_bos_token" in cfg and bos:
-            _set_bos_processing(backend, bos, bool(cfg["add_bos_token"]))
+        flags = [bool(cfg[k]) if k in cfg else None for k in ("add_bos_token", "add_eos_token")]
+        _set_special_processing(backend, bos, flags[0], eos, flags[1])
         extra = {k: _token_text(cfg.get(k)) for k in ("unk_token", "pad_token")}
-        return cls(backend, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids, chat_template=template,
-                   special_tokens=extra)
+        return cls(backend, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids,
+                   chat_template=template if isinstance(template, str) else None, special_tokens=extra,
+                   named_templates=named)
 
     @classmethod
     def from_gguf(cls, metadata: dict, path: str | Path | None = None) -> "Tokenizer":
         where = path or "GGUF file"
-        model = metadata.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ModelFileError(
-                where, f"tokenizer model {model!r} is not supported in GGUF files (supported: gpt2, byte-level BPE)"
-            )
-        tokens = metadata.get("tokenizer.ggml.tokens") or []
-        merges = metadata.get("tokenizer.ggml.merges") or []
-        types = metadata.get("tokenizer.ggml.token_type") or []
-        if not tokens or not all(isinstance(t, str) for t in tokens):
-            raise ModelFileError(where, "GGUF tokenizer has no token list")
-        vocab = {}
-        for i, t in enumerate(tokens):
-            vocab.setdefault(t, i)
-        pairs = []
-        for m in merges:
-            left, sep, right = m.partition(" ")
-            if not sep:
-                raise ModelFileError(where, f"GGUF tokenizer merge {m!r} is not 'left right'")
-            pairs.append((left, right))
-        try:
-            backend = BackendTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False))
-        except Exception as e:
-            raise ModelFileError(where, f"GGUF tokenizer vocabulary is inconsistent: {e}") from None
-        backend.pre_tokenizer = _byte_level_pre_tokenizer(metadata.get("tokenizer.ggml.pre"))
-        backend.decoder = decoders.ByteLevel()
-        backend.post_processor = processors.ByteLevel(trim_offsets=False)
-        alphabet = set(_byte_decoder())
-        control = [
-            AddedToken(t, special=True, normalized=False)
-            for t, kind in zip(tokens, types)
-            if kind == _TOKEN_CONTROL and set(t) <= alphabet
-        ]
-        user = [AddedToken(t, special=False, normalized=False) for t, kind in zip(tokens, types)
-                if kind == _TOKEN_USER_DEFINED]
-        backend.add_special_tokens(control)
-        backend.add_tokens(user)
+        backend = backend_from_gguf(metadata, where)
+        tokens = metadata["tokenizer.ggml.tokens"]
 
         def token_at(key):
             idx = metadata.get(key)
             return tokens[idx] if isinstance(idx, int) and 0 <= idx < len(tokens) else None
 
         bos, eos = token_at("tokenizer.ggml.bos_token_id"), token_at("tokenizer.ggml.eos_token_id")
-        if metadata.get("tokenizer.ggml.add_bos_token") and bos:
-            _set_bos_processing(backend, bos, True)
+        # llama.cpp (and transformers) add BOS to a SentencePiece vocabulary whose file does not say otherwise
+        add_bos = metadata.get("tokenizer.ggml.add_bos_token", metadata.get("tokenizer.ggml.model") == "llama")
+        _set_special_processing(backend, bos, bool(add_bos), eos, bool(metadata.get("tokenizer.ggml.add_eos_token")))
         eos_ids = {
             metadata[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                   "tokenizer.ggml.eom_token_id")
             if isinstance(metadata.get(k), int)
         }
+        # A GGUF has no generation_config.json: like llama.cpp, end generation also at the end-of-turn tokens the
+        # vocabulary has (Gemma's <end_of_turn> while its eos is <eos>, Llama 3's <|eom_id|>, ...)
+        eos_ids |= {i for i, t in enumerate(tokens) if t in _END_OF_TURN}
         extra = {"unk_token": token_at("tokenizer.ggml.unknown_token_id"),
                  "pad_token": token_at("tokenizer.ggml.padding_token_id")}
         template = metadata.get("tokenizer.chat_template")
+        prefix = "tokenizer.chat_template."  # named templates, e.g. tokenizer.chat_template.tool_use
+        named = {k[len(prefix):]: v for k, v in metadata.items() if k.startswith(prefix) and isinstance(v, str)}
         return cls(backend, bos_token=bos, eos_token=eos, eos_token_ids=eos_ids,
-                   chat_template=template if isinstance(template, str) else None, special_tokens=extra)
+                   chat_template=template if isinstance(template, str) and template.strip() else None,
+                   special_tokens=extra, named_templates=named)
 
     # ---- text <-> ids
 
@@ -221,7 +176,7 @@ class Tokenizer:
         if token_id in self.special_ids:
             return piece.encode("utf-8")
         if self._byte_level:
-            table = _byte_decoder()
+            table = byte_decoder()
             if all(c in table for c in piece):
                 return bytes(table[c] for c in piece)
             return piece.encode("utf-8")
@@ -234,12 +189,24 @@ class Tokenizer:
 
     # ---- chat
 
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
+        """The chat rendered by the model's template (InvalidRequest naming `messages` if it has none or it raises)."""
+        template = self.chat_template
+        if kwargs.get("tools") is not None and "tool_use" in self.named_templates:
+            template = self.named_templates["tool_use"]
+        if template is None:
+            raise InvalidRequest(
+                "this model has no chat template (a base model): send a raw prompt to a completion route instead",
+                "messages")
         if not messages:
             raise InvalidRequest("messages must not be empty", "messages")
         # transformers drops keys whose value is None before rendering
         cleaned = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
-        return render_chat(self.chat_template, cleaned, add_generation_prompt, self.special_tokens, **kwargs)
+        return render_chat(template, cleaned, add_generation_prompt, self.special_tokens, **kwargs)
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of the rendered chat. As transformers does, no special tokens are added on top of the
@@ -255,32 +222,31 @@ class Tokenizer:
         return None
 
 
-def _byte_level_pre_tokenizer(pre: str | None):
-    if pre in _SPLITS:
-        return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGITS_FIRST:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    return byte_level
-
-
-def _set_bos_processing(backend: BackendTokenizer, bos: str, add_bos: bool) -> None:
-    """Make encode(add_special_tokens=True) prepend BOS exactly when the model asks for it."""
-    bos_id = backend.token_to_id(bos)
-    if bos_id is None:
+def _set_special_processing(backend: BackendTokenizer, bos: str | None, add_bos: bool | None, eos: str | None,
+                            add_eos: bool | None) -> None:
+    """Make encode(add_special_tokens=True) put BOS first and EOS last exactly when the model asks for them
+    (None: as the tokenizer does already)."""
+    bos_id = backend.token_to_id(bos) if bos else None
+    eos_id = backend.token_to_id(eos) if eos else None
+    plain, full = backend.encode("a", add_special_tokens=False).ids, backend.encode("a", add_special_tokens=True).ids
+    adds_now = full != plain
+    adds_bos, adds_eos = adds_now and full[:1] == [bos_id], adds_now and full[-1:] == [eos_id]
+    add_bos = (adds_bos if add_bos is None else add_bos) and bos_id is not None
+    add_eos = (adds_eos if add_eos is None else add_eos) and eos_id is not None
+    if (adds_bos, adds_eos) == (add_bos, add_eos) and adds_now == (add_bos or add_eos):
         return
-    adds_now = backend.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
-    if add_bos and not adds_now:
-        template = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
-        )
-        current = backend.post_processor
-        backend.post_processor = processors.Sequence([current, template]) if current else template
-    elif not add_bos and adds_now:
-        backend.post_processor = None
+    current = None if adds_now else backend.post_processor  # a processor adding other tokens is replaced
+    if not (add_bos or add_eos):
+        backend.post_processor = current
+        return
+    specials = [(t, i) for t, i, on in ((bos, bos_id, add_bos), (eos, eos_id, add_eos)) if on]
+
+    def wrapped(part: str, type_id: int) -> str:
+        return " ".join([f"{bos}:{type_id}"] * add_bos + [f"{part}:{type_id}"] + [f"{eos}:{type_id}"] * add_eos)
+
+    template = processors.TemplateProcessing(single=wrapped("$A", 0), pair=f"{wrapped('$A', 0)} {wrapped('$B', 1)}",
+                                             special_tokens=list(dict.fromkeys(specials)))
+    backend.post_processor = processors.Sequence([current, template]) if current else template
 
 
 from .detokenizer import IncrementalDetokenizer  # noqa: E402  (re-exported: part of the tokenizer's contract)

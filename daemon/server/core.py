@@ -8,7 +8,7 @@ import asyncio
 import os
 import time
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
 
@@ -23,6 +23,9 @@ from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt
 from .metrics import Metrics
 from .streaming import EventStream, pump
 from .validation import ApiError
+
+if TYPE_CHECKING:
+    from ..engine.async_engine import AsyncEngine
 
 RETRY_AFTER_QUEUE_S = 1
 RETRY_AFTER_LOADING_S = 2
@@ -89,12 +92,12 @@ class ServerState:
                     "server": self.metrics.server_stats()})
         return out
 
-    def engine_for(self, name: str | None):
+    def engine_for(self, name: str | None) -> AsyncEngine:
         """The engine that serves the model a request names (the one place a request finds its engine)."""
         return self.require_engine()
 
 
-def context_length(engine) -> int:
+def context_length(engine: AsyncEngine) -> int:
     cfg = getattr(getattr(engine, "engine", None), "config", None)
     if getattr(cfg, "max_model_len", None):
         return int(cfg.max_model_len)
@@ -111,7 +114,12 @@ async def encode_text(tok, text: str, add_special_tokens: bool = True) -> list[i
 
 async def render_chat(tok, plan: ChatPlan) -> str:
     def render() -> str:
-        return tok.apply_chat_template(plan.messages, tools=plan.tools, **plan.template_kwargs)
+        try:
+            return tok.apply_chat_template(plan.messages, tools=plan.tools, **plan.template_kwargs)
+        except Exception:  # noqa: BLE001 - a template that refuses the tool note's system turn gets it in the user's
+            if plan.fallback_messages is None:
+                raise
+            return tok.apply_chat_template(plan.fallback_messages, tools=plan.tools, **plan.template_kwargs)
 
     try:
         if sum(len(m.get("content") or "") for m in plan.messages) > ENCODE_IN_THREAD_CHARS:
@@ -137,11 +145,16 @@ async def encode_fim(tok, prompt: FimPrompt, model_name: str) -> list[int]:
     return ids
 
 
-def traits_of(engine) -> ModelTraits:
-    return model_traits(str(engine.loaded.config.architecture), engine.tokenizer.chat_template)
+def traits_of(engine: AsyncEngine) -> ModelTraits:
+    """The model's tool format and thinking, read from its templates (a "tool_use" one renders requests with
+    tools, so its markers count too)."""
+    tok = engine.tokenizer
+    templates = [tok.named_templates.get("tool_use"), tok.chat_template]
+    return model_traits(str(engine.loaded.config.architecture), "\n".join(t for t in templates if t) or None)
 
 
-async def encode_prompt(engine, intake: Intake, model_name: str) -> tuple[list[int], Constraint | None, OutputParser]:
+async def encode_prompt(engine: AsyncEngine, intake: Intake,
+                        model_name: str) -> tuple[list[int], Constraint | None, OutputParser]:
     """The prompt's token ids, the answer's constraint and the parser its text goes through."""
     tok, prompt = engine.tokenizer, intake.prompt
     if isinstance(prompt, ChatPrompt):
@@ -162,7 +175,7 @@ async def encode_prompt(engine, intake: Intake, model_name: str) -> tuple[list[i
     return list(prompt.token_ids), constraint, OutputParser()
 
 
-async def compiled_constraint(engine, constraint: Constraint, field: str) -> None:
+async def compiled_constraint(engine: AsyncEngine, constraint: Constraint, field: str) -> None:
     """The engine compiles the grammar off the event loop (then cached for the submit); an invalid, unsatisfiable
     or too large one is a 400 naming the request field it came from."""
     try:
@@ -171,7 +184,7 @@ async def compiled_constraint(engine, constraint: Constraint, field: str) -> Non
         raise ApiError(400, f"{field}: {exc}", param=field) from None
 
 
-def check_length(engine, prompt_ids: list[int], params: SamplingParams, field: str = "prompt",
+def check_length(engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, field: str = "prompt",
                  num_ctx: int | None = None) -> None:
     """A prompt that leaves no room in the context is a 400 naming `field` (the request field it came from)."""
     limit = context_length(engine) if num_ctx is None else min(num_ctx, context_length(engine))
@@ -237,7 +250,7 @@ class Generation:
     """One engine request. Use as `async with Generation(...) as gen: async for out in gen: ...`; leaving the block
     before the last output (disconnect, stall, error, shutdown) aborts the request in the engine."""
 
-    def __init__(self, state: ServerState, request: web.Request, engine, prompt_ids: list[int],
+    def __init__(self, state: ServerState, request: web.Request, engine: AsyncEngine, prompt_ids: list[int],
                  params: SamplingParams, priority: Priority = Priority.INTERACTIVE):
         self.state = state
         self.engine = engine

@@ -76,6 +76,15 @@ def generic_messages(messages: list[dict], spec: ToolSpec | None) -> list[dict]:
     return out
 
 
+def fold_system(messages: list[dict]) -> list[dict] | None:
+    """The system turn moved to the start of the first user turn, for templates that refuse a system role
+    (Gemma 2); None when there is nothing to fold."""
+    if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
+        return None
+    first = {**messages[1], "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}
+    return [first, *messages[2:]]
+
+
 @dataclass
 class ChatPlan:
     messages: list[dict]
@@ -86,6 +95,7 @@ class ChatPlan:
     answer: AnswerFormat | None
     think: bool | None
     calls_possible: bool = False
+    fallback_messages: list[dict] | None = None  # for a template that refuses the system turn the plan added
 
     def output(self, prompt_text: str) -> tuple[Constraint | None, OutputParser]:
         """The constraint and the parser, once the prompt's text is known."""
@@ -120,4 +130,5 @@ def plan_chat(messages: list[dict], spec: ToolSpec | None, answer: AnswerFormat 
         return ChatPlan(messages, tools, kwargs, traits, spec, answer, think, calls_possible=True)
     # a native template renders a history with calls itself; any other gets it as plain turns
     msgs = messages if traits.tools.native else generic_messages(messages, spec if calls else None)
-    return ChatPlan(msgs, None, kwargs, traits, spec, answer, think, calls_possible=calls)
+    fallback = fold_system(msgs) if calls else None
+    return ChatPlan(msgs, None, kwargs, traits, spec, answer, think, calls_possible=calls, fallback_messages=fallback)

@@ -1,6 +1,7 @@
 """CPU weight-only matmul at SmolLM2-135M shapes: fp32 vs llmd's compiled int8/int4 kernel vs torch's own kernels.
 
     python tests/benchmarks/bench_cpu_gemm.py [--threads 1,2] [--rows 1,4,16,64] [--budget 0.3] [--baseline FILE]
+    python tests/benchmarks/bench_cpu_gemm.py --gguf [Q4_K,Q6_K,...] [--threads 1] [--rows 1,4,16,64,256,512]
 
 For each layer shape (hidden 576, intermediate 1536, vocab 49152), row count M and thread count it prints ms per
 call (best of repeated calls) and the weight bytes streamed per second (GB/s) for:
@@ -14,6 +15,9 @@ call (best of repeated calls) and the weight bytes streamed per second (GB/s) fo
   int8 base / int4 base   with --baseline FILE: the fp32-activation kernels of another cpu_gemm.c (e.g. the last
               commit's: git show HEAD:kernels/cpu_gemm.c > /tmp/old.c), built the same way, to compare a kernel
               change side by side in one run
+With --gguf (all packed types, or a list), instead: llmd's matmul straight from GGUF blocks of each type
+(llmd.kernels.cpu_gemm.GGUFKernel) at shapes whose rows are whole 256-element super-blocks, in ms and in weights per
+second (Gw/s), GB/s of the type's bytes and GFLOP/s, next to fp32 at the same shape.
 Weights are random codes: speed does not depend on their values. The first llmd call builds the kernel if needed.
 """
 
@@ -69,13 +73,56 @@ def layers(n: int, k: int):
     return w_t, i8, i4
 
 
+GGUF_SHAPES = [("mlp down 576x1536", 576, 1536), ("mlp up 2048x1024", 2048, 1024)]
+
+
+def gguf_table(types: list[str], threads: list[int], rows: list[int], budget: float) -> None:
+    import sys
+
+    import numpy as np
+
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from test_gguf_blocks import random_blocks
+
+    lib = cpu_gemm.load()
+    if lib is None:
+        print("llmd cpu_gemm kernel unavailable here: no GGUF figures")
+        return
+    print(f"{'type':7} {'shape':18} {'thr':>3} {'M':>4} {'ms':>9} {'Gw/s':>7} {'GB/s':>7} {'GFLOP/s':>8} "
+          f"{'fp32 ms':>9}")
+    with torch.inference_mode():
+        for name, n, k in GGUF_SHAPES:
+            w_t = torch.randn(k, n) * 0.02
+            for type_name in types:
+                blocks = torch.from_numpy(np.ascontiguousarray(random_blocks(type_name, n, k, scale=0.001)))
+                kernel = cpu_gemm.GGUFKernel(lib, [(blocks, type_name)], k)
+                for t in threads:
+                    torch.set_num_threads(t)
+                    for m in rows:
+                        x = torch.randn(m, k)
+                        ms = best_ms(lambda: kernel(x), budget)
+                        fp = best_ms(lambda: x @ w_t, budget)
+                        print(f"{type_name:7} {name:18} {t:3d} {m:4d} {ms:9.3f} {n * k / ms / 1e6:7.2f} "
+                              f"{blocks.numel() / ms / 1e6:7.2f} {2 * m * n * k / ms / 1e6:8.1f} {fp:9.3f}",
+                              flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds of repeated calls per figure")
     parser.add_argument("--baseline", help="another cpu_gemm.c whose fp32-activation kernels run side by side")
+    parser.add_argument("--gguf", nargs="?", const="all", help="the GGUF block kernels instead (types, or all)")
     args = parser.parse_args(argv)
+    if args.gguf:
+        from llmd.kernels.gguf_blocks import PACKED_TYPES
+
+        types = list(PACKED_TYPES) if args.gguf == "all" else args.gguf.split(",")
+        rows = args.rows if args.rows != "1,4,16,64" else "1,4,16,64,256,512"
+        gguf_table(types, [int(t) for t in args.threads.split(",")], [int(r) for r in rows.split(",")], args.budget)
+        return
     base = build_baseline(args.baseline) if args.baseline else None
     if cpu_gemm.load() is None:
         print("llmd cpu_gemm kernel unavailable here (see the log line above); its columns show n/a")

@@ -5,7 +5,8 @@ distributions against the unquantized model.
 
 MODEL defaults to the bundled SmolLM2-135M GGUF (Q4_1); its unquantized reference is the dequantized weights in fp32,
 "gguf" runs the file's own Q4_1 blocks as int4 g32, and int8 / int4-gN re-quantize the dequantized weights.
-Budgets: int8 within 1% perplexity, int4 g32/g64 within 8%.
+Budgets: int8 within 1% perplexity, int4 g32/g64 within 8%. On a K-quant file (tests/benchmarks/kquant_files.py),
+"gguf" keeps every tensor packed and must give the dequantized model's logits up to summation order (KL ~ 0).
 """
 
 from __future__ import annotations
@@ -104,21 +105,24 @@ def main(argv: list[str] | None = None) -> dict:
         target = torch.tensor(ids[1:])
         ppl = float(torch.exp(-logp.gather(1, target[:, None]).mean()))
         if ref is None:
-            ref = logp
+            ref, ref_logits = logp, logits
             kl = 0.0
         else:
             kl = float(torch.nn.functional.kl_div(logp, ref, log_target=True, reduction="batchmean"))
-        results[mode] = {"perplexity": ppl, "mean_kl": kl, "weight_mib": nbytes / 2**20, "load_s": seconds}
+        results[mode] = {"perplexity": ppl, "mean_kl": kl, "weight_mib": nbytes / 2**20, "load_s": seconds,
+                         "max_logit_diff": float((logits - ref_logits).abs().max())}
     base = results["none"]["perplexity"]
     print(f"model: {model_path.name}, {len(ids)} tokens")
-    print(f"{'mode':10} {'ppl':>9} {'Δppl':>8} {'mean KL':>9} {'weights':>9} {'budget':>8}  source")
+    print(f"{'mode':10} {'ppl':>9} {'Δppl':>8} {'mean KL':>9} {'max|Δlogit|':>11} {'weights':>9} {'budget':>8}  "
+          "source")
     for mode, r in results.items():
         delta = r["perplexity"] / base - 1
         budget = BUDGETS.get(mode)
         verdict = "" if budget is None else ("ok" if delta <= budget else "OVER")
         r["ppl_change"] = delta
         r["within_budget"] = None if budget is None else delta <= budget
-        print(f"{mode:10} {r['perplexity']:9.3f} {delta * 100:7.2f}% {r['mean_kl']:9.5f} {r['weight_mib']:7.0f}MiB "
+        print(f"{mode:10} {r['perplexity']:9.3f} {delta * 100:7.2f}% {r['mean_kl']:9.2e} {r['max_logit_diff']:11.2e} "
+              f"{r['weight_mib']:7.0f}MiB "
               f"{verdict:>8}  {describe(mode, model_path)}")
         r["source"] = describe(mode, model_path)
     if args.json:

@@ -1,0 +1,145 @@
+"""Applying a mode to a model while it loads: quantized layers swapped in on the meta device, then each weight
+quantized (or its GGUF blocks kept) as it streams in, so the unquantized model never sits whole in memory."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from ...errors import ModelFileError
+from . import layers
+from .gguf_blocks import _fill_packed
+from .layers import Int4Linear, empty_quantized, quantize_linear
+from .modes import QuantSpec, parse_quant
+
+def linear_modules(model: nn.Module, include_lm_head: bool) -> dict[str, nn.Linear]:
+    """The projections to quantize, by module name (embeddings and, by default, the output head stay as they are)."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and (include_lm_head or not name.endswith("lm_head")):
+            out[name] = module
+    return out
+
+
+def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool = False,
+                      dtype: torch.dtype | None = None, device=None,
+                      gguf_types: dict[str, str] | None = None) -> dict[str, nn.Module]:
+    """Replace the model's linear layers by unfilled quantized ones (call before the weights load).
+
+    For spec "gguf" the layer follows each tensor's GGML type (gguf_types: weight name -> type), the output head
+    included: Q4_0/Q4_1 -> int4 g32 (an exact byte rearrangement, for the tuned int4 kernels), every other packed
+    type (llmd.kernels.gguf_blocks: Q4_K, Q6_K, Q5_0, Q8_0, ...) -> a GGUFLinear keeping the file's blocks, float
+    types stay a plain linear; a packed token table becomes a GGUFEmbedding. Returns {module name: new layer}.
+    """
+    from llmd.kernels.gguf_blocks import BLOCKS
+
+    from .gguf_layers import GGUFEmbedding, GGUFLinear
+
+    swapped = {}
+    if spec.method == "gguf":
+        include_lm_head = True  # a packed head stays packed (a Q6_K head dequantized would be 5x its bytes)
+        emb = model.model.embed_tokens
+        kind = (gguf_types or {}).get("model.embed_tokens.weight")
+        if kind in BLOCKS:
+            model.model.embed_tokens = swapped["model.embed_tokens"] = GGUFEmbedding(
+                emb.num_embeddings, emb.embedding_dim, kind, dtype or torch.float32, device=device)
+    for name, linear in linear_modules(model, include_lm_head).items():
+        if spec.method == "gguf":
+            kind = (gguf_types or {}).get(f"{name}.weight")
+            if kind in ("Q4_0", "Q4_1"):
+                layer = Int4Linear(linear.in_features, linear.out_features, linear.bias is not None, 32,
+                                   dtype=dtype, device=device)
+            elif kind in BLOCKS:
+                layer = GGUFLinear(linear.in_features, linear.out_features, kind, linear.bias is not None,
+                                   dtype=dtype, device=device)
+            else:
+                continue
+        else:
+            if spec.method == "int4" and linear.in_features % spec.group_size:
+                raise ValueError(f"{name}: in_features {linear.in_features} is not a multiple of the int4 group "
+                                 f"size {spec.group_size}; pick a smaller group (int4-g32)")
+            layer = empty_quantized(spec, linear.in_features, linear.out_features, linear.bias is not None,
+                                    dtype=dtype, device=device)
+            if layer is None:
+                continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, layer)
+        swapped[name] = layer
+    return swapped
+
+
+def quantizing_stream(
+    tensors: Iterable, swapped: dict[str, nn.Module], spec: QuantSpec, source,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass (name, tensor) pairs through, except the weights of swapped layers, which are quantized into their layer
+    on the spot. Items may also be GGUF RawTensor objects: packed blocks go straight into their layer (GGUFLinear,
+    GGUFEmbedding; Q8_0/Q4 rearranged into int8/int4 layers), everything else is dequantized and continues as an fp
+    tensor.
+
+    A calibrated spec leaves the swapped layers empty (their weights are only checked to be present): they are
+    filled afterwards, layer by layer, by llmd.model.calibrate.quantize_calibrated."""
+    from ..gguf import RawTensor, dequantize
+
+    pending = {f"{name}.weight": layer for name, layer in swapped.items()}
+    for item in tensors:
+        if isinstance(item, RawTensor):
+            if spec.calibrate and pending.pop(item.name, None) is not None:
+                continue  # read again, by name, during calibration
+            layer = pending.get(item.name)
+            if layer is not None and spec.method == "gguf" and _fill_packed(layer, item, source):
+                del pending[item.name]
+                continue
+            name = item.name
+            tensor = dequantize(item.data, item.type_name, item.shape)
+        else:
+            name, tensor = item
+        layer = pending.pop(name, None)
+        if layer is None:
+            yield name, tensor
+        elif not spec.calibrate:
+            layers.fill_from_weight(layer, tensor, spec)
+    if pending:
+        shown = ", ".join(sorted(pending)[:5])
+        raise ModelFileError(source, f"{len(pending)} quantized weights missing from the checkpoint (e.g. {shown})")
+
+
+def quantize_model(model: nn.Module, mode: str | QuantSpec, include_lm_head: bool = False) -> nn.Module:
+    """Post-load transform: quantize a loaded model's linear layers in place, one layer at a time."""
+    spec = mode if isinstance(mode, QuantSpec) else parse_quant(mode)
+    if spec.method == "none":
+        return model
+    for name, linear in linear_modules(model, include_lm_head).items():
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, quantize_linear(linear, spec))
+    return model
+
+
+def quantize_tied_head(model: nn.Module, spec: QuantSpec) -> None:
+    """Give a tied-embedding model a separate quantized output head (the embedding table stays as it is).
+    The head is the largest single matmul of a small model's decode step."""
+    if getattr(model, "lm_head", None) is not None or spec.method in ("none", "gguf"):
+        return
+    emb = model.model.embed_tokens.weight
+    head = nn.Linear(emb.shape[1], emb.shape[0], bias=False, device="meta")
+    layer = empty_quantized(spec, head.in_features, head.out_features, False, dtype=emb.dtype, device=emb.device)
+    layers.fill_from_weight(layer, emb.detach(), spec)
+    model.lm_head = layer
+
+
+def build_empty_quantized(config, dtype: torch.dtype, device, spec: QuantSpec, include_lm_head: bool = False,
+                          gguf_types: dict[str, str] | None = None):
+    """Like llmd.model.weights.build_empty, with quantized layers swapped in while the model is still on the meta
+    device, so no full-precision copy of the swapped weights is ever allocated. Returns (model, swapped layers)."""
+    from ..llama import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model = model.to(dtype=dtype)  # before the swap: scales and zeros stay fp32
+    swapped = swap_in_quantized(model, spec, include_lm_head, dtype=dtype, device="meta", gguf_types=gguf_types)
+    model = model.to_empty(device=device)
+    model.init_buffers(device)
+    return model.eval().requires_grad_(False), swapped

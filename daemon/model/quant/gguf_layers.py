@@ -1,0 +1,208 @@
+"""Layers that keep GGUF tensors packed: a linear layer, an embedding table and the tied output head.
+
+A GGUF weight of any type in llmd.kernels.gguf_blocks (Q4_K, Q5_K, Q6_K, Q5_0/1, IQ4, Q2_K/Q3_K, ...) stays the
+file's own block bytes, uint8 [N, row bytes], beside its GGML type name: resident bytes are the file's. Matmuls:
+- CPU, fp32 activations: the compiled kernel (llmd.kernels.cpu_gemm.gguf_layer_kernel) when it builds here;
+- otherwise (no C compiler, CUDA until its Triton kernel is wired in, other dtypes): the rows of the weight are
+  dequantized with the torch reference in bounded chunks per call and multiplied, so no fp32 copy is ever kept.
+Q4_0 / Q4_1 linear layers keep loading into llmd's int4 layers instead (an exact byte rearrangement,
+llmd.model.quant.gguf_blocks), whose tuned kernels they share with --quant int4; a tied Q8_0 token table becomes the
+int8 head.
+Projections that run side by side (q/k/v, gate/up) but differ in type, as Q4_K_M files have them (attn_v Q6_K next to
+Q4_K), fuse into a GGUFConcat of their GGUFLinears, so the model and the C layer stack see one matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from llmd.kernels import cpu_gemm
+from llmd.kernels import gguf_blocks as gb
+
+from ...errors import ModelFileError
+from .gguf_blocks import int8_from_q8_0
+from .layers import Int8Linear, Int8RowEmbedding, QuantizedLinear
+
+_CHUNK_ELEMENTS = 1 << 22  # weights dequantized at a time by the torch path (16 MiB of fp32)
+
+
+def _chunk_rows(k: int) -> int:
+    return max(1, _CHUNK_ELEMENTS // max(1, k))
+
+
+class GGUFLinear(QuantizedLinear):
+    """[..., in_features] -> [..., out_features] with the weight kept as GGUF blocks (`qweight`, uint8
+    [out, row bytes]) of `type_name`."""
+
+    def __init__(self, in_features: int, out_features: int, type_name: str, bias: bool = False,
+                 dtype: torch.dtype | None = None, device=None):
+        elems = gb.block_shape(type_name)[0]
+        super().__init__(in_features, out_features, bias, elems, dtype, device)
+        self.type_name = type_name
+        self.register_buffer("qweight", torch.empty(out_features, gb.row_bytes(type_name, in_features),
+                                                    dtype=torch.uint8, device=device))
+
+    def fill(self, blocks: torch.Tensor, name: str, source) -> None:
+        """Copy a tensor's block rows in, after checking they are this layer's shape (ModelFileError if not)."""
+        if tuple(blocks.shape) != tuple(self.qweight.shape):
+            raise ModelFileError(source, f"tensor {name!r} ({self.type_name}) has {tuple(blocks.shape)} block bytes, "
+                                         f"expected {tuple(self.qweight.shape)} for [{self.out_features}, "
+                                         f"{self.in_features}]")
+        self.qweight.copy_(blocks)
+        self._cpu_cache = {}
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return gb.dequantize_blocks(self.qweight, self.type_name)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            kernel = cpu_gemm.gguf_layer_kernel(self._cpu_cache, self.qweight, self.type_name, self.in_features)
+            if kernel is not None:
+                return kernel(x)
+        return self._chunked(x)
+
+    def _chunked(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T with W dequantized a bounded chunk of output rows at a time (the torch path)."""
+        y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        step = _chunk_rows(self.in_features)
+        for start in range(0, self.out_features, step):
+            rows = slice(start, min(self.out_features, start + step))
+            w = gb.dequantize_blocks(self.qweight[rows], self.type_name).to(x.dtype)
+            y[:, rows] = torch.matmul(x, w.t())
+        return y
+
+    @classmethod
+    def concat(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear | None":
+        """One layer for `layers` side by side: a GGUFLinear where they share a type, else a GGUFConcat."""
+        first = layers[0]
+        if any(type(m) is not cls or m.in_features != first.in_features
+               or (m.bias is None) != (first.bias is None) for m in layers):
+            return None
+        if any(m.type_name != first.type_name for m in layers):
+            return GGUFConcat(layers)
+        fused = cls(first.in_features, sum(m.out_features for m in layers), first.type_name, first.bias is not None,
+                    device="meta")
+        fused.qweight = torch.cat([m.qweight for m in layers])
+        if first.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias for m in layers]), requires_grad=False)
+        return fused
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, type={self.type_name}"
+
+
+class GGUFConcat(QuantizedLinear):
+    """GGUFLinears of different types computing side by side on one input (a fused q/k/v or gate/up): each part keeps
+    its own blocks and type, and its outputs are its own matmul's, column for column."""
+
+    def __init__(self, layers: list[GGUFLinear]):
+        first = layers[0]
+        super().__init__(first.in_features, sum(m.out_features for m in layers), first.bias is not None, 0,
+                         device="meta")
+        biases = [m.bias for m in layers]
+        for part in layers:
+            part.bias = None  # added once, after the parts' outputs are side by side
+        if biases[0] is not None:
+            self.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
+        self.parts = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        kernel = None
+        if x2.is_cpu and x2.dtype is torch.float32:
+            kernel = cpu_gemm.gguf_parts_kernel(self._cpu_cache, [(p.qweight, p.type_name) for p in self.parts],
+                                                self.in_features)
+        y = kernel(x2) if kernel is not None else torch.cat([p._matmul(x2) for p in self.parts], dim=-1)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return torch.cat([p.dequantized_weight() for p in self.parts])
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, types={[p.type_name for p in self.parts]}"
+
+
+class GGUFEmbedding(nn.Module):
+    """Token embeddings kept as GGUF blocks ([vocab, row bytes]); the looked-up rows are dequantized (exactly the
+    file's values) and cast to `dtype`."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, type_name: str, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.type_name, self.dtype = \
+            num_embeddings, embedding_dim, type_name, dtype
+        self.register_buffer("qweight", torch.empty(num_embeddings, gb.row_bytes(type_name, embedding_dim),
+                                                    dtype=torch.uint8, device=device))
+        self.head: list[GGUFLinear] = []  # the tied head sharing `qweight`, if any (a list: not a submodule)
+
+    fill = GGUFLinear.fill
+
+    @property
+    def out_features(self) -> int:  # for fill's message
+        return self.num_embeddings
+
+    @property
+    def in_features(self) -> int:
+        return self.embedding_dim
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        picked = self.qweight.index_select(0, ids)
+        rows = cpu_gemm.gguf_dequantize(picked, self.type_name) if picked.is_cpu else None  # C where it builds
+        if rows is None:
+            rows = gb.dequantize_blocks(picked, self.type_name)
+        return rows.to(self.dtype).view(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, type={self.type_name}"
+
+
+def tie_gguf_head(model: nn.Module, dtype: torch.dtype) -> bool:
+    """A tied model whose token table stayed packed (GGUFEmbedding) gets its output head from that very table:
+    Q8_0 as an int8 group-32 layer (its tuned kernels) that the embeddings then read from; any other type as a
+    GGUFLinear sharing the table's bytes. One copy of the table either way. Returns whether it tied a head."""
+    emb = model.model.embed_tokens
+    if getattr(model, "lm_head", "untied") is not None or not isinstance(emb, GGUFEmbedding):
+        return False
+    n, k = emb.num_embeddings, emb.embedding_dim
+    if emb.type_name == "Q8_0":
+        head = Int8Linear(k, n, bias=False, group_size=32, device=emb.qweight.device)
+        q, s = int8_from_q8_0(emb.qweight.numpy() if emb.qweight.is_cpu else emb.qweight.cpu().numpy(), n, k)
+        head.qweight, head.scales = q.to(head.qweight.device), s.to(head.scales.device)
+        model.lm_head = head
+        model.model.embed_tokens = Int8RowEmbedding(head, dtype)
+        return True
+    head = GGUFLinear(k, n, emb.type_name, bias=False, device="meta")
+    head.qweight = emb.qweight  # shared: the table is held once
+    emb.head = [head]
+    model.lm_head = head
+    return True
+
+
+def packed_weight_bytes(model: nn.Module) -> dict[str, int]:
+    """Resident bytes of the packed GGUF weights by type (shared tables counted once)."""
+    seen, out = set(), {}
+    for module in model.modules():
+        if isinstance(module, (GGUFLinear, GGUFEmbedding)):
+            t = module.qweight
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            out[module.type_name] = out.get(module.type_name, 0) + t.numel()
+    return out
+
+
+def dequantized_linear(layer: GGUFLinear) -> nn.Linear:
+    """An fp32 nn.Linear with the layer's exact weight values (tests and the quality script compare against it)."""
+    lin = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+    lin.weight = nn.Parameter(layer.dequantized_weight(), requires_grad=False)
+    if layer.bias is not None:
+        lin.bias = nn.Parameter(layer.bias.detach().to(torch.float32), requires_grad=False)
+    return lin
+
+
+def embedding_dequantized(emb: GGUFEmbedding) -> torch.Tensor:
+    return gb.dequantize_blocks(emb.qweight, emb.type_name)
+

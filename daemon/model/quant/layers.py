@@ -1,0 +1,274 @@
+"""The weight-only quantized linear layers (int8 per channel or per group, int4 group-wise) and building them.
+
+Where the matmul runs: CUDA + Triton -> the fused kernels in llmd.kernels; CPU with fp32 activations -> the compiled
+kernel llmd.kernels.cpu_gemm when it builds here; else on CPU torch's own int8/int4 weight kernels
+(torch._weight_int8pack_mm, torch._weight_int4pack_mm_for_cpu) where they beat fp32; otherwise dequantize + matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmd.kernels import cpu_gemm
+from llmd.kernels import quant_matmul as qmm
+
+from .bnb import _bnb_fill, _bnb_layer
+from .modes import DEFAULT_INT4_GROUP, QuantSpec, parse_quant
+from .quantize import quantize_int4, quantize_int8
+
+_cpu_kernel_fast: dict[str, bool] = {}
+
+
+def cpu_kernel_is_fast(kind: str) -> bool:
+    """Whether torch's CPU kernel for `kind` ("int8" / "int4") beats dequantize + fp32 matmul on this CPU.
+
+    torch's int4/int8 weight kernels are only vectorized for some CPUs (AVX-512); elsewhere they are far slower
+    than the fallback. Decided once per process by timing both on one 1024x1024 layer (a few milliseconds).
+    """
+    if kind not in _cpu_kernel_fast:
+        import time
+
+        torch.manual_seed(0)
+        layer = (Int8Linear if kind == "int8" else Int4Linear)(1024, 1024)
+        fill_from_weight(layer, torch.randn(1024, 1024), QuantSpec(kind, 0 if kind == "int8" else 64))
+        x = torch.randn(1, 1024)
+
+        def best(fn) -> float:
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                fn(x)
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        with torch.inference_mode():
+            try:
+                native = best(layer._native_cpu)
+            except RuntimeError:
+                native = float("inf")
+            _cpu_kernel_fast[kind] = native < best(layer._fallback)
+    return _cpu_kernel_fast[kind]
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    import llmd.kernels as kernels
+
+    return x.is_cuda and kernels.available()
+
+
+class QuantizedLinear(nn.Module):
+    """Base of the weight-only quantized layers: [..., in_features] -> [..., out_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int,
+                 dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
+            if bias else None
+        self._cpu_cache: dict = {}  # per activation dtype: scales cast once, prepacked forms for torch's CPU kernels
+
+    def _apply(self, fn, recurse=True):
+        self._cpu_cache = {}  # a move or cast invalidates the prepacked forms
+        return super()._apply(fn, recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        kernel = cpu_gemm.prepared_kernel(self._cpu_cache, self._buffers["qweight"])  # once _matmul prepared one
+        if kernel is not None and x.dim() == 2 and x.dtype is torch.float32 and x.is_cpu:
+            y = kernel(x)  # the decode path: 4 calls per layer and step, so no more Python than needed
+        else:
+            y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def dequantized_weight(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    @classmethod
+    def concat(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear | None":
+        """One layer computing `layers`' outputs side by side (same input; each output row keeps its own codes and
+        scales, so the values are unchanged), or None unless they are alike in kind, width, group and bias."""
+        first = layers[0]
+        if any(type(m) is not cls or m.in_features != first.in_features or m.group_size != first.group_size
+               or (m.bias is None) != (first.bias is None) for m in layers):
+            return None
+        fused = cls(first.in_features, sum(m.out_features for m in layers), first.bias is not None, first.group_size,
+                    device="meta")
+        for name, _ in list(fused.named_buffers()):
+            fused.register_buffer(name, torch.cat([getattr(m, name) for m in layers]))
+        if first.bias is not None:
+            fused.bias = nn.Parameter(torch.cat([m.bias for m in layers]), requires_grad=False)
+        return fused
+
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dequantized_weight().to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, group={self.group_size}"
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 weights [N, K] with scales [N, K / group_size] (group_size == K: per channel)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int | None = None,
+                 dtype: torch.dtype | None = None, device=None):
+        group_size = group_size or in_features
+        super().__init__(in_features, out_features, bias, group_size, dtype, device)
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, in_features // group_size,
+                                                   dtype=torch.float32, device=device))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return qmm.dequantize_int8(self.qweight, self.scales, self.group_size)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_triton(x):
+            scales = self._cpu_cache.get(("cuda", x.dtype))
+            if scales is None:
+                scales = self._cpu_cache[("cuda", x.dtype)] = self.scales.to(x.dtype)
+            return qmm.int8_matmul(x, self.qweight, scales, self.group_size)
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int8", self.qweight, self.scales, None, self.group_size)
+            if gemm is not None:
+                return gemm(x)
+        if x.device.type == "cpu" and self.group_size == self.in_features and cpu_kernel_is_fast("int8"):
+            return self._native_cpu(x)
+        return self._fallback(x)
+
+    def _native_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        scales = self._cpu_cache.get(x.dtype)
+        if scales is None:
+            scales = self._cpu_cache[x.dtype] = self.scales.view(-1).to(x.dtype).contiguous()
+        return torch._weight_int8pack_mm(x.contiguous(), self.qweight, scales)
+
+
+class Int4Linear(QuantizedLinear):
+    """int4 weights packed [N, K/2] with scales and zeros [N, K / group_size]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, group_size: int = DEFAULT_INT4_GROUP,
+                 dtype: torch.dtype | None = None, device=None):
+        if in_features % group_size:
+            raise ValueError(f"in_features {in_features} is not a multiple of the int4 group size {group_size}")
+        super().__init__(in_features, out_features, bias, group_size, dtype, device)
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, groups, dtype=torch.float32, device=device))
+        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=torch.float32, device=device))
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return qmm.dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_triton(x):
+            sz = self._cpu_cache.get(("cuda", x.dtype))
+            if sz is None:
+                sz = self._cpu_cache[("cuda", x.dtype)] = (self.scales.to(x.dtype), self.zeros.to(x.dtype))
+            return qmm.int4_matmul(x, self.qweight, sz[0], sz[1], self.group_size)
+        if x.device.type == "cpu" and x.dtype == torch.float32:
+            gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int4", self.qweight, self.scales, self.zeros,
+                                         self.group_size)
+            if gemm is not None:
+                return gemm(x)
+        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+                and cpu_kernel_is_fast("int4") and self._cpu_cache.get(x.dtype) is not False:
+            try:
+                return self._native_cpu(x)
+            except RuntimeError:  # torch cannot pack this layer (its kernel wants N % 16 == 0): dequantize
+                pass
+        return self._fallback(x)
+
+    def _native_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        packed = self._cpu_cache.get(x.dtype)
+        if packed is None:
+            packed = self._cpu_cache[x.dtype] = self._prepack_cpu(x.dtype)
+        if packed is False:
+            raise RuntimeError("torch has no CPU int4 kernel here")
+        weight, scale_zeros = packed
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight, self.group_size, scale_zeros)
+
+    def _prepack_cpu(self, dtype: torch.dtype):
+        """torch's CPU int4 kernel wants its own weight packing and [K/g, N, 2] (scale, zero) pairs."""
+        try:
+            values = qmm.unpack_int4(self.qweight).to(torch.int32)
+            weight = torch._convert_weight_to_int4pack_for_cpu(values, 1)
+            scale_zeros = torch.stack((self.scales, self.zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
+            return weight, scale_zeros
+        except (RuntimeError, AttributeError):  # an older torch without the op: dequantize instead
+            return False
+
+
+class Int8RowEmbedding(nn.Module):
+    """Token embeddings read from an int8 head's rows, dequantized on lookup: a tied table is kept once, as int8."""
+
+    def __init__(self, head: Int8Linear, dtype: torch.dtype):
+        super().__init__()
+        self.head = [head]  # a list, so the shared buffers are not registered (and counted) twice
+        self.dtype = dtype
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        head, ids = self.head[0], input_ids.reshape(-1)
+        scales = head.scales.index_select(0, ids).repeat_interleave(head.group_size, dim=-1)
+        rows = head.qweight.index_select(0, ids).to(torch.float32) * scales
+        return rows.to(self.dtype).view(*input_ids.shape, head.in_features)
+
+
+def quantize_linear(linear: nn.Module, mode: str | QuantSpec) -> nn.Module:
+    """A quantized copy of an nn.Linear (weight [out, in], optional bias). mode: int8 | int4[-gN] | bnb-*."""
+    spec = mode if isinstance(mode, QuantSpec) else parse_quant(mode)
+    weight = linear.weight.detach()
+    bias = getattr(linear, "bias", None)
+    layer = empty_quantized(spec, linear.in_features, linear.out_features, bias is not None,
+                            dtype=weight.dtype, device=weight.device)
+    if layer is None:
+        return linear
+    fill_from_weight(layer, weight, spec)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+    return layer
+
+
+def empty_quantized(spec: QuantSpec, in_features: int, out_features: int, bias: bool,
+                    dtype: torch.dtype | None = None, device=None) -> nn.Module | None:
+    """An unfilled quantized layer for `spec` (None for "none")."""
+    if spec.method == "int8":
+        return Int8Linear(in_features, out_features, bias, dtype=dtype, device=device)
+    if spec.method == "int4":
+        return Int4Linear(in_features, out_features, bias, spec.group_size, dtype=dtype, device=device)
+    if spec.method in ("bnb-int8", "bnb-nf4"):
+        return _bnb_layer(spec.method, in_features, out_features, bias, dtype)
+    return None
+
+
+def fill_from_weight(layer: nn.Module, weight: torch.Tensor, spec: QuantSpec) -> None:
+    """Quantize an fp weight [N, K] into a layer made by `empty_quantized`."""
+    if isinstance(layer, Int8Linear):
+        q, s = quantize_int8(weight)
+        layer.group_size = layer.in_features
+        layer.qweight = q.to(layer.qweight.device)
+        layer.scales = s.to(layer.scales.device)
+    elif isinstance(layer, Int4Linear):
+        fill_int4(layer, *quantize_int4(weight, layer.group_size))
+    else:
+        _bnb_fill(layer, weight, spec.method)
+    layer._cpu_cache = {} if isinstance(layer, QuantizedLinear) else None
+
+
+def fill_int4(layer: Int4Linear, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
+    """Store an already quantized weight (quantize_int4's or GPTQ's layout) in an int4 layer."""
+    layer.qweight.copy_(packed)
+    layer.scales.copy_(scales)
+    layer.zeros.copy_(zeros)
+    layer._cpu_cache = {}
+
+
+def quantized_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer (quantized layers keep their weights in buffers)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen or t.is_meta:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total

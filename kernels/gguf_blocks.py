@@ -1,0 +1,259 @@
+"""GGUF (GGML) quantized blocks as llmd keeps them, and a pure-torch reference dequantize.
+
+Layout: a packed GGUF weight stays the file's own bytes, a uint8 tensor [N, (K / block_elems) * block_bytes], one
+output row per line (row-major, as in the file), plus its GGML type name. Nothing is widened or repacked, so the
+resident bytes are the file's. Every kernel (the C CPU kernels in cpu_gemm.c, the Triton kernels) reads this layout
+and must dequantize to exactly `dequantize_blocks`' values, which equal `gguf.quants.dequantize` bit for bit (the same
+fp32 operations in the same order: scale products first, then `scale * q`, then the offset; no fused multiply-add).
+
+Per block (little-endian; d, dmin, m are fp16; "q[j]" is element j of the block):
+
+  type    elems bytes  fields (byte offsets)                                   value of element j
+  Q4_0    32    18     d@0 qs[16]@2                                            d * (nib(j) - 8)
+  Q4_1    32    20     d@0 m@2 qs[16]@4                                        (d * nib(j)) + m
+  Q5_0    32    22     d@0 qh(u32)@2 qs[16]@6                                  d * ((nib(j) | bit_j(qh) << 4) - 16)
+  Q5_1    32    24     d@0 m@2 qh(u32)@4 qs[16]@8                              (d * (nib(j) | bit_j(qh) << 4)) + m
+  Q8_0    32    34     d@0 qs(int8)[32]@2                                      q[j] * d
+  IQ4_NL  32    18     d@0 qs[16]@2                                            d * KVALUES[nib(j)]
+    nib(j): low nibble of qs[j] for j < 16, high nibble of qs[j - 16] otherwise
+  Q2_K    256   84     scales[16]@0 qs[64]@16 d@80 dmin@82                     (d*sc_s) * q - (dmin*mn_s), 16 per s
+                       j = 128h + 32t + l: q = qs[32h + l] >> 2t & 3; sc_s / mn_s = low / high nibble of scales[s]
+  Q3_K    256   110    hmask[32]@0 qs[64]@32 scales[12]@96 d@108               (d * sc_s) * q, 16 per s
+                       q = (qs bits as Q2_K) - 4 * (1 - (hmask[l] >> j // 32 & 1)), l = j % 32
+                       sc_s = 6 bits (low 4: scales[s % 8] >> 4 (s // 8), high 2: scales[8 + s % 4] >> 2 (s // 4))
+                              as int8 minus 32
+  Q4_K    256   144    d@0 dmin@2 scales[12]@4 qs[128]@16                      (d*sc_s) * q - (dmin*mn_s), 32 per s
+                       j = 64c + 32h + l: q = qs[32c + l] >> 4h & 15; (sc_s, mn_s): 6-bit pairs (scale_min_k4)
+  Q5_K    256   176    d@0 dmin@2 scales[12]@4 qh[32]@16 qs[128]@48            as Q4_K, q |= (qh[l] >> j // 32 & 1) << 4
+  Q6_K    256   210    ql[128]@0 qh[64]@128 scales(int8)[16]@192 d@208         (d * sc_s) * q, 16 per s
+                       j = 128h + 32t + l: q = (ql[64h + 32(t & 1) + l] >> 4(t >> 1) & 15
+                                           | (qh[32h + l] >> 2t & 3) << 4) - 32
+  IQ4_XS  256   136    d@0 scales_h(u16)@2 scales_l[4]@4 qs[128]@8             (d * sc_s) * KVALUES[q], 32 per s
+                       j = 32s + 16h + t: q = qs[16s + t] >> 4h & 15;
+                       sc_s = (scales_l[s // 2] >> 4 (s % 2) & 15 | (scales_h >> 2s & 3) << 4) - 32
+
+`scale_min_k4` (Q4_K, Q5_K), for sub-block s of 8 from the 12 bytes b: s < 4: sc = b[s] & 63, mn = b[s + 4] & 63;
+s >= 4: sc = b[s + 4] & 15 | (b[s - 4] >> 6) << 4, mn = b[s + 4] >> 4 | (b[s] >> 6) << 4.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QK_K = 256
+
+# GGML type name -> (elements per block, bytes per block)
+BLOCKS: dict[str, tuple[int, int]] = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "IQ4_NL": (32, 18),
+    "Q2_K": (QK_K, 84),
+    "Q3_K": (QK_K, 110),
+    "Q4_K": (QK_K, 144),
+    "Q5_K": (QK_K, 176),
+    "Q6_K": (QK_K, 210),
+    "IQ4_XS": (QK_K, 136),
+}
+PACKED_TYPES = tuple(BLOCKS)
+IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+
+
+def row_bytes(type_name: str, k: int) -> int:
+    """Bytes of one row of k elements; ValueError when k is not a whole number of the type's blocks."""
+    elems, nbytes = block_shape(type_name)
+    if k <= 0 or k % elems:
+        raise ValueError(f"a row of {k} elements is not a multiple of the {type_name} block ({elems} elements)")
+    return k // elems * nbytes
+
+
+def block_shape(type_name: str) -> tuple[int, int]:
+    try:
+        return BLOCKS[type_name]
+    except KeyError:
+        raise ValueError(f"{type_name} is not a packed GGUF type llmd keeps (known: {', '.join(BLOCKS)})") from None
+
+
+# ---- field helpers (all on [B, block_bytes] uint8 views) --------------------------------------------------------
+
+
+def _f16(b: torch.Tensor, offset: int) -> torch.Tensor:
+    """fp16 at byte `offset` of each block -> fp32 [B, 1]."""
+    return b[:, offset:offset + 2].contiguous().view(torch.float16).to(torch.float32)
+
+
+def _u32(b: torch.Tensor, offset: int) -> torch.Tensor:
+    """little-endian uint32 at `offset` -> int64 [B, 1]."""
+    v = b[:, offset:offset + 4].to(torch.int64)
+    return v[:, :1] | v[:, 1:2] << 8 | v[:, 2:3] << 16 | v[:, 3:4] << 24
+
+
+def _nibbles32(qs: torch.Tensor) -> torch.Tensor:
+    """[B, 16] bytes -> [B, 32] values: low nibbles are elements 0..15, high nibbles 16..31."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _bits(v: torch.Tensor, count: int) -> torch.Tensor:
+    """[B, 1] integers -> [B, count] of bit j (j = 0..count-1)."""
+    return (v >> torch.arange(count, dtype=v.dtype, device=v.device)) & 1
+
+
+def _crumbs(qs: torch.Tensor) -> torch.Tensor:
+    """[B, 64] bytes -> [B, 256] 2-bit values: element 128h + 32t + l is qs[32h + l] >> 2t & 3."""
+    b = qs.shape[0]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=qs.device).view(1, 1, 4, 1)
+    return ((qs.view(b, 2, 1, 32) >> shifts) & 3).reshape(b, QK_K)
+
+
+def scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: the 12 scale bytes [B, 12] -> (scales, mins) [B, 8] as integers 0..63."""
+    d, m, md = scales[:, 0:4], scales[:, 4:8], scales[:, 8:12]
+    sc = torch.cat((d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def _per_sub(values: torch.Tensor, scale: torch.Tensor, sub: int) -> torch.Tensor:
+    """values [B, 256] fp32, scale [B, 256 / sub] fp32 -> scale * values per sub-block (scale first, as gguf does)."""
+    b = values.shape[0]
+    return (scale.view(b, -1, 1) * values.view(b, -1, sub)).reshape(b, -1)
+
+
+# ---- per type: [B, block_bytes] uint8 -> [B, block_elems] fp32 ------------------------------------------------
+
+
+def _q4_0(b):
+    return _f16(b, 0) * (_nibbles32(b[:, 2:18]).to(torch.int8) - 8).to(torch.float32)
+
+
+def _q4_1(b):
+    return (_f16(b, 0) * _nibbles32(b[:, 4:20]).to(torch.float32)) + _f16(b, 2)
+
+
+def _q5_0(b):
+    q = _nibbles32(b[:, 6:22]).to(torch.int64) | (_bits(_u32(b, 2), 32) << 4)
+    return _f16(b, 0) * (q - 16).to(torch.float32)
+
+
+def _q5_1(b):
+    q = _nibbles32(b[:, 8:24]).to(torch.int64) | (_bits(_u32(b, 4), 32) << 4)
+    return (_f16(b, 0) * q.to(torch.float32)) + _f16(b, 2)
+
+
+def _q8_0(b):
+    return b[:, 2:34].contiguous().view(torch.int8).to(torch.float32) * _f16(b, 0)
+
+
+def _kvalues(device) -> torch.Tensor:
+    return torch.tensor(IQ4_KVALUES, dtype=torch.float32, device=device)
+
+
+def _iq4_nl(b):
+    return _f16(b, 0) * _kvalues(b.device)[_nibbles32(b[:, 2:18]).to(torch.int64)]
+
+
+def _q2_k(b):
+    scales = b[:, 0:16]
+    d, dmin = _f16(b, 80), _f16(b, 82)
+    q = _crumbs(b[:, 16:80]).to(torch.float32)
+    dl = d * (scales & 0x0F).to(torch.float32)
+    ml = dmin * (scales >> 4).to(torch.float32)
+    n = b.shape[0]
+    return (dl.view(n, 16, 1) * q.view(n, 16, 16) - ml.view(n, 16, 1)).reshape(n, QK_K)
+
+
+def _q3_k(b):
+    n = b.shape[0]
+    hmask, qs, sc_bytes = b[:, 0:32], b[:, 32:96], b[:, 96:108]
+    d = _f16(b, 108)
+    low = torch.cat((sc_bytes[:, 0:8] & 0x0F, sc_bytes[:, 0:8] >> 4), dim=-1)  # s = 0..15
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 4, 1)
+    high = ((sc_bytes[:, 8:12].view(n, 1, 4) >> shifts) & 3).reshape(n, 16)  # s = 4t + j
+    sc = ((low | (high << 4)).to(torch.int8) - 32).to(torch.float32)
+    dl = d * sc
+    hbits = (hmask.view(n, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1
+    q = _crumbs(qs).to(torch.int8) - ((hbits.reshape(n, QK_K) ^ 1) << 2).to(torch.int8)
+    return _per_sub(q.to(torch.float32), dl, 16)
+
+
+def _k4_values(b, ql_bytes: torch.Tensor) -> torch.Tensor:
+    """Q4_K / Q5_K low nibbles: element 64c + 32h + l is ql[32c + l] >> 4h & 15 -> [B, 256] uint8."""
+    n = b.shape[0]
+    v = ql_bytes.view(n, 4, 1, 32) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(1, 1, 2, 1)
+    return (v & 0x0F).reshape(n, QK_K)
+
+
+def _k_scaled(b, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d, dmin = _f16(b, 0), _f16(b, 2)
+    sc, mn = scale_min_k4(scales)
+    dd = (d * sc.to(torch.float32)).view(n, 8, 1)
+    dm = (dmin * mn.to(torch.float32)).view(n, 8, 1)
+    return (dd * q.to(torch.float32).view(n, 8, 32) - dm).reshape(n, QK_K)
+
+
+def _q4_k(b):
+    return _k_scaled(b, _k4_values(b, b[:, 16:144]), b[:, 4:16])
+
+
+def _q5_k(b):
+    n = b.shape[0]
+    qh = b[:, 16:48]
+    hbits = (qh.view(n, 1, 32) >> torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 8, 1)) & 1
+    q = _k4_values(b, b[:, 48:176]) | (hbits.reshape(n, QK_K) << 4)
+    return _k_scaled(b, q, b[:, 4:16])
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql, qh = b[:, 0:128], b[:, 128:192]
+    sc = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
+    d = _f16(b, 208) * sc
+    low = (ql.view(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(1, 1, 2, 1)) & 0x0F
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device).view(1, 1, 4, 1)
+    high = (qh.view(n, 2, 1, 32) >> shifts) & 3
+    q = (low.reshape(n, QK_K) | (high.reshape(n, QK_K) << 4)).to(torch.int8) - 32
+    return _per_sub(q.to(torch.float32), d, 16)
+
+
+def _iq4_xs(b):
+    n = b.shape[0]
+    d = _f16(b, 0)
+    sh = b[:, 2:4].to(torch.int64)
+    sh = sh[:, :1] | sh[:, 1:2] << 8
+    sl = b[:, 4:8]
+    low = torch.stack((sl & 0x0F, sl >> 4), dim=-1).reshape(n, 8).to(torch.int64)
+    high = (sh >> (2 * torch.arange(8, dtype=torch.int64, device=b.device))) & 3
+    sc = ((low | (high << 4)).to(torch.int8) - 32).to(torch.float32)
+    qs = b[:, 8:136].reshape(n, 8, 16)
+    idx = torch.cat((qs & 0x0F, qs >> 4), dim=-1).reshape(n, QK_K).to(torch.int64)
+    return _per_sub(_kvalues(b.device)[idx], d * sc, 32)
+
+
+_DEQUANT = {
+    "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "IQ4_NL": _iq4_nl,
+    "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_XS": _iq4_xs,
+}
+
+
+def dequantize_blocks(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
+    """uint8 blocks [N, (K / block_elems) * block_bytes] of `type_name` -> fp32 [N, K], bit-exact with
+    gguf.quants.dequantize. A 1-D tensor is one row."""
+    elems, nbytes = block_shape(type_name)
+    if blocks.dtype is not torch.uint8:
+        raise ValueError(f"GGUF blocks must be uint8, not {blocks.dtype}")
+    rows = blocks.reshape(1, -1) if blocks.dim() == 1 else blocks
+    if rows.dim() != 2 or rows.shape[1] % nbytes:
+        raise ValueError(f"{type_name} rows of {rows.shape[-1]} bytes are not whole {nbytes}-byte blocks")
+    n, nb = rows.shape[0], rows.shape[1] // nbytes
+    if n == 0 or nb == 0:
+        return torch.empty(n, nb * elems, dtype=torch.float32, device=blocks.device)
+    out = _DEQUANT[type_name](rows.contiguous().view(n * nb, nbytes))
+    return out.reshape(n, nb * elems)
+
+
+def dequantize_rows(blocks: torch.Tensor, type_name: str, rows: torch.Tensor | slice) -> torch.Tensor:
+    """Only the selected rows (an index tensor or a slice) dequantized: embeddings and bounded chunks."""
+    return dequantize_blocks(blocks[rows], type_name)

@@ -1,0 +1,134 @@
+"""The compiled CPU matmul straight from GGUF blocks (llmd.kernels.cpu_gemm.gguf_matmul, GGUFKernel): the weights it
+dequantizes inside are the reference's (llmd.kernels.gguf_blocks, itself gguf's) bit for bit, on every path (one row,
+row tiles, rows in vector lanes) and in the portable build; its products match the torch reference; a row's output is
+bitwise the same whatever the batch, its position and the thread count.
+
+Where no C compiler exists the functions return None; the tests then check that branch instead of skipping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gguf_blocks import random_blocks
+
+from llmd.kernels import cpu_gemm
+from llmd.kernels import gguf_blocks as gb
+
+HAVE_KERNEL = cpu_gemm.available()
+TYPES = list(gb.BLOCKS)
+ROWS = [1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 70]
+
+
+def _weights(type_name: str, n: int = 29, k: int | None = None, seed: int = 0) -> tuple[torch.Tensor, int]:
+    elems = gb.BLOCKS[type_name][0]
+    k = k or (2 * elems if elems == 256 else 6 * elems)
+    return torch.from_numpy(random_blocks(type_name, n, k, seed=seed, scale=0.002)), k
+
+
+def _x(m: int, k: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return (t + 0.0).view(torch.int32)  # + 0.0: -0 and +0 are one value of a product sum
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_c_dequantize_is_the_reference_bit_for_bit(type_name):
+    q, k = _weights(type_name)
+    got = cpu_gemm.gguf_dequantize(q, type_name)
+    if not HAVE_KERNEL:
+        assert got is None
+        return
+    assert torch.equal(got.view(torch.int32), gb.dequantize_blocks(q, type_name).view(torch.int32))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_weights_inside_the_matmul_are_the_reference_values(type_name):
+    """One-hot activations pick single weights out of the matmul: y[m, n] = w[n, k_m] exactly, on each path."""
+    q, k = _weights(type_name, n=21)
+    ref = gb.dequantize_blocks(q, type_name)
+    picks = torch.randperm(k, generator=torch.Generator().manual_seed(2))
+    for m in (1, 4, k):  # one row, row tiles, rows in vector lanes
+        cols = picks[:m] if m < k else torch.arange(k)
+        x = torch.zeros(m, k)
+        x[torch.arange(m), cols] = 1.0
+        y = cpu_gemm.gguf_matmul(x, q, type_name)
+        if not HAVE_KERNEL:
+            assert y is None
+            return
+        assert torch.equal(_bits(y), _bits(ref[:, cols].t().contiguous()))
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_matches_reference(type_name):
+    q, k = _weights(type_name, n=37)
+    w = gb.dequantize_blocks(q, type_name)
+    for m in ROWS:
+        x = _x(m, k, seed=m)
+        y = cpu_gemm.gguf_matmul(x, q, type_name)
+        if not HAVE_KERNEL:
+            assert y is None
+            return
+        torch.testing.assert_close(y, x @ w.t(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q5_K", "Q4_0", "IQ4_XS", "Q2_K"])
+def test_row_results_do_not_depend_on_the_batch(type_name):
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights(type_name, n=45)
+
+    def mm(x, threads=None):
+        return cpu_gemm.gguf_matmul(x, q, type_name, threads=threads)
+
+    x = _x(70, k)
+    full = mm(x)
+    for i in (0, 5, 69):
+        assert torch.equal(mm(x[i:i + 1]), full[i:i + 1])
+    for m in (2, 3, 4, 5, 9, 16, 17, 64):
+        assert torch.equal(mm(x[70 - m:]), full[70 - m:])
+    picked = [3, 40, 7, 66, 12]
+    assert torch.equal(mm(x[picked]), full[picked])
+    assert torch.equal(mm(x, threads=1), full) and torch.equal(mm(x, threads=3), full)
+    assert torch.equal(mm(x[:1], threads=3), full[:1]) and torch.equal(mm(x[:7], threads=2), full[:7])
+
+
+def test_layer_kernel_is_cached_and_follows_a_replaced_buffer():
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights("Q4_K")
+    cache: dict = {}
+    kernel = cpu_gemm.gguf_layer_kernel(cache, q, "Q4_K", k)
+    assert kernel is not None and cpu_gemm.gguf_layer_kernel(cache, q, "Q4_K", k) is kernel
+    q2 = q.clone()
+    assert cpu_gemm.gguf_layer_kernel(cache, q2, "Q4_K", k) is not kernel
+
+
+def test_bad_shapes_raise():
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights("Q6_K")
+    with pytest.raises(ValueError, match=r"\[M, 512\]"):
+        cpu_gemm.gguf_matmul(_x(2, 256), q, "Q6_K")
+    with pytest.raises(ValueError, match="do not hold"):
+        cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q[:, :-1], "Q6_K")], k)
+
+
+def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
+    """The scalar code (built without SIMD flags): the same dequantized values, products close to the reference and
+    rows independent of the batch."""
+    if not HAVE_KERNEL:
+        return
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    lib = cpu_gemm._bind(cpu_gemm._build(cpu_gemm._compiler(), cpu_gemm._BASE_FLAGS + ["-fopenmp"]))
+    assert lib.llmd_cpu_gemm_simd() == 0
+    for type_name in TYPES:
+        q, k = _weights(type_name, n=19)
+        w = gb.dequantize_blocks(q, type_name)
+        assert torch.equal(cpu_gemm._gguf_dequant(lib, q, type_name, k).view(torch.int32), w.view(torch.int32))
+        kernel = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k)
+        x = _x(20, k)
+        full = kernel(x, 2)
+        torch.testing.assert_close(full, x @ w.t(), rtol=1e-4, atol=1e-4)
+        assert torch.equal(kernel(x[3:4], 1), full[3:4])
