@@ -641,7 +641,9 @@ ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/llmd/stats"), ("
           ("POST", "/api/generate"), ("GET", "/api/tags"), ("POST", "/api/show"), ("GET", "/api/ps"),
           ("GET", "/api/version"), ("GET", "/"), ("POST", "/completion"), ("POST", "/infill"), ("POST", "/tokenize"),
           ("POST", "/detokenize"), ("GET", "/props"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
-          ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1")]
+          ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
+          ("POST", "/v1/embeddings"), ("POST", "/api/embed"), ("POST", "/api/embeddings"), ("POST", "/embedding"),
+          ("POST", "/embeddings")]
 
 
 async def test_host_and_origin_checked_on_every_route(daemon):

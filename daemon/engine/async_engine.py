@@ -26,7 +26,7 @@ from collections import deque
 from ..errors import EngineDead, InvalidRequest, QueueFull
 from .engine import Engine
 from .grammar import COMPILE_TIMEOUT_S, CompiledGrammar
-from .types import Constraint, ConstraintError, FinishReason, Priority, RequestOutput, SamplingParams
+from .types import Constraint, ConstraintError, EmbedParams, FinishReason, Priority, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,10 @@ class AsyncEngine:
         return self.engine.loaded
 
     @property
+    def max_embed_tokens(self) -> int:
+        return self.engine.max_embed_tokens
+
+    @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
@@ -129,7 +133,9 @@ class AsyncEngine:
 
     # ---- requests (event loop thread) -------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
-               priority: Priority = Priority.INTERACTIVE, request_id: str | None = None) -> RequestStream:
+               priority: Priority = Priority.INTERACTIVE, request_id: str | None = None,
+               embed: EmbedParams | None = None) -> RequestStream:
+        """Queue a request; embed: an embedding request instead (see embed())."""
         if self.error is not None:
             raise EngineDead(f"the engine stopped after an internal error: {self.error}")
         if self._thread is None:
@@ -137,9 +143,9 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidRequest(f"request id {request_id!r} is already in use", field="request_id")
-        self.engine.check_request(prompt_token_ids, params)
+        self.engine.check_request(prompt_token_ids, params, embed)
         grammar = None
-        if params.constraint is not None:
+        if params.constraint is not None and embed is None:
             grammar = self._grammar(params.constraint)
             if grammar.done() and grammar.exception() is not None:
                 raise grammar.exception()
@@ -152,11 +158,32 @@ class AsyncEngine:
             stream = RequestStream(request_id, self, self.stream_buffer)
             self._streams[request_id] = stream
             self._commands.append(("add", request_id, list(prompt_token_ids), params, priority, time.monotonic(),
-                                   grammar))
+                                   grammar, embed))
         if grammar is not None and not grammar.done():
             grammar.add_done_callback(lambda _f: self._wake.set())
         self._wake.set()
         return stream
+
+    async def embed(self, token_ids: list[int], normalize: bool = True, pooling: str | None = None,
+                    dimensions: int | None = None, priority: Priority = Priority.INTERACTIVE) -> list[float]:
+        """The pooled final hidden states of token_ids (the model's own pooling unless `pooling` is given).
+
+        The prompt runs through the scheduler as a prefill-only sequence under the same token budget as generation
+        (chunked like any prompt); its blocks are freed when it finishes. Raises InvalidRequest / QueueFull /
+        EngineDead as submit() does, and RuntimeError when the engine failed it; cancelling aborts it."""
+        params = EmbedParams(pooling or self.engine.loaded.config.pooling, normalize, dimensions)
+        stream = self.submit(token_ids, SamplingParams(max_tokens=1), priority, embed=params)
+        try:
+            async for out in stream:
+                if out.error:
+                    raise RuntimeError(out.error)
+                if out.finished:
+                    if out.embedding is None:
+                        raise RuntimeError("the embedding request ended without a vector")
+                    return out.embedding
+        finally:
+            stream.abort()  # a no-op once finished; a cancelled caller's request leaves the engine
+        raise RuntimeError("the embedding request ended without a vector")
 
     async def compile_constraint(self, constraint: Constraint) -> None:
         """Compile a constraint off the event loop (cached for the submit that follows); raises ConstraintError when
@@ -214,7 +241,7 @@ class AsyncEngine:
         now = time.monotonic()
         for cmd in commands:
             if cmd[0] == "add":
-                _, rid, prompt, params, priority, arrival, grammar = cmd
+                _, rid, prompt, params, priority, arrival, grammar, embed = cmd
                 if grammar is not None and not grammar.done():
                     if now - arrival < COMPILE_TIMEOUT_S:
                         self._grammar_wait.append(cmd)  # not ready: the step loop goes on without it
@@ -224,7 +251,8 @@ class AsyncEngine:
                                               f"{COMPILE_TIMEOUT_S:.0f} s to compile; simplify it")
                 try:
                     compiled = _compiled(grammar)
-                    self.engine.add_request(rid, prompt, params, priority, arrival=arrival, grammar=compiled)
+                    self.engine.add_request(rid, prompt, params, priority, arrival=arrival, grammar=compiled,
+                                            embed=embed)
                 except (InvalidRequest, QueueFull) as e:
                     failed.append(RequestOutput(rid, [], "", finished=True, finish_reason=FinishReason.ABORT,
                                                 error=str(e)))

@@ -19,11 +19,12 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .accept import accept
 from .grammar import CompiledGrammar, GrammarCompiler, step_masks
+from .pooling import pool
 from .runner import ModelRunner, sequences_that_fit
 from .scheduler import Scheduler, ScheduledSeq
 from .sequence import Sequence
 from .stop import StopStringMatcher
-from .types import FinishReason, Priority, RequestOutput, RequestTimings, SamplingParams, TokenLogprob
+from .types import EmbedParams, FinishReason, Priority, RequestOutput, RequestTimings, SamplingParams, TokenLogprob
 
 LATENCY_WINDOW = 1000  # finished requests kept for percentiles
 THROUGHPUT_WINDOW_S = 10.0
@@ -96,15 +97,13 @@ class Engine:
                                    proposer=self.speculator)
 
     # ---- requests ---------------------------------------------------------------------------------------------
-    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                      embed: EmbedParams | None = None) -> None:
         """Raise InvalidRequest for anything that could never be served. Pure: safe from any thread."""
+        if embed is not None:
+            return self._check_embed(prompt_token_ids, embed)
         params.validate()
-        if not prompt_token_ids:
-            raise InvalidRequest("the prompt is empty", field="prompt")
-        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequest(f"prompt token id {bad!r} is outside the vocabulary (size {self.vocab_size})",
-                                 field="prompt")
+        self._check_tokens(prompt_token_ids)
         max_len = self.config.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise InvalidRequest(
@@ -118,13 +117,37 @@ class Engine:
                 f"the request needs up to {longest} tokens of KV cache but the pool holds only {fits}; "
                 "lower max_tokens or the prompt length", field="max_tokens")
 
+    @property
+    def max_embed_tokens(self) -> int:
+        """The longest input an embedding request may have: the context, or the KV pool when that is smaller."""
+        return min(self.config.max_model_len, self.block_manager.num_blocks * self.config.block_size)
+
+    def _check_embed(self, prompt_token_ids: list[int], embed: EmbedParams) -> None:
+        embed.validate()
+        self._check_tokens(prompt_token_ids)
+        limit = self.max_embed_tokens
+        if len(prompt_token_ids) > limit:
+            raise InvalidRequest(f"the input has {len(prompt_token_ids)} tokens; this model embeds at most {limit}",
+                                 field="input")
+        if embed.dimensions is not None and embed.dimensions > self.loaded.config.hidden_size:
+            raise InvalidRequest(f"dimensions must be at most {self.loaded.config.hidden_size}", field="dimensions")
+
+    def _check_tokens(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise InvalidRequest("the prompt is empty", field="prompt")
+        bad = next((t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"prompt token id {bad!r} is outside the vocabulary (size {self.vocab_size})",
+                                 field="prompt")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: Priority = Priority.INTERACTIVE, arrival: float | None = None,
-                    grammar: CompiledGrammar | None = None) -> None:
-        """grammar: params.constraint compiled already (AsyncEngine does it off this thread); None compiles here."""
+                    grammar: CompiledGrammar | None = None, embed: EmbedParams | None = None) -> None:
+        """grammar: params.constraint compiled already (AsyncEngine does it off this thread); None compiles here.
+        embed: an embedding request (params are then unused): its one output carries the pooled vector."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", field="request_id")
-        self.check_request(prompt_token_ids, params)
+        self.check_request(prompt_token_ids, params, embed)
         matcher = None
         if params.constraint is not None:
             matcher = (grammar or self.grammars.compile(params.constraint)).matcher()
@@ -134,10 +157,10 @@ class Engine:
         timings = RequestTimings(arrival=time.monotonic() if arrival is None else arrival,
                                  num_prompt_tokens=len(prompt_token_ids))
         generator = None
-        if not params.greedy:
+        if not params.greedy and embed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        seq = Sequence(request_id, prompt_token_ids, params, priority, timings, generator, matcher)
+        seq = Sequence(request_id, prompt_token_ids, params, priority, timings, generator, matcher, embed)
         self.requests[request_id] = seq
         self._text[request_id] = _TextState(self.tokenizer, params.stop)
         self.prompt_tokens_total += len(prompt_token_ids)
@@ -178,11 +201,14 @@ class Engine:
             if s.spec:
                 kv_tokens[id(s.seq)] = self._keep_verified(s, len(run) - 1)
         bm = self.block_manager
+        now = time.monotonic()
         for s in plan.scheduled:
             seq = s.seq
+            if s.pools:
+                outputs += self._keep_hidden(s, now)
+                continue  # an embedding's KV is dropped when it finishes: never registered in the prefix cache
             bm.register_full_blocks(seq.block_ids, seq.block_hashes, kv_tokens.get(id(seq), seq.token_ids),
                                     seq.num_computed_tokens)
-        now = time.monotonic()
         emitted = 0
         for s, run, lps in zip(sampled, runs, logprobs):
             before = s.seq.num_tokens
@@ -195,6 +221,19 @@ class Engine:
         with self._stats_lock:
             self._throughput.append((now, emitted))
         return outputs
+
+    def _keep_hidden(self, s: ScheduledSeq, now: float) -> list[RequestOutput]:
+        """Keep an embedding chunk's hidden states; after the last chunk, pool them and finish the request."""
+        seq = s.seq
+        seq.hidden_chunks.append(s.hidden)
+        if seq.num_computed_tokens < seq.num_tokens:
+            return []
+        vector = pool(seq.hidden_chunks, seq.embed)
+        seq.hidden_chunks = []
+        seq.timings.first_token = now  # the end of its prefill
+        out = self._finish(seq, FinishReason.STOP, now)
+        out.embedding = vector
+        return [out]
 
     def _keep_verified(self, s: ScheduledSeq, num_accepted: int) -> list[int]:
         """Keep the KV of the accepted proposals only (the forward wrote all k); returns the tokens with KV."""

@@ -22,6 +22,10 @@ from .scheduler import ScheduledSeq
 
 log = logging.getLogger(__name__)
 
+# CPU BLAS picks another kernel (another summation order) for a matmul of fewer rows than this, so a step that pools
+# embeddings is padded up to it: an input's vector is then bit-identical alone or in a batch (tests/test_embed.py).
+MIN_POOLING_ROWS = 16
+
 
 def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     """Bytes of one block across all layers: K and V, plus the int8 cache's per-token scales."""
@@ -87,8 +91,9 @@ class ModelRunner:
         if graph_capture is not None and (why := graph_blocker(self.model)) is not None:
             log.info("CUDA graphs off: %s", why)
             graph_capture = None
-        # the block manager hands out blocks 0..num_blocks-1; graphs' padding rows write to one more
-        pool_blocks = self.num_blocks + (1 if graph_capture is not None else 0)
+        # the block manager hands out blocks 0..num_blocks-1; padding rows (graphs', embedding steps') write to one more
+        self.scratch_block = self.num_blocks
+        pool_blocks = self.num_blocks + 1
         c = self.model_config
         self.kv_caches = allocate_kv_cache(
             c.num_hidden_layers, pool_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
@@ -111,8 +116,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
         """Run the batch; return fp32 logits [rows, vocab]: for each scheduled chunk that samples, its last
-        `num_logits` positions (one, or 1 + k for a speculative proposal of k), in the order of `scheduled`."""
-        if self.graphs is not None and self.graphs.can_run(scheduled):
+        `num_logits` positions (one, or 1 + k for a speculative proposal of k), in the order of `scheduled`.
+        An embedding chunk (`s.pools`) gets the final hidden states of all its positions in `s.hidden` instead."""
+        if self.graphs is not None and not any(s.pools for s in scheduled) and self.graphs.can_run(scheduled):
             logits = self.graphs.execute(scheduled)
             if logits is not None:
                 return logits
@@ -124,9 +130,12 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        pooled: list[tuple[ScheduledSeq, int]] = []  # embedding chunks and their first row
         for s in scheduled:
             seq = s.seq
             start = seq.num_computed_tokens
+            if s.pools:
+                pooled.append((s, len(input_ids)))
             input_ids.extend(seq.token_ids[start : start + s.num_new_tokens])
             input_ids.extend(s.spec)  # a speculative proposal runs right after its decode token
             n = s.num_tokens
@@ -137,10 +146,19 @@ class ModelRunner:
             if s.samples:
                 end = len(input_ids)
                 sample_rows.extend(range(end - min(s.num_logits, n), end))
+        if pooled and len(input_ids) < MIN_POOLING_ROWS:  # a padding query of its own, on the scratch block
+            pad = MIN_POOLING_ROWS - len(input_ids)
+            input_ids.extend([0] * pad)
+            positions.extend(range(pad))
+            query_lens.append(pad)
+            seq_lens.append(pad)
+            tables.append([self.scratch_block] * -(-pad // self.block_size))
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.kv_caches, meta)
+        for s, first in pooled:
+            s.hidden = hidden[first : first + s.num_new_tokens].clone()
         if not sample_rows:
             return hidden.new_empty((0, self.model_config.vocab_size), dtype=torch.float32)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)

@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, PrefixMatch
 from .sequence import Sequence, SeqStatus
 from .types import Priority
 
@@ -50,11 +50,22 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens of seq.token_ids[num_computed_tokens:] processed this step
     spec: list[int] = field(default_factory=list)  # proposed tokens fed after them (a decode), verified this step
     draft_probs: "torch.Tensor | None" = None  # the proposal's draft distributions [k, V]; None = point mass
+    hidden: "torch.Tensor | None" = None  # an embedding chunk's final hidden states [n, hidden], set by the runner
+
+    @property
+    def completes(self) -> bool:
+        """Whether this chunk reaches the end of the token list."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the end of the token list, so the step yields a new token."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        """Whether the step yields a new token for this chunk (it completes the list of a generating sequence)."""
+        return self.seq.embed is None and self.completes
+
+    @property
+    def pools(self) -> bool:
+        """Whether the forward's hidden states of this chunk are kept: an embedding request's chunk."""
+        return self.seq.embed is not None
 
     @property
     def num_tokens(self) -> int:
@@ -230,8 +241,9 @@ class Scheduler:
         """Reuse cached prefix blocks and reserve blocks for every remaining token of seq."""
         bm = self.bm
         total = bm.blocks_needed(seq.num_tokens)
-        # Leave at least one token to compute: its forward yields the logits of the next token.
-        match = bm.match_prefix(seq.token_ids, seq.num_tokens - 1)
+        # Leave at least one token to compute: its forward yields the logits of the next token. An embedding
+        # request computes every position (mean pooling needs them all), so it takes nothing from the cache.
+        match = bm.match_prefix(seq.token_ids, seq.num_tokens - 1) if seq.embed is None else PrefixMatch()
         fresh = total - match.num_blocks
         if fresh > bm.num_free_blocks - bm.num_evictable_in(match.block_ids):
             return False
@@ -239,7 +251,8 @@ class Scheduler:
         seq.block_ids = match.block_ids + bm.allocate(fresh)
         seq.block_hashes = list(match.hashes)
         seq.num_computed_tokens = match.num_blocks * bm.block_size
-        bm.record_query(seq.num_tokens, seq.num_computed_tokens)
+        if seq.embed is None:
+            bm.record_query(seq.num_tokens, seq.num_computed_tokens)
         if not seq.admitted_once:
             seq.timings.num_cached_tokens = seq.num_computed_tokens
             seq.admitted_once = True

@@ -5,6 +5,8 @@ generated token) and `num_computed_tokens` (how many of them have K/V in the cac
 `token_ids[num_computed_tokens:]`, is what the next forward must process; when that forward reaches the end of the
 list, a new token is sampled. Prefill, chunked prefill, decode and recompute after preemption are all this one rule,
 and speculative decoding runs a proposal after the last token and keeps the KV of what verification accepted.
+An embedding request is the same rule stopped at the end of the prompt: its last chunk yields a pooled vector
+instead of a token, and the sequence finishes there.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .types import FinishReason, Priority, RequestTimings, SamplingParams, TokenLogprob
+from .types import EmbedParams, FinishReason, Priority, RequestTimings, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from .grammar import GrammarMatcher
@@ -39,6 +41,7 @@ class Sequence:
         timings: RequestTimings,
         generator: torch.Generator | None = None,
         grammar: "GrammarMatcher | None" = None,
+        embed: EmbedParams | None = None,
     ):
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
@@ -55,6 +58,10 @@ class Sequence:
         self.grammar = grammar  # the output's grammar state: it has consumed exactly the output tokens
         self.finish_reason: FinishReason | None = None
         self.admitted_once = False
+        # An embedding request: prefill only, no token is sampled; each chunk's final hidden states are kept until
+        # the last chunk, then pooled (engine/pooling.py). It neither reads nor fills the prefix cache.
+        self.embed = embed
+        self.hidden_chunks: list[torch.Tensor] = []
         # Output not yet handed to the caller (filled by the engine after sampling).
         self.pending_token_ids: list[int] = []
         self.pending_logprobs: list[TokenLogprob] = []

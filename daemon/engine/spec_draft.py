@@ -88,6 +88,7 @@ class DraftSeq:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
+        self.embed = None  # never an embedding request (ScheduledSeq reads it)
 
     @property
     def num_tokens(self) -> int:

@@ -94,6 +94,28 @@ class SamplingParams:
         return self
 
 
+POOLING_KINDS = ("mean", "last", "cls")
+
+
+@dataclass(frozen=True)
+class EmbedParams:
+    """An embedding request: a prefill-only sequence whose final hidden states are pooled into one vector.
+
+    pooling: mean over the positions, the last position's state (decoder embedding models such as Qwen3-Embedding)
+    or the first one's; dimensions: keep the first n components (Matryoshka models) before normalizing."""
+
+    pooling: str = "mean"
+    normalize: bool = True
+    dimensions: int | None = None
+
+    def validate(self) -> "EmbedParams":
+        if self.pooling not in POOLING_KINDS:
+            raise InvalidRequest(f"pooling must be one of {', '.join(POOLING_KINDS)}", field="pooling")
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or self.dimensions < 1):
+            raise InvalidRequest("dimensions must be a positive integer", field="dimensions")
+        return self
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
@@ -190,6 +212,7 @@ class RequestOutput:
     timings: RequestTimings | None = None
     error: str | None = None  # set when the request failed inside the engine
     stop_reason: str | int | None = None  # on STOP: the stop string or stop token id that ended it (None: EOS)
+    embedding: list[float] | None = None  # an embedding request's vector (its one, final output)
 
     def merge(self, later: "RequestOutput") -> "RequestOutput":
         """One output equivalent to this one followed by `later` (the same request's next increment): tokens,

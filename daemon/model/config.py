@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelFileError, UnsupportedArchitecture
+from .pooling import DEFAULT_POOLING, POOLING_KINDS, hf_folder_pooling, matryoshka_dimensions
 
 # HF architecture name -> the variant switches of our one decoder implementation. attention_bias None means "read
 # config.json's attention_bias"; True/False is what transformers hard-codes for that architecture.
@@ -48,6 +49,8 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     mlp_bias: bool = False
     torch_dtype: str | None = None  # dtype the checkpoint was saved in, for display only
+    pooling: str = "mean"  # how embeddings are pooled (llmd.model.pooling): mean | last | cls
+    matryoshka_dimensions: list[int] | None = None  # sizes an embedding may be cut to (None: the full size only)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -71,6 +74,8 @@ class ModelConfig:
                     f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
                 )
         self.eos_token_ids = [int(i) for i in self.eos_token_ids]
+        if self.pooling not in POOLING_KINDS:
+            self.pooling = DEFAULT_POOLING
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -124,6 +129,8 @@ class ModelConfig:
             eos_token_ids=_merge_eos(cfg.get("eos_token_id"), (generation_config or {}).get("eos_token_id")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+            pooling=str(cfg.get("llmd_pooling", "mean")),
+            matryoshka_dimensions=matryoshka_dimensions(cfg, int(cfg["hidden_size"])),
         )
 
     @classmethod
@@ -132,7 +139,7 @@ class ModelConfig:
         cfg = read_json(folder / "config.json")
         gen_path = folder / "generation_config.json"
         gen = read_json(gen_path) if gen_path.exists() else None
-        return cls.from_hf_config(cfg, gen)
+        return cls.from_hf_config({**cfg, "llmd_pooling": hf_folder_pooling(folder)}, gen)
 
 
 def rope_type_of(scaling: dict) -> str:

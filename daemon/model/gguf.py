@@ -29,6 +29,7 @@ import torch
 from llmd.kernels import gguf_blocks as gb
 
 from ..errors import ModelFileError, UnsupportedArchitecture
+from .pooling import gguf_pooling
 
 log = logging.getLogger(__name__)
 
@@ -444,6 +445,7 @@ def hf_config_dict(meta: dict, tensor_names: set[str], path: Path) -> dict:
         for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         if meta.get(k) is not None
     ]
+    cfg["llmd_pooling"] = gguf_pooling(meta)  # not a Hugging Face key: read by ModelConfig.from_hf_config
     cfg["bos_token_id"] = None if bos is None else int(bos)
     cfg["eos_token_id"] = list(dict.fromkeys(eos_ids))
     return cfg

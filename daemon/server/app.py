@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import anthropic, llamacpp, ollama, openai, responses_api
+from . import anthropic, embeddings, llamacpp, ollama, openai, responses_api
 from .core import LEASES, STATE, ServerState, state_of
 from .responses import dialect_for_path, error_response, timings_dict
 from .security import SecurityPolicy, make_security_middleware
@@ -131,6 +131,7 @@ def create_app(state: ServerState, policy: SecurityPolicy | None = None) -> web.
     llamacpp.setup_routes(app)
     anthropic.setup_routes(app)
     responses_api.setup_routes(app)
+    embeddings.setup_routes(app)
     return app
 
 
