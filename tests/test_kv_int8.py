@@ -299,7 +299,9 @@ def model_config(layers, kv_heads, head_dim):
 def test_int8_pool_holds_about_2x_bf16_and_4x_fp32_blocks(shape):
     cfg = model_config(*shape)
     budget = 1024**3
-    blocks = {(dtype, kind): plan_num_blocks(cfg, EngineConfig(kv_cache_bytes=budget, kv_cache_dtype=kind), dtype, "cpu")
+    # + 1: the pool's scratch block (padding rows) is paid from the same budget
+    blocks = {(dtype, kind): 1 + plan_num_blocks(cfg, EngineConfig(kv_cache_bytes=budget, kv_cache_dtype=kind), dtype,
+                                                 "cpu")
               for dtype in (torch.float32, torch.bfloat16) for kind in ("auto", "int8")}
     # int8 blocks do not depend on the model dtype; the fp32 scales cost 4 bytes per head_dim values
     assert blocks[torch.float32, "int8"] == blocks[torch.bfloat16, "int8"]
@@ -319,7 +321,7 @@ def test_engine_int8_pool_fills_its_byte_budget_with_scales_counted(tiny_llama_l
     assert all(isinstance(c, Int8KVCache) for c in caches)
     allocated = sum(t.nbytes for c in caches for t in c)
     per_block = kv_bytes_per_block(tiny_llama_loaded.config, runner.block_size, runner.dtype, "int8")
-    assert allocated == runner.num_blocks * per_block == runner.kv_cache_bytes
+    assert allocated == (runner.num_blocks + 1) * per_block == runner.kv_cache_bytes  # + the scratch block
     assert allocated <= budget < allocated + per_block  # as many blocks as fit, and no more
     fp_engine = make_engine(tiny_llama_loaded, num_kv_blocks=None, kv_cache_bytes=budget, kv_cache_dtype="fp32")
     assert sum(t.nbytes for c in fp_engine.runner.kv_caches for t in c) <= budget

@@ -92,11 +92,12 @@ def daemon(tmp_path_factory, tiny_qwen2, broken_model, smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def small_budget(tmp_path_factory, tiny_models):
-    """Tiny models only: tiny-a pinned, a 45 MiB budget (each tiny model needs ~17 MiB with a 16 MiB KV pool)."""
+    """Tiny models only: tiny-a pinned, a 45 MiB budget (each tiny model needs ~17 MiB with a 16 MiB fp32 KV pool,
+    which is all its sequences can use; an fp16 pool would need half)."""
     base = tmp_path_factory.mktemp("llmd_budget")
     write_config(base, {"tiny-a": tiny_models["llama"], "tiny-b": tiny_models["qwen2"], "tiny-c": tiny_models["qwen3"]})
     d = start_daemon(base, "--model", "tiny-a", "--memory-budget", str(45 * MIB), "--kv-cache-bytes", str(16 * MIB),
-                     env={"OLLAMA_MODELS": str(base / "no-ollama")})
+                     "--kv-cache-dtype", "fp32", env={"OLLAMA_MODELS": str(base / "no-ollama")})
     yield d
     assert d.stop() == 0, d.log()
 

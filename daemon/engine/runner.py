@@ -62,10 +62,11 @@ def plan_num_blocks(model_config, config: EngineConfig, dtype: torch.dtype, devi
     else:
         free, _total = torch.cuda.mem_get_info(device)
         budget = int((free - activation_headroom_bytes(model_config, config, dtype)) * config.kv_cache_fraction)
-    num = budget // per_block
+    num = budget // per_block - 1  # the scratch block (see ModelRunner) is paid from the budget too
     if num < 1:
         raise ValueError(
-            f"the KV cache budget ({budget / 2**20:.0f} MiB) is smaller than one block ({per_block / 2**20:.1f} MiB)"
+            f"the KV cache budget ({budget / 2**20:.0f} MiB) is smaller than two blocks ({per_block / 2**20:.1f} MiB "
+            "each: one for sequences, one for padding rows)"
         )
     return int(num)
 
