@@ -66,6 +66,20 @@ static int64_t row_chunk(int64_t k) {
     return rows < 8 ? 8 : rows;
 }
 
+/* In a parallel region: this thread's columns [n0, n1) and a panel of `floats` floats for them; NULL, with *rc set
+ * to -2, when out of memory. */
+static float *thread_panel(int64_t n, size_t floats, int64_t *n0, int64_t *n1, int *rc) {
+    int tid, nth;
+    thread_id(&tid, &nth);
+    column_range(n, tid, nth, n0, n1);
+    float *wp = (float *)aligned_alloc(32, (floats * 4 + 31) / 32 * 32);
+    if (!wp) {
+#pragma omp atomic write
+        *rc = -2;
+    }
+    return wp;
+}
+
 #if defined(__AVX2__) && defined(__FMA__)
 
 /* Horizontal sum in a fixed order. */
@@ -328,20 +342,6 @@ static float *transpose_rows(const float *x, int64_t ldx, int64_t m, int64_t k, 
     return xt;
 }
 
-/* In a parallel region: this thread's columns [n0, n1) and a panel of `floats` floats for them; NULL, with *rc set
- * to -2, when out of memory. */
-static float *thread_panel(int64_t n, size_t floats, int64_t *n0, int64_t *n1, int *rc) {
-    int tid, nth;
-    thread_id(&tid, &nth);
-    column_range(n, tid, nth, n0, n1);
-    float *wp = (float *)aligned_alloc(32, (floats * 4 + 31) / 32 * 32);
-    if (!wp) {
-#pragma omp atomic write
-        *rc = -2;
-    }
-    return wp;
-}
-
 /* The sum of 8 lane vectors in hsum's order (vectors of rows). */
 INLINE __m256 lane_sum(const __m256 *lanes) {
     __m256 a[4];
@@ -385,9 +385,13 @@ INLINE void int8_rows_tile(const float *xt, const float *wp, int64_t K, float *y
         }
 }
 
-static int int8_rows(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y, int64_t ldy, int64_t m,
-                     int64_t n, int64_t k, int64_t g, int nthreads) {
-    const int64_t ng = k / g, blocks = (m + 15) / 16;
+/* The rows-in-lanes loop of int8_rows and gguf_rows: x transposed in chunks of 16-row blocks, each thread's columns
+ * widened RP_COLS at a time into an fp32 panel by `fill(ctx, c0, cols, panel)`, then int8_rows_tile on every block. */
+typedef void (*panel_fill)(const void *ctx, int64_t c0, int cols, float *w);
+
+static int rows_by_panels(const float *x, int64_t ldx, float *y, int64_t ldy, int64_t m, int64_t n, int64_t k,
+                          int nthreads, panel_fill fill, const void *ctx) {
+    const int64_t blocks = (m + 15) / 16;
     float *xt = transpose_rows(x, ldx, m, k, k, 0, 0);
     if (!xt) return -2;
     const int64_t chunk_blocks = (row_chunk(k) + 15) / 16;
@@ -400,7 +404,7 @@ static int int8_rows(const float *x, int64_t ldx, const int8_t *q, const float *
             const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
             for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
                 const int cc = (int)(n1 - c0 < RP_COLS ? n1 - c0 : RP_COLS);
-                int8_panel(q + c0 * k, s + c0 * ng, k, g, cc, wp);
+                fill(ctx, c0, cc, wp);
                 for (int64_t b = b0; b < b1; b++) {
                     const int rows = (int)(m - b * 16 < 16 ? m - b * 16 : 16);
                     const float *xb = xt + b * k * 16;
@@ -419,6 +423,19 @@ static int int8_rows(const float *x, int64_t ldx, const int8_t *q, const float *
     }
     free(xt);
     return rc;
+}
+
+typedef struct { const int8_t *q; const float *s; int64_t k, g; } int8_weights;
+
+static void int8_fill(const void *ctx, int64_t c0, int cols, float *w) {
+    const int8_weights *a = (const int8_weights *)ctx;
+    int8_panel(a->q + c0 * a->k, a->s + c0 * (a->k / a->g), a->k, a->g, cols, w);
+}
+
+static int int8_rows(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y, int64_t ldy, int64_t m,
+                     int64_t n, int64_t k, int64_t g, int nthreads) {
+    const int8_weights a = {q, s, k, g};
+    return rows_by_panels(x, ldx, y, ldy, m, n, k, nthreads, int8_fill, &a);
 }
 
 #endif /* AVX2 */
@@ -1422,20 +1439,6 @@ int llmd_gguf_dequant(int type, const uint8_t *q, int64_t ldq, int64_t rows, int
     return 0;
 }
 
-/* In a parallel region: this thread's columns [n0, n1) and a panel of `floats` floats (thread_panel's, in every
- * build); NULL, with *rc set to -2, when out of memory. */
-static float *gguf_thread_panel(int64_t n, size_t floats, int64_t *n0, int64_t *n1, int *rc) {
-    int tid, nth;
-    thread_id(&tid, &nth);
-    column_range(n, tid, nth, n0, n1);
-    float *wp = (float *)aligned_alloc(32, (floats * 4 + 31) / 32 * 32);
-    if (!wp) {
-#pragma omp atomic write
-        *rc = -2;
-    }
-    return wp;
-}
-
 /* Columns [c0, c0 + cols) dequantized into the panel w [cols][k]. */
 static void gguf_panel(const gguf_type *t, const uint8_t *q, int64_t rb, int64_t k, int64_t c0, int cols, float *w) {
     for (int c = 0; c < cols; c++) t->fn(q + (c0 + c) * rb, k / t->elems, w + c * k);
@@ -1445,40 +1448,17 @@ static void gguf_panel(const gguf_type *t, const uint8_t *q, int64_t rb, int64_t
 PANEL_TILE(1, 4)
 #define GGUF_PW1 4 /* columns per panel at one row: 4 independent FMA chains, their weights 4 * K floats in L1/L2 */
 
+typedef struct { const gguf_type *t; const uint8_t *q; int64_t rb, k; } gguf_weights;
+
+static void gguf_fill(const void *ctx, int64_t c0, int cols, float *w) {
+    const gguf_weights *a = (const gguf_weights *)ctx;
+    gguf_panel(a->t, a->q, a->rb, a->k, c0, cols, w);
+}
+
 static int gguf_rows(const gguf_type *t, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy,
                      int64_t m, int64_t n, int64_t k, int nthreads) {
-    const int64_t rb = k / t->elems * t->bytes, blocks = (m + 15) / 16;
-    float *xt = transpose_rows(x, ldx, m, k, k, 0, 0);
-    if (!xt) return -2;
-    const int64_t chunk_blocks = (row_chunk(k) + 15) / 16;
-    int rc = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        int64_t n0, n1;
-        float *wp = gguf_thread_panel(n, (size_t)(RP_COLS * k), &n0, &n1, &rc);
-        for (int64_t b0 = 0; wp && b0 < blocks; b0 += chunk_blocks) {
-            const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
-            for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
-                const int cc = (int)(n1 - c0 < RP_COLS ? n1 - c0 : RP_COLS);
-                gguf_panel(t, q, rb, k, c0, cc, wp);
-                for (int64_t b = b0; b < b1; b++) {
-                    const int rows = (int)(m - b * 16 < 16 ? m - b * 16 : 16);
-                    const float *xb = xt + b * k * 16;
-                    float *yb = y + b * 16 * ldy + c0;
-                    switch (cc) {
-                    case 1: int8_rows_tile(xb, wp, k, yb, ldy, rows, 1); break;
-                    case 2: int8_rows_tile(xb, wp, k, yb, ldy, rows, 2); break;
-                    case 3: int8_rows_tile(xb, wp, k, yb, ldy, rows, 3); break;
-                    case 4: int8_rows_tile(xb, wp, k, yb, ldy, rows, 4); break;
-                    default: int8_rows_tile(xb, wp, k, yb, ldy, rows, RP_COLS); break;
-                    }
-                }
-            }
-        }
-        free(wp);
-    }
-    free(xt);
-    return rc;
+    const gguf_weights a = {t, q, k / t->elems * t->bytes, k};
+    return rows_by_panels(x, ldx, y, ldy, m, n, k, nthreads, gguf_fill, &a);
 }
 #endif
 
@@ -1499,7 +1479,7 @@ int llmd_gguf_matmul(int type, const float *x, int64_t ldx, const uint8_t *q, fl
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         int64_t n0, n1;
-        float *panel = gguf_thread_panel(n, (size_t)(pw * k), &n0, &n1, &rc);
+        float *panel = thread_panel(n, (size_t)(pw * k), &n0, &n1, &rc);
         for (int64_t p0 = n0; panel && p0 < n1; p0 += pw) {
             const int cols = (int)(n1 - p0 < pw ? n1 - p0 : pw);
 #if defined(__AVX2__) && defined(__FMA__)
