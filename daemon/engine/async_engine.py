@@ -146,9 +146,10 @@ class AsyncEngine:
         self.engine.check_request(prompt_token_ids, params, embed)
         grammar = None
         if params.constraint is not None and embed is None:
+            cached = self.engine.grammars.cached(params.constraint)
+            if isinstance(cached, ConstraintError):  # known bad: refused now; a compile started here fails in-stream
+                raise ConstraintError(str(cached), field=cached.field)
             grammar = self._grammar(params.constraint)
-            if grammar.done() and grammar.exception() is not None:
-                raise grammar.exception()
         with self._lock:
             # as Engine.add_request counts it: the adds not yet handed over wait only beyond the free running places
             scheduler = self.engine.scheduler
