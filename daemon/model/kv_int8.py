@@ -20,7 +20,6 @@ from typing import NamedTuple
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8")  # "auto": the model's dtype
 SCALE_DTYPE = torch.float32
 _FLOAT_KV = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
