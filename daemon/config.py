@@ -236,11 +236,11 @@ def _convert(name: str, raw, source: str):
     else:  # pragma: no cover - a field type this loader does not know yet
         raise TypeError(f"Settings.{name}: unsupported type {kind}")
     low, high = _BOUNDS.get(name, (None, None))
-    if (low is not None and value < low) or (high is not None and value > high):
+    if not isinstance(value, str) and ((low is not None and value < low) or (high is not None and value > high)):
         lo = "-inf" if low is None else low
         hi = "inf" if high is None else high
         raise bad(f"must be between {lo} and {hi}")
-    if name in _ENGINE_FIELDS:
+    if name in _ENGINE_FIELDS:  # the engine's own bounds and choices (llmd.engine.config)
         try:
             check_field(_ENGINE_FIELDS[name], value)
         except EngineConfigError as exc:

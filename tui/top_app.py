@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from contextlib import aclosing
-from typing import Any
+from typing import Any, AsyncGenerator, cast
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -190,7 +190,8 @@ class TopView(Widget):
         assert self.client is not None
         while True:
             try:
-                async with aclosing(self.client.stats_stream()) as stream:
+                events = cast(AsyncGenerator[dict[str, Any], None], self.client.stats_stream())
+                async with aclosing(events) as stream:
                     async for stats in stream:
                         try:
                             self.show(stats)

@@ -16,7 +16,10 @@ _EXPORTS = {
     "RequestTimings": "types", "SamplingParams": "types", "TokenLogprob": "types",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "AsyncEngine", "Engine", "EngineConfig", "EngineStats", "FinishReason", "GenerationResult", "Priority",
+    "RequestOutput", "RequestStream", "RequestTimings", "SamplingParams", "TokenLogprob", "generate",
+]
 
 if TYPE_CHECKING:
     from .async_engine import AsyncEngine, RequestStream
