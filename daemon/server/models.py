@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import parse_keep_alive
+from ..engine.types import DTYPE_NAMES
 from ..errors import LlmdError, ModelNotFound
 from .validation import ApiError
 
@@ -117,7 +118,8 @@ def estimate_weight_bytes(info: "ModelInfo", settings: "Settings", on_gpu: bool)
     elif quant in ("int8", "bnb-int8"):
         per = 1.1
     else:
-        per = 2 if (settings.dtype in ("bfloat16", "bf16", "float16", "fp16") or (on_gpu and not settings.dtype)) else 4
+        half = DTYPE_NAMES.get(settings.dtype or "") in ("bfloat16", "float16")
+        per = 2 if (half or (on_gpu and not settings.dtype)) else 4
     return int(params * per) or info.size_bytes
 
 
