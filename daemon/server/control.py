@@ -122,12 +122,13 @@ def _engine_lines(s: EngineStats) -> list[str]:
     lines = []
     if s.kv is not None:
         kv = s.kv
-        fits = ", ".join(f"{n} {kind}" for kind, n in kv.seqs_8k_by_dtype.items())
+        fits = ", ".join(f"{kind} {n}" for kind, n in kv.seqs_8k_by_dtype.items())
+        n = kv.seqs_8k if kv.seqs_8k is not None else "?"
         lines += [
             f"  KV cache  {kv.dtype}, {kv.blocks_used}/{kv.blocks_total} blocks used ({kv.blocks_cached} cached for "
-            f"reuse) of {kv.tokens_total} tokens, {kv.cache_bytes / 2**20:.0f} MiB ({kv.bytes_per_token} bytes/token)",
-            f"  8k fits   {kv.seqs_8k if kv.seqs_8k is not None else '?'} sequences of 8,192 tokens in this pool "
-            f"({fits} by KV dtype)",
+            f"reuse), {kv.tokens_total:,} tokens in {kv.cache_bytes / 2**20:.0f} MiB ({kv.bytes_per_token:,} "
+            "bytes/token)",
+            f"  8k fits   {n} sequence{'' if n == 1 else 's'} of 8,192 tokens (by KV dtype: {fits})",
         ]
     elif s.remote_url:
         lines.append(f"  remote    {s.remote_url} (its KV cache lives there)")
