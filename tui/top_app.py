@@ -21,7 +21,8 @@ stats as JSON (it never imports the engine); this is the schema, served by llmd.
             tokens_per_second, engine_alive, engine_error, remote_url (a remote model's server, else null),
             kv: {dtype, block_size, bytes_per_token, cache_bytes, blocks_total, blocks_used, blocks_cached,
                  blocks_free, seqs_8k_by_dtype: {fp32, fp16, bf16, int8}, prefix_queries_tokens,
-                 prefix_hits_tokens, prefix_hit_rate, prefix_evictions} or null (a remote model),
+                 prefix_hits_tokens, prefix_hit_rate, prefix_evictions, window_blocks_total, window_blocks_used,
+                 window_blocks_cached (a model with sliding-window layers, else null)} or null (a remote model),
             spec: {mode, proposed_total, accepted_total, drafts_total, acceptance_rate, mean_accepted_length}
                   or null (speculation off),
             latency: {queue_ms, prefill_ms, ttft_ms, decode_ms, tpot_ms, e2e_ms: {p50, p90, p99}}

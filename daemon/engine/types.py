@@ -331,6 +331,11 @@ class KvStats:
     prefix_hits_tokens: int = 0  # ... and found there
     prefix_hit_rate: float = 0.0
     prefix_evictions: int = 0
+    # a model mixing sliding-window and global layers keeps the window layers' KV in a second group of blocks (the
+    # blocks_* above are the global layers'); None for other models
+    window_blocks_total: int | None = None
+    window_blocks_used: int | None = None
+    window_blocks_cached: int | None = None
 
     @property
     def tokens_total(self) -> int:

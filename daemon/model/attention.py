@@ -22,9 +22,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..engine.types import KvCacheDtype, choices
 from ..kernels import cpu_ops
-from .kv_int8 import Int8KVCache, allocate_int8, cache_dtype, gather_blocks, kv_parts, write_int8
+from .kv_int8 import KV_CACHE_DTYPES, Int8KVCache, allocate_int8, cache_dtype, gather_blocks, kv_parts, write_int8
 
 KVCache = tuple[torch.Tensor, torch.Tensor] | Int8KVCache
 
@@ -271,8 +270,8 @@ def allocate_kv_cache(
 ) -> list[KVCache]:
     """Zeroed caches for every layer: (k, v) pairs in `dtype` ("auto") or the named one ("fp32", "fp16", "bf16"),
     or Int8KVCaches with kv_cache_dtype "int8"."""
-    if kv_cache_dtype not in choices(KvCacheDtype):
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: must be one of {', '.join(choices(KvCacheDtype))}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: must be one of {', '.join(KV_CACHE_DTYPES)}")
     if kv_cache_dtype == "int8":
         return [allocate_int8(num_blocks, block_size, num_kv_heads, head_dim, device) for _ in range(num_layers)]
     dtype = cache_dtype(kv_cache_dtype, dtype)
