@@ -5,7 +5,9 @@ variables, `$XDG_CONFIG_HOME/llmd/config.toml` (or the file named by `LLMD_CONFI
 A bad value is an LlmdError naming the key and where it came from, so the CLI prints one line instead of a traceback.
 
 To add a setting: add a field with a default to `Settings` (and, if needed, a bound in `_BOUNDS`). Its env variable
-and TOML key follow from the field name.
+and TOML key follow from the field name. A field named like an `EngineConfig` field is an engine setting: its bounds
+and choices are the engine's own (`llmd.engine.config`), checked here as it is read, and it reaches the engine by name
+(`llmd.server.daemon.engine_config`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .engine.config import EngineConfig, EngineConfigError, check_field
+from .engine.types import DTYPE_NAMES, QuantMethod, SpecMode, choices
 from .errors import LlmdError
 
 if sys.version_info >= (3, 11):
@@ -80,16 +84,12 @@ def config_file() -> Path:
 
 # --- the settings ---
 
-# Weight formats `--quant` accepts (llmd.model.quant implements them; kept here so settings need no torch).
-QUANT_MODES = ("auto", "none", "gguf", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "bnb-int8", "bnb-nf4")
-
-
 @dataclass
 class Settings:
     # model: a name as `llmd.store.resolve` takes it; None means the bundled default
     model: str | None = None
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: fp32 on CPU, bf16 on CUDA
-    quant: str | None = None  # one of QUANT_MODES; None: a GGUF keeps its packing on CUDA, else unquantized
+    quant: str | None = None  # a QuantMethod; None: a GGUF keeps its packing on CUDA, else unquantized
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None: CUDA when available
     # CPU threads for the model's math; None: torch's default (one per core). Fewer helps on a desktop whose
     # cores are busy with other work: a matmul waits for its slowest thread.
@@ -126,11 +126,12 @@ class Settings:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | fp32 | fp16 | bf16 | int8 (per-token, per-head scales)
+    kv_cache_dtype: str = "auto"  # a KvCacheDtype: auto (the device's default) | fp32 | fp16 | bf16 | int8
     cuda_graphs: bool = True  # CUDA: replay decode steps from CUDA graphs (off: every step launches its kernels)
     draft_model: str | None = None  # speculative decoding draft; None: off
     num_speculative_tokens: int = 4
-    spec_mode: str | None = None  # off | ngram | draft | auto; None: auto with a draft model, else off
+    # EngineConfig.speculative_mode (a SpecMode: off | ngram | draft | auto); None: auto with a draft model, else off
+    spec_mode: str | None = None
     spec_max_batch: int | None = None  # auto mode: no speculation above this many sequences per step
     seed: int | None = None
 
@@ -140,32 +141,25 @@ class Settings:
         return Path(self.socket_path).expanduser() if self.socket_path else runtime_socket_path()
 
 
-# Inclusive (low, high) bounds; None means unbounded on that side.
+# Inclusive (low, high) bounds of the settings that are not the engine's (engine fields: llmd.engine.config.BOUNDS);
+# None means unbounded on that side.
 _BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "port": (0, 65535),
     "threads": (1, 1024),
     "max_loaded_models": (1, 64),
     "memory_budget": (1, None),
     "ollama_port": (0, 65535),
-    "max_queue": (1, 1_000_000),
     "max_body_bytes": (1024, 1 << 31),
     "write_timeout": (0.1, 3600),
     "shutdown_grace": (0, 3600),
-    "block_size": (1, 1024),
-    "kv_cache_bytes": (1, None),
-    "kv_cache_fraction": (0.01, 0.99),
-    "max_num_seqs": (1, 4096),
-    "max_num_batched_tokens": (1, 1 << 20),
-    "max_model_len": (1, 1 << 24),
-    "num_speculative_tokens": (1, 16),
-    "spec_max_batch": (1, 4096),
 }
-_CHOICES: dict[str, tuple[str, ...]] = {"dtype": ("float32", "bfloat16", "float16", "fp32", "bf16", "fp16"),
-                                        "quant": QUANT_MODES,
-                                        "spec_mode": ("off", "ngram", "draft", "auto"),
-                                        "kv_cache_dtype": ("auto", "fp32", "fp16", "bf16", "int8")}
+_CHOICES: dict[str, tuple[str, ...]] = {"dtype": tuple(DTYPE_NAMES), "quant": choices(QuantMethod),
+                                        "spec_mode": choices(SpecMode)}
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
+# the settings that are engine settings, by the EngineConfig field each one is
+_ENGINE_FIELDS = {f.name: f.name for f in dataclasses.fields(EngineConfig) if f.name in _FIELDS} | \
+    {"spec_mode": "speculative_mode"}
 _HINTS = typing.get_type_hints(Settings)
 
 
@@ -239,16 +233,18 @@ def _convert(name: str, raw, source: str):
         value = raw
         if name in _CHOICES and value not in _CHOICES[name]:
             raise bad("must be one of " + ", ".join(_CHOICES[name]))
-        return value
     else:  # pragma: no cover - a field type this loader does not know yet
         raise TypeError(f"Settings.{name}: unsupported type {kind}")
     low, high = _BOUNDS.get(name, (None, None))
-    if (low is not None and value < low) or (high is not None and value > high):
+    if not isinstance(value, str) and ((low is not None and value < low) or (high is not None and value > high)):
         lo = "-inf" if low is None else low
         hi = "inf" if high is None else high
         raise bad(f"must be between {lo} and {hi}")
-    if name == "block_size" and isinstance(value, int) and value & (value - 1):
-        raise bad("must be a power of two")
+    if name in _ENGINE_FIELDS:  # the engine's own bounds and choices (llmd.engine.config)
+        try:
+            check_field(_ENGINE_FIELDS[name], value)
+        except EngineConfigError as exc:
+            raise bad(exc.why) from None
     return value
 
 

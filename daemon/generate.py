@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Iterator
 
+from .engine.types import DTYPE_NAMES
 from .errors import InvalidRequest, LlmdError
 
 # `llmd generate` is greedy by default: a one-shot command should give the same answer every time, and small models
@@ -19,19 +20,15 @@ DEFAULT_TOP_P = 0.95
 DEFAULT_MIN_P = 0.05
 DEFAULT_MAX_TOKENS = 256
 
-_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-           "float16": "float16", "fp16": "float16"}
-
-
 def torch_dtype(name: str | None):
     """'bf16' -> torch.bfloat16 (None stays None: the loader's default for the device)."""
     if name is None:
         return None
     import torch
 
-    if name.lower() not in _DTYPES:
-        raise InvalidRequest(f"unknown dtype {name!r}: use one of float32, bfloat16, float16", field="dtype")
-    return getattr(torch, _DTYPES[name.lower()])
+    if name.lower() not in DTYPE_NAMES:
+        raise InvalidRequest(f"unknown dtype {name!r}: use one of {', '.join(DTYPE_NAMES)}", field="dtype")
+    return getattr(torch, DTYPE_NAMES[name.lower()])
 
 
 def check_device(name: str | None) -> None:

@@ -65,10 +65,10 @@ async def test_abort_ends_stream_within_a_step(aengine):
     assert time.monotonic() - started < 2.0
     assert len(tokens) < 399
     for _ in range(50):  # the engine thread frees the blocks right after emitting the abort
-        if aengine.stats()["kv_blocks_used"] == 0:
+        if aengine.stats().kv.blocks_used == 0:
             break
         await asyncio.sleep(0.02)
-    assert aengine.stats()["kv_blocks_used"] == 0
+    assert aengine.stats().kv.blocks_used == 0
 
 
 async def test_invalid_and_overflow_refused_at_submit(aengine):
@@ -129,7 +129,7 @@ async def test_a_full_stream_buffer_keeps_the_stop_reason(tiny):
         assert len(outs) == 1, "everything was merged into the one buffered output"
         assert (tokens, text, outs[-1].finish_reason, outs[-1].stop_reason) == (
             ref.token_ids, ref.text, FinishReason.STOP, stop_text)
-        assert engine.stats()["spec_accepted_total"] > 0
+        assert engine.stats().spec.accepted_total > 0
     finally:
         await front.shutdown()
     engine.check_no_leaks()
@@ -155,7 +155,7 @@ async def test_engine_failure_fails_requests_and_shows_in_stats(tiny):
         for _, _, outs in results:
             assert outs[-1].finished and "simulated device fault" in outs[-1].error
         stats = front.stats()
-        assert stats["engine_alive"] is False and "simulated device fault" in stats["engine_error"]
+        assert stats.engine_alive is False and "simulated device fault" in (stats.engine_error or "")
         with pytest.raises(EngineDead):
             front.submit([5], SamplingParams(max_tokens=2))
     finally:

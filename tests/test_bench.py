@@ -61,7 +61,13 @@ class FakeServer:
     async def stats(self, request):
         if not self.b.timings:
             return web.json_response({"error": "not found"}, status=404)
-        return web.json_response({**self.counters, "model": "fake-model", "uptime_s": 1.0})
+        c = self.counters  # served in llmd's schema (llmd/tui/top_app.py): KV and speculation counters nested
+        return web.json_response({
+            "model": "fake-model", "uptime_s": 1.0, "requests_finished_total": c["requests_finished_total"],
+            "prompt_tokens_total": c["prompt_tokens_total"], "generation_tokens_total": c["generation_tokens_total"],
+            "kv": {"prefix_queries_tokens": c["prefix_cache_queries_tokens"],
+                   "prefix_hits_tokens": c["prefix_cache_hits_tokens"]},
+            "spec": {"proposed_total": c["spec_proposed_total"], "accepted_total": c["spec_accepted_total"]}})
 
     async def complete(self, request):
         body = await request.json()

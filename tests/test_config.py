@@ -160,3 +160,24 @@ def test_xdg_fallbacks(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path / ".cache" / "llmd"
     assert runtime_socket_path().name == "llmd.sock"
     assert f"llmd-{os.getuid()}" in str(runtime_socket_path())
+
+
+def test_engine_settings_are_checked_by_the_engines_own_bounds_and_choices():
+    """One place for an engine knob's bounds and choices (llmd.engine.config): the settings refuse a value with the
+    same reason the engine would, and accept every value of the engine's vocabulary."""
+    from llmd.engine.config import EngineConfig, EngineConfigError
+    from llmd.engine.types import KvCacheDtype, QuantMethod, SpecMode, choices
+
+    for name, value in (("max_num_seqs", 5000), ("max_model_len", 1), ("num_speculative_tokens", 17),
+                        ("kv_cache_fraction", 0.999), ("kv_cache_dtype", "fp8"), ("block_size", 24)):
+        with pytest.raises(EngineConfigError) as engine_err:
+            EngineConfig(**{name: value}).validate()
+        with pytest.raises(ConfigError) as settings_err:
+            load_settings(**{name: value})
+        assert str(settings_err.value).endswith(f"({'--' + name.replace('_', '-')}): {engine_err.value.why}")
+    with pytest.raises(ConfigError, match=r"spec_mode \(--spec-mode\): must be one of off, ngram, draft, auto"):
+        load_settings(spec_mode="sometimes")
+    assert [load_settings(kv_cache_dtype=k).kv_cache_dtype for k in choices(KvCacheDtype)] == list(choices(KvCacheDtype))
+    assert [load_settings(spec_mode=m).spec_mode for m in choices(SpecMode)] == list(choices(SpecMode))
+    assert [load_settings(quant=q).quant for q in choices(QuantMethod)] == list(choices(QuantMethod))
+    assert load_settings(max_queue=1_000_000).max_queue == 1_000_000

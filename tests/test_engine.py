@@ -4,13 +4,14 @@ blocks; stop handling; request validation. Tiny random-weight Llama for breadth,
 from __future__ import annotations
 
 import random
+from dataclasses import asdict
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmd.engine import Engine, EngineConfig, FinishReason, Priority, SamplingParams, generate
+from llmd.engine import Engine, EngineConfig, EngineStats, FinishReason, Priority, SamplingParams, generate
 from llmd.errors import InvalidRequest, QueueFull
 from llmd.model.loader import load_model
 
@@ -68,7 +69,7 @@ def test_greedy_identical_alone_and_in_staggered_batch_of_16(tiny):
     alone = run_alone(tiny, prompts, params)
     engine = make_engine(tiny, max_num_batched_tokens=64)  # small budget: prompts are chunked too
     batched = run_staggered(engine, prompts, params)
-    assert engine.stats()["last_batch_size"] >= 1 and engine.steps_total < sum(len(a) for a in alone)
+    assert engine.stats().last_batch_size >= 1 and engine.steps_total < sum(len(a) for a in alone)
     for i, ref in enumerate(alone):
         assert batched[str(i)] == ref, f"request {i} changed when batched"
 
@@ -107,7 +108,7 @@ def test_prefix_cache_hit_gives_same_tokens_as_miss(tiny):
     generate(engine, [first], params)
     (hit,) = generate(engine, [second], params)
     assert hit.timings.num_cached_tokens == 64  # 4 full blocks of the 70-token shared prefix
-    assert engine.stats()["prefix_cache_hits_tokens"] == 64
+    assert engine.stats().kv.prefix_hits_tokens == 64
     assert hit.token_ids == miss
 
 
@@ -131,8 +132,8 @@ def test_preempted_requests_give_same_tokens(tiny):
     ample = generate(make_engine(tiny), prompts, params)
     engine = make_engine(tiny, num_kv_blocks=12)  # 192 token slots for 8 requests of up to 80 tokens
     tight = generate(engine, prompts, params)
-    assert engine.stats()["num_preemptions"] > 0
-    assert sum(r.timings.num_preemptions for r in tight) == engine.stats()["num_preemptions"]
+    assert engine.stats().num_preemptions > 0
+    assert sum(r.timings.num_preemptions for r in tight) == engine.stats().num_preemptions
     assert [r.token_ids for r in tight] == [r.token_ids for r in ample]
 
 
@@ -275,7 +276,7 @@ def test_abort_running_and_waiting_frees_blocks(tiny):
         engine.add_request(str(i), p, SamplingParams(max_tokens=50, **GREEDY), Priority.BATCH if i else 0)
     engine.step()
     engine.step()
-    assert engine.stats()["requests_running"] == 2 and engine.stats()["requests_waiting"] == 2
+    assert engine.stats().requests_running == 2 and engine.stats().requests_waiting == 2
     for rid in ("0", "3"):
         engine.abort(rid)
     outs = {o.request_id: o for o in engine.step()}
@@ -291,17 +292,22 @@ def test_stats_and_timings(tiny):
     results = generate(engine, random_prompts(3, 5, 20, tiny.config.vocab_size), SamplingParams(max_tokens=5,
                                                                                                   **GREEDY))
     s = engine.stats()
-    for key in ("requests_running", "requests_waiting", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached",
-                "kv_blocks_free", "prefix_cache_queries_tokens", "prefix_cache_hits_tokens",
-                "prefix_cache_hit_rate", "prefix_cache_evictions", "num_preemptions", "prompt_tokens_total",
-                "generation_tokens_total", "requests_finished_total", "steps_total", "last_batch_size",
-                "last_step_tokens", "tokens_per_second", "spec_proposed_total", "spec_accepted_total"):
-        assert key in s, key
-    assert s["generation_tokens_total"] == 15 and s["requests_finished_total"] == 3
-    assert s["kv_blocks_used"] + s["kv_blocks_cached"] + s["kv_blocks_free"] == s["kv_blocks_total"]
-    assert s["tokens_per_second"] > 0
-    assert set(s["latency"]) == {"queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e_ms"}
-    assert s["latency"]["ttft_ms"]["p50"] > 0
+    assert s.generation_tokens_total == 15 and s.requests_finished_total == 3 and s.prompt_tokens_total > 0
+    kv, c = s.kv, tiny.config
+    assert kv is not None and s.spec is None  # speculation is off
+    assert kv.blocks_used + kv.blocks_cached + kv.blocks_free == kv.blocks_total == 256
+    assert kv.blocks_used == 0 and kv.blocks_cached > 0  # the finished prompts stay cached for reuse
+    assert kv.dtype == "fp16" and kv.block_size == 16  # the CPU default KV dtype
+    assert kv.bytes_per_token == c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2  # K and V, fp16
+    assert kv.cache_bytes == (256 + 1) * 16 * kv.bytes_per_token  # the pool and its scratch block
+    per_seq = {"fp32": 2 * kv.bytes_per_token, "fp16": kv.bytes_per_token, "bf16": kv.bytes_per_token,
+               "int8": c.num_hidden_layers * 2 * c.num_key_value_heads * (c.head_dim + 4)}  # + an fp32 scale
+    assert kv.seqs_8k_by_dtype == {k: kv.cache_bytes // (8192 * v) for k, v in per_seq.items()}
+    assert kv.seqs_8k == kv.seqs_8k_by_dtype["fp16"]
+    assert kv.prefix_queries_tokens > 0 and 0.0 <= kv.prefix_hit_rate <= 1.0
+    assert s.tokens_per_second > 0 and s.steps_total > 0 and s.engine_alive and s.engine_error is None
+    assert s.latency.ttft_ms.p50 is not None and s.latency.ttft_ms.p50 > 0
+    assert EngineStats.from_dict(asdict(s)) == s  # what /v1/llmd/stats serves reads back as the same stats
     t = results[0].timings
     assert t.arrival <= t.first_scheduled <= t.first_token <= t.finished
     assert len(t.token_times) == 5 and t.num_generated_tokens == 5 and t.tpot > 0

@@ -96,16 +96,16 @@ def test_constrained_greedy_is_exact_batched_cached_preempted_and_speculating(ti
     assert [r.token_ids for r in again] == alone
     tight = make_engine(tiny, num_kv_blocks=12, block_size=16)
     preempted = generate(tight, prompts, params)
-    assert tight.stats()["num_preemptions"] > 0
+    assert tight.stats().num_preemptions > 0
     assert [r.token_ids for r in preempted] == alone
     for kw in (dict(speculative_mode="ngram"), dict(speculative_mode="draft", draft_model=tiny),
                dict(speculative_mode="draft", draft_model="self:1", num_speculative_tokens=3)):
         spec = make_engine(tiny, max_num_batched_tokens=64, **kw)
         assert [r.token_ids for r in generate(spec, prompts, params)] == alone, kw
-        assert spec.stats()["spec_proposed_total"] > 0
+        assert spec.stats().spec.proposed_total > 0
     spec = make_engine(tiny, speculative_mode="draft", draft_model=tiny)
     one = generate(spec, prompts[:1], params[:1])[0]
-    assert one.token_ids == alone[0] and spec.stats()["spec_accepted_total"] > 0
+    assert one.token_ids == alone[0] and spec.stats().spec.accepted_total > 0
 
 
 def test_prompt_lookup_proposes_what_the_grammar_forces(tiny):
@@ -117,7 +117,7 @@ def test_prompt_lookup_proposes_what_the_grammar_forces(tiny):
     spec = generate(engine, prompt, params)[0]
     assert spec.token_ids == plain.token_ids
     stats = engine.stats()
-    assert stats["spec_accepted_total"] >= 8, stats  # '{"name":"' and the other keys at least
+    assert stats.spec.accepted_total >= 8, stats  # '{"name":"' and the other keys at least
     compiler = engine.grammars
     m = compiler.compile(Constraint("regex", "The quick brown fox (a|b)")).matcher()
     assert m.forced_tokens(3) == tiny.tokenizer.encode("The quick brown")

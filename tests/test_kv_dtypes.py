@@ -26,7 +26,7 @@ def test_engine_greedy_alone_equals_batched_and_preempted(tiny_llama_loaded, kin
     assert staggered(make_engine(tiny, kv_cache_dtype=kind, max_num_batched_tokens=64), prompts, params) == alone
     tight = make_engine(tiny, kv_cache_dtype=kind, num_kv_blocks=11)
     assert [r.token_ids for r in generate(tight, prompts, params)] == alone
-    assert tight.stats()["num_preemptions"] > 0
+    assert tight.stats().num_preemptions > 0
 
 
 def test_smollm2_with_fp16_kv_answers_paris_through_the_layer_stack(smollm2_gguf):
@@ -46,8 +46,8 @@ def test_stats_name_the_kv_dtype_and_the_8k_sequences_each_dtype_fits(tiny_llama
     seen = {}
     for kind in ("auto", "fp32", "fp16", "int8"):
         stats = make_engine(tiny_llama_loaded, num_kv_blocks=None, kv_cache_bytes=budget, kv_cache_dtype=kind).stats()
-        seen[kind] = stats["kv_cache_dtype"], stats["kv_8k_sequences_by_dtype"]
-        assert stats["kv_cache_bytes"] <= budget
+        seen[kind] = stats.kv.dtype, stats.kv.seqs_8k_by_dtype
+        assert stats.kv.cache_bytes <= budget
     # the tiny model is fp32; "auto" on the CPU is the measured default (llmd.engine.config.CPU_KV_CACHE_DTYPE)
     assert [seen[k][0] for k in ("auto", "fp32", "fp16", "int8")] == [CPU_KV_CACHE_DTYPE, "fp32", "fp16", "int8"]
     fits = seen["fp16"][1]

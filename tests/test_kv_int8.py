@@ -248,7 +248,7 @@ def test_engine_int8_greedy_alone_equals_batched_and_preempted(tiny_llama_loaded
     assert batched == alone
     tight = make_engine(tiny, kv_cache_dtype="int8", num_kv_blocks=14)  # 224 slots for 16 requests of <= 113
     assert [r.token_ids for r in generate(tight, prompts, params)] == alone
-    assert tight.stats()["num_preemptions"] > 0
+    assert tight.stats().num_preemptions > 0
 
 
 @one_thread
@@ -275,7 +275,7 @@ def test_engine_int8_speculation_keeps_greedy_output_and_draft_pool_is_int8(tiny
     assert [r.token_ids for r in generate(engine, prompts, params)] == plain
     assert all(isinstance(c, Int8KVCache) for c in engine.speculator.draft.runner.kv_caches)
     # the draft is the target itself, quantizing the same K/V the same way: it proposes what the target picks
-    assert engine.stats()["spec_acceptance_rate"] >= 0.95
+    assert engine.stats().spec.acceptance_rate >= 0.95
 
 
 @one_thread
@@ -325,7 +325,7 @@ def test_engine_int8_pool_fills_its_byte_budget_with_scales_counted(tiny_llama_l
     assert allocated <= budget < allocated + per_block  # as many blocks as fit, and no more
     fp_engine = make_engine(tiny_llama_loaded, num_kv_blocks=None, kv_cache_bytes=budget, kv_cache_dtype="fp32")
     assert sum(t.nbytes for c in fp_engine.runner.kv_caches for t in c) <= budget
-    assert engine.stats()["kv_blocks_total"] > 3 * fp_engine.stats()["kv_blocks_total"]  # head_dim 16: 3.2x
+    assert engine.stats().kv.blocks_total > 3 * fp_engine.stats().kv.blocks_total  # head_dim 16: 3.2x
 
 
 # ---- the setting -------------------------------------------------------------------------------------------------

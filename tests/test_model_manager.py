@@ -320,3 +320,41 @@ def test_llmd_run_starts_a_daemon_and_leaves_it_serving(tmp_path):
     finally:
         if pid is not None:
             os.kill(pid, signal.SIGTERM)
+
+
+def test_llmd_ps_and_stats_show_each_models_kv_cache(daemon, tiny_qwen2):
+    """Issue 19, through a real daemon serving two models: /v1/llmd/stats has one entry per loaded model, and `llmd ps`
+    shows each one's KV dtype, blocks used of its pool, and how many 8,192-token sequences the pool's bytes hold with
+    each KV dtype, which this test works out from the models' shapes."""
+    import subprocess
+
+    from llmd_daemon_proc import llmd_exe
+
+    ollama.Client(host=daemon.url).generate(model="tiny", prompt="Hi", options={"num_predict": 2}, keep_alive="10m")
+    stats = daemon.wait_idle()
+    per = {m["name"]: m["stats"] for m in stats["models"]}
+    smol = "smollm2:135m-instruct-q4_1"
+    assert {smol, "tiny"} <= set(per), set(per)
+    assert stats["model"] == "tiny" and stats["kv"] == per["tiny"]["kv"]  # the last used model, for one-model readers
+    cfg = json.loads((tiny_qwen2 / "config.json").read_text())
+    shapes = {smol: (30, 3, 64),  # SmolLM2-135M: layers, KV heads, head_dim
+              "tiny": (cfg["num_hidden_layers"], cfg["num_key_value_heads"],
+                       cfg["hidden_size"] // cfg["num_attention_heads"])}
+    out = subprocess.run([llmd_exe(), "ps"], env=daemon.env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    sections = {s.split(" (")[0]: s for s in out.stdout.split("\nmodel       ")[1:]}
+    for name, (layers, heads, dim) in shapes.items():
+        kv = per[name]["kv"]
+        per_token = {"fp32": layers * 2 * heads * dim * 4, "fp16": layers * 2 * heads * dim * 2,
+                     "bf16": layers * 2 * heads * dim * 2, "int8": layers * 2 * heads * (dim + 4)}  # + fp32 scales
+        assert kv["dtype"] == "fp16" and kv["bytes_per_token"] == per_token["fp16"], kv  # the CPU default
+        assert kv["cache_bytes"] == (kv["blocks_total"] + 1) * kv["block_size"] * per_token["fp16"]  # + scratch
+        fits = {kind: kv["cache_bytes"] // (8192 * n) for kind, n in per_token.items()}
+        assert kv["seqs_8k_by_dtype"] == fits and kv["blocks_used"] == 0, kv
+        shown = sections[name]
+        assert f"KV cache  fp16, 0/{kv['blocks_total']} blocks used" in shown, out.stdout
+        assert f"8k fits   {fits['fp16']} sequence" in shown, out.stdout
+        assert f"(by KV dtype: fp32 {fits['fp32']}, fp16 {fits['fp16']}, bf16 {fits['bf16']}, int8 {fits['int8']})" \
+            in shown, out.stdout
+    tiny_fits = per["tiny"]["kv"]["seqs_8k_by_dtype"]
+    assert tiny_fits["int8"] > tiny_fits["fp16"] > tiny_fits["fp32"] > 0  # the trade: bytes per token vs sequences

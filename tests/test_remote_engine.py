@@ -111,7 +111,7 @@ async def test_client_hang_up_cancels_upstream(front, upstream):
         assert time.monotonic() < deadline, s
         await asyncio.sleep(0.1)
     assert s["generation_tokens_total"] - before["generation_tokens_total"] < 400  # cut off, not run to the end
-    assert s["kv_blocks_used"] == 0
+    assert s["kv"]["blocks_used"] == 0
 
 
 @pytest.mark.parametrize("model,status,words", [("ghost", 404, "no-such-model"), ("down", 502, "cannot reach"),

@@ -258,7 +258,7 @@ def test_structured_output_through_both_sdks(daemon, claude, oai, model):
     # one prompt, one schema, greedy: both APIs answer the same
     assert resp.output_parsed == msg.parsed_output
     assert server_errors(daemon) == before
-    assert daemon.wait_idle()["kv_blocks_used"] == 0  # every agent request gave its KV blocks back
+    assert daemon.wait_idle()["kv"]["blocks_used"] == 0  # every agent request gave its KV blocks back
 
 
 async def test_a_client_leaving_an_agent_stream_aborts_it(daemon, model):
@@ -282,7 +282,7 @@ async def test_a_client_leaving_an_agent_stream_aborts_it(daemon, model):
             await asyncio.to_thread(daemon.wait_idle, 60)
     s = daemon.wait_idle(timeout=60)
     assert s["server"]["aborts"].get("disconnect", 0) - before == 2
-    assert s["kv_blocks_used"] == 0
+    assert s["kv"]["blocks_used"] == 0
 
 
 def test_responses_store_and_previous_response_id(daemon, oai, model):

@@ -45,7 +45,7 @@ def server_errors(daemon) -> int:
 
 def assert_no_leak(daemon):
     s = daemon.wait_idle()
-    assert s["kv_blocks_used"] == 0, s  # at idle only evictable cached blocks remain (counted apart)
+    assert s["kv"]["blocks_used"] == 0, s  # at idle only evictable cached blocks remain (counted apart)
 
 
 def test_health_loading_then_ready_and_socket_mode(daemon, model_name):
@@ -318,7 +318,7 @@ def test_metrics_and_stats(daemon):
                       if line.startswith("llmd:time_to_first_token_seconds_count"))
     assert ttft_count >= 1
     s = daemon.stats()
-    assert {"model", "uptime_s", "kv_blocks_total", "requests_running", "latency"} <= set(s)
+    assert {"model", "models", "uptime_s", "kv", "requests_running", "latency"} <= set(s)
 
 
 async def test_stats_sse_pushes_every_second(daemon):
@@ -331,7 +331,7 @@ async def test_stats_sse_pushes_every_second(daemon):
                     events.append(json.loads(line[6:]))
                 if len(events) == 3:
                     break
-    assert all("kv_blocks_total" in e and "uptime_s" in e for e in events)
+    assert all(e["kv"]["blocks_total"] > 0 and "uptime_s" in e and e["models"] for e in events)
     assert events[2]["uptime_s"] - events[0]["uptime_s"] >= 1.5
     assert time.monotonic() - started < 10
 

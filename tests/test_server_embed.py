@@ -115,4 +115,4 @@ async def test_bad_input_is_a_4xx_naming_the_field(daemon):
                 assert field in text, (path, body, text)
     assert server_errors(daemon) == before
     s = daemon.wait_idle()
-    assert s["kv_blocks_used"] == 0 and s["kv_blocks_cached"] == 0, s  # embeddings keep no KV
+    assert s["kv"]["blocks_used"] == 0 and s["kv"]["blocks_cached"] == 0, s  # embeddings keep no KV

@@ -38,7 +38,7 @@ def auth() -> dict:
 
 def assert_no_leak(daemon):
     s = daemon.wait_idle()
-    assert s["kv_blocks_used"] == 0, s  # at idle only evictable cached blocks remain (counted apart)
+    assert s["kv"]["blocks_used"] == 0, s  # at idle only evictable cached blocks remain (counted apart)
 
 
 def test_cpu_threads_leave_one_core_to_the_server(daemon):

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from llmd.engine.types import RequestTimings
+from llmd.engine.types import EngineStats, KvStats, RequestTimings, SpecStats
 from llmd.errors import LlmdError
 from llmd.server.metrics import Metrics
 from llmd.server.responses import timings_dict
@@ -97,13 +97,23 @@ def test_metrics_text_and_timings():
     t = RequestTimings(arrival=0.0, first_scheduled=0.01, first_token=0.2, token_times=[0.2, 0.25, 0.3],
                        finished=0.3, num_prompt_tokens=10, num_cached_tokens=4, num_generated_tokens=3)
     m.observe_request(t, "stop")
-    stats = {"kv_blocks_total": 100, "kv_blocks_used": 30, "kv_blocks_cached": 10, "requests_running": 1}
-    text = m.render(stats, "m")
+    kv = KvStats(dtype="fp16", block_size=16, bytes_per_token=64, cache_bytes=100 * 16 * 64, blocks_total=100,
+                 blocks_used=30, blocks_cached=10, blocks_free=60)
+    text = m.render(EngineStats(requests_running=1, kv=kv), "m")
     assert 'llmd:time_to_first_token_seconds_bucket{model_name="m",le="0.25"} 1' in text
     assert 'llmd:time_to_first_token_seconds_bucket{model_name="m",le="0.1"} 0' in text
     assert 'llmd:inter_token_latency_seconds_count{model_name="m"} 2' in text
     assert 'llmd:kv_cache_usage_perc{model_name="m"} 0.3' in text
     assert 'llmd:request_success_total{model_name="m",finished_reason="stop"} 1' in text
+    assert 'llmd:num_requests_running{model_name="m"} 1' in text
+    assert "spec_decode" not in text  # the speculation families exist for a model that speculates
+    spec = SpecStats(mode="ngram", proposed_total=8, accepted_total=6, drafts_total=2, acceptance_rate=0.75,
+                     mean_accepted_length=3.0)
+    text = m.render({"m": EngineStats(kv=kv, spec=spec), "remote": EngineStats(remote_url="http://h/v1")})
+    assert 'llmd:spec_decode_num_accepted_tokens_total{model_name="m"} 6' in text
+    assert 'llmd:spec_decode_draft_acceptance_rate{model_name="m"} 0.75' in text
+    assert 'llmd:kv_cache_usage_perc{model_name="remote"}' not in text  # a remote model's KV lives upstream
+    assert 'llmd:generation_tokens_total{model_name="remote"} 0' in text
     d = timings_dict(t)
     assert d["ttft_ms"] == 200.0 and d["queue_ms"] == 10.0 and d["cached_prompt_tokens"] == 4
     assert d["tokens_per_second"] == 20.0

@@ -81,7 +81,7 @@ def test_greedy_output_identical_to_plain_decoding(tiny, mode):
     mixed = run_staggered(engine, prompts, params)
     assert mixed == alone
     stats = engine.stats()
-    assert stats["spec_proposed_total"] > 0, "the test must actually speculate"
+    assert stats.spec.proposed_total > 0, "the test must actually speculate"
     assert [len(t) for t in mixed] == [q.max_tokens for q in params]
 
 
@@ -92,10 +92,10 @@ def test_draft_equal_to_target_accepts_nearly_everything(tiny):
         engine = make_engine(tiny, speculative_mode="draft", draft_model=tiny, num_speculative_tokens=4)
         results = generate(engine, prompts, params)
         stats = engine.stats()
-        assert stats["spec_acceptance_rate"] >= 0.95, stats
-        assert stats["spec_mean_accepted_length"] > 2.5
+        assert stats.spec.acceptance_rate >= 0.95, stats
+        assert stats.spec.mean_accepted_length > 2.5
         per_request = [r.timings for r in results]
-        assert sum(t.spec_proposed for t in per_request) == stats["spec_proposed_total"]
+        assert sum(t.spec_proposed for t in per_request) == stats.spec.proposed_total
         assert all(t.spec_accepted <= t.spec_proposed for t in per_request)
 
 
@@ -115,7 +115,7 @@ def test_stops_inside_an_accepted_run_match_plain_decoding(tiny):
         on = generate(on_engine, [prompt], params)[0]
         assert (on.token_ids, on.text, on.finish_reason, on.stop_reason) == (off.token_ids, off.text,
                                                                               off.finish_reason, off.stop_reason)
-        assert on_engine.stats()["spec_accepted_total"] > 0
+        assert on_engine.stats().spec.accepted_total > 0
     assert len(generate(make_engine(tiny), [prompt], cases[0])[0].token_ids) == first_at + 1
 
 
@@ -195,7 +195,7 @@ def test_random_aborts_of_speculating_requests_leak_nothing(tiny):
                 live.discard(out.request_id)
         if live and rng.random() < 0.2:
             engine.abort(rng.choice(sorted(live)))
-    assert engine.stats()["spec_proposed_total"] > 0
+    assert engine.stats().spec.proposed_total > 0
     # the autouse fixture checks both pools: every block free or evictable-cached, no draft state left
 
 
@@ -203,10 +203,10 @@ def test_busy_batch_stops_speculating_in_auto_mode(tiny):
     prompts = prompts_for(tiny.config.vocab_size, n=6, seed=7)
     engine = make_engine(tiny, speculative_mode="auto", spec_max_batch=2)
     generate(engine, prompts, SamplingParams(max_tokens=10, **GREEDY))
-    busy = engine.stats()["spec_proposed_total"]
+    busy = engine.stats().spec.proposed_total
     engine2 = make_engine(tiny, speculative_mode="ngram")
     generate(engine2, prompts, SamplingParams(max_tokens=10, **GREEDY))
-    assert busy < engine2.stats()["spec_proposed_total"]
+    assert busy < engine2.stats().spec.proposed_total
 
 
 def test_a_draft_with_another_tokenizer_is_refused(tiny, tiny_qwen2):

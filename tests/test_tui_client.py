@@ -41,7 +41,7 @@ async def test_models_health_and_stats(fake):
     assert await client.models() == ["fake-model", "other-model"]
     assert (await client.health())["status"] == "ok"
     stats = await client.stats()
-    assert stats["kv_blocks_total"] == 100 and stats["latency"]["decode_ms"]["p50"] == 300.0
+    assert stats["kv"]["blocks_total"] == 100 and stats["latency"]["decode_ms"]["p50"] == 300.0
     seen = []
     async for event in client.stats_stream():
         seen.append(event["steps_total"])

@@ -104,7 +104,9 @@ async def test_top_follows_the_real_daemon(daemon):
         await wait_for(pilot, lambda: len(view.history.series["tokens_per_second"]) >= 2, timeout=30)
         model = daemon.stats()["model"]
         assert model in str(app.query_one("#top-status").render())
-        assert "KV blocks" in str(app.query_one("#kv").render())
+        panels = [str(p.render()) for p in app.query(".model")]  # one per loaded model
+        assert len(panels) == len(daemon.stats()["models"]) and model in panels[0], panels
+        assert "KV blocks" in panels[0] and "8k-token sequences that fit" in panels[0]
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")

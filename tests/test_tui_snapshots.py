@@ -9,7 +9,7 @@ from llmd.tui.chat_app import ChatApp
 from llmd.tui.client import DaemonClient, Endpoint
 from llmd.tui.store import ChatStore, Message
 from llmd.tui.top_app import TopApp, TopView
-from tui_fake_daemon import ANSWER, FakeDaemon, fixed_stats
+from tui_fake_daemon import ANSWER, FakeDaemon, engine_stats, fixed_stats
 
 SIZE = (110, 36)
 TIMINGS = {"queue_ms": 1.5, "prefill_ms": 20.0, "ttft_ms": 21.5, "decode_ms": 300.0, "tpot_ms": 12.5,
@@ -88,6 +88,13 @@ def test_top_screen(snap_compare):
                 last_batch_size=1 + t % 4, steps_total=1000 + t,
                 latency={"queue_ms": {"p50": 2.0 + t % 5}, "prefill_ms": {"p50": 40.0 + t % 9},
                          "decode_ms": {"p50": 280.0 + (t * 3) % 40}},
+                second=engine_stats(  # a second model, with an int8 KV cache and speculation
+                    tokens_per_second=10.0, requests_running=1, requests_waiting=0, last_batch_size=1,
+                    kv={**engine_stats()["kv"], "dtype": "int8", "bytes_per_token": 12240, "blocks_used": 10,
+                        "blocks_cached": 5, "blocks_free": 85,
+                        "seqs_8k_by_dtype": {"fp32": 1, "fp16": 3, "bf16": 3, "int8": 6}},
+                    spec={"mode": "ngram", "proposed_total": 40, "accepted_total": 30, "drafts_total": 10,
+                          "acceptance_rate": 0.75, "mean_accepted_length": 3.0}),
             ))
         await pilot.pause()
 

@@ -21,14 +21,17 @@ ANSWER = (
 )
 
 
-def fixed_stats(**overrides) -> dict:
+def engine_stats(**overrides) -> dict:
+    """One model's engine stats as /v1/llmd/stats serves them (the schema: llmd/tui/top_app.py)."""
     stats = {
-        "model": "fake-model", "uptime_s": 12.0, "requests_running": 2, "requests_waiting": 1,
-        "kv_blocks_total": 100, "kv_blocks_used": 40, "kv_blocks_cached": 25, "kv_blocks_free": 60,
-        "prefix_cache_queries_tokens": 1000, "prefix_cache_hits_tokens": 620, "prefix_cache_hit_rate": 0.62,
-        "prefix_cache_evictions": 3, "num_preemptions": 4, "prompt_tokens_total": 5000,
+        "requests_running": 2, "requests_waiting": 1, "num_preemptions": 4, "prompt_tokens_total": 5000,
         "generation_tokens_total": 2500, "requests_finished_total": 17, "steps_total": 900, "last_batch_size": 3,
-        "last_step_tokens": 3, "tokens_per_second": 42.5, "spec_proposed_total": 0, "spec_accepted_total": 0,
+        "last_step_tokens": 3, "tokens_per_second": 42.5, "engine_alive": True, "engine_error": None,
+        "remote_url": None, "spec": None,
+        "kv": {"dtype": "fp16", "block_size": 16, "bytes_per_token": 23040, "cache_bytes": 100 * 16 * 23040,
+               "blocks_total": 100, "blocks_used": 40, "blocks_cached": 25, "blocks_free": 35,
+               "seqs_8k_by_dtype": {"fp32": 0, "fp16": 1, "bf16": 1, "int8": 2}, "prefix_queries_tokens": 1000,
+               "prefix_hits_tokens": 620, "prefix_hit_rate": 0.62, "prefix_evictions": 3},
         "latency": {
             "queue_ms": {"p50": 5.0, "p90": 9.0, "p99": 12.0},
             "prefill_ms": {"p50": 40.0, "p90": 60.0, "p99": 80.0},
@@ -40,6 +43,19 @@ def fixed_stats(**overrides) -> dict:
     }
     stats.update(overrides)
     return stats
+
+
+def fixed_stats(second: dict | None = None, **overrides) -> dict:
+    """The daemon's stats with fake-model loaded (its engine stats changed by `overrides`) and, given `second`, a
+    second model, "other-model", with those engine stats."""
+    first = engine_stats(**overrides)
+    models = [{"name": "fake-model", "source": "hf", "pinned": True, "size": 270 * 2**20, "stats": first}]
+    if second is not None:
+        models.append({"name": "other-model", "source": "ollama", "pinned": False, "size": 90 * 2**20,
+                       "stats": second})
+    return {**first, "model": "fake-model", "uptime_s": 12.0, "status": "ready", "models": models,
+            "requests_running": sum(m["stats"]["requests_running"] for m in models),
+            "requests_waiting": sum(m["stats"]["requests_waiting"] for m in models)}
 
 
 @dataclass

@@ -1,19 +1,44 @@
-"""`llmd top`: a live view of the engine from /v1/llmd/stats (pushed once a second over SSE).
+"""`llmd top`: a live view of the daemon from /v1/llmd/stats (pushed once a second over SSE), one panel per loaded
+model.
 
-TopView is one widget, used both by the standalone TopApp and by a screen inside `llmd chat`.
+TopView is one widget, used both by the standalone TopApp and by a screen inside `llmd chat`. The TUI reads the
+stats as JSON (it never imports the engine); this is the schema, served by llmd.server.core.ServerState.stats:
+
+    status, pid, uptime_s, load_seconds   the daemon
+    server                                counters over every model: aborts, finished, http_responses,
+                                          rejected_queue_full
+    memory_budget_bytes                   weights + KV caches of all loaded models
+    models: [MODEL]                       one per loaded model
+    model, ENGINE...                      the most recently used model's name and its ENGINE fields at the top level,
+                                          requests_running / requests_waiting summed over `models` (for readers of
+                                          one model; a daemon without `models` serves only this)
+
+    MODEL   name, source, pinned, size, weight_bytes, kv_cache_bytes, size_vram, expires_at, active_requests,
+            load_seconds, stats: ENGINE
+    ENGINE  dataclasses.asdict(llmd.engine.types.EngineStats):
+            requests_running, requests_waiting, requests_finished_total, prompt_tokens_total,
+            generation_tokens_total, num_preemptions, steps_total, last_batch_size, last_step_tokens,
+            tokens_per_second, engine_alive, engine_error, remote_url (a remote model's server, else null),
+            kv: {dtype, block_size, bytes_per_token, cache_bytes, blocks_total, blocks_used, blocks_cached,
+                 blocks_free, seqs_8k_by_dtype: {fp32, fp16, bf16, int8}, prefix_queries_tokens,
+                 prefix_hits_tokens, prefix_hit_rate, prefix_evictions, window_blocks_total, window_blocks_used,
+                 window_blocks_cached (a model with sliding-window layers, else null)} or null (a remote model),
+            spec: {mode, proposed_total, accepted_total, drafts_total, acceptance_rate, mean_accepted_length}
+                  or null (speculation off),
+            latency: {queue_ms, prefill_ms, ttft_ms, decode_ms, tpot_ms, e2e_ms: {p50, p90, p99}}
 """
 
 from __future__ import annotations
 
 import asyncio
-from contextlib import aclosing
 from collections import deque
-from typing import Any
+from contextlib import aclosing
+from typing import Any, AsyncGenerator, cast
 
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.css.query import NoMatches
 from textual.containers import Grid, Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Footer, Header, Sparkline, Static
@@ -29,11 +54,30 @@ CHARTS = (
     ("requests_running", "running"), ("requests_waiting", "waiting"),
     ("queue_ms", "queue p50 ms"), ("prefill_ms", "prefill p50 ms"), ("decode_ms", "decode p50 ms"),
 )
+# summed over the loaded models for the daemon's line and the charts
+SUMMED = ("tokens_per_second", "last_batch_size", "requests_running", "requests_waiting", "requests_finished_total",
+          "steps_total")
 
 
 def p50(stats: dict[str, Any], stage: str) -> float:
     value = ((stats.get("latency") or {}).get(stage) or {}).get("p50")
     return float(value) if value is not None else 0.0
+
+
+def loaded_models(stats: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, ENGINE) for each loaded model; a daemon without a `models` list serves one, at the top level."""
+    if "models" in stats:
+        return [(str(m.get("name", "?")), m.get("stats") or {}) for m in stats["models"] or []]
+    return [(str(stats.get("model", "?")), stats)] if stats else []
+
+
+def totals(stats: dict[str, Any]) -> dict[str, Any]:
+    """The charted sample: request counts and throughput summed over the loaded models, latency of the top one."""
+    engines = [engine for _, engine in loaded_models(stats)]
+    out = dict(stats)
+    for name in SUMMED:
+        out[name] = sum(e.get(name) or 0 for e in engines)
+    return out
 
 
 class StatsHistory:
@@ -45,8 +89,9 @@ class StatsHistory:
 
     def add(self, stats: dict[str, Any]) -> None:
         self.latest = stats
+        sample = totals(stats)
         for name in SERIES:
-            value = p50(stats, name) if name in STAGES else stats.get(name) or 0
+            value = p50(sample, name) if name in STAGES else sample.get(name) or 0
             self.series[name].append(float(value))
 
 
@@ -67,14 +112,44 @@ def split_bar(split: dict[str, float], width: int) -> str:
     return "".join(f"[{colours[s]}]{'█' * cells[s]}[/]" for s in STAGES)
 
 
-def kv_bar(stats: dict[str, Any], width: int) -> str:
+def kv_bar(kv: dict[str, Any], width: int) -> str:
     """Used (held by live sequences), cached (evictable prefix blocks, counted within free) and plain free."""
-    total = stats.get("kv_blocks_total") or 0
+    total = kv.get("blocks_total") or 0
     if not total:
         return "·" * width
-    used = round((stats.get("kv_blocks_used") or 0) / total * width)
-    cached = min(round((stats.get("kv_blocks_cached") or 0) / total * width), width - used)
+    used = round((kv.get("blocks_used") or 0) / total * width)
+    cached = min(round((kv.get("blocks_cached") or 0) / total * width), width - used)
     return f"[red]{'█' * used}[/][blue]{'▓' * cached}[/][green]{'░' * (width - used - cached)}[/]"
+
+
+def model_panel(name: str, s: dict[str, Any], width: int = BAR_WIDTH) -> str:
+    """One loaded model: its requests, its KV pool (dtype, blocks, 8k-token sequences that fit) and latency split."""
+    spec = s.get("spec") or {}
+    accept = f" · spec accept [b]{100 * spec.get('acceptance_rate', 0):.0f}%[/]" if spec.get("proposed_total") else ""
+    dead = "" if s.get("engine_alive", True) else f"  [red]engine failed: {s.get('engine_error')}[/]"
+    lines = [
+        f"[b]{name}[/]{dead}   running [b]{s.get('requests_running', 0)}[/] · waiting [b]{s.get('requests_waiting', 0)}"
+        f"[/] · tok/s [b]{s.get('tokens_per_second') or 0:.1f}[/] · batch [b]{s.get('last_batch_size', 0)}[/] · "
+        f"preemptions [b]{s.get('num_preemptions', 0)}[/]{accept}"
+    ]
+    kv = s.get("kv")
+    if kv:
+        by_dtype = kv.get("seqs_8k_by_dtype") or {}
+        lines.append(
+            f"KV blocks  {kv_bar(kv, width)}  [red]used[/] [b]{kv.get('blocks_used', 0)}[/] · [blue]cached[/] "
+            f"[b]{kv.get('blocks_cached', 0)}[/] · free [b]{kv.get('blocks_free', 0)}[/] / {kv.get('blocks_total', 0)}"
+            f"   prefix hit [b]{100 * (kv.get('prefix_hit_rate') or 0):.0f}%[/]")
+        lines.append(
+            f"KV [b]{kv.get('dtype', '?')}[/]    {kv.get('bytes_per_token', 0)} bytes/token · 8k-token sequences "
+            f"that fit: [b]{by_dtype.get(kv.get('dtype'), '?')}[/] ("
+            + ", ".join(f"{kind} {n}" for kind, n in by_dtype.items()) + ")")
+    elif s.get("remote_url"):
+        lines.append(f"remote     {s['remote_url']}")
+    split = stage_split(s)
+    dominant = max(split, key=lambda k: split[k]) if any(split.values()) else None
+    lines.append(f"latency    {split_bar(split, width)}  " + "  ".join(f"{st[:-3]} {p50(s, st):.0f} ms" for st in STAGES)
+                 + (f"   [b]{dominant[:-3]} dominates[/]" if dominant else ""))
+    return "\n".join(lines)
 
 
 class TopView(Widget):
@@ -100,9 +175,7 @@ class TopView(Widget):
         yield Static("connecting…", id="top-status")
         with Horizontal(classes="panel", id="numbers-panel"):
             yield Static(id="numbers")
-        with Vertical(classes="panel"):
-            yield Static(id="kv")
-            yield Static(id="split")
+        yield Vertical(id="models")
         with Grid():
             for name, title in CHARTS:
                 with Vertical(classes="chart"):
@@ -118,7 +191,8 @@ class TopView(Widget):
         assert self.client is not None
         while True:
             try:
-                async with aclosing(self.client.stats_stream()) as stream:
+                events = cast(AsyncGenerator[dict[str, Any], None], self.client.stats_stream())
+                async with aclosing(events) as stream:
                     async for stats in stream:
                         try:
                             self.show(stats)
@@ -133,39 +207,37 @@ class TopView(Widget):
 
     def show(self, stats: dict[str, Any]) -> None:
         self.history.add(stats)
-        s = stats
-        uptime = s.get("uptime_s")
+        models = loaded_models(stats)
+        t = totals(stats)
+        uptime = stats.get("uptime_s")
         self.query_one("#top-status", Static).update(
-            f"model [b]{s.get('model', '?')}[/]" + (f" · up {uptime:.0f} s" if uptime is not None else "")
-            + f" · {s.get('steps_total', 0)} steps · {s.get('requests_finished_total', 0)} requests done"
+            f"{len(models)} model(s) loaded, last used [b]{stats.get('model', '?')}[/]"
+            + (f" · up {uptime:.0f} s" if uptime is not None else "")
+            + f" · {t['steps_total']} steps · {t['requests_finished_total']} requests done"
         )
-        spec = ""
-        if s.get("spec_proposed_total"):
-            spec = f"   spec accept [b]{100 * s.get('spec_accepted_total', 0) / s['spec_proposed_total']:.0f}%[/]"
         self.query_one("#numbers", Static).update(
-            f"running [b]{s.get('requests_running', 0)}[/]   waiting [b]{s.get('requests_waiting', 0)}[/]   "
-            f"tok/s [b]{s.get('tokens_per_second', 0):.1f}[/]   batch [b]{s.get('last_batch_size', 0)}[/]   "
-            f"preemptions [b]{s.get('num_preemptions', 0)}[/]{spec}"
+            f"all models   running [b]{t['requests_running']}[/]   waiting [b]{t['requests_waiting']}[/]   "
+            f"tok/s [b]{t['tokens_per_second']:.1f}[/]   batch [b]{t['last_batch_size']}[/]"
         )
-        width = BAR_WIDTH
-        self.query_one("#kv", Static).update(
-            f"KV blocks  {kv_bar(s, width)}  [red]used[/] [b]{s.get('kv_blocks_used', 0)}[/] · [blue]cached[/] "
-            f"[b]{s.get('kv_blocks_cached', 0)}[/] · free [b]{s.get('kv_blocks_free', 0)}[/] / "
-            f"{s.get('kv_blocks_total', 0)}   prefix hit [b]{100 * (s.get('prefix_cache_hit_rate') or 0):.0f}%[/]"
-        )
-        split = stage_split(s)
-        dominant = max(split, key=split.get) if any(split.values()) else None
-        self.query_one("#split", Static).update(
-            f"latency    {split_bar(split, width)}  "
-            + "  ".join(f"{st[:-3]} {p50(s, st):.0f} ms" for st in STAGES)
-            + (f"   [b]{dominant[:-3]} dominates[/]" if dominant else "")
-        )
+        self._show_models(models)
         for name, title in CHARTS:
             values = self.history.series[name]
             self.query_one(f"#spark-{name}", Sparkline).data = list(values)
             self.query_one(f"#title-{name}", Static).update(
                 f"{title}  [b]{values[-1]:.1f}[/]  (max {max(values):.1f}, last {len(values)} s)"
             )
+
+    def _show_models(self, models: list[tuple[str, dict[str, Any]]]) -> None:
+        """One panel per loaded model, in the daemon's order; panels come and go with the models."""
+        box = self.query_one("#models", Vertical)
+        panels = list(box.query(".model").results(Static))
+        for panel in panels[len(models):]:
+            panel.remove()
+        texts = [model_panel(name, engine) for name, engine in models]
+        for panel, text in zip(panels, texts, strict=False):
+            panel.update(text)
+        if len(texts) > len(panels):
+            box.mount_all([Static(text, classes="panel model") for text in texts[len(panels):]])
 
 
 class TopScreen(Screen):

@@ -137,12 +137,20 @@ def diagnose(ok_results) -> dict | None:
 
 
 def _delta(before: dict | None, after: dict | None, key: str) -> float | None:
+    """How much a counter of llmd's /v1/llmd/stats grew; `key` may be a path into it ("kv.prefix_hits_tokens")."""
     if not before or not after:
         return None
-    a, b = before.get(key), after.get(key)
+    a, b = _counter(before, key), _counter(after, key)
     if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
         return None
     return b - a
+
+
+def _counter(stats: dict, path: str):
+    value: object = stats
+    for part in path.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
 
 
 def _ratio(num, den) -> float | None:
@@ -172,11 +180,11 @@ def summarize(run: RunResult, slo: Slo = Slo()) -> dict:
     before, after = run.stats_before, run.stats_after
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     prompt_known = [r.prompt_tokens for r in ok if r.cached_tokens is not None and r.prompt_tokens]
-    prefix_hit = _ratio(_delta(before, after, "prefix_cache_hits_tokens"),
-                        _delta(before, after, "prefix_cache_queries_tokens"))
+    prefix_hit = _ratio(_delta(before, after, "kv.prefix_hits_tokens"),
+                        _delta(before, after, "kv.prefix_queries_tokens"))
     if prefix_hit is None and cached:
         prefix_hit = _ratio(sum(cached), sum(prompt_known))
-    spec = _ratio(_delta(before, after, "spec_accepted_total"), _delta(before, after, "spec_proposed_total"))
+    spec = _ratio(_delta(before, after, "spec.accepted_total"), _delta(before, after, "spec.proposed_total"))
     if spec is None:
         spec = _ratio(sum(_server(r, "spec_accepted") or 0 for r in ok),
                       sum(_server(r, "spec_proposed") or 0 for r in ok))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import threading
 import time
@@ -24,7 +25,7 @@ import uuid
 from collections import deque
 
 from ..errors import EngineDead, InvalidRequest, QueueFull
-from .engine import Engine
+from .engine import Engine, EngineStats
 from .grammar import COMPILE_TIMEOUT_S, CompiledGrammar
 from .types import Constraint, ConstraintError, EmbedParams, FinishReason, Priority, RequestOutput, SamplingParams
 
@@ -212,11 +213,8 @@ class AsyncEngine:
             self._commands.append(("abort", request_id))
         self._wake.set()
 
-    def stats(self) -> dict:
-        s = self.engine.stats()
-        s["engine_alive"] = self.alive
-        s["engine_error"] = self.error
-        return s
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self.engine.stats(), engine_alive=self.alive, engine_error=self.error)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

@@ -1,16 +1,43 @@
-"""Engine configuration with separate sensible defaults for CPU and for one consumer CUDA GPU."""
+"""Engine configuration with separate sensible defaults for CPU and for one consumer CUDA GPU.
+
+Torch-free: the settings (llmd.config) check engine fields with `EngineConfig.validate`, so every bound and every
+choice of an engine knob is written here once.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+
+from .types import KvCacheDtype, SpecMode, choices
 
 CPU_KV_CACHE_BYTES = 512 * 1024**2
-# "auto": the device's default (CUDA: the model's dtype; CPU: CPU_KV_CACHE_DTYPE); fp32/fp16/bf16: that float type;
-# int8: per-token, per-head scales (llmd.model.kv_int8)
-KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8")
 # Chosen by measurement (README, "KV cache dtype"): on SmolLM2 up to 8k tokens fp16 K/V keep the fp32 cache's
 # next-token distributions (mean KL ~5e-7) at half the bytes, so decode reads half as much.
-CPU_KV_CACHE_DTYPE = "fp16"
+CPU_KV_CACHE_DTYPE = KvCacheDtype.FP16.value
+
+# Inclusive (low, high) bounds of the numeric fields; None: unbounded on that side.
+BOUNDS: dict[str, tuple[float | None, float | None]] = {
+    "block_size": (1, 1024),  # and a power of two
+    "kv_cache_bytes": (1, None),
+    "kv_cache_fraction": (0.01, 0.99),
+    "num_kv_blocks": (1, None),
+    "max_num_seqs": (1, 4096),
+    "max_num_batched_tokens": (1, 1 << 20),
+    "max_model_len": (2, 1 << 24),  # room for one prompt token and one output token
+    "max_queue": (1, 1_000_000),
+    "num_speculative_tokens": (1, 16),
+    "spec_max_batch": (1, 4096),
+}
+CHOICES: dict[str, tuple[str, ...]] = {"kv_cache_dtype": choices(KvCacheDtype),
+                                       "speculative_mode": choices(SpecMode)}
+
+
+class EngineConfigError(ValueError):
+    """A bad engine setting: `field` names it, `why` says what it must be."""
+
+    def __init__(self, field: str, why: str):
+        super().__init__(f"engine setting {field} {why}")
+        self.field, self.why = field, why
 
 
 @dataclass
@@ -23,12 +50,12 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # default 512 on CPU, 2048 on CUDA
     max_model_len: int | None = None  # default: the model's max_position_embeddings (capped at 32768)
     enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    kv_cache_dtype: str = KvCacheDtype.AUTO.value  # a KvCacheDtype
     cuda_graphs: bool = True  # CUDA only: replay decode steps from CUDA graphs (llmd.engine.cuda_graphs)
     max_queue: int = 1024  # waiting requests beyond this are refused with QueueFull
     seed: int = 0  # seeds the generators of sampled requests that bring no seed of their own
-    # speculative decoding (llmd.engine.speculative): off | ngram | draft | auto (adaptive to load and acceptance)
-    speculative_mode: str = "off"
+    # speculative decoding (llmd.engine.speculative): a SpecMode
+    speculative_mode: str = SpecMode.OFF.value
     num_speculative_tokens: int = 4
     draft_model: object = None  # a model name/path, "self:N" (the target's first N layers) or a LoadedModel
     spec_max_batch: int | None = None  # auto mode: no speculation above this many sequences per step (default 8)
@@ -53,28 +80,22 @@ class EngineConfig:
         return c
 
     def validate(self) -> None:
-        def bad(name: str, why: str):
-            raise ValueError(f"engine setting {name} {why}")
+        """Raise EngineConfigError for the first field outside its bounds or choices (None: the device default)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                check_field(f.name, value)
 
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            bad("block_size", "must be a power of two")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            bad("max_num_seqs", "must be at least 1")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            bad("max_num_batched_tokens", "must be at least 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            bad("max_model_len", "must be at least 2")
-        if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction < 1.0:
-            bad("kv_cache_fraction", "must be in (0, 1)")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-            bad("kv_cache_bytes", "must be positive")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            bad("num_kv_blocks", "must be at least 1")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            bad("kv_cache_dtype", f"is {self.kv_cache_dtype!r}; must be one of {', '.join(KV_CACHE_DTYPES)}")
-        if self.max_queue < 1:
-            bad("max_queue", "must be at least 1")
-        if self.speculative_mode not in ("off", "ngram", "draft", "auto"):
-            bad("speculative_mode", "must be one of off, ngram, draft, auto")
-        if not 1 <= self.num_speculative_tokens <= 16:
-            bad("num_speculative_tokens", "must be between 1 and 16")
+
+def check_field(name: str, value: object) -> None:
+    """One engine field's bounds and choices (the settings call this for each engine field they read)."""
+    if name in CHOICES and value not in CHOICES[name]:
+        raise EngineConfigError(name, f"must be one of {', '.join(CHOICES[name])}")
+    if name not in BOUNDS or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return
+    low, high = BOUNDS[name]
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise EngineConfigError(name, f"must be between {'-inf' if low is None else low} and "
+                                      f"{'inf' if high is None else high}")
+    if name == "block_size" and int(value) & (int(value) - 1):
+        raise EngineConfigError(name, "must be a power of two")

@@ -20,11 +20,12 @@ from .config import EngineConfig
 from .accept import accept
 from .grammar import CompiledGrammar, GrammarCompiler, step_masks
 from .pooling import pool
-from .runner import ModelRunner, sequences_that_fit
+from .runner import ModelRunner, kv_bytes_per_block, sequences_that_fit
 from .scheduler import Scheduler, ScheduledSeq
 from .sequence import Sequence
 from .stop import StopStringMatcher
-from .types import EmbedParams, FinishReason, Priority, RequestOutput, RequestTimings, SamplingParams, TokenLogprob
+from .types import (SHORT_DTYPE_NAMES, EmbedParams, EngineStats, FinishReason, KvStats, LatencyStats, Percentiles,
+                    Priority, RequestOutput, RequestTimings, SamplingParams, TokenLogprob)
 
 LATENCY_WINDOW = 1000  # finished requests kept for percentiles
 THROUGHPUT_WINDOW_S = 10.0
@@ -81,8 +82,6 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.requests_finished_total = 0
-        self.spec_proposed_total = 0
-        self.spec_accepted_total = 0
         self.last_batch_size = 0
         self.last_step_tokens = 0
         self._stats_lock = threading.Lock()
@@ -244,8 +243,6 @@ class Engine:
         self.speculator.verified(seq, verified, k, num_accepted)
         seq.timings.spec_proposed += k
         seq.timings.spec_accepted += num_accepted
-        self.spec_proposed_total += k
-        self.spec_accepted_total += num_accepted
         return verified
 
     def _append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None,
@@ -322,7 +319,7 @@ class Engine:
         with self._stats_lock:
             self._latencies.append(row)
 
-    def stats(self) -> dict:
+    def stats(self) -> EngineStats:
         bm = self.block_manager
         with self._stats_lock:
             latencies = list(self._latencies)
@@ -334,36 +331,24 @@ class Engine:
             span = max(now - recent[0][0], 1e-3) if len(recent) > 1 else THROUGHPUT_WINDOW_S
             tps = sum(n for _, n in recent) / span
         queries = bm.queries_tokens
-        return {
-            "requests_running": self.scheduler.num_running,
-            "requests_waiting": self.scheduler.num_waiting,
-            "kv_blocks_total": bm.num_blocks,
-            # used: held by requests; cached: evictable prefix blocks; free: empty. They sum to the total.
-            "kv_blocks_used": bm.num_used_blocks,
-            "kv_blocks_cached": bm.num_cached_blocks,
-            "kv_blocks_free": bm.num_free_blocks - bm.num_cached_blocks,
-            "kv_cache_dtype": KV_DTYPE_NAMES.get(self.runner.kv_element, str(self.runner.kv_element)),
-            "kv_cache_bytes": self.runner.kv_cache_bytes,
-            # 8,192-token sequences this pool's bytes would hold with each KV cache dtype
-            "kv_8k_sequences_by_dtype": self._seqs_8k,
-            "prefix_cache_queries_tokens": queries,
-            "prefix_cache_hits_tokens": bm.hits_tokens,
-            "prefix_cache_hit_rate": bm.hits_tokens / queries if queries else 0.0,
-            "prefix_cache_evictions": bm.evictions,
-            "num_preemptions": self.scheduler.num_preemptions,
-            "prompt_tokens_total": self.prompt_tokens_total,
-            "generation_tokens_total": self.generation_tokens_total,
-            "requests_finished_total": self.requests_finished_total,
-            "steps_total": self.steps_total,
-            "last_batch_size": self.last_batch_size,
-            "last_step_tokens": self.last_step_tokens,
-            "tokens_per_second": tps,
-            "spec_proposed_total": self.spec_proposed_total,
-            "spec_accepted_total": self.spec_accepted_total,
-            **(self.speculator.stats() if self.speculator is not None else {}),
-            "latency": {key: percentiles([r[key] for r in latencies if r[key] is not None])
-                        for key in ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e_ms")},
-        }
+        runner = self.runner
+        kv = KvStats(
+            dtype=SHORT_DTYPE_NAMES.get(str(runner.kv_element).removeprefix("torch."), str(runner.kv_element)),
+            block_size=self.config.block_size,
+            bytes_per_token=kv_bytes_per_block(self.loaded.config, 1, runner.dtype, runner.kv_cache_dtype),
+            cache_bytes=runner.kv_cache_bytes, blocks_total=bm.num_blocks, blocks_used=bm.num_used_blocks,
+            blocks_cached=bm.num_cached_blocks, blocks_free=bm.num_free_blocks - bm.num_cached_blocks,
+            seqs_8k_by_dtype=dict(self._seqs_8k), prefix_queries_tokens=queries, prefix_hits_tokens=bm.hits_tokens,
+            prefix_hit_rate=bm.hits_tokens / queries if queries else 0.0, prefix_evictions=bm.evictions)
+        latency = LatencyStats(**{key: percentiles([r[key] for r in latencies if r[key] is not None])
+                                  for key in ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e_ms")})
+        return EngineStats(
+            requests_running=self.scheduler.num_running, requests_waiting=self.scheduler.num_waiting,
+            requests_finished_total=self.requests_finished_total, prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total, num_preemptions=self.scheduler.num_preemptions,
+            steps_total=self.steps_total, last_batch_size=self.last_batch_size, last_step_tokens=self.last_step_tokens,
+            tokens_per_second=tps, kv=kv, spec=self.speculator.stats() if self.speculator is not None else None,
+            latency=latency)
 
     def check_no_leaks(self) -> None:
         """With no live requests, every block must be free or evictable cached (raises AssertionError if not)."""
@@ -373,18 +358,15 @@ class Engine:
             self.speculator.check_no_leaks()
 
 
-KV_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "int8"}
-
-
-def percentiles(values: list[float]) -> dict:
+def percentiles(values: list[float]) -> Percentiles:
     if not values:
-        return {"p50": None, "p90": None, "p99": None}
+        return Percentiles()
     v = sorted(values)
 
     def pick(q: float) -> float:
         return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
 
-    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99)}
+    return Percentiles(p50=pick(0.5), p90=pick(0.9), p99=pick(0.99))
 
 
 @dataclass

@@ -29,10 +29,9 @@ from .scheduler import Proposal
 from .sequence import Sequence
 from .spec_ngram import ngram_propose
 from .spec_policy import Acceptance, SpecPolicy
+from .types import SpecStats
 
 log = logging.getLogger(__name__)
-
-MODES = ("off", "ngram", "draft", "auto")
 
 
 def _flops_per_token(config) -> float:
@@ -152,14 +151,12 @@ class Speculator:
             assert not self.draft.states, f"draft states still alive: {list(self.draft.states)[:5]}"
             self.draft.bm.check_idle()
 
-    def stats(self) -> dict:
+    def stats(self) -> SpecStats:
         drafts = self.num_drafts_total
-        return {
-            "spec_mode": self.mode,
-            "spec_num_drafts_total": drafts,
-            "spec_acceptance_rate": self.accepted_total / self.proposed_total if self.proposed_total else 0.0,
-            "spec_mean_accepted_length": self.accepted_total / drafts if drafts else 0.0,
-        }
+        return SpecStats(
+            mode=self.mode, proposed_total=self.proposed_total, accepted_total=self.accepted_total, drafts_total=drafts,
+            acceptance_rate=self.accepted_total / self.proposed_total if self.proposed_total else 0.0,
+            mean_accepted_length=self.accepted_total / drafts if drafts else 0.0)
 
 
 def _within_grammar(seq: Sequence, tokens: list[int]) -> list[int]:

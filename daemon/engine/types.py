@@ -1,4 +1,6 @@
-"""The engine's public data types: what goes in (SamplingParams) and what comes out (RequestOutput)."""
+"""The engine's public data types and vocabulary, torch-free: what goes in (SamplingParams), what comes out
+(RequestOutput), what the engine reports (EngineStats), and the names of its modes (SpecMode, KvCacheDtype,
+QuantMethod, DTYPE_NAMES) that the settings, the engine and the model all validate against."""
 
 from __future__ import annotations
 
@@ -11,6 +13,56 @@ from ..errors import InvalidRequest
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_LOGPROBS = 20
+
+
+# ---- vocabulary ---------------------------------------------------------------------------------------------------
+
+class SpecMode(str, enum.Enum):
+    """Speculative decoding (llmd.engine.speculative)."""
+
+    OFF = "off"
+    NGRAM = "ngram"  # prompt lookup: no second model
+    DRAFT = "draft"  # a draft model proposes
+    AUTO = "auto"  # adaptive to load and acceptance
+
+
+class KvCacheDtype(str, enum.Enum):
+    """What the KV pool holds. AUTO: the device's default (CUDA: the model's dtype; CPU: EngineConfig's
+    CPU_KV_CACHE_DTYPE); INT8: per-token, per-head scales (llmd.model.kv_int8)."""
+
+    AUTO = "auto"
+    FP32 = "fp32"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    INT8 = "int8"
+
+
+class QuantMethod(str, enum.Enum):
+    """The weight formats `--quant` accepts (llmd.model.quant.modes.parse_quant implements them)."""
+
+    AUTO = "auto"  # a GGUF keeps its packing where a kernel runs it, else unquantized
+    NONE = "none"
+    GGUF = "gguf"
+    INT8 = "int8"
+    INT4 = "int4"
+    INT4_G32 = "int4-g32"
+    INT4_G64 = "int4-g64"
+    INT4_G128 = "int4-g128"
+    BNB_INT8 = "bnb-int8"
+    BNB_NF4 = "bnb-nf4"
+
+
+def choices(kind: type[enum.Enum]) -> tuple[str, ...]:
+    """An enum's values, in order: what a setting of that kind accepts."""
+    return tuple(str(member.value) for member in kind)
+
+
+# The one table of dtype names: each name a setting accepts (--dtype; the float KV dtypes use the short ones) and
+# torch's name for it.
+DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+               "float16": "float16", "fp16": "float16"}
+# torch's name -> the short name stats and KV settings use
+SHORT_DTYPE_NAMES = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "int8": "int8"}
 
 
 CONSTRAINT_KINDS = ("json_schema", "json_object", "lark", "regex", "gbnf")
@@ -168,7 +220,7 @@ class RequestTimings:
     @property
     def inter_token_latencies(self) -> list[float]:
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
 
     @property
     def e2e(self) -> float | None:
@@ -224,3 +276,117 @@ class RequestOutput:
             later, new_token_ids=self.new_token_ids + later.new_token_ids,
             text_delta=self.text_delta + later.text_delta, logprobs=logprobs,
             timings=later.timings or self.timings, error=later.error or self.error)
+
+
+# ---- what the engine reports --------------------------------------------------------------------------------------
+# Engine.stats() returns an EngineStats; /v1/llmd/stats serves dataclasses.asdict of it per model (the JSON schema
+# that `llmd top` reads is written out in tui/top_app.py); `from_dict` turns that JSON back into these types.
+
+
+def _known(cls, data: dict) -> dict:
+    """The keys of `data` that are fields of `cls` (a newer or older daemon may send more or fewer)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {k: v for k, v in data.items() if k in names}
+
+
+@dataclass
+class Percentiles:
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+
+
+@dataclass
+class LatencyStats:
+    """Per-stage percentiles in milliseconds over the engine's last finished requests (Engine.LATENCY_WINDOW)."""
+
+    queue_ms: Percentiles = field(default_factory=Percentiles)
+    prefill_ms: Percentiles = field(default_factory=Percentiles)
+    ttft_ms: Percentiles = field(default_factory=Percentiles)
+    decode_ms: Percentiles = field(default_factory=Percentiles)
+    tpot_ms: Percentiles = field(default_factory=Percentiles)
+    e2e_ms: Percentiles = field(default_factory=Percentiles)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "LatencyStats":
+        return cls(**{k: Percentiles(**_known(Percentiles, v or {})) for k, v in _known(cls, data).items()})
+
+
+@dataclass
+class KvStats:
+    """The KV pool and its prefix cache. Blocks: used (held by requests) + cached (evictable prefix blocks, free for
+    new work) + free (empty) = total."""
+
+    dtype: str  # what the pool holds: fp32 | fp16 | bf16 | int8 (a KvCacheDtype, never auto)
+    block_size: int  # tokens per block
+    bytes_per_token: int  # one token's K and V over all layers (int8: with its scales)
+    cache_bytes: int  # the pool's bytes
+    blocks_total: int
+    blocks_used: int
+    blocks_cached: int
+    blocks_free: int
+    # for this pool's bytes: how many 8,192-token sequences fit with each KV dtype (long contexts vs batch size)
+    seqs_8k_by_dtype: dict[str, int] = field(default_factory=dict)
+    prefix_queries_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits_tokens: int = 0  # ... and found there
+    prefix_hit_rate: float = 0.0
+    prefix_evictions: int = 0
+    # a model mixing sliding-window and global layers keeps the window layers' KV in a second group of blocks (the
+    # blocks_* above are the global layers'); None for other models
+    window_blocks_total: int | None = None
+    window_blocks_used: int | None = None
+    window_blocks_cached: int | None = None
+
+    @property
+    def tokens_total(self) -> int:
+        return self.blocks_total * self.block_size
+
+    @property
+    def seqs_8k(self) -> int | None:
+        """8,192-token sequences this pool holds in its own dtype."""
+        return self.seqs_8k_by_dtype.get(self.dtype)
+
+
+@dataclass
+class SpecStats:
+    """Speculative decoding, when a mode other than off is configured."""
+
+    mode: str  # a SpecMode
+    proposed_total: int = 0  # draft tokens proposed
+    accepted_total: int = 0  # ... and accepted by the target's verification
+    drafts_total: int = 0  # verify runs (one per sequence and step)
+    acceptance_rate: float = 0.0  # accepted / proposed
+    mean_accepted_length: float = 0.0  # accepted per verify run
+
+
+@dataclass
+class EngineStats:
+    """One model's engine: counters since it started, the last step, the KV pool, speculation and latency."""
+
+    requests_running: int = 0
+    requests_waiting: int = 0
+    requests_finished_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_preemptions: int = 0  # recomputations after a request lost its KV blocks
+    steps_total: int = 0
+    last_batch_size: int = 0  # sequences in the last step
+    last_step_tokens: int = 0  # tokens in the last step's forward
+    tokens_per_second: float = 0.0  # generated, over the last few seconds
+    kv: KvStats | None = None  # None: a remote model (its KV lives on the other server)
+    spec: SpecStats | None = None  # None: speculation off
+    latency: LatencyStats = field(default_factory=LatencyStats)
+    engine_alive: bool = True  # False once the engine thread died (engine_error says why)
+    engine_error: str | None = None
+    remote_url: str | None = None  # a remote model's upstream server
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "EngineStats":
+        """The inverse of dataclasses.asdict (unknown keys are ignored, missing ones take their defaults)."""
+        values = _known(cls, data)
+        if values.get("kv") is not None:
+            values["kv"] = KvStats(**_known(KvStats, values["kv"]))
+        if values.get("spec") is not None:
+            values["spec"] = SpecStats(**_known(SpecStats, values["spec"]))
+        values["latency"] = LatencyStats.from_dict(values.get("latency") or {})
+        return cls(**values)

@@ -20,7 +20,9 @@ from typing import NamedTuple
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "fp32", "fp16", "bf16", "int8")  # "auto": the model's dtype
+from ..engine.types import KvCacheDtype, choices
+
+KV_CACHE_DTYPES = choices(KvCacheDtype)  # the engine's vocabulary (llmd.engine.types), not a second list
 SCALE_DTYPE = torch.float32
 _FLOAT_KV = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import state_dir
+from ..engine.types import EngineStats
 from ..errors import LlmdError
 
 if TYPE_CHECKING:
@@ -105,21 +106,36 @@ def ps(settings: Settings) -> str:
             lines.append(f"memory      {used / 2**20:.0f} MiB of the {budget / 2**20:.0f} MiB budget in use "
                          f"({len(models)} model(s) loaded)")
         for m in models:
-            s = m.get("stats") or {}
             until = "forever (pinned)" if m.get("pinned") else "forever" if m["expires_at"].startswith("9999") \
                 else f"until {m['expires_at'][:19].replace('T', ' ')} UTC"
             where = "GPU" if m.get("size_vram") else "CPU"
-            lines += [
-                f"model       {m['name']} ({m.get('source')}, {where}, {m.get('size', 0) / 2**20:.0f} MiB, {until})",
-                f"  KV cache  {s.get('kv_blocks_used', 0)}/{s.get('kv_blocks_total', 0)} blocks used "
-                f"({s.get('kv_blocks_cached', 0)} cached for reuse)",
-                f"  requests  {s.get('requests_running', 0)} running, {s.get('requests_waiting', 0)} waiting, "
-                f"{s.get('requests_finished_total', 0)} finished; {s.get('tokens_per_second') or 0:.1f} tok/s "
-                f"(recent), prefix-cache hit rate {100 * (s.get('prefix_cache_hit_rate') or 0):.0f}%",
-            ]
+            lines.append(f"model       {m['name']} ({m.get('source')}, {where}, {m.get('size', 0) / 2**20:.0f} MiB, "
+                         f"{until})")
+            lines += _engine_lines(EngineStats.from_dict(m.get("stats") or {}))
         if not models:
             lines.append("model       none loaded (a request loads one on demand)")
     return "\n".join(lines)
+
+
+def _engine_lines(s: EngineStats) -> list[str]:
+    """One loaded model's KV cache (dtype, blocks, what 8k-token sequences fit) and requests, for `llmd ps`."""
+    lines = []
+    if s.kv is not None:
+        kv = s.kv
+        fits = ", ".join(f"{kind} {n}" for kind, n in kv.seqs_8k_by_dtype.items())
+        n = kv.seqs_8k if kv.seqs_8k is not None else "?"
+        lines += [
+            f"  KV cache  {kv.dtype}, {kv.blocks_used}/{kv.blocks_total} blocks used ({kv.blocks_cached} cached for "
+            f"reuse), {kv.tokens_total:,} tokens in {kv.cache_bytes / 2**20:.0f} MiB ({kv.bytes_per_token:,} "
+            "bytes/token)",
+            f"  8k fits   {n} sequence{'' if n == 1 else 's'} of 8,192 tokens (by KV dtype: {fits})",
+        ]
+    elif s.remote_url:
+        lines.append(f"  remote    {s.remote_url} (its KV cache lives there)")
+    hit = f", prefix-cache hit rate {100 * s.kv.prefix_hit_rate:.0f}%" if s.kv is not None else ""
+    lines.append(f"  requests  {s.requests_running} running, {s.requests_waiting} waiting, {s.requests_finished_total} "
+                 f"finished; {s.tokens_per_second:.1f} tok/s (recent){hit}")
+    return lines
 
 
 def _rss_mib(pid) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from aiohttp import web
@@ -103,11 +103,11 @@ class ServerState:
         return context_length(self.require_engine())
 
     def stats(self) -> dict:
-        """The contract's /v1/llmd/stats object: engine stats + model + uptime (+ server counters)."""
+        """The /v1/llmd/stats object (its schema: tui/top_app.py): engine stats per model + uptime + server counters."""
         if self.models is not None:
             out = self.models.stats()
         else:
-            out = dict(self.engine.stats()) if self.engine is not None else {}
+            out = asdict(self.engine.stats()) if self.engine is not None else {}
             out["model"] = self.model_name
         out.update({"status": self.status, "uptime_s": round(time.monotonic() - self.started, 3),
                     "pid": self.pid, "load_seconds": round(self.load_seconds, 3),

@@ -38,15 +38,6 @@ log = logging.getLogger("llmd.server")
 ABORT_SETTLE_S = 3.0  # after aborting, how long handlers get to send their last event
 
 
-def _dtype(name: str | None):
-    if name is None:
-        return None
-    import torch
-
-    return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-            "float16": torch.float16, "fp16": torch.float16}[name]
-
-
 def model_threads(settings: Settings) -> int | None:
     """CPU threads for the model: --threads, else (model on the CPU) one per core but one, which stays free for the
     HTTP server and local clients. When every core computes, their threads preempt the model's mid-step: on 2 cores
@@ -75,9 +66,10 @@ def build_engine(settings: "Settings", files: "ModelFiles", kv_cache_bytes: int 
     """Load one model and build its engine (in a worker thread: never on the event loop or an engine thread).
     A draft model (speculation) only serves the default model: it shares that model's tokenizer."""
     from ..engine import Engine
+    from ..generate import torch_dtype
     from ..model.loader import load_model
 
-    loaded = load_model(files, dtype=_dtype(settings.dtype), device=settings.device, quant=settings.quant)
+    loaded = load_model(files, dtype=torch_dtype(settings.dtype), device=settings.device, quant=settings.quant)
     overrides: dict[str, Any] = {}
     if kv_cache_bytes is not None:
         overrides["kv_cache_bytes"] = min(kv_cache_bytes, _useful_kv_bytes(settings, loaded))

@@ -124,8 +124,8 @@ def ollama_ps(state: ServerState) -> list[dict]:
         stats = e.engine.stats()
         out.append({"name": e.name, "model": e.name, "size": e.size_bytes, "digest": "", "details": details(e.info),
                     "expires_at": iso_time(e.expires_at()), "size_vram": e.size_bytes if e.on_gpu else 0,
-                    "context_length": _context_length(e), "requests_running": stats.get("requests_running", 0),
-                    "requests_waiting": stats.get("requests_waiting", 0)})
+                    "context_length": _context_length(e), "requests_running": stats.requests_running,
+                    "requests_waiting": stats.requests_waiting})
     return out
 
 

@@ -243,7 +243,7 @@ async def props(request: web.Request) -> web.Response:
         "model_path": state.model_name,
         "chat_template": engine.tokenizer.chat_template or "",
         "has_infill": bool(engine.tokenizer.fim_token_ids()),
-        "kv_blocks_free": stats.get("kv_blocks_free"),
+        "kv_blocks_free": stats.kv.blocks_free if stats.kv is not None else None,
         "build_info": "llmd",
     })
 

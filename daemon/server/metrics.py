@@ -1,16 +1,16 @@
 """Prometheus text exposition with vLLM's metric names (prefix `llmd:` where vLLM has `vllm:`).
 
 Latency histograms are fed by the server as each request ends (from its RequestTimings); gauges and counters that the
-engine already keeps are read from `engine.stats()` at scrape time. No client library: the text format is simple.
+engine already keeps are read from `engine.stats()` (an EngineStats per model) at scrape time. No client library: the text format is simple.
 """
 
 from __future__ import annotations
 
 import bisect
 import threading
-from typing import Any
+from typing import Any, Callable
 
-from ..engine.types import RequestTimings
+from ..engine.types import EngineStats, RequestTimings
 
 # Bucket edges follow vLLM's, so dashboards built for it read ours the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -140,10 +140,9 @@ class Metrics:
                     "http_responses": {str(k): v for k, v in sorted(self.http_responses.items())},
                     "rejected_queue_full": sum(s.rejected_queue_full for s in self._series.values())}
 
-    def render(self, stats: dict[str, dict] | dict | None, model_name: str | None = None) -> str:
+    def render(self, stats: dict[str, EngineStats] | EngineStats | None, model_name: str | None = None) -> str:
         """The exposition text. `stats`: engine stats by model name (or one model's stats with its name)."""
-        by_model: dict[str, dict] = ({model_name: stats} if stats else {}) if model_name is not None \
-            else dict(stats or {})
+        by_model = {model_name or "": stats} if isinstance(stats, EngineStats) else dict(stats or {})
         with self._lock:
             series = dict(self._series)
         if model_name is not None and "" in series:  # a single-model state records without a name
@@ -160,37 +159,33 @@ class Metrics:
         def label(model: str) -> str:
             return f'model_name="{_escape(model)}"'
 
-        def gauge(name: str, kind: str, help_text: str, read) -> None:
+        def gauge(name: str, kind: str, help_text: str, read: Callable[[EngineStats], float | None]) -> None:
             family(name, kind, help_text, [(label(m), read(s)) for m, s in sorted(by_model.items())])
 
-        gauge("llmd:num_requests_running", "gauge", "Requests in the running batch.",
-              lambda s: s.get("requests_running"))
-        gauge("llmd:num_requests_waiting", "gauge", "Requests waiting to be scheduled.",
-              lambda s: s.get("requests_waiting"))
-        # kv_blocks_used counts blocks held by requests; evictable cached blocks are free for new work, as in vLLM.
+        gauge("llmd:num_requests_running", "gauge", "Requests in the running batch.", lambda s: s.requests_running)
+        gauge("llmd:num_requests_waiting", "gauge", "Requests waiting to be scheduled.", lambda s: s.requests_waiting)
+        # blocks_used counts blocks held by requests; evictable cached blocks are free for new work, as in vLLM.
         gauge("llmd:kv_cache_usage_perc", "gauge", "KV-cache usage: 1 means 100 percent.",
-              lambda s: max(s.get("kv_blocks_used") or 0, 0) / s["kv_blocks_total"] if s.get("kv_blocks_total")
-              else 0.0)
+              lambda s: max(s.kv.blocks_used, 0) / s.kv.blocks_total if s.kv and s.kv.blocks_total else None)
         gauge("llmd:prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
-              lambda s: s.get("prefix_cache_queries_tokens"))
+              lambda s: s.kv.prefix_queries_tokens if s.kv else None)
         gauge("llmd:prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache.",
-              lambda s: s.get("prefix_cache_hits_tokens"))
-        gauge("llmd:num_preemptions_total", "counter", "Preemptions (recompute) so far.",
-              lambda s: s.get("num_preemptions"))
-        gauge("llmd:prompt_tokens_total", "counter", "Prefill tokens processed.",
-              lambda s: s.get("prompt_tokens_total"))
+              lambda s: s.kv.prefix_hits_tokens if s.kv else None)
+        gauge("llmd:num_preemptions_total", "counter", "Preemptions (recompute) so far.", lambda s: s.num_preemptions)
+        gauge("llmd:prompt_tokens_total", "counter", "Prefill tokens processed.", lambda s: s.prompt_tokens_total)
         gauge("llmd:generation_tokens_total", "counter", "Generation tokens produced.",
-              lambda s: s.get("generation_tokens_total"))
+              lambda s: s.generation_tokens_total)
+        # the speculative-decoding families exist for models that speculate (as in vLLM)
         gauge("llmd:spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed.",
-              lambda s: s.get("spec_proposed_total"))
+              lambda s: s.spec.proposed_total if s.spec else None)
         gauge("llmd:spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted.",
-              lambda s: s.get("spec_accepted_total"))
+              lambda s: s.spec.accepted_total if s.spec else None)
         gauge("llmd:spec_decode_num_drafts_total", "counter", "Speculative verify runs (one per sequence).",
-              lambda s: s.get("spec_num_drafts_total"))  # present when speculation is configured
+              lambda s: s.spec.drafts_total if s.spec else None)
         gauge("llmd:spec_decode_draft_acceptance_rate", "gauge", "Accepted over proposed draft tokens.",
-              lambda s: s.get("spec_acceptance_rate") if "spec_num_drafts_total" in s else None)
+              lambda s: s.spec.acceptance_rate if s.spec else None)
         gauge("llmd:spec_decode_mean_accepted_length", "gauge", "Accepted draft tokens per verify run.",
-              lambda s: s.get("spec_mean_accepted_length") if "spec_num_drafts_total" in s else None)
+              lambda s: s.spec.mean_accepted_length if s.spec else None)
         with self._lock:
             family("llmd:request_success_total", "counter", "Finished requests by finish reason.",
                    [(f'{label(m)},finished_reason="{reason}"', n) for m, sr in sorted(series.items())

@@ -26,17 +26,19 @@ import gc
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from ..config import parse_keep_alive
+from ..engine.types import DTYPE_NAMES
 from ..errors import LlmdError, ModelNotFound
 from .validation import ApiError
 
 if TYPE_CHECKING:
     from ..config import Settings
+    from ..engine.types import EngineStats
     from ..store import ModelFiles, ModelInfo
 
 log = logging.getLogger("llmd.server")
@@ -116,7 +118,8 @@ def estimate_weight_bytes(info: "ModelInfo", settings: "Settings", on_gpu: bool)
     elif quant in ("int8", "bnb-int8"):
         per = 1.1
     else:
-        per = 2 if (settings.dtype in ("bfloat16", "bf16", "float16", "fp16") or (on_gpu and not settings.dtype)) else 4
+        half = DTYPE_NAMES.get(settings.dtype or "") in ("bfloat16", "float16")
+        per = 2 if (half or (on_gpu and not settings.dtype)) else 4
     return int(params * per) or info.size_bytes
 
 
@@ -472,26 +475,27 @@ class ModelManager:
 
     # ---- reports ----------------------------------------------------------------------------------------------
     def stats(self) -> dict:
-        """The /v1/llmd/stats engine part: the most recently used model's stats at the top (what `llmd top` reads),
-        request counts summed over all loaded models, and one entry per loaded model under `models`."""
+        """The /v1/llmd/stats model part (the schema: tui/top_app.py): one entry per loaded model under `models`, with
+        its engine's stats; at the top, for readers of one model, the most recently used model's stats with the
+        request counts summed over all loaded models."""
         loaded = self.loaded()
         per = {e.name: e.engine.stats() for e in loaded}
         primary = self.last_name if self.last_name in per else self.default_name if self.default_name in per else \
             next(iter(per), None)
-        out = dict(per[primary]) if primary else {}
-        for key in ("requests_running", "requests_waiting"):
-            out[key] = sum(s.get(key, 0) for s in per.values())
+        out = asdict(per[primary]) if primary else {}
+        out["requests_running"] = sum(s.requests_running for s in per.values())
+        out["requests_waiting"] = sum(s.requests_waiting for s in per.values())
         out["model"] = primary or (self.default_name or "")
         out["models"] = [self.describe(e, per[e.name]) for e in loaded]
         out["memory_budget_bytes"] = self.budget_bytes
         return out
 
-    def describe(self, e: Served, stats: dict | None = None) -> dict:
+    def describe(self, e: Served, stats: EngineStats | None = None) -> dict:
         return {"name": e.name, "source": e.source, "pinned": e.pinned, "size": e.size_bytes,
                 "weight_bytes": e.weight_bytes, "kv_cache_bytes": e.kv_bytes,
                 "size_vram": e.size_bytes if e.on_gpu else 0, "expires_at": iso_time(e.expires_at()),
                 "active_requests": e.active, "load_seconds": round(e.load_seconds, 3),
-                "stats": stats if stats is not None else e.engine.stats()}
+                "stats": asdict(stats if stats is not None else e.engine.stats())}
 
 
 @dataclass

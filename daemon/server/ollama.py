@@ -310,8 +310,7 @@ async def ps(request: web.Request) -> web.Response:
     entry = _model_entry(state)
     stats = state.engine.stats()
     entry.update({"expires_at": "9999-12-31T23:59:59Z", "size_vram": 0, "context_length": state.max_model_len(),
-                  "requests_running": stats.get("requests_running", 0),
-                  "requests_waiting": stats.get("requests_waiting", 0)})
+                  "requests_running": stats.requests_running, "requests_waiting": stats.requests_waiting})
     return web.json_response({"models": [entry]})
 
 

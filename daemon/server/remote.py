@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from ..engine.types import FinishReason, RequestOutput, RequestTimings
+from ..engine.types import EngineStats, FinishReason, RequestOutput, RequestTimings
 from .validation import ApiError
 
 if TYPE_CHECKING:
@@ -259,9 +259,8 @@ class RemoteEngine:
         self.prompt_tokens_total += t.num_prompt_tokens
         self.generation_tokens_total += t.num_generated_tokens
 
-    def stats(self) -> dict:
-        return {"requests_running": self.running, "requests_waiting": 0, "requests_finished_total": self.finished_total,
-                "requests_aborted_total": self.aborted_total, "prompt_tokens_total": self.prompt_tokens_total,
-                "generation_tokens_total": self.generation_tokens_total, "kv_blocks_total": 0, "kv_blocks_used": 0,
-                "kv_blocks_cached": 0, "kv_blocks_free": 0, "remote_url": self.url, "engine_alive": True,
-                "engine_error": None}
+    def stats(self) -> EngineStats:
+        """What this side sees: its requests and tokens; the KV pool and the latency split live upstream."""
+        return EngineStats(requests_running=self.running, requests_finished_total=self.finished_total,
+                           prompt_tokens_total=self.prompt_tokens_total,
+                           generation_tokens_total=self.generation_tokens_total, remote_url=self.url)

@@ -110,8 +110,8 @@ def main() -> None:
         stats = engine.stats()
         ttft_on, hit_on = prefix_ttft(loaded, loaded.tokenizer, cache=True)
         ttft_off, hit_off = prefix_ttft(loaded, loaded.tokenizer, cache=False)
-        print(f"engine [{mode}]: 64 concurrent {e64:.1f} tok/s (preemptions {stats['num_preemptions']}, KV blocks "
-              f"{stats['kv_blocks_total']}); shared 1,000-token prefix TTFT: cache on {ttft_on * 1000:.0f} ms (hit "
+        print(f"engine [{mode}]: 64 concurrent {e64:.1f} tok/s (preemptions {stats.num_preemptions}, KV blocks "
+              f"{stats.kv.blocks_total}); shared 1,000-token prefix TTFT: cache on {ttft_on * 1000:.0f} ms (hit "
               f"rate {hit_on:.0%}), cache off {ttft_off * 1000:.0f} ms (hit rate {hit_off:.0%})")
         rows[mode] = dict(e1=0.0, e16=0.0, e64=e64, ttft_ratio=ttft_on / ttft_off)
     engine_rss = peak_rss_mib()

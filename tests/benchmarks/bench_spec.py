@@ -66,9 +66,9 @@ def run(loaded, prompts, new_tokens: int, **spec) -> dict:
     t = [r.timings for r in results]
     span = max(x.finished for x in t) - min(x.first_token for x in t)
     decoded = sum(x.num_generated_tokens - 1 for x in t)
-    stats = engine.stats()
-    return {"tps": decoded / span, "acc": stats.get("spec_acceptance_rate"),
-            "len": stats.get("spec_mean_accepted_length"), "tokens": [r.token_ids for r in results]}
+    spec = engine.stats().spec
+    return {"tps": decoded / span, "acc": spec.acceptance_rate if spec else None,
+            "len": spec.mean_accepted_length if spec else None, "tokens": [r.token_ids for r in results]}
 
 
 def main() -> None:

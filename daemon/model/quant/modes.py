@@ -9,7 +9,7 @@ import torch
 
 from llmd.kernels import cpu_gemm
 
-from ...config import QUANT_MODES  # the torch-free list the settings validate against
+from ...engine.types import QuantMethod, choices  # the torch-free list the settings validate against
 
 DEFAULT_INT4_GROUP = 64
 
@@ -53,4 +53,4 @@ def parse_quant(mode: str | None, source_kind: str = "hf", device: str | torch.d
         return QuantSpec("int4", group, calibrate=True)
     if mode in ("none", "int8", "bnb-int8", "bnb-nf4"):
         return QuantSpec(mode)
-    raise ValueError(f"unknown quantization {mode!r}; choose one of: {', '.join(QUANT_MODES)}")
+    raise ValueError(f"unknown quantization {mode!r}; choose one of: {', '.join(choices(QuantMethod))}")
