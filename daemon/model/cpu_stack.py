@@ -20,7 +20,8 @@ import torch
 
 from ..kernels import cpu_gemm, cpu_ops
 from ..kernels import cpu_stack as ck
-from .attention import AttentionMetadata, DecodePlan, attention_backend, fast_paged_attention
+from .attention import AttentionMetadata, DecodePlan
+from .attention_backends import CpuBackend
 from .quant import GGUFConcat, GGUFLinear, Int4Linear, Int8Linear
 
 
@@ -40,7 +41,9 @@ class CpuLayerStack:
         """The stack for `model` (a llmd.model.llama.CausalLM), or None where it does not apply."""
         lib = ck.load()
         config = model.config
-        if lib is None or config.qk_norm:
+        if lib is None or config.qk_norm or any(
+                layer.self_attn.window is not None or layer.self_attn.softcap is not None
+                for layer in model.model.layers):  # the C attention has no sliding window or softcap
             return None
         layers = (ck.Layer * len(model.model.layers))()
         linears, norms = [], []
@@ -169,7 +172,7 @@ def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_
     """Run `model`'s decoder layers on x in place through its CpuLayerStack (built on first use); False where the
     stack does not apply, and then the caller runs the modules."""
     if not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous()) or x.requires_grad \
-            or attention_backend() is not fast_paged_attention:
+            or type(meta.backend) is not CpuBackend:
         return False
     stack = model._cpu_stack
     if stack is None or (stack is not False and not stack.current()):

@@ -1,6 +1,7 @@
 """One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (full attention), Qwen2 (qkv bias) and Qwen3
 (q/k RMSNorm), written for the engine: the forward takes a flattened batch of tokens from many sequences with their
-positions, and every layer's attention goes through `paged_attention`, which reads and writes the paged KV cache.
+positions, and every layer's attention goes through `paged_attention`, which reads and writes the paged KV cache
+through the step's attention backend (llmd.model.attention_backends, chosen once by the engine's runner).
 
 Parameter names follow Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...), so checkpoints load by name.
 Numerics follow transformers (RMSNorm in fp32, rotate-half RoPE with cos/sin in fp32 then cast) so fp32 logits match.
@@ -110,6 +111,9 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.qkv_proj: nn.Module | None = None  # set by fuse_projections, replacing q/k/v_proj
         self.split_sizes = [q_size, kv_size, kv_size]
+        # per-layer attention options (see paged_attention): none of the families here use them
+        self.window: int | None = None
+        self.softcap: float | None = None
 
     def fuse_projections(self) -> None:
         fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -141,7 +145,7 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
