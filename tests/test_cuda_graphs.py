@@ -313,7 +313,7 @@ LLAMA3_8B_2_LAYERS = dict(architecture="LlamaForCausalLM", vocab_size=128256, hi
 
 @pytest.fixture(scope="module")
 def llama3_shaped():
-    """A random-weight Llama-3-8B-shaped model with 2 layers, bf16 on CUDA, projections fused as after loading."""
+    """A random-weight Llama-3-8B-shaped model with 2 layers, bf16 on CUDA."""
     from llmd.model.config import ModelConfig
     from llmd.model.loader import LoadedModel
     from llmd.model.weights import build_empty
@@ -326,7 +326,6 @@ def llama3_shaped():
             p.fill_(1.0)
         else:
             p.normal_(0, 0.02, generator=gen)
-    model.fuse_projections()
     return LoadedModel(model, None, config, "llama3-8b-2-layers", torch.bfloat16, torch.device("cuda"), 0.0)
 
 

@@ -3,7 +3,11 @@
 positions, and every layer's attention goes through `paged_attention`, which reads and writes the paged KV cache
 through the step's attention backend (llmd.model.attention_backends, chosen once by the engine's runner).
 
-Parameter names follow Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...), so checkpoints load by name.
+Parameter names follow Hugging Face (`model.layers.N.self_attn.o_proj.weight`, ...), so checkpoints load by name,
+except that q/k/v and gate/up are declared fused, as `qkv_proj` and `gate_up_proj` (one matmul each):
+`CausalLM.packed_modules` says which rows of them each checkpoint projection fills, and the loader routes them there
+(llmd.model.weights.load_tensors, llmd.model.quant.quantizing_stream). A checkpoint that stores the fused
+projections (Phi-3) loads them by name.
 Numerics follow transformers (RMSNorm in fp32, rotate-half RoPE with cos/sin in fp32 then cast) so fp32 logits match.
 """
 
@@ -19,7 +23,7 @@ from ..kernels import cpu_ops
 from . import cpu_stack
 from .attention import AttentionMetadata, KVCache, paged_attention
 from .config import ModelConfig
-from .linear import fuse_linears, make_linear
+from .linear import make_linear
 
 
 class RMSNorm(nn.Module):
@@ -100,47 +104,33 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = make_linear(hidden, q_size, bias=config.attention_bias)
-        self.k_proj = make_linear(hidden, kv_size, bias=config.attention_bias)
-        self.v_proj = make_linear(hidden, kv_size, bias=config.attention_bias)
+        self.qkv_proj = make_linear(hidden, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = make_linear(q_size, hidden, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.qkv_proj: nn.Module | None = None  # set by fuse_projections, replacing q/k/v_proj
         self.split_sizes = [q_size, kv_size, kv_size]
         # per-layer attention options (see paged_attention): none of the families here use them
         self.window: int | None = None
         self.softcap: float | None = None
-
-    def fuse_projections(self) -> None:
-        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        if fused is not None:
-            self.qkv_proj = fused
-            del self.q_proj, self.k_proj, self.v_proj
-
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv_proj is not None:
-            return self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None and self.q_norm is None:
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None:
             # q and k lie side by side in the fused output: rotate both as one [t, heads + kv_heads, d] view
-            qkv = self.qkv_proj(x)
             qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
             if not cpu_ops.rope_(qkv, cos, sin, heads + kv_heads, d):  # in place on the CPU
                 qk = apply_rope(qk, cos, sin)
             q, k = qk.split([heads, kv_heads], dim=1)
             v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
         else:
-            q, k, v = self.project_qkv(x)
+            q, k, v = qkv.split(self.split_sizes, dim=-1)
             q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
@@ -152,27 +142,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = make_linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = make_linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = make_linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections, replacing gate/up_proj
         self.intermediate_size = config.intermediate_size
 
-    def fuse_projections(self) -> None:
-        fused = fuse_linears([self.gate_proj, self.up_proj])
-        if fused is not None:
-            self.gate_up_proj = fused
-            del self.gate_proj, self.up_proj
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            h = cpu_ops.silu_mul(gate_up, self.intermediate_size)  # one C call on the CPU
-            if h is None:
-                gate, up = gate_up.split(self.intermediate_size, dim=-1)
-                h = F.silu(gate) * up
-            return self.down_proj(h)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        h = cpu_ops.silu_mul(gate_up, self.intermediate_size)  # one C call on the CPU
+        if h is None:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            h = F.silu(gate) * up
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
@@ -208,6 +188,7 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         # Tied embeddings: the head reuses embed_tokens.weight, so there is no separate lm_head parameter.
         self.lm_head = None if config.tie_word_embeddings else make_linear(config.hidden_size, config.vocab_size)
+        self.packed_modules = packed_modules(config)
         self._cpu_stack = None  # llmd.model.cpu_stack: the layers as one C call (False: not applicable)
 
     def _apply(self, fn, recurse=True):
@@ -217,12 +198,26 @@ class CausalLM(nn.Module):
     def init_buffers(self, device: torch.device | str) -> None:
         self.model.rotary_emb.init_buffers(device)
 
-    def fuse_projections(self) -> None:
-        """After loading: q/k/v and gate/up become one matmul each (fewer, larger matmuls per layer), fp or
-        quantized alike."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
+    def checkpoint_parts(self, module: str) -> list[tuple[str, slice]]:
+        """The checkpoint projections that fill module `module` (a full name), each with its rows: a fused
+        module's parts in row order, any other module itself."""
+        parent, _, child = module.rpartition(".")
+        grand, _, attr = parent.rpartition(".")
+        parts = [(f"{grand}.{key}", rows) for key, (fused, rows) in self.packed_modules.items()
+                 if fused == f"{attr}.{child}"]
+        return parts or [(module, slice(None))]
+
+    def route(self, name: str) -> tuple[str, slice | None]:
+        """Where a checkpoint tensor goes: (parameter name, its rows) for a part of a fused projection (q/k/v_proj,
+        gate/up_proj), else (name, None)."""
+        module, _, leaf = name.rpartition(".")
+        parent, _, child = module.rpartition(".")
+        grand, _, attr = parent.rpartition(".")
+        target = self.packed_modules.get(f"{attr}.{child}")
+        if target is None:
+            return name, None
+        fused, rows = target
+        return f"{grand}.{fused}.{leaf}", rows
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -240,6 +235,19 @@ class CausalLM(nn.Module):
         if self.lm_head is None:
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+
+def packed_modules(config: ModelConfig) -> dict[str, tuple[str, slice]]:
+    """Checkpoint projection (relative to a decoder layer) -> (the fused module holding it, its rows there)."""
+    q, kv, inter = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim, \
+        config.intermediate_size
+    return {
+        "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
+        "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
+        "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv)),
+        "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
+        "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
+    }
 
 
 def build_model(config: ModelConfig) -> CausalLM:

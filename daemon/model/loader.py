@@ -49,8 +49,8 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
 
     One pipeline over the weight source (llmd.model.source): build the model with its quantized layers swapped in
     (meta device), stream the tensors in, each quantized / kept packed / copied on its way (quantized layers:
-    llmd.model.quant; int8/int4 results cached, int4 calibrated, by llmd.model.quant_cache), tie the output head,
-    fuse the projections and lay the weights out for the device.
+    llmd.model.quant; int8/int4 results cached, int4 calibrated, by llmd.model.quant_cache; q/k/v and gate/up
+    straight into the rows of their fused layers), tie the output head and lay the weights out for the device.
     Default dtype: fp32 on CPU, bf16 on CUDA. Raises ModelFileError / UnsupportedArchitecture / ModelNotFound with a
     message for the user.
     """
@@ -67,13 +67,12 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
     def build():
         model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head,
                                                source.raw_types(spec.method))
-        stream = quantizing_stream(source.stream(spec.method), swapped, spec, path)
+        stream = quantizing_stream(source.stream(spec.method), model, swapped, spec, path)
         return model, load_tensors(model, stream, path)
 
     model, report, _ = load_quantized(source.files, config, dtype, device_t, spec, quantize_head, build)
     tokenizer = source.tokenizer()
     tie_output_head(model, spec, quantize_head, dtype, device_t)
-    model.fuse_projections()
     if device_t.type == "cpu":
         use_transposed_weights(model)
     report.weight_bytes = quantized_weight_bytes(model)

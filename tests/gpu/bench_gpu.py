@@ -239,7 +239,6 @@ def random_model(mode: str, shape: dict = LLAMA3_8B):
             t.zero_()
         elif t.is_floating_point() and "inv_freq" not in name and "cos" not in name and "sin" not in name:
             t.normal_(0, 0.02, generator=gen)
-    model.fuse_projections()  # as the loader does: the daemon runs fused q/k/v and gate/up matmuls
     return model, config
 
 

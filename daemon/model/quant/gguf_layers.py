@@ -9,8 +9,8 @@ file's own block bytes, uint8 [N, row bytes], beside its GGML type name: residen
 Q4_0 / Q4_1 linear layers keep loading into llmd's int4 layers instead (an exact byte rearrangement,
 llmd.model.quant.gguf_blocks), whose tuned kernels they share with --quant int4; a tied Q8_0 token table becomes the
 int8 head.
-Projections that run side by side (q/k/v, gate/up) but differ in type, as Q4_K_M files have them (attn_v Q6_K next to
-Q4_K), fuse into a GGUFConcat of their GGUFLinears, so the model and the C layer stack see one matmul.
+The parts of a fused projection (q/k/v, gate/up) that differ in type, as Q4_K_M files have them (attn_v Q6_K next to
+Q4_K), load into a GGUFConcat of one GGUFLinear each, so the model and the C layer stack see one matmul.
 """
 
 from __future__ import annotations
@@ -44,13 +44,15 @@ class GGUFLinear(QuantizedLinear):
         self.register_buffer("qweight", torch.empty(out_features, gb.row_bytes(type_name, in_features),
                                                     dtype=torch.uint8, device=device))
 
-    def fill(self, blocks: torch.Tensor, name: str, source) -> None:
-        """Copy a tensor's block rows in, after checking they are this layer's shape (ModelFileError if not)."""
-        if tuple(blocks.shape) != tuple(self.qweight.shape):
+    def fill(self, blocks: torch.Tensor, name: str, source, rows: slice | None = None) -> None:
+        """Copy a tensor's block rows in (into `rows`: a part of a fused projection), after checking they are this
+        layer's shape (ModelFileError if not)."""
+        dest = self.qweight if rows is None else self.qweight[rows]
+        if tuple(blocks.shape) != tuple(dest.shape):
             raise ModelFileError(source, f"tensor {name!r} ({self.type_name}) has {tuple(blocks.shape)} block bytes, "
-                                         f"expected {tuple(self.qweight.shape)} for [{self.out_features}, "
+                                         f"expected {tuple(dest.shape)} for [{dest.shape[0]}, "
                                          f"{self.in_features}]")
-        self.qweight.copy_(blocks)
+        dest.copy_(blocks)
         self._cpu_cache = {}
 
     def dequantized_weight(self) -> torch.Tensor:
@@ -76,22 +78,6 @@ class GGUFLinear(QuantizedLinear):
             w = gb.dequantize_blocks(self.qweight[rows], self.type_name).to(x.dtype)
             y[:, rows] = torch.matmul(x, w.t())
         return y
-
-    @classmethod
-    def concat(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear | None":
-        """One layer for `layers` side by side: a GGUFLinear where they share a type, else a GGUFConcat."""
-        first = layers[0]
-        if any(type(m) is not cls or m.in_features != first.in_features
-               or (m.bias is None) != (first.bias is None) for m in layers):
-            return None
-        if any(m.type_name != first.type_name for m in layers):
-            return GGUFConcat(layers)
-        fused = cls(first.in_features, sum(m.out_features for m in layers), first.type_name, first.bias is not None,
-                    device="meta")
-        fused.qweight = torch.cat([m.qweight for m in layers])
-        if first.bias is not None:
-            fused.bias = nn.Parameter(torch.cat([m.bias for m in layers]), requires_grad=False)
-        return fused
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, type={self.type_name}"

@@ -86,22 +86,6 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
-    @classmethod
-    def concat(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear | None":
-        """One layer computing `layers`' outputs side by side (same input; each output row keeps its own codes and
-        scales, so the values are unchanged), or None unless they are alike in kind, width, group and bias."""
-        first = layers[0]
-        if any(type(m) is not cls or m.in_features != first.in_features or m.group_size != first.group_size
-               or (m.bias is None) != (first.bias is None) for m in layers):
-            return None
-        fused = cls(first.in_features, sum(m.out_features for m in layers), first.bias is not None, first.group_size,
-                    device="meta")
-        for name, _ in list(fused.named_buffers()):
-            fused.register_buffer(name, torch.cat([getattr(m, name) for m in layers]))
-        if first.bias is not None:
-            fused.bias = nn.Parameter(torch.cat([m.bias for m in layers]), requires_grad=False)
-        return fused
-
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.dequantized_weight().to(x.dtype))
 
@@ -241,25 +225,38 @@ def empty_quantized(spec: QuantSpec, in_features: int, out_features: int, bias: 
     return None
 
 
-def fill_from_weight(layer: nn.Module, weight: torch.Tensor, spec: QuantSpec) -> None:
-    """Quantize an fp weight [N, K] into a layer made by `empty_quantized`."""
+def fills_rows(layer: nn.Module) -> bool:
+    """Whether a part of a fused projection can be quantized into its rows of `layer` alone: llmd's layers quantize
+    each output row on its own (per-row scales), bitsandbytes needs the assembled weight."""
+    return isinstance(layer, QuantizedLinear)
+
+
+def fill_from_weight(layer: nn.Module, weight: torch.Tensor, spec: QuantSpec, rows: slice | None = None) -> None:
+    """Quantize an fp weight [N, K] into a layer made by `empty_quantized`, or into its `rows` (a part of a fused
+    projection: int8 and int4 layers only, see fills_rows)."""
     if isinstance(layer, Int8Linear):
         q, s = quantize_int8(weight)
-        layer.group_size = layer.in_features
-        layer.qweight = q.to(layer.qweight.device)
-        layer.scales = s.to(layer.scales.device)
+        if rows is None:
+            layer.group_size = layer.in_features
+            layer.qweight = q.to(layer.qweight.device)
+            layer.scales = s.to(layer.scales.device)
+        else:  # a layer made by empty_quantized is per channel already
+            layer.qweight[rows].copy_(q)
+            layer.scales[rows].copy_(s.view(q.shape[0], -1))
     elif isinstance(layer, Int4Linear):
-        fill_int4(layer, *quantize_int4(weight, layer.group_size))
+        fill_int4(layer, *quantize_int4(weight, layer.group_size), rows=rows)
     else:
         _bnb_fill(layer, weight, spec.method)
     layer._cpu_cache = {} if isinstance(layer, QuantizedLinear) else None
 
 
-def fill_int4(layer: Int4Linear, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
-    """Store an already quantized weight (quantize_int4's or GPTQ's layout) in an int4 layer."""
-    layer.qweight.copy_(packed)
-    layer.scales.copy_(scales)
-    layer.zeros.copy_(zeros)
+def fill_int4(layer: Int4Linear, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              rows: slice | None = None) -> None:
+    """Store an already quantized weight (quantize_int4's or GPTQ's layout) in an int4 layer, or in its `rows`."""
+    rows = rows or slice(None)
+    layer.qweight[rows].copy_(packed)
+    layer.scales[rows].copy_(scales)
+    layer.zeros[rows].copy_(zeros)
     layer._cpu_cache = {}
 
 
