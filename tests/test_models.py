@@ -197,17 +197,21 @@ def test_fp32_rmsnorm_matches_transformers():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from llmd.model.llama import RMSNorm
+    from llmd.model.ops import CPU_OPS, TORCH_OPS
 
     torch.manual_seed(0)
     ours, theirs = RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5)
     with torch.no_grad():
         ours.weight.copy_(torch.randn(576))
         theirs.weight.copy_(ours.weight)
-        for rows in (1, 7, 300):
-            x = torch.randn(rows, 576) * 4
-            torch.testing.assert_close(ours(x), theirs(x), rtol=2e-6, atol=1e-6)
-            assert torch.equal(F.rms_norm(x, (576,), ours.weight, 1e-5), theirs(x))  # the fallback
-            assert torch.equal(ours(x[3 % rows :][:1]), ours(x)[3 % rows :][:1])  # a row alone or among others
+        for ops in (CPU_OPS, TORCH_OPS):  # as a model prepared for the CPU binds them, and the torch table
+            ours.ops = ops
+            for rows in (1, 7, 300):
+                x = torch.randn(rows, 576) * 4
+                torch.testing.assert_close(ours(x), theirs(x), rtol=2e-6, atol=1e-6)
+                assert torch.equal(F.rms_norm(x, (576,), ours.weight, 1e-5), theirs(x))  # the fallback
+                assert torch.equal(ours(x[3 % rows :][:1]), ours(x)[3 % rows :][:1])  # a row alone or among others
+        assert torch.equal(TORCH_OPS.rms_norm(x, ours.weight, 1e-5), theirs(x))
 
 
 @pytest.mark.parametrize("quant", [None, "int8", "int4-g32"])

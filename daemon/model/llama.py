@@ -19,29 +19,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_ops
 from . import cpu_stack
 from .attention import AttentionMetadata, KVCache, paged_attention
 from .config import ModelConfig
 from .linear import make_linear
+from .ops import TORCH_OPS, Ops, apply_rope  # noqa: F401  (apply_rope: the reference the C RoPE is tested against)
 
 
 class RMSNorm(nn.Module):
+    ops: Ops = TORCH_OPS  # bound for the device when the model is prepared (llmd.model.ops)
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            y = cpu_ops.rms_norm(x, self.weight, self.eps)  # one C call on the CPU
-            # else torch's fused op, bit-identical to the steps below for fp32 (tested)
-            return y if y is not None else F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in fp32 and cast back before the weight multiply, exactly as transformers does.
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -89,13 +83,9 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE, x * cos + rotate_half(x) * sin, with rotate_half's sign folded into the sin table
-    (rotate_half(x) * sin == roll(x, d/2) * signed_sin exactly): fewer ops per layer on the decode path."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 class Attention(nn.Module):
+    ops: Ops = TORCH_OPS
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -111,7 +101,6 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.split_sizes = [q_size, kv_size, kv_size]
         # per-layer attention options (see paged_attention): none of the families here use them
         self.window: int | None = None
         self.softcap: float | None = None
@@ -122,24 +111,21 @@ class Attention(nn.Module):
         t = x.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
+        v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
         if self.q_norm is None:
             # q and k lie side by side in the fused output: rotate both as one [t, heads + kv_heads, d] view
-            qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
-            if not cpu_ops.rope_(qkv, cos, sin, heads + kv_heads, d):  # in place on the CPU
-                qk = apply_rope(qk, cos, sin)
-            q, k = qk.split([heads, kv_heads], dim=1)
-            v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
-        else:
-            q, k, v = qkv.split(self.split_sizes, dim=-1)
-            q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.ops.rope(qkv, cos, sin, heads + kv_heads, d).split([heads, kv_heads], dim=1)
+        else:  # Qwen3: RMSNorm over each head of q and k before the rotation
+            q = self.ops.rope(self.q_norm(qkv[:, : heads * d].view(t, heads, d)).view(t, -1), cos, sin, heads, d)
+            k = self.ops.rope(self.k_norm(qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)).view(t, -1),
+                              cos, sin, kv_heads, d)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
+    ops: Ops = TORCH_OPS
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
@@ -147,12 +133,7 @@ class MLP(nn.Module):
         self.intermediate_size = config.intermediate_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        h = cpu_ops.silu_mul(gate_up, self.intermediate_size)  # one C call on the CPU
-        if h is None:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            h = F.silu(gate) * up
-        return self.down_proj(h)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x), self.intermediate_size))
 
 
 class DecoderLayer(nn.Module):

@@ -14,6 +14,7 @@ from torch import nn
 from ..errors import ModelFileError
 from .config import ModelConfig
 from .linear import transposed_tied_head, use_transposed_weights
+from .ops import bind_ops, choose_ops
 from .quant import (QuantSpec, build_empty_quantized, parse_quant, quantize_tied_head, quantized_weight_bytes,
                     quantizing_stream, tie_gguf_head)
 from .quant_cache import load_quantized  # second starts read packed weights from the XDG cache
@@ -73,13 +74,20 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
     model, report, _ = load_quantized(source.files, config, dtype, device_t, spec, quantize_head, build)
     tokenizer = source.tokenizer()
     tie_output_head(model, spec, quantize_head, dtype, device_t)
-    if device_t.type == "cpu":
-        use_transposed_weights(model)
+    prepare_for_device(model, device_t, dtype)
     report.weight_bytes = quantized_weight_bytes(model)
     seconds = time.perf_counter() - start
     report.seconds = seconds
     log.info("loaded %s (%s, %s on %s): %s", name, config.architecture, dtype, device_t, report.summary())
     return LoadedModel(model, tokenizer, config, name, dtype, device_t, seconds, report)
+
+
+def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """The last step of loading: lay the weights out for the device and bind the model's ops to it (llmd.model.ops:
+    the C glue on the CPU)."""
+    if device.type == "cpu":
+        use_transposed_weights(model)
+    bind_ops(model, choose_ops(device, dtype))
 
 
 def tie_output_head(model: nn.Module, spec: QuantSpec, quantize_head: bool, dtype: torch.dtype,
