@@ -13,6 +13,7 @@ from llmd.kernels import cpu_ops
 from llmd.model import cpu_stack
 from llmd.model.attention import AttentionMetadata
 from llmd.model.loader import load_model
+from llmd.model.quant import QuantSpec, fill_from_weight
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(cpu_ops.load() is None, reason="no C compiler for the CPU kernels")]
@@ -121,7 +122,7 @@ def test_replaced_weights_rebuild_the_stack(tiny_llama):
     before = forward()
     first = model._cpu_stack
     down = model.model.layers[1].mlp.down_proj
-    down.register_buffer("qweight", -down.qweight)
+    fill_from_weight(down, -down.dequantized_weight(), QuantSpec("int8"))  # drops the layer's kernel
     after = forward()
     assert model._cpu_stack is not first and isinstance(model._cpu_stack, cpu_stack.CpuLayerStack)
     model._cpu_stack = False

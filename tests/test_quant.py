@@ -39,8 +39,8 @@ def test_quantized_linear_matches_dequantized_matmul(cpu_path, mode, group, m):
     assert isinstance(layer, quant.Int8Linear if mode == "int8" else quant.Int4Linear)
     x = torch.randn(2, m, 256)
     out = layer(x)
-    kernel = layer._cpu_cache.get("cpu_gemm", (None,) * 4)[3]
-    if kernel is not None and kernel.q8:  # the compiled CPU path quantizes activations to int8 per block of 32
+    kernel = layer.kernel
+    if isinstance(kernel, cpu_gemm.LayerKernel) and kernel.q8:  # the compiled CPU path quantizes activations to int8 per block of 32
         x = cpu_gemm.quantize_activations_ref(x.reshape(-1, 256)).view_as(x)
     expected = x @ layer.dequantized_weight().t() + lin.bias
     assert out.shape == (2, m, 96)

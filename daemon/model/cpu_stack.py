@@ -22,7 +22,7 @@ from ..kernels import cpu_gemm, cpu_ops
 from ..kernels import cpu_stack as ck
 from .attention import AttentionMetadata, DecodePlan
 from .attention_backends import CpuBackend
-from .quant import GGUFConcat, GGUFLinear, Int4Linear, Int8Linear
+from .quant import QuantizedLinear
 
 
 class CpuLayerStack:
@@ -55,7 +55,7 @@ class CpuLayerStack:
                 if linear is None:
                     return None
                 setattr(c_layer, name, linear)
-                linears.append((module, module._cpu_cache["cpu_gemm"]))
+                linears.append((module, module.kernel))
             for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.post_attention_layernorm)):
                 w = norm.weight
                 if w.dtype is not torch.float32 or not w.is_cpu or not w.is_contiguous() \
@@ -72,7 +72,7 @@ class CpuLayerStack:
     def current(self) -> bool:
         """Whether every kernel and norm weight is still the model's (a replaced buffer needs a new stack)."""
         # (a GGUFConcat has no qweight of its own: None in both)
-        return all(m._cpu_cache.get("cpu_gemm") is e and m._buffers.get("qweight") is e[0] for m, e in self._linears) \
+        return all(m.kernel is k for m, k in self._linears) \
             and all(n._parameters["weight"] is w for n, w in self._norms)
 
     def _bind_caches(self, kv_caches: list) -> bool:
@@ -132,26 +132,21 @@ class CpuLayerStack:
 
 
 def _linear(module) -> ck.Linear | None:
-    bias = module.bias if module is not None else None
+    """The C structure of a quantized layer whose prepared kernel is a compiled CPU one, else None."""
+    if not isinstance(module, QuantizedLinear):
+        return None
+    bias = module.bias
     if bias is not None and (bias.dtype is not torch.float32 or not bias.is_cpu or not bias.is_contiguous()):
         return None
-    if isinstance(module, (GGUFLinear, GGUFConcat)):  # packed GGUF blocks: the kernel's parts array (one or more)
-        if type(module) is GGUFLinear:
-            kernel = cpu_gemm.gguf_layer_kernel(module._cpu_cache, module.qweight, module.type_name,
-                                                module.in_features)
-        else:
-            kernel = cpu_gemm.gguf_parts_kernel(module._cpu_cache, [(p.qweight, p.type_name) for p in module.parts],
-                                                module.in_features)
-        return None if kernel is None else ck.Linear(
-            kind=ck.KINDS["gguf", False], n=kernel.n, k=kernel.k, group=len(kernel.parts), q=kernel.parts_pointer,
-            s=None, z=None, bias=None if bias is None else bias.data_ptr())
-    kind = {Int8Linear: "int8", Int4Linear: "int4"}.get(type(module))
-    if kind is None:
+    if module.kernel is None or module.kernel_dtype is not torch.float32:
+        module.prepare(torch.device("cpu"), torch.float32)
+    kernel = module.kernel
+    if isinstance(kernel, cpu_gemm.GGUFKernel):  # packed GGUF blocks: the kernel's parts array (one or more)
+        return ck.Linear(kind=ck.KINDS["gguf", False], n=kernel.n, k=kernel.k, group=len(kernel.parts),
+                         q=kernel.parts_pointer, s=None, z=None, bias=None if bias is None else bias.data_ptr())
+    if not isinstance(kernel, cpu_gemm.LayerKernel):
         return None
-    zeros = module.zeros if kind == "int4" else None
-    kernel = cpu_gemm.layer_kernel(module._cpu_cache, kind, module.qweight, module.scales, zeros, module.group_size)
-    if kernel is None:
-        return None
+    kind = kernel.kind
     ptrs = kernel.weight_pointers
     return ck.Linear(kind=ck.KINDS[kind, kernel.q8], n=kernel.n, k=kernel.k, group=kernel.group_size, q=ptrs[0],
                      s=ptrs[1], z=ptrs[2] if kind == "int4" else None,

@@ -15,7 +15,7 @@ from ..errors import ModelFileError
 from .config import ModelConfig
 from .linear import transposed_tied_head, use_transposed_weights
 from .ops import bind_ops, choose_ops
-from .quant import (QuantSpec, build_empty_quantized, parse_quant, quantize_tied_head, quantized_weight_bytes,
+from .quant import (QuantizedLinear, QuantSpec, build_empty_quantized, parse_quant, quantize_tied_head, quantized_weight_bytes,
                     quantizing_stream, tie_gguf_head)
 from .quant_cache import load_quantized  # second starts read packed weights from the XDG cache
 from .source import open_source
@@ -83,11 +83,14 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
 
 
 def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """The last step of loading: lay the weights out for the device and bind the model's ops to it (llmd.model.ops:
-    the C glue on the CPU)."""
+    """The last step of loading: lay the weights out for the device, bind the model's ops to it (llmd.model.ops:
+    the C glue on the CPU) and choose each quantized layer's kernel (QuantizedLinear.prepare)."""
     if device.type == "cpu":
         use_transposed_weights(model)
     bind_ops(model, choose_ops(device, dtype))
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.prepare(device, dtype)
 
 
 def tie_output_head(model: nn.Module, spec: QuantSpec, quantize_head: bool, dtype: torch.dtype,

@@ -125,7 +125,7 @@ def read_entry(path: Path, model: nn.Module) -> int:
         raise ModelFileError(path, f"{len(want)} tensors missing (e.g. {sorted(want)[0]})")
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            module._cpu_cache = {}
+            module.unprepare()
     return len(crcs)
 
 

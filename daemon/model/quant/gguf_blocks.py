@@ -56,6 +56,7 @@ def _fill_packed(layer: nn.Module, raw, source, rows: slice | None = None) -> bo
         starts = [0]
         for part in layer.parts:
             starts.append(starts[-1] + part.out_features)
+        layer.unprepare()
         layer, rows = layer.parts[starts.index(rows.start)], None
     if isinstance(layer, (GGUFLinear, GGUFEmbedding)):
         if raw.type_name != layer.type_name:
@@ -83,7 +84,7 @@ def _fill_from_raw(layer: nn.Module, raw, rows: slice) -> None:
         layer.qweight[rows].copy_(q)
         layer.scales[rows].copy_(s)
         layer.zeros[rows].copy_(z)
-    layer._cpu_cache = {}
+    layer.unprepare()
 
 
 def gguf_tensor_types(path) -> dict[str, str]:

@@ -2,7 +2,7 @@
 
 A GGUF weight of any type in llmd.kernels.gguf_blocks (Q4_K, Q5_K, Q6_K, Q5_0/1, IQ4, Q2_K/Q3_K, ...) stays the
 file's own block bytes, uint8 [N, row bytes], beside its GGML type name: resident bytes are the file's. Matmuls:
-- CPU, fp32 activations: the compiled kernel (llmd.kernels.cpu_gemm.gguf_layer_kernel) when it builds here;
+- CPU, fp32 activations: the compiled kernel (llmd.kernels.cpu_gemm.gguf_kernel) when it builds here;
 - CUDA with Triton: the fused dequantize + matmul kernels of llmd.kernels.gguf_matmul;
 - otherwise (no C compiler, other dtypes): the rows of the weight are dequantized with the torch reference in
   bounded chunks per call and multiplied, so no fp32 copy is ever kept.
@@ -23,7 +23,7 @@ from llmd.kernels import gguf_blocks as gb
 
 from ...errors import ModelFileError
 from .gguf_blocks import int8_from_q8_0
-from .layers import Int8Linear, Int8RowEmbedding, QuantizedLinear, _use_triton
+from .layers import Int8Linear, Int8RowEmbedding, LinearKernel, QuantizedLinear, c_kernel, use_triton
 
 _CHUNK_ELEMENTS = 1 << 22  # weights dequantized at a time by the torch path (16 MiB of fp32)
 
@@ -53,21 +53,23 @@ class GGUFLinear(QuantizedLinear):
                                          f"expected {tuple(dest.shape)} for [{dest.shape[0]}, "
                                          f"{self.in_features}]")
         dest.copy_(blocks)
-        self._cpu_cache = {}
+        if isinstance(self, QuantizedLinear):
+            self.unprepare()
 
     def dequantized_weight(self) -> torch.Tensor:
         return gb.dequantize_blocks(self.qweight, self.type_name)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_triton(x):
+    def _choose_kernel(self, device: torch.device, dtype: torch.dtype) -> LinearKernel:
+        qweight, type_name, k = self.qweight, self.type_name, self.in_features
+        if use_triton(device):
             from llmd.kernels.gguf_matmul import gguf_matmul
 
-            return gguf_matmul(x, self.qweight, self.type_name, self.in_features)
-        if x.device.type == "cpu" and x.dtype == torch.float32:
-            kernel = cpu_gemm.gguf_layer_kernel(self._cpu_cache, self.qweight, self.type_name, self.in_features)
-            if kernel is not None:
-                return kernel(x)
-        return self._chunked(x)
+            return lambda x: gguf_matmul(x, qweight, type_name, k)
+        if device.type == "cpu":
+            c = c_kernel(dtype, lambda: cpu_gemm.gguf_kernel([(qweight, type_name)], k))
+            if c is not None:
+                return c
+        return self._chunked
 
     def _chunked(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T with W dequantized a bounded chunk of output rows at a time (the torch path)."""
@@ -98,16 +100,14 @@ class GGUFConcat(QuantizedLinear):
             self.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
         self.parts = nn.ModuleList(layers)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        kernel = None
-        if x2.is_cpu and x2.dtype is torch.float32:
-            kernel = cpu_gemm.gguf_parts_kernel(self._cpu_cache, [(p.qweight, p.type_name) for p in self.parts],
-                                                self.in_features)
-        y = kernel(x2) if kernel is not None else torch.cat([p._matmul(x2) for p in self.parts], dim=-1)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def _choose_kernel(self, device: torch.device, dtype: torch.dtype) -> LinearKernel:
+        if device.type == "cpu":  # one C call fills every part's columns
+            parts = [(p.qweight, p.type_name) for p in self.parts]
+            c = c_kernel(dtype, lambda: cpu_gemm.gguf_kernel(parts, self.in_features))
+            if c is not None:
+                return c
+        kernels = [p.prepare(device, dtype) for p in self.parts]
+        return lambda x: torch.cat([kernel(x) for kernel in kernels], dim=-1)
 
     def dequantized_weight(self) -> torch.Tensor:
         return torch.cat([p.dequantized_weight() for p in self.parts])
