@@ -15,7 +15,8 @@ import logging
 import torch
 
 from ..model.attention import AttentionMetadata, allocate_kv_cache
-from ..model.attention_backends import AttentionBackend, choose_backend
+from ..model.attention_backends import AttentionBackend, CpuBackend, choose_backend
+from ..model.cpu_stack import CompiledCpuForward
 from ..model.kv_int8 import bytes_per_token, cache_dtype
 from .config import EngineConfig
 from .cuda_graphs import Capture, CudaGraphRunner, cuda_graph_capture, graph_blocker
@@ -89,6 +90,9 @@ class ModelRunner:
         self.num_blocks = plan_num_blocks(self.model_config, config, self.dtype, self.device)
         self.attention = attention or choose_backend(self.device, self.model_config, self.dtype,
                                                      config.kv_cache_dtype)
+        # what runs a step: the model, or on the CPU its layers as one C call where that applies (llmd.model.llama)
+        compiled = CompiledCpuForward.try_build(self.model) if isinstance(self.attention, CpuBackend) else None
+        self.forward = compiled or self.model
         if self.device.type == "cuda" and graph_capture is None and config.cuda_graphs:
             graph_capture = cuda_graph_capture()
         if graph_capture is not None and (why := graph_blocker(self.model, self.attention)) is not None:
@@ -160,7 +164,7 @@ class ModelRunner:
                                        backend=self.attention)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
+        hidden = self.forward(ids, pos, self.kv_caches, meta)
         for s, first in pooled:
             s.hidden = hidden[first : first + s.num_new_tokens].clone()
         if not sample_rows:

@@ -9,6 +9,13 @@ except that q/k/v and gate/up are declared fused, as `qkv_proj` and `gate_up_pro
 (llmd.model.weights.load_tensors, llmd.model.quant.quantizing_stream). A checkpoint that stores the fused
 projections (Phi-3) loads them by name.
 Numerics follow transformers (RMSNorm in fp32, rotate-half RoPE with cos/sin in fp32 then cast) so fp32 logits match.
+
+What runs: this file's modules, with the ops (RMSNorm, RoPE, SiLU * up: llmd.model.ops) and each quantized layer's
+kernel (QuantizedLinear.prepare) chosen for the device when the model is loaded. One exception, chosen once by the
+engine's runner: on the CPU with int8/int4 weights or packed GGUF weights (and fp32 activations, a KV cache the C
+attention reads, no q/k norm, no sliding window or softcap), `kernels/cpu_stack.c` runs these layers, all of them in
+one call per step (llmd.model.cpu_stack.CompiledCpuForward); `tests/test_cpu_stack.py` keeps it bit-identical to the
+modules here. fp32 and bitsandbytes weights, Qwen3 and CUDA always run the modules.
 """
 
 from __future__ import annotations
@@ -19,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_stack
 from .attention import AttentionMetadata, KVCache, paged_attention
 from .config import ModelConfig
 from .linear import make_linear
@@ -170,11 +176,6 @@ class CausalLM(nn.Module):
         # Tied embeddings: the head reuses embed_tokens.weight, so there is no separate lm_head parameter.
         self.lm_head = None if config.tie_word_embeddings else make_linear(config.hidden_size, config.vocab_size)
         self.packed_modules = packed_modules(config)
-        self._cpu_stack = None  # llmd.model.cpu_stack: the layers as one C call (False: not applicable)
-
-    def _apply(self, fn, recurse=True):
-        self._cpu_stack = None  # a move or cast changes the weights' addresses
-        return super()._apply(fn, recurse)
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.model.rotary_emb.init_buffers(device)
@@ -203,13 +204,21 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
+        x, cos, sin = self.embed(input_ids, positions)
+        return self.model.norm(self.run_layers(x, cos, sin, kv_caches, meta))
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The token embeddings [T, hidden] and the RoPE tables (cos, signed sin) of the positions."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        if x.is_cpu and cpu_stack.run_layers(self, x, cos, sin, kv_caches, meta):  # in place, one C call
-            return self.model.norm(x)
+        return x, cos, sin
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
+                   meta: AttentionMetadata) -> torch.Tensor:
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32. Call it only on the rows that are sampled (the last token of each sequence)."""
