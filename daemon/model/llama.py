@@ -29,7 +29,7 @@ from torch import nn
 from .attention import AttentionMetadata, KVCache, paged_attention
 from .config import ModelConfig
 from .linear import make_linear
-from .ops import TORCH_OPS, Ops, apply_rope  # noqa: F401  (apply_rope: the reference the C RoPE is tested against)
+from .ops import TORCH_OPS, Ops
 
 
 class RMSNorm(nn.Module):
@@ -81,7 +81,7 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.config, device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and a signed sin, [T, 1, head_dim] so they broadcast over heads: see apply_rope."""
+        """cos and a signed sin, [T, 1, head_dim] so they broadcast over heads: see llmd.model.ops.apply_rope."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)  # [T, d/2]
         cos, sin = freqs.cos(), freqs.sin()
         cos = torch.cat((cos, cos), dim=-1)

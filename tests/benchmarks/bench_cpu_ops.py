@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from llmd.kernels import cpu_ops
 from llmd.model.attention import AttentionMetadata, DecodePlan, batched_decode_attention, torch_paged_attention
-from llmd.model.llama import apply_rope
+from llmd.model.ops import apply_rope
 
 HIDDEN, INTER, HEADS, KV_HEADS, D, BLOCK = 576, 1536, 9, 3, 64, 16
 
