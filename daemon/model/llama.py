@@ -122,9 +122,9 @@ class Attention(nn.Module):
             # q and k lie side by side in the fused output: rotate both as one [t, heads + kv_heads, d] view
             q, k = self.ops.rope(qkv, cos, sin, heads + kv_heads, d).split([heads, kv_heads], dim=1)
         else:  # Qwen3: RMSNorm over each head of q and k before the rotation
-            q = self.ops.rope(self.q_norm(qkv[:, : heads * d].view(t, heads, d)).view(t, -1), cos, sin, heads, d)
-            k = self.ops.rope(self.k_norm(qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)).view(t, -1),
-                              cos, sin, kv_heads, d)
+            q = self.q_norm(qkv[:, : heads * d].view(t, heads, d)).view(t, -1)
+            k = self.k_norm(qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)).view(t, -1)
+            q, k = self.ops.rope(q, cos, sin, heads, d), self.ops.rope(k, cos, sin, kv_heads, d)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
