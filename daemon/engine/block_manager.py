@@ -9,6 +9,15 @@ The pool holds `num_blocks` blocks of `block_size` token slots. A block is in ex
 A full block's cache key is a chained hash of (parent key, the block's token ids, a per-model salt). A hash hit is
 never trusted alone: the block's stored token ids must equal the lookup's, and the block's parent must be the block
 matched just before it (checked by id and allocation generation), so a hash collision can only cost a miss.
+
+Sliding windows. When every layer of the model attends within a window (`window`, the largest of them; Mistral),
+a sequence no longer needs the blocks that lie wholly before the window of its next query: `drop_out_of_window`
+releases them (a full block stays registered, so it turns cached and later requests can still hit it: its K/V are
+those of every layer, untouched until the block is evicted). The sequence's block table keeps the dropped ids in
+their places (`Sequence.num_dropped_blocks` says how many lead it): no attention path reads them, and a block id is
+only ever read through a table from the window's first block on. A model that mixes window and global layers keeps
+every block for now: the window layers' saving needs a second KV group with its own tables (see the design note in
+`KV_GROUPS_NOTE`).
 """
 
 from __future__ import annotations
@@ -47,12 +56,27 @@ class PrefixMatch:
         return len(self.block_ids)
 
 
+KV_GROUPS_NOTE = """A model with both window and global layers (Gemma 2: alternating; Gemma 3: 5 local : 1 global) gets
+its saving from two KV groups, as vLLM's hybrid allocator does: the layers are cut into groups of equal size, all of
+one kind, and layer j of every group shares one cache tensor, so a block id means the same bytes in every group.
+Each sequence holds one block table per group in the same pool; the global group's table grows with the context, a
+window group's keeps only the window's blocks (dropped as here). A prefix hit is then served only where every group
+still holds its blocks: the whole chain for the global group, and the last window's worth before the hit point for
+each window group (a window group's older blocks may be gone: the hit is cut back to where they are all present)."""
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: str = ""):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: str = "",
+                 window: int | None = None):
+        """window: set when every layer attends within a sliding window (the largest one): blocks before it are
+        dropped from sequences (see the module docstring)."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
+        if window is not None and window < 1:
+            raise ValueError("a sliding window is at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -84,6 +108,32 @@ class BlockManager:
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    # ---- sliding window ---------------------------------------------------------------------------------------
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """With a window: the first block the next query (at position num_computed_tokens) reads, or an earlier
+        one: the block before the partial one is kept so that a block becoming full has its parent for the prefix
+        cache's chain. Without a window: 0."""
+        if self.window is None:
+            return 0
+        bs = self.block_size
+        return max(0, min((num_computed_tokens - self.window + 1) // bs, num_computed_tokens // bs - 1))
+
+    def max_blocks_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once, computed in steps of at most `chunk`."""
+        need = self.blocks_needed(num_tokens)
+        if self.window is None:
+            return need
+        return min(need, (self.window + chunk + self.block_size - 2) // self.block_size + 2)
+
+    def drop_out_of_window(self, block_ids: Seq[int], num_dropped: int, num_computed_tokens: int) -> int:
+        """Release a sequence's blocks before `first_needed_block` (those after num_dropped); returns the new count
+        of dropped leading blocks. The ids stay in block_ids (see the module docstring)."""
+        first = min(self.first_needed_block(num_computed_tokens), len(block_ids))
+        if first > num_dropped:
+            self.free(block_ids[num_dropped:first])
+            return first
+        return num_dropped
 
     # ---- prefix cache -----------------------------------------------------------------------------------------
     def hash_chain(self, token_ids: Seq[int], num_blocks: int, start_hashes: Seq[int] = ()) -> list[int]:

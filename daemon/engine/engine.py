@@ -64,8 +64,11 @@ class Engine:
                                            self.runner.dtype)
         self.device = self.runner.device
         salt = f"{loaded.name}|{loaded.config.architecture}|{self.runner.dtype}"
+        windows = loaded.config.layer_windows if hasattr(loaded.config, "layer_windows") else []
+        all_windowed = bool(windows) and None not in windows  # else: every block is kept (block_manager docstring)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching, salt)
+                                          self.config.enable_prefix_caching, salt,
+                                          window=max(windows) if all_windowed else None)
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None:
@@ -110,7 +113,7 @@ class Engine:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context (max_model_len) is {max_len}, "
                 "which leaves no room for output", field="prompt")
         longest = min(len(prompt_token_ids) + params.max_tokens, max_len)
-        need = self.block_manager.blocks_needed(longest)
+        need = self.block_manager.max_blocks_held(longest, self.config.max_num_batched_tokens)
         if need > self.block_manager.num_blocks:
             fits = self.block_manager.num_blocks * self.config.block_size
             raise InvalidRequest(
@@ -209,6 +212,7 @@ class Engine:
                 continue  # an embedding's KV is dropped when it finishes: never registered in the prefix cache
             bm.register_full_blocks(seq.block_ids, seq.block_hashes, kv_tokens.get(id(seq), seq.token_ids),
                                     seq.num_computed_tokens)
+            self.scheduler.drop_out_of_window(seq)
         emitted = 0
         for s, run, lps in zip(sampled, runs, logprobs):
             before = s.seq.num_tokens

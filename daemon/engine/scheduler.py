@@ -6,6 +6,10 @@ Order within a step, under the token budget `max_num_batched_tokens`:
   3. waiting sequences, admitted head-first (interactive queue before batch queue, FCFS within each) while there
      is budget, a free sequence slot, and KV blocks for the whole prompt (reserved at admission, so admitted
      prompts never stall mid-prefill for lack of blocks).
+With a sliding window over every layer (BlockManager.window), a sequence holds only the blocks its window still
+reaches: admission reserves its first chunk's blocks, each later chunk reserves its own as it is scheduled (a
+sequence's peak is then its window plus one chunk, not its whole prompt), and the engine drops the blocks the
+window has passed after every step.
 When a running sequence needs a new block and none is free, the lowest-priority, newest running sequence is
 preempted by recompute: its blocks are freed (full ones stay in the prefix cache, which makes recompute cheap) and
 it goes back to the head of its waiting queue.
@@ -138,8 +142,15 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         if seq.block_ids:
-            self.bm.free(seq.block_ids)
+            self.bm.free(seq.block_ids[seq.num_dropped_blocks :])
         seq.block_ids = []
+        seq.num_dropped_blocks = 0
+
+    def drop_out_of_window(self, seq: Sequence) -> None:
+        """Release the blocks of seq that every layer's sliding window has passed (none without a window)."""
+        if self.bm.window is not None and seq.block_ids:
+            seq.num_dropped_blocks = self.bm.drop_out_of_window(seq.block_ids, seq.num_dropped_blocks,
+                                                                seq.num_computed_tokens)
 
     # ---- scheduling -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -227,7 +238,7 @@ class Scheduler:
             queue = self.waiting[prio]
             while queue and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = queue[0]
-                if not self._allocate_for_admission(seq):
+                if not self._allocate_for_admission(seq, budget):
                     return budget  # head-of-line waits for blocks: FCFS, no overtaking
                 queue.popleft()
                 seq.status = SeqStatus.RUNNING
@@ -237,20 +248,25 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _allocate_for_admission(self, seq: Sequence) -> bool:
-        """Reuse cached prefix blocks and reserve blocks for every remaining token of seq."""
+    def _allocate_for_admission(self, seq: Sequence, budget: int) -> bool:
+        """Reuse cached prefix blocks and reserve blocks for every remaining token of seq (with a sliding window:
+        for its first chunk of at most `budget` tokens, and none of the hit's blocks the window has passed)."""
         bm = self.bm
-        total = bm.blocks_needed(seq.num_tokens)
         # Leave at least one token to compute: its forward yields the logits of the next token. An embedding
         # request computes every position (mean pooling needs them all), so it takes nothing from the cache.
         match = bm.match_prefix(seq.token_ids, seq.num_tokens - 1) if seq.embed is None else PrefixMatch()
-        fresh = total - match.num_blocks
-        if fresh > bm.num_free_blocks - bm.num_evictable_in(match.block_ids):
+        computed = match.num_blocks * bm.block_size
+        reach = seq.num_tokens if bm.window is None else min(seq.num_tokens, computed + budget)
+        dropped = bm.first_needed_block(computed)
+        held = match.block_ids[dropped:]  # the hit's blocks the sequence reads
+        fresh = bm.blocks_needed(reach) - match.num_blocks
+        if fresh > bm.num_free_blocks - bm.num_evictable_in(held):
             return False
-        bm.claim(match.block_ids)
+        bm.claim(held)
         seq.block_ids = match.block_ids + bm.allocate(fresh)
+        seq.num_dropped_blocks = dropped
         seq.block_hashes = list(match.hashes)
-        seq.num_computed_tokens = match.num_blocks * bm.block_size
+        seq.num_computed_tokens = computed
         if seq.embed is None:
             bm.record_query(seq.num_tokens, seq.num_computed_tokens)
         if not seq.admitted_once:

@@ -47,7 +47,10 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
+        self.block_ids: list[int] = []  # one per block of the context, from position 0
+        # leading entries of block_ids released because every layer's sliding window has passed them (their ids
+        # stay as placeholders, never read): llmd.engine.block_manager
+        self.num_dropped_blocks = 0
         self.block_hashes: list[int] = []  # prefix-cache keys of this sequence's leading full blocks
         self.params = params
         self.priority = Priority(priority)
@@ -100,11 +103,12 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0
         self.block_ids = []
+        self.num_dropped_blocks = 0
         self.block_hashes = []
         self.status = SeqStatus.WAITING
 
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-            f"blocks={len(self.block_ids)}, {self.status.value})"
+            f"blocks={len(self.block_ids) - self.num_dropped_blocks}, {self.status.value})"
         )
