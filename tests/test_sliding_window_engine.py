@@ -1,8 +1,10 @@
-"""A sliding-window model end to end (a tiny random-weight Mistral, window 16, contexts to 4x and more past it):
-logits equal to transformers' MistralForCausalLM (eager, fp32) past the window; the engine's invariants (design.md
-§5) on CPU fp32 with the blocks the window has passed dropped from every sequence: batched == alone, prefix hit ==
-miss, preempted == not, speculation on == off, the CPU layer stack == the module path; and the memory: a sequence
-holds at most its window's blocks, so contexts far longer than the pool run."""
+"""Sliding-window models end to end, window 16, contexts to 4x and more past it: a tiny random-weight Mistral (every
+layer windowed: one KV group whose old blocks are dropped) and a tiny Qwen2 with use_sliding_window (layer 0
+global, layer 1 windowed: two KV groups). Logits equal to transformers' (eager, fp32) past the window; the engine's
+invariants (design.md §5) on CPU fp32 while the window layers drop the blocks their window has passed: batched ==
+alone, prefix hit == miss (also when the window group has lost part of a hit), preempted == not, speculation on ==
+off, the CPU layer stack == the module path; and the memory: a window layer holds at most its window's blocks, so
+contexts far longer than its pool run."""
 
 from __future__ import annotations
 
@@ -25,13 +27,24 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def mistral_folder(tmp_path_factory):
-    return write_tiny_model(tmp_path_factory.mktemp("mistral_window") / "m", "mistral", seed=7,
-                            sliding_window=WINDOW)
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("window_models")
+    return {kind: write_tiny_model(root / kind, kind, seed=7, sliding_window=WINDOW) for kind in ("mistral", "qwen2")}
+
+
+@pytest.fixture(scope="module", params=["mistral", "qwen2"])
+def kind(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def mistral_folder(folders, kind):
+    return folders[kind]
 
 
 @pytest.fixture(scope="module")
 def mistral(mistral_folder):
+    """The model under test: the all-window Mistral, or the mixed Qwen2 (the name is the first one's)."""
     return load_model(mistral_folder, dtype=torch.float32, device="cpu")
 
 
@@ -40,10 +53,13 @@ def prompts(n, lo, hi, vocab, seed=0):
     return [[rng.randrange(5, vocab) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-def test_config_reads_the_real_window_not_a_context_cap(mistral):
+def test_config_reads_the_real_window_not_a_context_cap(mistral, kind):
     c = mistral.config
     assert c.sliding_window == WINDOW and c.max_position_embeddings == 512
-    assert c.layer_windows == [WINDOW] * c.num_hidden_layers
+    assert c.layer_windows == ([WINDOW] * c.num_hidden_layers if kind == "mistral" else [None, WINDOW])
+    engine = make_engine(mistral, block_size=4)
+    assert (engine.window_block_manager is None) == (kind == "mistral")
+    assert engine.block_manager.window == (WINDOW if kind == "mistral" else None)
 
 
 def test_logits_match_transformers_past_the_window(mistral, mistral_folder):
@@ -59,25 +75,38 @@ def test_logits_match_transformers_past_the_window(mistral, mistral_folder):
     got = torch.cat([seq.feed(ids[:5]), seq.feed(ids[5:37]), seq.feed(ids[37:])] + [seq.feed([t]) for t in decode])
     assert (got - want).abs().max().item() < 1e-4
     # the window really matters here: the same weights with full attention differ past it
-    ref.config.sliding_window = None
-    for layer in ref.model.layers:
-        layer.self_attn.sliding_window = None
+    no_window_config = dict(sliding_window=None)
+    if hasattr(ref.config, "layer_types"):  # Qwen2
+        no_window_config.update(use_sliding_window=False,
+                                layer_types=["full_attention"] * ref.config.num_hidden_layers)
+    full = AutoModelForCausalLM.from_pretrained(mistral_folder, dtype=torch.float32, attn_implementation="eager",
+                                                **no_window_config).eval()
     with torch.no_grad():
-        no_window = ref(torch.tensor([ids + decode])).logits[0].float()
+        no_window = full(torch.tensor([ids + decode])).logits[0].float()
     assert (no_window[WINDOW:] - want[WINDOW:]).abs().max().item() > 1e-3
 
 
 def _held(engine) -> int:
+    """The most blocks a live sequence holds in the window layers' group."""
+    if engine.window_block_manager is not None:
+        return max((len(s.window_blocks.held) for s in engine.requests.values()), default=0)
     return max((len(s.block_ids) - s.num_dropped_blocks for s in engine.requests.values()), default=0)
 
 
-def test_a_sequence_holds_only_its_windows_blocks(mistral):
+def test_a_sequence_holds_only_its_windows_blocks(mistral, kind):
     """A pool of 10 blocks of 4 tokens (40 slots) runs prompts of 70 tokens and 130-token contexts, alone and 3 at a
     time, and never holds more per sequence than the window (+ one chunk) spans; the result equals a roomy pool's."""
     ps = prompts(3, 60, 71, mistral.config.vocab_size, seed=3)
     params = SamplingParams(max_tokens=60, **GREEDY)
     roomy = generate(make_engine(mistral, block_size=4, num_kv_blocks=256), ps, params)
-    engine = make_engine(mistral, block_size=4, num_kv_blocks=24, max_num_batched_tokens=8)
+    if kind == "mistral":
+        engine = make_engine(mistral, block_size=4, num_kv_blocks=24, max_num_batched_tokens=8)
+    else:  # the budget split between the two groups: the window layer's pool holds just 3 windows (+ a chunk)
+        per_layer_block = 4 * 2 * 2 * 16 * 4  # tokens x (K, V) x kv heads x head_dim x fp32
+        engine = make_engine(mistral, block_size=4, num_kv_blocks=None, max_num_seqs=3, max_num_batched_tokens=8,
+                             kv_cache_bytes=145 * per_layer_block, kv_cache_dtype="fp32")
+        assert (engine.block_manager.num_blocks, engine.window_block_manager.num_blocks) == (120, 23)
+    window_pool = engine.window_block_manager or engine.block_manager
     peak = 0
     for i, p in enumerate(ps):
         engine.add_request(str(i), p, params)
@@ -86,9 +115,10 @@ def test_a_sequence_holds_only_its_windows_blocks(mistral):
         for o in engine.step():
             out[o.request_id].extend(o.new_token_ids)
         peak = max(peak, _held(engine))
-    assert peak <= engine.block_manager.max_blocks_held(130, 8) <= (WINDOW + 8) // 4 + 2
+    assert peak <= window_pool.max_blocks_held(130, 8) <= (WINDOW + 8) // 4 + 2
     assert [out[str(i)] for i in range(len(ps))] == [r.token_ids for r in roomy]
-    assert engine.stats()["kv_blocks_total"] * 4 < 130 * 3  # the pool could never hold the contexts whole
+    if kind == "mistral":
+        assert engine.stats()["kv_blocks_total"] * 4 < 130 * 3  # the pool could never hold the contexts whole
 
 
 def test_greedy_identical_alone_and_batched(mistral):
@@ -121,11 +151,38 @@ def test_prefix_hit_equals_miss_past_the_window(mistral):
     assert hit.token_ids == miss.token_ids
 
 
-def test_preempted_equals_not(mistral):
+def test_a_hit_the_window_group_has_partly_lost_is_cut_back(folders):
+    """Two KV groups: the global layer still caches the whole 64-token prefix, but the window layer's pool lost the
+    prefix's last block (evicted): the hit is cut back to the 60 tokens whose window blocks are all there (never
+    served with K/V the window layer no longer has); then lost entirely: a miss. Tokens equal a miss's each time."""
+    mixed = load_model(folders["qwen2"], dtype=torch.float32, device="cpu")
+    shared = prompts(1, 66, 67, mixed.config.vocab_size, seed=5)[0]
+    first, second = shared + [7, 8, 9], shared + [11, 12, 13, 14]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    (miss,) = generate(make_engine(mixed, enable_prefix_caching=False, block_size=4), [second], params)
+    engine = make_engine(mixed, block_size=4)
+    generate(engine, [first], params)
+    wbm = engine.window_block_manager
+    last = wbm.hash_chain(shared, 16)[-1]
+    wbm._uncache(wbm.blocks[wbm._cache[last]])  # as an eviction would
+    (hit,) = generate(engine, [second], params)
+    assert hit.timings.num_cached_tokens == 60
+    assert hit.token_ids == miss.token_ids
+    wbm.reset_prefix_cache()
+    (again,) = generate(engine, [shared + [11, 12, 13, 15]], params)
+    assert again.timings.num_cached_tokens == 0
+    (miss2,) = generate(make_engine(mixed, enable_prefix_caching=False, block_size=4), [shared + [11, 12, 13, 15]],
+                        params)
+    assert again.token_ids == miss2.token_ids
+
+
+def test_preempted_equals_not(mistral, kind):
     ps = prompts(6, 20, 70, mistral.config.vocab_size, seed=6)
     params = SamplingParams(max_tokens=40, **GREEDY)
     ample = generate(make_engine(mistral, block_size=4), ps, params)
-    engine = make_engine(mistral, block_size=4, num_kv_blocks=16, max_num_batched_tokens=16)
+    # mistral: 16 blocks, yet 110-token contexts; qwen2: its global layer needs up to 28 blocks per sequence
+    engine = make_engine(mistral, block_size=4, num_kv_blocks=16 if kind == "mistral" else 40,
+                         max_num_batched_tokens=16)
     tight = generate(engine, ps, params)
     assert engine.stats()["num_preemptions"] > 0
     assert [r.token_ids for r in tight] == [r.token_ids for r in ample]
@@ -159,6 +216,9 @@ def test_cpu_layer_stack_equals_module_path(mistral_folder):
     q8.model._cpu_stack = None
     with_stack = [r.token_ids for r in generate(make_engine(q8, block_size=4, max_num_batched_tokens=16), ps,
                                                  params)]
+    if q8.model._cpu_stack is None:  # a mixed model's two KV groups: the stack steps aside
+        assert q8.config.layer_windows[0] is None
+        return
     assert isinstance(q8.model._cpu_stack, cpu_stack.CpuLayerStack)
     q8.model._cpu_stack = False  # the modules, each layer's attention through cpu_ops
     modules = [r.token_ids for r in generate(make_engine(q8, block_size=4, max_num_batched_tokens=16), ps, params)]

@@ -93,8 +93,8 @@ def _randomise(model: torch.nn.Module) -> None:
 
 
 def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int | None = None) -> Path:
-    """kind: llama | llama3_rope | qwen2 | qwen3 | mistral (sliding_window: its window; None: full attention).
-    Returns the folder."""
+    """kind: llama | llama3_rope | qwen2 | qwen3 | mistral (sliding_window: its window on every layer; None: full
+    attention; qwen2: on its second layer only). Returns the folder."""
     import transformers as tf
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -130,7 +130,10 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
                                   tie_word_embeddings=False)
         cls = tf.MistralForCausalLM
     elif kind == "qwen2":
-        config = tf.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False)
+        # with a window: layer 0 global, layer 1 within the window (max_window_layers), a mixed model
+        window = dict(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=1) \
+            if sliding_window else dict(use_sliding_window=False)
+        config = tf.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True, **window)
         cls = tf.Qwen2ForCausalLM
     elif kind == "qwen3":
         config = tf.Qwen3Config(**common, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False)

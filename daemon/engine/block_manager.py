@@ -15,9 +15,15 @@ a sequence no longer needs the blocks that lie wholly before the window of its n
 releases them (a full block stays registered, so it turns cached and later requests can still hit it: its K/V are
 those of every layer, untouched until the block is evicted). The sequence's block table keeps the dropped ids in
 their places (`Sequence.num_dropped_blocks` says how many lead it): no attention path reads them, and a block id is
-only ever read through a table from the window's first block on. A model that mixes window and global layers keeps
-every block for now: the window layers' saving needs a second KV group with its own tables (see the design note in
-`KV_GROUPS_NOTE`).
+only ever read through a table from the window's first block on.
+
+A model that mixes window and global layers (Gemma 2/3) has two KV groups, each a BlockManager over its own pool:
+the global layers' (no window: a sequence keeps all its blocks) and the window layers' (window set: it keeps only
+the window's). Each sequence has a block table in each (`Sequence.block_ids`, `Sequence.window_blocks`); the
+scheduler reserves, preempts and frees in both at once. Both pools are keyed by the same chained hashes. A prefix hit
+must have its blocks in both: the whole chain in the global group, and in the window group the blocks from the
+hit's first needed block on (`lookup_blocks`); where the window group has already dropped and evicted those, the hit
+is cut back to where it has them, so a hit never serves K/V that a window layer no longer holds.
 """
 
 from __future__ import annotations
@@ -54,15 +60,6 @@ class PrefixMatch:
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
-
-
-KV_GROUPS_NOTE = """A model with both window and global layers (Gemma 2: alternating; Gemma 3: 5 local : 1 global) gets
-its saving from two KV groups, as vLLM's hybrid allocator does: the layers are cut into groups of equal size, all of
-one kind, and layer j of every group shares one cache tensor, so a block id means the same bytes in every group.
-Each sequence holds one block table per group in the same pool; the global group's table grows with the context, a
-window group's keeps only the window's blocks (dropped as here). A prefix hit is then served only where every group
-still holds its blocks: the whole chain for the global group, and the last window's worth before the hit point for
-each window group (a window group's older blocks may be gone: the hit is cut back to where they are all present)."""
 
 
 class BlockManager:
@@ -163,6 +160,27 @@ class BlockManager:
             match.hashes.append(key)
             parent = (block_id, block.generation)
         return match
+
+    def lookup_blocks(self, token_ids: Seq[int], hashes: Seq[int], first: int) -> list[int] | None:
+        """The cached blocks for blocks first .. first + len(hashes) - 1 of token_ids (their chained keys), each
+        checked by its tokens and, after the first, by its parent link; None unless every one is there. Changes
+        nothing. (A window group's hit: the blocks before `first` are not needed.)"""
+        if not self.enable_prefix_caching:
+            return None if hashes else []
+        bs = self.block_size
+        ids: list[int] = []
+        parent: tuple[int, int] | None = None
+        for i, key in enumerate(hashes, start=first):
+            block_id = self._cache.get(key)
+            if block_id is None:
+                return None
+            block = self.blocks[block_id]
+            if block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]) or (parent is not None
+                                                                             and block.parent != parent):
+                return None
+            ids.append(block_id)
+            parent = (block_id, block.generation)
+        return ids
 
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.queries_tokens += num_query_tokens

@@ -64,11 +64,17 @@ class Engine:
                                            self.runner.dtype)
         self.device = self.runner.device
         salt = f"{loaded.name}|{loaded.config.architecture}|{self.runner.dtype}"
-        windows = loaded.config.layer_windows if hasattr(loaded.config, "layer_windows") else []
-        all_windowed = bool(windows) and None not in windows  # else: every block is kept (block_manager docstring)
+        # sliding windows (block_manager docstring): every layer windowed -> one group that drops old blocks;
+        # window and global layers mixed -> a second group for the window layers (the runner sized both pools)
+        windows = [w for w in self.runner.layer_windows if w is not None]
+        all_windowed = bool(windows) and len(windows) == len(self.runner.layer_windows)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
                                           self.config.enable_prefix_caching, salt,
                                           window=max(windows) if all_windowed else None)
+        self.window_block_manager: BlockManager | None = None
+        if self.runner.num_window_blocks:
+            self.window_block_manager = BlockManager(self.runner.num_window_blocks, self.config.block_size,
+                                                     self.config.enable_prefix_caching, salt, window=max(windows))
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None:
@@ -97,7 +103,7 @@ class Engine:
 
             self.speculator = Speculator(loaded, self.config, self.runner.num_blocks, self.runner.dtype, self.device)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   proposer=self.speculator)
+                                   proposer=self.speculator, window_bm=self.window_block_manager)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -113,8 +119,11 @@ class Engine:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context (max_model_len) is {max_len}, "
                 "which leaves no room for output", field="prompt")
         longest = min(len(prompt_token_ids) + params.max_tokens, max_len)
-        need = self.block_manager.max_blocks_held(longest, self.config.max_num_batched_tokens)
-        if need > self.block_manager.num_blocks:
+        chunk = self.config.max_num_batched_tokens
+        wbm = self.window_block_manager
+        need = self.block_manager.max_blocks_held(longest, chunk)
+        if need > self.block_manager.num_blocks or (wbm is not None and
+                                                    wbm.max_blocks_held(longest, chunk) > wbm.num_blocks):
             fits = self.block_manager.num_blocks * self.config.block_size
             raise InvalidRequest(
                 f"the request needs up to {longest} tokens of KV cache but the pool holds only {fits}; "
@@ -123,7 +132,8 @@ class Engine:
     @property
     def max_embed_tokens(self) -> int:
         """The longest input an embedding request may have: the context, or the KV pool when that is smaller."""
-        return min(self.config.max_model_len, self.block_manager.num_blocks * self.config.block_size)
+        pools = [self.block_manager] + ([self.window_block_manager] if self.window_block_manager else [])
+        return min(self.config.max_model_len, *(bm.num_blocks * self.config.block_size for bm in pools))
 
     def _check_embed(self, prompt_token_ids: list[int], embed: EmbedParams) -> None:
         embed.validate()
@@ -210,8 +220,11 @@ class Engine:
             if s.pools:
                 outputs += self._keep_hidden(s, now)
                 continue  # an embedding's KV is dropped when it finishes: never registered in the prefix cache
-            bm.register_full_blocks(seq.block_ids, seq.block_hashes, kv_tokens.get(id(seq), seq.token_ids),
-                                    seq.num_computed_tokens)
+            kv = kv_tokens.get(id(seq), seq.token_ids)
+            bm.register_full_blocks(seq.block_ids, seq.block_hashes, kv, seq.num_computed_tokens)
+            if self.window_block_manager is not None:
+                w = seq.window_blocks
+                self.window_block_manager.register_full_blocks(w.ids, w.hashes, kv, seq.num_computed_tokens)
             self.scheduler.drop_out_of_window(seq)
         emitted = 0
         for s, run, lps in zip(sampled, runs, logprobs):
@@ -244,6 +257,9 @@ class Engine:
         seq, k = s.seq, len(s.spec)
         seq.num_computed_tokens += num_accepted
         self.block_manager.rollback(seq.block_ids, seq.block_hashes, seq.num_computed_tokens)
+        if self.window_block_manager is not None:
+            w = seq.window_blocks
+            self.window_block_manager.rollback(w.ids, w.hashes, seq.num_computed_tokens)
         verified = seq.token_ids + s.spec[:num_accepted]
         self.speculator.verified(seq, verified, k, num_accepted)
         seq.timings.spec_proposed += k
@@ -354,6 +370,7 @@ class Engine:
             "prefix_cache_hits_tokens": bm.hits_tokens,
             "prefix_cache_hit_rate": bm.hits_tokens / queries if queries else 0.0,
             "prefix_cache_evictions": bm.evictions,
+            **self._window_stats(),
             "num_preemptions": self.scheduler.num_preemptions,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
@@ -369,10 +386,21 @@ class Engine:
                         for key in ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e_ms")},
         }
 
+    def _window_stats(self) -> dict:
+        """The window layers' KV group, in a model that mixes window and global layers (kv_blocks_* above are the
+        global layers' group)."""
+        wbm = self.window_block_manager
+        if wbm is None:
+            return {}
+        return {"kv_window_blocks_total": wbm.num_blocks, "kv_window_blocks_used": wbm.num_used_blocks,
+                "kv_window_blocks_cached": wbm.num_cached_blocks}
+
     def check_no_leaks(self) -> None:
         """With no live requests, every block must be free or evictable cached (raises AssertionError if not)."""
         assert not self.requests, f"requests still alive: {list(self.requests)[:5]}"
         self.block_manager.check_idle()
+        if self.window_block_manager is not None:
+            self.window_block_manager.check_idle()
         if self.speculator is not None:
             self.speculator.check_no_leaks()
 

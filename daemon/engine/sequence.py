@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +24,21 @@ if TYPE_CHECKING:
     from .grammar import GrammarMatcher
 
 _arrival_counter = itertools.count()
+
+
+@dataclass
+class BlockTable:
+    """A sequence's blocks in one KV group: one id per block of the context from position 0 (the leading
+    `num_dropped` released, their ids kept as placeholders that are never read), and the prefix-cache keys of its
+    leading full blocks."""
+
+    ids: list[int] = field(default_factory=list)
+    num_dropped: int = 0
+    hashes: list[int] = field(default_factory=list)
+
+    @property
+    def held(self) -> list[int]:
+        return self.ids[self.num_dropped :]
 
 
 class SeqStatus(enum.Enum):
@@ -52,6 +68,9 @@ class Sequence:
         # stay as placeholders, never read): llmd.engine.block_manager
         self.num_dropped_blocks = 0
         self.block_hashes: list[int] = []  # prefix-cache keys of this sequence's leading full blocks
+        # the window layers' own blocks in a model that mixes window and global layers (the second KV group,
+        # llmd.engine.block_manager); empty otherwise
+        self.window_blocks = BlockTable()
         self.params = params
         self.priority = Priority(priority)
         self.arrival_order = next(_arrival_counter)
@@ -105,6 +124,7 @@ class Sequence:
         self.block_ids = []
         self.num_dropped_blocks = 0
         self.block_hashes = []
+        self.window_blocks = BlockTable()
         self.status = SeqStatus.WAITING
 
     def __repr__(self) -> str:

@@ -50,6 +50,9 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     # Built on first use by the batched decode path and shared by every layer of the step.
     _decode_plan: "DecodePlan | None" = field(default=None, repr=False, compare=False)
+    # In a model that mixes sliding-window and global layers, the window layers keep their K/V in a pool of their
+    # own (llmd.engine.runner): the same step over their block tables. paged_attention picks it for window layers.
+    window_group: "AttentionMetadata | None" = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -305,9 +308,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Write the new tokens' K/V into the cache, then attend. q [T, heads, d], k/v [T, kv_heads, d]. window: this
     layer's sliding window (None: full causal attention)."""
-    write_kv(k, v, kv_cache, meta.slot_mapping)
     if window is None:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
         return _backend(q, kv_cache, meta, scale)
+    if meta.window_group is not None:
+        meta = meta.window_group
+    write_kv(k, v, kv_cache, meta.slot_mapping)
     return _backend(q, kv_cache, meta, scale, window=window)
 
 

@@ -127,6 +127,9 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
         sliding_window = int(window) if uses_window and window and int(window) < max_pos else None
+        layer_types = cfg.get("layer_types")  # per layer, where the config names them (transformers >= 4.5x)
+        if not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
+            layer_types = None
 
         switches = SUPPORTED_ARCHITECTURES[arch]
         return cls(
@@ -154,6 +157,7 @@ class ModelConfig:
             pooling=str(cfg.get("llmd_pooling", "mean")),
             matryoshka_dimensions=matryoshka_dimensions(cfg, int(cfg["hidden_size"])),
             sliding_window=sliding_window,
+            layer_types=layer_types,
         )
 
     @classmethod

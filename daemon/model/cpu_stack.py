@@ -170,7 +170,7 @@ def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_
     """Run `model`'s decoder layers on x in place through its CpuLayerStack (built on first use); False where the
     stack does not apply, and then the caller runs the modules."""
     if not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous()) or x.requires_grad \
-            or attention_backend() is not fast_paged_attention:
+            or attention_backend() is not fast_paged_attention or meta.window_group is not None:
         return False
     stack = model._cpu_stack
     if stack is None or (stack is not False and not stack.current()):
