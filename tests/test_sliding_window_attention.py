@@ -152,3 +152,41 @@ def test_c_decode_equals_the_same_query_in_a_chunk(window):
                 finally:
                     torch.set_num_threads(threads)
                 assert torch.equal(decoded[0], in_chunk[j]), (n, j, t)
+
+
+def test_torch_path_of_the_default_backend_matches_dense():
+    """fast_paged_attention off the C path (float64 here; bf16 or CUDA without Triton in use): decode rows batched
+    through the windowed plan beside chunks through the reference, in one mixed step."""
+    q, (k, v), tables, dense = make_case(LENS, Q_LENS, WINDOW, group=2)
+    q, k, v = q.double(), k.double(), v.double()
+    dense = [(a.double(), b.double()) for a, b in dense]
+    meta = AttentionMetadata.build(Q_LENS, LENS, tables, BS)
+    got = fast_paged_attention(q, (k, v), meta, 0.3, window=WINDOW)
+    torch.testing.assert_close(got, expected(q, dense, LENS, Q_LENS, WINDOW, 0.3), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp16", "bf16", "int8"])
+def test_c_kernels_read_compact_caches_within_the_window(kv_cache_dtype):
+    """fp16/bf16/int8 caches (int8: per-token scales on V applied only inside the window) against the torch
+    reference over the same cache."""
+    if not HAVE_OPS:
+        pytest.skip("no C compiler: the CPU kernels are not built (the torch path serves)")
+    from llmd.model.attention import allocate_kv_cache, cpu_attention, write_kv
+
+    g = torch.Generator().manual_seed(11)
+    num_blocks = sum((n + BS - 1) // BS for n in LENS) + 1
+    (cache,) = allocate_kv_cache(1, num_blocks, BS, 2, 16, torch.float32, "cpu", kv_cache_dtype)
+    slots = torch.arange(num_blocks * BS)
+    write_kv(torch.randn(len(slots), 2, 16, generator=g), torch.randn(len(slots), 2, 16, generator=g), cache, slots)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in LENS:
+        nb = (n + BS - 1) // BS
+        tables.append(order[used : used + nb])
+        used += nb
+    q = torch.randn(sum(Q_LENS), 6, 16, generator=g)
+    meta = AttentionMetadata.build(Q_LENS, LENS, tables, BS)
+    out = torch.full_like(q, float("nan"))
+    assert cpu_attention(q, cache, meta, DecodePlan.build(meta), 0.3, out, WINDOW)
+    want = torch_paged_attention(q, cache, meta, 0.3, window=WINDOW)
+    torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)

@@ -61,7 +61,7 @@ class Engine:
         self.config = (config or EngineConfig()).resolved(device.type, loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded, self.config)
         self._seqs_8k = sequences_that_fit(loaded.config, self.runner.kv_cache_bytes, self.config.block_size,
-                                           self.runner.dtype)
+                                           self.runner.dtype, chunk=self.config.max_num_batched_tokens)
         self.device = self.runner.device
         salt = f"{loaded.name}|{loaded.config.architecture}|{self.runner.dtype}"
         # sliding windows (block_manager docstring): every layer windowed -> one group that drops old blocks;

@@ -69,11 +69,11 @@ def kv_bytes_per_sequence(model_config, tokens: int, block_size: int, dtype: tor
 
 
 def sequences_that_fit(model_config, budget_bytes: int, block_size: int, dtype: torch.dtype,
-                       tokens: int = 8192) -> dict[str, int]:
+                       tokens: int = 8192, chunk: int | None = None) -> dict[str, int]:
     """How many sequences of `tokens` tokens a KV budget holds, per KV cache dtype ("fp32", "fp16", "bf16", "int8"):
-    the trade between long contexts and batch size."""
-    blocks = -(-tokens // block_size)
-    return {kind: int(budget_bytes // (blocks * kv_bytes_per_block(model_config, block_size, dtype, kind)))
+    the trade between long contexts and batch size. chunk: the prefill chunk, to count sliding-window layers at
+    their window (kv_bytes_per_sequence); None counts every layer at the whole context."""
+    return {kind: int(budget_bytes // kv_bytes_per_sequence(model_config, tokens, block_size, dtype, kind, chunk))
             for kind in ("fp32", "fp16", "bf16", "int8")}
 
 
