@@ -281,7 +281,7 @@ def enable_cuda_attention(model_config=None, dtype: torch.dtype = torch.bfloat16
         return False
     if model_config is not None:
         c = model_config
-        windows = tuple(sorted({w for w in c.layer_windows if w is not None}))
+        windows = tuple(sorted({w for w in getattr(c, "layer_windows", ()) if w is not None}))
         problem = check_attention_backend(triton_paged_attention, c.num_attention_heads, c.num_key_value_heads,
                                           c.head_dim, dtype, kv_cache_dtype, device="cuda", windows=windows)
         if problem is not None:
