@@ -223,3 +223,27 @@ def test_cpu_layer_stack_equals_module_path(mistral_folder):
     q8.model._cpu_stack = False  # the modules, each layer's attention through cpu_ops
     modules = [r.token_ids for r in generate(make_engine(q8, block_size=4, max_num_batched_tokens=16), ps, params)]
     assert with_stack == modules
+
+
+def test_random_workload_with_aborts_never_leaks(mistral, kind):
+    """Arrivals, aborts (running, waiting, mid-prefill), preemption in a small pool and speculation: at idle every
+    block of both KV groups is free or cached (the autouse no_leaked_blocks check)."""
+    rng = random.Random(12)
+    engine = make_engine(mistral, block_size=4, num_kv_blocks=14 if kind == "mistral" else 48,
+                         max_num_batched_tokens=12, speculative_mode="ngram")
+    live: list[str] = []
+    for step in range(160):
+        if step < 120 and rng.random() < 0.3:
+            rid = f"r{step}"
+            span = [rng.randrange(5, mistral.config.vocab_size) for _ in range(rng.randrange(3, 12))]
+            engine.add_request(rid, span * rng.randrange(1, 6), SamplingParams(max_tokens=rng.randrange(1, 50),
+                                                                               **GREEDY))
+            live.append(rid)
+        if live and rng.random() < 0.1:
+            engine.abort(live.pop(rng.randrange(len(live))))
+        for out in engine.step():
+            if out.finished and out.request_id in live:
+                live.remove(out.request_id)
+    while engine.has_work():
+        engine.step()
+    assert engine.stats()["num_preemptions"] > 0
