@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernel_testing import DEVICE, load_kernel_module
+from llmd.model import attention_backends as ab
 from llmd.model.attention import AttentionMetadata, torch_paged_attention
 from test_sliding_window_attention import BS, LENS, Q_LENS, expected, make_case
 
@@ -47,7 +48,7 @@ def test_prefill_kernel_matches_dense(window, block_m, block_n):
                                      block_m=block_m, block_n=block_n, window=window)
     want = expected(q, dense, LENS, Q_LENS, window, 0.3)
     torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
-    backend = pa.triton_paged_attention(qd, cachd, meta, 0.3, window=window)
+    backend = ab.TRITON.attend(qd, cachd, meta, 0.3, window=window)
     torch.testing.assert_close(backend.cpu(), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch_paged_attention(q, cache, AttentionMetadata.build(Q_LENS, LENS, tables, BS), 0.3,
                                                      window=window), want, rtol=1e-5, atol=1e-5)
@@ -55,11 +56,12 @@ def test_prefill_kernel_matches_dense(window, block_m, block_n):
 
 def test_startup_check_covers_the_models_windows():
     """check_attention_backend runs each window of the model: a backend that ignores the window is refused."""
-    ok = pa.check_attention_backend(pa.triton_paged_attention, 4, 2, 16, torch.float32, device=DEVICE, windows=(5,))
+    ok = ab.check_attention_backend(ab.TRITON, 4, 2, 16, torch.float32, device=DEVICE, windows=(5,))
     assert ok is None
 
-    def ignores_window(q, cache, meta, scale, window=None):
-        return pa.triton_paged_attention(q, cache, meta, scale)
+    class IgnoresWindow(ab.TritonBackend):
+        def attend(self, q, kv_cache, meta, scale, *, window=None, softcap=None):
+            return super().attend(q, kv_cache, meta, scale)
 
-    problem = pa.check_attention_backend(ignores_window, 4, 2, 16, torch.float32, device=DEVICE, windows=(5,))
+    problem = ab.check_attention_backend(IgnoresWindow(), 4, 2, 16, torch.float32, device=DEVICE, windows=(5,))
     assert problem is not None and "window 5" in problem

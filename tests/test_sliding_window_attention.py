@@ -1,5 +1,5 @@
-"""Sliding-window attention in every CPU path (llmd.model.attention's torch reference and batched decode, the C
-kernels of llmd.kernels.cpu_ops) against a dense per-query softmax: a query at position p sees keys (p - W, p].
+"""Sliding-window attention in every CPU path (llmd.model.attention's torch reference and batched decode, the torch
+and CPU backends of llmd.model.attention_backends, the C kernels of llmd.kernels.cpu_ops) against a dense per-query softmax: a query at position p sees keys (p - W, p].
 
 Contexts run to 4x the window, with partial blocks, GQA, decode rows beside prefill chunks. The blocks that lie
 wholly before a sequence's window are replaced by a block full of NaN, as a freed and reused block would be: any
@@ -12,13 +12,8 @@ import pytest
 import torch
 
 from llmd.kernels import cpu_ops
-from llmd.model.attention import (
-    AttentionMetadata,
-    DecodePlan,
-    batched_decode_attention,
-    fast_paged_attention,
-    torch_paged_attention,
-)
+from llmd.model.attention import AttentionMetadata, DecodePlan, batched_decode_attention, torch_paged_attention
+from llmd.model.attention_backends import CPU, TORCH, CpuBackend
 
 HAVE_OPS = cpu_ops.load() is not None
 BS = 4
@@ -87,12 +82,11 @@ def test_batched_decode_matches_dense_and_is_batch_invariant(window):
     lens = [n for n, ql in zip(LENS, Q_LENS) if ql == 1]
     q, cache, tables, dense = make_case(lens, [1] * len(lens), window, group=3)
     meta = AttentionMetadata.build([1] * len(lens), lens, tables, BS)
-    plan = DecodePlan.build(meta).windowed(window, BS)
-    got = batched_decode_attention(q, cache, plan, 0.3)
+    got = batched_decode_attention(q, cache, DecodePlan.build(meta), 0.3, window=window)
     torch.testing.assert_close(got, expected(q, dense, lens, [1] * len(lens), window, 0.3), rtol=1e-5, atol=1e-5)
     for i in range(len(lens)):  # each alone: the same bits
         alone = AttentionMetadata.build([1], [lens[i]], [tables[i]], BS)
-        one = batched_decode_attention(q[i : i + 1], cache, DecodePlan.build(alone).windowed(window, BS), 0.3)
+        one = batched_decode_attention(q[i : i + 1], cache, DecodePlan.build(alone), 0.3, window=window)
         assert torch.equal(one[0], got[i])
 
 
@@ -105,11 +99,9 @@ def test_c_kernels_match_dense(window, group):
     meta = AttentionMetadata.build(Q_LENS, LENS, tables, BS)
     plan = DecodePlan.build(meta)
     out = torch.full_like(q, float("nan"))
-    from llmd.model.attention import cpu_attention
-
-    assert cpu_attention(q, cache, meta, plan, 0.3, out, window)
+    assert CpuBackend._c_attention(q, cache, meta, plan, 0.3, out, window)
     torch.testing.assert_close(out, expected(q, dense, LENS, Q_LENS, window, 0.3), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fast_paged_attention(q, cache, meta, 0.3, window=window), out, rtol=0, atol=0)
+    torch.testing.assert_close(CPU.attend(q, cache, meta, 0.3, window=window), out, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("window", [WINDOW, 300, 600])
@@ -121,9 +113,7 @@ def test_c_kernels_past_a_partition(window):
     q, cache, tables, dense = make_case(lens, q_lens, window, group=2, d=8, seed=3)
     meta = AttentionMetadata.build(q_lens, lens, tables, BS)
     out = torch.full_like(q, float("nan"))
-    from llmd.model.attention import cpu_attention
-
-    assert cpu_attention(q, cache, meta, DecodePlan.build(meta), 0.3, out, window)
+    assert CpuBackend._c_attention(q, cache, meta, DecodePlan.build(meta), 0.3, out, window)
     torch.testing.assert_close(out, expected(q, dense, lens, q_lens, window, 0.3), rtol=1e-5, atol=1e-5)
 
 
@@ -154,14 +144,15 @@ def test_c_decode_equals_the_same_query_in_a_chunk(window):
                 assert torch.equal(decoded[0], in_chunk[j]), (n, j, t)
 
 
-def test_torch_path_of_the_default_backend_matches_dense():
-    """fast_paged_attention off the C path (float64 here; bf16 or CUDA without Triton in use): decode rows batched
+@pytest.mark.parametrize("backend", [TORCH, CPU])
+def test_torch_path_of_the_backends_matches_dense(backend):
+    """The torch backend, and the CPU backend off the C path (float64 here; bf16 in use): decode rows batched
     through the windowed plan beside chunks through the reference, in one mixed step."""
     q, (k, v), tables, dense = make_case(LENS, Q_LENS, WINDOW, group=2)
     q, k, v = q.double(), k.double(), v.double()
     dense = [(a.double(), b.double()) for a, b in dense]
     meta = AttentionMetadata.build(Q_LENS, LENS, tables, BS)
-    got = fast_paged_attention(q, (k, v), meta, 0.3, window=WINDOW)
+    got = backend.attend(q, (k, v), meta, 0.3, window=WINDOW)
     torch.testing.assert_close(got, expected(q, dense, LENS, Q_LENS, WINDOW, 0.3), rtol=1e-9, atol=1e-9)
 
 
@@ -171,7 +162,7 @@ def test_c_kernels_read_compact_caches_within_the_window(kv_cache_dtype):
     reference over the same cache."""
     if not HAVE_OPS:
         pytest.skip("no C compiler: the CPU kernels are not built (the torch path serves)")
-    from llmd.model.attention import allocate_kv_cache, cpu_attention, write_kv
+    from llmd.model.attention import allocate_kv_cache, write_kv
 
     g = torch.Generator().manual_seed(11)
     num_blocks = sum((n + BS - 1) // BS for n in LENS) + 1
@@ -187,6 +178,6 @@ def test_c_kernels_read_compact_caches_within_the_window(kv_cache_dtype):
     q = torch.randn(sum(Q_LENS), 6, 16, generator=g)
     meta = AttentionMetadata.build(Q_LENS, LENS, tables, BS)
     out = torch.full_like(q, float("nan"))
-    assert cpu_attention(q, cache, meta, DecodePlan.build(meta), 0.3, out, WINDOW)
+    assert CpuBackend._c_attention(q, cache, meta, DecodePlan.build(meta), 0.3, out, WINDOW)
     want = torch_paged_attention(q, cache, meta, 0.3, window=WINDOW)
     torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)

@@ -205,24 +205,26 @@ def test_speculation_on_equals_off(mistral, spec):
 
 
 @pytest.mark.skipif(cpu_ops.load() is None, reason="no C compiler for the CPU kernels")
-def test_cpu_layer_stack_equals_module_path(mistral_folder):
+def test_cpu_layer_stack_equals_module_path(mistral_folder, kind):
     """int8 weights run through the C layer stack (kernels/cpu_stack.c, each layer's window passed to its
-    attention): the same greedy tokens as the module path."""
+    attention): the same greedy tokens as the module path. (Two KV groups: the stack steps aside.)"""
     from llmd.model import cpu_stack
 
     q8 = load_model(mistral_folder, dtype=torch.float32, device="cpu", quant="int8")
     ps = prompts(3, 40, 70, q8.config.vocab_size, seed=9)
     params = SamplingParams(max_tokens=30, **GREEDY)
-    q8.model._cpu_stack = None
-    with_stack = [r.token_ids for r in generate(make_engine(q8, block_size=4, max_num_batched_tokens=16), ps,
-                                                 params)]
-    if q8.model._cpu_stack is None:  # a mixed model's two KV groups: the stack steps aside
-        assert q8.config.layer_windows[0] is None
-        return
-    assert isinstance(q8.model._cpu_stack, cpu_stack.CpuLayerStack)
-    q8.model._cpu_stack = False  # the modules, each layer's attention through cpu_ops
-    modules = [r.token_ids for r in generate(make_engine(q8, block_size=4, max_num_batched_tokens=16), ps, params)]
-    assert with_stack == modules
+
+    def run(use_stack: bool) -> list[list[int]]:
+        engine = make_engine(q8, block_size=4, max_num_batched_tokens=16)
+        assert isinstance(engine.runner.forward, cpu_stack.CompiledCpuForward)
+        if not use_stack:
+            engine.runner.forward = q8.model  # the modules, each layer's attention through the CPU backend
+        tokens = [r.token_ids for r in generate(engine, ps, params)]
+        if use_stack:  # the stack ran (bound to the engine's caches), except beside a second KV group
+            assert bool(engine.runner.forward.stack._caches) == (kind == "mistral")
+        return tokens
+
+    assert run(True) == run(False)
 
 
 def test_random_workload_with_aborts_never_leaks(mistral, kind):

@@ -21,6 +21,8 @@ import logging
 import torch
 
 from ..model.attention import AttentionMetadata, allocate_kv_cache
+from ..model.attention_backends import AttentionBackend, CpuBackend, choose_backend
+from ..model.cpu_stack import CompiledCpuForward
 from ..model.kv_int8 import bytes_per_token, cache_dtype
 from .config import EngineConfig
 from .cuda_graphs import Capture, CudaGraphRunner, cuda_graph_capture, graph_blocker
@@ -134,11 +136,13 @@ def plan_num_blocks(model_config, config: EngineConfig, dtype: torch.dtype, devi
 
 
 class ModelRunner:
-    def __init__(self, loaded, config: EngineConfig, graph_capture: Capture | None = None, kv_groups: bool = True):
+    def __init__(self, loaded, config: EngineConfig, graph_capture: Capture | None = None,
+                 attention: AttentionBackend | None = None, kv_groups: bool = True):
         """graph_capture: how decode steps are captured; None picks CUDA graphs on CUDA when config.cuda_graphs
         is on (tests on CPU pass llmd.engine.cuda_graphs.eager_capture to run the same static-buffer path).
-        kv_groups False: one pool for every layer even in a model that mixes window and global layers (a draft
-        model, whose block manager has one group)."""
+        attention: this model's attention backend; None picks it for the device (llmd.model.attention_backends).
+        Each runner (a draft model's too) keeps its own. kv_groups False: one pool for every layer even in a model
+        that mixes window and global layers (a draft model, whose block manager has one group)."""
         self.model = loaded.model
         self.model_config = loaded.config
         param = next(self.model.parameters())
@@ -152,16 +156,17 @@ class ModelRunner:
         else:
             self.num_blocks, self.num_window_blocks = plan_num_blocks(self.model_config, config, self.dtype,
                                                                       self.device), 0
-        if self.device.type == "cuda":
-            from ..kernels.paged_attention import enable_cuda_attention
-
-            enable_cuda_attention(self.model_config, self.dtype, config.kv_cache_dtype)
-            if graph_capture is None and config.cuda_graphs:
-                graph_capture = cuda_graph_capture()
+        self.attention = attention or choose_backend(self.device, self.model_config, self.dtype,
+                                                     config.kv_cache_dtype)
+        # what runs a step: the model, or on the CPU its layers as one C call where that applies (llmd.model.llama)
+        compiled = CompiledCpuForward.try_build(self.model) if isinstance(self.attention, CpuBackend) else None
+        self.forward = compiled or self.model
+        if self.device.type == "cuda" and graph_capture is None and config.cuda_graphs:
+            graph_capture = cuda_graph_capture()
         if graph_capture is not None and self.num_window_blocks:
             log.info("CUDA graphs off: the window layers' second KV group is not captured")
             graph_capture = None
-        if graph_capture is not None and (why := graph_blocker(self.model)) is not None:
+        if graph_capture is not None and (why := graph_blocker(self.model, self.attention)) is not None:
             log.info("CUDA graphs off: %s", why)
             graph_capture = None
         # the block manager hands out blocks 0..num_blocks-1; padding rows (graphs', embedding steps') write to one more
@@ -199,7 +204,7 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(
                 self.model, self.kv_caches, max_num_seqs=config.max_num_seqs or 32,
                 max_model_len=config.max_model_len or c.max_position_embeddings, block_size=self.block_size,
-                scratch_block=self.num_blocks, capture=graph_capture)
+                scratch_block=self.num_blocks, capture=graph_capture, attention=self.attention)
             log.info("CUDA graphs: decode steps of up to %d sequences (batch sizes %s), captured on first use",
                      self.graphs.sizes[-1], ", ".join(map(str, self.graphs.sizes)))
 
@@ -246,13 +251,14 @@ class ModelRunner:
             seq_lens.append(pad)
             tables.append([self.scratch_block] * -(-pad // self.block_size))
             window_tables.append([self.window_scratch_block] * -(-pad // self.block_size))
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, device=self.device)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, device=self.device,
+                                       backend=self.attention)
         if self.num_window_blocks:  # the window layers' own tables (their second KV group)
             meta.window_group = AttentionMetadata.build(query_lens, seq_lens, window_tables, self.block_size,
-                                                        device=self.device)
+                                                        device=self.device, backend=self.attention)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
+        hidden = self.forward(ids, pos, self.kv_caches, meta)
         for s, first in pooled:
             s.hidden = hidden[first : first + s.num_new_tokens].clone()
         if not sample_rows:
