@@ -12,6 +12,9 @@ shorter than `min_split_tokens`). So the launch depends on no per-step host valu
 captured with the bound max_model_len (llmd.engine.cuda_graphs) still splits a short context little and a long one
 fully.
 
+A sliding window (`window`, a per-layer option) starts each sequence's range at max(0, seq_len - window): only the
+window's tokens are split and read.
+
 An int8 cache (llmd.model.kv_int8: int8 values plus an fp32 scale per token per KV head) is dequantized as it is
 loaded, by `load_kv_tile`, a jit helper that other kernels reading the paged cache (prefill) can call too.
 """
@@ -31,11 +34,12 @@ def paged_decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    min_split_tokens: int = MIN_SPLIT_TOKENS, window: int | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence, already in the cache) -> [B, H, D]. num_splits, max_seq_len and
     min_split_tokens do not change the result; they are accepted so the signature matches the kernel.
-    k_scale/v_scale [num_blocks, block_size, kv_heads]: the caches hold int8 values x / scale."""
+    k_scale/v_scale [num_blocks, block_size, kv_heads]: the caches hold int8 values x / scale. window: attend to
+    the last `window` tokens only."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -49,8 +53,9 @@ def paged_decode_attention_ref(
     for b, s_len in enumerate(seq_lens.tolist()):
         n_blocks = (s_len + block_size - 1) // block_size
         ids = block_tables[b, :n_blocks]
-        k = context(k_cache, k_scale, ids, s_len)
-        v = context(v_cache, v_scale, ids, s_len)
+        lo = 0 if window is None else max(0, s_len - window)
+        k = context(k_cache, k_scale, ids, s_len)[lo:]
+        v = context(v_cache, v_scale, ids, s_len)[lo:]
         scores = torch.einsum("hd,shd->hs", q[b].to(torch.float32), k) * scale
         out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), v).to(q.dtype)
     return out
@@ -75,7 +80,7 @@ if HAVE_TRITON:
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, m_ptr, l_ptr, scale,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, stride_btb,
-        stride_ob, stride_oh, stride_os, block_size, min_split_tokens,
+        stride_ob, stride_oh, stride_os, block_size, min_split_tokens, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
     ):
@@ -83,11 +88,13 @@ if HAVE_TRITON:
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
         seq_len = tl.load(sl_ptr + b).to(tl.int32)
+        # the tokens it attends to: [lo, seq_len), lo > 0 only under a sliding window (window 0: none)
+        lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
         # this sequence's own slices: at most SPLIT, none shorter than min_split_tokens, whole BLOCK_T tiles; the
         # programs past its last slice store an empty result (m = -inf, l = 0), which the combine weighs 0
-        n_split = tl.minimum(tl.maximum(seq_len // min_split_tokens, 1), SPLIT)
-        per_split = ((seq_len + n_split - 1) // n_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T
-        start = sp * per_split
+        n_split = tl.minimum(tl.maximum((seq_len - lo) // min_split_tokens, 1), SPLIT)
+        per_split = ((seq_len - lo + n_split - 1) // n_split + BLOCK_T - 1) // BLOCK_T * BLOCK_T
+        start = lo + sp * per_split
         end = tl.minimum(start + per_split, seq_len)
 
         g = tl.arange(0, GROUP_PAD)
@@ -147,7 +154,7 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    min_split_tokens: int = MIN_SPLIT_TOKENS,
+    min_split_tokens: int = MIN_SPLIT_TOKENS, window: int | None = None,
 ) -> torch.Tensor:
     """Triton version of `paged_decode_attention_ref`. max_seq_len (a host int, any upper bound of seq_lens) picks
     the grid's split count without a sync; num_splits overrides it. Each sequence uses at most that many splits,
@@ -174,6 +181,8 @@ def paged_decode_attention(
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())  # a device->host sync: callers on the hot path pass it
+        if window:
+            max_seq_len = min(max_seq_len, window)  # what a sequence reads
         sms = 132 if interp or not q.is_cuda else torch.cuda.get_device_properties(q.device).multi_processor_count
         num_splits = choose_num_splits(batch, num_kv_heads, max_seq_len, sms)
     block_t = 32 if interp else 64
@@ -188,7 +197,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part, m, l, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
         block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), block_size, max(1, min_split_tokens),
-        GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
+        window or 0, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
         BLOCK_T=block_t, SPLIT=num_splits, QUANT=quant,
         **({} if interp else {"num_warps": 4, "num_stages": 2}),
     )

@@ -10,6 +10,10 @@ packed into the tile's rows (row r = token r // GROUP_PAD, head r % GROUP_PAD), 
 block table serves the whole group. Keys before the tile's first token are visible to every row and need no causal
 mask; only the last stretch (at most one tile of tokens) is masked. Online softmax with fp32 accumulators, in base 2.
 
+A sliding window (`window`, a per-layer option) hides keys at or before q_pos - window too: a tile then folds only
+[first row's q_pos - window + 1, its last key) in one masked pass (rows may see none of a tile's keys, so the running
+max is guarded against -inf).
+
 Programs are laid out without any host-side plan: sequence i's tiles are numbered from
 query_start_loc[i] // BLOCK_Q + i, a strictly increasing start, and each program finds its sequence by binary search
 over query_start_loc. cdiv(T, BLOCK_Q) + B programs per KV head cover every tile; the few left over exit at once.
@@ -30,9 +34,9 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, window: int | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D], computed in fp32. k_scale/v_scale [num_blocks, block_size, kv_heads]: the caches
+    """q [T, H, D] -> [T, H, D], computed in fp32 (window: keys in (q_pos - window, q_pos] only). k_scale/v_scale [num_blocks, block_size, kv_heads]: the caches
     hold int8 values x / scale. max_query_len and the tile settings do not change the result; they are accepted so
     the signature matches the kernel."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -55,7 +59,10 @@ def paged_prefill_attention_ref(
         qs = q[first:last].transpose(0, 1).to(torch.float32)  # [H, L, D]
         scores = torch.einsum("hld,hsd->hls", qs, k) * scale
         q_pos = torch.arange(s_len - (last - first), s_len, device=q.device)
-        hidden = torch.arange(s_len, device=q.device)[None, :] > q_pos[:, None]
+        k_pos = torch.arange(s_len, device=q.device)[None, :]
+        hidden = k_pos > q_pos[:, None]
+        if window is not None:
+            hidden |= k_pos <= q_pos[:, None] - window
         probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
         out[first:last] = torch.einsum("hls,hsd->hld", probs, v).transpose(0, 1).to(q.dtype)
     return out
@@ -67,11 +74,11 @@ if HAVE_TRITON:
     @triton.jit
     def _attend_range(
         acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, begin, end, d, d_mask, block_size,
-        stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale,
-        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, CAUSAL: tl.constexpr,
+        stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale, window,
+        BLOCK_N: tl.constexpr, QUANT: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
     ):
         """Fold context positions [begin, end) into the running softmax of every row; CAUSAL also hides keys past
-        each row's own position."""
+        each row's own position, WINDOWED (with CAUSAL) those at or before q_pos - window."""
         for t0 in range(begin, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             t_mask = t < end
@@ -86,11 +93,15 @@ if HAVE_TRITON:
                 visible = t_mask[None, :] & (t[None, :] <= q_pos[:, None])
             else:
                 visible = t_mask[None, :]
-            # every row sees the first key of each range (see the caller), so m stays finite: no NaN from -inf - -inf
+            if WINDOWED:
+                visible = visible & (t[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
+            m_sub = m_new  # every row sees the first key of each range (see the caller), so m stays finite...
+            if WINDOWED:  # ...except here, where a row may see none of these keys yet: no -inf - -inf (NaN)
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_sub[:, None])
+            alpha = tl.exp2(m_i - m_sub)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
             m_i = m_new
@@ -102,9 +113,9 @@ if HAVE_TRITON:
     def _paged_prefill_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, qsl_ptr, out_ptr, qk_scale, num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh,
-        stride_btb, block_size,
+        stride_btb, block_size, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, WINDOWED: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD  # query tokens per tile
         tile = tl.program_id(0)
@@ -144,20 +155,31 @@ if HAVE_TRITON:
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, D_PAD), dtype=tl.float32)
         bt_row_ptr = bt_ptr + seq.to(tl.int64) * stride_btb
-        # keys before the tile's first token: visible to every row
         shared_end = chunk_pos + j0
-        acc, l_i, m_i = _attend_range(
-            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, 0, shared_end, d, d_mask,
-            block_size, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale,
-            BLOCK_N, QUANT, False,
-        )
-        # the tile's own tokens: causal (row with token j sees up to chunk_pos + j; rows past q_len are not stored)
         causal_end = tl.minimum(shared_end + BLOCK_Q, seq_len)
-        acc, l_i, m_i = _attend_range(
-            acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, shared_end, causal_end, d,
-            d_mask, block_size, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale,
-            BLOCK_N, QUANT, True,
-        )
+        if WINDOWED:
+            # one masked pass from the first key the tile's first row sees (no block before it is read)
+            begin = tl.maximum(shared_end - window + 1, 0)
+            acc, l_i, m_i = _attend_range(
+                acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, begin, causal_end, d,
+                d_mask, block_size, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale,
+                window, BLOCK_N, QUANT, True, True,
+            )
+        else:
+            # keys before the tile's first token: visible to every row
+            acc, l_i, m_i = _attend_range(
+                acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, 0, shared_end, d, d_mask,
+                block_size, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale, window,
+                BLOCK_N, QUANT, False, False,
+            )
+            # the tile's own tokens: causal (row with token j sees up to chunk_pos + j; rows past q_len not stored)
+            acc, l_i, m_i = _attend_range(
+                acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, shared_end, causal_end, d,
+                d_mask, block_size, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale,
+                window, BLOCK_N, QUANT, True, False,
+            )
+        if WINDOWED:  # padding rows past the chunk may see no key at all (they are not stored)
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
         tl.store(out_ptr + flat_row[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -182,7 +204,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None,
+    num_stages: int | None = None, window: int | None = None,
 ) -> torch.Tensor:
     """Triton version of `paged_prefill_attention_ref`. max_query_len (a host int; read from query_start_loc when
     not given) lets steps of short chunks (speculative verifies) use smaller tiles. block_m (rows = tokens x padded
@@ -216,9 +238,9 @@ def paged_prefill_attention(
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, out,
         scale * math.log2(math.e), num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
-        k_cache.stride(2), *scale_strides, block_tables.stride(0), k_cache.shape[1],
+        k_cache.stride(2), *scale_strides, block_tables.stride(0), k_cache.shape[1], window or 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=block_n, QUANT=quant,
+        BLOCK_M=block_m, BLOCK_N=block_n, QUANT=quant, WINDOWED=bool(window),
         # compiled for sm_90 these tiles use wgmma (block_m >= 64) and cp.async double-buffered K/V without spills
         **({} if interp else {"num_warps": num_warps or (8 if block_m >= 128 else 4), "num_stages": num_stages or 2}),
     )

@@ -143,3 +143,46 @@ def test_rollback_frees_tail_and_unregisters_rewritten_block():
     assert bm.match_prefix(tokens, 9).block_ids == blocks[:1]
     bm.free(table)
     bm.check_idle()
+
+
+# ---- sliding windows -------------------------------------------------------------------------------------------
+def test_window_drops_passed_blocks_and_keeps_them_cached():
+    """Window 6, blocks of 4: after 14 tokens the next query (position 14) reads from position 9 (block 2), so
+    blocks 0 and 1 are dropped; being full and registered they turn cached (their K/V stay valid for a later hit)."""
+    bm = BlockManager(8, BS, window=6)
+    assert [bm.first_needed_block(n) for n in (0, 4, 8, 9, 13, 14, 16)] == [0, 0, 0, 1, 2, 2, 2]
+    tokens = list(range(14))
+    blocks, hashes = fill(bm, tokens)
+    dropped = bm.drop_out_of_window(blocks, 0, 14)
+    assert dropped == 2 and [bm.blocks[b].ref_count for b in blocks] == [0, 0, 1, 1]
+    assert bm.num_cached_blocks == 2  # full and registered: still a prefix-cache hit for a later request
+    assert bm.match_prefix(tokens + [1], 14).block_ids == blocks[:3]
+    assert bm.drop_out_of_window(blocks, dropped, 14) == 2  # nothing more to release
+    bm.free(blocks[dropped:])
+    bm.check_idle()
+
+
+def test_window_smaller_than_a_block_keeps_the_parent_of_the_next_full_block():
+    bm = BlockManager(8, BS, window=1)
+    assert bm.first_needed_block(9) == 1  # position 9 alone is read (block 2), but block 1 stays: block 2's parent
+    assert bm.first_needed_block(12) == 2  # position 12 (block 3) is read; block 2 stays as block 3's parent
+
+
+def test_max_blocks_held_is_the_window_plus_a_chunk():
+    assert BlockManager(64, BS).max_blocks_held(100, 8) == 25
+    assert BlockManager(64, BS, window=16).max_blocks_held(100, 8) == (16 + 8 + 2) // 4 + 2
+    assert BlockManager(64, BS, window=16).max_blocks_held(6, 8) == 2
+
+
+def test_lookup_blocks_checks_tokens_and_links():
+    """A window group's hit: blocks first..n-1 by their chained keys; any missing or mismatched one fails it."""
+    bm = BlockManager(8, BS, window=8)
+    tokens = list(range(16))
+    blocks, hashes = fill(bm, tokens)
+    assert bm.lookup_blocks(tokens, hashes[2:4], 2) == blocks[2:4]
+    assert bm.lookup_blocks(tokens, [], 4) == []
+    other = tokens[:8] + [99] + tokens[9:]
+    assert bm.lookup_blocks(other, hashes[2:4], 2) is None  # a block's tokens differ
+    bm._uncache(bm.blocks[blocks[3]])
+    assert bm.lookup_blocks(tokens, hashes[2:4], 2) is None
+    bm.free(blocks)

@@ -92,8 +92,9 @@ def _randomise(model: torch.nn.Module) -> None:
                 p.normal_(0.0, 0.1)
 
 
-def write_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
-    """kind: llama | llama3_rope | qwen2 | qwen3 | mistral. Returns the folder."""
+def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int | None = None) -> Path:
+    """kind: llama | llama3_rope | qwen2 | qwen3 | mistral (sliding_window: its window on every layer; None: full
+    attention; qwen2: on its second layer only). Returns the folder."""
     import transformers as tf
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -125,10 +126,14 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0) -> Path:
         config = tf.LlamaConfig(**common, rope_theta=500000.0, rope_scaling=scaling, tie_word_embeddings=True)
         cls = tf.LlamaForCausalLM
     elif kind == "mistral":
-        config = tf.MistralConfig(**common, rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False)
+        config = tf.MistralConfig(**common, rope_theta=10000.0, sliding_window=sliding_window,
+                                  tie_word_embeddings=False)
         cls = tf.MistralForCausalLM
     elif kind == "qwen2":
-        config = tf.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False)
+        # with a window: layer 0 global, layer 1 within the window (max_window_layers), a mixed model
+        window = dict(use_sliding_window=True, sliding_window=sliding_window, max_window_layers=1) \
+            if sliding_window else dict(use_sliding_window=False)
+        config = tf.Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True, **window)
         cls = tf.Qwen2ForCausalLM
     elif kind == "qwen3":
         config = tf.Qwen3Config(**common, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False)

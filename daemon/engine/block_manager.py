@@ -9,6 +9,21 @@ The pool holds `num_blocks` blocks of `block_size` token slots. A block is in ex
 A full block's cache key is a chained hash of (parent key, the block's token ids, a per-model salt). A hash hit is
 never trusted alone: the block's stored token ids must equal the lookup's, and the block's parent must be the block
 matched just before it (checked by id and allocation generation), so a hash collision can only cost a miss.
+
+Sliding windows. When every layer of the model attends within a window (`window`, the largest of them; Mistral),
+a sequence no longer needs the blocks that lie wholly before the window of its next query: `drop_out_of_window`
+releases them (a full block stays registered, so it turns cached and later requests can still hit it: its K/V are
+those of every layer, untouched until the block is evicted). The sequence's block table keeps the dropped ids in
+their places (`Sequence.num_dropped_blocks` says how many lead it): no attention path reads them, and a block id is
+only ever read through a table from the window's first block on.
+
+A model that mixes window and global layers (Gemma 2/3) has two KV groups, each a BlockManager over its own pool:
+the global layers' (no window: a sequence keeps all its blocks) and the window layers' (window set: it keeps only
+the window's). Each sequence has a block table in each (`Sequence.block_ids`, `Sequence.window_blocks`); the
+scheduler reserves, preempts and frees in both at once. Both pools are keyed by the same chained hashes. A prefix hit
+must have its blocks in both: the whole chain in the global group, and in the window group the blocks from the
+hit's first needed block on (`lookup_blocks`); where the window group has already dropped and evicted those, the hit
+is cut back to where it has them, so a hit never serves K/V that a window layer no longer holds.
 """
 
 from __future__ import annotations
@@ -48,11 +63,17 @@ class PrefixMatch:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: str = ""):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, salt: str = "",
+                 window: int | None = None):
+        """window: set when every layer attends within a sliding window (the largest one): blocks before it are
+        dropped from sequences (see the module docstring)."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
+        if window is not None and window < 1:
+            raise ValueError("a sliding window is at least one token")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.window = window
         self.enable_prefix_caching = enable_prefix_caching
         self.salt = salt
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -85,6 +106,32 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    # ---- sliding window ---------------------------------------------------------------------------------------
+    def first_needed_block(self, num_computed_tokens: int) -> int:
+        """With a window: the first block the next query (at position num_computed_tokens) reads, or an earlier
+        one: the block before the partial one is kept so that a block becoming full has its parent for the prefix
+        cache's chain. Without a window: 0."""
+        if self.window is None:
+            return 0
+        bs = self.block_size
+        return max(0, min((num_computed_tokens - self.window + 1) // bs, num_computed_tokens // bs - 1))
+
+    def max_blocks_held(self, num_tokens: int, chunk: int) -> int:
+        """The most blocks a sequence of num_tokens tokens holds at once, computed in steps of at most `chunk`."""
+        need = self.blocks_needed(num_tokens)
+        if self.window is None:
+            return need
+        return min(need, (self.window + chunk + self.block_size - 2) // self.block_size + 2)
+
+    def drop_out_of_window(self, block_ids: Seq[int], num_dropped: int, num_computed_tokens: int) -> int:
+        """Release a sequence's blocks before `first_needed_block` (those after num_dropped); returns the new count
+        of dropped leading blocks. The ids stay in block_ids (see the module docstring)."""
+        first = min(self.first_needed_block(num_computed_tokens), len(block_ids))
+        if first > num_dropped:
+            self.free(block_ids[num_dropped:first])
+            return first
+        return num_dropped
+
     # ---- prefix cache -----------------------------------------------------------------------------------------
     def hash_chain(self, token_ids: Seq[int], num_blocks: int, start_hashes: Seq[int] = ()) -> list[int]:
         """Chained keys of the first `num_blocks` full blocks of token_ids, reusing already-known leading keys."""
@@ -113,6 +160,27 @@ class BlockManager:
             match.hashes.append(key)
             parent = (block_id, block.generation)
         return match
+
+    def lookup_blocks(self, token_ids: Seq[int], hashes: Seq[int], first: int) -> list[int] | None:
+        """The cached blocks for blocks first .. first + len(hashes) - 1 of token_ids (their chained keys), each
+        checked by its tokens and, after the first, by its parent link; None unless every one is there. Changes
+        nothing. (A window group's hit: the blocks before `first` are not needed.)"""
+        if not self.enable_prefix_caching:
+            return None if hashes else []
+        bs = self.block_size
+        ids: list[int] = []
+        parent: tuple[int, int] | None = None
+        for i, key in enumerate(hashes, start=first):
+            block_id = self._cache.get(key)
+            if block_id is None:
+                return None
+            block = self.blocks[block_id]
+            if block.token_ids != tuple(token_ids[i * bs : (i + 1) * bs]) or (parent is not None
+                                                                             and block.parent != parent):
+                return None
+            ids.append(block_id)
+            parent = (block_id, block.generation)
+        return ids
 
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.queries_tokens += num_query_tokens

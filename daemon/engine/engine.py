@@ -62,11 +62,20 @@ class Engine:
         self.config = (config or EngineConfig()).resolved(device.type, loaded.config.max_position_embeddings)
         self.runner = ModelRunner(loaded, self.config)
         self._seqs_8k = sequences_that_fit(loaded.config, self.runner.kv_cache_bytes, self.config.block_size,
-                                           self.runner.dtype)
+                                           self.runner.dtype, chunk=self.config.max_num_batched_tokens)
         self.device = self.runner.device
         salt = f"{loaded.name}|{loaded.config.architecture}|{self.runner.dtype}"
+        # sliding windows (block_manager docstring): every layer windowed -> one group that drops old blocks;
+        # window and global layers mixed -> a second group for the window layers (the runner sized both pools)
+        windows = [w for w in self.runner.layer_windows if w is not None]
+        all_windowed = bool(windows) and len(windows) == len(self.runner.layer_windows)
         self.block_manager = BlockManager(self.runner.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching, salt)
+                                          self.config.enable_prefix_caching, salt,
+                                          window=max(windows) if all_windowed else None)
+        self.window_block_manager: BlockManager | None = None
+        if self.runner.num_window_blocks:
+            self.window_block_manager = BlockManager(self.runner.num_window_blocks, self.config.block_size,
+                                                     self.config.enable_prefix_caching, salt, window=max(windows))
         self.vocab_size = loaded.config.vocab_size
         self.eos_token_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None:
@@ -93,7 +102,7 @@ class Engine:
 
             self.speculator = Speculator(loaded, self.config, self.runner.num_blocks, self.runner.dtype, self.device)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   proposer=self.speculator)
+                                   proposer=self.speculator, window_bm=self.window_block_manager)
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -109,8 +118,11 @@ class Engine:
                 f"the prompt has {len(prompt_token_ids)} tokens; this model's context (max_model_len) is {max_len}, "
                 "which leaves no room for output", field="prompt")
         longest = min(len(prompt_token_ids) + params.max_tokens, max_len)
-        need = self.block_manager.blocks_needed(longest)
-        if need > self.block_manager.num_blocks:
+        chunk = self.config.max_num_batched_tokens
+        wbm = self.window_block_manager
+        need = self.block_manager.max_blocks_held(longest, chunk)
+        if need > self.block_manager.num_blocks or (wbm is not None and
+                                                    wbm.max_blocks_held(longest, chunk) > wbm.num_blocks):
             fits = self.block_manager.num_blocks * self.config.block_size
             raise InvalidRequest(
                 f"the request needs up to {longest} tokens of KV cache but the pool holds only {fits}; "
@@ -119,7 +131,8 @@ class Engine:
     @property
     def max_embed_tokens(self) -> int:
         """The longest input an embedding request may have: the context, or the KV pool when that is smaller."""
-        return min(self.config.max_model_len, self.block_manager.num_blocks * self.config.block_size)
+        pools = [self.block_manager] + ([self.window_block_manager] if self.window_block_manager else [])
+        return min(self.config.max_model_len, *(bm.num_blocks * self.config.block_size for bm in pools))
 
     def _check_embed(self, prompt_token_ids: list[int], embed: EmbedParams) -> None:
         embed.validate()
@@ -206,8 +219,12 @@ class Engine:
             if s.pools:
                 outputs += self._keep_hidden(s, now)
                 continue  # an embedding's KV is dropped when it finishes: never registered in the prefix cache
-            bm.register_full_blocks(seq.block_ids, seq.block_hashes, kv_tokens.get(id(seq), seq.token_ids),
-                                    seq.num_computed_tokens)
+            kv = kv_tokens.get(id(seq), seq.token_ids)
+            bm.register_full_blocks(seq.block_ids, seq.block_hashes, kv, seq.num_computed_tokens)
+            if self.window_block_manager is not None:
+                w = seq.window_blocks
+                self.window_block_manager.register_full_blocks(w.ids, w.hashes, kv, seq.num_computed_tokens)
+            self.scheduler.drop_out_of_window(seq)
         emitted = 0
         for s, run, lps in zip(sampled, runs, logprobs):
             before = s.seq.num_tokens
@@ -239,6 +256,9 @@ class Engine:
         seq, k = s.seq, len(s.spec)
         seq.num_computed_tokens += num_accepted
         self.block_manager.rollback(seq.block_ids, seq.block_hashes, seq.num_computed_tokens)
+        if self.window_block_manager is not None:
+            w = seq.window_blocks
+            self.window_block_manager.rollback(w.ids, w.hashes, seq.num_computed_tokens)
         verified = seq.token_ids + s.spec[:num_accepted]
         self.speculator.verified(seq, verified, k, num_accepted)
         seq.timings.spec_proposed += k
@@ -340,6 +360,10 @@ class Engine:
             blocks_cached=bm.num_cached_blocks, blocks_free=bm.num_free_blocks - bm.num_cached_blocks,
             seqs_8k_by_dtype=dict(self._seqs_8k), prefix_queries_tokens=queries, prefix_hits_tokens=bm.hits_tokens,
             prefix_hit_rate=bm.hits_tokens / queries if queries else 0.0, prefix_evictions=bm.evictions)
+        wbm = self.window_block_manager  # the window layers' own group, in a model mixing window and global layers
+        if wbm is not None:
+            kv.window_blocks_total, kv.window_blocks_used = wbm.num_blocks, wbm.num_used_blocks
+            kv.window_blocks_cached = wbm.num_cached_blocks
         latency = LatencyStats(**{key: percentiles([r[key] for r in latencies if r[key] is not None])
                                   for key in ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e_ms")})
         return EngineStats(
@@ -354,6 +378,8 @@ class Engine:
         """With no live requests, every block must be free or evictable cached (raises AssertionError if not)."""
         assert not self.requests, f"requests still alive: {list(self.requests)[:5]}"
         self.block_manager.check_idle()
+        if self.window_block_manager is not None:
+            self.window_block_manager.check_idle()
         if self.speculator is not None:
             self.speculator.check_no_leaks()
 

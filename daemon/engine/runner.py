@@ -6,6 +6,12 @@ list), since the vocabulary projection is the most expensive matmul of a small m
 On CUDA, attention runs through the Triton kernels (llmd.kernels), and decode-only steps of up to 32 sequences are
 replayed from CUDA graphs (llmd.engine.cuda_graphs; EngineConfig.cuda_graphs, `llmd serve --no-cuda-graphs`), with
 one scratch KV block past the pool's end for the padding rows. Everything else runs eagerly.
+
+A model that mixes sliding-window and global layers (Gemma 2/3) gets two KV pools, one per KV group
+(llmd.engine.block_manager): the global layers' and the window layers' caches, each with its own block ids and
+scratch block, and each step's AttentionMetadata carries the window group's tables in `window_group`. The budget is
+split so that the window pool holds what max_num_seqs sequences' windows can use (never more than an even split by
+tokens would give it); the global pool takes the rest. (Such models run without CUDA graphs.)
 """
 
 from __future__ import annotations
@@ -29,19 +35,47 @@ log = logging.getLogger(__name__)
 MIN_POOLING_ROWS = 16
 
 
-def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one block across all layers: K and V, plus the int8 cache's per-token scales."""
+def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
+                       num_layers: int | None = None) -> int:
+    """Bytes of one block across all layers (or `num_layers` of them): K and V, plus the int8 cache's per-token
+    scales."""
     c = model_config
     per_token = bytes_per_token(c.num_key_value_heads, c.head_dim, dtype, kv_cache_dtype)
-    return c.num_hidden_layers * block_size * per_token
+    return (c.num_hidden_layers if num_layers is None else num_layers) * block_size * per_token
+
+
+def layer_windows(model_config) -> list[int | None]:
+    """Each layer's sliding window (None: global attention)."""
+    windows = getattr(model_config, "layer_windows", None)
+    return list(windows) if windows is not None else [None] * model_config.num_hidden_layers
+
+
+def window_tokens_held(window: int, tokens: int, chunk: int, block_size: int) -> int:
+    """Token slots a window layer holds for a sequence of `tokens` tokens computed in chunks of at most `chunk`:
+    the blocks its window and one chunk can span (llmd.engine.block_manager.BlockManager.max_blocks_held)."""
+    blocks = min(-(-tokens // block_size), (window + chunk + block_size - 2) // block_size + 2)
+    return blocks * block_size
+
+
+def kv_bytes_per_sequence(model_config, tokens: int, block_size: int, dtype: torch.dtype,
+                          kv_cache_dtype: str = "auto", chunk: int | None = None) -> int:
+    """KV bytes one sequence of `tokens` tokens holds: every layer the whole context, except that a window layer
+    holds only its window (plus one chunk of `chunk` tokens, the prefill step; None: the saving is off)."""
+    per_layer_token = kv_bytes_per_block(model_config, 1, dtype, kv_cache_dtype, num_layers=1)
+    full = -(-tokens // block_size) * block_size
+    total = 0
+    for w in layer_windows(model_config):
+        held = full if w is None or chunk is None else window_tokens_held(w, tokens, chunk, block_size)
+        total += held * per_layer_token
+    return total
 
 
 def sequences_that_fit(model_config, budget_bytes: int, block_size: int, dtype: torch.dtype,
-                       tokens: int = 8192) -> dict[str, int]:
+                       tokens: int = 8192, chunk: int | None = None) -> dict[str, int]:
     """How many sequences of `tokens` tokens a KV budget holds, per KV cache dtype ("fp32", "fp16", "bf16", "int8"):
-    the trade between long contexts and batch size."""
-    blocks = -(-tokens // block_size)
-    return {kind: int(budget_bytes // (blocks * kv_bytes_per_block(model_config, block_size, dtype, kind)))
+    the trade between long contexts and batch size. chunk: the prefill chunk, to count sliding-window layers at
+    their window (kv_bytes_per_sequence); None counts every layer at the whole context."""
+    return {kind: int(budget_bytes // kv_bytes_per_sequence(model_config, tokens, block_size, dtype, kind, chunk))
             for kind in ("fp32", "fp16", "bf16", "int8")}
 
 
@@ -55,15 +89,43 @@ def activation_headroom_bytes(model_config, config: EngineConfig, dtype: torch.d
     return 2 * t * per_token + logits + 256 * 1024**2
 
 
+def _kv_budget(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    free, _total = torch.cuda.mem_get_info(device)
+    return int((free - activation_headroom_bytes(model_config, config, dtype)) * config.kv_cache_fraction)
+
+
+def plan_pools(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """(global pool blocks, window pool blocks): the second is 0 unless the model mixes window and global layers
+    (see the module docstring); num_kv_blocks, when set, is each pool's size."""
+    windows = layer_windows(model_config)
+    n_window = sum(w is not None for w in windows)
+    if n_window in (0, len(windows)):
+        return plan_num_blocks(model_config, config, dtype, device), 0
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks, config.num_kv_blocks
+    n_global = len(windows) - n_window
+    per_global = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype, n_global)
+    per_window = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype, n_window)
+    budget = _kv_budget(model_config, config, dtype, device)
+    max_len = config.max_model_len or model_config.max_position_embeddings
+    usable = config.max_num_seqs * window_tokens_held(max(w for w in windows if w is not None), max_len,
+                                                      config.max_num_batched_tokens, config.block_size)
+    window_bytes = min(usable // config.block_size * per_window, budget * n_window // len(windows))
+    num_window = window_bytes // per_window - 1  # each pool pays for its own scratch block
+    num_global = (budget - (num_window + 1) * per_window) // per_global - 1
+    if num_window < 1 or num_global < 1:
+        raise ValueError(f"the KV cache budget ({budget / 2**20:.0f} MiB) cannot hold two blocks in each of the "
+                         "global and window layers' pools")
+    return int(num_global), int(num_window)
+
+
 def plan_num_blocks(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype)
-    if config.kv_cache_bytes is not None:
-        budget = config.kv_cache_bytes
-    else:
-        free, _total = torch.cuda.mem_get_info(device)
-        budget = int((free - activation_headroom_bytes(model_config, config, dtype)) * config.kv_cache_fraction)
+    budget = _kv_budget(model_config, config, dtype, device)
     num = budget // per_block - 1  # the scratch block (see ModelRunner) is paid from the budget too
     if num < 1:
         raise ValueError(
@@ -75,11 +137,12 @@ def plan_num_blocks(model_config, config: EngineConfig, dtype: torch.dtype, devi
 
 class ModelRunner:
     def __init__(self, loaded, config: EngineConfig, graph_capture: Capture | None = None,
-                 attention: AttentionBackend | None = None):
+                 attention: AttentionBackend | None = None, kv_groups: bool = True):
         """graph_capture: how decode steps are captured; None picks CUDA graphs on CUDA when config.cuda_graphs
         is on (tests on CPU pass llmd.engine.cuda_graphs.eager_capture to run the same static-buffer path).
         attention: this model's attention backend; None picks it for the device (llmd.model.attention_backends).
-        Each runner (a draft model's too) keeps its own."""
+        Each runner (a draft model's too) keeps its own. kv_groups False: one pool for every layer even in a model
+        that mixes window and global layers (a draft model, whose block manager has one group)."""
         self.model = loaded.model
         self.model_config = loaded.config
         param = next(self.model.parameters())
@@ -87,7 +150,12 @@ class ModelRunner:
         self.dtype = param.dtype
         self.block_size = config.block_size
         self.kv_cache_dtype = config.kv_cache_dtype
-        self.num_blocks = plan_num_blocks(self.model_config, config, self.dtype, self.device)
+        self.layer_windows = layer_windows(self.model_config)
+        if kv_groups:
+            self.num_blocks, self.num_window_blocks = plan_pools(self.model_config, config, self.dtype, self.device)
+        else:
+            self.num_blocks, self.num_window_blocks = plan_num_blocks(self.model_config, config, self.dtype,
+                                                                      self.device), 0
         self.attention = attention or choose_backend(self.device, self.model_config, self.dtype,
                                                      config.kv_cache_dtype)
         # what runs a step: the model, or on the CPU its layers as one C call where that applies (llmd.model.llama)
@@ -95,6 +163,9 @@ class ModelRunner:
         self.forward = compiled or self.model
         if self.device.type == "cuda" and graph_capture is None and config.cuda_graphs:
             graph_capture = cuda_graph_capture()
+        if graph_capture is not None and self.num_window_blocks:
+            log.info("CUDA graphs off: the window layers' second KV group is not captured")
+            graph_capture = None
         if graph_capture is not None and (why := graph_blocker(self.model, self.attention)) is not None:
             log.info("CUDA graphs off: %s", why)
             graph_capture = None
@@ -102,15 +173,32 @@ class ModelRunner:
         self.scratch_block = self.num_blocks
         pool_blocks = self.num_blocks + 1
         c = self.model_config
-        self.kv_caches = allocate_kv_cache(
-            c.num_hidden_layers, pool_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
+        n_window = sum(w is not None for w in self.layer_windows) if self.num_window_blocks else 0
+        n_global = c.num_hidden_layers - n_window
+        global_caches = iter(allocate_kv_cache(
+            n_global, pool_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
             dtype=self.dtype, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
-        )
-        self.kv_cache_bytes = pool_blocks * kv_bytes_per_block(c, self.block_size, self.dtype, self.kv_cache_dtype)
+        ))
+        self.window_scratch_block = self.num_window_blocks
+        window_caches = iter(allocate_kv_cache(
+            n_window, self.num_window_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim,
+            dtype=self.dtype, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
+        ) if n_window else [])
+        # per layer, from its group's pool
+        self.kv_caches = [next(window_caches) if n_window and w is not None else next(global_caches)
+                          for w in self.layer_windows]
+        self.kv_cache_bytes = pool_blocks * kv_bytes_per_block(c, self.block_size, self.dtype, self.kv_cache_dtype,
+                                                               n_global)
+        if n_window:
+            self.kv_cache_bytes += (self.num_window_blocks + 1) * kv_bytes_per_block(
+                c, self.block_size, self.dtype, self.kv_cache_dtype, n_window)
         self.kv_element = cache_dtype(self.kv_cache_dtype, self.dtype)  # what the pool holds
         kind = "int8 + scales" if self.kv_cache_dtype == "int8" else str(self.kv_element).removeprefix("torch.")
         log.info("KV pool: %d blocks of %d tokens (%.0f MiB, %s)", self.num_blocks, self.block_size,
                  self.kv_cache_bytes / 2**20, kind)
+        if n_window:
+            log.info("KV groups: %d global layers over %d blocks, %d window layers over %d blocks", n_global,
+                     self.num_blocks, n_window, self.num_window_blocks)
         self.graphs: CudaGraphRunner | None = None
         if graph_capture is not None:
             self.graphs = CudaGraphRunner(
@@ -136,7 +224,7 @@ class ModelRunner:
         """`execute` without graphs: any mix of prefill chunks, decodes and verifies."""
         input_ids: list[int] = []
         positions: list[int] = []
-        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        query_lens, seq_lens, tables, window_tables, sample_rows = [], [], [], [], []
         pooled: list[tuple[ScheduledSeq, int]] = []  # embedding chunks and their first row
         for s in scheduled:
             seq = s.seq
@@ -150,6 +238,8 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_ids)
+            if self.num_window_blocks:
+                window_tables.append(seq.window_blocks.ids)
             if s.samples:
                 end = len(input_ids)
                 sample_rows.extend(range(end - min(s.num_logits, n), end))
@@ -160,8 +250,12 @@ class ModelRunner:
             query_lens.append(pad)
             seq_lens.append(pad)
             tables.append([self.scratch_block] * -(-pad // self.block_size))
+            window_tables.append([self.window_scratch_block] * -(-pad // self.block_size))
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, device=self.device,
                                        backend=self.attention)
+        if self.num_window_blocks:  # the window layers' own tables (their second KV group)
+            meta.window_group = AttentionMetadata.build(query_lens, seq_lens, window_tables, self.block_size,
+                                                        device=self.device, backend=self.attention)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.forward(ids, pos, self.kv_caches, meta)

@@ -6,6 +6,12 @@ Order within a step, under the token budget `max_num_batched_tokens`:
   3. waiting sequences, admitted head-first (interactive queue before batch queue, FCFS within each) while there
      is budget, a free sequence slot, and KV blocks for the whole prompt (reserved at admission, so admitted
      prompts never stall mid-prefill for lack of blocks).
+With a sliding window over every layer (BlockManager.window), a sequence holds only the blocks its window still
+reaches: admission reserves its first chunk's blocks, each later chunk reserves its own as it is scheduled (a
+sequence's peak is then its window plus one chunk, not its whole prompt), and the engine drops the blocks the
+window has passed after every step. A model that mixes window and global layers has a second KV group, the window
+layers' (`window_bm`): every reservation, preemption and release covers both, and a prefix hit is cut back to where
+both groups hold its blocks (llmd.engine.block_manager).
 When a running sequence needs a new block and none is free, the lowest-priority, newest running sequence is
 preempted by recompute: its blocks are freed (full ones stay in the prefix cache, which makes recompute cheap) and
 it goes back to the head of its waiting queue.
@@ -23,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from .block_manager import BlockManager, PrefixMatch
-from .sequence import Sequence, SeqStatus
+from .sequence import BlockTable, Sequence, SeqStatus
 from .types import Priority
 
 if TYPE_CHECKING:
@@ -94,8 +100,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, window_bm: BlockManager | None = None):
         self.bm = block_manager
+        self.wbm = window_bm  # the window layers' KV group, in a model that mixes window and global layers
         self.proposer = proposer
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -138,8 +145,39 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         if seq.block_ids:
-            self.bm.free(seq.block_ids)
+            self.bm.free(seq.block_ids[seq.num_dropped_blocks :])
         seq.block_ids = []
+        seq.num_dropped_blocks = 0
+        if self.wbm is not None and seq.window_blocks.ids:
+            self.wbm.free(seq.window_blocks.held)
+        seq.window_blocks = BlockTable()
+
+    def drop_out_of_window(self, seq: Sequence) -> None:
+        """Release the blocks of seq that its sliding windows have passed (none without a window)."""
+        if self.bm.window is not None and seq.block_ids:
+            seq.num_dropped_blocks = self.bm.drop_out_of_window(seq.block_ids, seq.num_dropped_blocks,
+                                                                seq.num_computed_tokens)
+        w = seq.window_blocks
+        if self.wbm is not None and w.ids:
+            w.num_dropped = self.wbm.drop_out_of_window(w.ids, w.num_dropped, seq.num_computed_tokens)
+
+    def _needs(self, seq: Sequence, num_tokens: int) -> tuple[int, int]:
+        """Blocks seq lacks to cover num_tokens, in the global group and in the window group."""
+        need = self.bm.blocks_needed(num_tokens) - len(seq.block_ids)
+        if self.wbm is None:
+            return need, 0
+        return need, self.wbm.blocks_needed(num_tokens) - len(seq.window_blocks.ids)
+
+    def _fits(self, needs: tuple[int, int]) -> bool:
+        need, wneed = needs
+        return (need <= 0 or self.bm.can_allocate(need)) and (wneed <= 0 or self.wbm.can_allocate(wneed))
+
+    def _slots_held(self, seq: Sequence) -> int:
+        """Token positions seq's block tables cover (the shorter table, in a model with two KV groups)."""
+        n = len(seq.block_ids)
+        if self.wbm is not None:
+            n = min(n, len(seq.window_blocks.ids))
+        return n * self.bm.block_size
 
     # ---- scheduling -------------------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -185,7 +223,7 @@ class Scheduler:
             seq = s.seq
             k = min(len(prop.tokens), budget)
             if not self._reserve(seq, seq.num_computed_tokens + 1 + k, out, set(), may_preempt=False):
-                k = min(k, len(seq.block_ids) * self.bm.block_size - seq.num_computed_tokens - 1)
+                k = min(k, self._slots_held(seq) - seq.num_computed_tokens - 1)
             if k <= 0:
                 continue
             s.spec = prop.tokens[:k]
@@ -201,16 +239,19 @@ class Scheduler:
         scheduled in this step; when none is left, seq itself is preempted. With may_preempt=False (a speculative
         guess) nothing is preempted: False when the free blocks do not suffice.
         """
-        need = self.bm.blocks_needed(num_tokens) - len(seq.block_ids)
-        if need > 0 and not may_preempt and not self.bm.can_allocate(need):
+        needs = self._needs(seq, num_tokens)
+        if not may_preempt and not self._fits(needs):
             return False
-        while need > 0 and not self.bm.can_allocate(need):
+        while not self._fits(needs):
             victim = next((s for s in reversed(self.running) if id(s) not in scheduled), seq)
             self._preempt(victim, out)
             if victim is seq:
                 return False
+        need, wneed = needs
         if need > 0:
             seq.block_ids.extend(self.bm.allocate(need))
+        if wneed > 0:
+            seq.window_blocks.ids.extend(self.wbm.allocate(wneed))
         return True
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -227,7 +268,7 @@ class Scheduler:
             queue = self.waiting[prio]
             while queue and budget > 0 and len(self.running) < self.max_num_seqs:
                 seq = queue[0]
-                if not self._allocate_for_admission(seq):
+                if not self._allocate_for_admission(seq, budget):
                     return budget  # head-of-line waits for blocks: FCFS, no overtaking
                 queue.popleft()
                 seq.status = SeqStatus.RUNNING
@@ -237,23 +278,52 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _allocate_for_admission(self, seq: Sequence) -> bool:
-        """Reuse cached prefix blocks and reserve blocks for every remaining token of seq."""
-        bm = self.bm
-        total = bm.blocks_needed(seq.num_tokens)
+    def _allocate_for_admission(self, seq: Sequence, budget: int) -> bool:
+        """Reuse cached prefix blocks and reserve blocks for every remaining token of seq (with a sliding window:
+        for its first chunk of at most `budget` tokens, and none of the hit's blocks the window has passed)."""
+        bm, wbm = self.bm, self.wbm
         # Leave at least one token to compute: its forward yields the logits of the next token. An embedding
         # request computes every position (mean pooling needs them all), so it takes nothing from the cache.
         match = bm.match_prefix(seq.token_ids, seq.num_tokens - 1) if seq.embed is None else PrefixMatch()
-        fresh = total - match.num_blocks
-        if fresh > bm.num_free_blocks - bm.num_evictable_in(match.block_ids):
+        window = BlockTable()
+        if wbm is not None:
+            match, window = self._window_hit(seq, match)
+        computed = match.num_blocks * bm.block_size
+        windowed = bm.window is not None or wbm is not None
+        reach = min(seq.num_tokens, computed + budget) if windowed else seq.num_tokens
+        dropped = bm.first_needed_block(computed)
+        held = match.block_ids[dropped:]  # the hit's blocks the sequence reads
+        fresh = bm.blocks_needed(reach) - match.num_blocks
+        if fresh > bm.num_free_blocks - bm.num_evictable_in(held):
             return False
-        bm.claim(match.block_ids)
+        if wbm is not None:
+            wfresh = wbm.blocks_needed(reach) - match.num_blocks
+            if wfresh > wbm.num_free_blocks - wbm.num_evictable_in(window.held):
+                return False
+            wbm.claim(window.held)
+            window.ids += wbm.allocate(wfresh)
+            seq.window_blocks = window
+        bm.claim(held)
         seq.block_ids = match.block_ids + bm.allocate(fresh)
+        seq.num_dropped_blocks = dropped
         seq.block_hashes = list(match.hashes)
-        seq.num_computed_tokens = match.num_blocks * bm.block_size
+        seq.num_computed_tokens = computed
         if seq.embed is None:
             bm.record_query(seq.num_tokens, seq.num_computed_tokens)
         if not seq.admitted_once:
             seq.timings.num_cached_tokens = seq.num_computed_tokens
             seq.admitted_once = True
         return True
+
+    def _window_hit(self, seq: Sequence, match: PrefixMatch) -> tuple[PrefixMatch, BlockTable]:
+        """Cut a global-group hit back to its longest prefix whose window-group blocks (from the first one its
+        window reads) are all still cached; returns that hit and the window group's table for it (the blocks
+        before the window as placeholders: never read)."""
+        wbm = self.wbm
+        for n in range(match.num_blocks, 0, -1):
+            first = wbm.first_needed_block(n * wbm.block_size)
+            ids = wbm.lookup_blocks(seq.token_ids, match.hashes[first:n], first)
+            if ids is not None:
+                hit = PrefixMatch(match.block_ids[:n], match.hashes[:n])
+                return hit, BlockTable([0] * first + ids, first, list(match.hashes[:n]))
+        return PrefixMatch(), BlockTable()

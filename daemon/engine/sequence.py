@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +24,21 @@ if TYPE_CHECKING:
     from .grammar import GrammarMatcher
 
 _arrival_counter = itertools.count()
+
+
+@dataclass
+class BlockTable:
+    """A sequence's blocks in one KV group: one id per block of the context from position 0 (the leading
+    `num_dropped` released, their ids kept as placeholders that are never read), and the prefix-cache keys of its
+    leading full blocks."""
+
+    ids: list[int] = field(default_factory=list)
+    num_dropped: int = 0
+    hashes: list[int] = field(default_factory=list)
+
+    @property
+    def held(self) -> list[int]:
+        return self.ids[self.num_dropped :]
 
 
 class SeqStatus(enum.Enum):
@@ -47,8 +63,14 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
-        self.block_ids: list[int] = []
+        self.block_ids: list[int] = []  # one per block of the context, from position 0
+        # leading entries of block_ids released because every layer's sliding window has passed them (their ids
+        # stay as placeholders, never read): llmd.engine.block_manager
+        self.num_dropped_blocks = 0
         self.block_hashes: list[int] = []  # prefix-cache keys of this sequence's leading full blocks
+        # the window layers' own blocks in a model that mixes window and global layers (the second KV group,
+        # llmd.engine.block_manager); empty otherwise
+        self.window_blocks = BlockTable()
         self.params = params
         self.priority = Priority(priority)
         self.arrival_order = next(_arrival_counter)
@@ -100,11 +122,13 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         self.num_computed_tokens = 0
         self.block_ids = []
+        self.num_dropped_blocks = 0
         self.block_hashes = []
+        self.window_blocks = BlockTable()
         self.status = SeqStatus.WAITING
 
     def __repr__(self) -> str:
         return (
             f"Sequence({self.request_id!r}, tokens={self.num_tokens}, computed={self.num_computed_tokens}, "
-            f"blocks={len(self.block_ids)}, {self.status.value})"
+            f"blocks={len(self.block_ids) - self.num_dropped_blocks}, {self.status.value})"
         )

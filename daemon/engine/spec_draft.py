@@ -75,7 +75,9 @@ class _TruncatedLM(nn.Module):
 def truncated_draft(loaded, num_layers: int):
     """A LoadedModel-like draft made of the first num_layers of `loaded` (shares its weights)."""
     n = max(1, min(num_layers, loaded.config.num_hidden_layers))
-    config = dataclasses.replace(loaded.config, num_hidden_layers=n)
+    types = getattr(loaded.config, "layer_types", None)  # per layer: cut with the layers
+    config = dataclasses.replace(loaded.config, num_hidden_layers=n, **({} if types is None else
+                                                                       {"layer_types": types[:n]}))
     return dataclasses.replace(loaded, model=_TruncatedLM(loaded.model, n), config=config,
                                name=f"{loaded.name}[:{n} layers]")
 
@@ -103,7 +105,7 @@ class DraftModel:
                            max_num_batched_tokens=engine_config.max_num_batched_tokens,
                            max_model_len=engine_config.max_model_len,
                            kv_cache_dtype=engine_config.kv_cache_dtype, cuda_graphs=engine_config.cuda_graphs)
-        self.runner = ModelRunner(draft_loaded, cfg)
+        self.runner = ModelRunner(draft_loaded, cfg, kv_groups=False)  # one block table per sequence
         salt = f"draft|{draft_loaded.name}|{draft_loaded.config.architecture}|{self.runner.dtype}"
         self.bm = BlockManager(self.runner.num_blocks, cfg.block_size, engine_config.enable_prefix_caching, salt)
         self.states: dict[str, DraftSeq] = {}

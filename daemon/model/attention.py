@@ -1,6 +1,6 @@
 """Attention over a paged KV cache: the one seam between the models and the engine.
 
-Every model layer calls `paged_attention(q, k, v, kv_cache, meta)`. The engine builds one `AttentionMetadata` per step
+Every model layer calls `paged_attention(q, k, v, kv_cache, meta, scale, window=..., softcap=...)`. The engine builds one `AttentionMetadata` per step
 for the whole flattened batch (decodes and prefill chunks mixed). K/V of the new tokens are written in place through
 `slot_mapping`; attention then reads each sequence's context through its block table.
 
@@ -8,6 +8,12 @@ Cache layout, per layer: a pair (k_cache, v_cache), each [num_blocks, block_size
 model's dtype ("auto") or in fp32/fp16/bf16 (kv_cache_dtype "fp32", "fp16", "bf16"); or, with "int8", an
 `Int8KVCache` (llmd.model.kv_int8): int8 values in that layout plus a per-token, per-head scale. Readers turn any of
 them into values through `kv_int8.gather_blocks`. Slot s lives at block s // block_size, offset s % block_size.
+
+Sliding window (a per-layer option, `window=W`; Mistral, Gemma 2/3's local layers): a query at position p attends
+to the keys at positions (p - W, p], as transformers does. No path reads a block that lies wholly before the window
+of the earliest query it computes, so the engine may free or reuse those blocks (a block table keeps their places,
+with any valid id in them: llmd.engine.block_manager). A model that mixes window and global layers keeps its window
+layers' K/V in a pool of their own: the step's metadata for them is `window_group`.
 
 How K/V are written and attention computed is the step's `AttentionBackend` (llmd.model.attention_backends: torch,
 the CPU's C calls, or Triton), chosen once by the engine's ModelRunner and carried in the metadata; the torch
@@ -49,6 +55,9 @@ class AttentionMetadata:
     backend: "AttentionBackend" = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     # Built on first use by the batched decode path and shared by every layer of the step.
     _decode_plan: "DecodePlan | None" = field(default=None, repr=False, compare=False)
+    # In a model that mixes sliding-window and global layers, the window layers keep their K/V in a pool of their
+    # own (llmd.engine.runner): the same step over their block tables. paged_attention picks it for window layers.
+    window_group: "AttentionMetadata | None" = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -108,16 +117,24 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: 
 
 
 def gather_context(
-    kv_cache: KVCache, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype
+    kv_cache: KVCache, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's cached K and V as `dtype`, [seq_len, kv_heads, head_dim] each."""
+    """One sequence's cached K and V at positions [start', seq_len) as `dtype`, [seq_len - start', kv_heads, head_dim]
+    each, where start' = start rounded down to its block (whole blocks are gathered). Returns (k, v)."""
     k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
     block_size = k_cache.shape[1]
     n_blocks = (seq_len + block_size - 1) // block_size
-    ids = block_table[:n_blocks]
-    k = gather_blocks(k_cache, k_scale, ids, dtype).flatten(0, 1)[:seq_len]
-    v = gather_blocks(v_cache, v_scale, ids, dtype).flatten(0, 1)[:seq_len]
+    first = start // block_size
+    ids = block_table[first:n_blocks]
+    n = seq_len - first * block_size
+    k = gather_blocks(k_cache, k_scale, ids, dtype).flatten(0, 1)[:n]
+    v = gather_blocks(v_cache, v_scale, ids, dtype).flatten(0, 1)[:n]
     return k, v
+
+
+def window_start(seq_len: int, q_len: int, window: int | None) -> int:
+    """The first context position any of a chunk's queries (positions seq_len - q_len .. seq_len - 1) attends to."""
+    return 0 if window is None else max(0, seq_len - q_len - window + 1)
 
 
 def torch_paged_attention(
@@ -138,7 +155,8 @@ def torch_paged_attention(
         if q_len == 0 or (wanted is not None and i not in wanted):
             start += q_len
             continue
-        k, v = gather_context(kv_cache, meta.block_tables[i], s_len, q.dtype)
+        lo = window_start(s_len, q_len, window) // meta.block_size * meta.block_size
+        k, v = gather_context(kv_cache, meta.block_tables[i], s_len, q.dtype, lo)
         group = num_heads // k.shape[1]
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
@@ -149,7 +167,7 @@ def torch_paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         else:
             q_pos = torch.arange(s_len - q_len, s_len, device=q.device).unsqueeze(1)
-            k_pos = torch.arange(s_len, device=q.device).unsqueeze(0)
+            k_pos = torch.arange(lo, s_len, device=q.device).unsqueeze(0)
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
@@ -173,6 +191,8 @@ class DecodePlan:
     longest: int  # the largest of them
     masked: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool: True past the sequence's context
     others: list[int]  # indices of the sequences that are not decodes (prefill chunks, speculative verifies)
+    # the torch layout for a sliding window, by window: only the blocks the window spans (see `windowed`)
+    _windows: dict[int, "DecodePlan"] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, meta: AttentionMetadata) -> "DecodePlan":
@@ -188,6 +208,26 @@ class DecodePlan:
         masked = torch.arange(nb * bs, device=device).unsqueeze(0) >= lens.unsqueeze(1)
         return cls(rows, meta.block_tables[idx, :nb].contiguous(), lens, longest, masked[:, None, None, :], others)
 
+    def windowed(self, window: int, block_size: int) -> "DecodePlan":
+        """The plan of `batched_decode_attention` for a sliding-window layer: each sequence gathers only the
+        blocks its window spans (from the one holding position len - window), masked outside the window. Built
+        once per step and window. (block_tables/masked hold the windowed layout; the C path uses the full plan.)"""
+        plan = self._windows.get(window)
+        if plan is not None:
+            return plan
+        bs, nb = block_size, self.block_tables.shape[1]
+        # blocks that `window` consecutive positions can touch: the same layout for every batch (batch invariance)
+        span = (window + bs - 2) // bs + 1
+        first = (self.seq_lens - window).clamp(min=0) // bs  # [Bd]
+        cols = first.unsqueeze(1) + torch.arange(span, device=first.device).unsqueeze(0)
+        tables = self.block_tables.gather(1, cols.clamp(max=nb - 1)).contiguous()
+        pos = (first * bs).unsqueeze(1) + torch.arange(span * bs, device=first.device).unsqueeze(0)
+        lens = self.seq_lens.unsqueeze(1)
+        masked = (pos >= lens) | (pos < lens - window)
+        plan = DecodePlan(self.rows, tables, self.seq_lens, self.longest, masked[:, None, None, :], self.others)
+        self._windows[window] = plan
+        return plan
+
 
 def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePlan, scale: float,
                              window: int | None = None, softcap: float | None = None) -> torch.Tensor:
@@ -196,9 +236,12 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
     Every context is gathered whole-block into a padded [Bd, L, kv_heads, d] layout; positions past a sequence's
     length get -inf scores, hence probability exactly 0, and add exact zeros to the softmax sum and to P @ V. So a
     sequence's result does not depend on what else is in the batch (tests/test_attention_fast.py checks this
-    bit for bit). Grouped-query heads share K/V through a broadcast view instead of a repeat.
+    bit for bit). Grouped-query heads share K/V through a broadcast view instead of a repeat. With a `window`, only
+    the blocks the window spans are gathered (`DecodePlan.windowed`).
     """
     k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
+    if window is not None:
+        plan = plan.windowed(window, k_cache.shape[1])
     bd, num_heads, d = q.shape
     kv_heads = k_cache.shape[2]
     nb = plan.block_tables.shape[1]
@@ -215,13 +258,9 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
     v_t = gather(v_cache, v_scale)  # [Bd, kv_heads, L, d]
     qg = q.reshape(bd, kv_heads, num_heads // kv_heads, d)  # [Bd, kv_heads, group, d]
     scores = torch.matmul(qg, k_t) * scale  # [Bd, kv_heads, group, L]
-    masked = plan.masked
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    if window is not None:  # the query sits at position seq_len - 1 and sees keys past seq_len - 1 - window
-        early = torch.arange(masked.shape[-1], device=q.device).unsqueeze(0) <= (plan.seq_lens - 1 - window)[:, None]
-        masked = masked | early[:, None, None, :]
-    probs = torch.softmax(scores.masked_fill_(masked, float("-inf")), dim=-1)
+    probs = torch.softmax(scores.masked_fill_(plan.masked, float("-inf")), dim=-1)
     out = torch.matmul(probs, v_t)  # [Bd, kv_heads, group, d]
     return out.reshape(bd, num_heads, d)
 
@@ -235,6 +274,8 @@ def paged_attention(
 
     Per-layer options: `window` (sliding window in tokens: a query at position p sees keys at positions > p - window;
     None: the whole context) and `softcap` (attention logits become softcap * tanh(logits / softcap), Gemma 2)."""
+    if window is not None and meta.window_group is not None:  # the window layers' own KV group
+        meta = meta.window_group
     backend = meta.backend
     backend.write_kv(k, v, kv_cache, meta.slot_mapping)
     return backend.attend(q, kv_cache, meta, scale, window=window, softcap=softcap)

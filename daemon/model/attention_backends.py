@@ -15,8 +15,9 @@ which hands the step to `meta.backend`.
   host beyond static bounds, so decode steps can be captured in CUDA graphs (`cuda_graph_safe`).
 
 Per-layer options, passed on every call: `window` (sliding window in tokens: a query at position p sees keys at
-positions > p - window) and `softcap` (Gemma 2's logit soft-capping). The torch code implements both; the C and
-Triton paths do not yet: the CPU backend then runs the torch code, the Triton backend raises NotImplementedError.
+positions > p - window) and `softcap` (Gemma 2's logit soft-capping). Every backend takes a window (no path reads a
+block wholly before it); the softcap is the torch code's only: the CPU backend then runs the torch code, the Triton
+backend raises NotImplementedError.
 """
 
 from __future__ import annotations
@@ -87,19 +88,19 @@ class CpuBackend(TorchBackend):
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, *,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if window is None and softcap is None:
+        if softcap is None:
             out = torch.empty_like(q)
-            if self._c_attention(q, kv_cache, meta, decode_plan(meta), scale, out):
+            if self._c_attention(q, kv_cache, meta, decode_plan(meta), scale, out, window):
                 return out
         return super().attend(q, kv_cache, meta, scale, window=window, softcap=softcap)
 
     @staticmethod
     def _c_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, plan: DecodePlan, scale: float,
-                     out: torch.Tensor) -> bool:
+                     out: torch.Tensor, window: int | None = None) -> bool:
         """All decodes in one call, then each prefill chunk or speculative verify in one call, into `out`. False
         where the C code does not apply (`out` may then be partly written)."""
         if plan.block_tables.shape[0] and not cpu_ops.decode_attention(q, kv_cache, plan.block_tables,
-                                                                        plan.seq_lens, plan.rows, scale, out):
+                                                                        plan.seq_lens, plan.rows, scale, out, window):
             return False
         starts = [0]
         for n in meta.query_lens_list:
@@ -107,7 +108,7 @@ class CpuBackend(TorchBackend):
         for i in plan.others:
             rows = slice(starts[i], starts[i + 1])
             if not cpu_ops.prefill_attention(q[rows], kv_cache, meta.block_tables[i], meta.seq_lens_list[i], scale,
-                                             out[rows]):
+                                             out[rows], window):
                 return False
         return True
 
@@ -126,23 +127,24 @@ class TritonBackend:
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, *,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if window is not None or softcap is not None:
-            raise NotImplementedError("the Triton attention kernels do not take a sliding window or a softcap yet")
-        return triton_paged_attention(q, kv_cache, meta, scale)
+        if softcap is not None:
+            raise NotImplementedError("the Triton attention kernels do not take a softcap yet")
+        return triton_paged_attention(q, kv_cache, meta, scale, window=window)
 
 
-def triton_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """The Triton kernels on one step (see TritonBackend)."""
+def triton_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
+                           window: int | None = None) -> torch.Tensor:
+    """The Triton kernels on one step (see TritonBackend); window: the layer's sliding window."""
     from ..kernels import paged_attention, prefill_attention
 
     k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
     if not meta.is_decode_only:
         return prefill_attention.paged_prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-            max_query_len=max(meta.query_lens_list), k_scale=k_scale, v_scale=v_scale)
+            max_query_len=max(meta.query_lens_list), k_scale=k_scale, v_scale=v_scale, window=window)
     return paged_attention.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                                   max_seq_len=max(meta.seq_lens_list), k_scale=k_scale,
-                                                  v_scale=v_scale)
+                                                  v_scale=v_scale, window=window)
 
 
 TORCH = TorchBackend()
@@ -160,11 +162,11 @@ def default_backend(device: torch.device | str) -> AttentionBackend:
 
 def check_attention_backend(backend: AttentionBackend, num_heads: int, num_kv_heads: int, head_dim: int,
                             dtype: torch.dtype, kv_cache_dtype: str = "auto",
-                            device: str | torch.device = "cuda") -> str | None:
+                            device: str | torch.device = "cuda", windows: tuple[int, ...] = ()) -> str | None:
     """Run `backend` once on a small paged batch of the model's head shape (a prefill chunk over a cached prefix
-    beside decodes, then a decode-only step) against the torch reference. Returns None when it agrees, else why
-    not: a kernel that fails to compile or computes wrong values on this GPU is caught at startup, before it serves a
-    request."""
+    beside decodes, then a decode-only step), with full attention and with each of the model's sliding `windows`,
+    against the torch reference. Returns None when it agrees, else why not: a kernel that fails to compile or
+    computes wrong values on this GPU is caught at startup, before it serves a request."""
     gen = torch.Generator().manual_seed(0)
     block_size, num_blocks = 16, 12
     (cache,) = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_cache_dtype)
@@ -174,17 +176,19 @@ def check_attention_backend(backend: AttentionBackend, num_heads: int, num_kv_he
     tables = [[3, 7, 1], [0, 5, 9, 2], [11]]
     steps = [([17, 1, 1], [45, 61, 9]), ([1, 1, 1], [46, 62, 10])]  # (query lens, context lens)
     tol = 1e-4 if dtype == torch.float32 and str(device) == "cpu" else 3e-2  # bf16/fp16 rounding, TF32 dots
-    for query_lens, seq_lens in steps:
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device, backend=backend)
-        q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-        try:
-            got = backend.attend(q, cache, meta, head_dim ** -0.5)
-        except Exception as e:  # a compile or launch failure on this GPU
-            return f"{type(e).__name__}: {e}"
-        want = torch_paged_attention(q, cache, meta, head_dim ** -0.5)
-        err = (got.float() - want.float()).abs().max().item()
-        if not err <= tol:  # also catches NaN
-            return f"max |difference| from the torch reference {err:.3g} > {tol:g} (query lens {query_lens})"
+    for window in (None, *windows):
+        for query_lens, seq_lens in steps:
+            meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device, backend=backend)
+            q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
+            try:
+                got = backend.attend(q, cache, meta, head_dim ** -0.5, window=window)
+            except Exception as e:  # a compile or launch failure on this GPU
+                return f"{type(e).__name__}: {e}"
+            want = torch_paged_attention(q, cache, meta, head_dim ** -0.5, window=window)
+            err = (got.float() - want.float()).abs().max().item()
+            if not err <= tol:  # also catches NaN
+                return (f"max |difference| from the torch reference {err:.3g} > {tol:g} (query lens {query_lens}, "
+                        f"window {window})")
     return None
 
 
@@ -201,8 +205,9 @@ def choose_backend(device: torch.device, model_config=None, dtype: torch.dtype =
         return TORCH
     if model_config is not None:
         c = model_config
+        windows = tuple(sorted({w for w in getattr(c, "layer_windows", ()) if w is not None}))
         problem = check_attention_backend(TRITON, c.num_attention_heads, c.num_key_value_heads, c.head_dim, dtype,
-                                          kv_cache_dtype, device=device)
+                                          kv_cache_dtype, device=device, windows=windows)
         if problem is not None:
             log.warning("Triton attention disabled, the torch path serves instead: %s", problem)
             return TORCH

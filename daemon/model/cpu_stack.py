@@ -4,10 +4,11 @@ The C code makes, layer by layer, the same kernel calls with the same arguments 
 (each of which already runs in C on the CPU), so the hidden states are bit for bit the same; it only removes the
 Python between them, about a third of a small model's decode step at batch 1.
 
-It applies to Llama-shaped models (no q/k norm, no sliding window or softcap) whose fused qkv, o, gate/up and down
+It applies to Llama-shaped models (no q/k norm, no softcap; sliding windows go to each layer's C attention) whose fused qkv, o, gate/up and down
 projections are int8 or int4 layers or packed GGUF layers (one type, or a GGUFConcat of several) with a prepared CPU
 kernel, with fp32 activations and a KV cache the C attention reads (fp32, fp16, bf16 or int8). Everything else
-(fp32 or bitsandbytes weights, Qwen3, CUDA, LLMD_CPU_GEMM=0) keeps the module path. The engine's runner builds a
+(fp32 or bitsandbytes weights, Qwen3, CUDA, LLMD_CPU_GEMM=0, a step with two KV groups: `window_group`) keeps the
+module path. The engine's runner builds a
 `CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of the model.
 """
 
@@ -41,9 +42,8 @@ class CpuLayerStack:
         """The stack for `model` (a llmd.model.llama.CausalLM), or None where it does not apply."""
         lib = ck.load()
         config = model.config
-        if lib is None or config.qk_norm or any(
-                layer.self_attn.window is not None or layer.self_attn.softcap is not None
-                for layer in model.model.layers):  # the C attention has no sliding window or softcap
+        if lib is None or config.qk_norm or any(layer.self_attn.softcap is not None
+                                                for layer in model.model.layers):  # the C attention has no softcap
             return None
         layers = (ck.Layer * len(model.model.layers))()
         linears, norms = [], []
@@ -56,6 +56,7 @@ class CpuLayerStack:
                     return None
                 setattr(c_layer, name, linear)
                 linears.append((module, module.kernel))
+            c_layer.window = attn.window or 0  # each layer's sliding window (0: none)
             for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.post_attention_layernorm)):
                 w = norm.weight
                 if w.dtype is not torch.float32 or not w.is_cpu or not w.is_contiguous() \
@@ -101,6 +102,8 @@ class CpuLayerStack:
             return self._forward(x, cos, sin, kv_caches, meta)
 
     def _forward(self, x, cos, sin, kv_caches, meta) -> bool:
+        if meta.window_group is not None:  # the window layers' own KV group: one step description would not do
+            return False
         if not self._bound_to(kv_caches) and not self._bind_caches(kv_caches):
             return False
         t = x.shape[0]

@@ -1,4 +1,4 @@
-"""One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (full attention), Qwen2 (qkv bias) and Qwen3
+"""One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (sliding window), Qwen2 (qkv bias) and Qwen3
 (q/k RMSNorm), written for the engine: the forward takes a flattened batch of tokens from many sequences with their
 positions, and every layer's attention goes through `paged_attention`, which reads and writes the paged KV cache
 through the step's attention backend (llmd.model.attention_backends, chosen once by the engine's runner).
@@ -13,7 +13,7 @@ Numerics follow transformers (RMSNorm in fp32, rotate-half RoPE with cos/sin in 
 What runs: this file's modules, with the ops (RMSNorm, RoPE, SiLU * up: llmd.model.ops) and each quantized layer's
 kernel (QuantizedLinear.prepare) chosen for the device when the model is loaded. One exception, chosen once by the
 engine's runner: on the CPU with int8/int4 weights or packed GGUF weights (and fp32 activations, a KV cache the C
-attention reads, no q/k norm, no sliding window or softcap), `kernels/cpu_stack.c` runs these layers, all of them in
+attention reads, no q/k norm, no softcap), `kernels/cpu_stack.c` runs these layers, all of them in
 one call per step (llmd.model.cpu_stack.CompiledCpuForward); `tests/test_cpu_stack.py` keeps it bit-identical to the
 modules here. fp32 and bitsandbytes weights, Qwen3 and CUDA always run the modules.
 """
@@ -107,8 +107,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        # per-layer attention options (see paged_attention): none of the families here use them
-        self.window: int | None = None
+        # per-layer attention options (see paged_attention): Mistral's (or Qwen2's use_sliding_window) window
+        self.window: int | None = config.layer_window(layer_idx)
         self.softcap: float | None = None
 
     def forward(

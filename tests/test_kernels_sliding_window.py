@@ -1,0 +1,67 @@
+"""The Triton paged-attention kernels (decode, and varlen prefill for chunks and speculative verifies) with a
+sliding window, against a dense per-query softmax, on the NaN-poisoned caches of test_sliding_window_attention: the
+blocks before each sequence's window are never read. Without CUDA they run under the Triton interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_testing import DEVICE, load_kernel_module
+from llmd.model import attention_backends as ab
+from llmd.model.attention import AttentionMetadata, torch_paged_attention
+from test_sliding_window_attention import BS, LENS, Q_LENS, expected, make_case
+
+pa = load_kernel_module("paged_attention")
+pf = load_kernel_module("prefill_attention")
+
+
+def _on_device(q, cache, tables, lens, q_lens):
+    cache = tuple(c.to(DEVICE) for c in cache)
+    meta = AttentionMetadata.build(q_lens, lens, tables, BS, device=DEVICE)
+    return q.to(DEVICE), cache, meta
+
+
+@pytest.mark.parametrize("window", [8, 5, 1])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_kernel_matches_dense(window, num_splits):
+    lens = [3, 8, 9, 17, 32, 70]  # shorter than, at, and up to ~9x the window
+    q, cache, tables, dense = make_case(lens, [1] * len(lens), window, group=3)
+    qd, (k, v), meta = _on_device(q, cache, tables, lens, [1] * len(lens))
+    got = pa.paged_decode_attention(qd, k, v, meta.block_tables, meta.seq_lens, 0.3, num_splits=num_splits,
+                                    min_split_tokens=2, window=window)
+    want = expected(q, dense, lens, [1] * len(lens), window, 0.3)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    ref = pa.paged_decode_attention_ref(q, *cache, AttentionMetadata.build([1] * len(lens), lens, tables, BS)
+                                        .block_tables, torch.tensor(lens), 0.3, window=window)
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [8, 5, 1])
+@pytest.mark.parametrize("block_m,block_n", [(None, None), (16, 16)])
+def test_prefill_kernel_matches_dense(window, block_m, block_n):
+    """Decode rows beside chunks that start before, inside and past their windows (tiles straddling a window's
+    start), through the backend entry point the engine calls."""
+    q, cache, tables, dense = make_case(LENS, Q_LENS, window, group=2)
+    qd, cachd, meta = _on_device(q, cache, tables, LENS, Q_LENS)
+    got = pf.paged_prefill_attention(qd, *cachd, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.3,
+                                     block_m=block_m, block_n=block_n, window=window)
+    want = expected(q, dense, LENS, Q_LENS, window, 0.3)
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    backend = ab.TRITON.attend(qd, cachd, meta, 0.3, window=window)
+    torch.testing.assert_close(backend.cpu(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch_paged_attention(q, cache, AttentionMetadata.build(Q_LENS, LENS, tables, BS), 0.3,
+                                                     window=window), want, rtol=1e-5, atol=1e-5)
+
+
+def test_startup_check_covers_the_models_windows():
+    """check_attention_backend runs each window of the model: a backend that ignores the window is refused."""
+    ok = ab.check_attention_backend(ab.TRITON, 4, 2, 16, torch.float32, device=DEVICE, windows=(5,))
+    assert ok is None
+
+    class IgnoresWindow(ab.TritonBackend):
+        def attend(self, q, kv_cache, meta, scale, *, window=None, softcap=None):
+            return super().attend(q, kv_cache, meta, scale)
+
+    problem = ab.check_attention_backend(IgnoresWindow(), 4, 2, 16, torch.float32, device=DEVICE, windows=(5,))
+    assert problem is not None and "window 5" in problem
