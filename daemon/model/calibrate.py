@@ -31,6 +31,7 @@ from torch import nn
 from . import awq, quant
 from .attention import AttentionMetadata, allocate_kv_cache
 from .calibration_text import CHAT, DOCUMENTS
+from .fused import split_fused_readers
 from .gptq import gptq_int4, input_hessian
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def quantize_calibrated(model: nn.Module, sources: list[Path], spec: quant.Quant
     """Fill the model's empty Int4Linear layers (everything else already loaded). `token_ids`: calibration
     sequences (default: the built-in text through the checkpoint's own tokenizer)."""
     start = time.perf_counter()
-    readers = weight_readers(sources)
+    readers = split_fused_readers(weight_readers(sources), model.config)
     seqs = token_ids if token_ids is not None else calibration_token_ids(sources)
     pending = {name: m for name, m in model.named_modules() if isinstance(m, quant.Int4Linear)}
     decoder = model.model

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import mmap
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -395,23 +396,82 @@ _CONFIG_KEYS: dict[str, tuple[str, Callable[[Any], Any], Any]] = {
 }
 
 
+def _rope_quirks(cfg: dict, meta: dict, p: str) -> None:
+    """RoPE over fewer dimensions than a head (rope.dimension_count < head_dim) is a partial rotary factor."""
+    n_rot = meta.get(p + "rope.dimension_count")
+    if n_rot is not None and int(n_rot) != cfg["head_dim"]:
+        cfg["partial_rotary_factor"] = int(n_rot) / cfg["head_dim"]
+
+
+def _factors(factors: dict[str, list[float]], name: str, cfg: dict) -> list[float]:
+    values = factors[name]
+    rotary = int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0))
+    if len(values) != rotary // 2:
+        raise ValueError(f"tensor {name!r} has {len(values)} values for a rotary dimension of {rotary} "
+                         f"(expected {rotary // 2})")
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"tensor {name!r} holds a factor that is not a positive finite number")
+    return values
+
+
 def _llama_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
-    if "rope_freqs.weight" in factors:
-        # Llama 3.1+ files carry precomputed rope frequency factors instead of the scaling parameters; loading them
-        # as plain RoPE would be silently wrong, so refuse until they are implemented.
-        raise UnsupportedArchitecture("GGUF with llama3 rope scaling (rope_freqs tensor) is not supported yet; "
-                                      "use the Hugging Face safetensors folder of this model")
+    _rope_quirks(cfg, meta, p)
     scaling_type = meta.get(p + "rope.scaling.type")
     factor = meta.get(p + "rope.scaling.factor")
-    if scaling_type == "linear" and factor:
+    if "rope_freqs.weight" in factors:
+        # Llama 3.1+: llama.cpp's converter stores the llama3 scaling as one divisor per frequency, which llama.cpp
+        # applies as they are; so do we (llmd.model.llama.rope_inv_freq)
+        cfg["llmd_rope_freq_factors"] = _factors(factors, "rope_freqs.weight", cfg)
+    elif scaling_type == "linear" and factor:
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
     elif scaling_type not in (None, "none", "linear"):
         cfg["rope_scaling"] = {"rope_type": str(scaling_type)}  # refused by name in ModelConfig
 
 
+def _qwen_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
+    _rope_quirks(cfg, meta, p)
+    if "rope_freqs.weight" in factors:
+        raise UnsupportedArchitecture(f"{p[:-1]} with per-frequency RoPE factors (rope_freqs) is not supported")
+    scaling_type = meta.get(p + "rope.scaling.type")
+    if scaling_type not in (None, "none"):  # YaRN (Qwen2.5 long context) is not implemented: refused by name
+        cfg["rope_scaling"] = {"rope_type": str(scaling_type)}
+
+
+def _phi3_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
+    _rope_quirks(cfg, meta, p)
+    window = meta.get(p + "attention.sliding_window")
+    if window:
+        cfg["sliding_window"] = int(window)
+    present = {"rope_factors_long.weight", "rope_factors_short.weight"} & set(factors)
+    if len(present) == 1:
+        raise ValueError(f"only one of the longrope factor tensors: {sorted(present)}")
+    if present:
+        # longrope (Phi-3 128k, Phi-3.5, Phi-4-mini): the factors as tensors, the rest as metadata
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": _factors(factors, "rope_factors_long.weight", cfg),
+            "short_factor": _factors(factors, "rope_factors_short.weight", cfg),
+            "original_max_position_embeddings": int(meta[p + "rope.scaling.original_context_length"]),
+        }
+        attn_factor = meta.get(p + "rope.scaling.attn_factor")
+        if attn_factor is not None:
+            cfg["rope_scaling"]["attention_factor"] = float(attn_factor)
+
+
 GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
+    # Llama 2/3.x, SmolLM2, Mistral 7B (llama.cpp writes Mistral as llama; its sliding window is not in the file)
     "llama": GGUFArch("LlamaForCausalLM", permuted_qk=True, config_tensors=("rope_freqs.weight",),
                       quirks=_llama_quirks),
+    # Qwen2 / Qwen2.5 / Qwen2.5-Coder: q/k/v biases (attn_q.bias, ...), NEOX RoPE
+    "qwen2": GGUFArch("Qwen2ForCausalLM", config_tensors=("rope_freqs.weight",), quirks=_qwen_quirks),
+    # Qwen3 dense: RMSNorm over each q/k head before RoPE
+    "qwen3": GGUFArch("Qwen3ForCausalLM", layer_names={"attn_q_norm": "self_attn.q_norm",
+                                                       "attn_k_norm": "self_attn.k_norm"},
+                      config_tensors=("rope_freqs.weight",), quirks=_qwen_quirks),
+    # Phi-3 / 3.5 / 4: fused attn_qkv, and ffn_up holds gate and up (split by llmd.model.fused)
+    "phi3": GGUFArch("Phi3ForCausalLM", layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                     config_tensors=("rope_factors_long.weight", "rope_factors_short.weight"),
+                     quirks=_phi3_quirks),
 }
 
 # Architectures llama.cpp knows that our decoder does not run, with what they are, for the refusal message.
@@ -558,21 +618,51 @@ class GGUFModel:
     hf_config: dict = field(default_factory=dict)
 
 
-def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> Iterator[tuple[TensorInfo, str, int | None]]:
-    """(info, hf name, heads to un-permute by or None) for each tensor we load; refuses unsupported types first."""
+class _Checked(NamedTuple):
+    """One tensor we load: where it is, its Hugging Face name, the heads to un-permute its rows by (or None) and,
+    for a part of a fused tensor (phi3's attn_qkv, ffn_up), its rows in the file's tensor (or None)."""
+
+    info: TensorInfo
+    name: str
+    heads: int | None
+    rows: tuple[int, int] | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = self.info.shape
+        return shape if self.rows is None else (self.rows[1] - self.rows[0], *shape[1:])
+
+
+def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> list[_Checked]:
+    """Each tensor we load, checked; refuses unsupported types first."""
+    from .fused import fused_parts
+
+    config = build_config(hf_cfg)
+    entry = GGUF_ARCHITECTURES[hf_cfg["model_type"]]
     out = []
     for info in gf.tensors:
         name = hf_tensor_name(info.name, hf_cfg["model_type"])
         if name is None:
-            continue
+            if info.name in entry.config_tensors:
+                continue
+            # a tensor the decoder has no place for would be dropped silently and the model run without it
+            raise ModelFileError(gf.path, f"tensor {info.name!r} is not part of the {hf_cfg['model_type']!r} "
+                                          "architecture as llmd runs it")
         if info.type_name not in SUPPORTED_TYPES and not gguf_can_dequantize(info.type_name):
             raise ModelFileError(
                 gf.path,
                 f"tensor {info.name!r} has type {info.type_name}, which llmd does not load "
                 f"(supported: {', '.join(SUPPORTED_TYPES)}; others the gguf package dequantizes load as Q8_0)",
             )
+        parts = fused_parts(name, config)
+        if parts is not None:
+            if info.shape[0] != parts[-1][2]:
+                raise ModelFileError(gf.path, f"tensor {info.name!r} shape {list(info.shape)} does not fit the "
+                                              f"config ({parts[-1][2]} rows expected)")
+            out.extend(_Checked(info, part, None, (start, end)) for part, start, end in parts)
+            continue
         heads = None
-        if not GGUF_ARCHITECTURES[hf_cfg["model_type"]].permuted_qk:
+        if not entry.permuted_qk:
             pass
         elif name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             heads = hf_cfg["num_attention_heads"]
@@ -580,8 +670,17 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> Iterator[tuple[TensorInfo, str
             heads = hf_cfg["num_key_value_heads"]
         if heads is not None and info.shape[0] % (2 * heads):
             raise ModelFileError(gf.path, f"tensor {info.name!r} shape {info.shape} does not fit {heads} heads")
-        out.append((info, name, heads))
+        out.append(_Checked(info, name, heads))
     return out
+
+
+def _rows(x, checked: _Checked):
+    """The checked tensor's own rows of `x` (its file tensor, fp or packed rows), un-permuted where needed."""
+    if checked.rows is not None:
+        x = x[checked.rows[0] : checked.rows[1]]
+    if checked.heads is not None:
+        x = unpermute_rows(x, checked.heads)
+    return x
 
 
 def _open(path) -> tuple[_GGUFFile, dict]:
@@ -618,13 +717,14 @@ def quantized_elements(path) -> tuple[list[str], int]:
 def raw_tensor_types(path) -> dict[str, str]:
     """Hugging Face name -> the GGML type its RawTensor will have (after any Q8_0 conversion); reads no weights."""
     gf, hf_cfg = _open(path)
-    return {name: info.type_name if info.type_name in SUPPORTED_TYPES else CONVERTED_TO
-            for info, name, _ in _iter_checked(gf, hf_cfg)}
+    return {c.name: c.info.type_name if c.info.type_name in SUPPORTED_TYPES else CONVERTED_TO
+            for c in _iter_checked(gf, hf_cfg)}
 
 
-def _raw_generator(gf: _GGUFFile, checked) -> Iterator[RawTensor]:
+def _raw_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[RawTensor]:
     warned: set[str] = set()
-    for info, name, heads in checked:
+    for c in checked:
+        info = c.info
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         data = gf.raw_bytes(info).reshape(rows, -1)
         type_name = info.type_name
@@ -635,17 +735,17 @@ def _raw_generator(gf: _GGUFFile, checked) -> Iterator[RawTensor]:
                 log.warning("%s: GGUF type %s has no kernel in llmd; its tensors load converted to %s (measured on "
                             "%s: relative RMS change %.2g)", gf.path.name, type_name, CONVERTED_TO, info.name, change)
             type_name = CONVERTED_TO
-        if heads is not None:
-            data = unpermute_rows(data, heads)
-        yield RawTensor(name, type_name, info.shape, data)
+        yield RawTensor(c.name, type_name, c.shape, _rows(data, c))
 
 
-def _dequant_generator(gf: _GGUFFile, checked) -> Iterator[tuple[str, torch.Tensor]]:
-    for info, name, heads in checked:
-        w = dequantize(gf.raw_bytes(info), info.type_name, info.shape)
-        if heads is not None:
-            w = unpermute_rows(w, heads).contiguous()
-        yield name, w
+def _dequantized(gf: _GGUFFile, c: _Checked) -> torch.Tensor:
+    w = dequantize(gf.raw_bytes(c.info), c.info.type_name, c.info.shape)
+    return w if c.rows is None and c.heads is None else _rows(w, c).contiguous()
+
+
+def _dequant_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[tuple[str, torch.Tensor]]:
+    for c in checked:
+        yield c.name, _dequantized(gf, c)
 
 
 def tensor_readers(path) -> dict[str, Callable[[], torch.Tensor]]:
@@ -653,13 +753,10 @@ def tensor_readers(path) -> dict[str, Callable[[], torch.Tensor]]:
     callers that need tensors in their own order (calibrated quantization reads a layer at a time)."""
     gf, hf_cfg = _open(path)
 
-    def reader(info: TensorInfo, heads: int | None) -> Callable[[], torch.Tensor]:
-        def read() -> torch.Tensor:
-            w = dequantize(gf.raw_bytes(info), info.type_name, info.shape)
-            return unpermute_rows(w, heads).contiguous() if heads is not None else w
-        return read
+    def reader(c: _Checked) -> Callable[[], torch.Tensor]:
+        return lambda: _dequantized(gf, c)
 
-    return {name: reader(info, heads) for info, name, heads in _iter_checked(gf, hf_cfg)}
+    return {c.name: reader(c) for c in _iter_checked(gf, hf_cfg)}
 
 
 def _small_metadata(meta: dict) -> dict:

@@ -1,5 +1,5 @@
-"""One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (full attention), Qwen2 (qkv bias) and Qwen3
-(q/k RMSNorm), written for the engine: the forward takes a flattened batch of tokens from many sequences with their
+"""One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (full attention), Qwen2 (qkv bias), Qwen3
+(q/k RMSNorm) and Phi-3/4 (longrope, partial rotary), written for the engine: the forward takes a flattened batch of tokens from many sequences with their
 positions, and every layer's attention goes through `paged_attention`, which reads and writes the paged KV cache.
 
 Parameter names follow Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...), so checkpoints load by name.
@@ -39,17 +39,22 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in fp32, with llama3 / linear scaling applied as transformers does."""
-    dim = config.head_dim
+def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2] in fp32, scaled as transformers does (llama3, linear, longrope: its short
+    factors, or with `long` its long ones) or as llama.cpp does with a GGUF's per-frequency factors (rope_freqs)."""
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling
+    if scaling and scaling["rope_type"] == "longrope":
+        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+        return 1.0 / (ext * config.rope_theta ** exponents)
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    if config.rope_freq_factors is not None:  # llama.cpp: theta_i = pos * base^(-2i/d) / factor_i
+        return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device=device)
     if not scaling:
         return inv_freq
-    rope_type = scaling.get("rope_type") or scaling.get("type")
     factor = float(scaling["factor"])
-    if rope_type == "linear":
+    if scaling["rope_type"] == "linear":
         return inv_freq / factor
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -64,21 +69,39 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for arbitrary token positions (no precomputed table, so any position up to the model's limit works)."""
+    """cos/sin for arbitrary token positions (no precomputed table, so any position up to the model's limit works).
+
+    longrope (Phi-3): transformers switches to the long factors once a forward's sequence is longer than the
+    pretraining context. Here the switch is per token (position >= original context: long), which is that rule for
+    any prompt within the original context and its decode, and keeps a token's rotation independent of batching and
+    chunking (the engine's invariants). cos and sin are scaled by longrope's attention factor as transformers does."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        scaling = config.rope_scaling or {}
+        self.longrope = scaling.get("rope_type") == "longrope"
+        self.original_context = int(scaling.get("original_max_position_embeddings", 0))
+        self.attention_scaling = float(scaling.get("attention_factor", 1.0)) if self.longrope else 1.0
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.register_buffer("long_inv_freq", rope_inv_freq(config, long=True) if self.longrope else None,
+                             persistent=False)
 
     def init_buffers(self, device: torch.device | str) -> None:
-        """Recompute the fp32 buffer after the module was built on the meta device and materialised."""
+        """Recompute the fp32 buffers after the module was built on the meta device and materialised."""
         self.inv_freq = rope_inv_freq(self.config, device)
+        if self.longrope:
+            self.long_inv_freq = rope_inv_freq(self.config, device, long=True)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and a signed sin, [T, 1, head_dim] so they broadcast over heads: see apply_rope."""
+        """cos and a signed sin, [T, 1, rotary_dim] so they broadcast over heads: see apply_rope."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)  # [T, d/2]
+        if self.longrope:
+            long = positions.float().unsqueeze(-1) * self.long_inv_freq.unsqueeze(0)
+            freqs = torch.where((positions >= self.original_context).unsqueeze(-1), long, freqs)
         cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         cos = torch.cat((cos, cos), dim=-1)
         sin = torch.cat((-sin, sin), dim=-1)
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
@@ -97,6 +120,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim  # < head_dim: partial rotary, the other dimensions pass through
         self.scale = self.head_dim ** -0.5
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = make_linear(hidden, q_size, bias=config.attention_bias)
@@ -127,7 +151,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None and self.q_norm is None:
+        if self.qkv_proj is not None and self.q_norm is None and self.rotary_dim == d:
             # q and k lie side by side in the fused output: rotate both as one [t, heads + kv_heads, d] view
             qkv = self.qkv_proj(x)
             qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
@@ -140,9 +164,16 @@ class Attention(nn.Module):
             q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+    def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.rotary_dim == self.head_dim:
+            return apply_rope(x, cos, sin)
+        r = self.rotary_dim
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
 
 
 class MLP(nn.Module):
