@@ -174,7 +174,12 @@ class ModelConfig:
         cfg = read_json(folder / "config.json")
         gen_path = folder / "generation_config.json"
         gen = read_json(gen_path) if gen_path.exists() else None
-        return cls.from_hf_config({**cfg, "llmd_pooling": hf_folder_pooling(folder)}, gen)
+        try:
+            return cls.from_hf_config({**cfg, "llmd_pooling": hf_folder_pooling(folder)}, gen)
+        except ModelFileError as e:  # a bad value (ModelConfig names it "config"): name the file
+            raise ModelFileError(folder / "config.json", e.problem) from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFileError(folder / "config.json", f"missing or bad value: {e!r}") from None
 
 
 def rope_type_of(scaling: dict) -> str:

@@ -683,6 +683,16 @@ def _rows(x, checked: _Checked):
     return x
 
 
+def _checked_config(hf_cfg: dict, path: Path):
+    """The ModelConfig of a file's config dict, its refusals naming the file."""
+    try:
+        return build_config(hf_cfg)
+    except ModelFileError as e:
+        raise ModelFileError(path, e.problem) from None
+    except UnsupportedArchitecture as e:
+        raise UnsupportedArchitecture(f"{path}: {e}") from None
+
+
 def _open(path) -> tuple[_GGUFFile, dict]:
     gf = _GGUFFile(path)
     _, entry = gguf_architecture(gf.metadata, gf.path)
@@ -694,6 +704,7 @@ def _open(path) -> tuple[_GGUFFile, dict]:
                                               "a 1-D float tensor")
             factors[info.name] = dequantize(gf.raw_bytes(info), info.type_name, info.shape).tolist()
     hf_cfg = hf_config_dict(gf.metadata, {t.name for t in gf.tensors}, gf.path, factors)
+    _checked_config(hf_cfg, gf.path)
     return gf, hf_cfg
 
 

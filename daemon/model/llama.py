@@ -39,14 +39,28 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None, long: bool = False) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim / 2] in fp32, scaled as transformers does (llama3, linear, longrope: its short
-    factors, or with `long` its long ones) or as llama.cpp does with a GGUF's per-frequency factors (rope_freqs)."""
+def longrope_uses_long_factors(config: ModelConfig) -> bool:
+    """longrope's factor set, chosen once for the context the model serves, as llama.cpp chooses it: the long factors
+    when that context exceeds the pretraining one (Phi-3.5's 128k), the short ones otherwise.
+
+    transformers decides by the sequence's current length instead, and its generate recomputes the whole cache with
+    the long factors when a sequence crosses the pretraining length. So both agree on any sequence longer than the
+    pretraining context (the long-context use), and on every sequence of a model served within it; a short sequence
+    of a long-context model gets the long factors here, as in llama.cpp. A per-sequence switch would need the engine
+    to recompute a crossing sequence's cache."""
+    scaling = config.rope_scaling or {}
+    return config.max_position_embeddings > int(scaling["original_max_position_embeddings"])
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse frequencies [rotary_dim / 2] in fp32, scaled as transformers does (llama3, linear, longrope) or as
+    llama.cpp does with a GGUF's per-frequency factors (rope_freqs)."""
     dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     scaling = config.rope_scaling
     if scaling and scaling["rope_type"] == "longrope":
-        ext = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+        key = "long_factor" if longrope_uses_long_factors(config) else "short_factor"
+        ext = torch.tensor(scaling[key], dtype=torch.float32, device=device)
         return 1.0 / (ext * config.rope_theta ** exponents)
     inv_freq = 1.0 / (config.rope_theta ** exponents)
     if config.rope_freq_factors is not None:  # llama.cpp: theta_i = pos * base^(-2i/d) / factor_i
@@ -70,35 +84,23 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None,
 
 class RotaryEmbedding(nn.Module):
     """cos/sin for arbitrary token positions (no precomputed table, so any position up to the model's limit works).
-
-    longrope (Phi-3): transformers switches to the long factors once a forward's sequence is longer than the
-    pretraining context. Here the switch is per token (position >= original context: long), which is that rule for
-    any prompt within the original context and its decode, and keeps a token's rotation independent of batching and
-    chunking (the engine's invariants). cos and sin are scaled by longrope's attention factor as transformers does."""
+    longrope's cos and sin are scaled by its attention factor, as transformers does."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         scaling = config.rope_scaling or {}
-        self.longrope = scaling.get("rope_type") == "longrope"
-        self.original_context = int(scaling.get("original_max_position_embeddings", 0))
-        self.attention_scaling = float(scaling.get("attention_factor", 1.0)) if self.longrope else 1.0
+        longrope = scaling.get("rope_type") == "longrope"
+        self.attention_scaling = float(scaling.get("attention_factor", 1.0)) if longrope else 1.0
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self.register_buffer("long_inv_freq", rope_inv_freq(config, long=True) if self.longrope else None,
-                             persistent=False)
 
     def init_buffers(self, device: torch.device | str) -> None:
-        """Recompute the fp32 buffers after the module was built on the meta device and materialised."""
+        """Recompute the fp32 buffer after the module was built on the meta device and materialised."""
         self.inv_freq = rope_inv_freq(self.config, device)
-        if self.longrope:
-            self.long_inv_freq = rope_inv_freq(self.config, device, long=True)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and a signed sin, [T, 1, rotary_dim] so they broadcast over heads: see apply_rope."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)  # [T, d/2]
-        if self.longrope:
-            long = positions.float().unsqueeze(-1) * self.long_inv_freq.unsqueeze(0)
-            freqs = torch.where((positions >= self.original_context).unsqueeze(-1), long, freqs)
         cos, sin = freqs.cos(), freqs.sin()
         if self.attention_scaling != 1.0:
             cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
