@@ -87,6 +87,16 @@ def test_phi3_hf_folder_matches_transformers(kind, tiny_models, references):
     assert (got - expected).abs().max().item() < TOLERANCE
 
 
+def test_phi3_hf_folder_quantized_to_int8(tiny_models, references):
+    """The fused checkpoint tensors split before quantization: int8 per-row weights stay close to fp32 (a wrong
+    split would scramble the logits, which are O(1))."""
+    lm = load_model(tiny_models["phi3"], dtype=torch.float32, device="cpu", quant="int8")
+    assert any(type(m).__name__ == "Int8Linear" for m in lm.model.modules())
+    prompt = prompt_ids(24, seed=8)
+    got, want = our_logits(lm, prompt, []), reference_logits(references["phi3"], prompt, [])
+    assert (got - want).abs().max().item() < 0.25
+
+
 @pytest.mark.parametrize("kind", ["phi3", "phi3_longrope", "llama3_rope"])
 def test_greedy_continuation_matches_transformers_generate(kind, gguf_files, references):
     ref = references[kind]
@@ -97,6 +107,21 @@ def test_greedy_continuation_matches_transformers_generate(kind, gguf_files, ref
     ours = greedy_generate(load_model(gguf_files[kind], dtype=torch.float32, device="cpu"), ids, 40,
                            chunk_sizes=[7], stop_ids=[])
     assert ours == out
+
+
+@pytest.mark.parametrize("kind,matrix_type", [("phi3_longrope", "Q8_0"), ("phi3", "Q4_0"), ("qwen2", "Q8_0"),
+                                              ("llama3_rope", "Q4_0"), ("qwen3", "Q8_0")])
+def test_packed_gguf_matches_its_dequantized_weights(kind, matrix_type, tiny_models, tmp_path):
+    """A quantized file kept packed (--quant gguf: phi3's fused attn_qkv and ffn_up split as block rows) gives the
+    logits of the same file dequantized to fp32."""
+    path = write_tiny_gguf(tiny_models[kind], tmp_path / f"{kind}-{matrix_type}.gguf", matrix_type)
+    prompt, decode = prompt_ids(ORIGINAL_CONTEXT + 8, seed=6), prompt_ids(8, seed=7)
+    packed = load_model(path, dtype=torch.float32, device="cpu", quant="gguf")
+    # Q8_0 stays GGUF blocks, Q4_0 becomes llmd's int4 layout (llmd.model.quant.gguf_blocks)
+    assert any(type(m).__name__ in ("GGUFLinear", "Int4Linear") for m in packed.model.modules())
+    dequantized = load_model(path, dtype=torch.float32, device="cpu", quant="none")
+    got, want = our_logits(packed, prompt, decode), our_logits(dequantized, prompt, decode)
+    assert (got - want).abs().max().item() < TOLERANCE
 
 
 def test_configs_read_from_gguf(gguf_files):

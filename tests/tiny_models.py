@@ -249,8 +249,9 @@ def _gguf_vocabulary(w, folder: Path, cfg: dict, arch: str) -> None:
     w.add_add_bos_token(cfg.get("bos_token_id") is not None)
 
 
-def write_tiny_gguf(folder: Path, path: Path, f16: bool = False) -> Path:
-    """The HF folder's model as a GGUF file, as llama.cpp's converter writes it (F32, or F16 matrices)."""
+def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
+    """The HF folder's model as a GGUF file, as llama.cpp's converter writes it; matrices (2-D weights) as
+    `matrix_type` (F32, F16, or a block type the gguf package quantizes: Q8_0, Q4_0, ...), the rest F32."""
     import gguf
     from safetensors.torch import load_file
 
@@ -278,7 +279,7 @@ def write_tiny_gguf(folder: Path, path: Path, f16: bool = False) -> Path:
     if arch == "qwen3" or head_dim != cfg["hidden_size"] // heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
+    qtype = gguf.GGMLQuantizationType[matrix_type]
     _gguf_vocabulary(w, folder, cfg, arch)
 
     if rope_type == "llama3":
@@ -301,9 +302,12 @@ def write_tiny_gguf(folder: Path, path: Path, f16: bool = False) -> Path:
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             t = _llama_cpp_permute(t, heads if ".q_proj." in name else kv_heads)
         data = t.numpy()
-        if f16 and data.ndim == 2:
-            data = data.astype(np.float16)
-        w.add_tensor(gguf_tensor_name(name), data)
+        if data.ndim == 2 and matrix_type == "F16":
+            w.add_tensor(gguf_tensor_name(name), data.astype(np.float16))
+        elif data.ndim == 2 and matrix_type != "F32":
+            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_tensor_name(name), data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
