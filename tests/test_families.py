@@ -20,6 +20,7 @@ from llmd.model.gguf import gguf_config
 from llmd.model.llama import longrope_uses_long_factors
 from llmd.model.loader import load_model
 from llmd.model.simple import SingleSequence, greedy_generate
+from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
 from tiny_models import GGUF_ARCH, write_tiny_gguf
 
 TOLERANCE = 1e-4
@@ -268,3 +269,25 @@ def test_phi3_longrope_factors_of_the_wrong_length_name_the_config(tiny_models, 
 
 def test_converter_covers_every_family():
     assert set(GGUF_ARCH.values()) == {"llama", "qwen2", "qwen3", "phi3"}
+
+
+# ---- the engine's invariants hold for the new families (batched == alone, with chunked prefill and prefix hits)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("kind,matrix_type", [("phi3_longrope", "Q8_0"), ("qwen3", "F32")])
+def test_engine_batched_equals_alone(kind, matrix_type, tiny_models, tmp_path):
+    from test_engine import GREEDY, random_prompts, run_alone, run_staggered
+
+    from llmd.engine import SamplingParams
+
+    lm = load_model(write_tiny_gguf(tiny_models[kind], tmp_path / "m.gguf", matrix_type), dtype=torch.float32,
+                    device="cpu")
+    shared = prompt_ids(40, seed=9)  # a common prefix of whole blocks: later requests hit the prefix cache
+    prompts = [shared + p for p in random_prompts(8, 2, 40, 570, seed=10)]
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    alone = run_alone(lm, prompts, params)
+    engine = make_engine(lm, max_num_batched_tokens=32)  # prompts are chunked too
+    batched = run_staggered(engine, prompts, params)
+    assert [batched[str(i)] for i in range(len(prompts))] == alone
+    assert engine.stats()["prefix_cache_hits_tokens"] > 0
