@@ -14,13 +14,12 @@ import gguf
 import numpy as np
 import pytest
 import torch
-
+from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
 from llmd.errors import ModelFileError, UnsupportedArchitecture
 from llmd.model.gguf import gguf_config
 from llmd.model.llama import longrope_uses_long_factors
 from llmd.model.loader import load_model
 from llmd.model.simple import SingleSequence, greedy_generate
-from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
 from tiny_models import GGUF_ARCH, write_tiny_gguf
 
 TOLERANCE = 1e-4
@@ -277,9 +276,8 @@ def test_converter_covers_every_family():
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("kind,matrix_type", [("phi3_longrope", "Q8_0"), ("qwen3", "F32")])
 def test_engine_batched_equals_alone(kind, matrix_type, tiny_models, tmp_path):
-    from test_engine import GREEDY, random_prompts, run_alone, run_staggered
-
     from llmd.engine import SamplingParams
+    from test_engine import GREEDY, random_prompts, run_alone, run_staggered
 
     lm = load_model(write_tiny_gguf(tiny_models[kind], tmp_path / "m.gguf", matrix_type), dtype=torch.float32,
                     device="cpu")
