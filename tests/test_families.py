@@ -138,7 +138,7 @@ def test_configs_read_from_gguf(gguf_files):
     assert longrope_uses_long_factors(phi)  # served past its original context (512 > 32)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "qwen2", "qwen3", "phi3"])
 def test_transformers_reads_our_gguf_files_as_llama_cpp_files(kind, gguf_files, references):
     """transformers' GGUF loader (llama.cpp names, the llama q/k un-permutation) on our converter's files gives the
     HF folder's model: the files follow llama.cpp's conventions, not only our reader's."""
