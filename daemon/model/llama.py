@@ -1,6 +1,7 @@
 """One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (full attention), Qwen2 (qkv bias), Qwen3
-(q/k RMSNorm) and Phi-3/4 (longrope, partial rotary), written for the engine: the forward takes a flattened batch of tokens from many sequences with their
-positions, and every layer's attention goes through `paged_attention`, which reads and writes the paged KV cache.
+(q/k RMSNorm) and Phi-3/4 (longrope, partial rotary), written for the engine: the forward takes a flattened batch of
+tokens from many sequences with their positions, and every layer's attention goes through `paged_attention`, which
+reads and writes the paged KV cache.
 
 Parameter names follow Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...), so checkpoints load by name.
 Numerics follow transformers (RMSNorm in fp32, rotate-half RoPE with cos/sin in fp32 then cast) so fp32 logits match.
@@ -169,7 +170,6 @@ class Attention(nn.Module):
             q, k = self.rope(q, cos, sin), self.rope(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
-
 
     def rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.rotary_dim == self.head_dim:
