@@ -94,9 +94,10 @@ class ModelConfig:
                                            f"dimension of {self.rotary_dim} (expected {half})")
         if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
             for key in ("short_factor", "long_factor"):
-                if len(self.rope_scaling.get(key) or []) != half:
-                    raise ModelFileError("config", f"longrope {key} has {len(self.rope_scaling.get(key) or [])} "
-                                                   f"values for a rotary dimension of {self.rotary_dim} (expected {half})")
+                n = len(self.rope_scaling.get(key) or [])
+                if n != half:
+                    raise ModelFileError("config", f"longrope {key} has {n} values for a rotary dimension of "
+                                                   f"{self.rotary_dim} (expected {half})")
         self.eos_token_ids = [int(i) for i in self.eos_token_ids]
         if self.pooling not in POOLING_KINDS:
             self.pooling = DEFAULT_POOLING

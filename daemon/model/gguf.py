@@ -542,7 +542,8 @@ def hf_config_dict(meta: dict, tensor_names: set[str], path: Path,
     arch, entry = gguf_architecture(meta, path)
     p = f"{arch}."
     cfg: dict[str, Any] = {"architectures": [entry.hf_architecture], "model_type": arch}
-    for suffix, (key, convert, default) in {**_CONFIG_KEYS, **{k: (*v, None) for k, v in entry.config_keys.items()}}.items():
+    keys = {**_CONFIG_KEYS, **{k: (*v, None) for k, v in entry.config_keys.items()}}
+    for suffix, (key, convert, default) in keys.items():
         value = meta.get(p + suffix)
         if value is None and default is _REQUIRED:
             raise ModelFileError(path, f"GGUF metadata lacks {p + suffix!r}")
