@@ -23,8 +23,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     "MistralForCausalLM": {"attention_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"attention_bias": None, "qk_norm": True},
-    # Phi-3/3.5/4: a Llama decoder whose checkpoint fuses qkv_proj and gate_up_proj (split on loading:
-    # llmd.model.fused), with longrope scaling and, on some, partial rotary
+    # Phi-3/3.5/4: a Llama decoder whose checkpoint stores qkv_proj and gate_up_proj fused (as llama.py declares
+    # them), with longrope scaling and, on some, partial rotary
     "Phi3ForCausalLM": {"attention_bias": False, "qk_norm": False},
 }
 # architectures whose config.json sliding_window applies unless use_sliding_window says otherwise

@@ -468,7 +468,7 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     "qwen3": GGUFArch("Qwen3ForCausalLM", layer_names={"attn_q_norm": "self_attn.q_norm",
                                                        "attn_k_norm": "self_attn.k_norm"},
                       config_tensors=("rope_freqs.weight",), quirks=_qwen_quirks),
-    # Phi-3 / 3.5 / 4: fused attn_qkv, and ffn_up holds gate and up (split by llmd.model.fused)
+    # Phi-3 / 3.5 / 4: fused attn_qkv, and ffn_up holds gate and up: the fused layers of llmd.model.llama
     "phi3": GGUFArch("Phi3ForCausalLM", layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                      config_tensors=("rope_factors_long.weight", "rope_factors_short.weight"),
                      quirks=_phi3_quirks),
@@ -620,25 +620,15 @@ class GGUFModel:
 
 
 class _Checked(NamedTuple):
-    """One tensor we load: where it is, its Hugging Face name, the heads to un-permute its rows by (or None) and,
-    for a part of a fused tensor (phi3's attn_qkv, ffn_up), its rows in the file's tensor (or None)."""
+    """One tensor we load: where it is, its Hugging Face name and the heads to un-permute its rows by (or None)."""
 
     info: TensorInfo
     name: str
     heads: int | None
-    rows: tuple[int, int] | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        shape = self.info.shape
-        return shape if self.rows is None else (self.rows[1] - self.rows[0], *shape[1:])
 
 
 def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> list[_Checked]:
     """Each tensor we load, checked; refuses unsupported types first."""
-    from .fused import fused_parts
-
-    config = build_config(hf_cfg)
     entry = GGUF_ARCHITECTURES[hf_cfg["model_type"]]
     out = []
     for info in gf.tensors:
@@ -655,13 +645,6 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> list[_Checked]:
                 f"tensor {info.name!r} has type {info.type_name}, which llmd does not load "
                 f"(supported: {', '.join(SUPPORTED_TYPES)}; others the gguf package dequantizes load as Q8_0)",
             )
-        parts = fused_parts(name, config)
-        if parts is not None:
-            if info.shape[0] != parts[-1][2]:
-                raise ModelFileError(gf.path, f"tensor {info.name!r} shape {list(info.shape)} does not fit the "
-                                              f"config ({parts[-1][2]} rows expected)")
-            out.extend(_Checked(info, part, None, (start, end)) for part, start, end in parts)
-            continue
         heads = None
         if not entry.permuted_qk:
             pass
@@ -676,12 +659,8 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> list[_Checked]:
 
 
 def _rows(x, checked: _Checked):
-    """The checked tensor's own rows of `x` (its file tensor, fp or packed rows), un-permuted where needed."""
-    if checked.rows is not None:
-        x = x[checked.rows[0] : checked.rows[1]]
-    if checked.heads is not None:
-        x = unpermute_rows(x, checked.heads)
-    return x
+    """The tensor's rows (fp or packed) in Hugging Face order: un-permuted where llama.cpp permuted them."""
+    return x if checked.heads is None else unpermute_rows(x, checked.heads)
 
 
 def _checked_config(hf_cfg: dict, path: Path):
@@ -747,12 +726,12 @@ def _raw_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[RawTensor
                 log.warning("%s: GGUF type %s has no kernel in llmd; its tensors load converted to %s (measured on "
                             "%s: relative RMS change %.2g)", gf.path.name, type_name, CONVERTED_TO, info.name, change)
             type_name = CONVERTED_TO
-        yield RawTensor(c.name, type_name, c.shape, _rows(data, c))
+        yield RawTensor(c.name, type_name, info.shape, _rows(data, c))
 
 
 def _dequantized(gf: _GGUFFile, c: _Checked) -> torch.Tensor:
     w = dequantize(gf.raw_bytes(c.info), c.info.type_name, c.info.shape)
-    return w if c.rows is None and c.heads is None else _rows(w, c).contiguous()
+    return w if c.heads is None else _rows(w, c).contiguous()
 
 
 def _dequant_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[tuple[str, torch.Tensor]]:

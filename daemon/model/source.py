@@ -45,10 +45,9 @@ class WeightSource:
             from .gguf import dequantized_tensors, iter_raw_tensors
 
             return dequantized_tensors(self.path) if method == "none" else iter_raw_tensors(self.path)
-        from .fused import split_fused
         from .weights import iter_safetensors
 
-        return split_fused(iter_safetensors(self.files), self.config)
+        return iter_safetensors(self.files)
 
 
 def open_source(kind: str, path: Path) -> WeightSource:
