@@ -203,6 +203,20 @@ def test_other_architectures_are_refused_by_name(arch, kind, gguf_files, tmp_pat
         assert kind in message
 
 
+@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "PhiMoEForCausalLM",
+                                  "Phi3SmallForCausalLM", "MambaForCausalLM", "Qwen2VLForConditionalGeneration"])
+def test_other_hf_architectures_are_refused_by_name(arch, tiny_models, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / arch
+    shutil.copytree(tiny_models["qwen3"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "architectures": [arch]}))
+    message = _refusal(folder, UnsupportedArchitecture)
+    assert repr(arch) in message and "config.json" in message and "Phi3ForCausalLM" in message
+
+
 def test_llama_rope_freqs_of_the_wrong_length(gguf_files, tmp_path):
     path = _rewrite(gguf_files["llama3_rope"], tmp_path / "freqs.gguf",
                     change={"rope_freqs.weight": np.ones(5, np.float32)})

@@ -179,6 +179,8 @@ class ModelConfig:
             return cls.from_hf_config({**cfg, "llmd_pooling": hf_folder_pooling(folder)}, gen)
         except ModelFileError as e:  # a bad value (ModelConfig names it "config"): name the file
             raise ModelFileError(folder / "config.json", e.problem) from None
+        except UnsupportedArchitecture as e:
+            raise UnsupportedArchitecture(f"{folder / 'config.json'}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFileError(folder / "config.json", f"missing or bad value: {e!r}") from None
 
