@@ -10,6 +10,8 @@ converter writes what llama.cpp writes. Tolerance as tests/test_models.py: max |
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import numpy as np
 import pytest
@@ -303,3 +305,38 @@ def test_engine_batched_equals_alone(kind, matrix_type, tiny_models, tmp_path):
     batched = run_staggered(engine, prompts, params)
     assert [batched[str(i)] for i in range(len(prompts))] == alone
     assert engine.stats()["prefix_cache_hits_tokens"] > 0
+
+
+# ---- the configs of the released checkpoints (their shapes and rope settings, as their config.json give them)
+
+
+def _phi_config(**changes) -> dict:
+    base = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "vocab_size": 32064, "hidden_size": 3072,
+            "intermediate_size": 8192, "num_hidden_layers": 32, "num_attention_heads": 32,
+            "num_key_value_heads": 32, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+            "max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "sliding_window": 2047,
+            "rope_scaling": None, "tie_word_embeddings": False}
+    return {**base, **changes}
+
+
+def test_released_phi_configs():
+    from llmd.model.config import ModelConfig
+
+    mini_4k = ModelConfig.from_hf_config(_phi_config())  # Phi-3-mini-4k: plain RoPE, a 2047-token window
+    assert mini_4k.rope_scaling is None and mini_4k.rotary_dim == 96 and mini_4k.head_dim == 96
+    long = {"long_factor": [1.0 + i / 8 for i in range(48)], "short_factor": [1.0] * 48}
+    for rope_type in ("su", "longrope"):  # Phi-3-mini-128k's first config named it "su"; Phi-3.5-mini "longrope"
+        cfg = ModelConfig.from_hf_config(_phi_config(
+            max_position_embeddings=131072, sliding_window=262144, rope_scaling={"type": rope_type, **long}))
+        assert cfg.rope_scaling["rope_type"] == "longrope" and longrope_uses_long_factors(cfg)
+        assert cfg.max_position_embeddings == 131072
+        assert abs(cfg.rope_scaling["attention_factor"] - (1 + math.log(32) / math.log(4096)) ** 0.5) < 1e-12
+    # Phi-4-mini: 24 heads of 128 with 8 KV heads, 3/4 of each head rotated, tied embeddings, longrope
+    mini4 = ModelConfig.from_hf_config(_phi_config(
+        vocab_size=200064, hidden_size=3072, num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75,
+        max_position_embeddings=131072, sliding_window=262144, tie_word_embeddings=True,
+        rope_scaling={"type": "longrope", "long_factor": [1.0] * 48, "short_factor": [1.0] * 48}))
+    assert mini4.head_dim == 128 and mini4.rotary_dim == 96 and mini4.tie_word_embeddings
+    with pytest.raises(ModelFileError, match="long_factor has 40 values for a rotary dimension of 96"):
+        ModelConfig.from_hf_config(_phi_config(
+            rope_scaling={"type": "longrope", "long_factor": [1.0] * 40, "short_factor": [1.0] * 48}))
