@@ -18,6 +18,8 @@ import pytest
 import torch
 from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
 from llmd.errors import ModelFileError, UnsupportedArchitecture
+from llmd.kernels import cpu_gemm
+from llmd.model.cpu_stack import CompiledCpuForward
 from llmd.model.gguf import gguf_config
 from llmd.model.llama import longrope_uses_long_factors
 from llmd.model.loader import load_model
@@ -290,8 +292,11 @@ def test_converter_covers_every_family():
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("kind,matrix_type", [("phi3_longrope", "Q8_0"), ("qwen3", "F32")])
-def test_engine_batched_equals_alone(kind, matrix_type, tiny_models, tmp_path):
+@pytest.mark.parametrize("kind,matrix_type,compiled", [("phi3", "Q8_0", True), ("phi3_longrope", "Q8_0", False),
+                                                       ("qwen3", "F32", False)])
+def test_engine_batched_equals_alone(kind, matrix_type, compiled, tiny_models, tmp_path):
+    """Packed Phi-3 runs the compiled CPU forward (llmd.model.cpu_stack) where the C kernels build; partial rotary
+    (phi3_longrope) and q/k norm (Qwen3) run the modules."""
     from llmd.engine import SamplingParams
     from test_engine import GREEDY, random_prompts, run_alone, run_staggered
 
@@ -302,6 +307,7 @@ def test_engine_batched_equals_alone(kind, matrix_type, tiny_models, tmp_path):
     params = SamplingParams(max_tokens=16, **GREEDY)
     alone = run_alone(lm, prompts, params)
     engine = make_engine(lm, max_num_batched_tokens=32)  # prompts are chunked too
+    assert isinstance(engine.runner.forward, CompiledCpuForward) == (compiled and cpu_gemm.available())
     batched = run_staggered(engine, prompts, params)
     assert [batched[str(i)] for i in range(len(prompts))] == alone
     assert engine.stats()["prefix_cache_hits_tokens"] > 0
