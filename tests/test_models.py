@@ -20,7 +20,7 @@ from llmd.model.loader import load_model
 from llmd.model.simple import SingleSequence, greedy_generate
 
 TOLERANCE = 1e-4
-KINDS = ["llama", "llama3_rope", "qwen2", "qwen3", "mistral"]
+KINDS = ["llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3"]
 
 
 def prompt_ids(n: int = 40, seed: int = 0, high: int = 570) -> list[int]:

@@ -8,8 +8,10 @@ Weights are random but not HF's init: norms and biases are perturbed too, so eve
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
+import numpy as np
 import torch
 
 TRAINING_TEXT = """\
@@ -93,8 +95,8 @@ def _randomise(model: torch.nn.Module) -> None:
 
 
 def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int | None = None) -> Path:
-    """kind: llama | llama3_rope | qwen2 | qwen3 | mistral (sliding_window: its window on every layer; None: full
-    attention; qwen2: on its second layer only). Returns the folder."""
+    """kind: one of TINY_KINDS (sliding_window, for mistral and qwen2: mistral's window on every layer, qwen2's on
+    its second layer only; None: full attention). Returns the folder."""
     import transformers as tf
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -138,6 +140,16 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
     elif kind == "qwen3":
         config = tf.Qwen3Config(**common, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False)
         cls = tf.Qwen3ForCausalLM
+    elif kind == "phi3":  # Phi-3-mini 4k / Phi-4: fused qkv_proj and gate_up_proj, plain RoPE
+        config = tf.Phi3Config(**common, rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False)
+        cls = tf.Phi3ForCausalLM
+    elif kind == "phi3_longrope":  # Phi-3.5-mini / Phi-4-mini: longrope past a 32-token "pretraining" context,
+        # partial rotary (0.75 of each 16-wide head), tied embeddings like Phi-4-mini
+        scaling = {"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.2, 1.5, 2.0, 3.0],
+                   "long_factor": [1.0, 1.5, 2.5, 4.0, 8.0, 16.0]}
+        config = tf.Phi3Config(**common, rope_theta=10000.0, rope_scaling=scaling, partial_rotary_factor=0.75,
+                               original_max_position_embeddings=32, sliding_window=None, tie_word_embeddings=True)
+        cls = tf.Phi3ForCausalLM
     else:
         raise ValueError(kind)
 
@@ -162,4 +174,147 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
     return folder
 
 
-TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral")
+TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The same models as llama.cpp GGUF files, converted as llama.cpp's convert_hf_to_gguf.py converts them (tensor
+# names and metadata keys from the gguf package's constants; the llama q/k row permutation; Llama 3's rope_freqs and
+# Phi-3's rope factor tensors). The vocabulary is the folder's byte-level BPE as a "gpt2" tokenizer model.
+
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+
+
+def gguf_tensor_name(hf_name: str) -> str:
+    if hf_name in _GGUF_GLOBAL:
+        return _GGUF_GLOBAL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    module, _, suffix = rest.rpartition(".")
+    return f"blk.{layer}.{_GGUF_LAYER[module]}.{suffix}"
+
+
+def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """convert_hf_to_gguf's LlamaModel.permute: each head's rotary halves interleaved for llama.cpp's RoPE."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_factors(cfg: dict, scaling: dict, theta: float, head_dim: int) -> list[float]:
+    """convert_hf_to_gguf's rope_freqs for llama3 scaling: one divisor per frequency."""
+    import math
+
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _gguf_vocabulary(w, folder: Path, cfg: dict, arch: str) -> None:
+    import gguf
+
+    tok = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = dict(tok["model"]["vocab"])
+    specials = set()
+    for added in tok.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+        specials.add(added["content"])
+    tokens = sorted(vocab, key=vocab.get)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    tokens += [f"<|unused_{i}|>" for i in range(len(tokens), cfg["vocab_size"])]  # the padded embedding rows
+    types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.UNUSED if t.startswith("<|unused_")
+             else gguf.TokenType.NORMAL for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    if cfg.get("bos_token_id") is not None:
+        w.add_bos_token_id(cfg["bos_token_id"])
+    eos = cfg["eos_token_id"]
+    w.add_eos_token_id(eos[0] if isinstance(eos, list) else eos)
+    w.add_add_bos_token(cfg.get("bos_token_id") is not None)
+
+
+def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
+    """The HF folder's model as a GGUF file, as llama.cpp's converter writes it; matrices (2-D weights) as
+    `matrix_type` (F32, F16, or a block type the gguf package quantizes: Q8_0, Q4_0, ...), the rest F32."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    arch = GGUF_ARCH[cfg["model_type"]]
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {cfg['model_type']}")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(int(head_dim * partial))
+    if arch == "qwen3" or head_dim != cfg["hidden_size"] // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+    _gguf_vocabulary(w, folder, cfg, arch)
+
+    if rope_type == "llama3":
+        w.add_tensor("rope_freqs.weight", np.asarray(_llama3_rope_factors(cfg, rope, theta, head_dim), np.float32))
+    if rope_type == "longrope":
+        original = int(rope.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    for name, tensor in state.items():
+        t = tensor.float()
+        if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
+            t = _llama_cpp_permute(t, heads if ".q_proj." in name else kv_heads)
+        data = t.numpy()
+        if data.ndim == 2 and matrix_type == "F16":
+            w.add_tensor(gguf_tensor_name(name), data.astype(np.float16))
+        elif data.ndim == 2 and matrix_type != "F32":
+            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_tensor_name(name), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

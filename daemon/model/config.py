@@ -8,6 +8,7 @@ transformers >= 5 one (`rope_parameters` holding `rope_theta` and the scaling ke
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,16 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     "MistralForCausalLM": {"attention_bias": False, "qk_norm": False},
     "Qwen2ForCausalLM": {"attention_bias": True, "qk_norm": False},
     "Qwen3ForCausalLM": {"attention_bias": None, "qk_norm": True},
+    # Phi-3/3.5/4: a Llama decoder whose checkpoint stores qkv_proj and gate_up_proj fused (as llama.py declares
+    # them), with longrope scaling and, on some, partial rotary
+    "Phi3ForCausalLM": {"attention_bias": False, "qk_norm": False},
 }
+# architectures whose config.json sliding_window applies unless use_sliding_window says otherwise
+_WINDOW_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM")
 
 # rope_scaling types we implement exactly as transformers does; anything else is refused rather than silently wrong.
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+_ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs named longrope "su"
 
 
 @dataclass
@@ -41,6 +48,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None  # e.g. {"rope_type": "llama3", "factor": 8.0, ...}; None for plain RoPE
+    # GGUF llama3 scaling: llama.cpp's per-frequency divisors (the rope_freqs tensor) [rotary_dim / 2]
+    rope_freq_factors: list[float] | None = None
+    partial_rotary_factor: float = 1.0  # the share of head_dim that RoPE rotates (Phi-4-mini: 0.75)
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # bias on q/k/v projections (Qwen2)
@@ -78,6 +88,21 @@ class ModelConfig:
                     f"{self.architecture} with rope scaling type {rope_type!r} is not supported "
                     f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
                 )
+            else:
+                self.rope_scaling = {**self.rope_scaling, "rope_type": rope_type}
+        half = self.rotary_dim // 2
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ModelFileError("config", f"partial_rotary_factor {self.partial_rotary_factor} gives a rotary "
+                                           f"dimension of {self.rotary_dim} for head_dim {self.head_dim}")
+        if self.rope_freq_factors is not None and len(self.rope_freq_factors) != half:
+            raise ModelFileError("config", f"{len(self.rope_freq_factors)} RoPE frequency factors for a rotary "
+                                           f"dimension of {self.rotary_dim} (expected {half})")
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+            for key in ("short_factor", "long_factor"):
+                n = len(self.rope_scaling.get(key) or [])
+                if n != half:
+                    raise ModelFileError("config", f"longrope {key} has {n} values for a rotary dimension of "
+                                                   f"{self.rotary_dim} (expected {half})")
         if self.sliding_window is not None and int(self.sliding_window) < 1:
             raise ModelFileError("config", f"sliding_window {self.sliding_window} must be a positive token count")
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
@@ -100,6 +125,12 @@ class ModelConfig:
         return [self.layer_window(i) for i in range(self.num_hidden_layers)]
 
     @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head RoPE rotates (the rest pass through), as transformers rounds it."""
+        assert self.head_dim is not None
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """K+V elements per token over all layers (multiply by the cache dtype's size)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
@@ -118,14 +149,17 @@ class ModelConfig:
         rope_theta = float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)))
         rope_scaling = cfg.get("rope_scaling") or None
         if rope_scaling is None and rope_params:
-            rest = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+            rest = {k: v for k, v in rope_params.items() if k not in ("rope_theta", "partial_rotary_factor")}
             rope_scaling = rest if rope_type_of(rest) != "default" else None
+        partial = float(cfg.get("partial_rotary_factor") or rope_params.get("partial_rotary_factor") or 1.0)
 
         max_pos = int(cfg.get("max_position_embeddings", 2048))
+        if rope_scaling is not None and rope_type_of(rope_scaling) == "longrope":
+            rope_scaling = _longrope(rope_scaling, cfg, max_pos)
         # Mistral's config has sliding_window (null in v0.2+: full attention); Qwen2 has one too but uses it only
         # with use_sliding_window (off in every released checkpoint), as transformers does.
         window = cfg.get("sliding_window")
-        uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
+        uses_window = cfg.get("use_sliding_window", arch in _WINDOW_BY_DEFAULT)
         sliding_window = int(window) if uses_window and window and int(window) < max_pos else None
         layer_types = cfg.get("layer_types")  # per layer, where the config names them (transformers >= 4.5x)
         if not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
@@ -144,6 +178,8 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
+            rope_freq_factors=cfg.get("llmd_rope_freq_factors"),
+            partial_rotary_factor=partial,
             max_position_embeddings=max_pos,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(
@@ -166,11 +202,32 @@ class ModelConfig:
         cfg = read_json(folder / "config.json")
         gen_path = folder / "generation_config.json"
         gen = read_json(gen_path) if gen_path.exists() else None
-        return cls.from_hf_config({**cfg, "llmd_pooling": hf_folder_pooling(folder)}, gen)
+        try:
+            return cls.from_hf_config({**cfg, "llmd_pooling": hf_folder_pooling(folder)}, gen)
+        except ModelFileError as e:  # a bad value (ModelConfig names it "config"): name the file
+            raise ModelFileError(folder / "config.json", e.problem) from None
+        except UnsupportedArchitecture as e:
+            raise UnsupportedArchitecture(f"{folder / 'config.json'}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFileError(folder / "config.json", f"missing or bad value: {e!r}") from None
 
 
 def rope_type_of(scaling: dict) -> str:
-    return str(scaling.get("rope_type") or scaling.get("type") or "default")
+    rope_type = str(scaling.get("rope_type") or scaling.get("type") or "default")
+    return _ROPE_TYPE_ALIASES.get(rope_type, rope_type)
+
+
+def _longrope(scaling: dict, cfg: dict[str, Any], max_pos: int) -> dict:
+    """longrope's parameters completed as transformers completes them: the pretraining context from the scaling dict
+    or config.json, and the cos/sin scale sqrt(1 + ln(s) / ln(original)) for s = context / original."""
+    original = int(scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+                   or max_pos)
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        factor = float(scaling.get("factor") or max_pos / original)
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original,
+            "attention_factor": float(attention_factor)}
 
 
 def unsupported_message(arch: str | None) -> str:
@@ -191,7 +248,7 @@ def read_json(path: Path) -> dict:
 
 def _arch_from_model_type(model_type: str | None) -> str | None:
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
     return by_type.get(model_type or "", model_type)
 
 

@@ -4,9 +4,9 @@ The C code makes, layer by layer, the same kernel calls with the same arguments 
 (each of which already runs in C on the CPU), so the hidden states are bit for bit the same; it only removes the
 Python between them, about a third of a small model's decode step at batch 1.
 
-It applies to Llama-shaped models (no q/k norm, no softcap; sliding windows go to each layer's C attention) whose fused qkv, o, gate/up and down
-projections are int8 or int4 layers or packed GGUF layers (one type, or a GGUFConcat of several) with a prepared CPU
-kernel, with fp32 activations and a KV cache the C attention reads (fp32, fp16, bf16 or int8). Everything else
+It applies to Llama-shaped models (no q/k norm, no partial rotary, no softcap; sliding windows go to each layer's C
+attention) whose fused qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type,
+or a GGUFConcat of several) with a prepared CPU kernel, with fp32 activations and a KV cache the C attention reads (fp32, fp16, bf16 or int8). Everything else
 (fp32 or bitsandbytes weights, Qwen3, CUDA, LLMD_CPU_GEMM=0, a step with two KV groups: `window_group`) keeps the
 module path. The engine's runner builds a
 `CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of the model.
@@ -42,8 +42,9 @@ class CpuLayerStack:
         """The stack for `model` (a llmd.model.llama.CausalLM), or None where it does not apply."""
         lib = ck.load()
         config = model.config
-        if lib is None or config.qk_norm or any(layer.self_attn.softcap is not None
-                                                for layer in model.model.layers):  # the C attention has no softcap
+        if lib is None or config.qk_norm or config.rotary_dim != config.head_dim or any(
+                layer.self_attn.softcap is not None
+                for layer in model.model.layers):  # the C attention has no softcap; the C RoPE rotates whole heads
             return None
         layers = (ck.Layer * len(model.model.layers))()
         linears, norms = [], []

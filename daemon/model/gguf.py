@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import mmap
 import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
@@ -33,7 +34,6 @@ from .pooling import gguf_pooling
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 # ggml type name -> (elements per block, bytes per block): the float types and every packed type that llmd keeps as
 # it is in the file (llmd.kernels.gguf_blocks)
 SUPPORTED_TYPES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), **gb.BLOCKS}
@@ -340,9 +340,32 @@ def convert_to_q8_0(data: np.ndarray, type_name: str, shape: tuple[int, ...]) ->
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Names, permutation and config
+# Architectures: one table entry per llama.cpp architecture that our decoder runs.
+#
+# A llama.cpp GGUF keeps its hyperparameters under "<arch>." metadata keys and its tensors under llama.cpp's names
+# (gguf.constants TENSOR_NAMES). An entry says which config.json architecture the file is, how its tensor names map
+# onto Hugging Face's, and its quirks: whether llama.cpp's converter permuted the q/k rows, which metadata keys and
+# small tensors (RoPE frequency factors) become config fields. Every architecture outside the table is refused by name.
 
 
+@dataclass(frozen=True)
+class GGUFArch:
+    hf_architecture: str  # the config.json architecture the file becomes (llmd.model.config.SUPPORTED_ARCHITECTURES)
+    # blk.N.<gguf name> -> model.layers.N.<hf name>, on top of _LAYER_NAMES (an entry mapped to None is dropped)
+    layer_names: dict[str, str | None] = field(default_factory=dict)
+    # llama.cpp's converter interleaves each q/k head's rotary halves for its non-NEOX RoPE (llama arch only); the
+    # NEOX-RoPE architectures (qwen2, qwen3, phi3, gemma) keep Hugging Face's row order
+    permuted_qk: bool = False
+    # "<arch>.<suffix>" metadata -> a config.json key, beyond _CONFIG_KEYS (value converted by the callable)
+    config_keys: dict[str, tuple[str, Callable[[Any], Any]]] = field(default_factory=dict)
+    # non-layer tensors that are configuration rather than weights (RoPE frequency factors): never loaded as weights,
+    # handed to `quirks` as fp32 lists
+    config_tensors: tuple[str, ...] = ()
+    # last word on the config dict: quirks(cfg, meta, "<arch>.", {config tensor present: its values})
+    quirks: Callable[[dict, dict, str, dict[str, list[float]]], None] | None = None
+
+
+# blk.N.<gguf name> -> model.layers.N.<hf name>: the names every architecture here shares
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -356,17 +379,137 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# tensors a llama GGUF may carry that our model does not load (rope_freqs is derived from the config)
-_IGNORED = {"rope_freqs.weight"}
+
+_REQUIRED = object()
+# "<arch>.<suffix>" -> (config.json key, conversion, default): the keys every architecture here shares
+_CONFIG_KEYS: dict[str, tuple[str, Callable[[Any], Any], Any]] = {
+    "embedding_length": ("hidden_size", int, _REQUIRED),
+    "feed_forward_length": ("intermediate_size", int, _REQUIRED),
+    "block_count": ("num_hidden_layers", int, _REQUIRED),
+    "attention.head_count": ("num_attention_heads", int, _REQUIRED),
+    "attention.head_count_kv": ("num_key_value_heads", int, None),  # None: as many as the query heads
+    "attention.key_length": ("head_dim", int, None),  # None: hidden size / heads
+    "vocab_size": ("vocab_size", int, None),  # None: the vocabulary's length
+    "attention.layer_norm_rms_epsilon": ("rms_norm_eps", float, 1e-5),
+    "rope.freq_base": ("rope_theta", float, 10000.0),
+    "context_length": ("max_position_embeddings", int, 2048),
+}
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def _rope_quirks(cfg: dict, meta: dict, p: str) -> None:
+    """RoPE over fewer dimensions than a head (rope.dimension_count < head_dim) is a partial rotary factor."""
+    n_rot = meta.get(p + "rope.dimension_count")
+    if n_rot is not None and int(n_rot) != cfg["head_dim"]:
+        cfg["partial_rotary_factor"] = int(n_rot) / cfg["head_dim"]
+
+
+def _factors(factors: dict[str, list[float]], name: str, cfg: dict) -> list[float]:
+    values = factors[name]
+    rotary = int(cfg["head_dim"] * cfg.get("partial_rotary_factor", 1.0))
+    if len(values) != rotary // 2:
+        raise ValueError(f"tensor {name!r} has {len(values)} values for a rotary dimension of {rotary} "
+                         f"(expected {rotary // 2})")
+    if not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(f"tensor {name!r} holds a factor that is not a positive finite number")
+    return values
+
+
+def _llama_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
+    _rope_quirks(cfg, meta, p)
+    scaling_type = meta.get(p + "rope.scaling.type")
+    factor = meta.get(p + "rope.scaling.factor")
+    if "rope_freqs.weight" in factors:
+        # Llama 3.1+: llama.cpp's converter stores the llama3 scaling as one divisor per frequency, which llama.cpp
+        # applies as they are; so do we (llmd.model.llama.rope_inv_freq)
+        cfg["llmd_rope_freq_factors"] = _factors(factors, "rope_freqs.weight", cfg)
+    elif scaling_type == "linear" and factor:
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    elif scaling_type not in (None, "none", "linear"):
+        cfg["rope_scaling"] = {"rope_type": str(scaling_type)}  # refused by name in ModelConfig
+
+
+def _qwen_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
+    _rope_quirks(cfg, meta, p)
+    if "rope_freqs.weight" in factors:
+        raise UnsupportedArchitecture(f"{p[:-1]} with per-frequency RoPE factors (rope_freqs) is not supported")
+    scaling_type = meta.get(p + "rope.scaling.type")
+    if scaling_type not in (None, "none"):  # YaRN (Qwen2.5 long context) is not implemented: refused by name
+        cfg["rope_scaling"] = {"rope_type": str(scaling_type)}
+
+
+def _phi3_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
+    _rope_quirks(cfg, meta, p)
+    window = meta.get(p + "attention.sliding_window")
+    if window:
+        cfg["sliding_window"] = int(window)
+    present = {"rope_factors_long.weight", "rope_factors_short.weight"} & set(factors)
+    if len(present) == 1:
+        raise ValueError(f"only one of the longrope factor tensors: {sorted(present)}")
+    if present:
+        # longrope (Phi-3 128k, Phi-3.5, Phi-4-mini): the factors as tensors, the rest as metadata
+        cfg["rope_scaling"] = {
+            "rope_type": "longrope",
+            "long_factor": _factors(factors, "rope_factors_long.weight", cfg),
+            "short_factor": _factors(factors, "rope_factors_short.weight", cfg),
+            "original_max_position_embeddings": int(meta[p + "rope.scaling.original_context_length"]),
+        }
+        attn_factor = meta.get(p + "rope.scaling.attn_factor")
+        if attn_factor is not None:
+            cfg["rope_scaling"]["attention_factor"] = float(attn_factor)
+
+
+GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
+    # Llama 2/3.x, SmolLM2, Mistral 7B (llama.cpp writes Mistral as llama; its sliding window is not in the file)
+    "llama": GGUFArch("LlamaForCausalLM", permuted_qk=True, config_tensors=("rope_freqs.weight",),
+                      quirks=_llama_quirks),
+    # Qwen2 / Qwen2.5 / Qwen2.5-Coder: q/k/v biases (attn_q.bias, ...), NEOX RoPE
+    "qwen2": GGUFArch("Qwen2ForCausalLM", config_tensors=("rope_freqs.weight",), quirks=_qwen_quirks),
+    # Qwen3 dense: RMSNorm over each q/k head before RoPE
+    "qwen3": GGUFArch("Qwen3ForCausalLM", layer_names={"attn_q_norm": "self_attn.q_norm",
+                                                       "attn_k_norm": "self_attn.k_norm"},
+                      config_tensors=("rope_freqs.weight",), quirks=_qwen_quirks),
+    # Phi-3 / 3.5 / 4: fused attn_qkv, and ffn_up holds gate and up: the fused layers of llmd.model.llama
+    "phi3": GGUFArch("Phi3ForCausalLM", layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+                     config_tensors=("rope_factors_long.weight", "rope_factors_short.weight"),
+                     quirks=_phi3_quirks),
+}
+
+# Architectures llama.cpp knows that our decoder does not run, with what they are, for the refusal message.
+_REFUSED_KINDS = {
+    "qwen2moe": "a mixture-of-experts model", "qwen3moe": "a mixture-of-experts model",
+    "mixtral": "a mixture-of-experts model", "deepseek2": "a mixture-of-experts model",
+    "llama4": "a mixture-of-experts model", "gpt-oss": "a mixture-of-experts model",
+    "phimoe": "a mixture-of-experts model", "granitemoe": "a mixture-of-experts model",
+    "mamba": "a state-space (Mamba) model", "mamba2": "a state-space (Mamba) model",
+    "jamba": "a hybrid Mamba model", "rwkv6": "a recurrent (RWKV) model", "rwkv7": "a recurrent (RWKV) model",
+    "clip": "a vision encoder (mmproj)", "qwen2vl": "a vision-language model", "qwen25vl": "a vision-language model",
+    "gemma3n": "a Gemma 3n (per-layer embeddings) model",
+}
+
+
+def gguf_architecture(meta: dict, path: Path) -> tuple[str, GGUFArch]:
+    """(the file's architecture name, its table entry); UnsupportedArchitecture naming it otherwise."""
+    arch = meta.get("general.architecture")
+    entry = GGUF_ARCHITECTURES.get(arch) if isinstance(arch, str) else None
+    if entry is None:
+        kind = _REFUSED_KINDS.get(arch) if isinstance(arch, str) else None
+        raise UnsupportedArchitecture(
+            f"{path}: GGUF architecture {arch!r}{f' ({kind})' if kind else ''} is not supported "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    return arch, entry
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp tensor name -> Hugging Face name; None for tensors we do not load."""
-    if gguf_name in _IGNORED:
-        return None
+    entry = GGUF_ARCHITECTURES[arch]
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m:
+        names = {**_LAYER_NAMES, **entry.layer_names}
+        hf = names.get(m.group(2))
+        return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}" if hf else None
+    if gguf_name in entry.config_tensors:
+        return None
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
@@ -391,54 +534,44 @@ def _meta(meta: dict, key: str, default=None):
     return default if value is None else value
 
 
-def hf_config_dict(meta: dict, tensor_names: set[str], path: Path) -> dict:
-    """GGUF metadata -> a Hugging Face style config.json dict (what ModelConfig.from_hf_config reads)."""
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    if "rope_freqs.weight" in tensor_names:
-        # Llama 3.1+ files carry precomputed rope frequency factors instead of the scaling parameters; loading them
-        # as plain RoPE would be silently wrong, so refuse until they are implemented.
-        raise UnsupportedArchitecture(
-            f"{path}: GGUF with llama3 rope scaling (rope_freqs tensor) is not supported yet; "
-            "use the Hugging Face safetensors folder of this model"
-        )
+def hf_config_dict(meta: dict, tensor_names: set[str], path: Path,
+                   factors: dict[str, list[float]] | None = None) -> dict:
+    """GGUF metadata -> a Hugging Face style config.json dict (what ModelConfig.from_hf_config reads).
+
+    `factors`: the values of the architecture's config tensors present in the file (see GGUFArch.config_tensors)."""
+    arch, entry = gguf_architecture(meta, path)
     p = f"{arch}."
-    try:
-        hidden = int(meta[p + "embedding_length"])
-        heads = int(meta[p + "attention.head_count"])
-        cfg = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": hidden,
-            "intermediate_size": int(meta[p + "feed_forward_length"]),
-            "num_hidden_layers": int(meta[p + "block_count"]),
-            "num_attention_heads": heads,
-        }
-    except KeyError as e:
-        raise ModelFileError(path, f"GGUF metadata lacks {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ModelFileError(path, f"GGUF metadata has a bad model size value: {e}") from None
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    cfg["num_key_value_heads"] = int(_meta(meta, p + "attention.head_count_kv", heads))
-    cfg["head_dim"] = int(_meta(meta, p + "attention.key_length", hidden // heads if heads else 0))
-    cfg["vocab_size"] = int(_meta(meta, p + "vocab_size", len(tokens)))
-    cfg["rms_norm_eps"] = float(_meta(meta, p + "attention.layer_norm_rms_epsilon", 1e-5))
-    cfg["rope_theta"] = float(_meta(meta, p + "rope.freq_base", 10000.0))
-    cfg["max_position_embeddings"] = int(_meta(meta, p + "context_length", 2048))
+    cfg: dict[str, Any] = {"architectures": [entry.hf_architecture], "model_type": arch}
+    keys = {**_CONFIG_KEYS, **{k: (*v, None) for k, v in entry.config_keys.items()}}
+    for suffix, (key, convert, default) in keys.items():
+        value = meta.get(p + suffix)
+        if value is None and default is _REQUIRED:
+            raise ModelFileError(path, f"GGUF metadata lacks {p + suffix!r}")
+        try:
+            cfg[key] = default if value is None else convert(value)
+        except (TypeError, ValueError) as e:
+            raise ModelFileError(path, f"GGUF metadata {p + suffix!r} has a bad value {value!r}: {e}") from None
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    if cfg["num_key_value_heads"] is None:
+        cfg["num_key_value_heads"] = heads
+    if cfg["head_dim"] is None:
+        cfg["head_dim"] = hidden // heads if heads else 0
+    if cfg["vocab_size"] is None:
+        cfg["vocab_size"] = len(meta.get("tokenizer.ggml.tokens") or [])
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
     cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    scaling_type = meta.get(p + "rope.scaling.type")
-    factor = meta.get(p + "rope.scaling.factor")
-    cfg["rope_scaling"] = (
-        {"rope_type": scaling_type, "factor": float(factor)} if scaling_type == "linear" and factor else None
-    )
-    if not (heads and cfg["hidden_size"] and cfg["num_hidden_layers"] and cfg["num_key_value_heads"]):
+    cfg["rope_scaling"] = None
+    if not (heads and hidden and cfg["num_hidden_layers"] and cfg["num_key_value_heads"]):
         raise ModelFileError(path, "GGUF metadata has a zero model size (heads, hidden size or layers)")
     if heads % cfg["num_key_value_heads"]:
         raise ModelFileError(path, f"GGUF metadata: {heads} heads is not a multiple of the KV head count")
+    if entry.quirks is not None:
+        try:
+            entry.quirks(cfg, meta, p, factors or {})
+        except UnsupportedArchitecture as e:
+            raise UnsupportedArchitecture(f"{path}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFileError(path, f"GGUF metadata of {arch!r} is incomplete or bad: {e!r}") from None
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids = [
         int(meta[k])
@@ -486,13 +619,26 @@ class GGUFModel:
     hf_config: dict = field(default_factory=dict)
 
 
-def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> Iterator[tuple[TensorInfo, str, int | None]]:
-    """(info, hf name, heads to un-permute by or None) for each tensor we load; refuses unsupported types first."""
+class _Checked(NamedTuple):
+    """One tensor we load: where it is, its Hugging Face name and the heads to un-permute its rows by (or None)."""
+
+    info: TensorInfo
+    name: str
+    heads: int | None
+
+
+def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> list[_Checked]:
+    """Each tensor we load, checked; refuses unsupported types first."""
+    entry = GGUF_ARCHITECTURES[hf_cfg["model_type"]]
     out = []
     for info in gf.tensors:
-        name = hf_tensor_name(info.name)
+        name = hf_tensor_name(info.name, hf_cfg["model_type"])
         if name is None:
-            continue
+            if info.name in entry.config_tensors:
+                continue
+            # a tensor the decoder has no place for would be dropped silently and the model run without it
+            raise ModelFileError(gf.path, f"tensor {info.name!r} is not part of the {hf_cfg['model_type']!r} "
+                                          "architecture as llmd runs it")
         if info.type_name not in SUPPORTED_TYPES and not gguf_can_dequantize(info.type_name):
             raise ModelFileError(
                 gf.path,
@@ -500,19 +646,45 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> Iterator[tuple[TensorInfo, str
                 f"(supported: {', '.join(SUPPORTED_TYPES)}; others the gguf package dequantizes load as Q8_0)",
             )
         heads = None
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+        if not entry.permuted_qk:
+            pass
+        elif name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             heads = hf_cfg["num_attention_heads"]
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
             heads = hf_cfg["num_key_value_heads"]
         if heads is not None and info.shape[0] % (2 * heads):
             raise ModelFileError(gf.path, f"tensor {info.name!r} shape {info.shape} does not fit {heads} heads")
-        out.append((info, name, heads))
+        out.append(_Checked(info, name, heads))
     return out
+
+
+def _rows(x, checked: _Checked):
+    """The tensor's rows (fp or packed) in Hugging Face order: un-permuted where llama.cpp permuted them."""
+    return x if checked.heads is None else unpermute_rows(x, checked.heads)
+
+
+def _checked_config(hf_cfg: dict, path: Path):
+    """The ModelConfig of a file's config dict, its refusals naming the file."""
+    try:
+        return build_config(hf_cfg)
+    except ModelFileError as e:
+        raise ModelFileError(path, e.problem) from None
+    except UnsupportedArchitecture as e:
+        raise UnsupportedArchitecture(f"{path}: {e}") from None
 
 
 def _open(path) -> tuple[_GGUFFile, dict]:
     gf = _GGUFFile(path)
-    hf_cfg = hf_config_dict(gf.metadata, {t.name for t in gf.tensors}, gf.path)
+    _, entry = gguf_architecture(gf.metadata, gf.path)
+    factors = {}
+    for info in gf.tensors:
+        if info.name in entry.config_tensors:
+            if info.type_name not in ("F32", "F16", "BF16") or len(info.shape) != 1:
+                raise ModelFileError(gf.path, f"tensor {info.name!r} ({info.type_name} {list(info.shape)}) should be "
+                                              "a 1-D float tensor")
+            factors[info.name] = dequantize(gf.raw_bytes(info), info.type_name, info.shape).tolist()
+    hf_cfg = hf_config_dict(gf.metadata, {t.name for t in gf.tensors}, gf.path, factors)
+    _checked_config(hf_cfg, gf.path)
     return gf, hf_cfg
 
 
@@ -536,13 +708,14 @@ def quantized_elements(path) -> tuple[list[str], int]:
 def raw_tensor_types(path) -> dict[str, str]:
     """Hugging Face name -> the GGML type its RawTensor will have (after any Q8_0 conversion); reads no weights."""
     gf, hf_cfg = _open(path)
-    return {name: info.type_name if info.type_name in SUPPORTED_TYPES else CONVERTED_TO
-            for info, name, _ in _iter_checked(gf, hf_cfg)}
+    return {c.name: c.info.type_name if c.info.type_name in SUPPORTED_TYPES else CONVERTED_TO
+            for c in _iter_checked(gf, hf_cfg)}
 
 
-def _raw_generator(gf: _GGUFFile, checked) -> Iterator[RawTensor]:
+def _raw_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[RawTensor]:
     warned: set[str] = set()
-    for info, name, heads in checked:
+    for c in checked:
+        info = c.info
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         data = gf.raw_bytes(info).reshape(rows, -1)
         type_name = info.type_name
@@ -553,17 +726,17 @@ def _raw_generator(gf: _GGUFFile, checked) -> Iterator[RawTensor]:
                 log.warning("%s: GGUF type %s has no kernel in llmd; its tensors load converted to %s (measured on "
                             "%s: relative RMS change %.2g)", gf.path.name, type_name, CONVERTED_TO, info.name, change)
             type_name = CONVERTED_TO
-        if heads is not None:
-            data = unpermute_rows(data, heads)
-        yield RawTensor(name, type_name, info.shape, data)
+        yield RawTensor(c.name, type_name, info.shape, _rows(data, c))
 
 
-def _dequant_generator(gf: _GGUFFile, checked) -> Iterator[tuple[str, torch.Tensor]]:
-    for info, name, heads in checked:
-        w = dequantize(gf.raw_bytes(info), info.type_name, info.shape)
-        if heads is not None:
-            w = unpermute_rows(w, heads).contiguous()
-        yield name, w
+def _dequantized(gf: _GGUFFile, c: _Checked) -> torch.Tensor:
+    w = dequantize(gf.raw_bytes(c.info), c.info.type_name, c.info.shape)
+    return w if c.heads is None else _rows(w, c).contiguous()
+
+
+def _dequant_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[tuple[str, torch.Tensor]]:
+    for c in checked:
+        yield c.name, _dequantized(gf, c)
 
 
 def tensor_readers(path) -> dict[str, Callable[[], torch.Tensor]]:
@@ -571,13 +744,10 @@ def tensor_readers(path) -> dict[str, Callable[[], torch.Tensor]]:
     callers that need tensors in their own order (calibrated quantization reads a layer at a time)."""
     gf, hf_cfg = _open(path)
 
-    def reader(info: TensorInfo, heads: int | None) -> Callable[[], torch.Tensor]:
-        def read() -> torch.Tensor:
-            w = dequantize(gf.raw_bytes(info), info.type_name, info.shape)
-            return unpermute_rows(w, heads).contiguous() if heads is not None else w
-        return read
+    def reader(c: _Checked) -> Callable[[], torch.Tensor]:
+        return lambda: _dequantized(gf, c)
 
-    return {name: reader(info, heads) for info, name, heads in _iter_checked(gf, hf_cfg)}
+    return {c.name: reader(c) for c in _iter_checked(gf, hf_cfg)}
 
 
 def _small_metadata(meta: dict) -> dict:

@@ -1,7 +1,8 @@
-"""One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (sliding window), Qwen2 (qkv bias) and Qwen3
-(q/k RMSNorm), written for the engine: the forward takes a flattened batch of tokens from many sequences with their
-positions, and every layer's attention goes through `paged_attention`, which reads and writes the paged KV cache
-through the step's attention backend (llmd.model.attention_backends, chosen once by the engine's runner).
+"""One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (sliding window), Qwen2 (qkv bias), Qwen3
+(q/k RMSNorm) and Phi-3/4 (longrope, partial rotary), written for the engine: the forward takes a flattened batch of
+tokens from many sequences with their positions, and every layer's attention goes through `paged_attention`, which
+reads and writes the paged KV cache through the step's attention backend (llmd.model.attention_backends, chosen once
+by the engine's runner).
 
 Parameter names follow Hugging Face (`model.layers.N.self_attn.o_proj.weight`, ...), so checkpoints load by name,
 except that q/k/v and gate/up are declared fused, as `qkv_proj` and `gate_up_proj` (one matmul each):
@@ -29,7 +30,7 @@ from torch import nn
 from .attention import AttentionMetadata, KVCache, paged_attention
 from .config import ModelConfig
 from .linear import make_linear
-from .ops import TORCH_OPS, Ops
+from .ops import TORCH_OPS, Ops, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -44,17 +45,36 @@ class RMSNorm(nn.Module):
         return self.ops.rms_norm(x, self.weight, self.eps)
 
 
+def longrope_uses_long_factors(config: ModelConfig) -> bool:
+    """longrope's factor set, chosen once for the context the model serves, as llama.cpp chooses it: the long factors
+    when that context exceeds the pretraining one (Phi-3.5's 128k), the short ones otherwise.
+
+    transformers decides by the sequence's current length instead, and its generate recomputes the whole cache with
+    the long factors when a sequence crosses the pretraining length. So both agree on any sequence longer than the
+    pretraining context (the long-context use), and on every sequence of a model served within it; a short sequence
+    of a long-context model gets the long factors here, as in llama.cpp. A per-sequence switch would need the engine
+    to recompute a crossing sequence's cache."""
+    scaling = config.rope_scaling or {}
+    return config.max_position_embeddings > int(scaling["original_max_position_embeddings"])
+
+
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in fp32, with llama3 / linear scaling applied as transformers does."""
-    dim = config.head_dim
+    """Inverse frequencies [rotary_dim / 2] in fp32, scaled as transformers does (llama3, linear, longrope) or as
+    llama.cpp does with a GGUF's per-frequency factors (rope_freqs)."""
+    dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling
+    if scaling and scaling["rope_type"] == "longrope":
+        key = "long_factor" if longrope_uses_long_factors(config) else "short_factor"
+        ext = torch.tensor(scaling[key], dtype=torch.float32, device=device)
+        return 1.0 / (ext * config.rope_theta ** exponents)
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
+    if config.rope_freq_factors is not None:  # llama.cpp: theta_i = pos * base^(-2i/d) / factor_i
+        return inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device=device)
     if not scaling:
         return inv_freq
-    rope_type = scaling.get("rope_type") or scaling.get("type")
     factor = float(scaling["factor"])
-    if rope_type == "linear":
+    if scaling["rope_type"] == "linear":
         return inv_freq / factor
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -69,11 +89,15 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin for arbitrary token positions (no precomputed table, so any position up to the model's limit works)."""
+    """cos/sin for arbitrary token positions (no precomputed table, so any position up to the model's limit works).
+    longrope's cos and sin are scaled by its attention factor, as transformers does."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
+        scaling = config.rope_scaling or {}
+        longrope = scaling.get("rope_type") == "longrope"
+        self.attention_scaling = float(scaling.get("attention_factor", 1.0)) if longrope else 1.0
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def init_buffers(self, device: torch.device | str) -> None:
@@ -81,12 +105,20 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.config, device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and a signed sin, [T, 1, head_dim] so they broadcast over heads: see llmd.model.ops.apply_rope."""
+        """cos and a signed sin, [T, 1, rotary_dim] so they broadcast over heads: see llmd.model.ops.apply_rope."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)  # [T, d/2]
         cos, sin = freqs.cos(), freqs.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
         cos = torch.cat((cos, cos), dim=-1)
         sin = torch.cat((-sin, sin), dim=-1)
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+
+def partial_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """RoPE on the first `rotary_dim` dimensions of each head of x [T, heads, head_dim], the rest passed through, as
+    transformers' Phi-3 applies a partial_rotary_factor (cos/sin are [T, 1, rotary_dim])."""
+    return torch.cat((apply_rope(x[..., :rotary_dim], cos, signed_sin), x[..., rotary_dim:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -98,6 +130,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.rotary_dim = config.rotary_dim  # < head_dim: partial rotary, the other dimensions pass through
         self.scale = self.head_dim ** -0.5
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = make_linear(hidden, q_size + 2 * kv_size, bias=config.attention_bias)
@@ -118,7 +151,13 @@ class Attention(nn.Module):
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
-        if self.q_norm is None:
+        if self.rotary_dim < d:  # partial rotary (Phi-4-mini): the first rotary_dim dimensions of each head turn
+            q = qkv[:, : heads * d].view(t, heads, d)
+            k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = partial_rope(q, cos, sin, self.rotary_dim), partial_rope(k, cos, sin, self.rotary_dim)
+        elif self.q_norm is None:
             # q and k lie side by side in the fused output: rotate both as one [t, heads + kv_heads, d] view
             q, k = self.ops.rope(qkv, cos, sin, heads + kv_heads, d).split([heads, kv_heads], dim=1)
         else:  # Qwen3: RMSNorm over each head of q and k before the rotation
