@@ -310,7 +310,7 @@ def test_engine_batched_equals_alone(kind, matrix_type, compiled, tiny_models, t
     assert isinstance(engine.runner.forward, CompiledCpuForward) == (compiled and cpu_gemm.available())
     batched = run_staggered(engine, prompts, params)
     assert [batched[str(i)] for i in range(len(prompts))] == alone
-    assert engine.stats()["prefix_cache_hits_tokens"] > 0
+    assert engine.stats().kv.prefix_hits_tokens > 0
 
 
 # ---- the configs of the released checkpoints (their shapes and rope settings, as their config.json give them)
