@@ -150,6 +150,57 @@ def parse_generate(body: dict, state: ServerState) -> Intake:
     return _intake(body, f, opts, kind, "prompt")
 
 
+class _Answer:
+    """Ollama answers: every chunk, and the whole answer, is one shape with `done` and, at the end, the stats.
+    The text goes through the generation's OutputParser: content, thinking and tool calls (each call whole)."""
+
+    fmt = "ndjson"
+
+    def __init__(self, model: str):
+        self.model = model
+        self.started = time.monotonic()
+
+    def shape(self, piece: Piece, done: bool, extra: dict) -> dict:
+        raise NotImplementedError
+
+    def whole(self, gen: Generation, res: GenerationResult) -> dict:
+        return self.shape(gen.output.parse(res.text), True, _final_stats(gen, self.started))
+
+    def events(self, gen: Generation, out: RequestOutput) -> list:
+        piece = gen.output.feed(out.text_delta)
+        done = output_reason(out) is not None
+        if done:
+            piece.add(gen.output.finish())
+        events = [self.shape(piece, False, {})] if piece else []
+        if done:
+            events.append(self.shape(Piece(), True, _final_stats(gen, self.started)))
+        return events
+
+    def tail(self, gen: Generation) -> list:
+        return []
+
+    def error(self, exc: ApiError) -> dict:
+        return {"error": exc.message}
+
+
+class ChatAnswer(_Answer):
+    def shape(self, piece: Piece, done: bool, extra: dict) -> dict:
+        message: dict = {"role": "assistant", "content": piece.content}
+        if piece.reasoning:
+            message["thinking"] = piece.reasoning
+        if piece.calls:
+            message["tool_calls"] = [{"function": {"name": c.name, "arguments": c.arguments}} for c in piece.calls]
+        return {"model": self.model, "created_at": _now(), "message": message, "done": done, **extra}
+
+
+class GenerateAnswer(_Answer):
+    def shape(self, piece: Piece, done: bool, extra: dict) -> dict:
+        body = {"model": self.model, "created_at": _now(), "response": piece.content, "done": done}
+        if piece.reasoning:
+            body["thinking"] = piece.reasoning
+        return {**body, **extra}
+
+
 async def chat(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body = await read_json(request, state.max_body_bytes)
