@@ -155,6 +155,31 @@ async def test_loads_on_demand_while_the_other_model_streams(daemon):
     assert 'llmd:num_requests_running{model_name="smollm2:135m-instruct-q4_1"}' in metrics
 
 
+async def test_two_models_stream_at_once_and_answer_as_they_do_alone(daemon):
+    """The bundled SmolLM2 and the tiny model stream at the same time (their engines' steps take turns at the CPU,
+    engine/turns.py): each stream delivers tokens while the other is in the middle of its own, and each greedy
+    answer is the one that model gives alone."""
+    async with aiohttp.ClientSession(daemon.url, timeout=aiohttp.ClientTimeout(total=300)) as http:
+        async def stream(model: str | None) -> tuple[list[str], list[float]]:
+            body = {"messages": FRANCE, "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True,
+                    "logprobs": True, **({"model": model} if model else {})}
+            ids, times = [], []
+            async with http.post("/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        choice = (json.loads(line[6:])["choices"] or [{}])[0]
+                        for lp in (choice.get("logprobs") or {}).get("content") or []:
+                            ids.append(lp["token"])
+                            times.append(time.monotonic())
+            return ids, times
+
+        alone = [(await stream(None))[0], (await stream("tiny"))[0]]
+        (a, a_times), (b, b_times) = await asyncio.gather(stream(None), stream("tiny"))
+    assert [a, b] == alone and len(a) == len(b) == 24
+    assert any(a_times[0] < t < a_times[-1] for t in b_times) and any(b_times[0] < t < b_times[-1] for t in a_times)
+
+
 def urlread(d, path: str) -> str:
     import urllib.request
 
