@@ -195,7 +195,9 @@ class DaemonClient:
         for m in payload.get("data", []) if isinstance(payload, dict) else []:
             if not isinstance(m, dict) or not isinstance(m.get("id"), str):
                 continue
-            ext = m.get("llmd") if isinstance(m.get("llmd"), dict) else {}
+            ext = m.get("llmd")
+            if not isinstance(ext, dict):
+                ext = {}
             out.append(ModelEntry(m["id"], str(ext.get("source") or ""), str(ext.get("where") or ""),
                                   bool(ext.get("loaded")), int(ext.get("size") or 0)))
         return out
