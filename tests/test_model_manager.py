@@ -155,6 +155,31 @@ async def test_loads_on_demand_while_the_other_model_streams(daemon):
     assert 'llmd:num_requests_running{model_name="smollm2:135m-instruct-q4_1"}' in metrics
 
 
+async def test_two_models_stream_at_once_and_answer_as_they_do_alone(daemon):
+    """The bundled SmolLM2 and the tiny model stream at the same time (their engines' steps take turns at the CPU,
+    engine/turns.py): each stream delivers tokens while the other is in the middle of its own, and each greedy
+    answer is the one that model gives alone."""
+    async with aiohttp.ClientSession(daemon.url, timeout=aiohttp.ClientTimeout(total=300)) as http:
+        async def stream(model: str | None) -> tuple[list[str], list[float]]:
+            body = {"messages": FRANCE, "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True,
+                    "logprobs": True, **({"model": model} if model else {})}
+            ids, times = [], []
+            async with http.post("/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        choice = (json.loads(line[6:])["choices"] or [{}])[0]
+                        for lp in (choice.get("logprobs") or {}).get("content") or []:
+                            ids.append(lp["token"])
+                            times.append(time.monotonic())
+            return ids, times
+
+        alone = [(await stream(None))[0], (await stream("tiny"))[0]]
+        (a, a_times), (b, b_times) = await asyncio.gather(stream(None), stream("tiny"))
+    assert [a, b] == alone and len(a) == len(b) == 24
+    assert any(a_times[0] < t < a_times[-1] for t in b_times) and any(b_times[0] < t < b_times[-1] for t in a_times)
+
+
 def urlread(d, path: str) -> str:
     import urllib.request
 
@@ -261,6 +286,52 @@ def test_ollama_store_in_place(daemon):
     assert sources["smol:latest"] == "ollama" and sources["smollm2:135m-instruct-q4_1"] == "bundled", sources
     assert sources["tiny"] == "config"
     client.generate(model="smol", prompt="", keep_alive=0)
+
+
+async def test_model_defaults_apply_on_every_route(daemon):
+    """smol's params layer (stop "Paris", temperature 0, num_ctx 512) applies on every dialect's route, through
+    real clients, and the request's own values win."""
+    import anthropic
+
+    oai = openai.AsyncOpenAI(base_url=daemon.url + "/v1", api_key="x")
+    chat = await oai.chat.completions.create(model="smol", messages=FRANCE, max_tokens=24)
+    assert "Paris" not in chat.choices[0].message.content and chat.choices[0].finish_reason == "stop", chat
+    own = await oai.chat.completions.create(model="smol", messages=FRANCE, max_tokens=24, stop=["\n\n\n"])
+    assert "Paris" in own.choices[0].message.content  # its own stop wins; the model's temperature 0 still applies
+    greedy = await oai.chat.completions.create(model="smol", messages=FRANCE, max_tokens=24, stop=["\n\n\n"],
+                                               temperature=0)
+    assert greedy.choices[0].message.content == own.choices[0].message.content
+
+    text = "The capital of France is"
+    done = await oai.completions.create(model="smol", prompt=text, max_tokens=8)
+    assert "Paris" not in done.choices[0].text and done.choices[0].finish_reason == "stop", done
+    done = await oai.completions.create(model="smol", prompt=text, max_tokens=8, stop=["\n\n\n"])
+    assert "Paris" in done.choices[0].text, done
+
+    async with aiohttp.ClientSession(daemon.url) as http:
+        status, body = await post(http, "/completion", {"model": "smol", "prompt": text, "n_predict": 8})
+        assert status == 200 and "Paris" not in body["content"] and body["stop_type"] != "limit", body
+        status, body = await post(http, "/completion", {"model": "smol", "prompt": text, "n_predict": 8,
+                                                        "stop": ["\n\n\n"], "temperature": 0})
+        assert status == 200 and "Paris" in body["content"], body
+
+    ant = anthropic.AsyncAnthropic(base_url=daemon.url, api_key="x")
+    msg = await ant.messages.create(model="smol", max_tokens=24, messages=FRANCE)
+    assert "Paris" not in msg.content[0].text and msg.stop_reason != "max_tokens", msg
+    msg = await ant.messages.create(model="smol", max_tokens=24, messages=FRANCE, stop_sequences=["\n\n\n"])
+    assert "Paris" in msg.content[0].text, msg
+
+    resp = await oai.responses.create(model="smol", input=FRANCE[0]["content"], max_output_tokens=24)
+    assert "Paris" not in resp.output_text and resp.status == "completed", resp
+
+    # num_ctx 512 is the context on every route unless a request sets its own (Ollama's options.num_ctx)
+    long = [{"role": "user", "content": "word " * 700}]
+    with pytest.raises(openai.BadRequestError) as err:
+        await oai.chat.completions.create(model="smol", messages=long, max_tokens=4)
+    assert "the context holds 512" in str(err.value), err.value
+    await oai.close()
+    await ant.close()
+    ollama.Client(host=daemon.url).generate(model="smol", prompt="", keep_alive=0)
 
 
 async def test_eviction_least_recently_used_under_the_budget(small_budget):

@@ -12,7 +12,7 @@ from llmd.errors import LlmdError
 from llmd.server.metrics import Metrics
 from llmd.server.responses import timings_dict
 from llmd.server.security import SecurityPolicy, is_loopback_host, read_key_file
-from llmd.server.validation import ApiError, Field, check_fields, parse_messages
+from llmd.server.validation import MAX_NEW_TOKENS, ApiError, Field, check_fields, parse_messages
 
 
 @pytest.mark.parametrize("host, ok", [
@@ -131,3 +131,48 @@ def test_service_install_writes_unit(tmp_path):
     assert "StandardError=journal" in unit
     out = subprocess.run([llmd_exe(), "service", "uninstall"], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and not (tmp_path / "systemd" / "user" / "llmd.service").exists()
+
+
+def _parsed(route: str, body: dict):
+    from llmd.server import anthropic, llamacpp, ollama, openai, responses_api
+    from llmd.server.core import ServerState
+    from llmd.server.response_store import ResponseStore
+
+    state = ServerState(model_name="m")
+    msgs = [{"role": "user", "content": "hi"}]
+    if route == "openai-chat":
+        return openai.parse_chat({"model": "m", "messages": msgs, **body}, state)
+    if route == "openai-completions":
+        return openai.parse_completion({"model": "m", "prompt": "hi", **body}, state)
+    if route == "llamacpp":
+        return llamacpp.parse_completion({"prompt": "hi", **body}, state)
+    if route == "anthropic":
+        return anthropic.parse({"model": "m", "messages": msgs, "max_tokens": 64, **body}, state)[0]
+    if route == "responses":
+        return responses_api.parse({"model": "m", "input": "hi", **body}, state, ResponseStore())[0]
+    return ollama.parse_chat({"model": "m", "messages": msgs, "options": body}, state)
+
+
+OWN = {  # each route's names for temperature 0.9 and stop ["X"] (the Responses API has no stop)
+    "openai-chat": {"temperature": 0.9, "stop": ["X"], "max_tokens": 7},
+    "openai-completions": {"temperature": 0.9, "stop": ["X"], "max_tokens": 7},
+    "llamacpp": {"temperature": 0.9, "stop": ["X"], "n_predict": 7},
+    "anthropic": {"temperature": 0.9, "stop_sequences": ["X"], "max_tokens": 7},
+    "responses": {"temperature": 0.9, "max_output_tokens": 7},
+    "ollama": {"temperature": 0.9, "stop": ["X"], "num_predict": 7},
+}
+
+
+@pytest.mark.parametrize("route", sorted(OWN))
+def test_model_defaults_fill_what_the_request_left_unset_on_every_route(route):
+    from llmd.server.intake import with_model_defaults
+
+    defaults = {"temperature": 0.0, "stop": ["<|end|>"], "num_ctx": 512, "top_k": 5, "num_predict": -1}
+    plain = with_model_defaults(_parsed(route, {}), defaults)
+    assert plain.params.temperature == 0.0 and plain.params.stop == ["<|end|>"] and plain.params.top_k == 5
+    # num_predict -1: to the context end (Anthropic's max_tokens is required, so the request's own)
+    assert plain.num_ctx == 512 and plain.params.max_tokens == (64 if route == "anthropic" else MAX_NEW_TOKENS)
+    own = with_model_defaults(_parsed(route, OWN[route]), defaults)
+    assert own.params.temperature == 0.9 and own.params.max_tokens == 7 and own.params.top_k == 5
+    assert own.params.stop == (["<|end|>"] if route == "responses" else ["X"])
+    assert with_model_defaults(_parsed(route, {}), {}).params == _parsed(route, {}).params  # no defaults: as parsed

@@ -334,3 +334,38 @@ def test_tui_never_imports_torch_and_starts_fast():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out[0] == "False", "the TUI pulled in torch"
     assert float(out[1]) < 1.0, f"importing the TUI took {out[1]} s of CPU"
+
+
+async def test_model_picker_loads_on_selection_with_progress_and_errors(fake, tmp_path):
+    from llmd.tui.screens import ModelPicker
+
+    fake.behaviour.models = ["fake-model", "other-model", "broken-model"]
+    fake.behaviour.load_delay_s = 0.6
+    fake.behaviour.load_errors = {"broken-model": "not enough memory"}
+    app = make_app(fake, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(pilot)
+        await pilot.press("ctrl+l")
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker) and app.screen.entries)
+        picker = app.screen
+        assert [(e.name, e.loaded) for e in picker.entries] == [
+            ("fake-model", True), ("other-model", False), ("broken-model", False)]
+        options = picker.query_one("#models")
+        options.highlighted = 2
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "loading broken-model" in str(picker.query_one("#progress").render()))
+        await wait_for(pilot, lambda: "did not load" in str(picker.query_one("#error").render()))
+        assert "not enough memory" in str(picker.query_one("#error").render()) and app.screen is picker
+        options.highlighted = 1
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "loading other-model" in str(picker.query_one("#progress").render()))
+        await wait_for(pilot, lambda: "other-model" in app.sub_title)
+        assert app.default_model == "other-model" and not isinstance(app.screen, ModelPicker)
+        await send(pilot, "hi")
+        await answered(pilot)
+        assert fake.requests[-1]["model"] == "other-model"
+        await pilot.press("ctrl+l")  # Esc keeps the model
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker) and app.screen.entries)
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ModelPicker))
+        assert app.conversation.model == "other-model"

@@ -152,3 +152,75 @@ def test_llmd_chat_in_a_real_terminal(daemon, tmp_path):
     saved = ChatStore(tmp_path / "data" / "llmd" / "chat.sqlite3").list()[0]
     assert [m.role for m in ChatStore(tmp_path / "data" / "llmd" / "chat.sqlite3").get(saved.id).messages] == [
         "user", "assistant"]
+
+
+@pytest.fixture(scope="module")
+def two_model_daemon(tmp_path_factory, tiny_qwen2, smollm2_gguf):
+    """The bundled SmolLM2 (loaded at start) and, in the config, a tiny model and a GGUF cut after 1 MiB (its
+    header reads, its load fails)."""
+    base = tmp_path_factory.mktemp("llmd_tui_models")
+    broken = base / "broken.gguf"
+    with open(smollm2_gguf, "rb") as src:
+        broken.write_bytes(src.read(1 << 20))
+    (base / "config" / "llmd").mkdir(parents=True)
+    (base / "config" / "llmd" / "config.toml").write_text(
+        f'[models.tiny]\npath = "{tiny_qwen2}"\n\n[models.broken]\npath = "{broken}"\n')
+    d = start_daemon(base, "--kv-cache-bytes", str(48 << 20))
+    yield d
+    d.stop()
+
+
+def picker_rows(screen) -> list[str]:
+    options = screen.query_one("#models")
+    return [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
+
+
+async def test_model_picker_lists_loads_and_reports_a_failed_load(two_model_daemon, tiny_qwen2, tmp_path):
+    """Ctrl+L lists every servable model with where it lives and whether it is loaded; picking a cold one loads it
+    on the daemon, and the chat then answers with it; a model that fails to load shows the
+    daemon's reason and the picker stays open."""
+    from llmd.tui.screens import ModelPicker
+
+    d = two_model_daemon
+    app = chat_app(d, tmp_path, temperature=0.0, max_tokens=6)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: "connected" in str(app.query_one("#status").render()))
+        await pilot.press("ctrl+l")
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker) and app.screen.entries)
+        picker = app.screen
+        rows = {e.name: e for e in picker.entries}
+        bundled = d.stats()["model"]
+        assert rows[bundled].loaded and rows[bundled].source == "bundled" and rows[bundled].size > 0
+        assert not rows["tiny"].loaded and rows["tiny"].source == "config" and rows["tiny"].where == str(tiny_qwen2)
+        shown = picker_rows(picker)
+        assert shown[0].startswith("●") and bundled in shown[0]  # loaded first, marked
+        assert any(r.startswith(" ") and "tiny" in r and "config" in r for r in shown), shown
+
+        # a load that fails: the daemon's reason, and the list stays open
+        picker.query_one("#models").highlighted = [e.name for e in picker.entries].index("broken")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "did not load" in str(picker.query_one("#error").render()))
+        assert app.screen is picker and "broken" in str(picker.query_one("#error").render())
+
+        # a cold model: loaded on selection (in milliseconds: its progress line is tested against a slow fake daemon,
+        # test_tui_chat.py), then picked for this chat
+        picker.query_one("#models").highlighted = [e.name for e in picker.entries].index("tiny")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: "tiny" in app.sub_title)
+        assert app.conversation.model == "tiny"
+        assert "tiny" in {m["name"] for m in d.get_json("/api/ps")[1]["models"]}
+
+        await ask(pilot, QUESTION)
+        await wait_for(pilot, lambda: answers(app) and not app.generating)
+        saved = app.store.get(app.conversation.id).messages[-1]
+        assert saved.role == "assistant" and saved.model == "tiny" and saved.timings["generated_tokens"] == 6
+
+        # opened again: tiny is now loaded and the current one; Enter on it picks it at once
+        await pilot.press("ctrl+l")
+        await wait_for(pilot, lambda: isinstance(app.screen, ModelPicker) and app.screen.entries)
+        assert {e.name: e for e in app.screen.entries}["tiny"].loaded
+        assert any("tiny (this chat)" in r for r in picker_rows(app.screen))
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: not isinstance(app.screen, ModelPicker) and "loaded" in str(
+            app.query_one("#status").render()))
+        assert app.conversation.model == "tiny"

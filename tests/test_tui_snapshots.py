@@ -64,6 +64,21 @@ def test_settings_screen(fake, tmp_path, snap_compare):
     assert snap_compare(chat_app(fake, tmp_path), terminal_size=SIZE, run_before=open_settings)
 
 
+def test_model_picker_screen(fake, tmp_path, snap_compare):
+    fake.behaviour.models = ["fake-model", "other-model", "qwen2.5-coder:1.5b"]
+
+    async def open_picker(pilot):
+        await until_connected(pilot)
+        await pilot.press("ctrl+l")
+        for _ in range(100):
+            if pilot.app.screen.query("#models") and pilot.app.screen.entries:
+                break
+            await pilot.pause(0.05)
+        await pilot.pause(0.3)
+
+    assert snap_compare(chat_app(fake, tmp_path), terminal_size=SIZE, run_before=open_picker)
+
+
 def test_no_daemon_screen(tmp_path, snap_compare):
     # Port 1 on loopback: nothing listens there, so the offer to start a daemon shows, with a stable address.
     app = ChatApp(DaemonClient([Endpoint(port=1)]), ChatStore(tmp_path / "chat.db"))

@@ -69,6 +69,9 @@ class Behaviour:
     error_status: int | None = None  # answer chat with this HTTP error
     loading_until: float = 0.0    # /health says "loading" until this time.time()
     models: list[str] = field(default_factory=lambda: ["fake-model", "other-model"])
+    loaded: set[str] = field(default_factory=lambda: {"fake-model"})  # /v1/models marks these; /api/generate adds
+    load_delay_s: float = 0.0  # how long loading a model takes (POST /api/generate with an empty prompt)
+    load_errors: dict[str, str] = field(default_factory=dict)  # model -> the daemon's reason it cannot load
     spec: bool = False
     stats_interval_s: float = 0.2
 
@@ -94,6 +97,7 @@ class FakeDaemon:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/v1/llmd/stats", self.stats)
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/api/generate", self.load)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -102,7 +106,23 @@ class FakeDaemon:
         return web.json_response({"status": "ok", "model": "fake-model"})
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": m, "object": "model"} for m in self.behaviour.models]})
+        b = self.behaviour
+        data = [{"id": m, "object": "model", "llmd": {"source": "config", "where": f"/models/{m}.gguf",
+                                                      "loaded": m in b.loaded, "size": 100 << 20}}
+                for m in sorted(b.models, key=lambda m: m not in b.loaded)]
+        return web.json_response({"object": "list", "data": data})
+
+    async def load(self, request: web.Request) -> web.Response:
+        """Ollama's load request (an empty prompt), as llmd answers it."""
+        name = (await request.json()).get("model")
+        b = self.behaviour
+        await asyncio.sleep(b.load_delay_s)
+        if name in b.load_errors:
+            return web.json_response({"error": f"model {name!r} failed to load: {b.load_errors[name]}"}, status=503)
+        if name not in b.models:
+            return web.json_response({"error": f"model {name!r} not found"}, status=404)
+        b.loaded.add(name)
+        return web.json_response({"model": name, "response": "", "done": True, "done_reason": "load"})
 
     async def stats(self, request: web.Request) -> web.StreamResponse:
         if request.query.get("stream") != "1":

@@ -19,7 +19,7 @@ from textual.worker import Worker, WorkerState
 
 from .client import ChatRequest, DaemonClient, DaemonError, DaemonUnavailable
 from .launcher import DaemonStartFailed, daemon_log_path, serve_argv, spawn_daemon, wait_until_ready
-from .screens import ChatSettings, Confirm, HelpScreen, SettingsScreen, StartDaemonScreen, TextPrompt
+from .screens import ChatSettings, Confirm, HelpScreen, ModelPicker, SettingsScreen, StartDaemonScreen, TextPrompt
 from .store import DEFAULT_TITLE, ChatStore, Conversation, Message
 from .top_app import TopScreen
 from .widgets import MessageView, PromptInput
@@ -55,6 +55,7 @@ class ChatApp(App):
     MessageView.failed .timings { color: $error; }
     .dialog { width: 60; height: auto; max-height: 90%; border: thick $primary; background: $surface; padding: 1 2; }
     .dialog.wide { width: 80; }
+    .dialog.picker { width: 96; max-width: 100%; }
     .dialog TextArea { height: 6; }
     .dialog .buttons { height: auto; margin-top: 1; }
     .dialog .error { color: $error; }
@@ -64,6 +65,7 @@ class ChatApp(App):
         Binding("escape", "stop", "Stop", show=False),
         Binding("ctrl+r", "regenerate", "Regenerate"),
         Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+l", "pick_model", "Model"),
         Binding("ctrl+o", "settings", "Settings"),
         Binding("ctrl+f", "search", "Search", show=False),
         Binding("f2", "rename", "Rename", show=False),
@@ -284,6 +286,24 @@ class ChatApp(App):
         self.update_subtitle()
         await self.refresh_sidebar()
 
+    @work(exclusive=True, group="dialog")
+    async def action_pick_model(self) -> None:
+        """The model picker: the chosen model (loaded by the picker) answers this chat from now on."""
+        conv = self.conversation
+        current = (conv.model if conv else None) or self.default_model
+        chosen = await self.push_screen_wait(ModelPicker(self.client, current))
+        if chosen is None:
+            return
+        if conv is None:
+            self.default_model = chosen  # the next chat is created with it
+        else:
+            self.store.update_settings(conv.id, model=chosen, system_prompt=conv.system_prompt,
+                                       temperature=conv.temperature, max_tokens=conv.max_tokens)
+            self.conversation = self.store.get(conv.id)
+        self.update_subtitle()
+        self.set_status(f"model {chosen} · loaded")
+        self.query_one("#prompt").focus()
+
     # --- chatting -----------------------------------------------------------------------------------------------
 
     @on(PromptInput.Submitted)
@@ -388,6 +408,8 @@ class ChatApp(App):
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         yield SystemCommand("New chat", "Start a new conversation", self.action_new_chat)
+        yield SystemCommand("Pick a model", "Every model the daemon can serve; picking loads it",
+                            self.action_pick_model)
         yield SystemCommand("Chat settings", "Model, system prompt, temperature, max tokens", self.action_settings)
         yield SystemCommand("Rename chat", "Give this conversation a title", self.action_rename)
         yield SystemCommand("Delete chat", "Delete this conversation", self.action_delete)

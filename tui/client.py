@@ -63,6 +63,17 @@ class ChatChunk:
 
 
 @dataclass
+class ModelEntry:
+    """One model the daemon can serve, as /v1/models lists it: where it lives and whether it is loaded."""
+
+    name: str
+    source: str = ""  # bundled, pulled, hf-cache, ollama, config, remote...
+    where: str = ""  # its file or folder, or a remote model's URL
+    loaded: bool = False
+    size: int = 0  # bytes; 0 when unknown
+
+
+@dataclass
 class ChatRequest:
     messages: list[dict[str, str]]
     model: str | None = None
@@ -173,9 +184,29 @@ class DaemonClient:
         return payload if isinstance(payload, dict) else {"status": "unknown"}
 
     async def models(self) -> list[str]:
+        return [m.name for m in await self.model_entries()]
+
+    async def model_entries(self) -> list[ModelEntry]:
+        """Every servable model, the loaded ones first (llmd's `llmd` extension of /v1/models; plain servers give
+        names only)."""
         status, payload = await self._request("GET", "/v1/models")
         _raise_for(status, payload)
-        return [m["id"] for m in payload.get("data", []) if isinstance(m, dict) and "id" in m]
+        out = []
+        for m in payload.get("data", []) if isinstance(payload, dict) else []:
+            if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+                continue
+            ext = m.get("llmd")
+            if not isinstance(ext, dict):
+                ext = {}
+            out.append(ModelEntry(m["id"], str(ext.get("source") or ""), str(ext.get("where") or ""),
+                                  bool(ext.get("loaded")), int(ext.get("size") or 0)))
+        return out
+
+    async def load_model(self, name: str) -> None:
+        """Load a model now (Ollama's empty-prompt request); returns once it is ready. DaemonError carries the
+        daemon's reason when it cannot (not found, too big for the memory budget, a broken file)."""
+        status, payload = await self._request("POST", "/api/generate", json={"model": name, "stream": False})
+        _raise_for(status, payload)
 
     async def stats(self) -> dict[str, Any]:
         status, payload = await self._request("GET", "/v1/llmd/stats")

@@ -1,15 +1,27 @@
-"""Modal screens of `llmd chat`: help, rename, confirm, per-conversation settings, and starting a daemon."""
+"""Modal screens of `llmd chat`: help, rename, confirm, per-conversation settings, the model picker, and starting a
+daemon."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from textual import work
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
-from textual.widgets import Button, Input, Label, LoadingIndicator, Markdown, Select, Static, TextArea
+from textual.widgets import Button, Input, Label, LoadingIndicator, Markdown, OptionList, Select, Static, TextArea
+from textual.widgets.option_list import Option
+
+from .client import DaemonError, DaemonUnavailable, ModelEntry
+
+if TYPE_CHECKING:
+    from .client import DaemonClient
+
+WHERE_CHARS = 30
 
 KEYS_HELP = """\
 # llmd chat — keys
@@ -22,6 +34,7 @@ KEYS_HELP = """\
 | Ctrl+R | regenerate the last answer (or retry after an error) |
 | Ctrl+N | new chat |
 | Ctrl+P | command palette |
+| Ctrl+L | pick a model: every one the daemon can serve; picking loads it |
 | Ctrl+O | settings of this chat: model, system prompt, temperature, max tokens |
 | Ctrl+F | search conversations |
 | F2 | rename this chat |
@@ -161,6 +174,93 @@ class SettingsScreen(ModalScreen[ChatSettings | None]):
             temperature=temperature,
             max_tokens=max_tokens,
         )
+
+
+def model_row(entry: ModelEntry, current: str | None) -> str:
+    """One picker line: loaded mark, name, where it comes from, size, and where it lives (its tail)."""
+    mark = "●" if entry.loaded else " "
+    size = f"{entry.size / 2**20:.0f} MiB" if entry.size else ""
+    where = entry.where if len(entry.where) <= WHERE_CHARS else "…" + entry.where[-(WHERE_CHARS - 1):]
+    name = entry.name + (" (this chat)" if entry.name == current else "")
+    return f"{mark} {name:<30} {entry.source:<9} {size:>9}  {where}"
+
+
+class ModelPicker(ModalScreen[str | None]):
+    """Every model the daemon can serve (as /v1/models lists them), loaded ones first and marked ●. Enter picks one:
+    a model not loaded yet is loaded first, its progress shown here; a failure shows the daemon's reason and the
+    list stays open. Dismisses the picked name, or None (Esc)."""
+
+    BINDINGS = [Binding("escape", "cancel", "Cancel")]
+
+    def __init__(self, client: DaemonClient, current: str | None):
+        super().__init__()
+        self.client, self.current = client, current
+        self.entries: list[ModelEntry] = []
+        self.loading: str | None = None
+
+    def compose(self) -> ComposeResult:
+        with Vertical(classes="dialog picker"):
+            yield Label("Models the daemon can serve (● loaded). Enter picks one, loading it first; Esc cancels.")
+            yield OptionList(id="models")
+            yield LoadingIndicator(id="spinner")
+            yield Static("", id="progress")
+            yield Static("", id="error", classes="error")
+
+    def on_mount(self) -> None:
+        self.query_one("#spinner").display = False
+        self.refresh_list()
+
+    @work(exclusive=True, group="list")
+    async def refresh_list(self) -> None:
+        try:
+            self.entries = await self.client.model_entries()
+        except (DaemonUnavailable, DaemonError) as exc:
+            self.query_one("#error", Static).update(f"could not list the models: {exc}")
+            return
+        options = self.query_one("#models", OptionList)
+        options.clear_options()
+        options.add_options([Option(model_row(e, self.current), id=e.name) for e in self.entries])
+        names = [e.name for e in self.entries]
+        options.highlighted = names.index(self.current) if self.current in names else 0 if names else None
+        options.focus()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        if self.loading is not None:
+            return
+        entry = next((e for e in self.entries if e.name == event.option.id), None)
+        if entry is None:
+            return
+        if entry.loaded:
+            self.dismiss(entry.name)
+        else:
+            self.load(entry.name)
+
+    @work(exclusive=True, group="load")
+    async def load(self, name: str) -> None:
+        self.loading = name
+        self.query_one("#error", Static).update("")
+        self.query_one("#spinner").display = True
+        progress = self.query_one("#progress", Static)
+        started = time.monotonic()
+        task = asyncio.ensure_future(self.client.load_model(name))
+        try:
+            while not task.done():
+                progress.update(f"loading {name}… {time.monotonic() - started:.1f} s")
+                await asyncio.wait({task}, timeout=0.2)
+            task.result()
+        except (DaemonUnavailable, DaemonError) as exc:
+            self.query_one("#spinner").display = False
+            progress.update("")
+            self.query_one("#error", Static).update(f"{name} did not load: {exc}")
+            self.loading = None
+            self.query_one("#models", OptionList).focus()  # pick another
+            return
+        finally:
+            task.cancel()  # Esc while loading: stop waiting (the daemon finishes the load by itself)
+        self.dismiss(name)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
 
 
 class StartDaemonScreen(ModalScreen[bool]):

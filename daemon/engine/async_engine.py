@@ -1,7 +1,8 @@
 """AsyncEngine: the engine loop in its own thread, with an asyncio front for the server.
 
 The event loop never waits on the model: submit() validates at once and queues a command; the engine thread drains
-commands before every step, runs the step, and hands the outputs back with call_soon_threadsafe. Each request reads
+commands before every step, runs the step, and hands the outputs back with call_soon_threadsafe. On the CPU it takes
+each step in turn with the process's other engines (engine/turns.py), so two models share the cores fairly. Each request reads
 its outputs from a RequestStream whose buffer is bounded: when a slow reader lets it fill, new outputs are merged
 into the last buffered one (tokens and text concatenated), so nothing is lost and nothing grows without limit.
 If a step raises, every in-flight request ends with an error output, and the engine is marked dead (stats show
@@ -27,6 +28,7 @@ from collections import deque
 from ..errors import EngineDead, InvalidRequest, QueueFull
 from .engine import Engine, EngineStats
 from .grammar import COMPILE_TIMEOUT_S, CompiledGrammar
+from .turns import turns_for
 from .types import Constraint, ConstraintError, EmbedParams, FinishReason, Priority, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -97,6 +99,7 @@ class AsyncEngine:
         self.started_at: float | None = None
         self._compiler = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="llmd-grammar")
         self._grammar_wait: list[tuple] = []  # add commands whose grammar is still compiling (engine thread only)
+        self._turns = turns_for(engine.device.type)  # CPU engines step in turns with the process's others (turns.py)
 
     @property
     def tokenizer(self):
@@ -274,7 +277,11 @@ class AsyncEngine:
                 self._wake.clear()  # before draining: a command or compiled grammar arriving later still wakes us
                 outputs = self._drain_commands()
                 if engine.has_work():
-                    outputs += engine.step()
+                    if self._turns is None:
+                        outputs += engine.step()
+                    else:
+                        with self._turns.turn():
+                            outputs += engine.step()
                 elif not outputs:
                     self._wake.wait(IDLE_WAIT_S)  # a command, a compiled grammar or shutdown wakes it
                     continue

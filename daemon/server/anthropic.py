@@ -40,7 +40,7 @@ from ..tools.parsers import ToolCall
 from ..tools.spec import AnswerFormat, Function, ToolSpec, check_schema
 from .agents import MAX_BLOCKS, call_entry, flat_tools, parts_in_order, renamed, text_of, token_counts
 from .core import Generation, GenerationResult, ServerState, encode_prompt, output_reason, run, state_of
-from .intake import ChatPrompt, Intake, checked_params
+from .intake import ChatPrompt, Intake, checked_params, given_fields
 from .validation import MAX_MESSAGES, STOP, TOP_P, ApiError, Field, bad_field, check_fields, read_json, require
 
 FIELDS = {
@@ -250,8 +250,10 @@ def parse(body: dict, state: ServerState, count_only: bool = False) -> tuple[Int
     params = checked_params(SamplingParams(
         max_tokens=f.get("max_tokens", 1), temperature=float(f.get("temperature", 1.0)),
         top_p=float(f.get("top_p", 1.0)) or 1e-6, top_k=f.get("top_k", 0), stop=f.get("stop_sequences", [])))
+    given = given_fields(f, {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+                             "top_k": "top_k", "stop_sequences": "stop"})
     return Intake(f.get("model"), prompt, params, bool(f.get("stream")), length_field="messages",
-                  answer=answer_format(f)), show
+                  answer=answer_format(f), given=given), show
 
 
 def _dialect(exc: ApiError) -> ApiError:

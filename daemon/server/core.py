@@ -19,7 +19,7 @@ from ..tools.families import ModelTraits, model_traits
 from ..tools.grammar import answer_constraint
 from ..tools.parsers import OutputParser
 from ..tools.plan import ChatPlan, plan_chat
-from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt
+from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, with_model_defaults
 from .metrics import Metrics
 from .streaming import EventStream, pump
 from .validation import ApiError
@@ -256,8 +256,7 @@ class Renderer(Protocol):
 async def run(request: web.Request, state: ServerState, intake: Intake, renderer: Renderer) -> web.StreamResponse:
     """Serve one parsed request: find the engine, encode, check the length, submit, then stream or collect."""
     state = await state.use_model(request, intake.model, intake.keep_alive)  # the one place a request binds its model
-    if state.options and intake.with_model_options is not None:
-        intake = intake.with_model_options(state.options)
+    intake = with_model_defaults(intake, state.options)  # the model's default options, under the request's own
     engine = state.require_engine()
     prompt_ids, constraint, parser = await encode_prompt(engine, intake, state.model_name)
     check_length(engine, prompt_ids, intake.params, intake.length_field, intake.num_ctx)

@@ -4,17 +4,26 @@ A dialect reads its body once, checks its field table once, and builds an `Intak
 the engine's SamplingParams (validated here, once), the stream flag and the few dialect options a renderer needs.
 From there one path serves every route: encode the prompt, check its length, submit, then stream or collect
 (`core.run`). The engine checks what only it knows (vocabulary, KV pool) once more, in `AsyncEngine.submit`.
+
+A model may carry default options (an Ollama manifest's params layer: stop, num_ctx, temperature...). They apply on
+every route, in one place (`with_model_defaults`, called by core.run once the model is bound): each fills a sampling
+field the request left unset (`Intake.given` names the ones it set), as Ollama applies them under a request's own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Union
+from dataclasses import dataclass, field, replace
+from typing import Union
 
 from ..engine.types import SamplingParams
 from ..errors import InvalidRequest
 from ..tools.spec import AnswerFormat, ToolSpec
-from .validation import ApiError
+from .validation import MAX_NEW_TOKENS, ApiError
+
+# Options in Ollama's names (a params layer, Ollama's `options`) -> the SamplingParams field each sets
+OPTION_PARAMS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
+                 "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+                 "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop", "num_predict": "max_tokens"}
 
 
 @dataclass(frozen=True)
@@ -71,9 +80,45 @@ class Intake:
     echo: bool = False  # OpenAI completions: the prompt text before the answer
     time_limit_s: float | None = None
     keep_alive: object = None  # Ollama's keep_alive, read by the model manager (llmd.server.models)
-    # The same request with the bound model's default options under its own (Ollama's params layer), for the
-    # dialects that take them
-    with_model_options: Callable[[dict], "Intake"] | None = None
+    given: frozenset[str] = frozenset()  # the SamplingParams fields the request set itself (see with_model_defaults)
+
+
+def given_fields(f: dict, names: dict[str, str]) -> frozenset[str]:
+    """The SamplingParams fields a dialect's checked body sets; `names`: its field name -> the SamplingParams one."""
+    return frozenset(names[k] for k in f if k in names)
+
+
+def option_value(key: str, value):
+    """An Ollama-named option as its SamplingParams value (Ollama's conventions: num_predict -1, -2 and 0 run to the
+    context end; top_k 0 and below, top_p 0 and repeat_penalty 0 are off)."""
+    if key == "num_predict":
+        return MAX_NEW_TOKENS if value in (-1, -2, 0) else value
+    if key == "top_k":
+        return max(value, 0)
+    if key == "top_p":
+        return float(value) or 1e-6
+    if key == "repeat_penalty":
+        return float(value) or 1.0
+    if key == "stop":
+        return list(value)
+    return value if key == "seed" else float(value)
+
+
+def with_options(params: SamplingParams, options: dict, keep: frozenset[str] = frozenset()) -> SamplingParams:
+    """params with the Ollama-named options applied, except to the fields in `keep`."""
+    changes = {OPTION_PARAMS[k]: option_value(k, v) for k, v in options.items()
+               if k in OPTION_PARAMS and OPTION_PARAMS[k] not in keep}
+    return replace(params, **changes) if changes else params
+
+
+def with_model_defaults(intake: Intake, options: dict) -> Intake:
+    """The request over its model's default options, on every route: each fills a field the request left unset
+    (its num_ctx too); the request's own values win."""
+    if not options:
+        return intake
+    params = checked_params(with_options(intake.params, options, intake.given))
+    num_ctx = intake.num_ctx if intake.num_ctx is not None else options.get("num_ctx")
+    return replace(intake, params=params, num_ctx=num_ctx)
 
 
 def checked_params(params: SamplingParams) -> SamplingParams:

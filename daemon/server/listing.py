@@ -65,7 +65,8 @@ async def servable(state: ServerState) -> list[dict]:
 
 def _card(state: ServerState, row: dict) -> dict:
     return {"id": row["name"], "object": "model", "created": int(state.started_wall), "owned_by": "llmd",
-            "llmd": {"source": row["source"], "where": row["where"], "loaded": row["loaded"] is not None}}
+            "llmd": {"source": row["source"], "where": row["where"], "loaded": row["loaded"] is not None,
+                     "size": row["size"]}}
 
 
 async def openai_models(state: ServerState) -> list[dict]:

@@ -10,7 +10,7 @@ from aiohttp import web
 from ..engine.types import RequestOutput, SamplingParams
 from ..tools.spec import MAX_GRAMMAR_CHARS, AnswerFormat, check_schema
 from .core import Generation, GenerationResult, ServerState, encode_text, output_reason, run, state_of
-from .intake import FimPrompt, Intake, Prompt, TextPrompt, TokenPrompt, checked_params
+from .intake import FimPrompt, Intake, Prompt, TextPrompt, TokenPrompt, checked_params, given_fields
 from .responses import logprob_items, timings_dict
 from .validation import (LOGPROBS_TOP, MAX_INPUT_EXTRA, MAX_NEW_TOKENS, MAX_PROMPT_TOKEN_IDS, MIN_P, PENALTY,
                          REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P, ApiError, Field, bad_field, check_fields,
@@ -37,6 +37,12 @@ GEN_FIELDS = {
 COMPLETION_FIELDS = {**GEN_FIELDS, "prompt": Field("str|list")}
 INFILL_FIELDS = {**GEN_FIELDS, "input_prefix": TEXT, "input_suffix": TEXT, "prompt": TEXT,
                  "input_extra": Field("list", max_len=MAX_INPUT_EXTRA)}
+
+
+# the request fields that set a SamplingParams field (a model's default options fill the others: intake.py)
+GIVEN = {"n_predict": "max_tokens", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+         "min_p": "min_p", "repeat_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+         "frequency_penalty": "frequency_penalty", "stop": "stop", "seed": "seed"}
 
 
 def _params(f: dict) -> SamplingParams:
@@ -144,7 +150,8 @@ def answer_format(body: dict) -> AnswerFormat | None:
 def _intake(f: dict, prompt: Prompt, body: dict) -> Intake:
     limit = f.get("t_max_predict_ms")
     return Intake(f.get("model"), prompt, checked_params(_params(f)), bool(f.get("stream")),
-                  answer=answer_format(body), time_limit_s=limit / 1000.0 if limit else None)
+                  answer=answer_format(body), time_limit_s=limit / 1000.0 if limit else None,
+                  given=given_fields(f, GIVEN))
 
 
 def parse_completion(body: dict, state: ServerState) -> Intake:

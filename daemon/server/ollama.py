@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 
 from aiohttp import web
@@ -14,7 +15,8 @@ from ..engine.types import RequestOutput, SamplingParams
 from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of, traits_of
 from ..tools.parsers import Piece
 from ..tools.spec import AnswerFormat, ToolSpec, check_schema, normalise_history, parse_tools
-from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, checked_params
+from .intake import (OPTION_PARAMS, ChatPrompt, FimPrompt, Intake, TextPrompt, checked_params, given_fields,
+                     with_options)
 from .validation import (MAX_NEW_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P, ApiError,
                          Field, bad_field, check_fields, parse_messages, read_json)
 
@@ -85,22 +87,13 @@ def _check_request(state: ServerState, body: dict) -> tuple[dict, dict]:
     return f, opts
 
 
+# Ollama's defaults, under a model's params layer and the request's options (intake.with_options)
+DEFAULTS = SamplingParams(max_tokens=DEFAULT_NUM_PREDICT, temperature=0.8, top_k=40, top_p=0.9,
+                          repetition_penalty=1.1)
+
+
 def _params(opts: dict) -> SamplingParams:
-    num_predict = opts.get("num_predict", DEFAULT_NUM_PREDICT)
-    if num_predict in (-1, -2, 0):  # -1: until done, -2: fill the context; both end at the context limit
-        num_predict = MAX_NEW_TOKENS
-    return SamplingParams(
-        max_tokens=num_predict,
-        temperature=float(opts.get("temperature", 0.8)),
-        top_k=max(opts.get("top_k", 40), 0),
-        top_p=float(opts.get("top_p", 0.9)) or 1e-6,
-        min_p=float(opts.get("min_p", 0.0)),
-        repetition_penalty=float(opts.get("repeat_penalty", 1.1)) or 1.0,
-        presence_penalty=float(opts.get("presence_penalty", 0.0)),
-        frequency_penalty=float(opts.get("frequency_penalty", 0.0)),
-        seed=opts.get("seed"),
-        stop=opts.get("stop", []),
-    )
+    return with_options(replace(DEFAULTS, stop=[]), opts)
 
 
 def _final_stats(gen: Generation, started: float) -> dict:
@@ -121,18 +114,16 @@ def _length_field(opts: dict, default: str) -> str:
     return "options.num_ctx" if "num_ctx" in opts else default
 
 
-def _intake(body: dict, f: dict, opts: dict, prompt, length_field: str, with_defaults) -> Intake:
-    """`opts`: the request's options over the model's defaults; `with_defaults(defaults)` parses the request again
-    over a bound model's defaults (an Ollama params layer), in core.run."""
+def _intake(body: dict, f: dict, opts: dict, prompt, length_field: str) -> Intake:
+    """`opts`: the request's options (a model's params layer fills the rest in core.run)."""
     return Intake(body["model"], prompt, checked_params(_params(opts)), f.get("stream", True),
                   length_field=_length_field(opts, length_field), num_ctx=opts.get("num_ctx"),
                   answer=answer_format(body.get("format")), keep_alive=body.get("keep_alive"),
-                  with_model_options=with_defaults)
+                  given=given_fields(opts, OPTION_PARAMS))
 
 
-def parse_chat(body: dict, state: ServerState, defaults: dict | None = None) -> Intake:
+def parse_chat(body: dict, state: ServerState) -> Intake:
     f, opts = _check_request(state, body)
-    defaults = defaults or {}
     messages = parse_messages(body.get("messages"))
     for i, msg in enumerate(body["messages"]):  # Ollama carries images per message; a text model must not drop them
         if msg.get("images"):
@@ -141,10 +132,10 @@ def parse_chat(body: dict, state: ServerState, defaults: dict | None = None) -> 
     messages = normalise_history(body["messages"], messages)
     tools = parse_tools(body["tools"]) if body.get("tools") else ()
     prompt = ChatPrompt(messages, ToolSpec(tools) if tools else None, think=_think(body.get("think")))
-    return _intake(body, f, {**defaults, **opts}, prompt, "messages", lambda more: parse_chat(body, state, more))
+    return _intake(body, f, opts, prompt, "messages")
 
 
-def parse_generate(body: dict, state: ServerState, defaults: dict | None = None) -> Intake:
+def parse_generate(body: dict, state: ServerState) -> Intake:
     """A request with a prompt or a suffix (without either it is Ollama's load/unload request, see generate)."""
     f, opts = _check_request(state, body)
     prompt, suffix, system = f.get("prompt", ""), f.get("suffix", ""), f.get("system")
@@ -156,8 +147,7 @@ def parse_generate(body: dict, state: ServerState, defaults: dict | None = None)
         kind = ChatPrompt(([{"role": "system", "content": system}] if system else [])
                           + [{"role": "user", "content": prompt}], think=_think(body.get("think")),
                           raw_without_template=True)
-    return _intake(body, f, {**(defaults or {}), **opts}, kind, "prompt",
-                   lambda more: parse_generate(body, state, more))
+    return _intake(body, f, opts, kind, "prompt")
 
 
 class _Answer:

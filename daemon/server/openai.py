@@ -11,7 +11,7 @@ from aiohttp import web
 from ..engine.types import RequestOutput, SamplingParams
 from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
 from ..tools.spec import AnswerFormat, ToolSpec, check_schema, normalise_history, parse_tool_choice, parse_tools
-from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, TokenPrompt, checked_params
+from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, TokenPrompt, checked_params, given_fields
 from .responses import logprob_items, timings_dict
 from .validation import (LOGPROBS_TOP, MAX_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P,
                          ApiError, Field, bad_field, check_fields, parse_messages, read_json, require)
@@ -41,6 +41,13 @@ CHAT_FIELDS = {**COMMON, "max_completion_tokens": MAX_TOKENS, "logprobs": Field(
                "parallel_tool_calls": Field("bool"), "chat_template_kwargs": Field("dict")}
 COMPLETION_FIELDS = {**COMMON, "prompt": Field("str|list"), "suffix": TEXT, "echo": Field("bool"),
                      "logprobs": LOGPROBS_TOP}
+
+
+# the request fields that set a SamplingParams field (a model's default options fill the others: intake.py)
+GIVEN = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+         "repetition_penalty": "repetition_penalty", "presence_penalty": "presence_penalty",
+         "frequency_penalty": "frequency_penalty", "seed": "seed", "stop": "stop", "max_tokens": "max_tokens",
+         "max_completion_tokens": "max_tokens"}
 
 
 def _params(f: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -150,7 +157,8 @@ def parse_chat(body: dict, state: ServerState) -> Intake:
     kwargs = _template_kwargs(f.get("chat_template_kwargs") or {})
     prompt = ChatPrompt(messages, tool_spec(body, f), template_kwargs=kwargs)
     return Intake(f.get("model"), prompt, params, bool(f.get("stream")), length_field="messages",
-                  answer=response_format(body.get("response_format")), include_usage=_include_usage(f))
+                  answer=response_format(body.get("response_format")), include_usage=_include_usage(f),
+                  given=given_fields(f, GIVEN))
 
 
 def parse_completion(body: dict, state: ServerState) -> Intake:
@@ -169,7 +177,7 @@ def parse_completion(body: dict, state: ServerState) -> Intake:
     else:
         kind = TextPrompt(prompt)
     return Intake(f.get("model"), kind, params, bool(f.get("stream")), include_usage=_include_usage(f),
-                  answer=response_format(body.get("response_format")),
+                  answer=response_format(body.get("response_format")), given=given_fields(f, GIVEN),
                   echo=bool(f.get("echo")) and isinstance(kind, (TextPrompt, FimPrompt)))
 
 

@@ -44,7 +44,7 @@ from ..tools.parsers import ToolCall
 from ..tools.spec import AnswerFormat, Function, ToolSpec, check_schema
 from .agents import MAX_BLOCKS, call_entry, flat_tools, parts_in_order, renamed, text_of, token_counts
 from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
-from .intake import ChatPrompt, Intake, checked_params
+from .intake import ChatPrompt, Intake, checked_params, given_fields
 from .response_store import ResponseStore
 from .validation import TEXT, TOP_P, ApiError, Field, bad_field, check_fields, read_json, require
 
@@ -240,8 +240,9 @@ def parse(body: dict, state: ServerState, store: ResponseStore) -> tuple[Intake,
     params = checked_params(SamplingParams(
         max_tokens=f.get("max_output_tokens", DEFAULT_MAX_TOKENS), temperature=float(f.get("temperature", 1.0)),
         top_p=float(f.get("top_p", 1.0)) or 1e-6))
+    given = given_fields(f, {"max_output_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p"})
     return Intake(f.get("model"), prompt, params, bool(f.get("stream")), length_field="input",
-                  answer=answer_format(f)), conv
+                  answer=answer_format(f), given=given), conv
 
 
 def _dialect(exc: ApiError) -> ApiError:
