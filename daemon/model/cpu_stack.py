@@ -22,7 +22,8 @@ import torch
 
 from ..kernels import cpu_gemm, cpu_ops
 from ..kernels import cpu_stack as ck
-from .attention import AttentionMetadata, DecodePlan
+from .attention import AttentionMetadata
+from .attention_backends import decode_plan
 from .quant import QuantizedLinear
 
 
@@ -111,9 +112,7 @@ class CpuLayerStack:
         if meta.block_size != self.block_size or not (cos.is_contiguous() and sin.is_contiguous()) \
                 or cos.numel() != t * self.dims.head_dim or meta.slot_mapping.numel() != t:
             return False
-        plan = meta._decode_plan
-        if plan is None:
-            plan = meta._decode_plan = DecodePlan.build(meta)
+        plan = decode_plan(meta)  # the same plan the CPU attention backend uses
         step = ck.Step(T=t, cos=cos.data_ptr(), ssin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr())
         if plan.block_tables.shape[0]:
             step.num_decodes = plan.block_tables.shape[0]
