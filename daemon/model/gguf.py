@@ -33,7 +33,7 @@ from .pooling import gguf_pooling
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "gemma2", "gemma3")
 # ggml type name -> (elements per block, bytes per block): the float types and every packed type that llmd keeps as
 # it is in the file (llmd.kernels.gguf_blocks)
 SUPPORTED_TYPES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), **gb.BLOCKS}
@@ -360,17 +360,82 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _IGNORED = {"rope_freqs.weight"}
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """llama.cpp tensor name -> Hugging Face name; None for tensors we do not load."""
     if gguf_name in _IGNORED:
         return None
     m = _LAYER_RE.match(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    layer_names = _GEMMA_LAYER_NAMES if arch in GEMMA_ARCHITECTURES else _LAYER_NAMES
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
     return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gemma 2 / Gemma 3 text (llama.cpp's gemma2, gemma3): names, config, and the norm shift.
+#
+# llama.cpp's converter (convert_hf_to_gguf.py, Gemma2Model / Gemma3Model) stores every `*norm.weight` as
+# 1 + weight, the multiplier its plain RMSNorm applies, and keeps q/k rows in Hugging Face order (NEOX RoPE: no
+# permutation). We subtract the 1 again, in fp32 as transformers' GGUF loader does, so the model computes
+# (1 + weight) exactly as the Hugging Face one (llmd.model.gemma.GemmaRMSNorm). Values the file does not carry are
+# llama.cpp's (src/llama-model.cpp): sliding layers of gemma3 use RoPE base 10000 and every 6th layer is global;
+# the attention scale is head_dim ** -0.5 except on the 27B models (hidden / heads).
+
+GEMMA_ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+GEMMA_NORM_SHIFT = 1.0
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def gemma_hf_config(meta: dict, arch: str) -> dict:
+    """The Gemma-only config.json keys of a gemma2 / gemma3 GGUF (read by llmd.model.config.gemma_fields)."""
+    p = f"{arch}."
+    hidden, heads = int(meta[p + "embedding_length"]), int(meta[p + "attention.head_count"])
+    layers = int(meta[p + "block_count"])
+    head_dim = int(_meta(meta, p + "attention.key_length", 256))
+    cfg: dict[str, Any] = {
+        "architectures": [GEMMA_ARCHITECTURES[arch]],
+        "model_type": "gemma2" if arch == "gemma2" else "gemma3_text",
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim,
+        "sliding_window": int(_meta(meta, p + "attention.sliding_window", 4096)),
+        "final_logit_softcapping": meta.get(p + "final_logit_softcapping"),
+        "attn_logit_softcapping": meta.get(p + "attn_logit_softcapping"),
+        "rope_theta": float(_meta(meta, p + "rope.freq_base", 10000.0 if arch == "gemma2" else 1_000_000.0)),
+    }
+    if arch == "gemma2":
+        cfg["final_logit_softcapping"] = float(_meta(meta, p + "final_logit_softcapping", 30.0))
+        cfg["attn_logit_softcapping"] = float(_meta(meta, p + "attn_logit_softcapping", 50.0))
+        return cfg
+    cfg["rope_local_base_freq"] = float(_meta(meta, p + "rope.freq_base_swa", 10000.0))
+    pattern = meta.get(p + "attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # one flag per layer: True = sliding
+        cfg["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    elif pattern:
+        cfg["sliding_window_pattern"] = int(pattern)
+    scaling, factor = meta.get(p + "rope.scaling.type"), meta.get(p + "rope.scaling.factor")
+    if scaling == "linear" and factor:
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}  # the global layers only
+    return cfg
+
+
+def _is_shifted_norm(arch: str, hf_name: str) -> bool:
+    return arch in GEMMA_ARCHITECTURES and hf_name.endswith("norm.weight")
+
+
+def _unshift(w: torch.Tensor) -> torch.Tensor:
+    return w.float() - GEMMA_NORM_SHIFT
 
 
 def unpermute_rows(w, n_heads: int):
@@ -412,6 +477,7 @@ def hf_config_dict(meta: dict, tensor_names: set[str], path: Path) -> dict:
         cfg = {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
+            **(gemma_hf_config(meta, arch) if arch in GEMMA_ARCHITECTURES else {}),
             "hidden_size": hidden,
             "intermediate_size": int(meta[p + "feed_forward_length"]),
             "num_hidden_layers": int(meta[p + "block_count"]),
@@ -423,18 +489,18 @@ def hf_config_dict(meta: dict, tensor_names: set[str], path: Path) -> dict:
         raise ModelFileError(path, f"GGUF metadata has a bad model size value: {e}") from None
     tokens = meta.get("tokenizer.ggml.tokens") or []
     cfg["num_key_value_heads"] = int(_meta(meta, p + "attention.head_count_kv", heads))
-    cfg["head_dim"] = int(_meta(meta, p + "attention.key_length", hidden // heads if heads else 0))
+    cfg["head_dim"] = int(_meta(meta, p + "attention.key_length", cfg.get("head_dim") or (hidden // heads if heads else 0)))
     cfg["vocab_size"] = int(_meta(meta, p + "vocab_size", len(tokens)))
     cfg["rms_norm_eps"] = float(_meta(meta, p + "attention.layer_norm_rms_epsilon", 1e-5))
-    cfg["rope_theta"] = float(_meta(meta, p + "rope.freq_base", 10000.0))
+    cfg.setdefault("rope_theta", float(_meta(meta, p + "rope.freq_base", 10000.0)))
     cfg["max_position_embeddings"] = int(_meta(meta, p + "context_length", 2048))
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
     cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     scaling_type = meta.get(p + "rope.scaling.type")
     factor = meta.get(p + "rope.scaling.factor")
-    cfg["rope_scaling"] = (
+    cfg.setdefault("rope_scaling", (
         {"rope_type": scaling_type, "factor": float(factor)} if scaling_type == "linear" and factor else None
-    )
+    ))
     if not (heads and cfg["hidden_size"] and cfg["num_hidden_layers"] and cfg["num_key_value_heads"]):
         raise ModelFileError(path, "GGUF metadata has a zero model size (heads, hidden size or layers)")
     if heads % cfg["num_key_value_heads"]:
@@ -489,8 +555,10 @@ class GGUFModel:
 def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> Iterator[tuple[TensorInfo, str, int | None]]:
     """(info, hf name, heads to un-permute by or None) for each tensor we load; refuses unsupported types first."""
     out = []
+    arch = gf.metadata.get("general.architecture")
+    permuted = arch not in GEMMA_ARCHITECTURES  # llama.cpp permutes q/k rows of llama only (NEOX RoPE otherwise)
     for info in gf.tensors:
-        name = hf_tensor_name(info.name)
+        name = hf_tensor_name(info.name, arch)
         if name is None:
             continue
         if info.type_name not in SUPPORTED_TYPES and not gguf_can_dequantize(info.type_name):
@@ -500,7 +568,9 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> Iterator[tuple[TensorInfo, str
                 f"(supported: {', '.join(SUPPORTED_TYPES)}; others the gguf package dequantizes load as Q8_0)",
             )
         heads = None
-        if name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
+        if not permuted:
+            pass
+        elif name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             heads = hf_cfg["num_attention_heads"]
         elif name.endswith("k_proj.weight") or name.endswith("k_proj.bias"):
             heads = hf_cfg["num_key_value_heads"]
@@ -542,7 +612,12 @@ def raw_tensor_types(path) -> dict[str, str]:
 
 def _raw_generator(gf: _GGUFFile, checked) -> Iterator[RawTensor]:
     warned: set[str] = set()
+    arch = gf.metadata.get("general.architecture")
     for info, name, heads in checked:
+        if _is_shifted_norm(arch, name):
+            w = _unshift(dequantize(gf.raw_bytes(info), info.type_name, info.shape))
+            yield RawTensor(name, "F32", info.shape, w.numpy().view(np.uint8).reshape(1, -1))
+            continue
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         data = gf.raw_bytes(info).reshape(rows, -1)
         type_name = info.type_name
@@ -559,25 +634,29 @@ def _raw_generator(gf: _GGUFFile, checked) -> Iterator[RawTensor]:
 
 
 def _dequant_generator(gf: _GGUFFile, checked) -> Iterator[tuple[str, torch.Tensor]]:
+    arch = gf.metadata.get("general.architecture")
     for info, name, heads in checked:
         w = dequantize(gf.raw_bytes(info), info.type_name, info.shape)
         if heads is not None:
             w = unpermute_rows(w, heads).contiguous()
-        yield name, w
+        yield name, _unshift(w) if _is_shifted_norm(arch, name) else w
 
 
 def tensor_readers(path) -> dict[str, Callable[[], torch.Tensor]]:
     """Hugging Face name -> a function that reads that one tensor dequantized to fp32 (q/k rows in HF order), for
     callers that need tensors in their own order (calibrated quantization reads a layer at a time)."""
     gf, hf_cfg = _open(path)
+    arch = gf.metadata.get("general.architecture")
 
-    def reader(info: TensorInfo, heads: int | None) -> Callable[[], torch.Tensor]:
+    def reader(info: TensorInfo, name: str, heads: int | None) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
             w = dequantize(gf.raw_bytes(info), info.type_name, info.shape)
+            if _is_shifted_norm(arch, name):
+                return _unshift(w)
             return unpermute_rows(w, heads).contiguous() if heads is not None else w
         return read
 
-    return {name: reader(info, heads) for info, name, heads in _iter_checked(gf, hf_cfg)}
+    return {name: reader(info, name, heads) for info, name, heads in _iter_checked(gf, hf_cfg)}
 
 
 def _small_metadata(meta: dict) -> dict:
