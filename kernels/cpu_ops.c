@@ -289,7 +289,11 @@ int llmd_kv_dtype_supported(int64_t dt) { return dt >= KV_F32 && dt <= KV_I8; }
  * thread count: speculation and recompute after preemption do not change a sequence's numbers. The tile only shares
  * loads: each K row serves every query's dot product (2 tokens at a time), each V vector every query's weighted sum.
  * Decode runs the partitions of one sequence on all threads (flash-decoding), so a lone long context uses every
- * core and reads its KV once per KV head. */
+ * core and reads its KV once per KV head.
+ * A sliding window (window W > 0) gives query j the tokens lo[j] <= t < len[j], lo[j] = max(0, len[j] - W): it
+ * takes only the partitions that hold some of them, and within its first one the tokens before lo[j] add exact
+ * zeros, as those past len[j] do. Partitions stay cut from the context's start, so a query's numbers still depend
+ * only on its own position and window. No block wholly before lo[j] is read. */
 #define PQ 4
 #define PART 256
 #define PREFETCH 8 /* tokens */
@@ -303,17 +307,20 @@ typedef struct {
 } head_view;
 
 /* P queries (P <= PQ, compile-time like the cache type DT, so the accumulators stay in registers) over partition
- * [t0, t0 + PART) of their contexts: query j takes tokens t0 <= t < len[j]; each query with a token there gets
- * part[j] = {max score, sum of exp(score - max), sum of exp(score - max) * v [d]}. s: P * PART floats. */
-INLINE void attend_part_p(const float *const *q, const int64_t *len, const head_view *hv, const int64_t *off,
-                          int64_t d, float scale, int64_t t0, float *s, float *const *part, const int P, const int DT) {
-    int64_t n = 0, nj[PQ];
+ * [t0, t0 + PART) of their contexts: query j takes tokens max(t0, lo[j]) <= t < len[j]; each query with a token
+ * there gets part[j] = {max score, sum of exp(score - max), sum of exp(score - max) * v [d]}. s: P * PART floats. */
+INLINE void attend_part_p(const float *const *q, const int64_t *lo, const int64_t *len, const head_view *hv,
+                          const int64_t *off, int64_t d, float scale, int64_t t0, float *s, float *const *part,
+                          const int P, const int DT) {
+    int64_t n = 0, i0 = PART, aj[PQ], nj[PQ];
     for (int j = 0; j < P; j++) {
         nj[j] = (len[j] < t0 + PART ? len[j] : t0 + PART) - t0;
+        aj[j] = lo[j] > t0 ? lo[j] - t0 : 0;
         n = nj[j] > n ? nj[j] : n;
+        i0 = aj[j] < i0 ? aj[j] : i0;
     }
     const int64_t row = hv->row, es = kv_elem_size(DT), bytes = d * es;
-    for (int64_t i = 0; i < n; i += 2) {
+    for (int64_t i = i0; i < n; i += 2) {
         const int64_t t = t0 + i, t1 = i + 1 < n ? t + 1 : t;
         const int64_t r0 = off[t] * row, r1 = off[t1] * row;
         /* the cache rows are scattered by the block table: fetch K PREFETCH tokens ahead, and this token's V, which
@@ -354,21 +361,22 @@ INLINE void attend_part_p(const float *const *q, const int64_t *len, const head_
     }
     for (int j = 0; j < P; j++) {
         float *sj = s + j * PART;
-        if (nj[j] <= 0) { /* a chunk's early query ends before this partition: it adds nothing here */
-            for (int64_t i = 0; i < n; i++) sj[i] = 0.0f;
+        if (nj[j] <= aj[j]) { /* a chunk's early query ends before this partition (or its window starts after it) */
+            for (int64_t i = i0; i < n; i++) sj[i] = 0.0f;
             continue;
         }
-        part[j][1] = softmax_numerators(sj, nj[j], part[j]);
+        part[j][1] = softmax_numerators(sj + aj[j], nj[j] - aj[j], part[j]);
+        for (int64_t i = i0; i < aj[j]; i++) sj[i] = 0.0f;
         for (int64_t i = nj[j]; i < n; i++) sj[i] = 0.0f;
         if (DT == KV_I8)
-            for (int64_t i = 0; i < nj[j]; i++) sj[i] = sj[i] * hv->vs[off[t0 + i] * hv->srow];
+            for (int64_t i = aj[j]; i < nj[j]; i++) sj[i] = sj[i] * hv->vs[off[t0 + i] * hv->srow];
     }
     int64_t c = 0;
 #if SIMD
     for (; c + 16 <= d; c += 16) {
         __m256 o0[PQ], o1[PQ];
         for (int j = 0; j < P; j++) o0[j] = o1[j] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < n; i++) {
+        for (int64_t i = i0; i < n; i++) {
             const int64_t r = off[t0 + i] * row;
             const __m256 v0 = load8(hv->v, r + c, DT), v1 = load8(hv->v, r + c + 8, DT);
             for (int j = 0; j < P; j++) {
@@ -378,7 +386,7 @@ INLINE void attend_part_p(const float *const *q, const int64_t *len, const head_
             }
         }
         for (int j = 0; j < P; j++)
-            if (nj[j] > 0) {
+            if (nj[j] > aj[j]) {
                 _mm256_storeu_ps(part[j] + 2 + c, o0[j]);
                 _mm256_storeu_ps(part[j] + 2 + c + 8, o1[j]);
             }
@@ -387,21 +395,22 @@ INLINE void attend_part_p(const float *const *q, const int64_t *len, const head_
     for (; c < d; c++)
         for (int j = 0; j < P; j++) {
             float acc = 0.0f;
-            for (int64_t i = 0; i < n; i++) acc += s[j * PART + i] * load1(hv->v, off[t0 + i] * row + c, DT);
-            if (nj[j] > 0) part[j][2 + c] = acc;
+            for (int64_t i = i0; i < n; i++) acc += s[j * PART + i] * load1(hv->v, off[t0 + i] * row + c, DT);
+            if (nj[j] > aj[j]) part[j][2 + c] = acc;
         }
 }
 
 #define ATTEND_DT(P)                                                                                                 \
     switch (dt) {                                                                                                    \
-    case KV_F32: attend_part_p(q, len, hv, off, d, scale, t0, s, part, P, KV_F32); break;                            \
-    case KV_F16: attend_part_p(q, len, hv, off, d, scale, t0, s, part, P, KV_F16); break;                            \
-    case KV_BF16: attend_part_p(q, len, hv, off, d, scale, t0, s, part, P, KV_BF16); break;                          \
-    default: attend_part_p(q, len, hv, off, d, scale, t0, s, part, P, KV_I8); break;                                 \
+    case KV_F32: attend_part_p(q, lo, len, hv, off, d, scale, t0, s, part, P, KV_F32); break;                            \
+    case KV_F16: attend_part_p(q, lo, len, hv, off, d, scale, t0, s, part, P, KV_F16); break;                            \
+    case KV_BF16: attend_part_p(q, lo, len, hv, off, d, scale, t0, s, part, P, KV_BF16); break;                          \
+    default: attend_part_p(q, lo, len, hv, off, d, scale, t0, s, part, P, KV_I8); break;                                 \
     }
 
-static void attend_part(const float *const *q, const int64_t *len, int nq, int64_t dt, const head_view *hv,
-                        const int64_t *off, int64_t d, float scale, int64_t t0, float *s, float *const *part) {
+static void attend_part(const float *const *q, const int64_t *lo, const int64_t *len, int nq, int64_t dt,
+                        const head_view *hv, const int64_t *off, int64_t d, float scale, int64_t t0, float *s,
+                        float *const *part) {
     switch (nq) {
     case 1: ATTEND_DT(1); break;
     case 2: ATTEND_DT(2); break;
@@ -437,10 +446,13 @@ static void combine(float *part, int64_t n, int64_t stride, int64_t d, float *o)
     }
 }
 
-/* token -> its slot, through a block table */
-static void token_slots(int64_t *off, const int64_t *table, int64_t len, int64_t block_size) {
-    for (int64_t t = 0; t < len; t++) off[t] = table[t / block_size] * block_size + t % block_size;
+/* token -> its slot, through a block table, for the tokens from .. len - 1 (off[t] for the others is not set) */
+static void token_slots(int64_t *off, const int64_t *table, int64_t from, int64_t len, int64_t block_size) {
+    for (int64_t t = from; t < len; t++) off[t] = table[t / block_size] * block_size + t % block_size;
 }
+
+/* the first token a query at position len - 1 attends to (window 0: none) */
+static int64_t window_lo(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
 
 static head_view head_of(const llmd_kv *kv, int64_t kvh) {
     const int64_t es = kv_elem_size(kv->dtype), d = kv->d;
@@ -461,20 +473,20 @@ static int64_t parts_of(int64_t len) { return (len + PART - 1) / PART; }
  * serve the other heads too (a token's K and V rows hold every head). */
 int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, int64_t num_rows,
                           const llmd_kv *kv, const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
-                          int64_t heads, float scale, float *out, int64_t ldo, int threads) {
-    if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads) return -1;
+                          int64_t heads, float scale, int64_t window, float *out, int64_t ldo, int threads) {
+    if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads || window < 0) return -1;
     const int64_t kv_heads = kv->kv_heads, d = kv->d, bs = kv->block_size, group = heads / kv_heads;
     int64_t total = 0, tasks_pq = 0;
     const int64_t per_group = (group + PQ - 1) / PQ;
     for (int64_t b = 0; b < B; b++) {
         const int64_t len = seq_lens[b], row = rows ? rows[b] : b;
         if (len < 1 || row < 0 || row >= num_rows || (len + bs - 1) / bs > bt_stride) return -1;
-        for (int64_t j = 0; j < (len + bs - 1) / bs; j++) {
+        for (int64_t j = window_lo(len, window) / bs; j < (len + bs - 1) / bs; j++) {
             const int64_t blk = block_tables[b * bt_stride + j];
             if (blk < 0 || blk >= kv->num_blocks) return -1;
         }
         total += len;
-        tasks_pq += parts_of(len) * kv_heads * per_group;
+        tasks_pq += (parts_of(len) - window_lo(len, window) / PART) * kv_heads * per_group;
     }
     const int tile = tasks_pq >= 2 * threads ? PQ : 1; /* queries per task */
     const int64_t tiles = tile == PQ ? per_group : group; /* tasks per KV head and partition */
@@ -484,9 +496,10 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
     int64_t *start = off + total, *first = start + B + 1;
     start[0] = first[0] = 0;
     for (int64_t b = 0; b < B; b++) {
-        token_slots(off + start[b], block_tables + b * bt_stride, seq_lens[b], bs);
-        start[b + 1] = start[b] + seq_lens[b];
-        first[b + 1] = first[b] + parts_of(seq_lens[b]) * kv_heads * tiles;
+        const int64_t len = seq_lens[b], lo = window_lo(len, window);
+        token_slots(off + start[b], block_tables + b * bt_stride, lo, len, bs);
+        start[b + 1] = start[b] + len;
+        first[b + 1] = first[b] + (parts_of(len) - lo / PART) * kv_heads * tiles;
     }
     const int64_t ntasks = first[B], stride = d + 2;
     float *partial = (float *)malloc((size_t)(ntasks * tile * stride + (int64_t)threads * PQ * PART) * sizeof(float));
@@ -509,27 +522,29 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
                 if (first[mid] <= task) lo = mid;
                 else hi = mid;
             }
-            const int64_t b = lo, np = parts_of(seq_lens[b]), local = task - first[b];
-            const int64_t p = local / (kv_heads * tiles), kvh = local / tiles % kv_heads;
+            const int64_t b = lo, local = task - first[b], wlo = window_lo(seq_lens[b], window);
+            const int64_t p = wlo / PART + local / (kv_heads * tiles), kvh = local / tiles % kv_heads;
             const int64_t h0 = kvh * group + local % tiles * tile;
             const int nq = (int)(kvh * group + group - h0 < tile ? kvh * group + group - h0 : tile);
             const int64_t row = rows ? rows[b] : b;
             const float *qj[PQ];
             float *pj[PQ];
-            int64_t lens[PQ];
+            int64_t lens[PQ], los[PQ];
             for (int j = 0; j < nq; j++) {
                 qj[j] = q + row * ldq + (h0 + j) * d;
                 pj[j] = partial + (task * tile + j) * stride;
                 lens[j] = seq_lens[b];
+                los[j] = wlo;
             }
             const head_view hv = head_of(kv, kvh);
-            attend_part(qj, lens, nq, kv->dtype, &hv, off + start[b], d, scale, p * PART,
+            attend_part(qj, los, lens, nq, kv->dtype, &hv, off + start[b], d, scale, p * PART,
                         scores + (int64_t)tid * PQ * PART, pj);
         }
 #pragma omp for schedule(static)
         for (int64_t bh = 0; bh < B * heads; bh++) {
             const int64_t b = bh / heads, h = bh % heads, kvh = h / group, hi = h - kvh * group;
-            const int64_t np = parts_of(seq_lens[b]), task = first[b] + kvh * tiles + hi / tile;
+            const int64_t np = parts_of(seq_lens[b]) - window_lo(seq_lens[b], window) / PART;
+            const int64_t task = first[b] + kvh * tiles + hi / tile;
             combine(partial + (task * tile + hi % tile) * stride, np, kv_heads * tiles * tile * stride, d,
                     out + (rows ? rows[b] : b) * ldo + h * d);
         }
@@ -540,15 +555,17 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
 }
 
 /* Causal attention of one sequence's chunk of q_len new tokens (positions ctx - q_len .. ctx - 1) over its paged
- * context of ctx tokens (table: its block table): query i sees tokens 0 .. ctx - q_len + i. A task is one query head
- * and a tile of PQ consecutive queries, through every partition of their contexts, then merges each query's. */
+ * context of ctx tokens (table: its block table): query i sees tokens 0 .. ctx - q_len + i (with a window, the last
+ * `window` of them). A task is one query head and a tile of PQ consecutive queries, through every partition of their
+ * contexts, then merges each query's. */
 int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const llmd_kv *kv,
-                           const int64_t *table, int64_t table_len, int64_t heads, float scale, float *out,
-                           int64_t ldo, int threads) {
-    if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads || q_len < 1 || ctx < q_len) return -1;
+                           const int64_t *table, int64_t table_len, int64_t heads, float scale, int64_t window,
+                           float *out, int64_t ldo, int threads) {
+    if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads || q_len < 1 || ctx < q_len || window < 0) return -1;
     const int64_t bs = kv->block_size, d = kv->d, stride = d + 2;
+    const int64_t lo0 = window_lo(ctx - q_len + 1, window); /* the first token the chunk's first query sees */
     if ((ctx + bs - 1) / bs > table_len) return -1;
-    for (int64_t j = 0; j < (ctx + bs - 1) / bs; j++)
+    for (int64_t j = lo0 / bs; j < (ctx + bs - 1) / bs; j++)
         if (table[j] < 0 || table[j] >= kv->num_blocks) return -1;
     const int64_t nparts = parts_of(ctx), per_thread = PQ * PART + nparts * PQ * stride;
     int64_t *off = (int64_t *)malloc((size_t)ctx * sizeof(int64_t));
@@ -558,7 +575,7 @@ int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t c
         free(work);
         return -2;
     }
-    token_slots(off, table, ctx, bs);
+    token_slots(off, table, lo0, ctx, bs);
     const int64_t group = heads / kv->kv_heads, tiles = (q_len + PQ - 1) / PQ;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < heads * tiles; task++) {
@@ -570,19 +587,23 @@ int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t c
         const int nq = q_len - i0 < PQ ? (int)(q_len - i0) : PQ;
         float *scores = work + tid * per_thread, *partial = scores + PQ * PART;
         const float *qj[PQ];
-        int64_t len[PQ];
+        int64_t len[PQ], lo[PQ];
         for (int j = 0; j < nq; j++) {
             qj[j] = q + (i0 + j) * ldq + h * d;
             len[j] = ctx - q_len + i0 + j + 1;
+            lo[j] = window_lo(len[j], window);
         }
         const head_view hv = head_of(kv, h / group);
-        for (int64_t p = 0; p < parts_of(len[nq - 1]); p++) {
+        for (int64_t p = lo[0] / PART; p < parts_of(len[nq - 1]); p++) {
             float *pj[PQ];
             for (int j = 0; j < nq; j++) pj[j] = partial + (p * PQ + j) * stride;
-            attend_part(qj, len, nq, kv->dtype, &hv, off, d, scale, p * PART, scores, pj);
+            attend_part(qj, lo, len, nq, kv->dtype, &hv, off, d, scale, p * PART, scores, pj);
         }
-        for (int j = 0; j < nq; j++)
-            combine(partial + j * stride, parts_of(len[j]), PQ * stride, d, out + (i0 + j) * ldo + h * d);
+        for (int j = 0; j < nq; j++) {
+            const int64_t p0 = lo[j] / PART;
+            combine(partial + (p0 * PQ + j) * stride, parts_of(len[j]) - p0, PQ * stride, d,
+                    out + (i0 + j) * ldo + h * d);
+        }
     }
     free(work);
     free(off);

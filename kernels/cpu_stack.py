@@ -22,7 +22,7 @@ class Linear(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
-                ("down", Linear), ("kv", cpu_ops.KV)]
+                ("down", Linear), ("kv", cpu_ops.KV), ("window", _i64)]  # window 0: full attention
 
 
 class Dims(ctypes.Structure):

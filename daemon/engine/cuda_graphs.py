@@ -57,6 +57,8 @@ def graph_blocker(model: torch.nn.Module) -> str | None:
     backend = attention_backend()
     if not getattr(backend, "cuda_graph_safe", False):
         return f"the attention backend {getattr(backend, '__name__', backend)} is not marked cuda_graph_safe"
+    if (why := getattr(model, "graph_blocker", None)) is not None:  # a model whose layers need the host (Gemma)
+        return why
     for module in model.modules():
         if type(module).__module__.startswith("bitsandbytes"):
             return "bitsandbytes layers choose kernels from the data (outliers) on the host"

@@ -1,6 +1,6 @@
 """Attention over a paged KV cache: the one seam between the models and the engine.
 
-Every model layer calls `paged_attention(q, k, v, kv_cache, meta)`. The engine builds one `AttentionMetadata` per step
+Every model layer calls `paged_attention(q, k, v, kv_cache, meta, scale, window=...)`. The engine builds one `AttentionMetadata` per step
 for the whole flattened batch (decodes and prefill chunks mixed). K/V of the new tokens are written in place through
 `slot_mapping`; attention then reads each sequence's context through its block table.
 
@@ -8,6 +8,11 @@ Cache layout, per layer: a pair (k_cache, v_cache), each [num_blocks, block_size
 model's dtype ("auto") or in fp32/fp16/bf16 (kv_cache_dtype "fp32", "fp16", "bf16"); or, with "int8", an
 `Int8KVCache` (llmd.model.kv_int8): int8 values in that layout plus a per-token, per-head scale. Readers turn any of
 them into values through `kv_int8.gather_blocks`. Slot s lives at block s // block_size, offset s % block_size.
+
+Sliding window (a per-layer option, `window=W`; Mistral, Gemma 2/3's local layers): a query at position p attends
+to the keys at positions (p - W, p], as transformers does. No path reads a block that lies wholly before the window
+of the earliest query it computes, so the engine may free or reuse those blocks (a block table keeps their places,
+with any valid id in them: llmd.engine.block_manager).
 
 The Triton kernels (llmd.kernels) plug in through `set_attention_backend`; the torch functions here are the reference
 and the CPU path, where K/V writes and attention (all decodes of a step in one call, each prefill chunk in one) run
@@ -99,26 +104,35 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: 
 
 
 def gather_context(
-    kv_cache: KVCache, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype
+    kv_cache: KVCache, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's cached K and V as `dtype`, [seq_len, kv_heads, head_dim] each."""
+    """One sequence's cached K and V at positions [start', seq_len) as `dtype`, [seq_len - start', kv_heads, head_dim]
+    each, where start' = start rounded down to its block (whole blocks are gathered). Returns (k, v)."""
     k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
     block_size = k_cache.shape[1]
     n_blocks = (seq_len + block_size - 1) // block_size
-    ids = block_table[:n_blocks]
-    k = gather_blocks(k_cache, k_scale, ids, dtype).flatten(0, 1)[:seq_len]
-    v = gather_blocks(v_cache, v_scale, ids, dtype).flatten(0, 1)[:seq_len]
+    first = start // block_size
+    ids = block_table[first:n_blocks]
+    n = seq_len - first * block_size
+    k = gather_blocks(k_cache, k_scale, ids, dtype).flatten(0, 1)[:n]
+    v = gather_blocks(v_cache, v_scale, ids, dtype).flatten(0, 1)[:n]
     return k, v
 
 
+def window_start(seq_len: int, q_len: int, window: int | None) -> int:
+    """The first context position any of a chunk's queries (positions seq_len - q_len .. seq_len - 1) attends to."""
+    return 0 if window is None else max(0, seq_len - q_len - window + 1)
+
+
 def torch_paged_attention(
-    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, only: list[int] | None = None
+    q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, only: list[int] | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Reference attention for q [T, heads, head_dim] whose K/V are already in the cache. Returns [T, heads, head_dim].
 
     Each sequence's queries sit at the end of its context, so query i of a chunk of length L attends to the
-    first seq_len - L + i + 1 context tokens (causal, including cached prefix blocks). `only`: compute just these
-    sequences (the other rows of the result are left uninitialised).
+    first seq_len - L + i + 1 context tokens (causal, including cached prefix blocks), or with a `window` W only to
+    the last W of them. `only`: compute just these sequences (the other rows of the result are left uninitialised).
     """
     out = torch.empty_like(q)
     num_heads = q.shape[1]
@@ -128,19 +142,23 @@ def torch_paged_attention(
         if q_len == 0 or (wanted is not None and i not in wanted):
             start += q_len
             continue
-        k, v = gather_context(kv_cache, meta.block_tables[i], s_len, q.dtype)
+        lo = window_start(s_len, q_len, window) // meta.block_size * meta.block_size
+        k, v = gather_context(kv_cache, meta.block_tables[i], s_len, q.dtype, lo)
         group = num_heads // k.shape[1]
         if group > 1:
             k = k.repeat_interleave(group, dim=1)
             v = v.repeat_interleave(group, dim=1)
         qs = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, d]
         ks, vs = k.transpose(0, 1), v.transpose(0, 1)
-        if q_len == 1:
+        if q_len == 1 and window is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         else:
             q_pos = torch.arange(s_len - q_len, s_len, device=q.device).unsqueeze(1)
-            k_pos = torch.arange(s_len, device=q.device).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=k_pos <= q_pos, scale=scale)
+            k_pos = torch.arange(lo, s_len, device=q.device).unsqueeze(0)
+            visible = k_pos <= q_pos
+            if window is not None:
+                visible &= k_pos > q_pos - window
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible, scale=scale)
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
@@ -156,6 +174,8 @@ class DecodePlan:
     longest: int  # the largest of them
     masked: torch.Tensor  # [Bd, 1, 1, nb * block_size] bool: True past the sequence's context
     others: list[int]  # indices of the sequences that are not decodes (prefill chunks, speculative verifies)
+    # the torch layout for a sliding window, by window: only the blocks the window spans (see `windowed`)
+    _windows: dict[int, "DecodePlan"] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def build(cls, meta: AttentionMetadata) -> "DecodePlan":
@@ -170,6 +190,26 @@ class DecodePlan:
         lens = meta.seq_lens[idx]
         masked = torch.arange(nb * bs, device=device).unsqueeze(0) >= lens.unsqueeze(1)
         return cls(rows, meta.block_tables[idx, :nb].contiguous(), lens, longest, masked[:, None, None, :], others)
+
+    def windowed(self, window: int, block_size: int) -> "DecodePlan":
+        """The plan of `batched_decode_attention` for a sliding-window layer: each sequence gathers only the
+        blocks its window spans (from the one holding position len - window), masked outside the window. Built
+        once per step and window. (block_tables/masked hold the windowed layout; the C path uses the full plan.)"""
+        plan = self._windows.get(window)
+        if plan is not None:
+            return plan
+        bs, nb = block_size, self.block_tables.shape[1]
+        # blocks that `window` consecutive positions can touch: the same layout for every batch (batch invariance)
+        span = (window + bs - 2) // bs + 1
+        first = (self.seq_lens - window).clamp(min=0) // bs  # [Bd]
+        cols = first.unsqueeze(1) + torch.arange(span, device=first.device).unsqueeze(0)
+        tables = self.block_tables.gather(1, cols.clamp(max=nb - 1)).contiguous()
+        pos = (first * bs).unsqueeze(1) + torch.arange(span * bs, device=first.device).unsqueeze(0)
+        lens = self.seq_lens.unsqueeze(1)
+        masked = (pos >= lens) | (pos < lens - window)
+        plan = DecodePlan(self.rows, tables, self.seq_lens, self.longest, masked[:, None, None, :], self.others)
+        self._windows[window] = plan
+        return plan
 
 
 def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePlan, scale: float) -> torch.Tensor:
@@ -203,11 +243,11 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
 
 
 def cpu_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, plan: "DecodePlan", scale: float,
-                  out: torch.Tensor) -> bool:
+                  out: torch.Tensor, window: int | None = None) -> bool:
     """The compiled CPU attention (llmd.kernels.cpu_ops) into `out`: all decodes in one call, then each prefill chunk or
     speculative verify in one call. False where it does not apply (then use torch; `out` may be partly written)."""
     if plan.block_tables.shape[0] and not cpu_ops.decode_attention(q, kv_cache, plan.block_tables, plan.seq_lens,
-                                                                    plan.rows, scale, out):
+                                                                    plan.rows, scale, out, window):
         return False
     starts = [0]
     for n in meta.query_lens_list:
@@ -215,12 +255,13 @@ def cpu_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, p
     for i in plan.others:
         rows = slice(starts[i], starts[i + 1])
         if not cpu_ops.prefill_attention(q[rows], kv_cache, meta.block_tables[i], meta.seq_lens_list[i], scale,
-                                         out[rows]):
+                                         out[rows], window):
             return False
     return True
 
 
-def fast_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def fast_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
+                         window: int | None = None) -> torch.Tensor:
     """The default backend. On the CPU: the compiled C attention (`cpu_attention`), any cache type. Otherwise all
     decode tokens of the step in one batched torch computation, other sequences (prefill chunks, speculative
     verifies) through the per-sequence reference. Which path a sequence takes depends only on its own query length,
@@ -230,18 +271,20 @@ def fast_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMeta
         plan = meta._decode_plan = DecodePlan.build(meta)
     if q.is_cpu:
         out = torch.empty_like(q)
-        if cpu_attention(q, kv_cache, meta, plan, scale, out):
+        if cpu_attention(q, kv_cache, meta, plan, scale, out, window):
             return out
     if plan.block_tables.shape[0] == 0:
-        return torch_paged_attention(q, kv_cache, meta, scale)
+        return torch_paged_attention(q, kv_cache, meta, scale, window=window)
+    decode_plan = plan if window is None else plan.windowed(window, meta.block_size)
     if plan.rows is None:
-        return batched_decode_attention(q, kv_cache, plan, scale)
-    out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others)
-    out[plan.rows] = batched_decode_attention(q[plan.rows], kv_cache, plan, scale)
+        return batched_decode_attention(q, kv_cache, decode_plan, scale)
+    out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others, window=window)
+    out[plan.rows] = batched_decode_attention(q[plan.rows], kv_cache, decode_plan, scale)
     return out
 
 
-AttentionFn = Callable[[torch.Tensor, KVCache, AttentionMetadata, float], torch.Tensor]
+# fn(q, kv_cache, meta, scale, window=None): a backend takes the layer's sliding window as a keyword
+AttentionFn = Callable[..., torch.Tensor]
 _backend: AttentionFn = fast_paged_attention
 
 
@@ -257,11 +300,15 @@ def attention_backend() -> AttentionFn:
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
+    *, window: int | None = None,
 ) -> torch.Tensor:
-    """Write the new tokens' K/V into the cache, then attend. q [T, heads, d], k/v [T, kv_heads, d]."""
+    """Write the new tokens' K/V into the cache, then attend. q [T, heads, d], k/v [T, kv_heads, d]. window: this
+    layer's sliding window (None: full causal attention)."""
     write_kv(k, v, kv_cache, meta.slot_mapping)
-    return _backend(q, kv_cache, meta, scale)
+    if window is None:
+        return _backend(q, kv_cache, meta, scale)
+    return _backend(q, kv_cache, meta, scale, window=window)
 
 
 def allocate_kv_cache(

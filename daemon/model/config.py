@@ -54,9 +54,12 @@ class ModelConfig:
     torch_dtype: str | None = None  # dtype the checkpoint was saved in, for display only
     pooling: str = "mean"  # how embeddings are pooled (llmd.model.pooling): mean | last | cls
     matryoshka_dimensions: list[int] | None = None  # sizes an embedding may be cut to (None: the full size only)
+    # Sliding-window attention: a query at position p sees keys in (p - sliding_window, p]. layer_types (as
+    # transformers names them: "sliding_attention" / "full_attention", one per layer) says which layers use it;
+    # None with a sliding_window: every layer does (Mistral).
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
     # Gemma 2 / 3 (llmd.model.gemma); the defaults leave every other family as it is.
-    layer_types: list[str] | None = None  # per layer "sliding_attention" | "full_attention" (None: all full)
-    sliding_window: int | None = None  # tokens a sliding layer's query sees, itself included
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
     final_logit_softcapping: float | None = None  # the same on the output logits
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim ** -0.5)
@@ -83,9 +86,26 @@ class ModelConfig:
                     f"{self.architecture} with rope scaling type {rope_type!r} is not supported "
                     f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
                 )
+        if self.sliding_window is not None and int(self.sliding_window) < 1:
+            raise ModelFileError("config", f"sliding_window {self.sliding_window} must be a positive token count")
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ModelFileError("config", f"layer_types has {len(self.layer_types)} entries for "
+                                 f"{self.num_hidden_layers} layers")
         self.eos_token_ids = [int(i) for i in self.eos_token_ids]
         if self.pooling not in POOLING_KINDS:
             self.pooling = DEFAULT_POOLING
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer `layer_idx`'s attention, or None where it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is not None and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return int(self.sliding_window)
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        return [self.layer_window(i) for i in range(self.num_hidden_layers)]
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -111,11 +131,11 @@ class ModelConfig:
             rope_scaling = rest if rope_type_of(rest) != "default" else None
 
         max_pos = int(cfg.get("max_position_embeddings", 2048))
-        # Sliding-window attention is not implemented: cap the context at the window, where full attention is exact.
+        # Mistral's config has sliding_window (null in v0.2+: full attention); Qwen2 has one too but uses it only
+        # with use_sliding_window (off in every released checkpoint), as transformers does.
         window = cfg.get("sliding_window")
         uses_window = cfg.get("use_sliding_window", arch == "MistralForCausalLM")
-        if uses_window and window and int(window) < max_pos:
-            max_pos = int(window)
+        sliding_window = int(window) if uses_window and window and int(window) < max_pos else None
 
         switches = SUPPORTED_ARCHITECTURES[arch]
         extra = family(arch, cfg) if family is not None else {}
@@ -143,6 +163,7 @@ class ModelConfig:
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
             pooling=str(cfg.get("llmd_pooling", "mean")),
             matryoshka_dimensions=matryoshka_dimensions(cfg, int(cfg["hidden_size"])),
+            sliding_window=sliding_window,
         )
         return cls(**{**fields, **extra})
 

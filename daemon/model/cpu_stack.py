@@ -53,6 +53,7 @@ class CpuLayerStack:
                     return None
                 setattr(c_layer, name, linear)
                 linears.append((module, module._cpu_cache["cpu_gemm"]))
+            c_layer.window = attn.window or 0
             for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.post_attention_layernorm)):
                 w = norm.weight
                 if w.dtype is not torch.float32 or not w.is_cpu or not w.is_contiguous() \

@@ -14,11 +14,11 @@ What differs from Llama, following transformers' modeling_gemma2/3 (the referenc
 
 Which path runs what: every Gemma layer runs these modules (the compiled CPU layer stack, kernels/cpu_stack.c, covers
 Llama-shaped layers only and is never used here). Each projection is its own kernel as for Llama (C kernels on the CPU
-for int8/int4/GGUF weights). Attention takes the default backend (llmd.model.attention: the C kernels on the CPU,
-Triton on CUDA) for every sequence it gives the same result for: a layer without soft-capping whose window does not
-reach past the sequence's context. Other sequences (soft-capped scores, or a context longer than the window) take
-`windowed_attention` below, in torch, per sequence, so a sequence's result never depends on the rest of the batch.
-That path reads per-step lengths from the host, so Gemma decode steps are not captured in CUDA graphs.
+for int8/int4/GGUF weights). Attention without soft-capping (Gemma 3) takes the default backend with the layer's
+window (llmd.model.attention: the C kernels on the CPU, which read only the window's blocks). Soft-capped attention
+(Gemma 2) has no kernel: `windowed_attention` below computes it in torch, per sequence, so a sequence's result never
+depends on the rest of the batch. That path reads per-step lengths from the host, so Gemma decode steps are not
+captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_ops
-from .attention import AttentionMetadata, KVCache, gather_context, paged_attention, write_kv
+from .attention import AttentionMetadata, KVCache, gather_context, paged_attention, window_start, write_kv
 from .config import ModelConfig
 from .linear import fuse_linears, make_linear
 from .llama import RotaryEmbedding, apply_rope
@@ -85,13 +85,15 @@ def windowed_attention(
     heads = q.shape[1]
     for i in only:
         q_len, s_len = meta.query_lens_list[i], meta.seq_lens_list[i]
-        k_all, v_all = gather_context(kv_cache, meta.block_tables[i], s_len, q.dtype)
+        # from the block holding the first position any query sees: earlier blocks may already be reused
+        base = window_start(s_len, q_len, window) // meta.block_size * meta.block_size
+        k_all, v_all = gather_context(kv_cache, meta.block_tables[i], s_len, q.dtype, base)
         group = heads // k_all.shape[1]
         for b in range(0, q_len, QUERY_BLOCK):
             e = min(q_len, b + QUERY_BLOCK)
             first_q, last_q = s_len - q_len + b, s_len - q_len + e - 1  # positions of the block's queries
             lo = 0 if window is None else max(0, first_q - window + 1)
-            k, v = k_all[lo : last_q + 1], v_all[lo : last_q + 1]
+            k, v = k_all[lo - base : last_q + 1 - base], v_all[lo - base : last_q + 1 - base]
             if group > 1:
                 k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
             qs = q[starts[i] + b : starts[i] + e].transpose(0, 1)  # [heads, n, d]
@@ -113,26 +115,13 @@ def gemma_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
     window: int | None, softcap: float | None,
 ) -> torch.Tensor:
-    """Write K/V, then attend: the default backend for the sequences where window and soft-cap change nothing (no
-    soft-cap, context within the window), `windowed_attention` for the others. The choice is made per sequence."""
+    """Write K/V, then attend: without soft-capping, the default backend with this layer's window (every path takes
+    `window=`); with it, `windowed_attention` for every sequence."""
     if softcap is None:
-        special = [] if window is None else [i for i, s in enumerate(meta.seq_lens_list) if s > window]
-        out = paged_attention(q, k, v, kv_cache, meta, scale)
-        if not special:
-            return out
-    else:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        special = [i for i, n in enumerate(meta.query_lens_list) if n]
-        out = None
-    capped = windowed_attention(q, kv_cache, meta, scale, window, softcap, special)
-    if out is None:
-        return capped
-    starts = [0]
-    for n in meta.query_lens_list:
-        starts.append(starts[-1] + n)
-    for i in special:
-        out[starts[i] : starts[i + 1]] = capped[starts[i] : starts[i + 1]]
-    return out
+        return paged_attention(q, k, v, kv_cache, meta, scale, window=window)
+    write_kv(k, v, kv_cache, meta.slot_mapping)
+    return windowed_attention(q, kv_cache, meta, scale, window, softcap,
+                              [i for i, n in enumerate(meta.query_lens_list) if n])
 
 
 class GemmaAttention(nn.Module):
@@ -140,7 +129,7 @@ class GemmaAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.layer_type = (config.layer_types or [FULL] * config.num_hidden_layers)[layer_idx]
-        self.window = config.sliding_window if self.layer_type == SLIDING else None
+        self.window = config.layer_window(layer_idx)  # None: a global layer
         self.softcap = config.attn_logit_softcapping
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads

@@ -1,4 +1,4 @@
-"""One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (full attention), Qwen2 (qkv bias) and Qwen3
+"""One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (sliding window), Qwen2 (qkv bias) and Qwen3
 (q/k RMSNorm), written for the engine: the forward takes a flattened batch of tokens from many sequences with their
 positions, and every layer's attention goes through `paged_attention`, which reads and writes the paged KV cache.
 
@@ -98,6 +98,7 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
+        self.window = config.layer_window(layer_idx)  # sliding window of this layer's attention (None: global)
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = make_linear(hidden, q_size, bias=config.attention_bias)
         self.k_proj = make_linear(hidden, kv_size, bias=config.attention_bias)
@@ -141,7 +142,7 @@ class Attention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
