@@ -33,7 +33,6 @@ from .pooling import gguf_pooling
 
 log = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma2", "gemma3")
 # ggml type name -> (elements per block, bytes per block): the float types and every packed type that llmd keeps as
 # it is in the file (llmd.kernels.gguf_blocks)
 SUPPORTED_TYPES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), **gb.BLOCKS}
@@ -340,9 +339,35 @@ def convert_to_q8_0(data: np.ndarray, type_name: str, shape: tuple[int, ...]) ->
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Names, permutation and config
+# Architectures: one table entry per llama.cpp architecture that our decoder runs.
+#
+# A llama.cpp GGUF keeps its hyperparameters under "<arch>." metadata keys and its tensors under llama.cpp's names
+# (gguf.constants TENSOR_NAMES). An entry says which config.json architecture the file is, how its tensor names map
+# onto Hugging Face's, and its quirks: whether llama.cpp's converter permuted the q/k rows, which metadata keys and
+# small tensors (RoPE frequency factors) become config fields. Every architecture outside the table is refused by name.
 
 
+@dataclass(frozen=True)
+class GGUFArch:
+    hf_architecture: str  # the config.json architecture the file becomes (llmd.model.config.SUPPORTED_ARCHITECTURES)
+    # blk.N.<gguf name> -> model.layers.N.<hf name>, on top of _LAYER_NAMES (an entry mapped to None is dropped)
+    layer_names: dict[str, str | None] = field(default_factory=dict)
+    # llama.cpp's converter interleaves each q/k head's rotary halves for its non-NEOX RoPE (llama arch only); the
+    # NEOX-RoPE architectures (qwen2, qwen3, phi3, gemma) keep Hugging Face's row order
+    permuted_qk: bool = False
+    # "<arch>.<suffix>" metadata -> a config.json key, beyond _CONFIG_KEYS (value converted by the callable)
+    config_keys: dict[str, tuple[str, Callable[[Any], Any]]] = field(default_factory=dict)
+    # non-layer tensors that are configuration rather than weights (RoPE frequency factors): never loaded as weights,
+    # handed to `quirks` as fp32 lists
+    config_tensors: tuple[str, ...] = ()
+    # last word on the config dict: quirks(cfg, meta, "<arch>.", {config tensor present: its values})
+    quirks: Callable[[dict, dict, str, dict[str, list[float]]], None] | None = None
+    # what llama.cpp's converter added to every `*norm.weight` (Gemma: 1, its RMSNorm multiplier is 1 + weight);
+    # subtracted again as the tensors load, in fp32 as transformers' GGUF loader does
+    norm_shift: float = 0.0
+
+
+# blk.N.<gguf name> -> model.layers.N.<hf name>: the names every architecture here shares
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -356,39 +381,44 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
-# tensors a llama GGUF may carry that our model does not load (rope_freqs is derived from the config)
-_IGNORED = {"rope_freqs.weight"}
+
+_REQUIRED = object()
+# "<arch>.<suffix>" -> (config.json key, conversion, default): the keys every architecture here shares
+_CONFIG_KEYS: dict[str, tuple[str, Callable[[Any], Any], Any]] = {
+    "embedding_length": ("hidden_size", int, _REQUIRED),
+    "feed_forward_length": ("intermediate_size", int, _REQUIRED),
+    "block_count": ("num_hidden_layers", int, _REQUIRED),
+    "attention.head_count": ("num_attention_heads", int, _REQUIRED),
+    "attention.head_count_kv": ("num_key_value_heads", int, None),  # None: as many as the query heads
+    "attention.key_length": ("head_dim", int, None),  # None: hidden size / heads
+    "vocab_size": ("vocab_size", int, None),  # None: the vocabulary's length
+    "attention.layer_norm_rms_epsilon": ("rms_norm_eps", float, 1e-5),
+    "rope.freq_base": ("rope_theta", float, 10000.0),
+    "context_length": ("max_position_embeddings", int, 2048),
+}
 
 
-def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
-    """llama.cpp tensor name -> Hugging Face name; None for tensors we do not load."""
-    if gguf_name in _IGNORED:
-        return None
-    m = _LAYER_RE.match(gguf_name)
-    layer_names = _GEMMA_LAYER_NAMES if arch in GEMMA_ARCHITECTURES else _LAYER_NAMES
-    if m and m.group(2) in layer_names:
-        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
-    base, _, suffix = gguf_name.rpartition(".")
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    return None
+def _llama_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
+    if "rope_freqs.weight" in factors:
+        # Llama 3.1+ files carry precomputed rope frequency factors instead of the scaling parameters; loading them
+        # as plain RoPE would be silently wrong, so refuse until they are implemented.
+        raise UnsupportedArchitecture("GGUF with llama3 rope scaling (rope_freqs tensor) is not supported yet; "
+                                      "use the Hugging Face safetensors folder of this model")
+    scaling_type = meta.get(p + "rope.scaling.type")
+    factor = meta.get(p + "rope.scaling.factor")
+    if scaling_type == "linear" and factor:
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    elif scaling_type not in (None, "none", "linear"):
+        cfg["rope_scaling"] = {"rope_type": str(scaling_type)}  # refused by name in ModelConfig
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# Gemma 2 / Gemma 3 text (llama.cpp's gemma2, gemma3): names, config, and the norm shift.
-#
-# llama.cpp's converter (convert_hf_to_gguf.py, Gemma2Model / Gemma3Model) stores every `*norm.weight` as
-# 1 + weight, the multiplier its plain RMSNorm applies, and keeps q/k rows in Hugging Face order (NEOX RoPE: no
-# permutation). We subtract the 1 again, in fp32 as transformers' GGUF loader does, so the model computes
-# (1 + weight) exactly as the Hugging Face one (llmd.model.gemma.GemmaRMSNorm). Values the file does not carry are
-# llama.cpp's (src/llama-model.cpp): sliding layers of gemma3 use RoPE base 10000 and every 6th layer is global;
-# the attention scale is head_dim ** -0.5 except on the 27B models (hidden / heads).
-
-GEMMA_ARCHITECTURES = {"gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-GEMMA_NORM_SHIFT = 1.0
+# Gemma 2 / Gemma 3 text (llama.cpp's gemma2, gemma3). llama.cpp's converter (convert_hf_to_gguf.py, Gemma2Model /
+# Gemma3Model) stores every `*norm.weight` as 1 + weight, the multiplier its plain RMSNorm applies, and keeps q/k rows
+# in Hugging Face order (NEOX RoPE). The model computes (1 + weight) as the Hugging Face one does
+# (llmd.model.gemma.GemmaRMSNorm). Values the file does not carry are llama.cpp's (src/llama-model.cpp): gemma3's
+# sliding layers use RoPE base 10000 and every 6th layer is global; the attention scale is head_dim ** -0.5 except on
+# the 27B models (hidden / heads).
 _GEMMA_LAYER_NAMES = {
-    **_LAYER_NAMES,
-    "attn_norm": "input_layernorm",
     "post_attention_norm": "post_attention_layernorm",
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
@@ -398,26 +428,22 @@ _GEMMA_LAYER_NAMES = {
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def gemma_hf_config(meta: dict, arch: str) -> dict:
-    """The Gemma-only config.json keys of a gemma2 / gemma3 GGUF (read by llmd.model.config.gemma_fields)."""
-    p = f"{arch}."
-    hidden, heads = int(meta[p + "embedding_length"]), int(meta[p + "attention.head_count"])
-    layers = int(meta[p + "block_count"])
+def _gemma_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
+    """The Gemma-only config.json keys (read by llmd.model.config.gemma_fields)."""
+    arch = p.rstrip(".")
     head_dim = int(_meta(meta, p + "attention.key_length", 256))
-    cfg: dict[str, Any] = {
-        "architectures": [GEMMA_ARCHITECTURES[arch]],
-        "model_type": "gemma2" if arch == "gemma2" else "gemma3_text",
-        "head_dim": head_dim,
-        "query_pre_attn_scalar": hidden // heads if layers == _GEMMA_27B_LAYERS[arch] else head_dim,
-        "sliding_window": int(_meta(meta, p + "attention.sliding_window", 4096)),
-        "final_logit_softcapping": meta.get(p + "final_logit_softcapping"),
-        "attn_logit_softcapping": meta.get(p + "attn_logit_softcapping"),
-        "rope_theta": float(_meta(meta, p + "rope.freq_base", 10000.0 if arch == "gemma2" else 1_000_000.0)),
-    }
+    cfg["head_dim"] = head_dim
+    big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else head_dim
+    cfg["sliding_window"] = int(_meta(meta, p + "attention.sliding_window", 4096))
     if arch == "gemma2":
+        cfg["rope_theta"] = float(_meta(meta, p + "rope.freq_base", 10000.0))
         cfg["final_logit_softcapping"] = float(_meta(meta, p + "final_logit_softcapping", 30.0))
         cfg["attn_logit_softcapping"] = float(_meta(meta, p + "attn_logit_softcapping", 50.0))
-        return cfg
+        return
+    cfg["rope_theta"] = float(_meta(meta, p + "rope.freq_base", 1_000_000.0))
+    cfg["final_logit_softcapping"] = meta.get(p + "final_logit_softcapping")
+    cfg["attn_logit_softcapping"] = meta.get(p + "attn_logit_softcapping")
     cfg["rope_local_base_freq"] = float(_meta(meta, p + "rope.freq_base_swa", 10000.0))
     pattern = meta.get(p + "attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one flag per layer: True = sliding
@@ -427,15 +453,57 @@ def gemma_hf_config(meta: dict, arch: str) -> dict:
     scaling, factor = meta.get(p + "rope.scaling.type"), meta.get(p + "rope.scaling.factor")
     if scaling == "linear" and factor:
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}  # the global layers only
-    return cfg
+    elif scaling not in (None, "none", "linear"):
+        cfg["rope_scaling"] = {"rope_type": str(scaling)}  # refused by name in ModelConfig
 
 
-def _is_shifted_norm(arch: str, hf_name: str) -> bool:
-    return arch in GEMMA_ARCHITECTURES and hf_name.endswith("norm.weight")
+GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
+    "llama": GGUFArch("LlamaForCausalLM", permuted_qk=True, config_tensors=("rope_freqs.weight",),
+                      quirks=_llama_quirks),
+    "gemma2": GGUFArch("Gemma2ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
+    "gemma3": GGUFArch("Gemma3ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
+}
+
+# Architectures llama.cpp knows that our decoder does not run, with what they are, for the refusal message.
+_REFUSED_KINDS = {
+    "qwen2moe": "a mixture-of-experts model", "qwen3moe": "a mixture-of-experts model",
+    "mixtral": "a mixture-of-experts model", "deepseek2": "a mixture-of-experts model",
+    "llama4": "a mixture-of-experts model", "gpt-oss": "a mixture-of-experts model",
+    "phimoe": "a mixture-of-experts model", "granitemoe": "a mixture-of-experts model",
+    "mamba": "a state-space (Mamba) model", "mamba2": "a state-space (Mamba) model",
+    "jamba": "a hybrid Mamba model", "rwkv6": "a recurrent (RWKV) model", "rwkv7": "a recurrent (RWKV) model",
+    "clip": "a vision encoder (mmproj)", "qwen2vl": "a vision-language model", "qwen25vl": "a vision-language model",
+    "gemma3n": "a Gemma 3n (per-layer embeddings) model",
+}
 
 
-def _unshift(w: torch.Tensor) -> torch.Tensor:
-    return w.float() - GEMMA_NORM_SHIFT
+def gguf_architecture(meta: dict, path: Path) -> tuple[str, GGUFArch]:
+    """(the file's architecture name, its table entry); UnsupportedArchitecture naming it otherwise."""
+    arch = meta.get("general.architecture")
+    entry = GGUF_ARCHITECTURES.get(arch) if isinstance(arch, str) else None
+    if entry is None:
+        kind = _REFUSED_KINDS.get(arch) if isinstance(arch, str) else None
+        raise UnsupportedArchitecture(
+            f"{path}: GGUF architecture {arch!r}{f' ({kind})' if kind else ''} is not supported "
+            f"(supported: {', '.join(GGUF_ARCHITECTURES)})"
+        )
+    return arch, entry
+
+
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """llama.cpp tensor name -> Hugging Face name; None for tensors we do not load."""
+    entry = GGUF_ARCHITECTURES[arch]
+    m = _LAYER_RE.match(gguf_name)
+    if m:
+        names = {**_LAYER_NAMES, **entry.layer_names}
+        hf = names.get(m.group(2))
+        return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}" if hf else None
+    if gguf_name in entry.config_tensors:
+        return None
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{suffix}"
+    return None
 
 
 def unpermute_rows(w, n_heads: int):
@@ -456,55 +524,43 @@ def _meta(meta: dict, key: str, default=None):
     return default if value is None else value
 
 
-def hf_config_dict(meta: dict, tensor_names: set[str], path: Path) -> dict:
-    """GGUF metadata -> a Hugging Face style config.json dict (what ModelConfig.from_hf_config reads)."""
-    arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
-    if "rope_freqs.weight" in tensor_names:
-        # Llama 3.1+ files carry precomputed rope frequency factors instead of the scaling parameters; loading them
-        # as plain RoPE would be silently wrong, so refuse until they are implemented.
-        raise UnsupportedArchitecture(
-            f"{path}: GGUF with llama3 rope scaling (rope_freqs tensor) is not supported yet; "
-            "use the Hugging Face safetensors folder of this model"
-        )
+def hf_config_dict(meta: dict, tensor_names: set[str], path: Path,
+                   factors: dict[str, list[float]] | None = None) -> dict:
+    """GGUF metadata -> a Hugging Face style config.json dict (what ModelConfig.from_hf_config reads).
+
+    `factors`: the values of the architecture's config tensors present in the file (see GGUFArch.config_tensors)."""
+    arch, entry = gguf_architecture(meta, path)
     p = f"{arch}."
-    try:
-        hidden = int(meta[p + "embedding_length"])
-        heads = int(meta[p + "attention.head_count"])
-        cfg = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            **(gemma_hf_config(meta, arch) if arch in GEMMA_ARCHITECTURES else {}),
-            "hidden_size": hidden,
-            "intermediate_size": int(meta[p + "feed_forward_length"]),
-            "num_hidden_layers": int(meta[p + "block_count"]),
-            "num_attention_heads": heads,
-        }
-    except KeyError as e:
-        raise ModelFileError(path, f"GGUF metadata lacks {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        raise ModelFileError(path, f"GGUF metadata has a bad model size value: {e}") from None
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    cfg["num_key_value_heads"] = int(_meta(meta, p + "attention.head_count_kv", heads))
-    cfg["head_dim"] = int(_meta(meta, p + "attention.key_length", cfg.get("head_dim") or (hidden // heads if heads else 0)))
-    cfg["vocab_size"] = int(_meta(meta, p + "vocab_size", len(tokens)))
-    cfg["rms_norm_eps"] = float(_meta(meta, p + "attention.layer_norm_rms_epsilon", 1e-5))
-    cfg.setdefault("rope_theta", float(_meta(meta, p + "rope.freq_base", 10000.0)))
-    cfg["max_position_embeddings"] = int(_meta(meta, p + "context_length", 2048))
+    cfg: dict[str, Any] = {"architectures": [entry.hf_architecture], "model_type": arch}
+    for suffix, (key, convert, default) in {**_CONFIG_KEYS, **{k: (*v, None) for k, v in entry.config_keys.items()}}.items():
+        value = meta.get(p + suffix)
+        if value is None and default is _REQUIRED:
+            raise ModelFileError(path, f"GGUF metadata lacks {p + suffix!r}")
+        try:
+            cfg[key] = default if value is None else convert(value)
+        except (TypeError, ValueError) as e:
+            raise ModelFileError(path, f"GGUF metadata {p + suffix!r} has a bad value {value!r}: {e}") from None
+    heads, hidden = cfg["num_attention_heads"], cfg["hidden_size"]
+    if cfg["num_key_value_heads"] is None:
+        cfg["num_key_value_heads"] = heads
+    if cfg["head_dim"] is None:
+        cfg["head_dim"] = hidden // heads if heads else 0
+    if cfg["vocab_size"] is None:
+        cfg["vocab_size"] = len(meta.get("tokenizer.ggml.tokens") or [])
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
     cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
-    scaling_type = meta.get(p + "rope.scaling.type")
-    factor = meta.get(p + "rope.scaling.factor")
-    cfg.setdefault("rope_scaling", (
-        {"rope_type": scaling_type, "factor": float(factor)} if scaling_type == "linear" and factor else None
-    ))
-    if not (heads and cfg["hidden_size"] and cfg["num_hidden_layers"] and cfg["num_key_value_heads"]):
+    cfg["rope_scaling"] = None
+    if not (heads and hidden and cfg["num_hidden_layers"] and cfg["num_key_value_heads"]):
         raise ModelFileError(path, "GGUF metadata has a zero model size (heads, hidden size or layers)")
     if heads % cfg["num_key_value_heads"]:
         raise ModelFileError(path, f"GGUF metadata: {heads} heads is not a multiple of the KV head count")
+    if entry.quirks is not None:
+        try:
+            entry.quirks(cfg, meta, p, factors or {})
+        except UnsupportedArchitecture as e:
+            raise UnsupportedArchitecture(f"{path}: {e}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFileError(path, f"GGUF metadata of {arch!r} is incomplete or bad: {e!r}") from None
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids = [
         int(meta[k])
@@ -555,10 +611,8 @@ class GGUFModel:
 def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> Iterator[tuple[TensorInfo, str, int | None]]:
     """(info, hf name, heads to un-permute by or None) for each tensor we load; refuses unsupported types first."""
     out = []
-    arch = gf.metadata.get("general.architecture")
-    permuted = arch not in GEMMA_ARCHITECTURES  # llama.cpp permutes q/k rows of llama only (NEOX RoPE otherwise)
     for info in gf.tensors:
-        name = hf_tensor_name(info.name, arch)
+        name = hf_tensor_name(info.name, hf_cfg["model_type"])
         if name is None:
             continue
         if info.type_name not in SUPPORTED_TYPES and not gguf_can_dequantize(info.type_name):
@@ -568,7 +622,7 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> Iterator[tuple[TensorInfo, str
                 f"(supported: {', '.join(SUPPORTED_TYPES)}; others the gguf package dequantizes load as Q8_0)",
             )
         heads = None
-        if not permuted:
+        if not GGUF_ARCHITECTURES[hf_cfg["model_type"]].permuted_qk:
             pass
         elif name.endswith("q_proj.weight") or name.endswith("q_proj.bias"):
             heads = hf_cfg["num_attention_heads"]
@@ -582,7 +636,15 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> Iterator[tuple[TensorInfo, str
 
 def _open(path) -> tuple[_GGUFFile, dict]:
     gf = _GGUFFile(path)
-    hf_cfg = hf_config_dict(gf.metadata, {t.name for t in gf.tensors}, gf.path)
+    _, entry = gguf_architecture(gf.metadata, gf.path)
+    factors = {}
+    for info in gf.tensors:
+        if info.name in entry.config_tensors:
+            if info.type_name not in ("F32", "F16", "BF16") or len(info.shape) != 1:
+                raise ModelFileError(gf.path, f"tensor {info.name!r} ({info.type_name} {list(info.shape)}) should be "
+                                              "a 1-D float tensor")
+            factors[info.name] = dequantize(gf.raw_bytes(info), info.type_name, info.shape).tolist()
+    hf_cfg = hf_config_dict(gf.metadata, {t.name for t in gf.tensors}, gf.path, factors)
     return gf, hf_cfg
 
 
@@ -610,12 +672,22 @@ def raw_tensor_types(path) -> dict[str, str]:
             for info, name, _ in _iter_checked(gf, hf_cfg)}
 
 
+def _shift_of(gf: _GGUFFile) -> float:
+    """The architecture's norm shift (GGUFArch.norm_shift); 0 for most."""
+    return GGUF_ARCHITECTURES[gf.metadata["general.architecture"]].norm_shift
+
+
+def _unshifted(w: torch.Tensor, name: str, shift: float) -> torch.Tensor:
+    """A norm weight with the converter's shift taken off again (in fp32); any other tensor as it is."""
+    return w.float() - shift if shift and name.endswith("norm.weight") else w
+
+
 def _raw_generator(gf: _GGUFFile, checked) -> Iterator[RawTensor]:
     warned: set[str] = set()
-    arch = gf.metadata.get("general.architecture")
+    shift = _shift_of(gf)
     for info, name, heads in checked:
-        if _is_shifted_norm(arch, name):
-            w = _unshift(dequantize(gf.raw_bytes(info), info.type_name, info.shape))
+        if shift and name.endswith("norm.weight"):  # a small fp tensor: dequantized, unshifted, passed on as F32
+            w = _unshifted(dequantize(gf.raw_bytes(info), info.type_name, info.shape), name, shift)
             yield RawTensor(name, "F32", info.shape, w.numpy().view(np.uint8).reshape(1, -1))
             continue
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
@@ -634,26 +706,24 @@ def _raw_generator(gf: _GGUFFile, checked) -> Iterator[RawTensor]:
 
 
 def _dequant_generator(gf: _GGUFFile, checked) -> Iterator[tuple[str, torch.Tensor]]:
-    arch = gf.metadata.get("general.architecture")
+    shift = _shift_of(gf)
     for info, name, heads in checked:
         w = dequantize(gf.raw_bytes(info), info.type_name, info.shape)
         if heads is not None:
             w = unpermute_rows(w, heads).contiguous()
-        yield name, _unshift(w) if _is_shifted_norm(arch, name) else w
+        yield name, _unshifted(w, name, shift)
 
 
 def tensor_readers(path) -> dict[str, Callable[[], torch.Tensor]]:
     """Hugging Face name -> a function that reads that one tensor dequantized to fp32 (q/k rows in HF order), for
     callers that need tensors in their own order (calibrated quantization reads a layer at a time)."""
     gf, hf_cfg = _open(path)
-    arch = gf.metadata.get("general.architecture")
+    shift = _shift_of(gf)
 
     def reader(info: TensorInfo, name: str, heads: int | None) -> Callable[[], torch.Tensor]:
         def read() -> torch.Tensor:
             w = dequantize(gf.raw_bytes(info), info.type_name, info.shape)
-            if _is_shifted_norm(arch, name):
-                return _unshift(w)
-            return unpermute_rows(w, heads).contiguous() if heads is not None else w
+            return _unshifted(unpermute_rows(w, heads).contiguous() if heads is not None else w, name, shift)
         return read
 
     return {name: reader(info, name, heads) for info, name, heads in _iter_checked(gf, hf_cfg)}
