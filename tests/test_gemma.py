@@ -160,10 +160,27 @@ RAW_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a tim
                "The three primary colours are"]
 
 
-def test_gemma3_270m_greedy_equals_transformers(gemma3_270m):
+@pytest.fixture(scope="module")
+def gemma3_270m_lm(gemma3_270m):
+    return load_model(gemma3_270m, device="cpu", dtype=torch.float32)  # the CPU default: the file's blocks, packed
+
+
+def test_gemma3_270m_c_layer_stack_equals_the_modules(gemma3_270m_lm, monkeypatch):
+    """Gemma 3's layers as one C call (llmd.model.cpu_stack) give bit for bit the modules' logits, past the window."""
+    from llmd.model import cpu_stack
+
+    lm = gemma3_270m_lm
+    ids = lm.tokenizer.encode("The capital of France is", add_special_tokens=True) * 110
+    stacked = prefill_logits(lm, ids, chunk_sizes=[300, 1, 1])
+    assert lm.model._cpu_stack, "the C layer stack should cover Gemma 3 with packed GGUF layers"
+    monkeypatch.setattr(cpu_stack, "run_layers", lambda *args, **kw: False)
+    assert torch.equal(prefill_logits(lm, ids, chunk_sizes=[300, 1, 1]), stacked)
+
+
+def test_gemma3_270m_greedy_equals_transformers(gemma3_270m, gemma3_270m_lm):
     """The file's packed Q4_K/Q5_0/Q6_K/Q8_0 layers (llmd's CPU default) against transformers' dequantized fp32 model
     of the same file: greedy continuations of raw prompts, one of them longer than the 512-token window."""
-    lm = load_model(gemma3_270m, device="cpu", dtype=torch.float32)
+    lm = gemma3_270m_lm
     tok = lm.tokenizer
     long_text = " ".join(f"Item {i}: the value is {i * 7 % 13}." for i in range(60)) + " Item 60: the value is"
     prompts = [tok.encode(p, add_special_tokens=True) for p in RAW_PROMPTS + [long_text]]

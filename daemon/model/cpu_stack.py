@@ -6,8 +6,9 @@ Python between them, about a third of a small model's decode step at batch 1.
 
 It applies to Llama-shaped models (no q/k norm) whose fused qkv, o, gate/up and down projections are int8 or int4
 layers or packed GGUF layers (one type, or a GGUFConcat of several) with a prepared CPU kernel, with fp32 activations
-and a KV cache the C attention reads (fp32, fp16, bf16 or int8), under the default attention backend. Everything else
-(fp32 or bitsandbytes weights, Qwen3, CUDA, LLMD_CPU_GEMM=0) keeps the module path.
+and a KV cache the C attention reads (fp32, fp16, bf16 or int8), under the default attention backend; and to Gemma 3
+(llmd.model.gemma, `cpu_stack_kind = "gemma"`) with the same kinds of layers. Everything else (fp32 or bitsandbytes
+weights, Qwen3, Gemma 2's soft-capped attention, CUDA, LLMD_CPU_GEMM=0) keeps the module path.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class CpuLayerStack:
     def __init__(self, lib, dims: ck.Dims, layers: ctypes.Array, linears: list, norms: list):
         self.lib, self.dims, self.layers = lib, dims, layers
         self._linears = linears  # (module, its cpu_gemm cache entry): the kernels whose weights the C code reads
-        self._norms = norms  # (RMSNorm, its weight)
+        self._norms = norms  # (norm module, the attribute the C code reads, that tensor)
         self._caches: list = []  # weak references to the KV cache tensors whose pointers `layers` holds
         self.block_size = 0
         self._lock = threading.Lock()  # two threads running the model on different caches must not mix pointers
@@ -40,7 +41,11 @@ class CpuLayerStack:
         """The stack for `model` (a llmd.model.llama.CausalLM), or None where it does not apply."""
         lib = ck.load()
         config = model.config
-        if lib is None or config.qk_norm:
+        if lib is None:
+            return None
+        if getattr(model, "cpu_stack_kind", "llama") == "gemma":
+            return cls._build_gemma(lib, model)
+        if config.qk_norm:
             return None
         layers = (ck.Layer * len(model.model.layers))()
         linears, norms = [], []
@@ -60,18 +65,61 @@ class CpuLayerStack:
                         or norm.eps != config.rms_norm_eps:
                     return None
                 setattr(c_layer, name, w.data_ptr())
-                norms.append((norm, w))
+                norms.append((norm, "weight", w))
         c = config
         dims = ck.Dims(num_layers=len(layers), hidden=c.hidden_size, heads=c.num_attention_heads,
                        kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
                        eps=c.rms_norm_eps, scale=model.model.layers[0].self_attn.scale)
         return cls(lib, dims, layers, linears, norms)
 
+    @classmethod
+    def _build_gemma(cls, lib, model) -> "CpuLayerStack | None":
+        """Gemma 3's layers (llmd.model.gemma): the same projections, with the fp32 (1 + weight) multipliers of its
+        norms, q/k norms, sandwich norms, GELU-tanh and the local RoPE tables of its sliding layers. Soft-capped
+        attention (Gemma 2) has no C kernel: None."""
+        config = model.config
+        if config.attn_logit_softcapping is not None:
+            return None
+        layers = (ck.Layer * len(model.model.layers))()
+        linears, norms = [], []
+        local = model.model.rotary_emb.sliding is not None
+        for layer, c_layer in zip(model.model.layers, layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                linear = _linear(module)
+                if linear is None:
+                    return None
+                setattr(c_layer, name, linear)
+                linears.append((module, module._cpu_cache["cpu_gemm"]))
+            c_layer.window = attn.window or 0
+            c_layer.local_rope = int(local and attn.window is not None)
+            for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.pre_feedforward_layernorm),
+                               ("attn_out_norm", layer.post_attention_layernorm),
+                               ("mlp_out_norm", layer.post_feedforward_layernorm),
+                               ("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
+                if norm is None:
+                    continue
+                if norm.scale is None:
+                    norm.prepare()
+                w = norm.scale
+                if w.dtype is not torch.float32 or not w.is_cpu or not w.is_contiguous() \
+                        or norm.eps != config.rms_norm_eps:
+                    return None
+                setattr(c_layer, name, w.data_ptr())
+                norms.append((norm, "scale", w))
+        c = config
+        dims = ck.Dims(num_layers=len(layers), hidden=c.hidden_size, heads=c.num_attention_heads,
+                       kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
+                       eps=c.rms_norm_eps, scale=model.model.layers[0].self_attn.scale, act=ck.ACTS["gelu_tanh"])
+        return cls(lib, dims, layers, linears, norms)
+
     def current(self) -> bool:
         """Whether every kernel and norm weight is still the model's (a replaced buffer needs a new stack)."""
         # (a GGUFConcat has no qweight of its own: None in both)
         return all(m._cpu_cache.get("cpu_gemm") is e and m._buffers.get("qweight") is e[0] for m, e in self._linears) \
-            and all(n._parameters["weight"] is w for n, w in self._norms)
+            and all((n._parameters["weight"] if attr == "weight" else getattr(n, attr)) is w
+                    for n, attr, w in self._norms)
 
     def _bind_caches(self, kv_caches: list) -> bool:
         """Point the layers at these caches: one per layer, all of one type and shape, each one the C attention reads
@@ -99,22 +147,26 @@ class CpuLayerStack:
             len(refs) == len(c) and all(r() is t for r, t in zip(refs, c)) for refs, c in zip(self._caches, kv_caches))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata) -> bool:
-        """Run every layer on x [T, hidden] in place; False (x untouched) where the stack does not apply."""
+                meta: AttentionMetadata, local: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+        """Run every layer on x [T, hidden] in place; False (x untouched) where the stack does not apply.
+        local: the (cos, signed sin) of layers with local RoPE (Gemma 3's sliding layers)."""
         with self._lock:
-            return self._forward(x, cos, sin, kv_caches, meta)
+            return self._forward(x, cos, sin, kv_caches, meta, local)
 
-    def _forward(self, x, cos, sin, kv_caches, meta) -> bool:
+    def _forward(self, x, cos, sin, kv_caches, meta, local=None) -> bool:
         if not self._bound_to(kv_caches) and not self._bind_caches(kv_caches):
             return False
         t = x.shape[0]
-        if meta.block_size != self.block_size or not (cos.is_contiguous() and sin.is_contiguous()) \
-                or cos.numel() != t * self.dims.head_dim or meta.slot_mapping.numel() != t:
+        tables = [cos, sin] + list(local or ())
+        if meta.block_size != self.block_size or not all(c.is_contiguous() for c in tables) \
+                or any(c.numel() != t * self.dims.head_dim for c in tables) or meta.slot_mapping.numel() != t:
             return False
         plan = meta._decode_plan
         if plan is None:
             plan = meta._decode_plan = DecodePlan.build(meta)
         step = ck.Step(T=t, cos=cos.data_ptr(), ssin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr())
+        if local is not None:
+            step.cos_local, step.ssin_local = local[0].data_ptr(), local[1].data_ptr()
         if plan.block_tables.shape[0]:
             step.num_decodes = plan.block_tables.shape[0]
             step.decode_rows = None if plan.rows is None else plan.rows.data_ptr()
@@ -166,7 +218,7 @@ def _chunks(meta: AttentionMetadata, others: list[int]) -> torch.Tensor:
 
 
 def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list,
-               meta: AttentionMetadata) -> bool:
+               meta: AttentionMetadata, local: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
     """Run `model`'s decoder layers on x in place through its CpuLayerStack (built on first use); False where the
     stack does not apply, and then the caller runs the modules."""
     if not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous()) or x.requires_grad \
@@ -175,4 +227,4 @@ def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_
     stack = model._cpu_stack
     if stack is None or (stack is not False and not stack.current()):
         stack = model._cpu_stack = CpuLayerStack.build(model) or False
-    return stack is not False and stack.forward(x, cos, sin, kv_caches, meta)
+    return stack is not False and stack.forward(x, cos, sin, kv_caches, meta, local)

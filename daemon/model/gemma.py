@@ -12,9 +12,10 @@ What differs from Llama, following transformers' modeling_gemma2/3 (the referenc
   window config.sliding_window; Gemma 3 has q/k RMSNorm and a separate RoPE base for its sliding layers
   (rope_local_theta, never scaled), the global layers taking rope_theta and rope_scaling.
 
-Which path runs what: every Gemma layer runs these modules (the compiled CPU layer stack, kernels/cpu_stack.c, covers
-Llama-shaped layers only and is never used here). Each projection is its own kernel as for Llama (C kernels on the CPU
-for int8/int4/GGUF weights). Attention without soft-capping (Gemma 3) takes the default backend with the layer's
+Which path runs what: on the CPU, Gemma 3 with int8/int4/GGUF weights runs its layers as one C call
+(kernels/cpu_stack.c through llmd.model.cpu_stack: the same kernel calls as these modules, so bit for bit the same;
+tests/test_gemma.py holds it); Gemma 2 (soft-capped attention), fp weights and CUDA run these modules. Each projection
+is its own kernel as for Llama (C kernels on the CPU for int8/int4/GGUF weights); GeGLU is one C call on the CPU. Attention without soft-capping (Gemma 3) takes the default backend with the layer's
 window (llmd.model.attention: the C kernels on the CPU, which read only the window's blocks). Soft-capped attention
 (Gemma 2) has no kernel: `windowed_attention` below computes it in torch, per sequence, so a sequence's result never
 depends on the rest of the batch. That path reads per-step lengths from the host, so Gemma decode steps are not
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import cpu_ops
+from . import cpu_stack
 from .attention import AttentionMetadata, KVCache, gather_context, paged_attention, window_start, write_kv
 from .config import ModelConfig
 from .linear import fuse_linears, make_linear
@@ -59,7 +61,8 @@ class GemmaRMSNorm(nn.Module):
             self.prepare()
             scale = self.scale
         if x.dtype == torch.float32:
-            y = cpu_ops.rms_norm(x, scale, self.eps)  # one C call on the CPU, the same sums as F.rms_norm
+            # (a strided q/k of a prefill chunk is copied first, so that the C call computes it, as in the C stack)
+            y = cpu_ops.rms_norm(x if x.is_contiguous() else x.contiguous(), scale, self.eps)  # one C call on the CPU, the same sums as F.rms_norm
             return y if y is not None else F.rms_norm(x, scale.shape, scale, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -156,15 +159,22 @@ class GemmaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
+        t, d, heads, kv_heads = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+            qkv = self.qkv_proj(x)
+            q, k, v = qkv.split(self.split_sizes, dim=-1)
         else:
+            qkv = None
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q, k, v = q.reshape(t, self.num_heads, d), k.reshape(t, self.num_kv_heads, d), v.reshape(t, self.num_kv_heads, d)
+        q, k, v = q.reshape(t, heads, d), k.reshape(t, kv_heads, d), v.reshape(t, kv_heads, d)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.q_norm(q), self.k_norm(k)  # fresh contiguous tensors: rotated in place on the CPU
+            if not cpu_ops.rope_(q.view(t, -1), cos, sin, heads, d):
+                q = apply_rope(q, cos, sin)
+            if not cpu_ops.rope_(k.view(t, -1), cos, sin, kv_heads, d):
+                k = apply_rope(k, cos, sin)
+        elif qkv is None or not cpu_ops.rope_(qkv, cos, sin, heads + kv_heads, d):  # q and k side by side
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = gemma_attention(q, k, v, kv_cache, meta, self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
@@ -188,7 +198,11 @@ class GemmaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            h = cpu_ops.gelu_mul(gate_up, self.intermediate_size)  # one C call on the CPU
+            if h is not None:
+                return self.down_proj(h)
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.gelu(gate, approximate="tanh") * up)
@@ -253,6 +267,7 @@ class GemmaCausalLM(nn.Module):
     meta) -> final hidden states [T, hidden]; compute_logits(hidden) -> fp32 logits (soft-capped where configured)."""
 
     graph_blocker = "Gemma's windowed / soft-capped attention reads per-step lengths on the host"
+    cpu_stack_kind = "gemma"  # llmd.model.cpu_stack builds Gemma 3's layers as one C call
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -261,6 +276,7 @@ class GemmaCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else make_linear(config.hidden_size, config.vocab_size)
         # sqrt(hidden) as transformers holds it (an fp32 tensor), cast to the activations' dtype when used
         self.embed_scale = torch.tensor(config.hidden_size ** 0.5)
+        self._cpu_stack = None  # llmd.model.cpu_stack: the layers as one C call (False: not applicable)
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.model.rotary_emb.init_buffers(device)
@@ -277,6 +293,7 @@ class GemmaCausalLM(nn.Module):
 
     def _apply(self, fn, recurse=True):
         result = super()._apply(fn, recurse)
+        self._cpu_stack = None  # a move or cast changes the weights' addresses
         for module in self.modules():
             if isinstance(module, GemmaRMSNorm):
                 module.scale = None  # a move or cast: recomputed from the weight on next use
@@ -290,6 +307,9 @@ class GemmaCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
+        if x.is_cpu and cpu_stack.run_layers(self, x, cos[FULL], sin[FULL], kv_caches, meta,
+                                             local=(cos[SLIDING], sin[SLIDING])):  # in place, one C call
+            return self.model.norm(x)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return self.model.norm(x)
