@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_gemma import GEMMA_KINDS, WINDOWS, write_tiny_gemma, write_tiny_gemma_gguf
-
+from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
 from llmd.engine import SamplingParams, generate
 from llmd.errors import UnsupportedArchitecture
 from llmd.model.config import ModelConfig
@@ -17,8 +16,7 @@ from llmd.model.gemma import GemmaCausalLM
 from llmd.model.gguf import gguf_config
 from llmd.model.loader import load_model
 from llmd.model.simple import SingleSequence, greedy_generate, prefill_logits
-
-from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
+from tiny_gemma import GEMMA_KINDS, WINDOWS, write_tiny_gemma, write_tiny_gemma_gguf
 
 TOLERANCE = 1e-4
 GREEDY = dict(temperature=0.0, ignore_eos=True)

@@ -268,6 +268,7 @@ class GemmaCausalLM(nn.Module):
 
     graph_blocker = "Gemma's windowed / soft-capped attention reads per-step lengths on the host"
     cpu_stack_kind = "gemma"  # llmd.model.cpu_stack builds Gemma 3's layers as one C call
+    awq_calibration = False  # llmd.model.awq assumes Llama's norms: int4 is quantized weight by weight (loader)
 
     def __init__(self, config: ModelConfig):
         super().__init__()

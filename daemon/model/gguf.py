@@ -25,7 +25,6 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
-
 from llmd.kernels import gguf_blocks as gb
 
 from ..errors import ModelFileError, UnsupportedArchitecture
