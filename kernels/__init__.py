@@ -1,8 +1,8 @@
 """llmd.kernels: Triton kernels, each beside a pure-torch reference with the same signature.
 
 - quant_matmul: fused dequant + matmul for int8 (per-channel or group-wise) and int4 (group-wise, packed) weights.
-- paged_attention: decode attention over the paged KV cache (GQA-grouped, optional split-KV), and the attention
-  backend that routes steps with prefill chunks to prefill_attention.
+- paged_attention: decode attention over the paged KV cache (GQA-grouped, optional split-KV); the model's
+  TritonBackend (llmd.model.attention_backends) routes steps with prefill chunks to prefill_attention.
 - prefill_attention: varlen causal attention of a step's new tokens over cached prefix blocks plus their own chunk.
 
 The kernels run on CUDA; under TRITON_INTERPRET=1 they also run on CPU tensors (slowly, for tests).

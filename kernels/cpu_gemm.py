@@ -346,27 +346,14 @@ class LayerKernel:
         return y
 
 
-def prepared_kernel(cache: dict, qweight: torch.Tensor) -> LayerKernel | None:
-    """The kernel layer_kernel already prepared in `cache` for this qweight, else None (a cheap per-call lookup)."""
-    entry = cache.get("cpu_gemm")
-    return entry[3] if entry is not None and entry[0] is qweight else None
-
-
-def layer_kernel(cache: dict, kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+def layer_kernel(kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                  group_size: int) -> LayerKernel | None:
-    """The LayerKernel for these weights, kept in the layer's `cache` dict (rebuilt when a buffer is replaced);
-    None when the kernel is off or unavailable or takes neither path for this shape (then use torch)."""
-    entry = cache.get("cpu_gemm")
-    if entry is not None and entry[0] is qweight and entry[1] is scales and entry[2] is zeros:
-        return entry[3]  # LLMD_CPU_GEMM is read when a layer's kernel is prepared, not on every call
-    if not enabled():
-        return None
+    """The LayerKernel for these weights (the caller keeps it: llmd.model.quant's layers, from prepare); None when
+    the kernel is off or unavailable or takes neither path for this shape (then use torch)."""
     lib = load()
     k = qweight.shape[1] * (2 if kind == "int4" else 1)
     ok = lib is not None and (supports_int4(k, group_size) if kind == "int4" else supports_int8(k, group_size))
-    kernel = LayerKernel(lib, kind, qweight, scales, zeros, group_size) if ok else None
-    cache["cpu_gemm"] = (qweight, scales, zeros, kernel)
-    return kernel
+    return LayerKernel(lib, kind, qweight, scales, zeros, group_size) if ok else None
 
 
 # ---- GGUF blocks (llmd.kernels.gguf_blocks), read in place ---------------------------------------------------------
@@ -446,27 +433,9 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, type_name: str, threads:
     return GGUFKernel(lib, [(qweight, type_name)], qweight.shape[1] // nbytes * elems)(x, threads)
 
 
-def gguf_layer_kernel(cache: dict, qweight: torch.Tensor, type_name: str, k: int) -> GGUFKernel | None:
-    """The GGUFKernel for a packed GGUF weight, kept in the layer's cache (rebuilt when the buffer is replaced);
-    None where the kernel is off or unavailable (then the layer dequantizes in torch)."""
-    entry = cache.get("cpu_gemm")
-    if entry is not None and entry[0] is qweight:
-        return entry[3]
-    lib = load() if enabled() else None
-    kernel = GGUFKernel(lib, [(qweight, type_name)], k) if lib is not None and type_name in GGUF_TYPE_IDS else None
-    cache["cpu_gemm"] = (qweight, None, None, kernel)
-    return kernel
-
-
-def gguf_parts_kernel(cache: dict, parts: list[tuple[torch.Tensor, str]], k: int) -> GGUFKernel | None:
-    """The GGUFKernel of several packed parts side by side (GGUFConcat), kept in the layer's cache while the parts'
-    buffers stay the same; None where the kernel is off or unavailable."""
-    entry = cache.get("cpu_gemm")
-    weights = tuple(q for q, _ in parts)
-    if entry is not None and len(entry[1]) == len(weights) and all(a is b for a, b in zip(entry[1], weights)):
-        return entry[3]
-    lib = load() if enabled() else None
+def gguf_kernel(parts: list[tuple[torch.Tensor, str]], k: int) -> GGUFKernel | None:
+    """The GGUFKernel of one packed GGUF weight, or of several side by side (GGUFConcat), for the caller to keep;
+    None where the kernel is off or unavailable or does not know a type (then the layer dequantizes in torch)."""
+    lib = load()
     ok = lib is not None and all(t in GGUF_TYPE_IDS for _, t in parts)
-    kernel = GGUFKernel(lib, parts, k) if ok else None
-    cache["cpu_gemm"] = (None, weights, None, kernel)  # [0]: no single qweight buffer (llmd.model.cpu_stack)
-    return kernel
+    return GGUFKernel(lib, parts, k) if ok else None

@@ -136,7 +136,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, head_dim: int) -> bool:
     """Rotate-half RoPE in place on the first `heads` heads of each row of x [T, >= heads * head_dim], with cos and
-    the signed sin of llmd.model.llama.apply_rope ([T, 1, head_dim]); the same values as apply_rope."""
+    the signed sin of llmd.model.ops.apply_rope ([T, 1, head_dim]); the same values as apply_rope."""
     t = x.shape[0]
     ok = x.dim() == 2 and x.shape[1] >= heads * head_dim and _plain(x) and _plain(cos) and _plain(signed_sin) \
         and cos.is_contiguous() and signed_sin.is_contiguous() and cos.numel() == signed_sin.numel() == t * head_dim

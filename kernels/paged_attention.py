@@ -18,14 +18,11 @@ loaded, by `load_kv_tile`, a jit helper that other kernels reading the paged cac
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
 
 from ._triton import triton, tl, HAVE_TRITON
-
-log = logging.getLogger(__name__)
 
 MIN_SPLIT_TOKENS = 256  # a shorter slice of a context costs more in the combine than it saves
 
@@ -201,76 +198,3 @@ def paged_decode_attention(
     m_all = m.amax(dim=-1, keepdim=True)
     w = torch.exp(m - m_all)
     return ((part * w.unsqueeze(-1)).sum(2) / (l * w).sum(-1, keepdim=True)).to(q.dtype)
-
-
-def triton_paged_attention(q: torch.Tensor, kv_cache, meta, scale: float) -> torch.Tensor:
-    """An llmd.model.attention backend: decode-only steps run the decode kernel; steps with prefill chunks (or
-    speculative verifies) run the varlen prefill kernel over the whole step, decode rows included.
-
-    Decode-only steps can be captured in a CUDA graph: they read the per-step values only from tensors, and take
-    from the host only query_lens_list and max(seq_lens_list), which a captured step holds as static bounds."""
-    from llmd.model.kv_int8 import kv_parts
-
-    from . import prefill_attention
-
-    k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
-    if not meta.is_decode_only:
-        return prefill_attention.paged_prefill_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-            max_query_len=max(meta.query_lens_list), k_scale=k_scale, v_scale=v_scale)
-    return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
-                                  max_seq_len=max(meta.seq_lens_list), k_scale=k_scale, v_scale=v_scale)
-
-
-triton_paged_attention.cuda_graph_safe = True  # see llmd.model.attention.AttentionMetadata
-
-
-def check_attention_backend(fn, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                            kv_cache_dtype: str = "auto", device: str | torch.device = "cuda") -> str | None:
-    """Run attention backend `fn` once on a small paged batch of the model's head shape (a prefill chunk over a
-    cached prefix beside decodes, then a decode-only step) against the torch reference. Returns None when it
-    agrees, else why not: a kernel that fails to compile or computes wrong values on this GPU is caught at
-    startup, before it serves a request."""
-    from llmd.model.attention import AttentionMetadata, allocate_kv_cache, torch_paged_attention, write_kv
-
-    gen = torch.Generator().manual_seed(0)
-    block_size, num_blocks = 16, 12
-    (cache,) = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_cache_dtype)
-    slots = torch.arange(num_blocks * block_size, device=device)
-    kv = torch.randn(2, len(slots), num_kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-    write_kv(kv[0], kv[1], cache, slots)
-    tables = [[3, 7, 1], [0, 5, 9, 2], [11]]
-    steps = [([17, 1, 1], [45, 61, 9]), ([1, 1, 1], [46, 62, 10])]  # (query lens, context lens)
-    tol = 1e-4 if dtype == torch.float32 and device == "cpu" else 3e-2  # bf16/fp16 rounding, TF32 dots
-    for query_lens, seq_lens in steps:
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device)
-        q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-        try:
-            got = fn(q, cache, meta, head_dim ** -0.5)
-        except Exception as e:  # a compile or launch failure on this GPU
-            return f"{type(e).__name__}: {e}"
-        want = torch_paged_attention(q, cache, meta, head_dim ** -0.5)
-        err = (got.float() - want.float()).abs().max().item()
-        if not err <= tol:  # also catches NaN
-            return f"max |difference| from the torch reference {err:.3g} > {tol:g} (query lens {query_lens})"
-    return None
-
-
-def enable_cuda_attention(model_config=None, dtype: torch.dtype = torch.bfloat16, kv_cache_dtype: str = "auto") -> bool:
-    """Route llmd's attention through the Triton kernels when CUDA and Triton are present and, given the model's
-    config, the kernels pass `check_attention_backend` on this GPU for its head shape; otherwise keep the torch
-    path and log why. Returns whether the kernels are on."""
-    import llmd.kernels as kernels
-    from llmd.model.attention import set_attention_backend
-
-    if not (kernels.available() and torch.cuda.is_available()):
-        return False
-    if model_config is not None:
-        c = model_config
-        problem = check_attention_backend(triton_paged_attention, c.num_attention_heads, c.num_key_value_heads,
-                                          c.head_dim, dtype, kv_cache_dtype, device="cuda")
-        if problem is not None:
-            log.warning("Triton attention disabled, the torch path serves instead: %s", problem)
-            return False
-    set_attention_backend(triton_paged_attention)
-    return True

@@ -1,8 +1,11 @@
 """The CPU layer stack (llmd.model.cpu_stack): all decoder layers of a quantized model in one C call must give the
 module path's logits and KV caches bit for bit, in every kind of step (prefill chunks over cached prefixes, decodes,
-mixes of both, speculative verifies), and must step aside where it does not apply."""
+mixes of both, speculative verifies), and must step aside where it does not apply. The engine's runner builds it
+once (CompiledCpuForward) and calls it instead of the model."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from llmd.kernels import cpu_ops
 from llmd.model import cpu_stack
 from llmd.model.attention import AttentionMetadata
 from llmd.model.loader import load_model
+from llmd.model.quant import QuantSpec, fill_from_weight
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.skipif(cpu_ops.load() is None, reason="no C compiler for the CPU kernels")]
@@ -28,9 +32,11 @@ PROMPTS = [
 def _record_steps(loaded, use_stack: bool, **engine_kw) -> tuple[list[torch.Tensor], list]:
     """Greedy generation with staggered arrivals and small prefill chunks, so steps mix chunks and decodes;
     returns every step's logits and the final KV caches."""
-    loaded.model._cpu_stack = None if use_stack else False
     engine = make_engine(loaded, max_num_batched_tokens=12, **engine_kw)
     runner = engine.runner
+    assert isinstance(runner.forward, cpu_stack.CompiledCpuForward)
+    if not use_stack:
+        runner.forward = loaded.model
     logits: list[torch.Tensor] = []
     execute = runner.execute_eager
 
@@ -48,8 +54,8 @@ def _record_steps(loaded, use_stack: bool, **engine_kw) -> tuple[list[torch.Tens
             engine.step()
     while engine.has_work():
         engine.step()
-    stack = loaded.model._cpu_stack
-    assert isinstance(stack, cpu_stack.CpuLayerStack) if use_stack else stack is False
+    if use_stack:
+        assert runner.forward.stack._caches  # the stack ran (bound to the engine's caches)
     return logits, [tuple(t.clone() for t in pair) for pair in runner.kv_caches]
 
 
@@ -101,32 +107,37 @@ def test_stack_steps_aside_where_it_does_not_apply(tiny_llama, tiny_qwen3):
     ids = torch.tensor(loaded.tokenizer.encode("Hello"))
     meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0]], 16)
     caches = [(torch.zeros(2, 16, 2, 16, dtype=torch.float64),) * 2 for _ in loaded.model.model.layers]
+    forward = cpu_stack.CompiledCpuForward.try_build(loaded.model)
     with torch.inference_mode():
-        loaded.model(ids, torch.arange(len(ids)), caches, meta)
-    stack = loaded.model._cpu_stack
-    assert stack is not None and not stack._caches  # built, then declined the fp64 cache: the modules ran
+        got = forward(ids, torch.arange(len(ids)), caches, meta)
+        assert not forward.stack._caches  # built, then declined the fp64 cache: the modules ran
+        meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0]], 16)
+        assert torch.equal(got, loaded.model(ids, torch.arange(len(ids)), caches, meta))
+    assert make_engine(fp32).runner.forward is fp32.model  # the runner runs such a model itself
 
 
-def test_replaced_weights_rebuild_the_stack(tiny_llama):
+def test_a_stack_keeps_the_weights_it_was_built_with(tiny_llama):
+    """The stack is built once for weights that no longer change: replacing a layer's weights afterwards leaves it
+    on the old ones, which it keeps alive (no stray pointer); a stack built again runs the new ones, as the modules
+    do."""
     loaded = load_model(tiny_llama, quant="int8")
     model = loaded.model
     ids = torch.tensor(loaded.tokenizer.encode("Hello there"))
     meta_args = ([len(ids)], [len(ids)], [[0]], 16)
 
-    def forward():
+    def run(forward):
         caches = [(torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16)) for _ in model.model.layers]
         with torch.inference_mode():
-            return model(ids, torch.arange(len(ids)), caches, AttentionMetadata.build(*meta_args))
+            return forward(ids, torch.arange(len(ids)), caches, AttentionMetadata.build(*meta_args))
 
-    before = forward()
-    first = model._cpu_stack
+    first = cpu_stack.CompiledCpuForward.try_build(model)
+    before = run(first)
     down = model.model.layers[1].mlp.down_proj
-    down.register_buffer("qweight", -down.qweight)
-    after = forward()
-    assert model._cpu_stack is not first and isinstance(model._cpu_stack, cpu_stack.CpuLayerStack)
-    model._cpu_stack = False
-    assert torch.equal(after, forward())  # the modules with the new weights
-    assert not torch.equal(before, after)
+    fill_from_weight(down, -down.dequantized_weight(), QuantSpec("int8"))  # a new buffer; drops the layer's kernel
+    gc.collect()  # the old buffer would be freed here if the stack did not hold it
+    assert torch.equal(run(first), before)
+    after = run(cpu_stack.CompiledCpuForward.try_build(model))
+    assert torch.equal(after, run(model)) and not torch.equal(before, after)
 
 
 def test_bad_block_id_is_an_error_not_a_stray_write(tiny_llama):
@@ -136,20 +147,20 @@ def test_bad_block_id_is_an_error_not_a_stray_write(tiny_llama):
     meta = AttentionMetadata.build([len(ids)], [len(ids)], [[0]], 16)
     meta.block_tables[0, 0] = 5  # past the 2-block cache
     with torch.inference_mode(), pytest.raises(IndexError):
-        loaded.model(ids, torch.arange(len(ids)), caches, meta)
+        cpu_stack.CompiledCpuForward.try_build(loaded.model)(ids, torch.arange(len(ids)), caches, meta)
 
 
 def test_stack_does_not_keep_a_kv_pool_alive(tiny_llama):
     """The stack lives with the model; the caches it last ran on must be freed with their engine."""
-    import gc
     import weakref
 
     loaded = load_model(tiny_llama, quant="int8")
     ids = torch.tensor(loaded.tokenizer.encode("Hello there"))
     caches = [(torch.zeros(2, 16, 2, 16), torch.zeros(2, 16, 2, 16)) for _ in loaded.model.model.layers]
+    forward = cpu_stack.CompiledCpuForward.try_build(loaded.model)
     with torch.inference_mode():
-        loaded.model(ids, torch.arange(len(ids)), caches, AttentionMetadata.build([len(ids)], [len(ids)], [[0]], 16))
-    assert isinstance(loaded.model._cpu_stack, cpu_stack.CpuLayerStack)
+        forward(ids, torch.arange(len(ids)), caches, AttentionMetadata.build([len(ids)], [len(ids)], [[0]], 16))
+    assert forward.stack._caches
     first = weakref.ref(caches[0][0])
     del caches
     gc.collect()

@@ -22,10 +22,12 @@ from kernel_testing import load_kernel_module
 from llmd.engine import EngineConfig, SamplingParams, generate
 from llmd.engine.block_manager import BlockManager
 from llmd.engine.cuda_graphs import DecodeInputs, capture_sizes, eager_capture, pick_bucket
+from llmd.engine import runner as runner_module
 from llmd.engine.runner import ModelRunner
 from llmd.engine.scheduler import ScheduledSeq
 from llmd.engine.spec_draft import DraftSeq
-from llmd.model.attention import AttentionMetadata, set_attention_backend
+from llmd.model.attention import AttentionMetadata
+from llmd.model.attention_backends import TRITON
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -33,12 +35,12 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture
-def triton_attention():
-    """The CUDA attention backend (under the interpreter on CPU), restored to the torch default afterwards."""
-    pa = load_kernel_module("paged_attention")
-    set_attention_backend(pa.triton_paged_attention)
-    yield pa
-    set_attention_backend(None)
+def triton_attention(monkeypatch):
+    """Runners built in the test pick the CUDA attention backend (under the interpreter on CPU), as on a GPU."""
+    load_kernel_module("paged_attention")
+    load_kernel_module("prefill_attention")
+    monkeypatch.setattr(runner_module, "choose_backend", lambda *a, **kw: TRITON)
+    yield TRITON
 
 
 # ---- pure parts -----------------------------------------------------------------------------------------------
@@ -287,8 +289,7 @@ def test_engine_greedy_tokens_identical_with_graphs(tiny_llama_loaded, triton_at
         assert a == pytest.approx(b, abs=1e-4)
     graphs = engine.runner.graphs
     assert graphs.replays >= 5 and set(graphs.graphs) == {1, 2, 4, 8}
-    set_attention_backend(None)  # another backend: the graphs recorded the old one, so they no longer run
-    assert not graphs.can_run([ScheduledSeq(_seq([1, 2], 1, [0]), 1)])
+    assert engine.runner.attention is TRITON and graphs.attention is TRITON
 
 
 def test_failed_capture_falls_back_to_eager(tiny_llama_loaded, triton_attention):
@@ -312,7 +313,7 @@ LLAMA3_8B_2_LAYERS = dict(architecture="LlamaForCausalLM", vocab_size=128256, hi
 
 @pytest.fixture(scope="module")
 def llama3_shaped():
-    """A random-weight Llama-3-8B-shaped model with 2 layers, bf16 on CUDA, projections fused as after loading."""
+    """A random-weight Llama-3-8B-shaped model with 2 layers, bf16 on CUDA."""
     from llmd.model.config import ModelConfig
     from llmd.model.loader import LoadedModel
     from llmd.model.weights import build_empty
@@ -325,7 +326,6 @@ def llama3_shaped():
             p.fill_(1.0)
         else:
             p.normal_(0, 0.02, generator=gen)
-    model.fuse_projections()
     return LoadedModel(model, None, config, "llama3-8b-2-layers", torch.bfloat16, torch.device("cuda"), 0.0)
 
 
@@ -338,8 +338,7 @@ def tiny_llama_cuda(tiny_llama):
 
 @pytest.fixture
 def reset_attention():
-    yield
-    set_attention_backend(None)  # ModelRunner on CUDA selects the Triton backend for the process
+    yield  # (each ModelRunner keeps its own backend: nothing to restore)
 
 
 @pytest.mark.gpu

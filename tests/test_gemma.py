@@ -163,16 +163,31 @@ def gemma3_270m_lm(gemma3_270m):
     return load_model(gemma3_270m, device="cpu", dtype=torch.float32)  # the CPU default: the file's blocks, packed
 
 
-def test_gemma3_270m_c_layer_stack_equals_the_modules(gemma3_270m_lm, monkeypatch):
-    """Gemma 3's layers as one C call (llmd.model.cpu_stack) give bit for bit the modules' logits, past the window."""
-    from llmd.model import cpu_stack
+def test_gemma3_270m_c_layer_stack_equals_the_modules(gemma3_270m_lm):
+    """Gemma 3's layers as one C call (llmd.model.cpu_stack) give bit for bit the modules' logits: chunked prefill
+    then decodes, past the window, fp16 KV (the CPU default)."""
+    from llmd.model.attention import AttentionMetadata, allocate_kv_cache
+    from llmd.model.cpu_stack import CompiledCpuForward
 
     lm = gemma3_270m_lm
+    compiled = CompiledCpuForward.try_build(lm.model)
+    assert compiled is not None, "the C layer stack should cover Gemma 3 with packed GGUF layers"
     ids = lm.tokenizer.encode("The capital of France is", add_special_tokens=True) * 110
-    stacked = prefill_logits(lm, ids, chunk_sizes=[300, 1, 1])
-    assert lm.model._cpu_stack, "the C layer stack should cover Gemma 3 with packed GGUF layers"
-    monkeypatch.setattr(cpu_stack, "run_layers", lambda *args, **kw: False)
-    assert torch.equal(prefill_logits(lm, ids, chunk_sizes=[300, 1, 1]), stacked)
+    cfg = lm.config
+
+    def run(forward) -> torch.Tensor:
+        caches = allocate_kv_cache(cfg.num_hidden_layers, 50, 16, cfg.num_key_value_heads, cfg.head_dim,
+                                   torch.float32, kv_cache_dtype="fp16")
+        table, out, done = list(reversed(range(50))), [], 0
+        with torch.inference_mode():
+            for n in (300, len(ids) - 302, 1, 1):
+                meta = AttentionMetadata.build([n], [done + n], [table], 16)
+                hidden = forward(torch.tensor(ids[done : done + n]), torch.arange(done, done + n), caches, meta)
+                out.append(lm.model.compute_logits(hidden))
+                done += n
+        return torch.cat(out)
+
+    assert torch.equal(run(compiled), run(lm.model))
 
 
 def test_gemma3_270m_greedy_equals_transformers(gemma3_270m, gemma3_270m_lm):

@@ -270,8 +270,11 @@ def test_mixed_types_fuse_and_the_c_layer_stack_runs_them_bit_for_bit(kquant_fil
     if cpu_ops.load() is None:
         return
 
+    compiled = cpu_stack.CompiledCpuForward.try_build(model)
+    assert compiled is not None
+
     def run(use_stack: bool) -> list[torch.Tensor]:
-        model._cpu_stack = None if use_stack else False
+        forward = compiled if use_stack else model
         kv = allocate_kv_cache(cfg.num_hidden_layers, 4, 16, cfg.num_key_value_heads, cfg.head_dim, torch.float32,
                                "cpu")
         out, length = [], 0
@@ -279,11 +282,11 @@ def test_mixed_types_fuse_and_the_c_layer_stack_runs_them_bit_for_bit(kquant_fil
             for ids in (IDS[:9], IDS[9:10], IDS[10:11], IDS[11:]):
                 length += len(ids)
                 meta = AttentionMetadata.build([len(ids)], [length], [[3, 1]], 16)
-                out.append(model(torch.tensor(ids), torch.arange(length - len(ids), length), kv, meta).clone())
+                out.append(forward(torch.tensor(ids), torch.arange(length - len(ids), length), kv, meta).clone())
         return out
 
     with_stack = run(True)
-    assert isinstance(model._cpu_stack, cpu_stack.CpuLayerStack)
+    assert compiled.stack._caches  # the stack ran
     without = run(False)
     assert all(torch.equal(a, b) for a, b in zip(with_stack, without))
 

@@ -190,13 +190,22 @@ def test_fp32_activations_by_default_or_when_k_is_not_a_multiple_of_32(monkeypat
         torch.testing.assert_close(odd(x100), x100 @ odd.dequantized_weight().t(), rtol=1e-4, atol=1e-4)
 
 
-def test_a_replaced_weight_buffer_is_not_served_from_the_old_kernel():
+def test_a_replaced_weight_is_not_served_from_the_old_kernel():
+    """prepare() fixes a layer's kernel; filling the layer again (fill_from_weight, fill_int4, a GGUF fill, a quant
+    cache read) drops it, and the next call prepares one for the new weights."""
     i8, i4 = _modules()
     x = torch.randn(3, 256)
+    w = torch.randn(70, 256) * 0.05
     with torch.inference_mode():
-        for layer in (i8, i4):
-            layer(x)  # prepares the layer's kernel
-            layer.register_buffer("qweight", layer.qweight.flip(0).clone())
+        for layer, spec in ((i8, QuantSpec("int8")), (i4, QuantSpec("int4", 32))):
+            kernel = layer.prepare(torch.device("cpu"), torch.float32)
+            assert layer.kernel is kernel and isinstance(kernel, cpu_gemm.LayerKernel) == (cpu_gemm.load() is not None)
+            layer(x)
+            assert layer.kernel is kernel  # kept across calls
+            fill_from_weight(layer, w, spec)
+            assert layer.kernel is None
+            torch.testing.assert_close(layer(x), x @ layer.dequantized_weight().t(), rtol=1e-4, atol=1e-4)
+            fill_from_weight(layer, w[:10].flip(1), spec, slice(0, 10))  # some rows only
             torch.testing.assert_close(layer(x), x @ layer.dequantized_weight().t(), rtol=1e-4, atol=1e-4)
 
 

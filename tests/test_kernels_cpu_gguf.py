@@ -94,15 +94,21 @@ def test_row_results_do_not_depend_on_the_batch(type_name):
     assert torch.equal(mm(x[:1], threads=3), full[:1]) and torch.equal(mm(x[:7], threads=2), full[:7])
 
 
-def test_layer_kernel_is_cached_and_follows_a_replaced_buffer():
+def test_layer_kernel_is_prepared_once_and_dropped_by_a_fill():
     if not HAVE_KERNEL:
         return
+    from llmd.model.quant import GGUFLinear
+
     q, k = _weights("Q4_K")
-    cache: dict = {}
-    kernel = cpu_gemm.gguf_layer_kernel(cache, q, "Q4_K", k)
-    assert kernel is not None and cpu_gemm.gguf_layer_kernel(cache, q, "Q4_K", k) is kernel
-    q2 = q.clone()
-    assert cpu_gemm.gguf_layer_kernel(cache, q2, "Q4_K", k) is not kernel
+    layer = GGUFLinear(k, q.shape[0], "Q4_K")
+    layer.fill(q, "w", "test")
+    kernel = layer.prepare(torch.device("cpu"), torch.float32)
+    assert isinstance(kernel, cpu_gemm.GGUFKernel)
+    x = torch.randn(2, k)
+    before = layer(x)
+    assert torch.equal(before, kernel(x)) and layer.kernel is kernel
+    layer.fill(q.flip(0).contiguous(), "w", "test")
+    assert layer.kernel is None and torch.equal(layer(x), before.flip(-1))
 
 
 def test_bad_shapes_raise():

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from llmd.kernels import cpu_ops
 from llmd.model.attention import AttentionMetadata, torch_paged_attention
-from llmd.model.llama import apply_rope
+from llmd.model.ops import apply_rope
 
 HAVE_OPS = cpu_ops.load() is not None
 

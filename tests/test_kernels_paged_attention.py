@@ -10,6 +10,7 @@ import torch
 
 from kernel_testing import DEVICE, load_kernel_module
 from llmd.model.attention import AttentionMetadata, torch_paged_attention
+from llmd.model.attention_backends import TRITON, TritonBackend, check_attention_backend, triton_paged_attention
 
 pa = load_kernel_module("paged_attention")
 
@@ -85,13 +86,13 @@ def test_reference_agrees_with_engine_attention():
 
 def test_backend_answers_decode_and_mixed_steps():
     q, k_cache, v_cache, meta = _ragged_batch([40, 3], 1, 3, 32, 16, torch.float32, seed=4)
-    out = pa.triton_paged_attention(q, (k_cache, v_cache), meta, 0.3)
+    out = triton_paged_attention(q, (k_cache, v_cache), meta, 0.3)
     _check(out, torch_paged_attention(q, (k_cache, v_cache), meta, 0.3), torch.float32)
     # a step with a prefill chunk (query length 4) takes the prefill kernel, see test_kernels_prefill_attention.py
     mixed = AttentionMetadata.build([4, 1], [20, 3], [meta.block_tables[0].tolist()[:2], [meta.block_tables[1, 0].item()]],
                                     16, device=DEVICE)
     qm = torch.randn(5, 3, 32, device=DEVICE)
-    _check(pa.triton_paged_attention(qm, (k_cache, v_cache), mixed, 0.3),
+    _check(triton_paged_attention(qm, (k_cache, v_cache), mixed, 0.3),
            torch_paged_attention(qm, (k_cache, v_cache), mixed, 0.3), torch.float32)
 
 
@@ -127,12 +128,12 @@ def test_compact_float_caches_under_an_fp32_model(kv_cache_dtype):
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[kv_cache_dtype]
     q, k_cache, v_cache, meta = _ragged_batch([40, 3, 17], 2, 3, 32, 16, torch.float32, seed=6)
     cache = (k_cache.to(dtype), v_cache.to(dtype))
-    out = pa.triton_paged_attention(q, cache, meta, 0.3)
+    out = triton_paged_attention(q, cache, meta, 0.3)
     _check(out, torch_paged_attention(q, cache, meta, 0.3), torch.float32)
     tables = [meta.block_tables[i, : -(-n // 16)].tolist() for i, n in enumerate([40, 3, 17])]
     mixed = AttentionMetadata.build([5, 1, 2], [40, 3, 17], tables, 16, device=DEVICE)
     qm = torch.randn(8, 6, 32, device=DEVICE)
-    _check(pa.triton_paged_attention(qm, cache, mixed, 0.3), torch_paged_attention(qm, cache, mixed, 0.3),
+    _check(triton_paged_attention(qm, cache, mixed, 0.3), torch_paged_attention(qm, cache, mixed, 0.3),
            torch.float32)
 
 
@@ -142,13 +143,15 @@ def test_startup_check_accepts_the_kernels_and_refuses_a_wrong_backend(kv_cache_
     backend passes for SmolLM2's head shape; a backend that ignores the context, or one that raises, is refused
     with the reason."""
     shape = (9, 3, 64, torch.float32, kv_cache_dtype)
-    assert pa.check_attention_backend(pa.triton_paged_attention, *shape, device=DEVICE) is None
+    assert check_attention_backend(TRITON, *shape, device=DEVICE) is None
 
-    def ignores_context(q, kv_cache, meta, scale):
-        return q
+    class IgnoresContext(TritonBackend):
+        def attend(self, q, kv_cache, meta, scale, **options):
+            return q
 
-    def fails(q, kv_cache, meta, scale):
-        raise RuntimeError("no kernel image for this GPU")
+    class Fails(TritonBackend):
+        def attend(self, q, kv_cache, meta, scale, **options):
+            raise RuntimeError("no kernel image for this GPU")
 
-    assert "|difference| from the torch reference" in pa.check_attention_backend(ignores_context, *shape, device=DEVICE)
-    assert pa.check_attention_backend(fails, *shape, device=DEVICE) == "RuntimeError: no kernel image for this GPU"
+    assert "|difference| from the torch reference" in check_attention_backend(IgnoresContext(), *shape, device=DEVICE)
+    assert check_attention_backend(Fails(), *shape, device=DEVICE) == "RuntimeError: no kernel image for this GPU"

@@ -11,6 +11,7 @@ import torch
 
 from kernel_testing import DEVICE, load_kernel_module
 from llmd.model.attention import AttentionMetadata, allocate_kv_cache, torch_paged_attention, write_kv
+from llmd.model.attention_backends import triton_paged_attention
 from llmd.model.kv_int8 import kv_parts
 
 pf = load_kernel_module("prefill_attention")
@@ -113,10 +114,10 @@ def test_backend_runs_steps_with_prefill_chunks_through_the_kernel(kv_cache_dtyp
     calls = []
     kernel = pf.paged_prefill_attention
     monkeypatch.setattr(pf, "paged_prefill_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    torch.testing.assert_close(pa.triton_paged_attention(q, cache, meta, 0.3), engine, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(triton_paged_attention(q, cache, meta, 0.3), engine, rtol=1e-4, atol=1e-4)
     assert calls == [1]
     decode_only = AttentionMetadata.build([1, 1], [9, 45], meta.block_tables[1:3].tolist(), 16, device=DEVICE)
-    pa.triton_paged_attention(q[:2], cache, decode_only, 0.3)
+    triton_paged_attention(q[:2], cache, decode_only, 0.3)
     assert calls == [1]  # decode-only steps keep the decode kernel
 
 
@@ -142,7 +143,7 @@ def test_real_shapes_on_gpu(kv_cache_dtype, query_lens, seq_lens):
     scale = 128 ** -0.5
     ref = run(pf.paged_prefill_attention_ref, q, cache, meta, scale)
     check(run(pf.paged_prefill_attention, q, cache, meta, scale), ref, torch.bfloat16, tol=2e-2)
-    check(pa.triton_paged_attention(q, cache, meta, scale), ref, torch.bfloat16, tol=2e-2)
+    check(triton_paged_attention(q, cache, meta, scale), ref, torch.bfloat16, tol=2e-2)
 
 
 # ---- the engine on the Triton backend (tiny Llama, CPU fp32 under the interpreter) ---------------------------------
@@ -153,7 +154,8 @@ def test_engine_greedy_tokens_match_the_torch_backend(tiny_llama_loaded, kv_cach
     the same greedy tokens as the default torch attention."""
     from engine_testing import make_engine
     from llmd.engine import SamplingParams, generate
-    from llmd.model.attention import set_attention_backend
+    from llmd.engine import runner as runner_module
+    from llmd.model.attention_backends import TRITON
 
     rng = random.Random(0)
     shared = [rng.randrange(5, 200) for _ in range(40)]
@@ -171,10 +173,7 @@ def test_engine_greedy_tokens_match_the_torch_backend(tiny_llama_loaded, kv_cach
     calls = []
     kernel = pf.paged_prefill_attention
     monkeypatch.setattr(pf, "paged_prefill_attention", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    set_attention_backend(pa.triton_paged_attention)
-    try:
-        got = tokens()
-    finally:
-        set_attention_backend(None)
+    monkeypatch.setattr(runner_module, "choose_backend", lambda *a, **kw: TRITON)  # as a GPU's runner picks
+    got = tokens()
     assert got == want
     assert len(calls) >= 4 * tiny_llama_loaded.config.num_hidden_layers  # at least 4 steps with prefill chunks

@@ -35,9 +35,10 @@ def test_smollm2_with_fp16_kv_answers_paris_through_the_layer_stack(smollm2_gguf
 
     smol = load_model(smollm2_gguf, quant="gguf")
     prompt = smol.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
-    (out,) = generate(make_engine(smol, kv_cache_dtype="fp16"), [prompt], SamplingParams(max_tokens=12, **GREEDY))
+    engine = make_engine(smol, kv_cache_dtype="fp16")
+    (out,) = generate(engine, [prompt], SamplingParams(max_tokens=12, **GREEDY))
     assert "Paris" in smol.tokenizer.decode(out.token_ids)
-    assert isinstance(smol.model._cpu_stack, cpu_stack.CpuLayerStack) and smol.model._cpu_stack._caches
+    assert isinstance(engine.runner.forward, cpu_stack.CompiledCpuForward) and engine.runner.forward.stack._caches
 
 
 def test_stats_name_the_kv_dtype_and_the_8k_sequences_each_dtype_fits(tiny_llama_loaded):

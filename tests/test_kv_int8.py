@@ -26,8 +26,9 @@ from llmd.config import ConfigError, load_settings
 from llmd.engine import EngineConfig, SamplingParams, generate
 from llmd.engine.runner import kv_bytes_per_block, plan_num_blocks
 from llmd.model.attention import (
-    AttentionMetadata, allocate_kv_cache, fast_paged_attention, gather_context, torch_paged_attention, write_kv,
+    AttentionMetadata, allocate_kv_cache, gather_context, torch_paged_attention, write_kv,
 )
+from llmd.model.attention_backends import CPU, triton_paged_attention
 from llmd.model.config import ModelConfig
 from llmd.model.kv_int8 import Int8KVCache, dequantize_int8, quantize_int8
 
@@ -125,7 +126,7 @@ def test_torch_paths_int8_against_fp(kv_heads, group, head_dim):
     # 1. exactly attention over the dequantized cache, in the reference and in the batched path
     torch.testing.assert_close(ref_int8, torch_paged_attention(q, dequantized_copy(i8, torch.float32), meta, scale),
                                rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fast_paged_attention(q, i8, meta, scale), ref_int8, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(CPU.attend(q, i8, meta, scale), ref_int8, rtol=1e-5, atol=1e-5)
     # 2. against the fp cache: within the propagated quantization error
     err = (ref_int8 - torch_paged_attention(q, fp, meta, scale)).abs().amax(dim=(1, 2))
     assert (err <= propagation_bound(q, fp, i8, meta, scale) + 1e-5).all()
@@ -137,11 +138,11 @@ def test_batched_int8_decode_is_bit_identical_alone_and_in_batch():
     seq_lens = [1, 33, 7, 200, 16, 17, 50, 64]
     _fp, i8, tables = filled_caches(seq_lens, 3, 64, seed=5)
     q = torch.randn(sum(query_lens), 9, 64)
-    batched = fast_paged_attention(q, i8, AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK), 0.125)
+    batched = CPU.attend(q, i8, AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK), 0.125)
     start = 0
     for i, n in enumerate(query_lens):
         alone_meta = AttentionMetadata.build([n], [seq_lens[i]], [tables[i]], BLOCK)
-        alone = fast_paged_attention(q[start : start + n], i8, alone_meta, 0.125)
+        alone = CPU.attend(q[start : start + n], i8, alone_meta, 0.125)
         assert torch.equal(alone, batched[start : start + n]), f"sequence {i}"
         start += n
 
@@ -190,7 +191,7 @@ def test_kernel_reference_and_backend_agree_with_engine_attention_on_int8():
     ref = pa.paged_decode_attention_ref(q, c.k, c.v, meta.block_tables, meta.seq_lens, 0.2,
                                         k_scale=c.k_scale, v_scale=c.v_scale)
     torch.testing.assert_close(ref, engine, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pa.triton_paged_attention(q, c, meta, 0.2), engine, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(triton_paged_attention(q, c, meta, 0.2), engine, rtol=1e-4, atol=1e-4)
     # the same cache without its scales would be read as raw int8 numbers: the result must differ
     raw = pa.paged_decode_attention_ref(q, c.k, c.v, meta.block_tables, meta.seq_lens, 0.2)
     assert (raw - engine).abs().max() > 1.0

@@ -197,14 +197,44 @@ def test_fp32_rmsnorm_matches_transformers():
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     from llmd.model.llama import RMSNorm
+    from llmd.model.ops import CPU_OPS, TORCH_OPS
 
     torch.manual_seed(0)
     ours, theirs = RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5)
     with torch.no_grad():
         ours.weight.copy_(torch.randn(576))
         theirs.weight.copy_(ours.weight)
-        for rows in (1, 7, 300):
-            x = torch.randn(rows, 576) * 4
-            torch.testing.assert_close(ours(x), theirs(x), rtol=2e-6, atol=1e-6)
-            assert torch.equal(F.rms_norm(x, (576,), ours.weight, 1e-5), theirs(x))  # the fallback
-            assert torch.equal(ours(x[3 % rows :][:1]), ours(x)[3 % rows :][:1])  # a row alone or among others
+        for ops in (CPU_OPS, TORCH_OPS):  # as a model prepared for the CPU binds them, and the torch table
+            ours.ops = ops
+            for rows in (1, 7, 300):
+                x = torch.randn(rows, 576) * 4
+                torch.testing.assert_close(ours(x), theirs(x), rtol=2e-6, atol=1e-6)
+                assert torch.equal(F.rms_norm(x, (576,), ours.weight, 1e-5), theirs(x))  # the fallback
+                assert torch.equal(ours(x[3 % rows :][:1]), ours(x)[3 % rows :][:1])  # a row alone or among others
+        assert torch.equal(TORCH_OPS.rms_norm(x, ours.weight, 1e-5), theirs(x))
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "int4-g32"])
+def test_checkpoint_with_fused_projections_loads_directly(tiny_qwen2, tmp_path, monkeypatch, quant):
+    """A checkpoint that stores qkv_proj (with its bias) and gate_up_proj as such (Phi-3 does) loads by name into
+    the fused layers, to the very weights of the same checkpoint stored as q/k/v_proj and gate/up_proj."""
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv("LLMD_QUANT_CACHE_DIR", str(tmp_path / "qcache"))
+    folder = tmp_path / "fused"
+    shutil.copytree(tiny_qwen2, folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    for i in range(2):
+        pre = f"model.layers.{i}."
+        for fused, parts, leaves in (("self_attn.qkv_proj", ("q", "k", "v"), ("weight", "bias")),
+                                     ("mlp.gate_up_proj", ("gate", "up"), ("weight",))):
+            module = fused.split(".")[0]
+            for leaf in leaves:
+                tensors[f"{pre}{fused}.{leaf}"] = torch.cat(
+                    [tensors.pop(f"{pre}{module}.{p}_proj.{leaf}") for p in parts])
+    save_file(tensors, str(folder / "model.safetensors"))
+    want = load_model(tiny_qwen2, device="cpu", quant=quant).model.state_dict()
+    got = load_model(folder, device="cpu", quant=quant).model.state_dict()
+    assert got.keys() == want.keys() and any("qkv_proj" in k for k in got)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), name

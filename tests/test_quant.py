@@ -11,7 +11,7 @@ from llmd.kernels import cpu_gemm
 from llmd.kernels import quant_matmul as qmm
 from llmd.model import quant
 from llmd.model.gguf import dequantize
-from llmd.model.linear import TransposedLinear, fuse_linears
+from llmd.model.linear import TransposedLinear
 from llmd.model.loader import load_model
 from llmd.model.simple import greedy_generate, prefill_logits
 
@@ -39,8 +39,8 @@ def test_quantized_linear_matches_dequantized_matmul(cpu_path, mode, group, m):
     assert isinstance(layer, quant.Int8Linear if mode == "int8" else quant.Int4Linear)
     x = torch.randn(2, m, 256)
     out = layer(x)
-    kernel = layer._cpu_cache.get("cpu_gemm", (None,) * 4)[3]
-    if kernel is not None and kernel.q8:  # the compiled CPU path quantizes activations to int8 per block of 32
+    kernel = layer.kernel
+    if isinstance(kernel, cpu_gemm.LayerKernel) and kernel.q8:  # the compiled CPU path quantizes activations to int8 per block of 32
         x = cpu_gemm.quantize_activations_ref(x.reshape(-1, 256)).view_as(x)
     expected = x @ layer.dequantized_weight().t() + lin.bias
     assert out.shape == (2, m, 96)
@@ -60,15 +60,20 @@ def test_quantized_linear_matches_dequantized_matmul(cpu_path, mode, group, m):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4-g32", "int4-g64"])
-def test_fused_quantized_projections_give_each_layers_outputs(mode):
-    """q/k/v (and gate/up) of quantized layers fuse into one layer whose outputs are theirs side by side."""
-    parts = [quant.quantize_linear(_linear(n, 128, bias=True, seed=n), mode) for n in (64, 32, 32)]
-    fused = fuse_linears(parts)
-    assert type(fused) is type(parts[0]) and fused.out_features == 128
+def test_fused_layer_filled_by_rows_gives_each_projections_outputs(mode):
+    """q/k/v (and gate/up) quantized into the row slices of one fused layer, as the loader does: its outputs are each
+    projection's own quantized layer's, side by side (per-row scales: the rows do not see each other)."""
+    parts = [_linear(n, 128, bias=False, seed=n) for n in (64, 32, 32)]
+    spec = quant.parse_quant(mode)
+    alone = [quant.quantize_linear(p, mode) for p in parts]
+    fused = quant.empty_quantized(spec, 128, 128, False)
+    row = 0
+    for p in parts:
+        quant.fill_from_weight(fused, p.weight.detach(), spec, slice(row, row + p.out_features))
+        row += p.out_features
     x = torch.randn(5, 128)
-    torch.testing.assert_close(fused(x), torch.cat([p(x) for p in parts], dim=-1), rtol=0, atol=1e-5)
-    other_group = quant.quantize_linear(_linear(32, 128, seed=1), "int4-g128" if mode != "int8" else "int4-g32")
-    assert fuse_linears([parts[0], other_group]) is None  # different kind or group: left as they are
+    assert torch.equal(fused.dequantized_weight(), torch.cat([a.dequantized_weight() for a in alone]))
+    torch.testing.assert_close(fused(x), torch.cat([a(x) for a in alone], dim=-1), rtol=0, atol=1e-5)
 
 
 def _weights(kind: str, n: int = 64, k: int = 256, seed: int = 0) -> torch.Tensor:

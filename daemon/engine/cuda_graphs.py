@@ -10,8 +10,8 @@ A graph replays the same kernels on the same addresses, so every per-step input 
 refilled in place before each replay, with one host->device copy (`DecodeInputs`). Rows n.. of a bucket are padding:
 token 0 at position 0 with a one-token context, whose K/V go to a scratch block the block manager never hands out
 (the runner allocates it past the pool's last block); their logits are dropped. Nothing in the step may take a
-per-step value from the host: the attention backend must be marked `cuda_graph_safe` (llmd.kernels.paged_attention
-sizes its grid from the bound max_model_len, which the captured metadata carries, and slices each context on the
+per-step value from the host: the attention backend must be marked `cuda_graph_safe` (llmd.model.attention_backends.TritonBackend:
+llmd.kernels.paged_attention sizes its grid from the bound max_model_len, which the captured metadata carries, and slices each context on the
 device).
 
 Capture is lazy, on the first step that needs a bucket: one eager warm-up forward (compiles and autotunes the
@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from ..model.attention import AttentionMetadata, attention_backend
+from ..model.attention import AttentionMetadata
+from ..model.attention_backends import AttentionBackend
 
 log = logging.getLogger(__name__)
 
@@ -52,11 +53,10 @@ def pick_bucket(num_seqs: int, sizes: tuple[int, ...]) -> int | None:
     return next((b for b in sizes if b >= num_seqs), None)
 
 
-def graph_blocker(model: torch.nn.Module) -> str | None:
-    """Why decode steps of this model cannot be captured here (None: they can)."""
-    backend = attention_backend()
-    if not getattr(backend, "cuda_graph_safe", False):
-        return f"the attention backend {getattr(backend, '__name__', backend)} is not marked cuda_graph_safe"
+def graph_blocker(model: torch.nn.Module, attention: AttentionBackend) -> str | None:
+    """Why decode steps of this model, attending through `attention`, cannot be captured here (None: they can)."""
+    if not attention.cuda_graph_safe:
+        return f"the attention backend {attention.name} is not marked cuda_graph_safe"
     if (why := getattr(model, "graph_blocker", None)) is not None:  # a model whose layers need the host (Gemma)
         return why
     for module in model.modules():
@@ -154,7 +154,7 @@ class CudaGraphRunner:
     """Captures and replays decode steps of one model over one KV pool (see the module docstring)."""
 
     def __init__(self, model, kv_caches: list, *, max_num_seqs: int, max_model_len: int, block_size: int,
-                 scratch_block: int, capture: Capture):
+                 scratch_block: int, capture: Capture, attention: AttentionBackend):
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
@@ -164,7 +164,7 @@ class CudaGraphRunner:
         max_blocks = -(-max_model_len // block_size)
         self.inputs = DecodeInputs(self.sizes[-1], max_blocks, block_size, scratch_block, self.device)
         self.capture = capture
-        self.backend = attention_backend()  # the backend the graphs record; another one makes them stale
+        self.attention = attention  # the runner's backend, which the graphs record
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}
         self.disabled: str | None = None
         self.replays = 0
@@ -173,8 +173,6 @@ class CudaGraphRunner:
     def can_run(self, scheduled: list) -> bool:
         """Whether this step is a decode-only step that fits a bucket (cheap: called every step)."""
         if self.disabled is not None or len(scheduled) > self.sizes[-1] or not scheduled:
-            return False
-        if attention_backend() is not self.backend:
             return False
         limit = self.max_model_len
         return all(s.num_tokens == 1 and s.seq.num_computed_tokens < limit for s in scheduled)
@@ -208,6 +206,7 @@ class CudaGraphRunner:
             query_start_loc=torch.arange(bucket + 1, dtype=torch.long, device=self.device),
             block_size=self.block_size, query_lens_list=[1] * bucket,
             seq_lens_list=[self.max_model_len] * bucket,  # a static bound: see AttentionMetadata
+            backend=self.attention,
         )
         model, kv_caches = self.model, self.kv_caches
 

@@ -15,6 +15,8 @@ import logging
 import torch
 
 from ..model.attention import AttentionMetadata, allocate_kv_cache
+from ..model.attention_backends import AttentionBackend, CpuBackend, choose_backend
+from ..model.cpu_stack import CompiledCpuForward
 from ..model.kv_int8 import bytes_per_token, cache_dtype
 from .config import EngineConfig
 from .cuda_graphs import Capture, CudaGraphRunner, cuda_graph_capture, graph_blocker
@@ -72,9 +74,12 @@ def plan_num_blocks(model_config, config: EngineConfig, dtype: torch.dtype, devi
 
 
 class ModelRunner:
-    def __init__(self, loaded, config: EngineConfig, graph_capture: Capture | None = None):
+    def __init__(self, loaded, config: EngineConfig, graph_capture: Capture | None = None,
+                 attention: AttentionBackend | None = None):
         """graph_capture: how decode steps are captured; None picks CUDA graphs on CUDA when config.cuda_graphs
-        is on (tests on CPU pass llmd.engine.cuda_graphs.eager_capture to run the same static-buffer path)."""
+        is on (tests on CPU pass llmd.engine.cuda_graphs.eager_capture to run the same static-buffer path).
+        attention: this model's attention backend; None picks it for the device (llmd.model.attention_backends).
+        Each runner (a draft model's too) keeps its own."""
         self.model = loaded.model
         self.model_config = loaded.config
         param = next(self.model.parameters())
@@ -83,13 +88,14 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_cache_dtype = config.kv_cache_dtype
         self.num_blocks = plan_num_blocks(self.model_config, config, self.dtype, self.device)
-        if self.device.type == "cuda":
-            from ..kernels.paged_attention import enable_cuda_attention
-
-            enable_cuda_attention(self.model_config, self.dtype, config.kv_cache_dtype)
-            if graph_capture is None and config.cuda_graphs:
-                graph_capture = cuda_graph_capture()
-        if graph_capture is not None and (why := graph_blocker(self.model)) is not None:
+        self.attention = attention or choose_backend(self.device, self.model_config, self.dtype,
+                                                     config.kv_cache_dtype)
+        # what runs a step: the model, or on the CPU its layers as one C call where that applies (llmd.model.llama)
+        compiled = CompiledCpuForward.try_build(self.model) if isinstance(self.attention, CpuBackend) else None
+        self.forward = compiled or self.model
+        if self.device.type == "cuda" and graph_capture is None and config.cuda_graphs:
+            graph_capture = cuda_graph_capture()
+        if graph_capture is not None and (why := graph_blocker(self.model, self.attention)) is not None:
             log.info("CUDA graphs off: %s", why)
             graph_capture = None
         # the block manager hands out blocks 0..num_blocks-1; padding rows (graphs', embedding steps') write to one more
@@ -110,7 +116,7 @@ class ModelRunner:
             self.graphs = CudaGraphRunner(
                 self.model, self.kv_caches, max_num_seqs=config.max_num_seqs or 32,
                 max_model_len=config.max_model_len or c.max_position_embeddings, block_size=self.block_size,
-                scratch_block=self.num_blocks, capture=graph_capture)
+                scratch_block=self.num_blocks, capture=graph_capture, attention=self.attention)
             log.info("CUDA graphs: decode steps of up to %d sequences (batch sizes %s), captured on first use",
                      self.graphs.sizes[-1], ", ".join(map(str, self.graphs.sizes)))
 
@@ -154,10 +160,11 @@ class ModelRunner:
             query_lens.append(pad)
             seq_lens.append(pad)
             tables.append([self.scratch_block] * -(-pad // self.block_size))
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, device=self.device)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, device=self.device,
+                                       backend=self.attention)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
+        hidden = self.forward(ids, pos, self.kv_caches, meta)
         for s, first in pooled:
             s.hidden = hidden[first : first + s.num_new_tokens].clone()
         if not sample_rows:

@@ -14,21 +14,23 @@ to the keys at positions (p - W, p], as transformers does. No path reads a block
 of the earliest query it computes, so the engine may free or reuse those blocks (a block table keeps their places,
 with any valid id in them: llmd.engine.block_manager).
 
-The Triton kernels (llmd.kernels) plug in through `set_attention_backend`; the torch functions here are the reference
-and the CPU path, where K/V writes and attention (all decodes of a step in one call, each prefill chunk in one) run
-as C calls (llmd.kernels.cpu_ops) that read every cache type in place, wherever those build.
+How K/V are written and attention computed is the step's `AttentionBackend` (llmd.model.attention_backends: torch,
+the CPU's C calls, or Triton), chosen once by the engine's ModelRunner and carried in the metadata; the torch
+functions here are the reference and the torch backend's code.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from ..kernels import cpu_ops
 from .kv_int8 import KV_CACHE_DTYPES, Int8KVCache, allocate_int8, cache_dtype, gather_blocks, kv_parts, write_int8
+
+if TYPE_CHECKING:
+    from .attention_backends import AttentionBackend
 
 KVCache = tuple[torch.Tensor, torch.Tensor] | Int8KVCache
 
@@ -48,6 +50,8 @@ class AttentionMetadata:
     # take nothing else per step from the host) run there.
     query_lens_list: list[int]
     seq_lens_list: list[int]
+    # How this step writes K/V and attends: the runner's backend (build() without one: the device's default)
+    backend: "AttentionBackend" = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     # Built on first use by the batched decode path and shared by every layer of the step.
     _decode_plan: "DecodePlan | None" = field(default=None, repr=False, compare=False)
 
@@ -67,8 +71,14 @@ class AttentionMetadata:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        backend: "AttentionBackend | None" = None,
     ) -> "AttentionMetadata":
-        """Metadata for sequences whose new tokens occupy positions [seq_len - query_len, seq_len)."""
+        """Metadata for sequences whose new tokens occupy positions [seq_len - query_len, seq_len). backend: the
+        step's attention backend (None: llmd.model.attention_backends.default_backend for the device)."""
+        if backend is None:
+            from .attention_backends import default_backend
+
+            backend = default_backend(device)
         slots: list[int] = []
         for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
             for pos in range(s_len - q_len, s_len):
@@ -87,13 +97,12 @@ class AttentionMetadata:
             block_size=block_size,
             query_lens_list=list(query_lens),
             seq_lens_list=list(seq_lens),
+            backend=backend,
         )
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' K/V ([T, kv_heads, head_dim]) into their cache slots (quantized for an int8 cache)."""
-    if k.is_cpu and cpu_ops.write_kv(k, v, kv_cache, slot_mapping):  # one C call on the CPU, any cache type
-        return
     if isinstance(kv_cache, Int8KVCache):
         write_int8(k, v, kv_cache, slot_mapping)
         return
@@ -126,13 +135,14 @@ def window_start(seq_len: int, q_len: int, window: int | None) -> int:
 
 def torch_paged_attention(
     q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, only: list[int] | None = None,
-    window: int | None = None,
+    *, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Reference attention for q [T, heads, head_dim] whose K/V are already in the cache. Returns [T, heads, head_dim].
 
     Each sequence's queries sit at the end of its context, so query i of a chunk of length L attends to the
     first seq_len - L + i + 1 context tokens (causal, including cached prefix blocks), or with a `window` W only to
     the last W of them. `only`: compute just these sequences (the other rows of the result are left uninitialised).
+    window / softcap: see `paged_attention`.
     """
     out = torch.empty_like(q)
     num_heads = q.shape[1]
@@ -150,15 +160,19 @@ def torch_paged_attention(
             v = v.repeat_interleave(group, dim=1)
         qs = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, d]
         ks, vs = k.transpose(0, 1), v.transpose(0, 1)
-        if q_len == 1 and window is None:
+        if q_len == 1 and window is None and softcap is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         else:
             q_pos = torch.arange(s_len - q_len, s_len, device=q.device).unsqueeze(1)
             k_pos = torch.arange(lo, s_len, device=q.device).unsqueeze(0)
-            visible = k_pos <= q_pos
+            mask = k_pos <= q_pos
             if window is not None:
-                visible &= k_pos > q_pos - window
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=visible, scale=scale)
+                mask &= k_pos > q_pos - window
+            if softcap is None:
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+            else:
+                scores = torch.tanh(torch.matmul(qs, ks.transpose(-1, -2)) * (scale / softcap)) * softcap
+                o = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), vs)
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
@@ -212,7 +226,8 @@ class DecodePlan:
         return plan
 
 
-def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePlan, scale: float) -> torch.Tensor:
+def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePlan, scale: float,
+                             window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention of Bd single-token queries q [Bd, heads, d] over their contexts, in one batch.
 
     Every context is gathered whole-block into a padded [Bd, L, kv_heads, d] layout; positions past a sequence's
@@ -221,6 +236,8 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
     bit for bit). Grouped-query heads share K/V through a broadcast view instead of a repeat.
     """
     k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
+    if window is not None:  # gather only the blocks the window spans, masked outside it (DecodePlan.windowed)
+        plan = plan.windowed(window, k_cache.shape[1])
     bd, num_heads, d = q.shape
     kv_heads = k_cache.shape[2]
     nb = plan.block_tables.shape[1]
@@ -237,78 +254,26 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
     v_t = gather(v_cache, v_scale)  # [Bd, kv_heads, L, d]
     qg = q.reshape(bd, kv_heads, num_heads // kv_heads, d)  # [Bd, kv_heads, group, d]
     scores = torch.matmul(qg, k_t) * scale  # [Bd, kv_heads, group, L]
-    probs = torch.softmax(scores.masked_fill_(plan.masked, float("-inf")), dim=-1)
+    masked = plan.masked
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = torch.softmax(scores.masked_fill_(masked, float("-inf")), dim=-1)
     out = torch.matmul(probs, v_t)  # [Bd, kv_heads, group, d]
     return out.reshape(bd, num_heads, d)
 
 
-def cpu_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, plan: "DecodePlan", scale: float,
-                  out: torch.Tensor, window: int | None = None) -> bool:
-    """The compiled CPU attention (llmd.kernels.cpu_ops) into `out`: all decodes in one call, then each prefill chunk or
-    speculative verify in one call. False where it does not apply (then use torch; `out` may be partly written)."""
-    if plan.block_tables.shape[0] and not cpu_ops.decode_attention(q, kv_cache, plan.block_tables, plan.seq_lens,
-                                                                    plan.rows, scale, out, window):
-        return False
-    starts = [0]
-    for n in meta.query_lens_list:
-        starts.append(starts[-1] + n)
-    for i in plan.others:
-        rows = slice(starts[i], starts[i + 1])
-        if not cpu_ops.prefill_attention(q[rows], kv_cache, meta.block_tables[i], meta.seq_lens_list[i], scale,
-                                         out[rows], window):
-            return False
-    return True
-
-
-def fast_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
-                         window: int | None = None) -> torch.Tensor:
-    """The default backend. On the CPU: the compiled C attention (`cpu_attention`), any cache type. Otherwise all
-    decode tokens of the step in one batched torch computation, other sequences (prefill chunks, speculative
-    verifies) through the per-sequence reference. Which path a sequence takes depends only on its own query length,
-    never on the rest of the batch."""
-    plan = meta._decode_plan
-    if plan is None:
-        plan = meta._decode_plan = DecodePlan.build(meta)
-    if q.is_cpu:
-        out = torch.empty_like(q)
-        if cpu_attention(q, kv_cache, meta, plan, scale, out, window):
-            return out
-    if plan.block_tables.shape[0] == 0:
-        return torch_paged_attention(q, kv_cache, meta, scale, window=window)
-    decode_plan = plan if window is None else plan.windowed(window, meta.block_size)
-    if plan.rows is None:
-        return batched_decode_attention(q, kv_cache, decode_plan, scale)
-    out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others, window=window)
-    out[plan.rows] = batched_decode_attention(q[plan.rows], kv_cache, decode_plan, scale)
-    return out
-
-
-# fn(q, kv_cache, meta, scale, window=None): a backend takes the layer's sliding window as a keyword
-AttentionFn = Callable[..., torch.Tensor]
-_backend: AttentionFn = fast_paged_attention
-
-
-def set_attention_backend(fn: AttentionFn | None) -> None:
-    """Swap the attention implementation (None restores the default torch path, `fast_paged_attention`)."""
-    global _backend
-    _backend = fn or fast_paged_attention
-
-
-def attention_backend() -> AttentionFn:
-    """The attention implementation every layer calls now."""
-    return _backend
-
-
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
-    *, window: int | None = None,
+    *, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
-    """Write the new tokens' K/V into the cache, then attend. q [T, heads, d], k/v [T, kv_heads, d]. window: this
-    layer's sliding window (None: full causal attention)."""
-    write_kv(k, v, kv_cache, meta.slot_mapping)
-    if window is None:
-        return _backend(q, kv_cache, meta, scale)
-    return _backend(q, kv_cache, meta, scale, window=window)
+    """The model-facing call: write the new tokens' K/V into the cache, then attend, through the step's backend
+    (`meta.backend`, chosen once by the runner). q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d].
+
+    Per-layer options: `window` (sliding window in tokens: a query at position p sees keys at positions > p - window;
+    None: the whole context) and `softcap` (attention logits become softcap * tanh(logits / softcap), Gemma 2)."""
+    backend = meta.backend
+    backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+    return backend.attend(q, kv_cache, meta, scale, window=window, softcap=softcap)
 
 
 def allocate_kv_cache(

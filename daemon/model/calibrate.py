@@ -69,42 +69,56 @@ def quantize_calibrated(model: nn.Module, sources: list[Path], spec: quant.Quant
     for index, layer in enumerate(decoder.layers):
         prefix = f"model.layers.{index}."
         mine = {name[len(prefix):]: m for name, m in pending.items() if name.startswith(prefix)}
-        x = _quantize_block(layer, mine, prefix, readers, spec, dtype, lambda: layer(x, cos, sin, kv_cache, meta),
-                            scale=True)
+        parts = {name: [(p[len(prefix):], rows) for p, rows in model.checkpoint_parts(prefix + name)] for name in mine}
+        x = _quantize_block(layer, mine, parts, prefix, readers, spec, dtype,
+                            lambda: layer(x, cos, sin, kv_cache, meta), scale=True)
     head = pending.get("lm_head")
     if head is not None:  # an untied head quantized on request: its input is the final norm's output
         hidden = decoder.norm(x)
-        _quantize_block(model, {"lm_head": head}, "", readers, spec, dtype, lambda: model.lm_head(hidden))
+        _quantize_block(model, {"lm_head": head}, {"lm_head": [("lm_head", slice(None))]}, "", readers, spec, dtype,
+                        lambda: model.lm_head(hidden))
     log.info("calibrated int4 quantization (AWQ + GPTQ) of %d layers on %d tokens in %.1f s", len(pending), len(ids),
              time.perf_counter() - start)
 
 
-def _quantize_block(block: nn.Module, layers: dict[str, quant.Int4Linear], prefix: str, readers, spec,
-                    dtype: torch.dtype, forward: Callable[[], torch.Tensor], scale: bool = False) -> torch.Tensor:
+def _quantize_block(block: nn.Module, layers: dict[str, quant.Int4Linear], parts: dict[str, list[tuple[str, slice]]],
+                    prefix: str, readers, spec, dtype: torch.dtype, forward: Callable[[], torch.Tensor],
+                    scale: bool = False) -> torch.Tensor:
     """Quantize `layers` (names relative to `block`) and return the forward's output through the quantized block.
+    parts: each layer's checkpoint projections and their rows (q/k/v of a fused qkv_proj; a plain layer: itself).
 
     While the block is calibrated its projections are plain nn.Linear: first with the checkpoint weight, then with the
-    dequantized int4 weight (what the int4 layer computes, without its slow-at-prefill CPU kernel)."""
-    weights, linears = {}, {}
+    dequantized int4 weight (what the int4 layer computes, without its slow-at-prefill CPU kernel). AWQ and GPTQ see
+    the checkpoint projections (row views of the fused weights), so the result is that of quantizing them apart."""
+    weights, biases, linears, owner = {}, {}, {}, {}
     for name, qlayer in layers.items():
-        weights[name] = readers[f"{prefix}{name}.weight"]().to(device=qlayer.scales.device, dtype=torch.float32)
+        whole = readers.get(f"{prefix}{name}.weight")  # a checkpoint that stores the fused projection (Phi-3)
+        read = [whole()] if whole is not None else [readers[f"{prefix}{p}.weight"]() for p, _ in parts[name]]
+        fused = torch.cat(read).to(device=qlayer.scales.device, dtype=torch.float32)
+        for part, rows in parts[name]:
+            weights[part] = fused[rows]
+            biases[part] = None if qlayer.bias is None else qlayer.bias[rows]
+            owner[part] = (name, rows)
         linears[name] = nn.Linear(qlayer.in_features, qlayer.out_features, bias=False, device="meta")
-        linears[name].weight = nn.Parameter(weights[name].to(dtype), requires_grad=False)
+        linears[name].weight = nn.Parameter(fused.to(dtype), requires_grad=False)
         linears[name].bias = qlayer.bias
         _set(block, name, linears[name])
-    inputs = _all_inputs(linears, forward)
+    inputs = {part: x for name, x in _all_inputs(linears, forward).items() for part, _ in parts[name]}
     if scale:
-        awq.scale_layer(block, weights, {n: q.bias for n, q in layers.items()}, inputs, spec.group_size)
+        awq.scale_layer(block, weights, biases, inputs, spec.group_size)
     for names, x in _by_shared_input(inputs):
         # projections that read the same input share its Hessian: one GPTQ run over their stacked rows
         packed, scales, zeros = gptq_int4(torch.cat([weights.pop(n) for n in names]), input_hessian(x),
                                           spec.group_size)
         row = 0
-        for name in names:
-            rows = slice(row, row + layers[name].out_features)
-            quant.layers.fill_int4(layers[name], packed[rows], scales[rows], zeros[rows])
-            linears[name].weight = nn.Parameter(layers[name].dequantized_weight().to(dtype), requires_grad=False)
-            row = rows.stop
+        for part in names:
+            name, rows = owner[part]
+            n = layers[name].out_features if rows.start is None else rows.stop - rows.start
+            mine = slice(row, row + n)
+            quant.layers.fill_int4(layers[name], packed[mine], scales[mine], zeros[mine], rows=rows)
+            row = mine.stop
+    for name, qlayer in layers.items():
+        linears[name].weight = nn.Parameter(qlayer.dequantized_weight().to(dtype), requires_grad=False)
     out = forward()
     for name, qlayer in layers.items():
         _set(block, name, qlayer)

@@ -4,11 +4,13 @@ The C code makes, layer by layer, the same kernel calls with the same arguments 
 (each of which already runs in C on the CPU), so the hidden states are bit for bit the same; it only removes the
 Python between them, about a third of a small model's decode step at batch 1.
 
-It applies to Llama-shaped models (no q/k norm) whose fused qkv, o, gate/up and down projections are int8 or int4
-layers or packed GGUF layers (one type, or a GGUFConcat of several) with a prepared CPU kernel, with fp32 activations
-and a KV cache the C attention reads (fp32, fp16, bf16 or int8), under the default attention backend; and to Gemma 3
-(llmd.model.gemma, `cpu_stack_kind = "gemma"`) with the same kinds of layers. Everything else (fp32 or bitsandbytes
-weights, Qwen3, Gemma 2's soft-capped attention, CUDA, LLMD_CPU_GEMM=0) keeps the module path.
+It applies to Llama-shaped models (no q/k norm, no softcap; sliding windows included) and to Gemma 3
+(llmd.model.gemma, `cpu_stack_kind = "gemma"`: q/k norms, sandwich norms, GELU-tanh, local RoPE tables) whose fused
+qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type, or a GGUFConcat of
+several) with a prepared CPU kernel, with fp32 activations and a KV cache the C attention reads (fp32, fp16, bf16 or
+int8). Everything else (fp32 or bitsandbytes weights, Qwen3, Gemma 2's softcap, CUDA, LLMD_CPU_GEMM=0) keeps the
+module path. The engine's runner builds a
+`CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of the model.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import torch
 
 from ..kernels import cpu_gemm, cpu_ops
 from ..kernels import cpu_stack as ck
-from .attention import AttentionMetadata, DecodePlan, attention_backend, fast_paged_attention
-from .quant import GGUFConcat, GGUFLinear, Int4Linear, Int8Linear
+from .attention import AttentionMetadata, DecodePlan
+from .quant import QuantizedLinear
 
 
 class CpuLayerStack:
@@ -30,8 +32,8 @@ class CpuLayerStack:
 
     def __init__(self, lib, dims: ck.Dims, layers: ctypes.Array, linears: list, norms: list):
         self.lib, self.dims, self.layers = lib, dims, layers
-        self._linears = linears  # (module, its cpu_gemm cache entry): the kernels whose weights the C code reads
-        self._norms = norms  # (norm module, the attribute the C code reads, that tensor)
+        self._linears = linears  # (module, its prepared kernel): the kernels whose weights the C code reads
+        self._norms = norms  # (RMSNorm, its weight)
         self._caches: list = []  # weak references to the KV cache tensors whose pointers `layers` holds
         self.block_size = 0
         self._lock = threading.Lock()  # two threads running the model on different caches must not mix pointers
@@ -45,7 +47,8 @@ class CpuLayerStack:
             return None
         if getattr(model, "cpu_stack_kind", "llama") == "gemma":
             return cls._build_gemma(lib, model)
-        if config.qk_norm:
+        if config.qk_norm or any(layer.self_attn.softcap is not None
+                                 for layer in model.model.layers):  # the C attention has no softcap
             return None
         layers = (ck.Layer * len(model.model.layers))()
         linears, norms = [], []
@@ -57,7 +60,7 @@ class CpuLayerStack:
                 if linear is None:
                     return None
                 setattr(c_layer, name, linear)
-                linears.append((module, module._cpu_cache["cpu_gemm"]))
+                linears.append((module, module.kernel))
             c_layer.window = attn.window or 0
             for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.post_attention_layernorm)):
                 w = norm.weight
@@ -65,7 +68,7 @@ class CpuLayerStack:
                         or norm.eps != config.rms_norm_eps:
                     return None
                 setattr(c_layer, name, w.data_ptr())
-                norms.append((norm, "weight", w))
+                norms.append((norm, w))
         c = config
         dims = ck.Dims(num_layers=len(layers), hidden=c.hidden_size, heads=c.num_attention_heads,
                        kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
@@ -83,7 +86,7 @@ class CpuLayerStack:
         layers = (ck.Layer * len(model.model.layers))()
         linears, norms = [], []
         local = model.model.rotary_emb.sliding is not None
-        for layer, c_layer in zip(model.model.layers, layers):
+        for layer, c_layer in zip(model.model.layers, layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
                                  ("down", mlp.down_proj)):
@@ -91,7 +94,7 @@ class CpuLayerStack:
                 if linear is None:
                     return None
                 setattr(c_layer, name, linear)
-                linears.append((module, module._cpu_cache["cpu_gemm"]))
+                linears.append((module, module.kernel))
             c_layer.window = attn.window or 0
             c_layer.local_rope = int(local and attn.window is not None)
             for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.pre_feedforward_layernorm),
@@ -107,19 +110,12 @@ class CpuLayerStack:
                         or norm.eps != config.rms_norm_eps:
                     return None
                 setattr(c_layer, name, w.data_ptr())
-                norms.append((norm, "scale", w))
+                norms.append((norm, w))
         c = config
         dims = ck.Dims(num_layers=len(layers), hidden=c.hidden_size, heads=c.num_attention_heads,
                        kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
                        eps=c.rms_norm_eps, scale=model.model.layers[0].self_attn.scale, act=ck.ACTS["gelu_tanh"])
         return cls(lib, dims, layers, linears, norms)
-
-    def current(self) -> bool:
-        """Whether every kernel and norm weight is still the model's (a replaced buffer needs a new stack)."""
-        # (a GGUFConcat has no qweight of its own: None in both)
-        return all(m._cpu_cache.get("cpu_gemm") is e and m._buffers.get("qweight") is e[0] for m, e in self._linears) \
-            and all((n._parameters["weight"] if attr == "weight" else getattr(n, attr)) is w
-                    for n, attr, w in self._norms)
 
     def _bind_caches(self, kv_caches: list) -> bool:
         """Point the layers at these caches: one per layer, all of one type and shape, each one the C attention reads
@@ -146,17 +142,20 @@ class CpuLayerStack:
         return len(kv_caches) == len(self._caches) and all(
             len(refs) == len(c) and all(r() is t for r, t in zip(refs, c)) for refs, c in zip(self._caches, kv_caches))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata, local: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+    def forward(self, x: torch.Tensor, cos, sin, kv_caches: list, meta: AttentionMetadata) -> bool:
         """Run every layer on x [T, hidden] in place; False (x untouched) where the stack does not apply.
-        local: the (cos, signed sin) of layers with local RoPE (Gemma 3's sliding layers)."""
+        cos / sin: the RoPE tables, or Gemma's dicts of them per layer type (llmd.model.gemma)."""
         with self._lock:
-            return self._forward(x, cos, sin, kv_caches, meta, local)
+            return self._forward(x, cos, sin, kv_caches, meta)
 
-    def _forward(self, x, cos, sin, kv_caches, meta, local=None) -> bool:
+    def _forward(self, x, cos, sin, kv_caches, meta) -> bool:
         if not self._bound_to(kv_caches) and not self._bind_caches(kv_caches):
             return False
         t = x.shape[0]
+        local = None
+        if isinstance(cos, dict):  # Gemma: the global tables, and the sliding layers' own
+            local = (cos["sliding_attention"], sin["sliding_attention"])
+            cos, sin = cos["full_attention"], sin["full_attention"]
         tables = [cos, sin] + list(local or ())
         if meta.block_size != self.block_size or not all(c.is_contiguous() for c in tables) \
                 or any(c.numel() != t * self.dims.head_dim for c in tables) or meta.slot_mapping.numel() != t:
@@ -182,26 +181,21 @@ class CpuLayerStack:
 
 
 def _linear(module) -> ck.Linear | None:
-    bias = module.bias if module is not None else None
+    """The C structure of a quantized layer whose prepared kernel is a compiled CPU one, else None."""
+    if not isinstance(module, QuantizedLinear):
+        return None
+    bias = module.bias
     if bias is not None and (bias.dtype is not torch.float32 or not bias.is_cpu or not bias.is_contiguous()):
         return None
-    if isinstance(module, (GGUFLinear, GGUFConcat)):  # packed GGUF blocks: the kernel's parts array (one or more)
-        if type(module) is GGUFLinear:
-            kernel = cpu_gemm.gguf_layer_kernel(module._cpu_cache, module.qweight, module.type_name,
-                                                module.in_features)
-        else:
-            kernel = cpu_gemm.gguf_parts_kernel(module._cpu_cache, [(p.qweight, p.type_name) for p in module.parts],
-                                                module.in_features)
-        return None if kernel is None else ck.Linear(
-            kind=ck.KINDS["gguf", False], n=kernel.n, k=kernel.k, group=len(kernel.parts), q=kernel.parts_pointer,
-            s=None, z=None, bias=None if bias is None else bias.data_ptr())
-    kind = {Int8Linear: "int8", Int4Linear: "int4"}.get(type(module))
-    if kind is None:
+    if module.kernel is None or module.kernel_dtype is not torch.float32:
+        module.prepare(torch.device("cpu"), torch.float32)
+    kernel = module.kernel
+    if isinstance(kernel, cpu_gemm.GGUFKernel):  # packed GGUF blocks: the kernel's parts array (one or more)
+        return ck.Linear(kind=ck.KINDS["gguf", False], n=kernel.n, k=kernel.k, group=len(kernel.parts),
+                         q=kernel.parts_pointer, s=None, z=None, bias=None if bias is None else bias.data_ptr())
+    if not isinstance(kernel, cpu_gemm.LayerKernel):
         return None
-    zeros = module.zeros if kind == "int4" else None
-    kernel = cpu_gemm.layer_kernel(module._cpu_cache, kind, module.qweight, module.scales, zeros, module.group_size)
-    if kernel is None:
-        return None
+    kind = kernel.kind
     ptrs = kernel.weight_pointers
     return ck.Linear(kind=ck.KINDS[kind, kernel.q8], n=kernel.n, k=kernel.k, group=kernel.group_size, q=ptrs[0],
                      s=ptrs[1], z=ptrs[2] if kind == "int4" else None,
@@ -217,14 +211,32 @@ def _chunks(meta: AttentionMetadata, others: list[int]) -> torch.Tensor:
                         dtype=torch.long)
 
 
-def run_layers(model, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list,
-               meta: AttentionMetadata, local: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
-    """Run `model`'s decoder layers on x in place through its CpuLayerStack (built on first use); False where the
-    stack does not apply, and then the caller runs the modules."""
-    if not (x.is_cpu and x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous()) or x.requires_grad \
-            or attention_backend() is not fast_paged_attention:
-        return False
-    stack = model._cpu_stack
-    if stack is None or (stack is not False and not stack.current()):
-        stack = model._cpu_stack = CpuLayerStack.build(model) or False
-    return stack is not False and stack.forward(x, cos, sin, kv_caches, meta, local)
+class CompiledCpuForward:
+    """`CausalLM.forward` with the decoder layers run by a CpuLayerStack: embeddings, then all layers in one C call,
+    then the final norm. A step the stack does not take (a KV cache the C attention does not read, activations that
+    are not fp32) runs the model's modules instead, so it is a drop-in for `model(...)`.
+
+    Built once, by the engine's runner, for a model whose weights no longer change: the stack keeps the layers'
+    prepared kernels (and so their weights) alive, and never checks them again."""
+
+    def __init__(self, model, stack: CpuLayerStack):
+        self.model, self.stack = model, stack
+
+    @classmethod
+    def try_build(cls, model) -> "CompiledCpuForward | None":
+        """The compiled forward of `model` (a llmd.model.llama.CausalLM on the CPU), or None where the stack does
+        not apply (see llmd.model.llama's docstring)."""
+        param = next(model.parameters(), None)
+        if param is None or not param.is_cpu or not hasattr(model, "run_layers"):
+            return None
+        stack = CpuLayerStack.build(model)
+        return None if stack is None else cls(model, stack)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        model = self.model
+        x, cos, sin = model.embed(input_ids, positions)
+        if not (x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous() and not x.requires_grad
+                and self.stack.forward(x, cos, sin, kv_caches, meta)):  # in place, one C call
+            x = model.run_layers(x, cos, sin, kv_caches, meta)
+        return model.model.norm(x)

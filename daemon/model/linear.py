@@ -23,24 +23,6 @@ def make_linear(
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype, device=device)
 
 
-def fuse_linears(layers: list[nn.Module]) -> nn.Module | None:
-    """One layer computing the outputs of `layers` side by side (same input), or None unless all are plain fp
-    nn.Linear alike in bias, or quantized layers that can be concatenated (llmd.model.quant.QuantizedLinear.concat)."""
-    concat = getattr(type(layers[0]), "concat", None)
-    if concat is not None:
-        return concat(layers)
-    if not all(type(m) is nn.Linear and m.weight.is_floating_point() for m in layers):
-        return None
-    has_bias = layers[0].bias is not None
-    if any((m.bias is not None) != has_bias for m in layers):
-        return None
-    fused = nn.Linear(layers[0].in_features, sum(m.out_features for m in layers), bias=has_bias, device="meta")
-    fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in layers]), requires_grad=False)
-    if has_bias:
-        fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in layers]), requires_grad=False)
-    return fused
-
-
 class TransposedLinear(nn.Module):
     """y = x @ weight_t (+ bias), weight_t [in, out] contiguous."""
 

@@ -1,9 +1,21 @@
 """One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (sliding window), Qwen2 (qkv bias) and Qwen3
 (q/k RMSNorm), written for the engine: the forward takes a flattened batch of tokens from many sequences with their
-positions, and every layer's attention goes through `paged_attention`, which reads and writes the paged KV cache.
+positions, and every layer's attention goes through `paged_attention`, which reads and writes the paged KV cache
+through the step's attention backend (llmd.model.attention_backends, chosen once by the engine's runner).
 
-Parameter names follow Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...), so checkpoints load by name.
+Parameter names follow Hugging Face (`model.layers.N.self_attn.o_proj.weight`, ...), so checkpoints load by name,
+except that q/k/v and gate/up are declared fused, as `qkv_proj` and `gate_up_proj` (one matmul each):
+`CausalLM.packed_modules` says which rows of them each checkpoint projection fills, and the loader routes them there
+(llmd.model.weights.load_tensors, llmd.model.quant.quantizing_stream). A checkpoint that stores the fused
+projections (Phi-3) loads them by name.
 Numerics follow transformers (RMSNorm in fp32, rotate-half RoPE with cos/sin in fp32 then cast) so fp32 logits match.
+
+What runs: this file's modules, with the ops (RMSNorm, RoPE, SiLU * up: llmd.model.ops) and each quantized layer's
+kernel (QuantizedLinear.prepare) chosen for the device when the model is loaded. One exception, chosen once by the
+engine's runner: on the CPU with int8/int4 weights or packed GGUF weights (and fp32 activations, a KV cache the C
+attention reads, no q/k norm, no sliding window or softcap), `kernels/cpu_stack.c` runs these layers, all of them in
+one call per step (llmd.model.cpu_stack.CompiledCpuForward); `tests/test_cpu_stack.py` keeps it bit-identical to the
+modules here. fp32 and bitsandbytes weights, Qwen3 and CUDA always run the modules.
 """
 
 from __future__ import annotations
@@ -14,29 +26,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_ops
-from . import cpu_stack
 from .attention import AttentionMetadata, KVCache, paged_attention
 from .config import ModelConfig
-from .linear import fuse_linears, make_linear
+from .linear import make_linear
+from .ops import TORCH_OPS, Ops
 
 
 class RMSNorm(nn.Module):
+    ops: Ops = TORCH_OPS  # bound for the device when the model is prepared (llmd.model.ops)
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            y = cpu_ops.rms_norm(x, self.weight, self.eps)  # one C call on the CPU
-            # else torch's fused op, bit-identical to the steps below for fp32 (tested)
-            return y if y is not None else F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in fp32 and cast back before the weight multiply, exactly as transformers does.
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
@@ -76,7 +81,7 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(self.config, device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and a signed sin, [T, 1, head_dim] so they broadcast over heads: see apply_rope."""
+        """cos and a signed sin, [T, 1, head_dim] so they broadcast over heads: see llmd.model.ops.apply_rope."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.unsqueeze(0)  # [T, d/2]
         cos, sin = freqs.cos(), freqs.sin()
         cos = torch.cat((cos, cos), dim=-1)
@@ -84,13 +89,9 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE, x * cos + rotate_half(x) * sin, with rotate_half's sign folded into the sin table
-    (rotate_half(x) * sin == roll(x, d/2) * signed_sin exactly): fewer ops per layer on the decode path."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
-
-
 class Attention(nn.Module):
+    ops: Ops = TORCH_OPS
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
@@ -98,78 +99,47 @@ class Attention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.scale = self.head_dim ** -0.5
-        self.window = config.layer_window(layer_idx)  # sliding window of this layer's attention (None: global)
+        self.window: int | None = config.layer_window(layer_idx)  # this layer's sliding window (None: global)
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = make_linear(hidden, q_size, bias=config.attention_bias)
-        self.k_proj = make_linear(hidden, kv_size, bias=config.attention_bias)
-        self.v_proj = make_linear(hidden, kv_size, bias=config.attention_bias)
+        self.qkv_proj = make_linear(hidden, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = make_linear(q_size, hidden, bias=False)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        self.qkv_proj: nn.Module | None = None  # set by fuse_projections, replacing q/k/v_proj
-        self.split_sizes = [q_size, kv_size, kv_size]
-
-    def fuse_projections(self) -> None:
-        fused = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
-        if fused is not None:
-            self.qkv_proj = fused
-            del self.q_proj, self.k_proj, self.v_proj
-
-    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if self.qkv_proj is not None:
-            return self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # per-layer attention options (see paged_attention): a sliding window (Mistral); no family here soft-caps
+        self.softcap: float | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.qkv_proj is not None and self.q_norm is None:
+        qkv = self.qkv_proj(x)
+        v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+        if self.q_norm is None:
             # q and k lie side by side in the fused output: rotate both as one [t, heads + kv_heads, d] view
-            qkv = self.qkv_proj(x)
-            qk = qkv[:, : (heads + kv_heads) * d].view(t, heads + kv_heads, d)
-            if not cpu_ops.rope_(qkv, cos, sin, heads + kv_heads, d):  # in place on the CPU
-                qk = apply_rope(qk, cos, sin)
-            q, k = qk.split([heads, kv_heads], dim=1)
-            v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
-        else:
-            q, k, v = self.project_qkv(x)
-            q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
-            if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window)
+            q, k = self.ops.rope(qkv, cos, sin, heads + kv_heads, d).split([heads, kv_heads], dim=1)
+        else:  # Qwen3: RMSNorm over each head of q and k before the rotation
+            q = self.q_norm(qkv[:, : heads * d].view(t, heads, d)).view(t, -1)
+            k = self.k_norm(qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)).view(t, -1)
+            q, k = self.ops.rope(q, cos, sin, heads, d), self.ops.rope(k, cos, sin, kv_heads, d)
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
+    ops: Ops = TORCH_OPS
+
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.gate_proj = make_linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.up_proj = make_linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = make_linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.gate_up_proj: nn.Module | None = None  # set by fuse_projections, replacing gate/up_proj
         self.intermediate_size = config.intermediate_size
 
-    def fuse_projections(self) -> None:
-        fused = fuse_linears([self.gate_proj, self.up_proj])
-        if fused is not None:
-            self.gate_up_proj = fused
-            del self.gate_proj, self.up_proj
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            h = cpu_ops.silu_mul(gate_up, self.intermediate_size)  # one C call on the CPU
-            if h is None:
-                gate, up = gate_up.split(self.intermediate_size, dim=-1)
-                h = F.silu(gate) * up
-            return self.down_proj(h)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x), self.intermediate_size))
 
 
 class DecoderLayer(nn.Module):
@@ -205,38 +175,69 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(config)
         # Tied embeddings: the head reuses embed_tokens.weight, so there is no separate lm_head parameter.
         self.lm_head = None if config.tie_word_embeddings else make_linear(config.hidden_size, config.vocab_size)
-        self._cpu_stack = None  # llmd.model.cpu_stack: the layers as one C call (False: not applicable)
-
-    def _apply(self, fn, recurse=True):
-        self._cpu_stack = None  # a move or cast changes the weights' addresses
-        return super()._apply(fn, recurse)
+        self.packed_modules = packed_modules(config)
 
     def init_buffers(self, device: torch.device | str) -> None:
         self.model.rotary_emb.init_buffers(device)
 
-    def fuse_projections(self) -> None:
-        """After loading: q/k/v and gate/up become one matmul each (fewer, larger matmuls per layer), fp or
-        quantized alike."""
-        for layer in self.model.layers:
-            layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
+    def checkpoint_parts(self, module: str) -> list[tuple[str, slice]]:
+        """The checkpoint projections that fill module `module` (a full name), each with its rows: a fused
+        module's parts in row order, any other module itself."""
+        parent, _, child = module.rpartition(".")
+        grand, _, attr = parent.rpartition(".")
+        parts = [(f"{grand}.{key}", rows) for key, (fused, rows) in self.packed_modules.items()
+                 if fused == f"{attr}.{child}"]
+        return parts or [(module, slice(None))]
+
+    def route(self, name: str) -> tuple[str, slice | None]:
+        """Where a checkpoint tensor goes: (parameter name, its rows) for a part of a fused projection (q/k/v_proj,
+        gate/up_proj), else (name, None)."""
+        module, _, leaf = name.rpartition(".")
+        parent, _, child = module.rpartition(".")
+        grand, _, attr = parent.rpartition(".")
+        target = self.packed_modules.get(f"{attr}.{child}")
+        if target is None:
+            return name, None
+        fused, rows = target
+        return f"{grand}.{fused}.{leaf}", rows
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
+        x, cos, sin = self.embed(input_ids, positions)
+        return self.model.norm(self.run_layers(x, cos, sin, kv_caches, meta))
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The token embeddings [T, hidden] and the RoPE tables (cos, signed sin) of the positions."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
-        if x.is_cpu and cpu_stack.run_layers(self, x, cos, sin, kv_caches, meta):  # in place, one C call
-            return self.model.norm(x)
+        return x, cos, sin
+
+    def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
+                   meta: AttentionMetadata) -> torch.Tensor:
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
-        return self.model.norm(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32. Call it only on the rows that are sampled (the last token of each sequence)."""
         if self.lm_head is None:
             return F.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
+
+
+def packed_modules(config: ModelConfig) -> dict[str, tuple[str, slice]]:
+    """Checkpoint projection (relative to a decoder layer) -> (the fused module holding it, its rows there)."""
+    q, kv, inter = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim, \
+        config.intermediate_size
+    return {
+        "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
+        "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
+        "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv)),
+        "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
+        "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
+    }
 
 
 def build_model(config: ModelConfig) -> CausalLM:

@@ -15,15 +15,9 @@ from torch import nn
 from ..errors import ModelFileError
 from .config import ModelConfig
 from .linear import transposed_tied_head, use_transposed_weights
-from .quant import (
-    QuantSpec,
-    build_empty_quantized,
-    parse_quant,
-    quantize_tied_head,
-    quantized_weight_bytes,
-    quantizing_stream,
-    tie_gguf_head,
-)
+from .ops import bind_ops, choose_ops
+from .quant import (QuantizedLinear, QuantSpec, build_empty_quantized, parse_quant, quantize_tied_head, quantized_weight_bytes,
+                    quantizing_stream, tie_gguf_head)
 from .quant_cache import load_quantized  # second starts read packed weights from the XDG cache
 from .registry import model_class
 from .source import open_source
@@ -58,8 +52,8 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
 
     One pipeline over the weight source (llmd.model.source): build the model with its quantized layers swapped in
     (meta device), stream the tensors in, each quantized / kept packed / copied on its way (quantized layers:
-    llmd.model.quant; int8/int4 results cached, int4 calibrated, by llmd.model.quant_cache), tie the output head,
-    fuse the projections and lay the weights out for the device.
+    llmd.model.quant; int8/int4 results cached, int4 calibrated, by llmd.model.quant_cache; q/k/v and gate/up
+    straight into the rows of their fused layers), tie the output head and lay the weights out for the device.
     Default dtype: fp32 on CPU, bf16 on CUDA. Raises ModelFileError / UnsupportedArchitecture / ModelNotFound with a
     message for the user.
     """
@@ -82,20 +76,29 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
     def build():
         model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head,
                                                source.raw_types(spec.method))
-        stream = quantizing_stream(source.stream(spec.method), swapped, spec, path)
+        stream = quantizing_stream(source.stream(spec.method), model, swapped, spec, path)
         return model, load_tensors(model, stream, path)
 
     model, report, _ = load_quantized(source.files, config, dtype, device_t, spec, quantize_head, build)
     tokenizer = source.tokenizer()
     tie_output_head(model, spec, quantize_head, dtype, device_t)
-    model.fuse_projections()
-    if device_t.type == "cpu":
-        use_transposed_weights(model)
+    prepare_for_device(model, device_t, dtype)
     report.weight_bytes = quantized_weight_bytes(model)
     seconds = time.perf_counter() - start
     report.seconds = seconds
     log.info("loaded %s (%s, %s on %s): %s", name, config.architecture, dtype, device_t, report.summary())
     return LoadedModel(model, tokenizer, config, name, dtype, device_t, seconds, report)
+
+
+def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """The last step of loading: lay the weights out for the device, bind the model's ops to it (llmd.model.ops:
+    the C glue on the CPU) and choose each quantized layer's kernel (QuantizedLinear.prepare)."""
+    if device.type == "cpu":
+        use_transposed_weights(model)
+    bind_ops(model, choose_ops(device, dtype))
+    for module in model.modules():
+        if isinstance(module, QuantizedLinear):
+            module.prepare(device, dtype)
 
 
 def tie_output_head(model: nn.Module, spec: QuantSpec, quantize_head: bool, dtype: torch.dtype,

@@ -48,7 +48,8 @@ def entry_path(sources: list[Path], spec: QuantSpec, dtype: torch.dtype, quantiz
     resolved = [Path(p).resolve() for p in sources]
     identity = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in resolved]
     key = json.dumps({"files": identity, "mode": spec.label, "dtype": str(dtype), "head": quantize_head,
-                      "calibration": CALIBRATION if spec.calibrate else None, "llmd": __version__})
+                      "calibration": CALIBRATION if spec.calibrate else None, "llmd": __version__,
+                      "layout": "fused"})  # q/k/v and gate/up as one layer each
     where = hashlib.sha256(str(resolved[0]).encode()).hexdigest()[:16]
     return quant_cache_dir() / f"{where}-{spec.label}-{hashlib.sha256(key.encode()).hexdigest()[:24]}.safetensors"
 
@@ -124,7 +125,7 @@ def read_entry(path: Path, model: nn.Module) -> int:
         raise ModelFileError(path, f"{len(want)} tensors missing (e.g. {sorted(want)[0]})")
     for module in model.modules():
         if isinstance(module, QuantizedLinear):
-            module._cpu_cache = {}
+            module.unprepare()
     return len(crcs)
 
 

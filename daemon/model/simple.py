@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from .attention import AttentionMetadata, allocate_kv_cache
+from .cpu_stack import CompiledCpuForward
 
 
 def _model_of(model_or_loaded: Any) -> torch.nn.Module:
@@ -42,6 +43,9 @@ class SingleSequence:
             dtype=param.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype,
         )
         self.length = 0  # tokens already in the cache
+        # as the engine's runner does: on the CPU, the layers in one C call where that applies
+        self.forward = CompiledCpuForward.try_build(self.model) if self.device.type == "cpu" else None
+        self.forward = self.forward or self.model
 
     @torch.inference_mode()
     def feed(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -55,7 +59,7 @@ class SingleSequence:
         meta = AttentionMetadata.build([n], [new_len], [self.block_table], self.block_size, device=self.device)
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         positions = torch.arange(self.length, new_len, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, positions, self.kv_caches, meta)
+        hidden = self.forward(ids, positions, self.kv_caches, meta)
         self.length = new_len
         return self.model.compute_logits(hidden)
 

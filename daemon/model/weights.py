@@ -48,26 +48,41 @@ def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | 
     return model.eval().requires_grad_(False)
 
 
+def expected_tensors(model: torch.nn.Module, names: Iterable[str]) -> dict[str, set[str]]:
+    """Parameter (or buffer) names -> the checkpoint tensors that fill them: a fused projection's parts
+    (`CausalLM.checkpoint_parts`), any other name itself."""
+    out = {}
+    for name in names:
+        module, _, leaf = name.rpartition(".")
+        out[name] = {f"{part}.{leaf}" for part, _ in model.checkpoint_parts(module)}
+    return out
+
+
 def load_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str | Path) -> LoadReport:
-    """Copy (name, tensor) pairs with HF names into the model. Every parameter must be filled exactly once."""
+    """Copy (name, tensor) pairs with HF names into the model: a part of a fused projection (q/k/v_proj,
+    gate/up_proj) into its rows (`CausalLM.route`), a fused projection stored as such as a whole. Every parameter
+    must be filled exactly once."""
     start = time.perf_counter()
     params = dict(model.named_parameters())
-    missing = set(params)
+    parts = expected_tensors(model, params)
+    missing = set().union(*parts.values()) if parts else set()
     count = 0
     for name, tensor in tensors:
         if name.endswith(_IGNORED_SUFFIXES):
             continue
         if name == "lm_head.weight" and model.lm_head is None:
             continue  # tied embeddings: some checkpoints still store the (identical) head
-        param = params.get(name)
+        target, rows = model.route(name)
+        param = params.get(target)
         if param is None:
             raise ModelFileError(source, f"unexpected tensor {name!r} for {model.config.architecture}")
-        if tuple(tensor.shape) != tuple(param.shape):
+        dest = param.data if rows is None else param.data[rows]
+        if tuple(tensor.shape) != tuple(dest.shape):
             raise ModelFileError(
-                source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+                source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
             )
-        param.data.copy_(tensor)
-        missing.discard(name)
+        dest.copy_(tensor)
+        missing -= parts[target] if rows is None else {name}
         count += 1
     if missing:
         shown = ", ".join(sorted(missing)[:5])

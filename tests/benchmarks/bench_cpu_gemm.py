@@ -141,8 +141,8 @@ def main(argv=None):
             k8 = k4 = None
             if cpu_gemm.load() is not None:
                 os.environ["LLMD_CPU_GEMM_ACT"] = "int8"  # the integer path is opt-in, read when a layer is prepared
-                k8 = cpu_gemm.layer_kernel({}, "int8", i8.qweight, i8.scales, None, k)
-                k4 = cpu_gemm.layer_kernel({}, "int4", i4.qweight, i4.scales, i4.zeros, GROUP)
+                k8 = cpu_gemm.layer_kernel("int8", i8.qweight, i8.scales, None, k)
+                k4 = cpu_gemm.layer_kernel("int4", i4.qweight, i4.scales, i4.zeros, GROUP)
                 assert k8.q8 and k4.q8
             fns = {
                 "fp32": lambda x: x @ w_t,
@@ -150,8 +150,8 @@ def main(argv=None):
                 "int4 llmd": lambda x: cpu_gemm.int4_matmul(x, i4.qweight, i4.scales, i4.zeros, GROUP),
                 "int8 q8": lambda x: k8(x),
                 "int4 q8": lambda x: k4(x),
-                "int8 torch": i8._native_cpu,
-                "int4 torch": i4._native_cpu,
+                "int8 torch": i8._native_cpu(torch.float32),
+                "int4 torch": i4._native_cpu(torch.float32),
                 "int8 base": lambda x: cpu_gemm._int8(base, x, i8.qweight, i8.scales, k, None),
                 "int4 base": lambda x: cpu_gemm._int4(base, x, i4.qweight, i4.scales, i4.zeros, GROUP, None),
             }

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from llmd.kernels import cpu_ops
 from llmd.model.attention import AttentionMetadata, DecodePlan, batched_decode_attention, torch_paged_attention
-from llmd.model.llama import apply_rope
+from llmd.model.ops import apply_rope
 
 HIDDEN, INTER, HEADS, KV_HEADS, D, BLOCK = 576, 1536, 9, 3, 64, 16
 
@@ -65,7 +65,7 @@ def attention_case(batch: int, length: int):
         cpu_ops.write_kv(k, v, (k_cache, v_cache), meta.slot_mapping)
         cpu_ops.decode_attention(q, (k_cache, v_cache), plan.block_tables, plan.seq_lens, None, 0.125, out)
 
-    def torch_code():  # write_kv's and fast_paged_attention's torch branches
+    def torch_code():  # the torch backend's write_kv and attend (llmd.model.attention_backends)
         k_cache.view(-1, KV_HEADS, D).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, KV_HEADS, D).index_copy_(0, meta.slot_mapping, v)
         batched_decode_attention(q, (k_cache, v_cache), plan, 0.125)

@@ -8,6 +8,8 @@ import time
 import torch
 
 from llmd.model.attention import AttentionMetadata, allocate_kv_cache
+from llmd.model.attention_backends import choose_backend
+from llmd.model.cpu_stack import CompiledCpuForward
 
 
 @torch.inference_mode()
@@ -20,6 +22,8 @@ def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, blo
     cfg = model.config
     param = next(p for p in model.parameters())
     device, dtype = param.device, (param.dtype if param.is_floating_point() else torch.float32)
+    backend = choose_backend(device)  # as the engine's runner picks it (Triton on CUDA where it runs)
+    forward = CompiledCpuForward.try_build(model) or model  # and, on the CPU, the layers in one C call
     max_len = prompt_len + query_len * (steps + warmup) + 1
     per_seq = -(-max_len // block_size)
     kv = allocate_kv_cache(cfg.num_hidden_layers, batch * per_seq + 1, block_size, cfg.num_key_value_heads,
@@ -30,9 +34,10 @@ def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, blo
     chunk = prefill_chunk or prompt_len
     for lo in range(0, prompt_len, chunk):
         hi = min(lo + chunk, prompt_len)
-        meta = AttentionMetadata.build([hi - lo] * batch, [hi] * batch, tables, block_size, device=device)
+        meta = AttentionMetadata.build([hi - lo] * batch, [hi] * batch, tables, block_size, device=device,
+                                       backend=backend)
         pos = torch.arange(lo, hi).repeat(batch).to(device)
-        hidden = model(prompt[:, lo:hi].flatten().to(device), pos, kv, meta)
+        hidden = forward(prompt[:, lo:hi].flatten().to(device), pos, kv, meta)
     last = hidden.view(batch, hi - lo, -1)[:, -1]
     length = prompt_len
     elapsed = 0.0
@@ -41,9 +46,10 @@ def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, blo
         t0 = time.perf_counter()
         ids = model.compute_logits(last).argmax(-1).repeat_interleave(query_len)
         length += query_len
-        meta = AttentionMetadata.build([query_len] * batch, [length] * batch, tables, block_size, device=device)
+        meta = AttentionMetadata.build([query_len] * batch, [length] * batch, tables, block_size, device=device,
+                                       backend=backend)
         positions = torch.arange(length - query_len, length, device=device).repeat(batch)
-        last = model(ids, positions, kv, meta).view(batch, query_len, -1)[:, -1]
+        last = forward(ids, positions, kv, meta).view(batch, query_len, -1)[:, -1]
         sync()
         if step >= warmup:
             elapsed += time.perf_counter() - t0

@@ -239,16 +239,15 @@ def random_model(mode: str, shape: dict = LLAMA3_8B):
             t.zero_()
         elif t.is_floating_point() and "inv_freq" not in name and "cos" not in name and "sin" not in name:
             t.normal_(0, 0.02, generator=gen)
-    model.fuse_projections()  # as the loader does: the daemon runs fused q/k/v and gate/up matmuls
     return model, config
 
 
 def decode_roofline(peak_gbs: float, prompt_len: int = 128, steps: int = 32) -> list[dict]:
     from decode_driver import decode_tokens_per_second
 
-    from llmd.kernels.paged_attention import enable_cuda_attention
+    from llmd.model.attention_backends import choose_backend
 
-    attention = enable_cuda_attention()
+    attention = choose_backend(torch.device("cuda")).name == "triton"
     rows = []
     for mode in ("bf16", "int8", "int4-g128"):
         model, config = random_model(mode)
@@ -278,9 +277,9 @@ def verify_cost(peak_gbs: float, prompt_len: int = 512, steps: int = 16) -> list
     """Speculation's cost side at real shapes: time of a (k+1)-position verify step vs a 1-token decode step."""
     from decode_driver import decode_tokens_per_second
 
-    from llmd.kernels.paged_attention import enable_cuda_attention
+    from llmd.model.attention_backends import choose_backend
 
-    enable_cuda_attention()
+    choose_backend(torch.device("cuda")).name == "triton"
     model, _ = random_model("bf16")
     rows = []
     for batch in (1, 8):
@@ -348,10 +347,10 @@ def decode_cuda_graphs(peak_gbs: float) -> list[dict]:
 def long_context_decode(peak_gbs: float, contexts=(8192, 32768), steps: int = 16) -> list[dict]:
     from decode_driver import decode_tokens_per_second
 
-    from llmd.kernels.paged_attention import enable_cuda_attention
+    from llmd.model.attention_backends import choose_backend
     from llmd.model.kv_int8 import bytes_per_token
 
-    attention = enable_cuda_attention()
+    attention = choose_backend(torch.device("cuda")).name == "triton"
     model, config = random_model("bf16")
     embed = model.model.embed_tokens.weight
     read = sum(t.numel() * t.element_size() for t in model.parameters()) - embed.numel() * embed.element_size()

@@ -47,14 +47,8 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
                 emb.num_embeddings, emb.embedding_dim, kind, dtype or torch.float32, device=device)
     for name, linear in linear_modules(model, include_lm_head).items():
         if spec.method == "gguf":
-            kind = (gguf_types or {}).get(f"{name}.weight")
-            if kind in ("Q4_0", "Q4_1"):
-                layer = Int4Linear(linear.in_features, linear.out_features, linear.bias is not None, 32,
-                                   dtype=dtype, device=device)
-            elif kind in BLOCKS:
-                layer = GGUFLinear(linear.in_features, linear.out_features, kind, linear.bias is not None,
-                                   dtype=dtype, device=device)
-            else:
+            layer = _gguf_layer(linear, model.checkpoint_parts(name), name, gguf_types or {}, dtype, device)
+            if layer is None:
                 continue
         else:
             if spec.method == "int4" and linear.in_features % spec.group_size:
@@ -71,36 +65,69 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
     return swapped
 
 
+def _gguf_layer(linear: nn.Module, parts: list[tuple[str, slice]], name: str, gguf_types: dict[str, str],
+               dtype, device) -> nn.Module | None:
+    """The layer keeping a (fused) projection's GGUF blocks, by its parts' types: int4 g32 for Q4_0/Q4_1 alike, one
+    GGUFLinear for one packed type, a GGUFConcat of GGUFLinears for several (Q4_K_M's q/k in Q4_K, v in Q6_K); None
+    (a plain fp layer, the parts dequantized) where a part is not packed."""
+    from llmd.kernels.gguf_blocks import BLOCKS
+
+    from .gguf_layers import GGUFConcat, GGUFLinear
+
+    whole = gguf_types.get(f"{name}.weight")  # a file that stores the fused projection as such
+    kinds = [whole] if whole is not None else [gguf_types.get(f"{part}.weight") for part, _ in parts]
+    bias = linear.bias is not None
+    if all(k in ("Q4_0", "Q4_1") for k in kinds):
+        return Int4Linear(linear.in_features, linear.out_features, bias, 32, dtype=dtype, device=device)
+    if not all(k in BLOCKS for k in kinds):
+        return None
+    if len(set(kinds)) == 1:
+        return GGUFLinear(linear.in_features, linear.out_features, kinds[0], bias, dtype=dtype, device=device)
+    return GGUFConcat([GGUFLinear(linear.in_features, rows.stop - rows.start, kind, bias, dtype=dtype, device=device)
+                       for (_, rows), kind in zip(parts, kinds)])
+
+
 def quantizing_stream(
-    tensors: Iterable, swapped: dict[str, nn.Module], spec: QuantSpec, source,
+    tensors: Iterable, model: nn.Module, swapped: dict[str, nn.Module], spec: QuantSpec, source,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Pass (name, tensor) pairs through, except the weights of swapped layers, which are quantized into their layer
-    on the spot. Items may also be GGUF RawTensor objects: packed blocks go straight into their layer (GGUFLinear,
-    GGUFEmbedding; Q8_0/Q4 rearranged into int8/int4 layers), everything else is dequantized and continues as an fp
-    tensor.
+    (a part of a fused projection into its rows, `CausalLM.route`) on the spot. Items may also be GGUF RawTensor
+    objects: packed blocks go straight into their layer (GGUFLinear, GGUFEmbedding; Q8_0/Q4 rearranged into
+    int8/int4 layers), everything else is dequantized and continues as an fp tensor. bitsandbytes layers quantize
+    the assembled weight once all its parts are in.
 
     A calibrated spec leaves the swapped layers empty (their weights are only checked to be present): they are
     filled afterwards, layer by layer, by llmd.model.calibrate.quantize_calibrated."""
     from ..gguf import RawTensor, dequantize
 
-    pending = {f"{name}.weight": layer for name, layer in swapped.items()}
+    parts = {f"{name}.weight": model.checkpoint_parts(name) for name in swapped}
+    pending = {f"{part}.weight" for p in parts.values() for part, _ in p}  # checkpoint weights still to come
+    assembling: dict[str, dict[int, torch.Tensor]] = {}  # bitsandbytes: the parts read so far, by first row
     for item in tensors:
+        name = item.name if isinstance(item, RawTensor) else item[0]
+        target, rows = model.route(name)
+        layer = swapped.get(target.removesuffix(".weight")) if target.endswith(".weight") else None
+        if layer is None or not (name in pending or target in parts):
+            yield item if not isinstance(item, RawTensor) else (name, dequantize(item.data, item.type_name,
+                                                                                 item.shape))
+            continue
+        pending -= {f"{p}.weight" for p, _ in parts[target]} if rows is None else {name}
+        if spec.calibrate:
+            continue  # read again, by name, during calibration
         if isinstance(item, RawTensor):
-            if spec.calibrate and pending.pop(item.name, None) is not None:
-                continue  # read again, by name, during calibration
-            layer = pending.get(item.name)
-            if layer is not None and spec.method == "gguf" and _fill_packed(layer, item, source):
-                del pending[item.name]
+            if spec.method == "gguf" and _fill_packed(layer, item, source, rows):
                 continue
-            name = item.name
             tensor = dequantize(item.data, item.type_name, item.shape)
         else:
-            name, tensor = item
-        layer = pending.pop(name, None)
-        if layer is None:
-            yield name, tensor
-        elif not spec.calibrate:
-            layers.fill_from_weight(layer, tensor, spec)
+            tensor = item[1]
+        if layers.fills_rows(layer) or rows is None:
+            layers.fill_from_weight(layer, tensor, spec, rows)
+            continue
+        got = assembling.setdefault(target, {})
+        got[rows.start] = tensor
+        if sum(t.shape[0] for t in got.values()) == layer.out_features:
+            layers.fill_from_weight(layer, torch.cat([got[k] for k in sorted(got)]), spec)
+            del assembling[target]
     if pending:
         shown = ", ".join(sorted(pending)[:5])
         raise ModelFileError(source, f"{len(pending)} quantized weights missing from the checkpoint (e.g. {shown})")

@@ -45,37 +45,46 @@ def int4_from_q4(data: np.ndarray, type_name: str, out_features: int, in_feature
     return packed, d, zeros
 
 
-def _fill_packed(layer: nn.Module, raw, source) -> bool:
-    """Fill a swapped layer from a GGUF tensor's blocks without dequantizing; False when the types do not pair
-    (the tensor is then dequantized and the layer quantized from it)."""
-    from .gguf_layers import GGUFEmbedding, GGUFLinear
+def _fill_packed(layer: nn.Module, raw, source, rows: slice | None = None) -> bool:
+    """Fill a swapped layer (or its `rows`: a part of a fused projection) from a GGUF tensor's blocks without
+    dequantizing; False when the types do not pair (the tensor is then dequantized and the layer quantized from it)."""
+    from .gguf_layers import GGUFConcat, GGUFEmbedding, GGUFLinear
 
+    if isinstance(layer, GGUFConcat):  # each part is its own GGUFLinear
+        if rows is None:
+            return False
+        starts = [0]
+        for part in layer.parts:
+            starts.append(starts[-1] + part.out_features)
+        layer.unprepare()
+        layer, rows = layer.parts[starts.index(rows.start)], None
     if isinstance(layer, (GGUFLinear, GGUFEmbedding)):
         if raw.type_name != layer.type_name:
             return False
-        layer.fill(torch.from_numpy(np.array(raw.data, dtype=np.uint8, copy=True)), raw.name, source)
+        layer.fill(torch.from_numpy(np.array(raw.data, dtype=np.uint8, copy=True)), raw.name, source, rows)
         return True
     if raw.type_name not in ("Q4_0", "Q4_1", "Q8_0") or (raw.type_name == "Q8_0") != isinstance(layer, Int8Linear):
         return False
-    if tuple(raw.shape) != (layer.out_features, layer.in_features):
+    n = layer.out_features if rows is None else rows.stop - rows.start
+    if tuple(raw.shape) != (n, layer.in_features):
         raise ModelFileError(source, f"tensor {raw.name!r} has shape {tuple(raw.shape)}, expected "
-                                     f"{(layer.out_features, layer.in_features)}")
-    _fill_from_raw(layer, raw)
+                                     f"{(n, layer.in_features)}")
+    _fill_from_raw(layer, raw, rows or slice(None))
     return True
 
 
-def _fill_from_raw(layer: nn.Module, raw) -> None:
+def _fill_from_raw(layer: nn.Module, raw, rows: slice) -> None:
     n, k = raw.shape
     if raw.type_name == "Q8_0":
         q, s = int8_from_q8_0(raw.data, n, k)
-        layer.qweight.copy_(q)
-        layer.scales.copy_(s)
+        layer.qweight[rows].copy_(q)
+        layer.scales[rows].copy_(s)
     else:
         q, s, z = int4_from_q4(raw.data, raw.type_name, n, k)
-        layer.qweight.copy_(q)
-        layer.scales.copy_(s)
-        layer.zeros.copy_(z)
-    layer._cpu_cache = {}
+        layer.qweight[rows].copy_(q)
+        layer.scales[rows].copy_(s)
+        layer.zeros[rows].copy_(z)
+    layer.unprepare()
 
 
 def gguf_tensor_types(path) -> dict[str, str]:

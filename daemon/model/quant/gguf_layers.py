@@ -2,15 +2,15 @@
 
 A GGUF weight of any type in llmd.kernels.gguf_blocks (Q4_K, Q5_K, Q6_K, Q5_0/1, IQ4, Q2_K/Q3_K, ...) stays the
 file's own block bytes, uint8 [N, row bytes], beside its GGML type name: resident bytes are the file's. Matmuls:
-- CPU, fp32 activations: the compiled kernel (llmd.kernels.cpu_gemm.gguf_layer_kernel) when it builds here;
+- CPU, fp32 activations: the compiled kernel (llmd.kernels.cpu_gemm.gguf_kernel) when it builds here;
 - CUDA with Triton: the fused dequantize + matmul kernels of llmd.kernels.gguf_matmul;
 - otherwise (no C compiler, other dtypes): the rows of the weight are dequantized with the torch reference in
   bounded chunks per call and multiplied, so no fp32 copy is ever kept.
 Q4_0 / Q4_1 linear layers keep loading into llmd's int4 layers instead (an exact byte rearrangement,
 llmd.model.quant.gguf_blocks), whose tuned kernels they share with --quant int4; a tied Q8_0 token table becomes the
 int8 head.
-Projections that run side by side (q/k/v, gate/up) but differ in type, as Q4_K_M files have them (attn_v Q6_K next to
-Q4_K), fuse into a GGUFConcat of their GGUFLinears, so the model and the C layer stack see one matmul.
+The parts of a fused projection (q/k/v, gate/up) that differ in type, as Q4_K_M files have them (attn_v Q6_K next to
+Q4_K), load into a GGUFConcat of one GGUFLinear each, so the model and the C layer stack see one matmul.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from llmd.kernels import gguf_blocks as gb
 
 from ...errors import ModelFileError
 from .gguf_blocks import int8_from_q8_0
-from .layers import Int8Linear, Int8RowEmbedding, QuantizedLinear, _use_triton
+from .layers import Int8Linear, Int8RowEmbedding, LinearKernel, QuantizedLinear, c_kernel, use_triton
 
 _CHUNK_ELEMENTS = 1 << 22  # weights dequantized at a time by the torch path (16 MiB of fp32)
 
@@ -44,28 +44,32 @@ class GGUFLinear(QuantizedLinear):
         self.register_buffer("qweight", torch.empty(out_features, gb.row_bytes(type_name, in_features),
                                                     dtype=torch.uint8, device=device))
 
-    def fill(self, blocks: torch.Tensor, name: str, source) -> None:
-        """Copy a tensor's block rows in, after checking they are this layer's shape (ModelFileError if not)."""
-        if tuple(blocks.shape) != tuple(self.qweight.shape):
+    def fill(self, blocks: torch.Tensor, name: str, source, rows: slice | None = None) -> None:
+        """Copy a tensor's block rows in (into `rows`: a part of a fused projection), after checking they are this
+        layer's shape (ModelFileError if not)."""
+        dest = self.qweight if rows is None else self.qweight[rows]
+        if tuple(blocks.shape) != tuple(dest.shape):
             raise ModelFileError(source, f"tensor {name!r} ({self.type_name}) has {tuple(blocks.shape)} block bytes, "
-                                         f"expected {tuple(self.qweight.shape)} for [{self.out_features}, "
+                                         f"expected {tuple(dest.shape)} for [{dest.shape[0]}, "
                                          f"{self.in_features}]")
-        self.qweight.copy_(blocks)
-        self._cpu_cache = {}
+        dest.copy_(blocks)
+        if isinstance(self, QuantizedLinear):
+            self.unprepare()
 
     def dequantized_weight(self) -> torch.Tensor:
         return gb.dequantize_blocks(self.qweight, self.type_name)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_triton(x):
+    def _choose_kernel(self, device: torch.device, dtype: torch.dtype) -> LinearKernel:
+        qweight, type_name, k = self.qweight, self.type_name, self.in_features
+        if use_triton(device):
             from llmd.kernels.gguf_matmul import gguf_matmul
 
-            return gguf_matmul(x, self.qweight, self.type_name, self.in_features)
-        if x.device.type == "cpu" and x.dtype == torch.float32:
-            kernel = cpu_gemm.gguf_layer_kernel(self._cpu_cache, self.qweight, self.type_name, self.in_features)
-            if kernel is not None:
-                return kernel(x)
-        return self._chunked(x)
+            return lambda x: gguf_matmul(x, qweight, type_name, k)
+        if device.type == "cpu":
+            c = c_kernel(dtype, lambda: cpu_gemm.gguf_kernel([(qweight, type_name)], k))
+            if c is not None:
+                return c
+        return self._chunked
 
     def _chunked(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T with W dequantized a bounded chunk of output rows at a time (the torch path)."""
@@ -76,22 +80,6 @@ class GGUFLinear(QuantizedLinear):
             w = gb.dequantize_blocks(self.qweight[rows], self.type_name).to(x.dtype)
             y[:, rows] = torch.matmul(x, w.t())
         return y
-
-    @classmethod
-    def concat(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear | None":
-        """One layer for `layers` side by side: a GGUFLinear where they share a type, else a GGUFConcat."""
-        first = layers[0]
-        if any(type(m) is not cls or m.in_features != first.in_features
-               or (m.bias is None) != (first.bias is None) for m in layers):
-            return None
-        if any(m.type_name != first.type_name for m in layers):
-            return GGUFConcat(layers)
-        fused = cls(first.in_features, sum(m.out_features for m in layers), first.type_name, first.bias is not None,
-                    device="meta")
-        fused.qweight = torch.cat([m.qweight for m in layers])
-        if first.bias is not None:
-            fused.bias = nn.Parameter(torch.cat([m.bias for m in layers]), requires_grad=False)
-        return fused
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, type={self.type_name}"
@@ -112,16 +100,14 @@ class GGUFConcat(QuantizedLinear):
             self.bias = nn.Parameter(torch.cat([b.detach() for b in biases]), requires_grad=False)
         self.parts = nn.ModuleList(layers)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        kernel = None
-        if x2.is_cpu and x2.dtype is torch.float32:
-            kernel = cpu_gemm.gguf_parts_kernel(self._cpu_cache, [(p.qweight, p.type_name) for p in self.parts],
-                                                self.in_features)
-        y = kernel(x2) if kernel is not None else torch.cat([p._matmul(x2) for p in self.parts], dim=-1)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def _choose_kernel(self, device: torch.device, dtype: torch.dtype) -> LinearKernel:
+        if device.type == "cpu":  # one C call fills every part's columns
+            parts = [(p.qweight, p.type_name) for p in self.parts]
+            c = c_kernel(dtype, lambda: cpu_gemm.gguf_kernel(parts, self.in_features))
+            if c is not None:
+                return c
+        kernels = [p.prepare(device, dtype) for p in self.parts]
+        return lambda x: torch.cat([kernel(x) for kernel in kernels], dim=-1)
 
     def dequantized_weight(self) -> torch.Tensor:
         return torch.cat([p.dequantized_weight() for p in self.parts])

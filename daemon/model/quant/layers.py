@@ -1,11 +1,17 @@
 """The weight-only quantized linear layers (int8 per channel or per group, int4 group-wise) and building them.
 
-Where the matmul runs: CUDA + Triton -> the fused kernels in llmd.kernels; CPU with fp32 activations -> the compiled
-kernel llmd.kernels.cpu_gemm when it builds here; else on CPU torch's own int8/int4 weight kernels
-(torch._weight_int8pack_mm, torch._weight_int4pack_mm_for_cpu) where they beat fp32; otherwise dequantize + matmul.
+Where the matmul runs is decided once per layer, by `prepare(device, dtype)` at the end of loading, which sets the
+layer's `kernel` (a `LinearKernel`, x [M, K] -> [M, N]); `forward` is then `self.kernel(x)` plus the bias. In order:
+CUDA with Triton -> the fused kernels in llmd.kernels; CPU with fp32 activations -> the compiled kernel
+llmd.kernels.cpu_gemm where it builds here and takes the shape; CPU with AVX-512 -> torch's own int8/int4 weight
+kernels (torch._weight_int8pack_mm, torch._weight_int4pack_mm_for_cpu; elsewhere they are far slower than
+dequantizing); otherwise dequantize + matmul. A layer used before it was prepared (or with activations of another
+dtype) prepares itself on the first call. Replacing a weight buffer (fill_*) or moving the layer drops the kernel.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,44 +24,31 @@ from .bnb import _bnb_fill, _bnb_layer
 from .modes import DEFAULT_INT4_GROUP, QuantSpec, parse_quant
 from .quantize import quantize_int4, quantize_int8
 
+LinearKernel = Callable[[torch.Tensor], torch.Tensor]  # x [M, K] -> x @ W.T [M, N], without the bias
+
 _cpu_kernel_fast: dict[str, bool] = {}
 
 
 def cpu_kernel_is_fast(kind: str) -> bool:
-    """Whether torch's CPU kernel for `kind` ("int8" / "int4") beats dequantize + fp32 matmul on this CPU.
-
-    torch's int4/int8 weight kernels are only vectorized for some CPUs (AVX-512); elsewhere they are far slower
-    than the fallback. Decided once per process by timing both on one 1024x1024 layer (a few milliseconds).
-    """
+    """Whether torch's CPU kernel for `kind` ("int8" / "int4") is worth using over dequantize + matmul: torch
+    vectorizes its int4/int8 weight kernels only for AVX-512, and elsewhere they are many times slower. A rule on
+    the CPU's flags (the same answer on every run), not a timing."""
     if kind not in _cpu_kernel_fast:
-        import time
-
-        torch.manual_seed(0)
-        layer = (Int8Linear if kind == "int8" else Int4Linear)(1024, 1024)
-        fill_from_weight(layer, torch.randn(1024, 1024), QuantSpec(kind, 0 if kind == "int8" else 64))
-        x = torch.randn(1, 1024)
-
-        def best(fn) -> float:
-            times = []
-            for _ in range(5):
-                t = time.perf_counter()
-                fn(x)
-                times.append(time.perf_counter() - t)
-            return min(times)
-
-        with torch.inference_mode():
-            try:
-                native = best(layer._native_cpu)
-            except RuntimeError:
-                native = float("inf")
-            _cpu_kernel_fast[kind] = native < best(layer._fallback)
+        _cpu_kernel_fast[kind] = "avx512f" in cpu_gemm._cpu_flags()
     return _cpu_kernel_fast[kind]
 
 
-def _use_triton(x: torch.Tensor) -> bool:
+def use_triton(device: torch.device) -> bool:
     import llmd.kernels as kernels
 
-    return x.is_cuda and kernels.available()
+    return device.type == "cuda" and kernels.available()
+
+
+def c_kernel(dtype: torch.dtype, build: Callable[[], LinearKernel | None]) -> LinearKernel | None:
+    """The compiled CPU kernel `build` makes, for fp32 activations where the library loads (LLMD_CPU_GEMM=0: none)."""
+    if dtype != torch.float32 or not cpu_gemm.enabled() or cpu_gemm.load() is None:
+        return None
+    return build()
 
 
 class QuantizedLinear(nn.Module):
@@ -67,18 +60,33 @@ class QuantizedLinear(nn.Module):
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
-        self._cpu_cache: dict = {}  # per activation dtype: scales cast once, prepacked forms for torch's CPU kernels
+        self.kernel: LinearKernel | None = None  # set by prepare
+        self.kernel_dtype: torch.dtype | None = None  # the activations it was prepared for
 
     def _apply(self, fn, recurse=True):
-        self._cpu_cache = {}  # a move or cast invalidates the prepacked forms
+        self.kernel = None  # a move or cast invalidates the prepared kernel (it holds the buffers' addresses)
         return super()._apply(fn, recurse)
 
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> LinearKernel:
+        """Choose and set `self.kernel` for activations of `dtype` on `device` (see the module docstring)."""
+        self.kernel, self.kernel_dtype = self._choose_kernel(torch.device(device), dtype), dtype
+        return self.kernel
+
+    def _choose_kernel(self, device: torch.device, dtype: torch.dtype) -> LinearKernel:
+        raise NotImplementedError
+
+    def unprepare(self) -> None:
+        """Drop the kernel after the weights changed (the next call prepares a new one)."""
+        self.kernel = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = cpu_gemm.prepared_kernel(self._cpu_cache, self._buffers["qweight"])  # once _matmul prepared one
-        if kernel is not None and x.dim() == 2 and x.dtype is torch.float32 and x.is_cpu:
+        kernel = self.kernel
+        if kernel is None or x.dtype is not self.kernel_dtype:
+            kernel = self.prepare(x.device, x.dtype)
+        if x.dim() == 2:
             y = kernel(x)  # the decode path: 4 calls per layer and step, so no more Python than needed
         else:
-            y = self._matmul(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+            y = kernel(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y
@@ -86,23 +94,8 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         raise NotImplementedError
 
-    @classmethod
-    def concat(cls, layers: list["QuantizedLinear"]) -> "QuantizedLinear | None":
-        """One layer computing `layers`' outputs side by side (same input; each output row keeps its own codes and
-        scales, so the values are unchanged), or None unless they are alike in kind, width, group and bias."""
-        first = layers[0]
-        if any(type(m) is not cls or m.in_features != first.in_features or m.group_size != first.group_size
-               or (m.bias is None) != (first.bias is None) for m in layers):
-            return None
-        fused = cls(first.in_features, sum(m.out_features for m in layers), first.bias is not None, first.group_size,
-                    device="meta")
-        for name, _ in list(fused.named_buffers()):
-            fused.register_buffer(name, torch.cat([getattr(m, name) for m in layers]))
-        if first.bias is not None:
-            fused.bias = nn.Parameter(torch.cat([m.bias for m in layers]), requires_grad=False)
-        return fused
-
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        """Dequantize + matmul: the kernel of last resort."""
         return F.linear(x, self.dequantized_weight().to(x.dtype))
 
     def extra_repr(self) -> str:
@@ -123,25 +116,24 @@ class Int8Linear(QuantizedLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return qmm.dequantize_int8(self.qweight, self.scales, self.group_size)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_triton(x):
-            scales = self._cpu_cache.get(("cuda", x.dtype))
-            if scales is None:
-                scales = self._cpu_cache[("cuda", x.dtype)] = self.scales.to(x.dtype)
-            return qmm.int8_matmul(x, self.qweight, scales, self.group_size)
-        if x.device.type == "cpu" and x.dtype == torch.float32:
-            gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int8", self.qweight, self.scales, None, self.group_size)
-            if gemm is not None:
-                return gemm(x)
-        if x.device.type == "cpu" and self.group_size == self.in_features and cpu_kernel_is_fast("int8"):
-            return self._native_cpu(x)
-        return self._fallback(x)
+    def _choose_kernel(self, device: torch.device, dtype: torch.dtype) -> LinearKernel:
+        qweight, group = self.qweight, self.group_size
+        if use_triton(device):
+            scales = self.scales.to(dtype)
+            return lambda x: qmm.int8_matmul(x, qweight, scales, group)
+        if device.type != "cpu":
+            return self._fallback
+        c = c_kernel(dtype, lambda: cpu_gemm.layer_kernel("int8", qweight, self.scales, None, group))
+        if c is not None:
+            return c
+        if group == self.in_features and cpu_kernel_is_fast("int8"):
+            return self._native_cpu(dtype)
+        return self._fallback
 
-    def _native_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        scales = self._cpu_cache.get(x.dtype)
-        if scales is None:
-            scales = self._cpu_cache[x.dtype] = self.scales.view(-1).to(x.dtype).contiguous()
-        return torch._weight_int8pack_mm(x.contiguous(), self.qweight, scales)
+    def _native_cpu(self, dtype: torch.dtype) -> LinearKernel:
+        """torch's CPU int8 weight kernel (per-channel scales only)."""
+        qweight, scales = self.qweight, self.scales.view(-1).to(dtype).contiguous()
+        return lambda x: torch._weight_int8pack_mm(x.contiguous(), qweight, scales)
 
 
 class Int4Linear(QuantizedLinear):
@@ -160,43 +152,33 @@ class Int4Linear(QuantizedLinear):
     def dequantized_weight(self) -> torch.Tensor:
         return qmm.dequantize_int4(self.qweight, self.scales, self.zeros, self.group_size)
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if _use_triton(x):
-            sz = self._cpu_cache.get(("cuda", x.dtype))
-            if sz is None:
-                sz = self._cpu_cache[("cuda", x.dtype)] = (self.scales.to(x.dtype), self.zeros.to(x.dtype))
-            return qmm.int4_matmul(x, self.qweight, sz[0], sz[1], self.group_size)
-        if x.device.type == "cpu" and x.dtype == torch.float32:
-            gemm = cpu_gemm.layer_kernel(self._cpu_cache, "int4", self.qweight, self.scales, self.zeros,
-                                         self.group_size)
-            if gemm is not None:
-                return gemm(x)
-        if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
-                and cpu_kernel_is_fast("int4") and self._cpu_cache.get(x.dtype) is not False:
-            try:
-                return self._native_cpu(x)
-            except RuntimeError:  # torch cannot pack this layer (its kernel wants N % 16 == 0): dequantize
-                pass
-        return self._fallback(x)
+    def _choose_kernel(self, device: torch.device, dtype: torch.dtype) -> LinearKernel:
+        qweight, group = self.qweight, self.group_size
+        if use_triton(device):
+            scales, zeros = self.scales.to(dtype), self.zeros.to(dtype)
+            return lambda x: qmm.int4_matmul(x, qweight, scales, zeros, group)
+        if device.type != "cpu":
+            return self._fallback
+        c = c_kernel(dtype, lambda: cpu_gemm.layer_kernel("int4", qweight, self.scales, self.zeros, group))
+        if c is not None:
+            return c
+        if dtype in (torch.float32, torch.bfloat16, torch.float16) and cpu_kernel_is_fast("int4"):
+            native = self._native_cpu(dtype)
+            if native is not None:
+                return native
+        return self._fallback
 
-    def _native_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        packed = self._cpu_cache.get(x.dtype)
-        if packed is None:
-            packed = self._cpu_cache[x.dtype] = self._prepack_cpu(x.dtype)
-        if packed is False:
-            raise RuntimeError("torch has no CPU int4 kernel here")
-        weight, scale_zeros = packed
-        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight, self.group_size, scale_zeros)
-
-    def _prepack_cpu(self, dtype: torch.dtype):
-        """torch's CPU int4 kernel wants its own weight packing and [K/g, N, 2] (scale, zero) pairs."""
+    def _native_cpu(self, dtype: torch.dtype) -> LinearKernel | None:
+        """torch's CPU int4 kernel, which wants its own weight packing and [K/g, N, 2] (scale, zero) pairs; None
+        where torch cannot pack this layer (its kernel wants N % 16 == 0) or lacks the op."""
         try:
             values = qmm.unpack_int4(self.qweight).to(torch.int32)
             weight = torch._convert_weight_to_int4pack_for_cpu(values, 1)
             scale_zeros = torch.stack((self.scales, self.zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
-            return weight, scale_zeros
-        except (RuntimeError, AttributeError):  # an older torch without the op: dequantize instead
-            return False
+        except (RuntimeError, AttributeError):
+            return None
+        group = self.group_size
+        return lambda x: torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight, group, scale_zeros)
 
 
 class Int8RowEmbedding(nn.Module):
@@ -241,26 +223,40 @@ def empty_quantized(spec: QuantSpec, in_features: int, out_features: int, bias: 
     return None
 
 
-def fill_from_weight(layer: nn.Module, weight: torch.Tensor, spec: QuantSpec) -> None:
-    """Quantize an fp weight [N, K] into a layer made by `empty_quantized`."""
+def fills_rows(layer: nn.Module) -> bool:
+    """Whether a part of a fused projection can be quantized into its rows of `layer` alone: llmd's layers quantize
+    each output row on its own (per-row scales), bitsandbytes needs the assembled weight."""
+    return isinstance(layer, QuantizedLinear)
+
+
+def fill_from_weight(layer: nn.Module, weight: torch.Tensor, spec: QuantSpec, rows: slice | None = None) -> None:
+    """Quantize an fp weight [N, K] into a layer made by `empty_quantized`, or into its `rows` (a part of a fused
+    projection: int8 and int4 layers only, see fills_rows)."""
     if isinstance(layer, Int8Linear):
         q, s = quantize_int8(weight)
-        layer.group_size = layer.in_features
-        layer.qweight = q.to(layer.qweight.device)
-        layer.scales = s.to(layer.scales.device)
+        if rows is None:
+            layer.group_size = layer.in_features
+            layer.qweight = q.to(layer.qweight.device)
+            layer.scales = s.to(layer.scales.device)
+        else:  # a layer made by empty_quantized is per channel already
+            layer.qweight[rows].copy_(q)
+            layer.scales[rows].copy_(s.view(q.shape[0], -1))
     elif isinstance(layer, Int4Linear):
-        fill_int4(layer, *quantize_int4(weight, layer.group_size))
+        fill_int4(layer, *quantize_int4(weight, layer.group_size), rows=rows)
     else:
         _bnb_fill(layer, weight, spec.method)
-    layer._cpu_cache = {} if isinstance(layer, QuantizedLinear) else None
+    if isinstance(layer, QuantizedLinear):
+        layer.unprepare()
 
 
-def fill_int4(layer: Int4Linear, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
-    """Store an already quantized weight (quantize_int4's or GPTQ's layout) in an int4 layer."""
-    layer.qweight.copy_(packed)
-    layer.scales.copy_(scales)
-    layer.zeros.copy_(zeros)
-    layer._cpu_cache = {}
+def fill_int4(layer: Int4Linear, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+              rows: slice | None = None) -> None:
+    """Store an already quantized weight (quantize_int4's or GPTQ's layout) in an int4 layer, or in its `rows`."""
+    rows = rows or slice(None)
+    layer.qweight[rows].copy_(packed)
+    layer.scales[rows].copy_(scales)
+    layer.zeros[rows].copy_(zeros)
+    layer.unprepare()
 
 
 def quantized_weight_bytes(model: nn.Module) -> int:
