@@ -12,13 +12,10 @@ import pytest
 import torch
 
 from llmd.kernels import cpu_ops
-from llmd.model.attention import (
-    AttentionMetadata,
-    DecodePlan,
-    batched_decode_attention,
-    fast_paged_attention,
-    torch_paged_attention,
-)
+from llmd.model.attention import AttentionMetadata, DecodePlan, batched_decode_attention, torch_paged_attention
+from llmd.model.attention_backends import CPU, CpuBackend
+
+cpu_attention = CpuBackend._c_attention  # the C calls of the CPU backend (False where they do not apply)
 
 HAVE_OPS = cpu_ops.load() is not None
 BS = 4
@@ -105,11 +102,9 @@ def test_c_kernels_match_dense(window, group):
     meta = AttentionMetadata.build(Q_LENS, LENS, tables, BS)
     plan = DecodePlan.build(meta)
     out = torch.full_like(q, float("nan"))
-    from llmd.model.attention import cpu_attention
-
     assert cpu_attention(q, cache, meta, plan, 0.3, out, window)
     torch.testing.assert_close(out, expected(q, dense, LENS, Q_LENS, window, 0.3), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(fast_paged_attention(q, cache, meta, 0.3, window=window), out, rtol=0, atol=0)
+    torch.testing.assert_close(CPU.attend(q, cache, meta, 0.3, window=window), out, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("window", [WINDOW, 300, 600])
@@ -121,8 +116,6 @@ def test_c_kernels_past_a_partition(window):
     q, cache, tables, dense = make_case(lens, q_lens, window, group=2, d=8, seed=3)
     meta = AttentionMetadata.build(q_lens, lens, tables, BS)
     out = torch.full_like(q, float("nan"))
-    from llmd.model.attention import cpu_attention
-
     assert cpu_attention(q, cache, meta, DecodePlan.build(meta), 0.3, out, window)
     torch.testing.assert_close(out, expected(q, dense, lens, q_lens, window, 0.3), rtol=1e-5, atol=1e-5)
 
