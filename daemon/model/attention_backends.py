@@ -202,6 +202,11 @@ def choose_backend(device: torch.device, model_config=None, dtype: torch.dtype =
         return TORCH
     if model_config is not None:
         c = model_config
+        if getattr(c, "attn_logit_softcapping", None) is not None or any(
+                c.layer_window(i) is not None for i in range(c.num_hidden_layers)):
+            log.warning("Triton attention has no sliding window or softcap yet: the torch path serves %s",
+                        c.architecture)
+            return TORCH
         problem = check_attention_backend(TRITON, c.num_attention_heads, c.num_key_value_heads, c.head_dim, dtype,
                                           kv_cache_dtype, device=device)
         if problem is not None:
