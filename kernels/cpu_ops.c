@@ -156,6 +156,31 @@ int llmd_silu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t ro
     return 0;
 }
 
+/* y[t, i] = gelu_tanh(g[t, i]) * g[t, n + i] (GeGLU: Gemma). gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)),
+ * u = sqrt(2 / pi) (x + 0.044715 x^3): the form of silu_mul with the exponent 2u, so the same exp. */
+int llmd_gelu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t rows, int64_t n) {
+    const float c2 = 1.5957691216057308f, k = 0.044715f; /* c2 = 2 sqrt(2 / pi) */
+    for (int64_t t = 0; t < rows; t++) {
+        const float *gate = g + t * ldg, *up = gate + n;
+        float *yr = y + t * ldy;
+        int64_t i = 0;
+#if SIMD
+        const __m256 one = _mm256_set1_ps(1.0f), vc = _mm256_set1_ps(-c2), vk = _mm256_set1_ps(k);
+        for (; i + 8 <= n; i += 8) {
+            __m256 a = _mm256_loadu_ps(gate + i);
+            __m256 inner = _mm256_add_ps(a, _mm256_mul_ps(vk, _mm256_mul_ps(a, _mm256_mul_ps(a, a))));
+            __m256 e = exp8(_mm256_mul_ps(vc, inner));
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_div_ps(a, _mm256_add_ps(one, e)), _mm256_loadu_ps(up + i)));
+        }
+#endif
+        for (; i < n; i++) {
+            const float a = gate[i];
+            yr[i] = a / (1.0f + expf(-c2 * (a + k * (a * (a * a))))) * up[i];
+        }
+    }
+    return 0;
+}
+
 /* ---- the paged KV cache -------------------------------------------------------------------------------------------
  * One layer's cache (llmd_kv, cpu_kernels.h): K and V [num_blocks, block_size, kv_heads, d] in fp32, fp16, bf16 or
  * int8, the int8 one with an fp32 scale per (slot, KV head) for each (llmd.model.kv_int8: x ~= q * scale). The

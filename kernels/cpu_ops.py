@@ -1,5 +1,5 @@
 """The fp32 glue of a decoder layer on the CPU, from cpu_ops.c (compiled into llmd.kernels.cpu_gemm's library):
-RMSNorm, RoPE in place, SiLU(gate) * up, the paged KV write, and attention: decode tokens, and causal chunks of new
+RMSNorm, RoPE in place, SiLU(gate) * up and GELU-tanh(gate) * up, the paged KV write, and attention: decode tokens, and causal chunks of new
 tokens (prefill, speculative verify).
 
 A layer's KV cache is the pair (k_cache, v_cache) [num_blocks, block_size, kv_heads, d] in fp32, fp16 or bf16, or
@@ -70,10 +70,11 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llmd_rms_norm.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, f32]
     lib.llmd_rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
     lib.llmd_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    lib.llmd_gelu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
     lib.llmd_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, kv]
     lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, i64, kv, ptr, i64, ptr, i64, f32, i64, ptr, i64, cint]
     lib.llmd_prefill_attention.argtypes = [ptr, i64, i64, i64, kv, ptr, i64, i64, f32, i64, ptr, i64, cint]
-    for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_write_kv, lib.llmd_decode_attention,
+    for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_gelu_mul, lib.llmd_write_kv, lib.llmd_decode_attention,
                lib.llmd_prefill_attention):
         fn.restype = cint
     return lib
@@ -155,6 +156,18 @@ def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
     t = gate_up.shape[0]
     y = gate_up.new_empty((t, n))
     lib.llmd_silu_mul(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), n, t, n)
+    return y
+
+
+def gelu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
+    """gelu_tanh(gate_up[:, :n]) * gate_up[:, n:] for the fused gate/up output [T, 2n] (GeGLU)."""
+    ok = gate_up.dim() == 2 and gate_up.shape[1] == 2 * n and _plain(gate_up)
+    lib = load() if ok else None
+    if lib is None:
+        return None
+    t = gate_up.shape[0]
+    y = gate_up.new_empty((t, n))
+    lib.llmd_gelu_mul(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), n, t, n)
     return y
 
 
@@ -260,6 +273,7 @@ def _self_check() -> None:
     checks = [("rms_norm", rms_norm(x, w, 1e-5), F.rms_norm(x, (40,), w, 1e-5))]
     gu = torch.randn(3, 2 * 20, generator=g)
     checks.append(("silu_mul", silu_mul(gu, 20), F.silu(gu[:, :20]) * gu[:, 20:]))
+    checks.append(("gelu_mul", gelu_mul(gu * 3, 20), F.gelu(gu[:, :20] * 3, approximate="tanh") * gu[:, 20:] * 3))
     cos, sin = torch.randn(3, 1, 8, generator=g), torch.randn(3, 1, 8, generator=g)
     qk = torch.randn(3, 4 * 8, generator=g)
     want = qk.view(3, 4, 8) * cos + qk.view(3, 4, 8).roll(4, dims=-1) * sin

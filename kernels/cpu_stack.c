@@ -1,5 +1,6 @@
 /* A model's whole stack of decoder layers on the CPU in one call, for Llama-shaped layers whose projections are the
- * quantized layers of cpu_gemm.c (fused qkv and gate/up, optional biases).
+ * quantized layers of cpu_gemm.c (fused qkv and gate/up, optional biases), and Gemma 3's (q/k norms, sandwich norms,
+ * GELU-tanh, local and global RoPE tables; llmd.model.gemma).
  *
  * A layer is the same sequence of calls that llmd.model.llama makes one by one from Python (RMSNorm, qkv matmul,
  * RoPE, K/V write, attention, o matmul, residual add, RMSNorm, gate/up matmul, SiLU * up, down matmul, residual add),
@@ -25,11 +26,19 @@ typedef struct {
     llmd_linear qkv, o, gate_up, down;
     llmd_kv kv; /* the layer's paged KV cache, in any of its element types */
     int64_t window; /* sliding window of its attention (0: none) */
+    /* Gemma 3 (NULL / 0 for Llama-shaped layers): RMSNorm weights over each q and k head before RoPE; "sandwich"
+     * norms of the attention and MLP outputs before their residual adds (post_norm is then the pre-feedforward norm);
+     * local_rope: this layer rotates with the step's local tables (cos_local, ssin_local). */
+    const float *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm;
+    int64_t local_rope;
 } llmd_layer;
+
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
 
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
+    int64_t act; /* the gated MLP's activation: ACT_SILU (Llama) or ACT_GELU_TANH (Gemma) */
 } llmd_dims;
 
 /* One step's flattened batch of T new tokens. Decodes (single-token queries) are described as for
@@ -47,6 +56,7 @@ typedef struct {
     const int64_t *chunks; /* [num_chunks, 4] */
     const int64_t *chunk_tables; /* [num_tables, chunk_stride] */
     int64_t num_tables, chunk_stride;
+    const float *cos_local, *ssin_local; /* [T, head_dim]: the tables of layers with local_rope (may be NULL) */
 } llmd_step;
 
 /* y[m, n] = x @ W.T (+ bias); 0, or -2 (no memory) / -3 (the kernel refused the shape). */
@@ -117,7 +127,17 @@ int llmd_decoder_stack(const llmd_dims *dm, const llmd_layer *layers, const llmd
         const llmd_layer *L = layers + l;
         llmd_rms_norm(x, D, L->input_norm, h, D, T, D, dm->eps);
         if ((rc = linear(&L->qkv, h, D, qkv, T, nth))) break;
-        llmd_rope(qkv, qkv_w, st->cos, st->ssin, T, H + KV, d);
+        if (L->q_norm && L->k_norm)
+            for (int64_t t = 0; t < T; t++) { /* in place, one head of d values per row */
+                llmd_rms_norm(qkv + t * qkv_w, d, L->q_norm, qkv + t * qkv_w, d, H, d, dm->eps);
+                llmd_rms_norm(qkv + t * qkv_w + H * d, d, L->k_norm, qkv + t * qkv_w + H * d, d, KV, d, dm->eps);
+            }
+        if (L->local_rope && !(st->cos_local && st->ssin_local)) {
+            rc = -1;
+            break;
+        }
+        llmd_rope(qkv, qkv_w, L->local_rope ? st->cos_local : st->cos, L->local_rope ? st->ssin_local : st->ssin, T,
+                  H + KV, d);
         if (L->kv.kv_heads != KV || L->kv.d != d ||
             llmd_write_kv(qkv + H * d, qkv_w, qkv + (H + KV) * d, qkv_w, st->slots, T, &L->kv)) {
             rc = -1;
@@ -125,11 +145,16 @@ int llmd_decoder_stack(const llmd_dims *dm, const llmd_layer *layers, const llmd
         }
         if ((rc = attention(dm, L, st, qkv, qkv_w, att, nth))) break;
         if ((rc = linear(&L->o, att, H * d, y, T, nth))) break;
+        if (L->attn_out_norm) llmd_rms_norm(y, D, L->attn_out_norm, y, D, T, D, dm->eps);
         add_rows(x, y, T * D);
         llmd_rms_norm(x, D, L->post_norm, h, D, T, D, dm->eps);
         if ((rc = linear(&L->gate_up, h, D, gu, T, nth))) break;
-        llmd_silu_mul(gu, 2 * I, act, I, T, I);
+        if (dm->act == ACT_GELU_TANH)
+            llmd_gelu_mul(gu, 2 * I, act, I, T, I);
+        else
+            llmd_silu_mul(gu, 2 * I, act, I, T, I);
         if ((rc = linear(&L->down, act, I, y, T, nth))) break;
+        if (L->mlp_out_norm) llmd_rms_norm(y, D, L->mlp_out_norm, y, D, T, D, dm->eps);
         add_rows(x, y, T * D);
     }
     free(buf);

@@ -15,6 +15,10 @@ KINDS = {("int8", False): 0, ("int4", False): 1, ("int8", True): 2, ("int4", Tru
          ("gguf", False): 4}  # gguf: q points to the kernel's llmd_gguf_part array, group is its length
 
 
+# llmd_dims.act: the gated MLP's activation
+ACTS = {"silu": 0, "gelu_tanh": 1}
+
+
 class Linear(ctypes.Structure):
     _fields_ = [("kind", _i64), ("n", _i64), ("k", _i64), ("group", _i64),
                 ("q", _ptr), ("s", _ptr), ("z", _ptr), ("bias", _ptr)]
@@ -22,12 +26,15 @@ class Linear(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
-                ("down", Linear), ("kv", cpu_ops.KV), ("window", _i64)]  # window 0: full attention
+                ("down", Linear), ("kv", cpu_ops.KV), ("window", _i64),  # window 0: full attention
+                # Gemma 3 (None / 0 otherwise): q/k head norms, the attention / MLP output norms, local RoPE tables
+                ("q_norm", _ptr), ("k_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr),
+                ("local_rope", _i64)]
 
 
 class Dims(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
-                ("intermediate", _i64), ("eps", _f32), ("scale", _f32)]
+                ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("act", _i64)]  # act: ACTS
 
 
 class Step(ctypes.Structure):
@@ -35,7 +42,7 @@ class Step(ctypes.Structure):
                 ("num_decodes", _i64), ("decode_rows", _ptr), ("decode_tables", _ptr), ("decode_lens", _ptr),
                 ("decode_stride", _i64),
                 ("num_chunks", _i64), ("chunks", _ptr), ("chunk_tables", _ptr), ("num_tables", _i64),
-                ("chunk_stride", _i64)]
+                ("chunk_stride", _i64), ("cos_local", _ptr), ("ssin_local", _ptr)]
 
 
 _bound: dict[int, ctypes.CDLL] = {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from llmd.kernels import cpu_ops
 from llmd.model.attention import AttentionMetadata, DecodePlan, batched_decode_attention, torch_paged_attention
 from llmd.model.attention_backends import CPU, TORCH, CpuBackend

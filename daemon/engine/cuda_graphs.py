@@ -57,6 +57,8 @@ def graph_blocker(model: torch.nn.Module, attention: AttentionBackend) -> str | 
     """Why decode steps of this model, attending through `attention`, cannot be captured here (None: they can)."""
     if not attention.cuda_graph_safe:
         return f"the attention backend {attention.name} is not marked cuda_graph_safe"
+    if (why := getattr(model, "graph_blocker", None)) is not None:  # a model whose layers need the host (Gemma)
+        return why
     for module in model.modules():
         if type(module).__module__.startswith("bitsandbytes"):
             return "bitsandbytes layers choose kernels from the data (outliers) on the host"

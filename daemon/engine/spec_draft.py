@@ -62,8 +62,7 @@ class _TruncatedLM(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta):
         inner = self.target.model
-        x = inner.embed_tokens(input_ids)
-        cos, sin = inner.rotary_emb(positions, x.dtype)
+        x, cos, sin = self.target.embed(input_ids, positions)  # the model's own (Gemma scales its embeddings)
         for layer, kv_cache in zip(list(inner.layers)[: self.num_layers], kv_caches, strict=True):
             x = layer(x, cos, sin, kv_cache, meta)
         return inner.norm(x)

@@ -144,8 +144,9 @@ def torch_paged_attention(
     """Reference attention for q [T, heads, head_dim] whose K/V are already in the cache. Returns [T, heads, head_dim].
 
     Each sequence's queries sit at the end of its context, so query i of a chunk of length L attends to the
-    first seq_len - L + i + 1 context tokens (causal, including cached prefix blocks). `only`: compute just these
-    sequences (the other rows of the result are left uninitialised). window / softcap: see `paged_attention`.
+    first seq_len - L + i + 1 context tokens (causal, including cached prefix blocks), or with a `window` W only to
+    the last W of them. `only`: compute just these sequences (the other rows of the result are left uninitialised).
+    window / softcap: see `paged_attention`.
     """
     out = torch.empty_like(q)
     num_heads = q.shape[1]

@@ -88,7 +88,7 @@ class CpuBackend(TorchBackend):
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, *,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if softcap is None:
+        if softcap is None:  # the C kernels take a sliding window, not a softcap
             out = torch.empty_like(q)
             if self._c_attention(q, kv_cache, meta, decode_plan(meta), scale, out, window):
                 return out
@@ -205,6 +205,9 @@ def choose_backend(device: torch.device, model_config=None, dtype: torch.dtype =
         return TORCH
     if model_config is not None:
         c = model_config
+        if getattr(c, "attn_logit_softcapping", None) is not None:
+            log.warning("Triton attention has no softcap yet: the torch path serves %s", c.architecture)
+            return TORCH
         windows = tuple(sorted({w for w in getattr(c, "layer_windows", ()) if w is not None}))
         problem = check_attention_backend(TRITON, c.num_attention_heads, c.num_key_value_heads, c.head_dim, dtype,
                                           kv_cache_dtype, device=device, windows=windows)

@@ -26,6 +26,9 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     # Phi-3/3.5/4: a Llama decoder whose checkpoint stores qkv_proj and gate_up_proj fused (as llama.py declares
     # them), with longrope scaling and, on some, partial rotary
     "Phi3ForCausalLM": {"attention_bias": False, "qk_norm": False},
+    # Gemma 2 / Gemma 3 text: their own model class (llmd.model.gemma); the Gemma-only fields come from gemma_fields
+    "Gemma2ForCausalLM": {"attention_bias": None, "qk_norm": False},
+    "Gemma3ForCausalLM": {"attention_bias": None, "qk_norm": True},
 }
 # architectures whose config.json sliding_window applies unless use_sliding_window says otherwise
 _WINDOW_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM")
@@ -66,6 +69,11 @@ class ModelConfig:
     # None with a sliding_window: every layer does (Mistral).
     sliding_window: int | None = None
     layer_types: list[str] | None = None
+    # Gemma 2 / 3 (llmd.model.gemma); the defaults leave every other family as it is.
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) before the softmax
+    final_logit_softcapping: float | None = None  # the same on the output logits
+    query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim ** -0.5)
+    rope_local_theta: float | None = None  # RoPE base of the sliding layers, which never take rope_scaling
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -142,7 +150,8 @@ class ModelConfig:
         arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitecture(unsupported_message(arch))
-        if cfg.get("hidden_act", "silu") != "silu":
+        family = FAMILY_FIELDS.get(arch)
+        if family is None and cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitecture(f"{arch} with hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
 
         rope_params = dict(cfg.get("rope_parameters") or {})
@@ -166,7 +175,8 @@ class ModelConfig:
             layer_types = None
 
         switches = SUPPORTED_ARCHITECTURES[arch]
-        return cls(
+        extra = family(arch, cfg) if family is not None else {}
+        fields = dict(
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
@@ -195,6 +205,7 @@ class ModelConfig:
             sliding_window=sliding_window,
             layer_types=layer_types,
         )
+        return cls(**{**fields, **extra})
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> "ModelConfig":
@@ -210,6 +221,61 @@ class ModelConfig:
             raise UnsupportedArchitecture(f"{folder / 'config.json'}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFileError(folder / "config.json", f"missing or bad value: {e!r}") from None
+
+
+def gemma_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The Gemma 2 / Gemma 3 text fields of a config.json, with transformers' defaults for absent keys.
+
+    Both rope dialects: the classic keys (rope_theta, rope_local_base_freq, rope_scaling) and transformers >= 5's
+    rope_parameters per layer type ({"full_attention": {...}, "sliding_attention": {...}}). Scaling applies to the
+    full-attention layers only."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedArchitecture(f"{arch} with hidden activation {act!r} is not supported (only gelu_pytorch_tanh)")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedArchitecture(f"{arch} with use_bidirectional_attention (an embedding model) is not supported")
+    gemma2 = arch == "Gemma2ForCausalLM"
+    layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if not layer_types:
+        pattern = 2 if gemma2 else int(cfg.get("sliding_window_pattern") or 6)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if len(layer_types) != layers or any(t not in ("sliding_attention", "full_attention") for t in layer_types):
+        raise ModelFileError("config", f"layer_types {layer_types!r} is not one of sliding_attention / "
+                                       f"full_attention per layer ({layers} layers)")
+    window = cfg.get("sliding_window", 4096)
+    params = cfg.get("rope_parameters") or {}
+    per_type = isinstance(params.get("full_attention"), dict) or isinstance(params.get("sliding_attention"), dict)
+    full = dict(params.get("full_attention") or {}) if per_type else dict(params)
+    local = dict(params.get("sliding_attention") or {}) if per_type else {}
+    theta = float(cfg.get("rope_theta", full.get("rope_theta", 10000.0 if gemma2 else 1_000_000.0)))
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in full.items() if k != "rope_theta"} or None
+    if scaling is not None and rope_type_of(scaling) == "default":
+        scaling = None
+    local_theta = theta if gemma2 else float(cfg.get("rope_local_base_freq", local.get("rope_theta", 10000.0)))
+    if local and rope_type_of(local) != "default":
+        raise UnsupportedArchitecture(f"{arch} with rope scaling {rope_type_of(local)!r} on its sliding layers is "
+                                      "not supported")
+    return {
+        "layer_types": list(layer_types),
+        "sliding_window": int(window) if window else None,
+        "attn_logit_softcapping": _opt_float(cfg.get("attn_logit_softcapping", 50.0 if gemma2 else None)),
+        "final_logit_softcapping": _opt_float(cfg.get("final_logit_softcapping", 30.0 if gemma2 else None)),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rope_local_theta": local_theta,
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "head_dim": int(cfg.get("head_dim") or 256),
+    }
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+# HF architecture -> its extra ModelConfig fields from config.json (families whose layers differ from Llama's)
+FAMILY_FIELDS = {"Gemma2ForCausalLM": gemma_fields, "Gemma3ForCausalLM": gemma_fields}
 
 
 def rope_type_of(scaling: dict) -> str:
@@ -248,7 +314,8 @@ def read_json(path: Path) -> dict:
 
 def _arch_from_model_type(model_type: str | None) -> str | None:
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+               "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
+               "gemma3_text": "Gemma3ForCausalLM"}
     return by_type.get(model_type or "", model_type)
 
 

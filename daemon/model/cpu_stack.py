@@ -4,10 +4,11 @@ The C code makes, layer by layer, the same kernel calls with the same arguments 
 (each of which already runs in C on the CPU), so the hidden states are bit for bit the same; it only removes the
 Python between them, about a third of a small model's decode step at batch 1.
 
-It applies to Llama-shaped models (no q/k norm, no partial rotary, no softcap; sliding windows go to each layer's C
-attention) whose fused qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type,
-or a GGUFConcat of several) with a prepared CPU kernel, with fp32 activations and a KV cache the C attention reads (fp32, fp16, bf16 or int8). Everything else
-(fp32 or bitsandbytes weights, Qwen3, CUDA, LLMD_CPU_GEMM=0, a step with two KV groups: `window_group`) keeps the
+It applies to Llama-shaped models (no q/k norm, no partial rotary, no softcap; sliding windows included) and to Gemma 3
+(llmd.model.gemma, `cpu_stack_kind = "gemma"`: q/k norms, sandwich norms, GELU-tanh, local RoPE tables) whose fused
+qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type, or a GGUFConcat of
+several) with a prepared CPU kernel, with fp32 activations and a KV cache the C attention reads (fp32, fp16, bf16 or
+int8). Everything else (fp32 or bitsandbytes weights, Qwen3, Gemma 2's softcap, CUDA, LLMD_CPU_GEMM=0) keeps the
 module path. The engine's runner builds a
 `CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of the model.
 """
@@ -43,7 +44,11 @@ class CpuLayerStack:
         """The stack for `model` (a llmd.model.llama.CausalLM), or None where it does not apply."""
         lib = ck.load()
         config = model.config
-        if lib is None or config.qk_norm or config.rotary_dim != config.head_dim or any(
+        if lib is None:
+            return None
+        if getattr(model, "cpu_stack_kind", "llama") == "gemma":
+            return cls._build_gemma(lib, model)
+        if config.qk_norm or config.rotary_dim != config.head_dim or any(
                 layer.self_attn.softcap is not None
                 for layer in model.model.layers):  # the C attention has no softcap; the C RoPE rotates whole heads
             return None
@@ -72,6 +77,48 @@ class CpuLayerStack:
                        eps=c.rms_norm_eps, scale=model.model.layers[0].self_attn.scale)
         return cls(lib, dims, layers, linears, norms)
 
+    @classmethod
+    def _build_gemma(cls, lib, model) -> "CpuLayerStack | None":
+        """Gemma 3's layers (llmd.model.gemma): the same projections, with the fp32 (1 + weight) multipliers of its
+        norms, q/k norms, sandwich norms, GELU-tanh and the local RoPE tables of its sliding layers. Soft-capped
+        attention (Gemma 2) has no C kernel: None."""
+        config = model.config
+        if config.attn_logit_softcapping is not None:
+            return None
+        layers = (ck.Layer * len(model.model.layers))()
+        linears, norms = [], []
+        local = model.model.rotary_emb.sliding is not None
+        for layer, c_layer in zip(model.model.layers, layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                linear = _linear(module)
+                if linear is None:
+                    return None
+                setattr(c_layer, name, linear)
+                linears.append((module, module.kernel))
+            c_layer.window = attn.window or 0
+            c_layer.local_rope = int(local and attn.window is not None)
+            for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.pre_feedforward_layernorm),
+                               ("attn_out_norm", layer.post_attention_layernorm),
+                               ("mlp_out_norm", layer.post_feedforward_layernorm),
+                               ("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
+                if norm is None:
+                    continue
+                if norm.scale is None:
+                    norm.prepare()
+                w = norm.scale
+                if w.dtype is not torch.float32 or not w.is_cpu or not w.is_contiguous() \
+                        or norm.eps != config.rms_norm_eps:
+                    return None
+                setattr(c_layer, name, w.data_ptr())
+                norms.append((norm, w))
+        c = config
+        dims = ck.Dims(num_layers=len(layers), hidden=c.hidden_size, heads=c.num_attention_heads,
+                       kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
+                       eps=c.rms_norm_eps, scale=model.model.layers[0].self_attn.scale, act=ck.ACTS["gelu_tanh"])
+        return cls(lib, dims, layers, linears, norms)
+
     def _bind_caches(self, kv_caches: list) -> bool:
         """Point the layers at these caches: one per layer, all of one type and shape, each one the C attention reads
         ((k, v) in fp32/fp16/bf16, or an int8 cache with its scales)."""
@@ -97,9 +144,9 @@ class CpuLayerStack:
         return len(kv_caches) == len(self._caches) and all(
             len(refs) == len(c) and all(r() is t for r, t in zip(refs, c)) for refs, c in zip(self._caches, kv_caches))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list,
-                meta: AttentionMetadata) -> bool:
-        """Run every layer on x [T, hidden] in place; False (x untouched) where the stack does not apply."""
+    def forward(self, x: torch.Tensor, cos, sin, kv_caches: list, meta: AttentionMetadata) -> bool:
+        """Run every layer on x [T, hidden] in place; False (x untouched) where the stack does not apply.
+        cos / sin: the RoPE tables, or Gemma's dicts of them per layer type (llmd.model.gemma)."""
         with self._lock:
             return self._forward(x, cos, sin, kv_caches, meta)
 
@@ -109,11 +156,18 @@ class CpuLayerStack:
         if not self._bound_to(kv_caches) and not self._bind_caches(kv_caches):
             return False
         t = x.shape[0]
-        if meta.block_size != self.block_size or not (cos.is_contiguous() and sin.is_contiguous()) \
-                or cos.numel() != t * self.dims.head_dim or meta.slot_mapping.numel() != t:
+        local = None
+        if isinstance(cos, dict):  # Gemma: the global tables, and the sliding layers' own
+            local = (cos["sliding_attention"], sin["sliding_attention"])
+            cos, sin = cos["full_attention"], sin["full_attention"]
+        tables = [cos, sin] + list(local or ())
+        if meta.block_size != self.block_size or not all(c.is_contiguous() for c in tables) \
+                or any(c.numel() != t * self.dims.head_dim for c in tables) or meta.slot_mapping.numel() != t:
             return False
         plan = decode_plan(meta)  # the same plan the CPU attention backend uses
         step = ck.Step(T=t, cos=cos.data_ptr(), ssin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr())
+        if local is not None:
+            step.cos_local, step.ssin_local = local[0].data_ptr(), local[1].data_ptr()
         if plan.block_tables.shape[0]:
             step.num_decodes = plan.block_tables.shape[0]
             step.decode_rows = None if plan.rows is None else plan.rows.data_ptr()

@@ -26,7 +26,6 @@ from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
 import torch
-
 from llmd.kernels import gguf_blocks as gb
 
 from ..errors import ModelFileError, UnsupportedArchitecture
@@ -363,6 +362,9 @@ class GGUFArch:
     config_tensors: tuple[str, ...] = ()
     # last word on the config dict: quirks(cfg, meta, "<arch>.", {config tensor present: its values})
     quirks: Callable[[dict, dict, str, dict[str, list[float]]], None] | None = None
+    # what llama.cpp's converter added to every `*norm.weight` (Gemma: 1, its RMSNorm multiplier is 1 + weight);
+    # subtracted again as the tensors load, in fp32 as transformers' GGUF loader does
+    norm_shift: float = 0.0
 
 
 # blk.N.<gguf name> -> model.layers.N.<hf name>: the names every architecture here shares
@@ -456,6 +458,49 @@ def _phi3_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]])
         attn_factor = meta.get(p + "rope.scaling.attn_factor")
         if attn_factor is not None:
             cfg["rope_scaling"]["attention_factor"] = float(attn_factor)
+# Gemma 2 / Gemma 3 text (llama.cpp's gemma2, gemma3). llama.cpp's converter (convert_hf_to_gguf.py, Gemma2Model /
+# Gemma3Model) stores every `*norm.weight` as 1 + weight, the multiplier its plain RMSNorm applies, and keeps q/k rows
+# in Hugging Face order (NEOX RoPE). The model computes (1 + weight) as the Hugging Face one does
+# (llmd.model.gemma.GemmaRMSNorm). Values the file does not carry are llama.cpp's (src/llama-model.cpp): gemma3's
+# sliding layers use RoPE base 10000 and every 6th layer is global; the attention scale is head_dim ** -0.5 except on
+# the 27B models (hidden / heads).
+_GEMMA_LAYER_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
+    """The Gemma-only config.json keys (read by llmd.model.config.gemma_fields)."""
+    arch = p.rstrip(".")
+    head_dim = int(_meta(meta, p + "attention.key_length", 256))
+    cfg["head_dim"] = head_dim
+    big = cfg["num_hidden_layers"] == _GEMMA_27B_LAYERS[arch]
+    cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else head_dim
+    cfg["sliding_window"] = int(_meta(meta, p + "attention.sliding_window", 4096))
+    if arch == "gemma2":
+        cfg["rope_theta"] = float(_meta(meta, p + "rope.freq_base", 10000.0))
+        cfg["final_logit_softcapping"] = float(_meta(meta, p + "final_logit_softcapping", 30.0))
+        cfg["attn_logit_softcapping"] = float(_meta(meta, p + "attn_logit_softcapping", 50.0))
+        return
+    cfg["rope_theta"] = float(_meta(meta, p + "rope.freq_base", 1_000_000.0))
+    cfg["final_logit_softcapping"] = meta.get(p + "final_logit_softcapping")
+    cfg["attn_logit_softcapping"] = meta.get(p + "attn_logit_softcapping")
+    cfg["rope_local_base_freq"] = float(_meta(meta, p + "rope.freq_base_swa", 10000.0))
+    pattern = meta.get(p + "attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # one flag per layer: True = sliding
+        cfg["layer_types"] = ["sliding_attention" if flag else "full_attention" for flag in pattern]
+    elif pattern:
+        cfg["sliding_window_pattern"] = int(pattern)
+    scaling, factor = meta.get(p + "rope.scaling.type"), meta.get(p + "rope.scaling.factor")
+    if scaling == "linear" and factor:
+        cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}  # the global layers only
+    elif scaling not in (None, "none", "linear"):
+        cfg["rope_scaling"] = {"rope_type": str(scaling)}  # refused by name in ModelConfig
 
 
 GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
@@ -472,6 +517,8 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     "phi3": GGUFArch("Phi3ForCausalLM", layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                      config_tensors=("rope_factors_long.weight", "rope_factors_short.weight"),
                      quirks=_phi3_quirks),
+    "gemma2": GGUFArch("Gemma2ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
+    "gemma3": GGUFArch("Gemma3ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
 }
 
 # Architectures llama.cpp knows that our decoder does not run, with what they are, for the refusal message.
@@ -712,10 +759,25 @@ def raw_tensor_types(path) -> dict[str, str]:
             for c in _iter_checked(gf, hf_cfg)}
 
 
+def _shift_of(gf: _GGUFFile) -> float:
+    """The architecture's norm shift (GGUFArch.norm_shift); 0 for most."""
+    return GGUF_ARCHITECTURES[gf.metadata["general.architecture"]].norm_shift
+
+
+def _unshifted(w: torch.Tensor, name: str, shift: float) -> torch.Tensor:
+    """A norm weight with the converter's shift taken off again (in fp32); any other tensor as it is."""
+    return w.float() - shift if shift and name.endswith("norm.weight") else w
+
+
 def _raw_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[RawTensor]:
     warned: set[str] = set()
+    shift = _shift_of(gf)
     for c in checked:
         info = c.info
+        if shift and c.name.endswith("norm.weight"):  # a small fp tensor: dequantized, unshifted, passed on as F32
+            w = _unshifted(dequantize(gf.raw_bytes(info), info.type_name, info.shape), c.name, shift)
+            yield RawTensor(c.name, "F32", info.shape, w.numpy().view(np.uint8).reshape(1, -1))
+            continue
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         data = gf.raw_bytes(info).reshape(rows, -1)
         type_name = info.type_name
@@ -729,23 +791,25 @@ def _raw_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[RawTensor
         yield RawTensor(c.name, type_name, info.shape, _rows(data, c))
 
 
-def _dequantized(gf: _GGUFFile, c: _Checked) -> torch.Tensor:
+def _dequantized(gf: _GGUFFile, c: _Checked, shift: float) -> torch.Tensor:
     w = dequantize(gf.raw_bytes(c.info), c.info.type_name, c.info.shape)
-    return w if c.heads is None else _rows(w, c).contiguous()
+    return _unshifted(w if c.heads is None else _rows(w, c).contiguous(), c.name, shift)
 
 
 def _dequant_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[tuple[str, torch.Tensor]]:
+    shift = _shift_of(gf)
     for c in checked:
-        yield c.name, _dequantized(gf, c)
+        yield c.name, _dequantized(gf, c, shift)
 
 
 def tensor_readers(path) -> dict[str, Callable[[], torch.Tensor]]:
     """Hugging Face name -> a function that reads that one tensor dequantized to fp32 (q/k rows in HF order), for
     callers that need tensors in their own order (calibrated quantization reads a layer at a time)."""
     gf, hf_cfg = _open(path)
+    shift = _shift_of(gf)
 
     def reader(c: _Checked) -> Callable[[], torch.Tensor]:
-        return lambda: _dequantized(gf, c)
+        return lambda: _dequantized(gf, c, shift)
 
     return {c.name: reader(c) for c in _iter_checked(gf, hf_cfg)}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from .ops import bind_ops, choose_ops
 from .quant import (QuantizedLinear, QuantSpec, build_empty_quantized, parse_quant, quantize_tied_head, quantized_weight_bytes,
                     quantizing_stream, tie_gguf_head)
 from .quant_cache import load_quantized  # second starts read packed weights from the XDG cache
+from .registry import model_class
 from .source import open_source
 from .weights import LoadReport, load_tensors
 
@@ -62,6 +64,12 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
     source = open_source(kind, path)
     config = source.config
     spec = parse_quant(quant, source.kind, device_t)
+    if spec.calibrate and not getattr(model_class(config), "awq_calibration", True):
+        # AWQ folds its scales into the norm before each projection, which assumes Llama's layer (Gemma's norms
+        # multiply by 1 + weight and sit elsewhere): such a model's int4 is quantized weight by weight instead
+        log.warning("%s: calibrated int4 (AWQ + GPTQ) is not implemented for %s; its int4 layers are quantized "
+                    "weight by weight", name, config.architecture)
+        spec = dataclasses.replace(spec, calibrate=False)
     if source.kind == "gguf" and spec.method == "none" and quant in (None, "auto"):
         _warn_dequantizing(path, dtype)
 

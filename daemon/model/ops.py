@@ -1,4 +1,4 @@
-"""The per-token glue ops of a decoder layer (RMSNorm, RoPE, SiLU * up), bound once per model to the C library or to
+"""The per-token glue ops of a decoder layer (RMSNorm, RoPE, SiLU * up, GELU-tanh * up), bound once per model to the C library or to
 torch, so each `forward` in llmd.model.llama has one line per op and no device branch.
 
 `choose_ops(device, dtype)` picks the table when the model is prepared for its device (llmd.model.loader): `CPU_OPS`
@@ -45,6 +45,11 @@ def torch_silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def torch_gelu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
+    gate, up = gate_up.split(n, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = cpu_ops.rms_norm(x, weight, eps)
     return y if y is not None else torch_rms_norm(x, weight, eps)
@@ -61,6 +66,11 @@ def c_silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
     return y if y is not None else torch_silu_mul(gate_up, n)
 
 
+def c_gelu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
+    y = cpu_ops.gelu_mul(gate_up, n)
+    return y if y is not None else torch_gelu_mul(gate_up, n)
+
+
 @dataclass(frozen=True)
 class Ops:
     """One implementation of each op."""
@@ -73,10 +83,12 @@ class Ops:
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
     # (gate_up [T, 2n], n) -> silu(gate) * up [T, n]
     silu_mul: Callable[[torch.Tensor, int], torch.Tensor]
+    # (gate_up [T, 2n], n) -> gelu_tanh(gate) * up [T, n] (GeGLU: Gemma)
+    gelu_mul: Callable[[torch.Tensor, int], torch.Tensor]
 
 
-TORCH_OPS = Ops("torch", torch_rms_norm, torch_rope, torch_silu_mul)
-CPU_OPS = Ops("cpu", c_rms_norm, c_rope, c_silu_mul)
+TORCH_OPS = Ops("torch", torch_rms_norm, torch_rope, torch_silu_mul, torch_gelu_mul)
+CPU_OPS = Ops("cpu", c_rms_norm, c_rope, c_silu_mul, c_gelu_mul)
 
 
 def choose_ops(device: torch.device, dtype: torch.dtype) -> Ops:

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ModelFileError
 from .config import ModelConfig
-from .llama import CausalLM
+from .registry import build_model
 
 # Tensors some checkpoints carry that we recompute instead of loading.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -39,16 +39,16 @@ class LoadReport:
                 f"process RSS {self.rss_bytes / mib:.0f} MiB (peak {self.peak_rss_bytes / mib:.0f} MiB)")
 
 
-def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:
     """The model with uninitialised parameters in `dtype` on `device`, allocated exactly once."""
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = build_model(config)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.init_buffers(device)  # fp32 RoPE frequencies, recomputed (buffers on meta hold no values)
     return model.eval().requires_grad_(False)
 
 
-def expected_tensors(model: CausalLM, names: Iterable[str]) -> dict[str, set[str]]:
+def expected_tensors(model: torch.nn.Module, names: Iterable[str]) -> dict[str, set[str]]:
     """Parameter (or buffer) names -> the checkpoint tensors that fill them: a fused projection's parts
     (`CausalLM.checkpoint_parts`), any other name itself."""
     out = {}
@@ -58,7 +58,7 @@ def expected_tensors(model: CausalLM, names: Iterable[str]) -> dict[str, set[str
     return out
 
 
-def load_tensors(model: CausalLM, tensors: Iterable[tuple[str, torch.Tensor]], source: str | Path) -> LoadReport:
+def load_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tensor]], source: str | Path) -> LoadReport:
     """Copy (name, tensor) pairs with HF names into the model: a part of a fused projection (q/k/v_proj,
     gate/up_proj) into its rows (`CausalLM.route`), a fused projection stored as such as a whole. Every parameter
     must be filled exactly once."""
@@ -221,7 +221,7 @@ def _tensor_reader(path: Path, data_start: int, entry: dict) -> Callable[[], tor
     return read
 
 
-def load_hf_weights(model: CausalLM, folder: Path) -> LoadReport:
+def load_hf_weights(model: torch.nn.Module, folder: Path) -> LoadReport:
     return load_tensors(model, iter_safetensors(safetensors_files(folder)), folder)
 
 

@@ -161,10 +161,10 @@ def build_empty_quantized(config, dtype: torch.dtype, device, spec: QuantSpec, i
                           gguf_types: dict[str, str] | None = None):
     """Like llmd.model.weights.build_empty, with quantized layers swapped in while the model is still on the meta
     device, so no full-precision copy of the swapped weights is ever allocated. Returns (model, swapped layers)."""
-    from ..llama import CausalLM
+    from ..registry import build_model
 
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = build_model(config)
     model = model.to(dtype=dtype)  # before the swap: scales and zeros stay fp32
     swapped = swap_in_quantized(model, spec, include_lm_head, dtype=dtype, device="meta", gguf_types=gguf_types)
     model = model.to_empty(device=device)

