@@ -1407,11 +1407,18 @@ GGUF_VECTOR(q3_k, 256, 110)
 #define GG_CHUNK 256 /* elements per chunk: the zero terms and the sums X are per chunk */
 #define GG_XS 16     /* sums stored per chunk and row (16 sub-blocks at most) */
 
+/* R = 0 fills a panel instead (the rows-in-lanes path): the unit's converted codes at xu (32 floats) and its lane
+ * scales at xu + ldp, the operands the R-row tiles multiply. */
 INLINE void gg_unit(__m256i cv, const int mask, __m256 sv, const float *xu, int64_t ldp, __m256 *out, const int os,
                     const int R) {
     __m256 f[4];
     _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) f[j] = _mm256_cvtepi32_ps(
         j == 3 && mask == 0xFF ? _mm256_srli_epi32(cv, 24) : _mm256_and_si256(cv, _mm256_set1_epi32(mask << (8 * j))));
+    if (R == 0) {
+        for (int j = 0; j < 4; j++) _mm256_store_ps((float *)xu + 8 * j, f[j]);
+        _mm256_store_ps((float *)xu + ldp, sv);
+        return;
+    }
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
         const float *xr = xu + r * ldp;
         __m256 acc = _mm256_mul_ps(_mm256_load_ps(xr), f[0]);
@@ -1425,6 +1432,10 @@ INLINE void gg_unit(__m256i cv, const int mask, __m256 sv, const float *xu, int6
 /* The chunk's zero terms: 8 (or 16) sub-blocks' offsets z times the rows' sums there. */
 INLINE void gg_zero(const float *z, const float *xs, int64_t lds, __m256 *out, const int os, const int R,
                     const int sub16) {
+    if (R == 0) { /* a panel: the offsets at xs */
+        memcpy((float *)xs, z, (sub16 ? 16 : 8) * sizeof(float));
+        return;
+    }
     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
         out[r * os] = _mm256_fmadd_ps(_mm256_load_ps(z), _mm256_load_ps(xs + r * lds), out[r * os]);
         if (sub16) out[r * os] = _mm256_fmadd_ps(_mm256_load_ps(z + 8), _mm256_load_ps(xs + r * lds + 8), out[r * os]);
@@ -1644,16 +1655,38 @@ GG_TILES(q5_k, 1, 176)
 GG_TILES(q6_k, 1, 210)
 GG_TILES(q2_k, 1, 84)
 GG_TILES(q3_k, 1, 110)
+/* One column's panel for the rows-in-lanes path: P [k] converted codes, P + k [k] lane scales (8 per unit of 32),
+ * P + 2k [chunks * GG_XS] offsets. */
+#define GG_FILL(T, BPC, BYTES)                                                                                     \
+    static void ggf_##T(const uint8_t *q, int64_t nb, float *P, int64_t k) {                                      \
+        for (int64_t b = 0, i = 0; b < nb; b += BPC, i++)                                                          \
+            gc_##T(q + b * (BYTES), (int)(nb - b < BPC ? nb - b : BPC), P + i * GG_CHUNK, k,                       \
+                   P + 2 * k + i * GG_XS, 0, NULL, 0, 0);                                                          \
+    }
+GG_FILL(q4_0, 8, 18)
+GG_FILL(q4_1, 8, 20)
+GG_FILL(q5_0, 8, 22)
+GG_FILL(q5_1, 8, 24)
+GG_FILL(q8_0, 8, 34)
+GG_FILL(iq4_nl, 8, 18)
+GG_FILL(iq4_xs, 1, 136)
+GG_FILL(q4_k, 1, 144)
+GG_FILL(q5_k, 1, 176)
+GG_FILL(q6_k, 1, 210)
+GG_FILL(q2_k, 1, 84)
+GG_FILL(q3_k, 1, 110)
 typedef void (*gg_tile_fn)(const uint8_t *, int64_t, int, const float *, int64_t, const float *, int64_t, int64_t,
                            float *, int64_t);
+typedef void (*gg_fill_fn)(const uint8_t *, int64_t, float *, int64_t);
 static const int GG_COLS[4] = {GG_C1, GG_C2, GG_C3, GG_C4};
-#define GG_FNS(T) {ggt_##T##_1, ggt_##T##_2, ggt_##T##_3, ggt_##T##_4}
+#define GG_FNS(T) {ggt_##T##_1, ggt_##T##_2, ggt_##T##_3, ggt_##T##_4}, ggf_##T
 #define DQ(scalar, vector) vector
 #define GG(T, wide, sub) GG_FNS(T), wide, sub
 #else
 #define DQ(scalar, vector) scalar
-#define GG(T, wide, sub) {NULL}, wide, sub
+#define GG(T, wide, sub) {NULL}, NULL, wide, sub
 typedef void (*gg_tile_fn)(void);
+typedef void (*gg_fill_fn)(void);
 #endif
 
 typedef void (*gguf_dq_fn)(const uint8_t *, int64_t, float *);
@@ -1661,6 +1694,7 @@ typedef struct {
     int type, elems, bytes;
     gguf_dq_fn fn;
     gg_tile_fn tiles[4]; /* R = 1..4 rows (AVX2) */
+    gg_fill_fn fill;     /* a column's panel for the rows-in-lanes path */
     int wide, sub;       /* 8-bit codes (byte 3's activations unscaled); sub-block length (16 or 32) */
 } gguf_type;
 
@@ -1716,6 +1750,90 @@ static void gg_prepare(const gguf_type *t, const float *x, int64_t ldx, int64_t 
     }
 }
 
+/* Rows in the vector lanes (16 rows per block, RP_VECS vectors): output (r, c) lane l gets the very operations of the
+ * tiles' lane l: per unit, the 4 products of its codes (broadcast from the panel) and the row's activations at
+ * positions 8j + l, the lane's scale, and after each chunk the offset of sub-block l (and l + 8) times its sum; then
+ * hsum's tree over the lanes (lane_sum). xt / xst: the tiles' activations and sums, transposed per block of 16 rows. */
+INLINE void gg_rows_tile(const float *xt, const float *xst, const float *P, int64_t pst, int64_t K, int sub16, float *y,
+                         int64_t ldy, int rows, const int C) {
+    const int64_t nc = (K + GG_CHUNK - 1) / GG_CHUNK;
+    __m256 out[RP_VECS][RP_COLS][8];
+    for (int v = 0; v < RP_VECS; v++)
+        for (int c = 0; c < C; c++)
+            for (int l = 0; l < 8; l++) out[v][c][l] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nc; i++) {
+        const int64_t u1 = (i + 1) * GG_CHUNK < K ? (i + 1) * GG_CHUNK : K;
+        for (int64_t u = i * GG_CHUNK; u < u1; u += 32)
+            for (int l = 0; l < 8; l++) {
+                __m256 acc[RP_VECS][RP_COLS];
+                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+                    const float *xa = xt + (u + 8 * j + l) * 16;
+                    const __m256 x0 = _mm256_load_ps(xa), x1 = _mm256_load_ps(xa + 8);
+                    _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
+                        const __m256 w = _mm256_broadcast_ss(P + c * pst + u + 8 * j + l);
+                        acc[0][c] = j ? _mm256_fmadd_ps(x0, w, acc[0][c]) : _mm256_mul_ps(x0, w);
+                        acc[1][c] = j ? _mm256_fmadd_ps(x1, w, acc[1][c]) : _mm256_mul_ps(x1, w);
+                    }
+                }
+                _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
+                    const __m256 sv = _mm256_broadcast_ss(P + c * pst + K + u + l);
+                    _Pragma("GCC unroll 2") for (int v = 0; v < RP_VECS; v++)
+                        out[v][c][l] = _mm256_fmadd_ps(acc[v][c], sv, out[v][c][l]);
+                }
+            }
+        for (int h = 0; h < (sub16 ? 2 : 1); h++)
+            for (int l = 0; l < 8; l++) {
+                const float *xa = xst + (i * GG_XS + 8 * h + l) * 16;
+                for (int c = 0; c < C; c++) {
+                    const __m256 z = _mm256_broadcast_ss(P + c * pst + 2 * K + i * GG_XS + 8 * h + l);
+                    for (int v = 0; v < RP_VECS; v++)
+                        out[v][c][l] = _mm256_fmadd_ps(z, _mm256_load_ps(xa + 8 * v), out[v][c][l]);
+                }
+            }
+    }
+    for (int c = 0; c < C; c++)
+        for (int v = 0; v < RP_VECS; v++) store_rows(lane_sum(out[v][c]), y + 8 * v * ldy + c, ldy, rows - 8 * v);
+}
+
+static int gg_rows(const gguf_type *t, const float *xp, const float *xs, int64_t lds, const uint8_t *q, float *y,
+                   int64_t ldy, int64_t m, int64_t n, int64_t k, int nthreads) {
+    const int64_t rb = k / t->elems * t->bytes, nb = k / t->elems, blocks = (m + 15) / 16;
+    const int64_t pst = 2 * k + lds; /* panel floats per column */
+    float *xt = transpose_rows(xp, k, m, k, k, 0, 0);
+    float *xst = transpose_rows(xs, lds, m, lds, lds, 0, 0);
+    int rc = xt && xst ? 0 : -2;
+    const int64_t chunk_blocks = (row_chunk(k) + 15) / 16;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && rc == 0)
+    {
+        int64_t n0, n1;
+        float *wp = rc ? NULL : thread_panel(n, (size_t)(RP_COLS * pst), &n0, &n1, &rc);
+        for (int64_t b0 = 0; wp && b0 < blocks; b0 += chunk_blocks) {
+            const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
+            for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
+                const int cc = (int)(n1 - c0 < RP_COLS ? n1 - c0 : RP_COLS);
+                for (int c = 0; c < cc; c++) t->fill(q + (c0 + c) * rb, nb, wp + c * pst, k);
+                for (int64_t b = b0; b < b1; b++) {
+                    const int rows = (int)(m - b * 16 < 16 ? m - b * 16 : 16);
+                    const float *xb = xt + b * k * 16, *sb = xst + b * lds * 16;
+                    float *yb = y + b * 16 * ldy + c0;
+                    const int s16 = t->sub == 16;
+                    switch (cc) {
+                    case 1: gg_rows_tile(xb, sb, wp, pst, k, s16, yb, ldy, rows, 1); break;
+                    case 2: gg_rows_tile(xb, sb, wp, pst, k, s16, yb, ldy, rows, 2); break;
+                    case 3: gg_rows_tile(xb, sb, wp, pst, k, s16, yb, ldy, rows, 3); break;
+                    case 4: gg_rows_tile(xb, sb, wp, pst, k, s16, yb, ldy, rows, 4); break;
+                    default: gg_rows_tile(xb, sb, wp, pst, k, s16, yb, ldy, rows, RP_COLS); break;
+                    }
+                }
+            }
+        }
+        free(wp);
+    }
+    free(xt);
+    free(xst);
+    return rc;
+}
+
 static int gg_matmul(const gguf_type *t, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy,
                      int64_t m, int64_t n, int64_t k, int nthreads) {
     const int64_t rb = k / t->elems * t->bytes, nb = k / t->elems, nc = (k + GG_CHUNK - 1) / GG_CHUNK;
@@ -1724,6 +1842,11 @@ static int gg_matmul(const gguf_type *t, const float *x, int64_t ldx, const uint
     if (!xp) return -2;
     float *xs = xp + m * k;
     gg_prepare(t, x, ldx, m, k, xp, xs);
+    if (m >= RP_MIN_ROWS) {
+        const int rc = gg_rows(t, xp, xs, lds, q, y, ldy, m, n, k, nthreads);
+        free(xp);
+        return rc;
+    }
     const int64_t chunk = row_chunk(k);
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
