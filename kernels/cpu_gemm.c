@@ -1446,6 +1446,7 @@ INLINE void gg_zero(const float *z, const float *xs, int64_t lds, __m256 *out, c
 INLINE __m256 gg_pair(const float *a) {
     return _mm256_blend_ps(_mm256_broadcast_ss(a), _mm256_broadcast_ss(a + 1), 0xF0);
 }
+#define gg_pair4 gg_pair
 
 /* 16 bytes of nibbles in element order: low nibbles in bytes 0..15, high ones in 16..31 (each still needs its mask) */
 INLINE __m256i gg_nib16(const uint8_t *qs) {
@@ -1483,8 +1484,46 @@ INLINE __m256i gg_shift(__m256i v, int s) {
         gg_zero(z, xs, lds, out, os, R, 0);                                                                        \
     }
 #define GG_M4 _mm256_set1_epi8(0x0F)
-GG_BLOCKS(q4_0, 18, 0x0F, gg_nib16(qb + 2), -8.0f * d)
-GG_BLOCKS(q4_1, 20, 0x0F, gg_nib16(qb + 4), gguf_f16(qb + 2))
+/* Q4_0 / Q4_1: two blocks per unit of 64, their 16 code bytes side by side in one vector (lanes 0-3 block b, 4-7
+ * block b + 1) as the int4 kernel holds its nibbles: nibble p of each lane is picked in place by an AND with
+ * 0xF << 4p (p = 7: a shift), the activations pre-multiplied by 2^-4p (see gg_prepare), 8 products per lane before
+ * the lanes' scales (d_b, d_b+1). An odd last block pairs with zero codes. */
+INLINE void gg_unit64(__m256i cv, __m256 sv, const float *xu, int64_t ldp, __m256 *out, const int os, const int R) {
+    __m256 f[8];
+    _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) f[p] = _mm256_cvtepi32_ps(
+        p == 7 ? _mm256_srli_epi32(cv, 28) : _mm256_and_si256(cv, _mm256_set1_epi32(0xF << (4 * p))));
+    if (R == 0) {
+        for (int p = 0; p < 8; p++) _mm256_store_ps((float *)xu + 8 * p, f[p]);
+        _mm256_store_ps((float *)xu + ldp, sv);
+        return;
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+        const float *xr = xu + r * ldp;
+        __m256 acc = _mm256_mul_ps(_mm256_load_ps(xr), f[0]);
+        _Pragma("GCC unroll 8") for (int p = 1; p < 8; p++) acc = _mm256_fmadd_ps(_mm256_load_ps(xr + 8 * p), f[p], acc);
+        out[r * os] = _mm256_fmadd_ps(acc, sv, out[r * os]);
+    }
+}
+
+#define GG_PAIRS(T, BYTES, QS, ZERO)                                                                               \
+    INLINE void gc_##T(GG_ARGS) {                                                                                  \
+        float z[8] __attribute__((aligned(32))) = {0}, a[8] __attribute__((aligned(32))) = {0};                    \
+        for (int b = 0; b < nu; b++) {                                                                             \
+            const uint8_t *qb = q + b * (BYTES);                                                                   \
+            const float d = a[b] = gguf_f16(qb);                                                                   \
+            (void)d;                                                                                               \
+            z[b] = (ZERO);                                                                                         \
+        }                                                                                                          \
+        for (int b = 0; b < nu; b += 2) {                                                                          \
+            const __m128i lo = _mm_loadu_si128((const __m128i *)(q + b * (BYTES) + (QS)));                         \
+            const __m128i hi = b + 1 < nu ? _mm_loadu_si128((const __m128i *)(q + (b + 1) * (BYTES) + (QS)))        \
+                                          : _mm_setzero_si128();                                                   \
+            gg_unit64(_mm256_set_m128i(hi, lo), gg_pair4(a + b), xu + 32 * b, ldp, out, os, R);                   \
+        }                                                                                                          \
+        gg_zero(z, xs, lds, out, os, R, 0);                                                                        \
+    }
+GG_PAIRS(q4_0, 18, 2, -8.0f * d)
+GG_PAIRS(q4_1, 20, 4, gguf_f16(qb + 2))
 GG_BLOCKS(q5_0, 22, 0x1F, _mm256_or_si256(_mm256_and_si256(gg_nib16(qb + 6), GG_M4), fifth_bits(gguf_u32(qb + 2))),
           -16.0f * d)
 GG_BLOCKS(q5_1, 24, 0x1F, _mm256_or_si256(_mm256_and_si256(gg_nib16(qb + 8), GG_M4), fifth_bits(gguf_u32(qb + 4))),
@@ -1655,13 +1694,13 @@ GG_TILES(q5_k, 1, 176)
 GG_TILES(q6_k, 1, 210)
 GG_TILES(q2_k, 1, 84)
 GG_TILES(q3_k, 1, 110)
-/* One column's panel for the rows-in-lanes path: P [k] converted codes, P + k [k] lane scales (8 per unit of 32),
- * P + 2k [chunks * GG_XS] offsets. */
+/* One column's panel for the rows-in-lanes path: P [kp] converted codes, P + kp [kp] lane scales (8 per unit),
+ * P + 2 kp [chunks * GG_XS] offsets (kp: k, or k rounded up to a whole unit of 64 for the block pairs). */
 #define GG_FILL(T, BPC, BYTES)                                                                                     \
-    static void ggf_##T(const uint8_t *q, int64_t nb, float *P, int64_t k) {                                      \
+    static void ggf_##T(const uint8_t *q, int64_t nb, float *P, int64_t kp) {                                     \
         for (int64_t b = 0, i = 0; b < nb; b += BPC, i++)                                                          \
-            gc_##T(q + b * (BYTES), (int)(nb - b < BPC ? nb - b : BPC), P + i * GG_CHUNK, k,                       \
-                   P + 2 * k + i * GG_XS, 0, NULL, 0, 0);                                                          \
+            gc_##T(q + b * (BYTES), (int)(nb - b < BPC ? nb - b : BPC), P + i * GG_CHUNK, kp,                      \
+                   P + 2 * kp + i * GG_XS, 0, NULL, 0, 0);                                                         \
     }
 GG_FILL(q4_0, 8, 18)
 GG_FILL(q4_1, 8, 20)
@@ -1681,10 +1720,10 @@ typedef void (*gg_fill_fn)(const uint8_t *, int64_t, float *, int64_t);
 static const int GG_COLS[4] = {GG_C1, GG_C2, GG_C3, GG_C4};
 #define GG_FNS(T) {ggt_##T##_1, ggt_##T##_2, ggt_##T##_3, ggt_##T##_4}, ggf_##T
 #define DQ(scalar, vector) vector
-#define GG(T, wide, sub) GG_FNS(T), wide, sub
+#define GG(T, wide, sub, unit) GG_FNS(T), wide, sub, unit
 #else
 #define DQ(scalar, vector) scalar
-#define GG(T, wide, sub) {NULL}, NULL, wide, sub
+#define GG(T, wide, sub, unit) {NULL}, NULL, wide, sub, unit
 typedef void (*gg_tile_fn)(void);
 typedef void (*gg_fill_fn)(void);
 #endif
@@ -1696,22 +1735,23 @@ typedef struct {
     gg_tile_fn tiles[4]; /* R = 1..4 rows (AVX2) */
     gg_fill_fn fill;     /* a column's panel for the rows-in-lanes path */
     int wide, sub;       /* 8-bit codes (byte 3's activations unscaled); sub-block length (16 or 32) */
+    int unit;            /* elements per unit: 32, or 64 for the nibble pairs of Q4_0 / Q4_1 */
 } gguf_type;
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
 static const gguf_type GGUF_TYPES[] = {
-    {2, 32, 18, DQ(dq_q4_0, dqv_q4_0), GG(q4_0, 0, 32)},
-    {3, 32, 20, DQ(dq_q4_1, dqv_q4_1), GG(q4_1, 0, 32)},
-    {6, 32, 22, DQ(dq_q5_0, dqv_q5_0), GG(q5_0, 0, 32)},
-    {7, 32, 24, DQ(dq_q5_1, dqv_q5_1), GG(q5_1, 0, 32)},
-    {8, 32, 34, DQ(dq_q8_0, dqv_q8_0), GG(q8_0, 1, 32)},
-    {10, 256, 84, DQ(dq_q2_k, dqv_q2_k), GG(q2_k, 0, 16)},
-    {11, 256, 110, DQ(dq_q3_k, dqv_q3_k), GG(q3_k, 0, 16)},
-    {12, 256, 144, DQ(dq_q4_k, dqv_q4_k), GG(q4_k, 0, 32)},
-    {13, 256, 176, DQ(dq_q5_k, dqv_q5_k), GG(q5_k, 0, 32)},
-    {14, 256, 210, DQ(dq_q6_k, dqv_q6_k), GG(q6_k, 0, 16)},
-    {20, 32, 18, DQ(dq_iq4_nl, dqv_iq4_nl), GG(iq4_nl, 1, 32)},
-    {23, 256, 136, DQ(dq_iq4_xs, dqv_iq4_xs), GG(iq4_xs, 1, 32)},
+    {2, 32, 18, DQ(dq_q4_0, dqv_q4_0), GG(q4_0, 0, 32, 64)},
+    {3, 32, 20, DQ(dq_q4_1, dqv_q4_1), GG(q4_1, 0, 32, 64)},
+    {6, 32, 22, DQ(dq_q5_0, dqv_q5_0), GG(q5_0, 0, 32, 32)},
+    {7, 32, 24, DQ(dq_q5_1, dqv_q5_1), GG(q5_1, 0, 32, 32)},
+    {8, 32, 34, DQ(dq_q8_0, dqv_q8_0), GG(q8_0, 1, 32, 32)},
+    {10, 256, 84, DQ(dq_q2_k, dqv_q2_k), GG(q2_k, 0, 16, 32)},
+    {11, 256, 110, DQ(dq_q3_k, dqv_q3_k), GG(q3_k, 0, 16, 32)},
+    {12, 256, 144, DQ(dq_q4_k, dqv_q4_k), GG(q4_k, 0, 32, 32)},
+    {13, 256, 176, DQ(dq_q5_k, dqv_q5_k), GG(q5_k, 0, 32, 32)},
+    {14, 256, 210, DQ(dq_q6_k, dqv_q6_k), GG(q6_k, 0, 16, 32)},
+    {20, 32, 18, DQ(dq_iq4_nl, dqv_iq4_nl), GG(iq4_nl, 1, 32, 32)},
+    {23, 256, 136, DQ(dq_iq4_xs, dqv_iq4_xs), GG(iq4_xs, 1, 32, 32)},
 };
 
 static const gguf_type *gguf_type_of(int type, int64_t k) {
@@ -1729,18 +1769,29 @@ int llmd_gguf_dequant(int type, const uint8_t *q, int64_t ldq, int64_t rows, int
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* The rows' activations as the tiles read them: xp [m][k], unit u's position 8j + l holding x[32u + 4l + j] * 2^-8j
- * (8-bit codes: j = 3 unscaled); xs [m][chunks * GG_XS], the sums over each chunk's sub-blocks in element order
- * (plain C: the same bits whichever rows share the call), zero past the last sub-block. */
+/* The rows' activations as the tiles read them: xp [m][kp], unit u's position 8j + l holding x[32u + 4l + j] * 2^-8j
+ * (8-bit codes: j = 3 unscaled; the block pairs: unit of 64, position 8p + l holding element 32 (l / 4) + 16 (p % 2)
+ * + 4 (l % 4) + p / 2 times 2^-4p, p = 7 unscaled, zero past K); xs [m][chunks * GG_XS], the sums over each chunk's
+ * sub-blocks in element order (plain C: the same bits whichever rows share the call), zero past the last one. */
+static int64_t gg_padded(const gguf_type *t, int64_t k) { return (k + t->unit - 1) / t->unit * t->unit; }
+
 static void gg_prepare(const gguf_type *t, const float *x, int64_t ldx, int64_t m, int64_t k, float *xp, float *xs) {
-    const int64_t nc = (k + GG_CHUNK - 1) / GG_CHUNK, per = GG_CHUNK / t->sub;
+    const int64_t nc = (k + GG_CHUNK - 1) / GG_CHUNK, per = GG_CHUNK / t->sub, kp = gg_padded(t, k);
     const float scale[4] = {1.0f, 1.0f / 256.0f, 1.0f / 65536.0f, t->wide ? 1.0f : 1.0f / 16777216.0f};
     for (int64_t r = 0; r < m; r++) {
         const float *xr = x + r * ldx;
-        float *pr = xp + r * k, *sr = xs + r * nc * GG_XS;
-        for (int64_t u = 0; u < k; u += 32)
-            for (int j = 0; j < 4; j++)
-                for (int l = 0; l < 8; l++) pr[u + 8 * j + l] = xr[u + 4 * l + j] * scale[j];
+        float *pr = xp + r * kp, *sr = xs + r * nc * GG_XS;
+        if (t->unit == 64)
+            for (int64_t u = 0; u < kp; u += 64)
+                for (int p = 0; p < 8; p++)
+                    for (int l = 0; l < 8; l++) {
+                        const int64_t e = u + 32 * (l / 4) + 16 * (p % 2) + 4 * (l % 4) + p / 2;
+                        pr[u + 8 * p + l] = e < k ? xr[e] * (p < 7 ? 1.0f / (float)(1 << (4 * p)) : 1.0f) : 0.0f;
+                    }
+        else
+            for (int64_t u = 0; u < k; u += 32)
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 8; l++) pr[u + 8 * j + l] = xr[u + 4 * l + j] * scale[j];
         memset(sr, 0, (size_t)(nc * GG_XS) * 4);
         for (int64_t s = 0; s < k / t->sub; s++) {
             float sum = 0.0f;
@@ -1755,7 +1806,7 @@ static void gg_prepare(const gguf_type *t, const float *x, int64_t ldx, int64_t 
  * positions 8j + l, the lane's scale, and after each chunk the offset of sub-block l (and l + 8) times its sum; then
  * hsum's tree over the lanes (lane_sum). xt / xst: the tiles' activations and sums, transposed per block of 16 rows. */
 INLINE void gg_rows_tile(const float *xt, const float *xst, const float *P, int64_t pst, int64_t K, int sub16, float *y,
-                         int64_t ldy, int rows, const int C) {
+                         int64_t ldy, int rows, const int C, const int U) {
     const int64_t nc = (K + GG_CHUNK - 1) / GG_CHUNK;
     __m256 out[RP_VECS][RP_COLS][8];
     for (int v = 0; v < RP_VECS; v++)
@@ -1763,10 +1814,10 @@ INLINE void gg_rows_tile(const float *xt, const float *xst, const float *P, int6
             for (int l = 0; l < 8; l++) out[v][c][l] = _mm256_setzero_ps();
     for (int64_t i = 0; i < nc; i++) {
         const int64_t u1 = (i + 1) * GG_CHUNK < K ? (i + 1) * GG_CHUNK : K;
-        for (int64_t u = i * GG_CHUNK; u < u1; u += 32)
+        for (int64_t u = i * GG_CHUNK; u < u1; u += U)
             for (int l = 0; l < 8; l++) {
                 __m256 acc[RP_VECS][RP_COLS];
-                _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) {
+                _Pragma("GCC unroll 8") for (int j = 0; j < U / 8; j++) {
                     const float *xa = xt + (u + 8 * j + l) * 16;
                     const __m256 x0 = _mm256_load_ps(xa), x1 = _mm256_load_ps(xa + 8);
                     _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
@@ -1798,8 +1849,8 @@ INLINE void gg_rows_tile(const float *xt, const float *xst, const float *P, int6
 static int gg_rows(const gguf_type *t, const float *xp, const float *xs, int64_t lds, const uint8_t *q, float *y,
                    int64_t ldy, int64_t m, int64_t n, int64_t k, int nthreads) {
     const int64_t rb = k / t->elems * t->bytes, nb = k / t->elems, blocks = (m + 15) / 16;
-    const int64_t pst = 2 * k + lds; /* panel floats per column */
-    float *xt = transpose_rows(xp, k, m, k, k, 0, 0);
+    const int64_t kp = gg_padded(t, k), pst = 2 * kp + lds; /* panel floats per column */
+    float *xt = transpose_rows(xp, kp, m, kp, kp, 0, 0);
     float *xst = transpose_rows(xs, lds, m, lds, lds, 0, 0);
     int rc = xt && xst ? 0 : -2;
     const int64_t chunk_blocks = (row_chunk(k) + 15) / 16;
@@ -1811,18 +1862,21 @@ static int gg_rows(const gguf_type *t, const float *xp, const float *xs, int64_t
             const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
             for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
                 const int cc = (int)(n1 - c0 < RP_COLS ? n1 - c0 : RP_COLS);
-                for (int c = 0; c < cc; c++) t->fill(q + (c0 + c) * rb, nb, wp + c * pst, k);
+                for (int c = 0; c < cc; c++) t->fill(q + (c0 + c) * rb, nb, wp + c * pst, kp);
                 for (int64_t b = b0; b < b1; b++) {
                     const int rows = (int)(m - b * 16 < 16 ? m - b * 16 : 16);
-                    const float *xb = xt + b * k * 16, *sb = xst + b * lds * 16;
+                    const float *xb = xt + b * kp * 16, *sb = xst + b * lds * 16;
                     float *yb = y + b * 16 * ldy + c0;
                     const int s16 = t->sub == 16;
+#define ROWS_TILE(C)                                                                                               \
+    (t->unit == 64 ? gg_rows_tile(xb, sb, wp, pst, kp, s16, yb, ldy, rows, C, 64)                                 \
+                   : gg_rows_tile(xb, sb, wp, pst, kp, s16, yb, ldy, rows, C, 32))
                     switch (cc) {
-                    case 1: gg_rows_tile(xb, sb, wp, pst, k, s16, yb, ldy, rows, 1); break;
-                    case 2: gg_rows_tile(xb, sb, wp, pst, k, s16, yb, ldy, rows, 2); break;
-                    case 3: gg_rows_tile(xb, sb, wp, pst, k, s16, yb, ldy, rows, 3); break;
-                    case 4: gg_rows_tile(xb, sb, wp, pst, k, s16, yb, ldy, rows, 4); break;
-                    default: gg_rows_tile(xb, sb, wp, pst, k, s16, yb, ldy, rows, RP_COLS); break;
+                    case 1: ROWS_TILE(1); break;
+                    case 2: ROWS_TILE(2); break;
+                    case 3: ROWS_TILE(3); break;
+                    case 4: ROWS_TILE(4); break;
+                    default: ROWS_TILE(RP_COLS); break;
                     }
                 }
             }
@@ -1838,9 +1892,10 @@ static int gg_matmul(const gguf_type *t, const float *x, int64_t ldx, const uint
                      int64_t m, int64_t n, int64_t k, int nthreads) {
     const int64_t rb = k / t->elems * t->bytes, nb = k / t->elems, nc = (k + GG_CHUNK - 1) / GG_CHUNK;
     const int64_t lds = nc * GG_XS;
-    float *xp = (float *)aligned_alloc(32, ((size_t)(m * (k + lds)) * 4 + 31) / 32 * 32);
+    const int64_t kp = gg_padded(t, k);
+    float *xp = (float *)aligned_alloc(32, ((size_t)(m * (kp + lds)) * 4 + 31) / 32 * 32);
     if (!xp) return -2;
-    float *xs = xp + m * k;
+    float *xs = xp + m * kp;
     gg_prepare(t, x, ldx, m, k, xp, xs);
     if (m >= RP_MIN_ROWS) {
         const int rc = gg_rows(t, xp, xs, lds, q, y, ldy, m, n, k, nthreads);
@@ -1861,7 +1916,7 @@ static int gg_matmul(const gguf_type *t, const float *x, int64_t ldx, const uint
                 for (int64_t r0 = m0; r0 < m1; r0 += 4) {
                     const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
                     for (int64_t c = c0; c < c1; c += tc)
-                        t->tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xp + r0 * k, k,
+                        t->tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xp + r0 * kp, kp,
                                          xs + r0 * lds, lds, nb, y + r0 * ldy + c, ldy);
                 }
             }
