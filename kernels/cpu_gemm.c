@@ -965,12 +965,12 @@ int llmd_int4_matmul_q8(const float *x, int64_t ldx, const uint8_t *q, const flo
 /* ==== GGUF blocks: matmul straight from the file's block bytes ==================================================
  *
  * Weights: q uint8 [N, row bytes], each row K / block_elems blocks of a GGML type (layouts and the reference values:
- * llmd.kernels.gguf_blocks). A panel of columns is dequantized into fp32 exactly as gguf.quants.dequantize computes
- * it (fp16 -> fp32 exactly, scale products first, then scale * q, then the offset, each rounded: this file is built
- * with -ffp-contract=off, so no multiply-add is fused; the loops are plain C that the compiler vectorizes), and then
- * multiplied from L1 by the int8 panel code above: PANEL_TILE below 16 rows, int8_rows_tile (rows in the vector lanes)
- * from 16. Both give each output PANEL_TILE's operations in the same order, so a row's result is the same bits
- * whatever the batch, its position, the path or the thread count. */
+ * llmd.kernels.gguf_blocks). llmd_gguf_dequant gives exactly the values of gguf.quants.dequantize (fp16 -> fp32
+ * exactly, scale products first, then scale * q, then the offset, each rounded: this file is built with
+ * -ffp-contract=off, so no multiply-add is fused). The matmul (llmd_gguf_matmul, see "The GGUF matmul" below) does
+ * not dequantize: it multiplies the blocks' integer codes with the activations per sub-block and applies each
+ * sub-block's scale and offset once, in one fixed order per output, so a row's result is the same bits whatever the
+ * batch, its position, the path or the thread count. */
 
 /* fp16 at p -> fp32, exactly (subnormals, infinities and NaNs included). */
 static inline float gguf_f16(const uint8_t *p) {
@@ -1175,39 +1175,30 @@ __attribute__((unused)) static void dq_iq4_xs(const uint8_t *q, int64_t nb, floa
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* The vector dequantizers: integer codes decoded with byte operations, widened exactly to fp32, then the same
- * multiplications and additions as the scalar ones above (elementwise, so the same bits). Each block's code is written
- * once, for two uses: `fused` 0 stores the weights (a panel), 1 multiplies them straight into a column's accumulator
- * (the one-row path: acc = fma(x, w, acc) per 8 weights in rising k, PANEL_TILE's very operations, without the
- * panel's store and load). */
+/* The vector dequantizers (llmd_gguf_dequant: the embeddings' rows, the reference's values): integer codes decoded
+ * with byte operations, widened exactly to fp32, then the same multiplications and additions as the scalar ones above
+ * (elementwise, so the same bits). */
 
 INLINE __m256 i8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
-INLINE void emit(__m256 v, float *w, const float *x, __m256 *acc, const int fused) {
-    if (fused)
-        *acc = _mm256_fmadd_ps(_mm256_loadu_ps(x), v, *acc);
-    else
-        _mm256_storeu_ps(w, v);
-}
+INLINE void emit(__m256 v, float *w) { _mm256_storeu_ps(w, v); }
 
 enum { OFF_NONE, OFF_ADD, OFF_SUB };
 
 /* 32 int8 codes -> weights 0..32: a * q [+ b | - b] (a2 and b2 for the last 16) */
-INLINE void emit32h(__m256i q, float a, float a2, float b, float b2, const int off, float *w, const float *x,
-                    __m256 *acc, const int fused) {
+INLINE void emit32h(__m256i q, float a, float a2, float b, float b2, const int off, float *w) {
     const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int i = 0; i < 4; i++) {
         __m256 v = _mm256_mul_ps(_mm256_set1_ps(i < 2 ? a : a2), i8_to_f32(parts[i]));
         if (off == OFF_ADD) v = _mm256_add_ps(v, _mm256_set1_ps(i < 2 ? b : b2));
         if (off == OFF_SUB) v = _mm256_sub_ps(v, _mm256_set1_ps(i < 2 ? b : b2));
-        emit(v, w + 8 * i, x + 8 * i, acc, fused);
+        emit(v, w + 8 * i);
     }
 }
 
-INLINE void emit32(__m256i q, float a, float a2, float b, const int off, float *w, const float *x, __m256 *acc,
-                   const int fused) {
-    emit32h(q, a, a2, b, b, off, w, x, acc, fused);
+INLINE void emit32(__m256i q, float a, float a2, float b, const int off, float *w) {
+    emit32h(q, a, a2, b, b, off, w);
 }
 
 /* 16 bytes of nibbles -> 32 codes: low nibbles are codes 0..15, high nibbles 16..31. */
@@ -1230,52 +1221,50 @@ INLINE __m256i iq4_lookup(__m256i codes) {
     return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
 }
 
-/* One block each: q -> weights w (fused 0) or into acc with activations x (fused 1). */
-INLINE void blk_q4_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+/* One block each: q -> weights w. */
+INLINE void blk_q4_0(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
-    emit32(_mm256_sub_epi8(nibbles32(q + 2), _mm256_set1_epi8(8)), d, d, 0, OFF_NONE, w, x, acc, fused);
+    emit32(_mm256_sub_epi8(nibbles32(q + 2), _mm256_set1_epi8(8)), d, d, 0, OFF_NONE, w);
 }
 
-INLINE void blk_q4_1(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q4_1(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
-    emit32(nibbles32(q + 4), d, d, gguf_f16(q + 2), OFF_ADD, w, x, acc, fused);
+    emit32(nibbles32(q + 4), d, d, gguf_f16(q + 2), OFF_ADD, w);
 }
 
-INLINE void blk_q5_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q5_0(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
     const __m256i v = _mm256_or_si256(nibbles32(q + 6), fifth_bits(gguf_u32(q + 2)));
-    emit32(_mm256_sub_epi8(v, _mm256_set1_epi8(16)), d, d, 0, OFF_NONE, w, x, acc, fused);
+    emit32(_mm256_sub_epi8(v, _mm256_set1_epi8(16)), d, d, 0, OFF_NONE, w);
 }
 
-INLINE void blk_q5_1(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q5_1(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
-    emit32(_mm256_or_si256(nibbles32(q + 8), fifth_bits(gguf_u32(q + 4))), d, d, gguf_f16(q + 2), OFF_ADD, w, x,
-           acc, fused);
+    emit32(_mm256_or_si256(nibbles32(q + 8), fifth_bits(gguf_u32(q + 4))), d, d, gguf_f16(q + 2), OFF_ADD, w);
 }
 
-INLINE void blk_q8_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q8_0(const uint8_t *q, float *w) {
     const __m256 dv = _mm256_set1_ps(gguf_f16(q));
     for (int i = 0; i < 4; i++) /* 8 codes per load, widened from memory */
-        emit(_mm256_mul_ps(i8_to_f32(_mm_loadl_epi64((const __m128i *)(q + 2 + 8 * i))), dv), w + 8 * i, x + 8 * i,
-             acc, fused);
+        emit(_mm256_mul_ps(i8_to_f32(_mm_loadl_epi64((const __m128i *)(q + 2 + 8 * i))), dv), w + 8 * i);
 }
 
-INLINE void blk_iq4_nl(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_iq4_nl(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
-    emit32(iq4_lookup(nibbles32(q + 2)), d, d, 0, OFF_NONE, w, x, acc, fused);
+    emit32(iq4_lookup(nibbles32(q + 2)), d, d, 0, OFF_NONE, w);
 }
 
-INLINE void blk_iq4_xs(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_iq4_xs(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
     const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
     for (int s = 0; s < 8; s++) {
         const int sc = (int)(((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
         const float a = d * (float)sc;
-        emit32(iq4_lookup(nibbles32(q + 8 + 16 * s)), a, a, 0, OFF_NONE, w + 32 * s, x + 32 * s, acc, fused);
+        emit32(iq4_lookup(nibbles32(q + 8 + 16 * s)), a, a, 0, OFF_NONE, w + 32 * s);
     }
 }
 
-INLINE void blk_q4_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q4_k(const uint8_t *q, float *w) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
     for (int c = 0; c < 4; c++) {
@@ -1285,12 +1274,12 @@ INLINE void blk_q4_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
             scale_min_k4(q + 4, 2 * c + h, &sc, &mn);
             const float a = d * (float)sc, m = dmin * (float)mn;
             const __m256i codes = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
-            emit32(codes, a, a, m, OFF_SUB, w + 64 * c + 32 * h, x + 64 * c + 32 * h, acc, fused);
+            emit32(codes, a, a, m, OFF_SUB, w + 64 * c + 32 * h);
         }
     }
 }
 
-INLINE void blk_q5_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q5_k(const uint8_t *q, float *w) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 16));
@@ -1304,12 +1293,12 @@ INLINE void blk_q5_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
             const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), one);
             const __m256i codes = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4),
                                                   _mm256_slli_epi16(hb, 4));
-            emit32(codes, a, a, m, OFF_SUB, w + 32 * s, x + 32 * s, acc, fused);
+            emit32(codes, a, a, m, OFF_SUB, w + 32 * s);
         }
     }
 }
 
-INLINE void blk_q6_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q6_k(const uint8_t *q, float *w) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
     const int8_t *sc = (const int8_t *)(q + 192);
     const float d = gguf_f16(q + 208);
@@ -1323,13 +1312,12 @@ INLINE void blk_q6_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
             const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), m2);
             const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), off);
             const int s = 8 * h + 2 * t;
-            emit32(codes, d * (float)sc[s], d * (float)sc[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t,
-                   x + 128 * h + 32 * t, acc, fused);
+            emit32(codes, d * (float)sc[s], d * (float)sc[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t);
         }
     }
 }
 
-INLINE void blk_q2_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q2_k(const uint8_t *q, float *w) {
     const __m256i m2 = _mm256_set1_epi8(3);
     const uint8_t *sc = q;
     const float d = gguf_f16(q + 80), dmin = gguf_f16(q + 82);
@@ -1339,12 +1327,12 @@ INLINE void blk_q2_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
             const int s = 8 * h + 2 * t; /* elements 128h + 32t + l: sub-block s for l < 16, s + 1 after */
             const __m256i codes = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * t)), m2);
             emit32h(codes, d * (float)(sc[s] & 0xF), d * (float)(sc[s + 1] & 0xF), dmin * (float)(sc[s] >> 4),
-                    dmin * (float)(sc[s + 1] >> 4), OFF_SUB, w + 128 * h + 32 * t, x + 128 * h + 32 * t, acc, fused);
+                    dmin * (float)(sc[s + 1] >> 4), OFF_SUB, w + 128 * h + 32 * t);
         }
     }
 }
 
-INLINE void blk_q3_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q3_k(const uint8_t *q, float *w) {
     const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const uint8_t *sb = q + 96;
     const float d = gguf_f16(q + 108);
@@ -1361,8 +1349,7 @@ INLINE void blk_q3_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
             const __m256i crumbs = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * t)), m2);
             const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(4 * h + t)), one);
             const __m256i minus4 = _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2); /* 4 where the bit is clear */
-            emit32(_mm256_sub_epi8(crumbs, minus4), dl[s], dl[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t,
-                   x + 128 * h + 32 * t, acc, fused);
+            emit32(_mm256_sub_epi8(crumbs, minus4), dl[s], dl[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t);
         }
     }
 }
@@ -1370,7 +1357,7 @@ INLINE void blk_q3_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
 /* Per type: dqv_T dequantizes nb blocks (a panel's column, the embeddings' rows). */
 #define GGUF_VECTOR(T, ELEMS, BYTES)                                                                               \
     static void dqv_##T(const uint8_t *q, int64_t nb, float *w) {                                                 \
-        for (int64_t b = 0; b < nb; b++) blk_##T(q + b * BYTES, w + b * ELEMS, NULL, NULL, 0);                    \
+        for (int64_t b = 0; b < nb; b++) blk_##T(q + b * BYTES, w + b * ELEMS);                    \
     }
 GGUF_VECTOR(q4_0, 32, 18)
 GGUF_VECTOR(q4_1, 32, 20)
