@@ -965,12 +965,12 @@ int llmd_int4_matmul_q8(const float *x, int64_t ldx, const uint8_t *q, const flo
 /* ==== GGUF blocks: matmul straight from the file's block bytes ==================================================
  *
  * Weights: q uint8 [N, row bytes], each row K / block_elems blocks of a GGML type (layouts and the reference values:
- * llmd.kernels.gguf_blocks). A panel of columns is dequantized into fp32 exactly as gguf.quants.dequantize computes
- * it (fp16 -> fp32 exactly, scale products first, then scale * q, then the offset, each rounded: this file is built
- * with -ffp-contract=off, so no multiply-add is fused; the loops are plain C that the compiler vectorizes), and then
- * multiplied from L1 by the int8 panel code above: PANEL_TILE below 16 rows, int8_rows_tile (rows in the vector lanes)
- * from 16. Both give each output PANEL_TILE's operations in the same order, so a row's result is the same bits
- * whatever the batch, its position, the path or the thread count. */
+ * llmd.kernels.gguf_blocks). llmd_gguf_dequant gives exactly the values of gguf.quants.dequantize (fp16 -> fp32
+ * exactly, scale products first, then scale * q, then the offset, each rounded: this file is built with
+ * -ffp-contract=off, so no multiply-add is fused). The matmul (llmd_gguf_matmul, see "The GGUF matmul" below) does
+ * not dequantize: it multiplies the blocks' integer codes with the activations per sub-block and applies each
+ * sub-block's scale and offset once, in one fixed order per output, so a row's result is the same bits whatever the
+ * batch, its position, the path or the thread count. */
 
 /* fp16 at p -> fp32, exactly (subnormals, infinities and NaNs included). */
 static inline float gguf_f16(const uint8_t *p) {
@@ -1175,39 +1175,30 @@ __attribute__((unused)) static void dq_iq4_xs(const uint8_t *q, int64_t nb, floa
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* The vector dequantizers: integer codes decoded with byte operations, widened exactly to fp32, then the same
- * multiplications and additions as the scalar ones above (elementwise, so the same bits). Each block's code is written
- * once, for two uses: `fused` 0 stores the weights (a panel), 1 multiplies them straight into a column's accumulator
- * (the one-row path: acc = fma(x, w, acc) per 8 weights in rising k, PANEL_TILE's very operations, without the
- * panel's store and load). */
+/* The vector dequantizers (llmd_gguf_dequant: the embeddings' rows, the reference's values): integer codes decoded
+ * with byte operations, widened exactly to fp32, then the same multiplications and additions as the scalar ones above
+ * (elementwise, so the same bits). */
 
 INLINE __m256 i8_to_f32(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
-INLINE void emit(__m256 v, float *w, const float *x, __m256 *acc, const int fused) {
-    if (fused)
-        *acc = _mm256_fmadd_ps(_mm256_loadu_ps(x), v, *acc);
-    else
-        _mm256_storeu_ps(w, v);
-}
+INLINE void emit(__m256 v, float *w) { _mm256_storeu_ps(w, v); }
 
 enum { OFF_NONE, OFF_ADD, OFF_SUB };
 
 /* 32 int8 codes -> weights 0..32: a * q [+ b | - b] (a2 and b2 for the last 16) */
-INLINE void emit32h(__m256i q, float a, float a2, float b, float b2, const int off, float *w, const float *x,
-                    __m256 *acc, const int fused) {
+INLINE void emit32h(__m256i q, float a, float a2, float b, float b2, const int off, float *w) {
     const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
     const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
     for (int i = 0; i < 4; i++) {
         __m256 v = _mm256_mul_ps(_mm256_set1_ps(i < 2 ? a : a2), i8_to_f32(parts[i]));
         if (off == OFF_ADD) v = _mm256_add_ps(v, _mm256_set1_ps(i < 2 ? b : b2));
         if (off == OFF_SUB) v = _mm256_sub_ps(v, _mm256_set1_ps(i < 2 ? b : b2));
-        emit(v, w + 8 * i, x + 8 * i, acc, fused);
+        emit(v, w + 8 * i);
     }
 }
 
-INLINE void emit32(__m256i q, float a, float a2, float b, const int off, float *w, const float *x, __m256 *acc,
-                   const int fused) {
-    emit32h(q, a, a2, b, b, off, w, x, acc, fused);
+INLINE void emit32(__m256i q, float a, float a2, float b, const int off, float *w) {
+    emit32h(q, a, a2, b, b, off, w);
 }
 
 /* 16 bytes of nibbles -> 32 codes: low nibbles are codes 0..15, high nibbles 16..31. */
@@ -1230,52 +1221,50 @@ INLINE __m256i iq4_lookup(__m256i codes) {
     return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
 }
 
-/* One block each: q -> weights w (fused 0) or into acc with activations x (fused 1). */
-INLINE void blk_q4_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+/* One block each: q -> weights w. */
+INLINE void blk_q4_0(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
-    emit32(_mm256_sub_epi8(nibbles32(q + 2), _mm256_set1_epi8(8)), d, d, 0, OFF_NONE, w, x, acc, fused);
+    emit32(_mm256_sub_epi8(nibbles32(q + 2), _mm256_set1_epi8(8)), d, d, 0, OFF_NONE, w);
 }
 
-INLINE void blk_q4_1(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q4_1(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
-    emit32(nibbles32(q + 4), d, d, gguf_f16(q + 2), OFF_ADD, w, x, acc, fused);
+    emit32(nibbles32(q + 4), d, d, gguf_f16(q + 2), OFF_ADD, w);
 }
 
-INLINE void blk_q5_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q5_0(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
     const __m256i v = _mm256_or_si256(nibbles32(q + 6), fifth_bits(gguf_u32(q + 2)));
-    emit32(_mm256_sub_epi8(v, _mm256_set1_epi8(16)), d, d, 0, OFF_NONE, w, x, acc, fused);
+    emit32(_mm256_sub_epi8(v, _mm256_set1_epi8(16)), d, d, 0, OFF_NONE, w);
 }
 
-INLINE void blk_q5_1(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q5_1(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
-    emit32(_mm256_or_si256(nibbles32(q + 8), fifth_bits(gguf_u32(q + 4))), d, d, gguf_f16(q + 2), OFF_ADD, w, x,
-           acc, fused);
+    emit32(_mm256_or_si256(nibbles32(q + 8), fifth_bits(gguf_u32(q + 4))), d, d, gguf_f16(q + 2), OFF_ADD, w);
 }
 
-INLINE void blk_q8_0(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q8_0(const uint8_t *q, float *w) {
     const __m256 dv = _mm256_set1_ps(gguf_f16(q));
     for (int i = 0; i < 4; i++) /* 8 codes per load, widened from memory */
-        emit(_mm256_mul_ps(i8_to_f32(_mm_loadl_epi64((const __m128i *)(q + 2 + 8 * i))), dv), w + 8 * i, x + 8 * i,
-             acc, fused);
+        emit(_mm256_mul_ps(i8_to_f32(_mm_loadl_epi64((const __m128i *)(q + 2 + 8 * i))), dv), w + 8 * i);
 }
 
-INLINE void blk_iq4_nl(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_iq4_nl(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
-    emit32(iq4_lookup(nibbles32(q + 2)), d, d, 0, OFF_NONE, w, x, acc, fused);
+    emit32(iq4_lookup(nibbles32(q + 2)), d, d, 0, OFF_NONE, w);
 }
 
-INLINE void blk_iq4_xs(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_iq4_xs(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
     const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
     for (int s = 0; s < 8; s++) {
         const int sc = (int)(((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
         const float a = d * (float)sc;
-        emit32(iq4_lookup(nibbles32(q + 8 + 16 * s)), a, a, 0, OFF_NONE, w + 32 * s, x + 32 * s, acc, fused);
+        emit32(iq4_lookup(nibbles32(q + 8 + 16 * s)), a, a, 0, OFF_NONE, w + 32 * s);
     }
 }
 
-INLINE void blk_q4_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q4_k(const uint8_t *q, float *w) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
     for (int c = 0; c < 4; c++) {
@@ -1285,12 +1274,12 @@ INLINE void blk_q4_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
             scale_min_k4(q + 4, 2 * c + h, &sc, &mn);
             const float a = d * (float)sc, m = dmin * (float)mn;
             const __m256i codes = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4);
-            emit32(codes, a, a, m, OFF_SUB, w + 64 * c + 32 * h, x + 64 * c + 32 * h, acc, fused);
+            emit32(codes, a, a, m, OFF_SUB, w + 64 * c + 32 * h);
         }
     }
 }
 
-INLINE void blk_q5_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q5_k(const uint8_t *q, float *w) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
     const float d = gguf_f16(q), dmin = gguf_f16(q + 2);
     const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 16));
@@ -1304,12 +1293,12 @@ INLINE void blk_q5_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
             const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(s)), one);
             const __m256i codes = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4),
                                                   _mm256_slli_epi16(hb, 4));
-            emit32(codes, a, a, m, OFF_SUB, w + 32 * s, x + 32 * s, acc, fused);
+            emit32(codes, a, a, m, OFF_SUB, w + 32 * s);
         }
     }
 }
 
-INLINE void blk_q6_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q6_k(const uint8_t *q, float *w) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
     const int8_t *sc = (const int8_t *)(q + 192);
     const float d = gguf_f16(q + 208);
@@ -1323,13 +1312,12 @@ INLINE void blk_q6_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
             const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), m2);
             const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), off);
             const int s = 8 * h + 2 * t;
-            emit32(codes, d * (float)sc[s], d * (float)sc[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t,
-                   x + 128 * h + 32 * t, acc, fused);
+            emit32(codes, d * (float)sc[s], d * (float)sc[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t);
         }
     }
 }
 
-INLINE void blk_q2_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q2_k(const uint8_t *q, float *w) {
     const __m256i m2 = _mm256_set1_epi8(3);
     const uint8_t *sc = q;
     const float d = gguf_f16(q + 80), dmin = gguf_f16(q + 82);
@@ -1339,12 +1327,12 @@ INLINE void blk_q2_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
             const int s = 8 * h + 2 * t; /* elements 128h + 32t + l: sub-block s for l < 16, s + 1 after */
             const __m256i codes = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * t)), m2);
             emit32h(codes, d * (float)(sc[s] & 0xF), d * (float)(sc[s + 1] & 0xF), dmin * (float)(sc[s] >> 4),
-                    dmin * (float)(sc[s + 1] >> 4), OFF_SUB, w + 128 * h + 32 * t, x + 128 * h + 32 * t, acc, fused);
+                    dmin * (float)(sc[s + 1] >> 4), OFF_SUB, w + 128 * h + 32 * t);
         }
     }
 }
 
-INLINE void blk_q3_k(const uint8_t *q, float *w, const float *x, __m256 *acc, const int fused) {
+INLINE void blk_q3_k(const uint8_t *q, float *w) {
     const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
     const uint8_t *sb = q + 96;
     const float d = gguf_f16(q + 108);
@@ -1361,26 +1349,15 @@ INLINE void blk_q3_k(const uint8_t *q, float *w, const float *x, __m256 *acc, co
             const __m256i crumbs = _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(2 * t)), m2);
             const __m256i hb = _mm256_and_si256(_mm256_srl_epi16(hm, _mm_cvtsi32_si128(4 * h + t)), one);
             const __m256i minus4 = _mm256_slli_epi16(_mm256_xor_si256(hb, one), 2); /* 4 where the bit is clear */
-            emit32(_mm256_sub_epi8(crumbs, minus4), dl[s], dl[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t,
-                   x + 128 * h + 32 * t, acc, fused);
+            emit32(_mm256_sub_epi8(crumbs, minus4), dl[s], dl[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t);
         }
     }
 }
 
-/* Per type: dqv_T dequantizes nb blocks (a panel's column); dot_T gives `cols` (<= GGUF_DOT_COLS) columns' dot
- * products with one row x, the columns' blocks interleaved so that their accumulators run as independent chains. */
-#define GGUF_DOT_COLS 8
+/* Per type: dqv_T dequantizes nb blocks (a panel's column, the embeddings' rows). */
 #define GGUF_VECTOR(T, ELEMS, BYTES)                                                                               \
     static void dqv_##T(const uint8_t *q, int64_t nb, float *w) {                                                 \
-        for (int64_t b = 0; b < nb; b++) blk_##T(q + b * BYTES, w + b * ELEMS, NULL, NULL, 0);                    \
-    }                                                                                                              \
-    static void dot_##T(const uint8_t *q, int64_t rb, int64_t nb, const float *x, float *y, int cols) {          \
-        __m256 acc[GGUF_DOT_COLS];                                                                                 \
-        for (int c = 0; c < GGUF_DOT_COLS; c++) acc[c] = _mm256_setzero_ps();                                     \
-        for (int64_t b = 0; b < nb; b++)                                                                           \
-            for (int c = 0; c < GGUF_DOT_COLS; c++)                                                                \
-                if (c < cols) blk_##T(q + c * rb + b * BYTES, NULL, x + b * ELEMS, &acc[c], 1);                   \
-        for (int c = 0; c < cols; c++) y[c] = hsum(acc[c]);                                                        \
+        for (int64_t b = 0; b < nb; b++) blk_##T(q + b * BYTES, w + b * ELEMS);                    \
     }
 GGUF_VECTOR(q4_0, 32, 18)
 GGUF_VECTOR(q4_1, 32, 20)
@@ -1394,35 +1371,374 @@ GGUF_VECTOR(q5_k, 256, 176)
 GGUF_VECTOR(q6_k, 256, 210)
 GGUF_VECTOR(q2_k, 256, 84)
 GGUF_VECTOR(q3_k, 256, 110)
-typedef void (*gguf_dot_fn)(const uint8_t *, int64_t, int64_t, const float *, float *, int);
-#define DOT(fn) fn
+
+/* ---- The GGUF matmul: integer codes times activations per sub-block, scaled once per sub-block -----------------
+ *
+ * Every weight of every type is w = a_s * u + z_s: u an unsigned integer code, a_s and z_s its sub-block's scale and
+ * offset (Q4_0: u = q, a = d, z = -8d; Q8_0: u = q + 128, z = -128 d; Q4_K: a = d sc, z = -dmin mn; Q6_K: u = q + 32,
+ * z = -32 a; IQ4: u = table value + 128, z = -128 a; ...). Per output y[r, c], in this order whatever M, the row's
+ * position, the path or the thread count:
+ *   for each 32-element unit of K: acc = sum over its elements of x_k u_k (8 lanes of 4 terms: mul, then 3 FMAs),
+ *       out = fma(acc, a, out) (16-element sub-blocks: lanes 0-3 and 4-7 carry their own a);
+ *   after each chunk of 256 elements (a super-block, or 8 blocks of 32): out = fma(z, X, out) with X the sums of x
+ *       over the chunk's sub-blocks (lane s: sub-block s; a second FMA for 16 sub-blocks);
+ *   y = hsum(out).
+ * This is the int4 kernel's arithmetic: one AND, one conversion and one FMA per 8 weights, the scale once per
+ * sub-block, instead of dequantizing each weight (conversion, multiply, offset) before its FMA. The codes of a unit
+ * sit in a 32-byte vector in element order; byte j of each 32-bit lane is picked by an AND with mask << 8j, which
+ * leaves u * 2^8j (converted exactly), and the activations are stored pre-multiplied by 2^-8j to pair with it (for
+ * 8-bit codes byte 3 is shifted down and its activation left unscaled). Nibble codes are masked in place.
+ * Each a_s * u is exact in fp32 (at most 24 significant bits: an fp16 scale times small integers), so a one-hot
+ * activation still yields the reference weight: fl(a u + z) = the reference's fl(a (u - off)) or fl(a q - m). */
+
+#define GG_CHUNK 256 /* elements per chunk: the zero terms and the sums X are per chunk */
+#define GG_XS 16     /* sums stored per chunk and row (16 sub-blocks at most) */
+
+/* R = 0 fills a panel instead (the rows-in-lanes path): the unit's converted codes at xu (32 floats) and its lane
+ * scales at xu + ldp, the operands the R-row tiles multiply. */
+INLINE void gg_unit(__m256i cv, const int mask, __m256 sv, const float *xu, int64_t ldp, __m256 *out, const int os,
+                    const int R) {
+    __m256 f[4];
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; j++) f[j] = _mm256_cvtepi32_ps(
+        j == 3 && mask == 0xFF ? _mm256_srli_epi32(cv, 24) : _mm256_and_si256(cv, _mm256_set1_epi32(mask << (8 * j))));
+    if (R == 0) {
+        for (int j = 0; j < 4; j++) _mm256_store_ps((float *)xu + 8 * j, f[j]);
+        _mm256_store_ps((float *)xu + ldp, sv);
+        return;
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+        const float *xr = xu + r * ldp;
+        __m256 acc = _mm256_mul_ps(_mm256_load_ps(xr), f[0]);
+        acc = _mm256_fmadd_ps(_mm256_load_ps(xr + 8), f[1], acc);
+        acc = _mm256_fmadd_ps(_mm256_load_ps(xr + 16), f[2], acc);
+        acc = _mm256_fmadd_ps(_mm256_load_ps(xr + 24), f[3], acc);
+        out[r * os] = _mm256_fmadd_ps(acc, sv, out[r * os]);
+    }
+}
+
+/* The chunk's zero terms: 8 (or 16) sub-blocks' offsets z times the rows' sums there. */
+INLINE void gg_zero(const float *z, const float *xs, int64_t lds, __m256 *out, const int os, const int R,
+                    const int sub16) {
+    if (R == 0) { /* a panel: the offsets at xs */
+        memcpy((float *)xs, z, (sub16 ? 16 : 8) * sizeof(float));
+        return;
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+        out[r * os] = _mm256_fmadd_ps(_mm256_load_ps(z), _mm256_load_ps(xs + r * lds), out[r * os]);
+        if (sub16) out[r * os] = _mm256_fmadd_ps(_mm256_load_ps(z + 8), _mm256_load_ps(xs + r * lds + 8), out[r * os]);
+    }
+}
+
+/* lanes 0-3 scale a[0], lanes 4-7 a[1] (two 16-element sub-blocks in one unit) */
+INLINE __m256 gg_pair(const float *a) {
+    return _mm256_blend_ps(_mm256_broadcast_ss(a), _mm256_broadcast_ss(a + 1), 0xF0);
+}
+#define gg_pair4 gg_pair
+
+/* 16 bytes of nibbles in element order: low nibbles in bytes 0..15, high ones in 16..31 (each still needs its mask) */
+INLINE __m256i gg_nib16(const uint8_t *qs) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_set_m128i(_mm_srli_epi16(v, 4), v);
+}
+
+INLINE __m256i gg_iq4(const uint8_t *qs) { /* IQ4 codes + 128 (1..241) */
+    const __m256i t = _mm256_add_epi8(iq4_lookup(_mm256_and_si256(gg_nib16(qs), _mm256_set1_epi8(0x0F))),
+                                      _mm256_set1_epi8((char)0x80));
+    return t;
+}
+
+/* 16-bit lanes of v shifted by s (left for s > 0, right for s < 0), a runtime count */
+INLINE __m256i gg_shift(__m256i v, int s) {
+    return s >= 0 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(s)) : _mm256_srl_epi16(v, _mm_cvtsi32_si128(-s));
+}
+
+/* One chunk of one column: q at its first block, nu blocks of 32 (or one super-block), xu and xs the chunk's
+ * activations and sums for row 0 (rows at strides ldp, lds), out the rows' accumulators at stride os. */
+#define GG_ARGS                                                                                                    \
+    const uint8_t *q, int nu, const float *xu, int64_t ldp, const float *xs, int64_t lds, __m256 *out, const int os, \
+        const int R
+
+/* blocks of 32 with one fp16 scale d: codes from DECODE(qb), offset ZERO (d and qb in scope) */
+#define GG_BLOCKS(T, BYTES, MASK, DECODE, ZERO)                                                                   \
+    INLINE void gc_##T(GG_ARGS) {                                                                                  \
+        float z[8] __attribute__((aligned(32))) = {0};                                                             \
+        for (int b = 0; b < nu; b++) {                                                                             \
+            const uint8_t *qb = q + b * (BYTES);                                                                   \
+            const float d = gguf_f16(qb);                                                                          \
+            z[b] = (ZERO);                                                                                         \
+            gg_unit((DECODE), MASK, _mm256_set1_ps(d), xu + 32 * b, ldp, out, os, R);                             \
+        }                                                                                                          \
+        gg_zero(z, xs, lds, out, os, R, 0);                                                                        \
+    }
+#define GG_M4 _mm256_set1_epi8(0x0F)
+/* Q4_0 / Q4_1: two blocks per unit of 64, their 16 code bytes side by side in one vector (lanes 0-3 block b, 4-7
+ * block b + 1) as the int4 kernel holds its nibbles: nibble p of each lane is picked in place by an AND with
+ * 0xF << 4p (p = 7: a shift), the activations pre-multiplied by 2^-4p (see gg_prepare), 8 products per lane before
+ * the lanes' scales (d_b, d_b+1). An odd last block pairs with zero codes. */
+INLINE void gg_unit64(__m256i cv, __m256 sv, const float *xu, int64_t ldp, __m256 *out, const int os, const int R) {
+    __m256 f[8];
+    _Pragma("GCC unroll 8") for (int p = 0; p < 8; p++) f[p] = _mm256_cvtepi32_ps(
+        p == 7 ? _mm256_srli_epi32(cv, 28) : _mm256_and_si256(cv, _mm256_set1_epi32(0xF << (4 * p))));
+    if (R == 0) {
+        for (int p = 0; p < 8; p++) _mm256_store_ps((float *)xu + 8 * p, f[p]);
+        _mm256_store_ps((float *)xu + ldp, sv);
+        return;
+    }
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {
+        const float *xr = xu + r * ldp;
+        __m256 acc = _mm256_mul_ps(_mm256_load_ps(xr), f[0]);
+        _Pragma("GCC unroll 8") for (int p = 1; p < 8; p++) acc = _mm256_fmadd_ps(_mm256_load_ps(xr + 8 * p), f[p], acc);
+        out[r * os] = _mm256_fmadd_ps(acc, sv, out[r * os]);
+    }
+}
+
+#define GG_PAIRS(T, BYTES, QS, ZERO)                                                                               \
+    INLINE void gc_##T(GG_ARGS) {                                                                                  \
+        float z[8] __attribute__((aligned(32))) = {0}, a[8] __attribute__((aligned(32))) = {0};                    \
+        for (int b = 0; b < nu; b++) {                                                                             \
+            const uint8_t *qb = q + b * (BYTES);                                                                   \
+            const float d = a[b] = gguf_f16(qb);                                                                   \
+            (void)d;                                                                                               \
+            z[b] = (ZERO);                                                                                         \
+        }                                                                                                          \
+        for (int b = 0; b < nu; b += 2) {                                                                          \
+            const __m128i lo = _mm_loadu_si128((const __m128i *)(q + b * (BYTES) + (QS)));                         \
+            const __m128i hi = b + 1 < nu ? _mm_loadu_si128((const __m128i *)(q + (b + 1) * (BYTES) + (QS)))        \
+                                          : _mm_setzero_si128();                                                   \
+            gg_unit64(_mm256_set_m128i(hi, lo), gg_pair4(a + b), xu + 32 * b, ldp, out, os, R);                   \
+        }                                                                                                          \
+        gg_zero(z, xs, lds, out, os, R, 0);                                                                        \
+    }
+GG_PAIRS(q4_0, 18, 2, -8.0f * d)
+GG_PAIRS(q4_1, 20, 4, gguf_f16(qb + 2))
+GG_BLOCKS(q5_0, 22, 0x1F, _mm256_or_si256(_mm256_and_si256(gg_nib16(qb + 6), GG_M4), fifth_bits(gguf_u32(qb + 2))),
+          -16.0f * d)
+GG_BLOCKS(q5_1, 24, 0x1F, _mm256_or_si256(_mm256_and_si256(gg_nib16(qb + 8), GG_M4), fifth_bits(gguf_u32(qb + 4))),
+          gguf_f16(qb + 2))
+GG_BLOCKS(q8_0, 34, 0xFF, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qb + 2)), _mm256_set1_epi8((char)0x80)),
+          -128.0f * d)
+GG_BLOCKS(iq4_nl, 18, 0xFF, gg_iq4(qb + 2), -128.0f * d)
+
+/* Q4_K / Q5_K: the 8 scales a = d sc and offsets z = -(dmin mn) of a super-block, the 6-bit fields unpacked 4 at a
+ * time from the 12 scale bytes (scale_min_k4's fields) */
+INLINE void gg_k4_scales(const uint8_t *q, float *a, float *z) {
+    uint32_t w[3];
+    memcpy(w, q + 4, 12);
+    const uint32_t sc_lo = w[0] & 0x3F3F3F3Fu, mn_lo = w[1] & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (w[2] & 0x0F0F0F0Fu) | ((w[0] >> 6) & 0x03030303u) << 4;
+    const uint32_t mn_hi = ((w[2] >> 4) & 0x0F0F0F0Fu) | ((w[1] >> 6) & 0x03030303u) << 4;
+    const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)sc_hi << 32 | sc_lo))));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)mn_hi << 32 | mn_lo))));
+    _mm256_store_ps(a, _mm256_mul_ps(_mm256_set1_ps(gguf_f16(q)), sc));
+    _mm256_store_ps(z, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(gguf_f16(q + 2)), mn)));
+}
+
+INLINE void gc_q4_k(GG_ARGS) {
+    (void)nu;
+    float a[8] __attribute__((aligned(32))), z[8] __attribute__((aligned(32)));
+    gg_k4_scales(q, a, z);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
+        gg_unit(v, 0x0F, _mm256_broadcast_ss(a + 2 * c), xu + 64 * c, ldp, out, os, R);
+        gg_unit(_mm256_srli_epi32(v, 4), 0x0F, _mm256_broadcast_ss(a + 2 * c + 1), xu + 64 * c + 32, ldp, out, os, R);
+    }
+    gg_zero(z, xs, lds, out, os, R, 0);
+}
+
+INLINE void gc_q5_k(GG_ARGS) {
+    (void)nu;
+    float a[8] __attribute__((aligned(32))), z[8] __attribute__((aligned(32)));
+    gg_k4_scales(q, a, z);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 16)), m4 = GG_M4, b4 = _mm256_set1_epi8(0x10);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 48 + 32 * c));
+        for (int h = 0; h < 2; h++) {
+            const int s = 2 * c + h; /* bit s of each qh byte becomes the code's bit 4 */
+            const __m256i codes = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4),
+                                                  _mm256_and_si256(gg_shift(qh, 4 - s), b4));
+            gg_unit(codes, 0x1F, _mm256_broadcast_ss(a + s), xu + 32 * s, ldp, out, os, R);
+        }
+    }
+    gg_zero(z, xs, lds, out, os, R, 0);
+}
+
+INLINE void gc_q6_k(GG_ARGS) {
+    (void)nu;
+    float a[16] __attribute__((aligned(32))), z[16] __attribute__((aligned(32)));
+    const __m256 d = _mm256_set1_ps(gguf_f16(q + 208)), m32 = _mm256_set1_ps(-32.0f);
+    for (int i = 0; i < 2; i++) {
+        const __m256 ai = _mm256_mul_ps(d, i8_to_f32(_mm_loadl_epi64((const __m128i *)(q + 192 + 8 * i))));
+        _mm256_store_ps(a + 8 * i, ai);
+        _mm256_store_ps(z + 8 * i, _mm256_mul_ps(ai, m32));
+    }
+    const __m256i m4 = GG_M4, b45 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
+        for (int t = 0; t < 4; t++) { /* elements 128h + 32t + l: low bits from l0/l1, bits 2t, 2t + 1 of qh on top */
+            const __m256i lo = t & 1 ? l1 : l0;
+            const __m256i codes = _mm256_or_si256(_mm256_and_si256(t >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4),
+                                                  _mm256_and_si256(gg_shift(qh, 4 - 2 * t), b45));
+            gg_unit(codes, 0x3F, gg_pair(a + 8 * h + 2 * t), xu + 128 * h + 32 * t, ldp, out, os, R);
+        }
+    }
+    gg_zero(z, xs, lds, out, os, R, 1);
+}
+
+INLINE void gc_q2_k(GG_ARGS) {
+    (void)nu;
+    float a[16] __attribute__((aligned(32))), z[16] __attribute__((aligned(32)));
+    const __m256 d = _mm256_set1_ps(gguf_f16(q + 80)), dmin = _mm256_set1_ps(gguf_f16(q + 82));
+    const __m128i sc = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(sc, m4), hi = _mm_and_si128(_mm_srli_epi16(sc, 4), m4);
+    for (int i = 0; i < 2; i++) {
+        const __m128i l = i ? _mm_srli_si128(lo, 8) : lo, hh = i ? _mm_srli_si128(hi, 8) : hi;
+        _mm256_store_ps(a + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(l))));
+        _mm256_store_ps(z + 8 * i, _mm256_sub_ps(_mm256_setzero_ps(),
+                                                 _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hh)))));
+    }
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * h));
+        for (int t = 0; t < 4; t++)
+            gg_unit(gg_shift(v, -2 * t), 0x03, gg_pair(a + 8 * h + 2 * t), xu + 128 * h + 32 * t, ldp, out, os, R);
+    }
+    gg_zero(z, xs, lds, out, os, R, 1);
+}
+
+INLINE void gc_q3_k(GG_ARGS) {
+    (void)nu;
+    float a[16] __attribute__((aligned(32))), z[16] __attribute__((aligned(32)));
+    const uint8_t *sb = q + 96;
+    const float d = gguf_f16(q + 108);
+    for (int s = 0; s < 16; s++) {
+        const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
+        a[s] = d * (float)((int8_t)(low | high << 4) - 32);
+        z[s] = -4.0f * a[s];
+    }
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)q), m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 + 32 * h));
+        for (int t = 0; t < 4; t++) { /* u = crumb + 4 * (hmask bit 4h + t): the reference's crumb - (bit ? 0 : 4), + 4 */
+            const __m256i codes = _mm256_or_si256(_mm256_and_si256(gg_shift(v, -2 * t), m2),
+                                                  _mm256_and_si256(gg_shift(hm, 2 - (4 * h + t)), b2));
+            gg_unit(codes, 0x07, gg_pair(a + 8 * h + 2 * t), xu + 128 * h + 32 * t, ldp, out, os, R);
+        }
+    }
+    gg_zero(z, xs, lds, out, os, R, 1);
+}
+
+INLINE void gc_iq4_xs(GG_ARGS) {
+    (void)nu;
+    float z[8] __attribute__((aligned(32)));
+    const float d = gguf_f16(q);
+    const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
+    for (int s = 0; s < 8; s++) {
+        const int sc = (int)(((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
+        const float a = d * (float)sc;
+        z[s] = -128.0f * a;
+        gg_unit(gg_iq4(q + 8 + 16 * s), 0xFF, _mm256_set1_ps(a), xu + 32 * s, ldp, out, os, R);
+    }
+    gg_zero(z, xs, lds, out, os, R, 0);
+}
+
+/* A tile of R rows x up to C columns (cols): each chunk of each column decoded once for the R rows. */
+#define GG_TILE(T, BPC, BYTES, R, C)                                                                               \
+    static void ggt_##T##_##R(const uint8_t *q, int64_t rb, int cols, const float *xp, int64_t ldp, const float *xs, \
+                              int64_t lds, int64_t nb, float *y, int64_t ldy) {                                    \
+        __m256 out[R][C];                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) out[r][c] = _mm256_setzero_ps();                      \
+        for (int64_t b = 0, i = 0; b < nb; b += BPC, i++) {                                                        \
+            const int nu = (int)(nb - b < BPC ? nb - b : BPC);                                                     \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) if (c < cols) {                                   \
+                const uint8_t *qc = q + c * rb + b * (BYTES);                                                      \
+                for (int p = 0; p < nu * (BYTES); p += 64)                                                         \
+                    _mm_prefetch((const char *)(qc + PF_TILES * C * rb + p), _MM_HINT_T0);                       \
+                gc_##T(qc, nu, xp + i * GG_CHUNK, ldp, xs + i * GG_XS, lds, &out[0][c], C, R);                    \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int c = 0; c < C && c < cols; c++) y[r * ldy + c] = hsum(out[r][c]);                             \
+    }
+/* columns per tile for R rows: 8 accumulators */
+#define GG_C1 8
+#define GG_C2 4
+#define GG_C3 2
+#define GG_C4 2
+#define GG_TILES(T, BPC, BYTES)                                                                                    \
+    GG_TILE(T, BPC, BYTES, 1, GG_C1) GG_TILE(T, BPC, BYTES, 2, GG_C2) GG_TILE(T, BPC, BYTES, 3, GG_C3)            \
+    GG_TILE(T, BPC, BYTES, 4, GG_C4)
+GG_TILES(q4_0, 8, 18)
+GG_TILES(q4_1, 8, 20)
+GG_TILES(q5_0, 8, 22)
+GG_TILES(q5_1, 8, 24)
+GG_TILES(q8_0, 8, 34)
+GG_TILES(iq4_nl, 8, 18)
+GG_TILES(iq4_xs, 1, 136)
+GG_TILES(q4_k, 1, 144)
+GG_TILES(q5_k, 1, 176)
+GG_TILES(q6_k, 1, 210)
+GG_TILES(q2_k, 1, 84)
+GG_TILES(q3_k, 1, 110)
+/* One column's panel for the rows-in-lanes path: P [kp] converted codes, P + kp [kp] lane scales (8 per unit),
+ * P + 2 kp [chunks * GG_XS] offsets (kp: k, or k rounded up to a whole unit of 64 for the block pairs). */
+#define GG_FILL(T, BPC, BYTES)                                                                                     \
+    static void ggf_##T(const uint8_t *q, int64_t nb, float *P, int64_t kp) {                                     \
+        for (int64_t b = 0, i = 0; b < nb; b += BPC, i++)                                                          \
+            gc_##T(q + b * (BYTES), (int)(nb - b < BPC ? nb - b : BPC), P + i * GG_CHUNK, kp,                      \
+                   P + 2 * kp + i * GG_XS, 0, NULL, 0, 0);                                                         \
+    }
+GG_FILL(q4_0, 8, 18)
+GG_FILL(q4_1, 8, 20)
+GG_FILL(q5_0, 8, 22)
+GG_FILL(q5_1, 8, 24)
+GG_FILL(q8_0, 8, 34)
+GG_FILL(iq4_nl, 8, 18)
+GG_FILL(iq4_xs, 1, 136)
+GG_FILL(q4_k, 1, 144)
+GG_FILL(q5_k, 1, 176)
+GG_FILL(q6_k, 1, 210)
+GG_FILL(q2_k, 1, 84)
+GG_FILL(q3_k, 1, 110)
+typedef void (*gg_tile_fn)(const uint8_t *, int64_t, int, const float *, int64_t, const float *, int64_t, int64_t,
+                           float *, int64_t);
+typedef void (*gg_fill_fn)(const uint8_t *, int64_t, float *, int64_t);
+static const int GG_COLS[4] = {GG_C1, GG_C2, GG_C3, GG_C4};
+#define GG_FNS(T) {ggt_##T##_1, ggt_##T##_2, ggt_##T##_3, ggt_##T##_4}, ggf_##T
 #define DQ(scalar, vector) vector
+#define GG(T, wide, sub, unit) GG_FNS(T), wide, sub, unit
 #else
 #define DQ(scalar, vector) scalar
-#define DOT(fn) NULL
+#define GG(T, wide, sub, unit) {NULL}, NULL, wide, sub, unit
+typedef void (*gg_tile_fn)(void);
+typedef void (*gg_fill_fn)(void);
 #endif
 
 typedef void (*gguf_dq_fn)(const uint8_t *, int64_t, float *);
 typedef struct {
     int type, elems, bytes;
     gguf_dq_fn fn;
-    void *dot; /* the fused one-row dot products (gguf_dot_fn), NULL where there are none */
+    gg_tile_fn tiles[4]; /* R = 1..4 rows (AVX2) */
+    gg_fill_fn fill;     /* a column's panel for the rows-in-lanes path */
+    int wide, sub;       /* 8-bit codes (byte 3's activations unscaled); sub-block length (16 or 32) */
+    int unit;            /* elements per unit: 32, or 64 for the nibble pairs of Q4_0 / Q4_1 */
 } gguf_type;
 
 /* GGML type ids (gguf.GGMLQuantizationType) */
 static const gguf_type GGUF_TYPES[] = {
-    {2, 32, 18, DQ(dq_q4_0, dqv_q4_0), DOT(dot_q4_0)},
-    {3, 32, 20, DQ(dq_q4_1, dqv_q4_1), DOT(dot_q4_1)},
-    {6, 32, 22, DQ(dq_q5_0, dqv_q5_0), DOT(dot_q5_0)},
-    {7, 32, 24, DQ(dq_q5_1, dqv_q5_1), DOT(dot_q5_1)},
-    {8, 32, 34, DQ(dq_q8_0, dqv_q8_0), DOT(dot_q8_0)},
-    {10, 256, 84, DQ(dq_q2_k, dqv_q2_k), DOT(dot_q2_k)},
-    {11, 256, 110, DQ(dq_q3_k, dqv_q3_k), DOT(dot_q3_k)},
-    {12, 256, 144, DQ(dq_q4_k, dqv_q4_k), DOT(dot_q4_k)},
-    {13, 256, 176, DQ(dq_q5_k, dqv_q5_k), DOT(dot_q5_k)},
-    {14, 256, 210, DQ(dq_q6_k, dqv_q6_k), DOT(dot_q6_k)},
-    {20, 32, 18, DQ(dq_iq4_nl, dqv_iq4_nl), DOT(dot_iq4_nl)},
-    {23, 256, 136, DQ(dq_iq4_xs, dqv_iq4_xs), DOT(dot_iq4_xs)},
+    {2, 32, 18, DQ(dq_q4_0, dqv_q4_0), GG(q4_0, 0, 32, 64)},
+    {3, 32, 20, DQ(dq_q4_1, dqv_q4_1), GG(q4_1, 0, 32, 64)},
+    {6, 32, 22, DQ(dq_q5_0, dqv_q5_0), GG(q5_0, 0, 32, 32)},
+    {7, 32, 24, DQ(dq_q5_1, dqv_q5_1), GG(q5_1, 0, 32, 32)},
+    {8, 32, 34, DQ(dq_q8_0, dqv_q8_0), GG(q8_0, 1, 32, 32)},
+    {10, 256, 84, DQ(dq_q2_k, dqv_q2_k), GG(q2_k, 0, 16, 32)},
+    {11, 256, 110, DQ(dq_q3_k, dqv_q3_k), GG(q3_k, 0, 16, 32)},
+    {12, 256, 144, DQ(dq_q4_k, dqv_q4_k), GG(q4_k, 0, 32, 32)},
+    {13, 256, 176, DQ(dq_q5_k, dqv_q5_k), GG(q5_k, 0, 32, 32)},
+    {14, 256, 210, DQ(dq_q6_k, dqv_q6_k), GG(q6_k, 0, 16, 32)},
+    {20, 32, 18, DQ(dq_iq4_nl, dqv_iq4_nl), GG(iq4_nl, 1, 32, 32)},
+    {23, 256, 136, DQ(dq_iq4_xs, dqv_iq4_xs), GG(iq4_xs, 1, 32, 32)},
 };
 
 static const gguf_type *gguf_type_of(int type, int64_t k) {
@@ -1439,26 +1755,162 @@ int llmd_gguf_dequant(int type, const uint8_t *q, int64_t ldq, int64_t rows, int
     return 0;
 }
 
-/* Columns [c0, c0 + cols) dequantized into the panel w [cols][k]. */
-static void gguf_panel(const gguf_type *t, const uint8_t *q, int64_t rb, int64_t k, int64_t c0, int cols, float *w) {
-    for (int c = 0; c < cols; c++) t->fn(q + (c0 + c) * rb, k / t->elems, w + c * k);
-}
-
 #if defined(__AVX2__) && defined(__FMA__)
-PANEL_TILE(1, 4)
-#define GGUF_PW1 4 /* columns per panel at one row: 4 independent FMA chains, their weights 4 * K floats in L1/L2 */
+/* The rows' activations as the tiles read them: xp [m][kp], unit u's position 8j + l holding x[32u + 4l + j] * 2^-8j
+ * (8-bit codes: j = 3 unscaled; the block pairs: unit of 64, position 8p + l holding element 32 (l / 4) + 16 (p % 2)
+ * + 4 (l % 4) + p / 2 times 2^-4p, p = 7 unscaled, zero past K); xs [m][chunks * GG_XS], the sums over each chunk's
+ * sub-blocks in element order (plain C: the same bits whichever rows share the call), zero past the last one. */
+static int64_t gg_padded(const gguf_type *t, int64_t k) { return (k + t->unit - 1) / t->unit * t->unit; }
 
-typedef struct { const gguf_type *t; const uint8_t *q; int64_t rb, k; } gguf_weights;
-
-static void gguf_fill(const void *ctx, int64_t c0, int cols, float *w) {
-    const gguf_weights *a = (const gguf_weights *)ctx;
-    gguf_panel(a->t, a->q, a->rb, a->k, c0, cols, w);
+static void gg_prepare(const gguf_type *t, const float *x, int64_t ldx, int64_t m, int64_t k, float *xp, float *xs) {
+    const int64_t nc = (k + GG_CHUNK - 1) / GG_CHUNK, per = GG_CHUNK / t->sub, kp = gg_padded(t, k);
+    const float scale[4] = {1.0f, 1.0f / 256.0f, 1.0f / 65536.0f, t->wide ? 1.0f : 1.0f / 16777216.0f};
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * ldx;
+        float *pr = xp + r * kp, *sr = xs + r * nc * GG_XS;
+        if (t->unit == 64)
+            for (int64_t u = 0; u < kp; u += 64)
+                for (int p = 0; p < 8; p++)
+                    for (int l = 0; l < 8; l++) {
+                        const int64_t e = u + 32 * (l / 4) + 16 * (p % 2) + 4 * (l % 4) + p / 2;
+                        pr[u + 8 * p + l] = e < k ? xr[e] * (p < 7 ? 1.0f / (float)(1 << (4 * p)) : 1.0f) : 0.0f;
+                    }
+        else
+            for (int64_t u = 0; u < k; u += 32)
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 8; l++) pr[u + 8 * j + l] = xr[u + 4 * l + j] * scale[j];
+        memset(sr, 0, (size_t)(nc * GG_XS) * 4);
+        for (int64_t s = 0; s < k / t->sub; s++) {
+            float sum = 0.0f;
+            for (int e = 0; e < t->sub; e++) sum += xr[s * t->sub + e];
+            sr[s / per * GG_XS + s % per] = sum;
+        }
+    }
 }
 
-static int gguf_rows(const gguf_type *t, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy,
+/* Rows in the vector lanes (16 rows per block, RP_VECS vectors): output (r, c) lane l gets the very operations of the
+ * tiles' lane l: per unit, the 4 products of its codes (broadcast from the panel) and the row's activations at
+ * positions 8j + l, the lane's scale, and after each chunk the offset of sub-block l (and l + 8) times its sum; then
+ * hsum's tree over the lanes (lane_sum). xt / xst: the tiles' activations and sums, transposed per block of 16 rows. */
+INLINE void gg_rows_tile(const float *xt, const float *xst, const float *P, int64_t pst, int64_t K, int sub16, float *y,
+                         int64_t ldy, int rows, const int C, const int U) {
+    const int64_t nc = (K + GG_CHUNK - 1) / GG_CHUNK;
+    __m256 out[RP_VECS][RP_COLS][8];
+    for (int v = 0; v < RP_VECS; v++)
+        for (int c = 0; c < C; c++)
+            for (int l = 0; l < 8; l++) out[v][c][l] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < nc; i++) {
+        const int64_t u1 = (i + 1) * GG_CHUNK < K ? (i + 1) * GG_CHUNK : K;
+        for (int64_t u = i * GG_CHUNK; u < u1; u += U)
+            for (int l = 0; l < 8; l++) {
+                __m256 acc[RP_VECS][RP_COLS];
+                _Pragma("GCC unroll 8") for (int j = 0; j < U / 8; j++) {
+                    const float *xa = xt + (u + 8 * j + l) * 16;
+                    const __m256 x0 = _mm256_load_ps(xa), x1 = _mm256_load_ps(xa + 8);
+                    _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
+                        const __m256 w = _mm256_broadcast_ss(P + c * pst + u + 8 * j + l);
+                        acc[0][c] = j ? _mm256_fmadd_ps(x0, w, acc[0][c]) : _mm256_mul_ps(x0, w);
+                        acc[1][c] = j ? _mm256_fmadd_ps(x1, w, acc[1][c]) : _mm256_mul_ps(x1, w);
+                    }
+                }
+                _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {
+                    const __m256 sv = _mm256_broadcast_ss(P + c * pst + K + u + l);
+                    _Pragma("GCC unroll 2") for (int v = 0; v < RP_VECS; v++)
+                        out[v][c][l] = _mm256_fmadd_ps(acc[v][c], sv, out[v][c][l]);
+                }
+            }
+        for (int h = 0; h < (sub16 ? 2 : 1); h++)
+            for (int l = 0; l < 8; l++) {
+                const float *xa = xst + (i * GG_XS + 8 * h + l) * 16;
+                for (int c = 0; c < C; c++) {
+                    const __m256 z = _mm256_broadcast_ss(P + c * pst + 2 * K + i * GG_XS + 8 * h + l);
+                    for (int v = 0; v < RP_VECS; v++)
+                        out[v][c][l] = _mm256_fmadd_ps(z, _mm256_load_ps(xa + 8 * v), out[v][c][l]);
+                }
+            }
+    }
+    for (int c = 0; c < C; c++)
+        for (int v = 0; v < RP_VECS; v++) store_rows(lane_sum(out[v][c]), y + 8 * v * ldy + c, ldy, rows - 8 * v);
+}
+
+static int gg_rows(const gguf_type *t, const float *xp, const float *xs, int64_t lds, const uint8_t *q, float *y,
+                   int64_t ldy, int64_t m, int64_t n, int64_t k, int nthreads) {
+    const int64_t rb = k / t->elems * t->bytes, nb = k / t->elems, blocks = (m + 15) / 16;
+    const int64_t kp = gg_padded(t, k), pst = 2 * kp + lds; /* panel floats per column */
+    float *xt = transpose_rows(xp, kp, m, kp, kp, 0, 0);
+    float *xst = transpose_rows(xs, lds, m, lds, lds, 0, 0);
+    int rc = xt && xst ? 0 : -2;
+    const int64_t chunk_blocks = (row_chunk(k) + 15) / 16;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && rc == 0)
+    {
+        int64_t n0, n1;
+        float *wp = rc ? NULL : thread_panel(n, (size_t)(RP_COLS * pst), &n0, &n1, &rc);
+        for (int64_t b0 = 0; wp && b0 < blocks; b0 += chunk_blocks) {
+            const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
+            for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
+                const int cc = (int)(n1 - c0 < RP_COLS ? n1 - c0 : RP_COLS);
+                for (int c = 0; c < cc; c++) t->fill(q + (c0 + c) * rb, nb, wp + c * pst, kp);
+                for (int64_t b = b0; b < b1; b++) {
+                    const int rows = (int)(m - b * 16 < 16 ? m - b * 16 : 16);
+                    const float *xb = xt + b * kp * 16, *sb = xst + b * lds * 16;
+                    float *yb = y + b * 16 * ldy + c0;
+                    const int s16 = t->sub == 16;
+#define ROWS_TILE(C)                                                                                               \
+    (t->unit == 64 ? gg_rows_tile(xb, sb, wp, pst, kp, s16, yb, ldy, rows, C, 64)                                 \
+                   : gg_rows_tile(xb, sb, wp, pst, kp, s16, yb, ldy, rows, C, 32))
+                    switch (cc) {
+                    case 1: ROWS_TILE(1); break;
+                    case 2: ROWS_TILE(2); break;
+                    case 3: ROWS_TILE(3); break;
+                    case 4: ROWS_TILE(4); break;
+                    default: ROWS_TILE(RP_COLS); break;
+                    }
+                }
+            }
+        }
+        free(wp);
+    }
+    free(xt);
+    free(xst);
+    return rc;
+}
+
+static int gg_matmul(const gguf_type *t, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy,
                      int64_t m, int64_t n, int64_t k, int nthreads) {
-    const gguf_weights a = {t, q, k / t->elems * t->bytes, k};
-    return rows_by_panels(x, ldx, y, ldy, m, n, k, nthreads, gguf_fill, &a);
+    const int64_t rb = k / t->elems * t->bytes, nb = k / t->elems, nc = (k + GG_CHUNK - 1) / GG_CHUNK;
+    const int64_t lds = nc * GG_XS;
+    const int64_t kp = gg_padded(t, k);
+    float *xp = (float *)aligned_alloc(32, ((size_t)(m * (kp + lds)) * 4 + 31) / 32 * 32);
+    if (!xp) return -2;
+    float *xs = xp + m * kp;
+    gg_prepare(t, x, ldx, m, k, xp, xs);
+    if (m >= RP_MIN_ROWS) {
+        const int rc = gg_rows(t, xp, xs, lds, q, y, ldy, m, n, k, nthreads);
+        free(xp);
+        return rc;
+    }
+    const int64_t chunk = row_chunk(k);
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int tid, nth;
+        thread_id(&tid, &nth);
+        int64_t n0, n1;
+        column_range(n, tid, nth, &n0, &n1);
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' weights stay in cache over the rows */
+                const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
+                for (int64_t r0 = m0; r0 < m1; r0 += 4) {
+                    const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
+                    for (int64_t c = c0; c < c1; c += tc)
+                        t->tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xp + r0 * kp, kp,
+                                         xs + r0 * lds, lds, nb, y + r0 * ldy + c, ldy);
+                }
+            }
+        }
+    }
+    free(xp);
+    return 0;
 }
 #endif
 
@@ -1468,55 +1920,28 @@ int llmd_gguf_matmul(int type, const float *x, int64_t ldx, const uint8_t *q, fl
     const gguf_type *t = gguf_type_of(type, k);
     if (!t || m < 0 || n < 0) return -1;
     if (nthreads < 1) nthreads = 1;
-    const int64_t rb = k / t->elems * t->bytes;
 #if defined(__AVX2__) && defined(__FMA__)
-    if (m >= RP_MIN_ROWS) return gguf_rows(t, x, ldx, q, y, ldy, m, n, k, nthreads);
-    const int pw = m > 1 ? PANEL_W : t->dot ? GGUF_DOT_COLS : GGUF_PW1;
+    return m == 0 ? 0 : gg_matmul(t, x, ldx, q, y, ldy, m, n, k, nthreads);
 #else
-    const int pw = 1;
-#endif
+    /* portable: each column dequantized (the reference's values), then one plain dot product per row */
+    const int64_t rb = k / t->elems * t->bytes;
     int rc = 0;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         int64_t n0, n1;
-        float *panel = thread_panel(n, (size_t)(pw * k), &n0, &n1, &rc);
-        for (int64_t p0 = n0; panel && p0 < n1; p0 += pw) {
-            const int cols = (int)(n1 - p0 < pw ? n1 - p0 : pw);
-#if defined(__AVX2__) && defined(__FMA__)
-            if (p0 + (PF_TILES + 1) * pw <= n1) /* the panel PF_TILES ahead, while this one is used */
-                for (int64_t off = 0; off < pw * rb; off += 64)
-                    _mm_prefetch((const char *)(q + (p0 + PF_TILES * pw) * rb + off), _MM_HINT_T0);
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-            if (m == 1 && t->dot) { /* no panel: the weights go from registers into the accumulators */
-                ((gguf_dot_fn)t->dot)(q + p0 * rb, rb, k / t->elems, x, y + p0, cols);
-                continue;
-            }
-#endif
-            gguf_panel(t, q, rb, k, p0, cols, panel);
-#if defined(__AVX2__) && defined(__FMA__)
-            if (m == 1 && cols == GGUF_PW1) {
-                panel_tile_1_4(x, ldx, panel, y + p0, ldy, k);
-                continue;
-            }
-            for (int64_t r0 = 0; r0 < m; r0 += TILE_R) {
-                const int rr = (int)(m - r0 < TILE_R ? m - r0 : TILE_R);
-                for (int c = 0; c < cols; c += PANEL_C) {
-                    const int cc = cols - c < PANEL_C ? cols - c : PANEL_C;
-                    PANEL_TILES[cc - 1][rr - 1](x + r0 * ldx, ldx, panel + c * k, y + r0 * ldy + p0 + c, ldy, k);
-                }
-            }
-#else
+        float *w = thread_panel(n, (size_t)k, &n0, &n1, &rc);
+        for (int64_t c = n0; w && c < n1; c++) {
+            t->fn(q + c * rb, k / t->elems, w);
             for (int64_t r = 0; r < m; r++) {
                 float s = 0.0f;
-                for (int64_t i = 0; i < k; i++) s += x[r * ldx + i] * panel[i];
-                y[r * ldy + p0] = s;
+                for (int64_t i = 0; i < k; i++) s += x[r * ldx + i] * w[i];
+                y[r * ldy + c] = s;
             }
-#endif
         }
-        free(panel);
+        free(w);
     }
     return rc;
+#endif
 }
 
 /* Parts of different GGUF types side by side on one input (a fused q/k/v or gate/up whose projections differ in type):

@@ -389,9 +389,10 @@ class GGUFPart(ctypes.Structure):
 
 
 class GGUFKernel:
-    """A packed GGUF layer's CPU matmul (fp32 activations): its blocks are dequantized panel by panel in the kernel
-    and multiplied with one fixed operation order per output, so a row's result never depends on the batch. Several
-    parts of different types (a fused q/k/v) fill their own columns side by side."""
+    """A packed GGUF layer's CPU matmul (fp32 activations): the kernel multiplies the blocks' integer codes with the
+    activations per sub-block and applies each sub-block's scale and offset once (the int4 kernel's arithmetic), in
+    one fixed operation order per output, so a row's result never depends on the batch. Several parts of different
+    types (a fused q/k/v) fill their own columns side by side."""
 
     kind = "gguf"
 

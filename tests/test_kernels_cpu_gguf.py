@@ -1,7 +1,8 @@
-"""The compiled CPU matmul straight from GGUF blocks (llmd.kernels.cpu_gemm.gguf_matmul, GGUFKernel): the weights it
-dequantizes inside are the reference's (llmd.kernels.gguf_blocks, itself gguf's) bit for bit, on every path (one row,
-row tiles, rows in vector lanes) and in the portable build; its products match the torch reference; a row's output is
-bitwise the same whatever the batch, its position and the thread count.
+"""The compiled CPU matmul straight from GGUF blocks (llmd.kernels.cpu_gemm.gguf_matmul, GGUFKernel): it multiplies
+the blocks' integer codes and applies each sub-block's scale and offset once, yet one-hot activations still pick out
+the reference's weights (llmd.kernels.gguf_blocks, itself gguf's) bit for bit, on every path (one row, row tiles, rows
+in vector lanes); the C dequantize is the reference's in the portable build too; its products match the torch
+reference; a row's output is bitwise the same whatever the batch, its position and the thread count.
 
 Where no C compiler exists the functions return None; the tests then check that branch instead of skipping."""
 
@@ -92,6 +93,23 @@ def test_row_results_do_not_depend_on_the_batch(type_name):
     assert torch.equal(mm(x[picked]), full[picked])
     assert torch.equal(mm(x, threads=1), full) and torch.equal(mm(x, threads=3), full)
     assert torch.equal(mm(x[:1], threads=3), full[:1]) and torch.equal(mm(x[:7], threads=2), full[:7])
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "IQ4_NL"])
+def test_rows_of_an_odd_number_of_blocks(type_name):
+    """K = 7 blocks of 32: a last chunk of fewer than 8 blocks, and for Q4_0 / Q4_1 (two blocks per unit) a block
+    that pairs with zero codes."""
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights(type_name, n=23, k=7 * 32)
+    w = gb.dequantize_blocks(q, type_name)
+    x = _x(40, k)
+    full = cpu_gemm.gguf_matmul(x, q, type_name)
+    torch.testing.assert_close(full, x @ w.t(), rtol=1e-4, atol=1e-4)
+    for m in (1, 3, 16):
+        assert torch.equal(cpu_gemm.gguf_matmul(x[:m], q, type_name), full[:m])
+    one_hot = torch.eye(k)[[0, 100, 223]]
+    assert torch.equal(_bits(cpu_gemm.gguf_matmul(one_hot, q, type_name)), _bits(w[:, [0, 100, 223]].t().contiguous()))
 
 
 def test_layer_kernel_is_prepared_once_and_dropped_by_a_fill():

@@ -6,7 +6,9 @@
 Without files, the bundled SmolLM2 GGUF is re-quantized by llama.cpp to each of --types (kquant_files.py, cached).
 Per file: the file's tensor bytes and llmd's resident weight bytes (the packed blocks; target <= 1.15x), decode tok/s
 at each batch size (same random prompts, greedy, only the decode steps timed) and a cold prefill of --prefill tokens
-(one sequence, one forward, nothing cached), each next to llama.cpp with the ratio llmd / llama.cpp.
+(one sequence, one forward, nothing cached), each next to llama.cpp with the ratio llmd / llama.cpp. The two engines
+run in --rounds alternating rounds and each figure is the best of its rounds, so a busy moment of a shared machine
+does not fall on one engine only.
 """
 
 from __future__ import annotations
@@ -45,20 +47,21 @@ def llmd_prefill_tok_s(model, tokens: int, block_size: int = 16) -> float:
     return tokens / best
 
 
-def llama_cpp_figures(path: Path, batches, prompt_len, steps, prefill) -> dict | None:
-    anchor = llamacpp_anchor.load(path, torch.get_num_threads())
-    if anchor is None:
-        return None
-    try:
-        out = {"bytes": anchor.weight_bytes()}
-        for b in batches:
-            out[b] = anchor.generate(llamacpp_anchor.same_prompts(anchor.n_vocab, b, prompt_len), steps,
-                                     warmup=2).decode_tok_s
-        prompt = llamacpp_anchor.same_prompts(anchor.n_vocab, 1, prefill)
-        out["prefill"] = max(prefill / anchor.generate(prompt, 0).prefill_s for _ in range(2))
-        return out
-    finally:
-        anchor.close()
+def llama_cpp_figures(anchor, batches, prompt_len, steps, prefill) -> dict:
+    """One round of llama.cpp's figures on the loaded file (decode tok/s per batch size, prefill tok/s)."""
+    out = {}
+    for b in batches:
+        out[b] = anchor.generate(llamacpp_anchor.same_prompts(anchor.n_vocab, b, prompt_len), steps,
+                                 warmup=2).decode_tok_s
+    prompt = llamacpp_anchor.same_prompts(anchor.n_vocab, 1, prefill)
+    out["prefill"] = prefill / anchor.generate(prompt, 0).prefill_s
+    return out
+
+
+def llmd_figures(model, batches, prompt_len, steps, prefill) -> dict:
+    out = {b: decode_tokens_per_second(model, b, prompt_len, steps) for b in batches}
+    out["prefill"] = llmd_prefill_tok_s(model, prefill)
+    return out
 
 
 def file_bytes_by_type(path: Path) -> Counter:
@@ -79,6 +82,7 @@ def main(argv=None):
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--prefill", type=int, default=1000)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--rounds", type=int, default=3, help="alternating llmd / llama.cpp rounds (best of each)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -97,20 +101,29 @@ def main(argv=None):
         total = sum(by_type.values())
         print(f"\n{path.name}: tensors {total / 2**20:.1f} MiB ("
               + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in by_type.most_common()) + ")")
-        ref = llama_cpp_figures(path, batches, args.prompt_len, args.steps, args.prefill)
+        anchor = llamacpp_anchor.load(path, torch.get_num_threads())
         loaded = load_model(path, quant="gguf", device="cpu")
         resident = loaded.report.weight_bytes
         packed = packed_weight_bytes(loaded.model)
         print(f"  llmd resident weights {resident / 2**20:.1f} MiB = {resident / total:.3f}x the file's tensors "
-              f"(packed GGUF blocks: " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in packed.items())
-              + "; a tied Q8_0 table as the int8 head: int8 + fp32 scales)")
-        rows = [(f"decode b={b} tok/s", decode_tokens_per_second(loaded.model, b, args.prompt_len, args.steps), b)
-                for b in batches]
-        rows.append((f"prefill {args.prefill} tok/s", llmd_prefill_tok_s(loaded.model, args.prefill), "prefill"))
-        print(f"  {'':22} {'llmd':>9} {'llama.cpp':>10} {'ratio':>7}")
-        for label, value, key in rows:
-            other = ref[key] if ref else float("nan")
-            print(f"  {label:22} {value:9.1f} {other:10.1f} {value / other:6.2f}x", flush=True)
+              f"(packed GGUF blocks: " + ", ".join(f"{k} {v / 2**20:.1f}" for k, v in packed.items()) + ")")
+        # the machine may be shared: both engines run in alternating rounds and each keeps its best figure
+        ours: dict = {}
+        ref: dict = {}
+        for _ in range(args.rounds):
+            if anchor is not None:
+                for key, value in llama_cpp_figures(anchor, batches, args.prompt_len, args.steps,
+                                                    args.prefill).items():
+                    ref[key] = max(ref.get(key, 0.0), value)
+            for key, value in llmd_figures(loaded.model, batches, args.prompt_len, args.steps, args.prefill).items():
+                ours[key] = max(ours.get(key, 0.0), value)
+        if anchor is not None:
+            anchor.close()
+        labels = [(f"decode b={b} tok/s", b) for b in batches] + [(f"prefill {args.prefill} tok/s", "prefill")]
+        print(f"  {'':22} {'llmd':>9} {'llama.cpp':>10} {'ratio':>7}   (best of {args.rounds} alternating rounds)")
+        for label, key in labels:
+            other = ref.get(key, float("nan"))
+            print(f"  {label:22} {ours[key]:9.1f} {other:10.1f} {ours[key] / other:6.2f}x", flush=True)
         del loaded
 
 
