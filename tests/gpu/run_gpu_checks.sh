@@ -31,10 +31,13 @@ if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 6 --dist loadfile); fi
 : > "$OUT/summary.txt"
 if wants tests; then
 echo "== GPU tests" | tee -a "$OUT/summary.txt"
-timeout 200 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --durations=15 \
+timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --durations=15 \
   tests/test_kernels_quant_matmul.py tests/test_kernels_paged_attention.py tests/test_kernels_prefill_attention.py tests/test_kv_int8.py \
   tests/test_cuda_graphs.py tests/test_kernels_gguf_matmul.py \
   2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5 | tee -a "$OUT/summary.txt" || status=1
+# the sliding-window Triton kernels: every test of the file (they run on the GPU when there is one)
+timeout 40 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_sliding_window.py \
+  2>&1 | tee "$OUT/pytest_window.txt" | tail -2 | tee -a "$OUT/summary.txt" || status=1
 fi
 if wants bench; then
 echo "== GPU benchmarks" | tee -a "$OUT/summary.txt"
@@ -43,12 +46,12 @@ fi
 # GGUF packed matmul per type (its kernels are mostly compiled by then: the GPU tests autotuned the same shapes)
 if wants gguf; then
 echo "== GGUF matmul benchmark" | tee -a "$OUT/summary.txt"
-timeout 60 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections gguf_kernels --name gguf_bench 2>&1 \
+timeout 50 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections gguf_kernels --name gguf_bench 2>&1 \
   | tee "$OUT/gguf_bench.txt" || status=1
 fi
 if wants long; then
 echo "== long-context decode (8k, 32k; bf16 and int8 KV)" | tee -a "$OUT/summary.txt"
-timeout 60 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections long_context --name gpu_long_context 2>&1 \
+timeout 50 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections long_context --name gpu_long_context 2>&1 \
   | tee "$OUT/gpu_long_context.txt" | tail -4 | tee -a "$OUT/summary.txt" || status=1
 fi
 exit $status
