@@ -2,7 +2,8 @@
 the pinned SmolLM2 keeps flowing while a tiny model loads), concurrent requests share one load, Ollama's keep_alive
 (durations, 0, empty-prompt load/unload), eviction of the least recently used idle model under a small memory
 budget, a 507 naming the numbers for a model that cannot fit, a load failure that leaves the daemon serving,
-hostile model names that open nothing, and Ollama's store read in place (manifest + blob written by a fixture)."""
+hostile model names that open nothing, Ollama's store read in place (manifest + blob written by a fixture), and
+the two real models of the test assets (SmolLM2, Gemma 3 270M) streaming at once."""
 
 from __future__ import annotations
 
