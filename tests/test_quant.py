@@ -10,7 +10,7 @@ from torch import nn
 from llmd.kernels import cpu_gemm
 from llmd.kernels import quant_matmul as qmm
 from llmd.model import quant
-from llmd.model.gguf import dequantize
+from llmd.model.gguf import _GGUFFile, dequantize
 from llmd.model.linear import TransposedLinear
 from llmd.model.loader import load_model
 from llmd.model.simple import greedy_generate, prefill_logits
@@ -252,14 +252,19 @@ def test_smollm2_runs_from_its_q4_1_blocks(smollm2_gguf):
     int4 = [m for m in lm.model.modules() if isinstance(m, quant.Int4Linear)]
     # per layer: qkv (fused), o, gate_up (fused), down
     assert len(int4) == 30 * 4 and all(m.group_size == 32 for m in int4)
-    # The tied Q8_0 token table is kept once, as the int8 head, and the embeddings read the file's exact values.
-    head = lm.model.lm_head
-    assert isinstance(head, quant.Int8Linear) and head.group_size == 32
-    assert isinstance(lm.model.model.embed_tokens, quant.Int8RowEmbedding)
+    # The tied Q8_0 token table is kept once, as the file's blocks, serving as both the embeddings (the file's exact
+    # values) and the head (a GGUFLinear over the same bytes). It used to be rearranged into an int8 head, whose
+    # fp32 scales put the model over the 1.15x memory budget below.
+    head, emb = lm.model.lm_head, lm.model.model.embed_tokens
+    assert isinstance(head, quant.GGUFLinear) and head.type_name == "Q8_0"
+    assert isinstance(emb, quant.GGUFEmbedding) and head.qweight.data_ptr() == emb.qweight.data_ptr()
     raw = next(t for t in quant.gguf_raw_tensors(smollm2_gguf) if t.name == "model.embed_tokens.weight")
     ids = torch.tensor([0, 1, 504, 49151, 504])
     assert torch.equal(lm.model.model.embed_tokens(ids), dequantize(raw.data, raw.type_name, raw.shape)[ids])
     assert lm.report.weight_bytes < 120 * 2**20  # vs ~513 MiB dequantized to fp32
+    # the memory budget: resident weights within 1.15x the file's tensor bytes (Q4_1 as int4 is 1.2x, the rest 1x)
+    file_bytes = sum(t.nbytes for t in _GGUFFile(smollm2_gguf).tensors)
+    assert lm.report.weight_bytes <= 1.15 * file_bytes, lm.report.weight_bytes / file_bytes
     ids = lm.tokenizer.encode("The capital of France is")
     logits = prefill_logits(lm, ids)  # one forward: the CPU int4 path is slow on CPUs without AVX-512
     assert lm.tokenizer.decode([int(logits[-1].argmax())]).strip() == "Paris"

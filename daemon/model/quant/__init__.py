@@ -8,7 +8,7 @@ Modes: none | int8 | int4 (group 64; int4-g32 / int4-g64 / int4-g128 pick the gr
 
   modes.py        QuantSpec, parse_quant
   quantize.py     the int8 / int4 quantizers (clip search, least-squares refit; AWQ and GPTQ use them)
-  layers.py       QuantizedLinear, Int8Linear, Int4Linear, Int8RowEmbedding; building and filling them
+  layers.py       QuantizedLinear, Int8Linear, Int4Linear; building and filling them
   gguf_blocks.py  GGUF blocks into those layers without dequantizing
   gguf_layers.py  GGUFLinear, GGUFConcat, GGUFEmbedding: layers holding GGUF blocks of any packed type; the tied head
   bnb.py          bitsandbytes layers
@@ -22,13 +22,13 @@ from .apply import (build_empty_quantized, linear_modules, quantize_model, quant
                     swap_in_quantized)
 from .gguf_blocks import gguf_raw_tensors, gguf_tensor_types, int4_from_q4, int8_from_q8_0
 from .gguf_layers import GGUFConcat, GGUFEmbedding, GGUFLinear, packed_weight_bytes, tie_gguf_head
-from .layers import (Int4Linear, Int8Linear, Int8RowEmbedding, QuantizedLinear, cpu_kernel_is_fast, empty_quantized,
+from .layers import (Int4Linear, Int8Linear, QuantizedLinear, cpu_kernel_is_fast, empty_quantized,
                      fill_from_weight, fill_int4, quantize_linear, quantized_weight_bytes)
 from .modes import DEFAULT_INT4_GROUP, QuantSpec, parse_quant
 from .quantize import fit_int4_grid, quantize_int4, quantize_int8
 
 __all__ = [
-    "DEFAULT_INT4_GROUP", "GGUFConcat", "GGUFEmbedding", "GGUFLinear", "Int4Linear", "Int8Linear", "Int8RowEmbedding",
+    "DEFAULT_INT4_GROUP", "GGUFConcat", "GGUFEmbedding", "GGUFLinear", "Int4Linear", "Int8Linear",
     "QuantSpec", "QuantizedLinear", "build_empty_quantized", "cpu_kernel_is_fast", "empty_quantized",
     "fill_from_weight", "fill_int4", "fit_int4_grid", "gguf_raw_tensors", "gguf_tensor_types", "int4_from_q4",
     "int8_from_q8_0", "linear_modules", "packed_weight_bytes", "parse_quant", "quantize_int4", "quantize_int8",

@@ -7,8 +7,8 @@ file's own block bytes, uint8 [N, row bytes], beside its GGML type name: residen
 - otherwise (no C compiler, other dtypes): the rows of the weight are dequantized with the torch reference in
   bounded chunks per call and multiplied, so no fp32 copy is ever kept.
 Q4_0 / Q4_1 linear layers keep loading into llmd's int4 layers instead (an exact byte rearrangement,
-llmd.model.quant.gguf_blocks), whose tuned kernels they share with --quant int4; a tied Q8_0 token table becomes the
-int8 head.
+llmd.model.quant.gguf_blocks), whose tuned kernels they share with --quant int4; a tied token table of any type
+(Q8_0 included) is also the head (tie_gguf_head).
 The parts of a fused projection (q/k/v, gate/up) that differ in type, as Q4_K_M files have them (attn_v Q6_K next to
 Q4_K), load into a GGUFConcat of one GGUFLinear each, so the model and the C layer stack see one matmul.
 """
@@ -22,8 +22,7 @@ from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
 from ...errors import ModelFileError
-from .gguf_blocks import int8_from_q8_0
-from .layers import Int8Linear, Int8RowEmbedding, LinearKernel, QuantizedLinear, c_kernel, use_triton
+from .layers import LinearKernel, QuantizedLinear, c_kernel, use_triton
 
 _CHUNK_ELEMENTS = 1 << 22  # weights dequantized at a time by the torch path (16 MiB of fp32)
 
@@ -151,21 +150,14 @@ class GGUFEmbedding(nn.Module):
 
 
 def tie_gguf_head(model: nn.Module, dtype: torch.dtype) -> bool:
-    """A tied model whose token table stayed packed (GGUFEmbedding) gets its output head from that very table:
-    Q8_0 as an int8 group-32 layer (its tuned kernels) that the embeddings then read from; any other type as a
-    GGUFLinear sharing the table's bytes. One copy of the table either way. Returns whether it tied a head."""
+    """A tied model whose token table stayed packed (GGUFEmbedding) gets its output head from that very table: a
+    GGUFLinear sharing the table's bytes, so the table is held once, as the file's blocks. Q8_0 too: an int8 head
+    rearranged from it would cost 1.06x the bytes (fp32 scales) for about 5% more speed on one row.
+    Returns whether it tied a head."""
     emb = model.model.embed_tokens
     if getattr(model, "lm_head", "untied") is not None or not isinstance(emb, GGUFEmbedding):
         return False
-    n, k = emb.num_embeddings, emb.embedding_dim
-    if emb.type_name == "Q8_0":
-        head = Int8Linear(k, n, bias=False, group_size=32, device=emb.qweight.device)
-        q, s = int8_from_q8_0(emb.qweight.numpy() if emb.qweight.is_cpu else emb.qweight.cpu().numpy(), n, k)
-        head.qweight, head.scales = q.to(head.qweight.device), s.to(head.scales.device)
-        model.lm_head = head
-        model.model.embed_tokens = Int8RowEmbedding(head, dtype)
-        return True
-    head = GGUFLinear(k, n, emb.type_name, bias=False, device="meta")
+    head = GGUFLinear(emb.embedding_dim, emb.num_embeddings, emb.type_name, bias=False, device="meta")
     head.qweight = emb.qweight  # shared: the table is held once
     emb.head = [head]
     model.lm_head = head

@@ -181,21 +181,6 @@ class Int4Linear(QuantizedLinear):
         return lambda x: torch._weight_int4pack_mm_for_cpu(x.contiguous(), weight, group, scale_zeros)
 
 
-class Int8RowEmbedding(nn.Module):
-    """Token embeddings read from an int8 head's rows, dequantized on lookup: a tied table is kept once, as int8."""
-
-    def __init__(self, head: Int8Linear, dtype: torch.dtype):
-        super().__init__()
-        self.head = [head]  # a list, so the shared buffers are not registered (and counted) twice
-        self.dtype = dtype
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        head, ids = self.head[0], input_ids.reshape(-1)
-        scales = head.scales.index_select(0, ids).repeat_interleave(head.group_size, dim=-1)
-        rows = head.qweight.index_select(0, ids).to(torch.float32) * scales
-        return rows.to(self.dtype).view(*input_ids.shape, head.in_features)
-
-
 def quantize_linear(linear: nn.Module, mode: str | QuantSpec) -> nn.Module:
     """A quantized copy of an nn.Linear (weight [out, in], optional bias). mode: int8 | int4[-gN] | bnb-*."""
     spec = mode if isinstance(mode, QuantSpec) else parse_quant(mode)
