@@ -9,7 +9,9 @@ It applies to Llama-shaped models (no q/k norm, no partial rotary, no softcap; s
 qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type, or a GGUFConcat of
 several) with a prepared CPU kernel, with fp32 activations and a KV cache the C attention reads (fp32, fp16, bf16 or
 int8). Everything else (fp32 or bitsandbytes weights, Qwen3, Gemma 2's softcap, CUDA, LLMD_CPU_GEMM=0) keeps the
-module path. The engine's runner builds a
+module path. A step with two KV groups (a model mixing window and global layers: `meta.window_group`) runs too: each
+window layer writes and reads its own group's pool through its slots and tables (`Step.window`), as paged_attention
+picks them, and the two pools may differ in size. The engine's runner builds a
 `CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of the model.
 """
 
