@@ -43,8 +43,11 @@ typedef struct {
 
 /* One step's flattened batch of T new tokens. Decodes (single-token queries) are described as for
  * llmd_decode_attention; each other sequence is a chunk (prefill or speculative verify): chunks[i] = {first row,
- * rows, context length after the step, index of its block table in chunk_tables}. */
-typedef struct {
+ * rows, context length after the step, index of its block table in chunk_tables}.
+ * window: in a model that mixes sliding-window and global layers, the window layers' own KV group (its slots, decode
+ * and chunk tables; the same T and rows; its RoPE tables unused), which every layer with a window reads and writes,
+ * as paged_attention picks meta.window_group; NULL: one group. */
+typedef struct llmd_step {
     int64_t T;
     const float *cos, *ssin;   /* [T, head_dim] */
     const int64_t *slots;      /* [T] */
@@ -57,6 +60,7 @@ typedef struct {
     const int64_t *chunk_tables; /* [num_tables, chunk_stride] */
     int64_t num_tables, chunk_stride;
     const float *cos_local, *ssin_local; /* [T, head_dim]: the tables of layers with local_rope (may be NULL) */
+    const struct llmd_step *window;
 } llmd_step;
 
 /* y[m, n] = x @ W.T (+ bias); 0, or -2 (no memory) / -3 (the kernel refused the shape). */
@@ -117,6 +121,7 @@ int llmd_decoder_stack(const llmd_dims *dm, const llmd_layer *layers, const llmd
     const int64_t T = st->T, D = dm->hidden, H = dm->heads, KV = dm->kv_heads, d = dm->head_dim,
                   I = dm->intermediate, qkv_w = (H + 2 * KV) * d;
     if (T < 1) return 0;
+    if (st->window && st->window->T != T) return -1;
     const size_t floats = (size_t)(T * (D + qkv_w + H * d + D + 2 * I + I));
     float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!buf) return -2;
@@ -125,6 +130,7 @@ int llmd_decoder_stack(const llmd_dims *dm, const llmd_layer *layers, const llmd
     int rc = 0;
     for (int64_t l = 0; l < dm->num_layers && rc == 0; l++) {
         const llmd_layer *L = layers + l;
+        const llmd_step *g = L->window && st->window ? st->window : st; /* the KV group of this layer */
         llmd_rms_norm(x, D, L->input_norm, h, D, T, D, dm->eps);
         if ((rc = linear(&L->qkv, h, D, qkv, T, nth))) break;
         if (L->q_norm && L->k_norm)
@@ -139,11 +145,11 @@ int llmd_decoder_stack(const llmd_dims *dm, const llmd_layer *layers, const llmd
         llmd_rope(qkv, qkv_w, L->local_rope ? st->cos_local : st->cos, L->local_rope ? st->ssin_local : st->ssin, T,
                   H + KV, d);
         if (L->kv.kv_heads != KV || L->kv.d != d ||
-            llmd_write_kv(qkv + H * d, qkv_w, qkv + (H + KV) * d, qkv_w, st->slots, T, &L->kv)) {
+            llmd_write_kv(qkv + H * d, qkv_w, qkv + (H + KV) * d, qkv_w, g->slots, T, &L->kv)) {
             rc = -1;
             break;
         }
-        if ((rc = attention(dm, L, st, qkv, qkv_w, att, nth))) break;
+        if ((rc = attention(dm, L, g, qkv, qkv_w, att, nth))) break;
         if ((rc = linear(&L->o, att, H * d, y, T, nth))) break;
         if (L->attn_out_norm) llmd_rms_norm(y, D, L->attn_out_norm, y, D, T, D, dm->eps);
         add_rows(x, y, T * D);

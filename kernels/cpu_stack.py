@@ -42,7 +42,8 @@ class Step(ctypes.Structure):
                 ("num_decodes", _i64), ("decode_rows", _ptr), ("decode_tables", _ptr), ("decode_lens", _ptr),
                 ("decode_stride", _i64),
                 ("num_chunks", _i64), ("chunks", _ptr), ("chunk_tables", _ptr), ("num_tables", _i64),
-                ("chunk_stride", _i64), ("cos_local", _ptr), ("ssin_local", _ptr)]
+                ("chunk_stride", _i64), ("cos_local", _ptr), ("ssin_local", _ptr),
+                ("window", _ptr)]  # the window layers' own KV group: a Step's address (slots and tables), or None
 
 
 _bound: dict[int, ctypes.CDLL] = {}

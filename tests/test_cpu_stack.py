@@ -29,10 +29,12 @@ PROMPTS = [
 ]
 
 
-def _record_steps(loaded, use_stack: bool, **engine_kw) -> tuple[list[torch.Tensor], list]:
+def _record_steps(loaded, use_stack: bool, prompts: list[list[int]] | None = None, max_tokens: int = 10,
+                  **engine_kw) -> tuple[list[torch.Tensor], list]:
     """Greedy generation with staggered arrivals and small prefill chunks, so steps mix chunks and decodes;
     returns every step's logits and the final KV caches."""
-    engine = make_engine(loaded, max_num_batched_tokens=12, **engine_kw)
+    engine_kw.setdefault("max_num_batched_tokens", 12)
+    engine = make_engine(loaded, **engine_kw)
     runner = engine.runner
     assert isinstance(runner.forward, cpu_stack.CompiledCpuForward)
     if not use_stack:
@@ -47,21 +49,21 @@ def _record_steps(loaded, use_stack: bool, **engine_kw) -> tuple[list[torch.Tens
 
     runner.execute_eager = recording
     tok = loaded.tokenizer
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(PROMPTS):
-        engine.add_request(str(i), tok.encode(prompt), params)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts or [tok.encode(p) for p in PROMPTS]):
+        engine.add_request(str(i), prompt, params)
         for _ in range(3):
             engine.step()
     while engine.has_work():
         engine.step()
-    if use_stack:
-        assert runner.forward.stack._caches  # the stack ran (bound to the engine's caches)
+    if use_stack:  # the C code ran every step, none fell back to the modules
+        assert runner.forward.stack.steps == len(logits)
     return logits, [tuple(t.clone() for t in pair) for pair in runner.kv_caches]
 
 
-def _assert_stack_matches_modules(loaded, **engine_kw):
-    with_stack, caches = _record_steps(loaded, True, **engine_kw)
-    without, caches_ref = _record_steps(loaded, False, **engine_kw)
+def _assert_stack_matches_modules(loaded, **kw):
+    with_stack, caches = _record_steps(loaded, True, **kw)
+    without, caches_ref = _record_steps(loaded, False, **kw)
     assert len(with_stack) == len(without) > 10
     for got, want in zip(with_stack, without):
         assert torch.equal(got, want)
@@ -97,6 +99,25 @@ def test_stack_with_int8_activations(tiny_llama, monkeypatch):
 def test_smollm2_stack_matches_the_modules(smollm2_gguf):
     """The bundled model as it ships: Q4_1 layers, GQA 9:3, 30 layers."""
     _assert_stack_matches_modules(load_model(smollm2_gguf, quant="gguf"))
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp16", "int8"])
+def test_gemma3_stack_with_two_kv_groups_matches_the_modules(tmp_path, kv_cache_dtype):
+    """A tiny Gemma 3 (window 16; 5 window layers, 1 global, 1 window) keeps its window layers' K/V in a second KV
+    group with a pool of its own (llmd.engine.runner): the stack runs every step of contexts past 4x the window, each
+    layer over its own group's tables, with the modules' logits and caches bit for bit."""
+    from tiny_gemma import WINDOWS, write_tiny_gemma
+
+    loaded = load_model(write_tiny_gemma(tmp_path / "gemma3", "gemma3"), quant="int4-g32")
+    window = WINDOWS["gemma3"]
+    g = torch.Generator().manual_seed(0)
+    prompts = [[2] + torch.randint(10, 500, (n - 1,), generator=g).tolist() for n in (70, 9, 4 * window + 5, 30)]
+    kw = dict(prompts=prompts, max_tokens=8, max_num_batched_tokens=24, block_size=8, num_kv_blocks=None,
+              kv_cache_bytes=2**21, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
+    runner = make_engine(loaded, **{k: v for k, v in kw.items() if k not in ("prompts", "max_tokens")}).runner
+    sizes = {c[0].shape[0] for c in runner.kv_caches}
+    assert runner.num_window_blocks and len(sizes) == 2  # two groups, pools of different sizes
+    _assert_stack_matches_modules(loaded, **kw)
 
 
 def test_stack_steps_aside_where_it_does_not_apply(tiny_llama, tiny_qwen3):

@@ -163,9 +163,11 @@ def gemma3_270m_lm(gemma3_270m):
     return load_model(gemma3_270m, device="cpu", dtype=torch.float32)  # the CPU default: the file's blocks, packed
 
 
-def test_gemma3_270m_c_layer_stack_equals_the_modules(gemma3_270m_lm):
-    """Gemma 3's layers as one C call (llmd.model.cpu_stack) give bit for bit the modules' logits: chunked prefill
-    then decodes, past the window, fp16 KV (the CPU default)."""
+@pytest.mark.parametrize("groups", [1, 2])
+def test_gemma3_270m_c_layer_stack_equals_the_modules(gemma3_270m_lm, groups):
+    """Gemma 3's layers as one C call (llmd.model.cpu_stack) give bit for bit the modules' logits and caches: chunked
+    prefill then decodes, past the window, fp16 KV (the CPU default); with one KV group, and with two (the window
+    layers' own pool, of another size, and block tables, as the engine's runner keeps them)."""
     from llmd.model.attention import AttentionMetadata, allocate_kv_cache
     from llmd.model.cpu_stack import CompiledCpuForward
 
@@ -174,20 +176,29 @@ def test_gemma3_270m_c_layer_stack_equals_the_modules(gemma3_270m_lm):
     assert compiled is not None, "the C layer stack should cover Gemma 3 with packed GGUF layers"
     ids = lm.tokenizer.encode("The capital of France is", add_special_tokens=True) * 110
     cfg = lm.config
+    windowed = [t == "sliding_attention" for t in cfg.layer_types]
 
-    def run(forward) -> torch.Tensor:
-        caches = allocate_kv_cache(cfg.num_hidden_layers, 50, 16, cfg.num_key_value_heads, cfg.head_dim,
-                                   torch.float32, kv_cache_dtype="fp16")
-        table, out, done = list(reversed(range(50))), [], 0
+    def run(forward) -> tuple[torch.Tensor, list]:
+        pools = [iter(allocate_kv_cache(cfg.num_hidden_layers, blocks, 16, cfg.num_key_value_heads, cfg.head_dim,
+                                        torch.float32, kv_cache_dtype="fp16")) for blocks in (50, 70)]
+        caches = [next(pools[int(w and groups == 2)]) for w in windowed]
+        table, window_table, out, done = list(reversed(range(50))), [(3 * i + 5) % 70 for i in range(50)], [], 0
         with torch.inference_mode():
             for n in (300, len(ids) - 302, 1, 1):
                 meta = AttentionMetadata.build([n], [done + n], [table], 16)
+                if groups == 2:
+                    meta.window_group = AttentionMetadata.build([n], [done + n], [window_table], 16)
                 hidden = forward(torch.tensor(ids[done : done + n]), torch.arange(done, done + n), caches, meta)
                 out.append(lm.model.compute_logits(hidden))
                 done += n
-        return torch.cat(out)
+        return torch.cat(out), caches
 
-    assert torch.equal(run(compiled), run(lm.model))
+    steps = compiled.stack.steps
+    got, got_caches = run(compiled)
+    assert compiled.stack.steps == steps + 4  # the C code ran every step
+    want, want_caches = run(lm.model)
+    assert torch.equal(got, want)
+    assert all(torch.equal(a, b) for c, d in zip(got_caches, want_caches) for a, b in zip(c, d))
 
 
 def test_gemma3_270m_greedy_equals_transformers(gemma3_270m, gemma3_270m_lm):

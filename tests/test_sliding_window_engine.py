@@ -207,7 +207,8 @@ def test_speculation_on_equals_off(mistral, spec):
 @pytest.mark.skipif(cpu_ops.load() is None, reason="no C compiler for the CPU kernels")
 def test_cpu_layer_stack_equals_module_path(mistral_folder, kind):
     """int8 weights run through the C layer stack (kernels/cpu_stack.c, each layer's window passed to its
-    attention): the same greedy tokens as the module path. (Two KV groups: the stack steps aside.)"""
+    attention): the same greedy tokens as the module path, with one KV group (mistral) and with two (qwen2: its
+    window layers over their own pool and tables)."""
     from llmd.model import cpu_stack
 
     q8 = load_model(mistral_folder, dtype=torch.float32, device="cpu", quant="int8")
@@ -220,8 +221,8 @@ def test_cpu_layer_stack_equals_module_path(mistral_folder, kind):
         if not use_stack:
             engine.runner.forward = q8.model  # the modules, each layer's attention through the CPU backend
         tokens = [r.token_ids for r in generate(engine, ps, params)]
-        if use_stack:  # the stack ran (bound to the engine's caches), except beside a second KV group
-            assert bool(engine.runner.forward.stack._caches) == (kind == "mistral")
+        if use_stack:  # the C code ran every step
+            assert engine.runner.forward.stack.steps == engine.stats().steps_total > 0
         return tokens
 
     assert run(True) == run(False)

@@ -9,7 +9,9 @@ It applies to Llama-shaped models (no q/k norm, no partial rotary, no softcap; s
 qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type, or a GGUFConcat of
 several) with a prepared CPU kernel, with fp32 activations and a KV cache the C attention reads (fp32, fp16, bf16 or
 int8). Everything else (fp32 or bitsandbytes weights, Qwen3, Gemma 2's softcap, CUDA, LLMD_CPU_GEMM=0) keeps the
-module path. The engine's runner builds a
+module path. A step with two KV groups (a model mixing window and global layers: `meta.window_group`) runs too: each
+window layer writes and reads its own group's pool through its slots and tables (`Step.window`), as paged_attention
+picks them, and the two pools may differ in size. The engine's runner builds a
 `CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of the model.
 """
 
@@ -37,6 +39,7 @@ class CpuLayerStack:
         self._norms = norms  # (RMSNorm, its weight)
         self._caches: list = []  # weak references to the KV cache tensors whose pointers `layers` holds
         self.block_size = 0
+        self.steps = 0  # steps the C code ran (the rest fell back to the modules): for tests and benchmarks
         self._lock = threading.Lock()  # two threads running the model on different caches must not mix pointers
 
     @classmethod
@@ -120,8 +123,9 @@ class CpuLayerStack:
         return cls(lib, dims, layers, linears, norms)
 
     def _bind_caches(self, kv_caches: list) -> bool:
-        """Point the layers at these caches: one per layer, all of one type and shape, each one the C attention reads
-        ((k, v) in fp32/fp16/bf16, or an int8 cache with its scales)."""
+        """Point the layers at these caches: one per layer, all of one type and block size, each one the C attention
+        reads ((k, v) in fp32/fp16/bf16, or an int8 cache with its scales). Their numbers of blocks may differ (the
+        pools of two KV groups): the C code checks each layer's block ids against its own cache."""
         self._caches = []
         d = self.dims
         if len(kv_caches) != d.num_layers:
@@ -130,8 +134,8 @@ class CpuLayerStack:
         first = views[0]
         if first is None or (first.kv_heads, first.d) != (d.kv_heads, d.head_dim):
             return False
-        key = (first.dtype, first.num_blocks, first.block_size)
-        if any(v is None or (v.dtype, v.num_blocks, v.block_size) != key for v in views):
+        key = (first.dtype, first.block_size, first.kv_heads, first.d)
+        if any(v is None or (v.dtype, v.block_size, v.kv_heads, v.d) != key for v in views):
             return False
         for c_layer, view in zip(self.layers, views):
             c_layer.kv = view
@@ -151,8 +155,6 @@ class CpuLayerStack:
             return self._forward(x, cos, sin, kv_caches, meta)
 
     def _forward(self, x, cos, sin, kv_caches, meta) -> bool:
-        if meta.window_group is not None:  # the window layers' own KV group: one step description would not do
-            return False
         if not self._bound_to(kv_caches) and not self._bind_caches(kv_caches):
             return False
         t = x.shape[0]
@@ -161,25 +163,40 @@ class CpuLayerStack:
             local = (cos["sliding_attention"], sin["sliding_attention"])
             cos, sin = cos["full_attention"], sin["full_attention"]
         tables = [cos, sin] + list(local or ())
-        if meta.block_size != self.block_size or not all(c.is_contiguous() for c in tables) \
-                or any(c.numel() != t * self.dims.head_dim for c in tables) or meta.slot_mapping.numel() != t:
+        groups = [meta] if meta.window_group is None else [meta, meta.window_group]
+        if any(g.block_size != self.block_size or g.slot_mapping.numel() != t for g in groups) \
+                or not all(c.is_contiguous() for c in tables) or any(c.numel() != t * self.dims.head_dim for c in tables):
             return False
-        plan = decode_plan(meta)  # the same plan the CPU attention backend uses
-        step = ck.Step(T=t, cos=cos.data_ptr(), ssin=sin.data_ptr(), slots=meta.slot_mapping.data_ptr())
+        step = _step(meta, t)
+        step.cos, step.ssin = cos.data_ptr(), sin.data_ptr()
         if local is not None:
             step.cos_local, step.ssin_local = local[0].data_ptr(), local[1].data_ptr()
-        if plan.block_tables.shape[0]:
-            step.num_decodes = plan.block_tables.shape[0]
-            step.decode_rows = None if plan.rows is None else plan.rows.data_ptr()
-            step.decode_tables, step.decode_lens = plan.block_tables.data_ptr(), plan.seq_lens.data_ptr()
-            step.decode_stride = plan.block_tables.shape[1]
-        if plan.others:
-            chunks = _chunks(meta, plan.others)
-            tables = meta.block_tables
-            step.num_chunks, step.chunks = len(plan.others), chunks.data_ptr()
-            step.chunk_tables, step.num_tables, step.chunk_stride = tables.data_ptr(), tables.shape[0], tables.shape[1]
+        window = None
+        if meta.window_group is not None:  # the window layers' own KV group: its slots and tables (C: step.window)
+            window = _step(meta.window_group, t)
+            step.window = ctypes.addressof(window)
         ck.run(self.lib, self.dims, self.layers, step, x.data_ptr(), torch.get_num_threads())
+        self.steps += 1
         return True
+
+
+def _step(meta: AttentionMetadata, t: int) -> ck.Step:
+    """The C description of one KV group's part of a step: its slots, decode plan and chunk tables. The tensors it
+    points into belong to `meta` (and its cached decode plan), which outlives the C call."""
+    plan = decode_plan(meta)  # the same plan the CPU attention backend uses
+    step = ck.Step(T=t, slots=meta.slot_mapping.data_ptr())
+    if plan.block_tables.shape[0]:
+        step.num_decodes = plan.block_tables.shape[0]
+        step.decode_rows = None if plan.rows is None else plan.rows.data_ptr()
+        step.decode_tables, step.decode_lens = plan.block_tables.data_ptr(), plan.seq_lens.data_ptr()
+        step.decode_stride = plan.block_tables.shape[1]
+    if plan.others:
+        chunks = _chunks(meta, plan.others)
+        step._chunks = chunks  # kept alive with the step
+        tables = meta.block_tables
+        step.num_chunks, step.chunks = len(plan.others), chunks.data_ptr()
+        step.chunk_tables, step.num_tables, step.chunk_stride = tables.data_ptr(), tables.shape[0], tables.shape[1]
+    return step
 
 
 def _linear(module) -> ck.Linear | None:

@@ -34,12 +34,15 @@ def llmd_prefill_tok_s(model, tokens: int, block_size: int = 16) -> float:
     forward = CompiledCpuForward.try_build(model) or model  # as the engine's runner runs it
     cfg = model.config
     blocks = -(-tokens // block_size)
-    kv = allocate_kv_cache(cfg.num_hidden_layers, blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim,
-                           torch.float32, "cpu", kv_cache_dtype=KV)
+    pools = [iter(allocate_kv_cache(cfg.num_hidden_layers, blocks + extra, block_size, cfg.num_key_value_heads,
+                                    cfg.head_dim, torch.float32, "cpu", kv_cache_dtype=KV)) for extra in (1, 2)]
+    # two KV groups, as the engine's runner keeps them: the window layers' K/V in a pool of their own
+    kv = [next(pools[w is not None]) for w in cfg.layer_windows]
     prompt = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))
     best = float("inf")
     for _ in range(2):
         meta = AttentionMetadata.build([tokens], [tokens], [list(range(1, blocks + 1))], block_size)
+        meta.window_group = AttentionMetadata.build([tokens], [tokens], [list(range(2, blocks + 2))], block_size)
         t0 = time.perf_counter()
         hidden = forward(prompt, torch.arange(tokens), kv, meta)
         model.compute_logits(hidden[-1:])
@@ -93,7 +96,8 @@ def main(argv=None):
         print(llamacpp_anchor.MISSING)
     model = load_model(path, device="cpu").model
     rows = [(f"decode b={b} tok/s", decode_tokens_per_second(model, b, args.prompt_len, args.steps,
-                                                             kv_cache_dtype=KV), b) for b in batches]
+                                                             kv_cache_dtype=KV, kv_groups=True), b)
+            for b in batches]  # two KV groups (window / global layers), as the engine runs it
     rows += [(f"prefill {n} tok/s", llmd_prefill_tok_s(model, n), f"prefill {n}") for n in prefills]
     print(f"  {'':22} {'llmd':>9} {'llama.cpp':>10} {'ratio':>7}")
     for label, value, key in rows:

@@ -15,10 +15,12 @@ from llmd.model.cpu_stack import CompiledCpuForward
 @torch.inference_mode()
 def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, block_size: int = 16,
                              warmup: int = 2, sync=lambda: None, query_len: int = 1, kv_cache_dtype: str = "auto",
-                             prefill_chunk: int | None = None) -> float:
+                             prefill_chunk: int | None = None, kv_groups: bool = False) -> float:
     """Steps per second times batch. query_len > 1 feeds that many positions per sequence per step, the shape of a
     speculative verify (k proposals + 1), so its cost can be compared with a plain decode step. prefill_chunk: feed
-    the prompts in chunks of that many positions (a long prompt in one forward needs its activations at once)."""
+    the prompts in chunks of that many positions (a long prompt in one forward needs its activations at once).
+    kv_groups: in a model mixing window and global layers, the window layers' K/V in a pool of their own with their
+    own block tables (meta.window_group), as the engine's runner keeps them."""
     cfg = model.config
     param = next(p for p in model.parameters())
     device, dtype = param.device, (param.dtype if param.is_floating_point() else torch.float32)
@@ -29,13 +31,28 @@ def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, blo
     kv = allocate_kv_cache(cfg.num_hidden_layers, batch * per_seq + 1, block_size, cfg.num_key_value_heads,
                            cfg.head_dim, dtype, device, kv_cache_dtype=kv_cache_dtype)
     tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
+    windows = cfg.layer_windows
+    window_tables = None
+    if kv_groups and any(w is None for w in windows) and any(w is not None for w in windows):
+        window_kv = iter(allocate_kv_cache(cfg.num_hidden_layers, batch * per_seq + 2, block_size,
+                                           cfg.num_key_value_heads, cfg.head_dim, dtype, device,
+                                           kv_cache_dtype=kv_cache_dtype))
+        kv = [next(window_kv) if w is not None else c for w, c in zip(windows, kv, strict=True)]
+        window_tables = [[b + 1 for b in t] for t in tables]  # other ids in a pool of another size
+
+    def build(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device, backend=backend)
+        if window_tables is not None:
+            meta.window_group = AttentionMetadata.build(query_lens, seq_lens, window_tables, block_size,
+                                                        device=device, backend=backend)
+        return meta
+
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen)
     chunk = prefill_chunk or prompt_len
     for lo in range(0, prompt_len, chunk):
         hi = min(lo + chunk, prompt_len)
-        meta = AttentionMetadata.build([hi - lo] * batch, [hi] * batch, tables, block_size, device=device,
-                                       backend=backend)
+        meta = build([hi - lo] * batch, [hi] * batch)
         pos = torch.arange(lo, hi).repeat(batch).to(device)
         hidden = forward(prompt[:, lo:hi].flatten().to(device), pos, kv, meta)
     last = hidden.view(batch, hi - lo, -1)[:, -1]
@@ -46,8 +63,7 @@ def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, blo
         t0 = time.perf_counter()
         ids = model.compute_logits(last).argmax(-1).repeat_interleave(query_len)
         length += query_len
-        meta = AttentionMetadata.build([query_len] * batch, [length] * batch, tables, block_size, device=device,
-                                       backend=backend)
+        meta = build([query_len] * batch, [length] * batch)
         positions = torch.arange(length - query_len, length, device=device).repeat(batch)
         last = forward(ids, positions, kv, meta).view(batch, query_len, -1)[:, -1]
         sync()
