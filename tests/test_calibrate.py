@@ -11,7 +11,7 @@ from llmd.model import quant
 from llmd.model.calibrate import calibration_token_ids
 from llmd.model.gptq import gptq_int4, input_hessian
 from llmd.model.loader import load_model
-from llmd.model.simple import prefill_logits
+from simple_driver import prefill_logits
 from llmd.model.weights import safetensors_files, safetensors_readers
 
 

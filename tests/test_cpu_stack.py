@@ -193,7 +193,7 @@ def test_stack_does_not_keep_a_kv_pool_alive(tiny_llama):
 def test_tokens_decoded_or_verified_in_a_chunk_get_the_same_logits(model, kv_cache_dtype, tiny_llama, smollm2_gguf):
     """Speculative verification and recompute after preemption run a sequence's tokens as a chunk where plain
     decoding runs them one by one: on the CPU path the logits and the KV cache are bit for bit the same."""
-    from llmd.model.simple import SingleSequence
+    from simple_driver import SingleSequence
 
     # a quantized head (SmolLM2's is its Q8_0 table): fp32 heads run torch's matmul, whose bits may depend on M
     loaded = load_model(tiny_llama, quant="int4-g32", quantize_head=True) if model == "tiny-int4" \
@@ -215,7 +215,7 @@ def test_two_threads_on_one_model_keep_their_own_caches(tiny_llama):
     once get what they get one after the other."""
     import threading
 
-    from llmd.model.simple import SingleSequence
+    from simple_driver import SingleSequence
 
     loaded = load_model(tiny_llama, quant="int8", quantize_head=True)
     prompts = [loaded.tokenizer.encode("The quick brown fox"), loaded.tokenizer.encode("def fibonacci(n):")]

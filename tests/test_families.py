@@ -23,7 +23,7 @@ from llmd.model.cpu_stack import CompiledCpuForward
 from llmd.model.gguf import gguf_config
 from llmd.model.llama import longrope_uses_long_factors
 from llmd.model.loader import load_model
-from llmd.model.simple import SingleSequence, greedy_generate
+from simple_driver import SingleSequence, greedy_generate
 from tiny_models import GGUF_ARCH, write_tiny_gguf
 
 TOLERANCE = 1e-4

@@ -15,7 +15,7 @@ from llmd.model.config import ModelConfig
 from llmd.model.gemma import GemmaCausalLM
 from llmd.model.gguf import gguf_config
 from llmd.model.loader import load_model
-from llmd.model.simple import SingleSequence, greedy_generate, prefill_logits
+from simple_driver import SingleSequence, greedy_generate, prefill_logits
 from tiny_gemma import GEMMA_KINDS, WINDOWS, write_tiny_gemma, write_tiny_gemma_gguf
 
 TOLERANCE = 1e-4

@@ -19,7 +19,7 @@ from llmd.errors import ModelFileError
 from llmd.kernels import gguf_blocks as gb
 from llmd.model.quant import GGUFEmbedding, GGUFLinear, packed_weight_bytes
 from llmd.model.loader import load_model
-from llmd.model.simple import prefill_logits
+from simple_driver import prefill_logits
 
 T = gguf.GGMLQuantizationType
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 512, 2

@@ -17,7 +17,7 @@ from llmd.model.attention import AttentionMetadata, allocate_kv_cache
 from llmd.model.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from llmd.model.linear import TransposedLinear
 from llmd.model.loader import load_model
-from llmd.model.simple import SingleSequence, greedy_generate
+from simple_driver import SingleSequence, greedy_generate
 
 TOLERANCE = 1e-4
 KINDS = ["llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3"]

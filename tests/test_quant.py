@@ -13,7 +13,7 @@ from llmd.model import quant
 from llmd.model.gguf import _GGUFFile, dequantize
 from llmd.model.linear import TransposedLinear
 from llmd.model.loader import load_model
-from llmd.model.simple import greedy_generate, prefill_logits
+from simple_driver import greedy_generate, prefill_logits
 
 
 def _linear(n: int, k: int, bias: bool = False, seed: int = 0) -> nn.Linear:

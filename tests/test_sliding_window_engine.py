@@ -17,7 +17,7 @@ from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse
 from llmd.engine import SamplingParams, generate
 from llmd.kernels import cpu_ops
 from llmd.model.loader import load_model
-from llmd.model.simple import SingleSequence
+from simple_driver import SingleSequence
 from tiny_models import write_tiny_model
 
 WINDOW = 16

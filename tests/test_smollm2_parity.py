@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from llmd.model.loader import load_model
-from llmd.model.simple import greedy_generate, prefill_logits
+from simple_driver import greedy_generate, prefill_logits
 
 LOGIT_ATOL = 2e-3
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]

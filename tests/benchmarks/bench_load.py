@@ -4,7 +4,7 @@
 
 Each side runs in its own subprocess, so peak memory is its own. Both load the GGUF dequantized to fp32 on CPU and
 produce exactly `--tokens` new tokens greedily (no early EOS) for the same chat prompt; llmd runs through the paged
-KV cache with llmd.model.simple.greedy_generate, transformers through generate(do_sample=False).
+KV cache with simple_driver.greedy_generate, transformers through generate(do_sample=False).
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ def run_llmd(gguf: Path, tokens: int) -> dict:
     import torch
 
     from llmd.model.loader import load_model
-    from llmd.model.simple import greedy_generate
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for simple_driver
+    from simple_driver import greedy_generate
 
     t0, c0 = time.perf_counter(), time.process_time()
     lm = load_model(gguf, dtype=torch.float32, device="cpu")

@@ -65,7 +65,8 @@ def long_text() -> tuple[str, list[str]]:
 @torch.inference_mode()
 def logprobs(loaded, ids: list[int], chunk: int, decode_tail: int, kv: str) -> tuple[torch.Tensor, float]:
     """fp32 log-probabilities [len(ids), vocab] with the KV cache kind `kv` (a --kv-cache-dtype value)."""
-    from llmd.model.simple import SingleSequence
+    sys.path.insert(0, str(HERE.parent))  # tests/, for simple_driver
+    from simple_driver import SingleSequence
 
     session = SingleSequence(loaded, len(ids), kv_cache_dtype=kv)
     start = time.perf_counter()

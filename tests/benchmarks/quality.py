@@ -65,7 +65,7 @@ def default_model() -> Path:
 @torch.inference_mode()
 def logits_for(model_path, mode: str, ids: list[int]) -> tuple[torch.Tensor, float, int]:
     from llmd.model.loader import load_model
-    from llmd.model.simple import prefill_logits
+    from simple_driver import prefill_logits
 
     start = time.perf_counter()
     loaded = load_model(model_path, quant=mode)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
             loaded = load_model(model_path, quant="none")
             tokenizer = loaded.tokenizer
             ids = tokenizer.encode(TEXT)
-            from llmd.model.simple import prefill_logits
+            from simple_driver import prefill_logits
 
             with torch.inference_mode():
                 logits = prefill_logits(loaded, ids, chunk_sizes=[128] * (len(ids) // 128)).float()

@@ -17,8 +17,8 @@ from typing import Any, Sequence
 
 import torch
 
-from .attention import AttentionMetadata, allocate_kv_cache
-from .cpu_stack import CompiledCpuForward
+from llmd.model.attention import AttentionMetadata, allocate_kv_cache
+from llmd.model.cpu_stack import CompiledCpuForward
 
 
 def _model_of(model_or_loaded: Any) -> torch.nn.Module:
