@@ -58,22 +58,13 @@ class CpuLayerStack:
         layers = (ck.Layer * len(model.model.layers))()
         linears, norms = [], []
         for layer, c_layer in zip(model.model.layers, layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                                 ("down", mlp.down_proj)):
-                linear = _linear(module)
-                if linear is None:
-                    return None
-                setattr(c_layer, name, linear)
-                linears.append((module, module.kernel))
+            attn = layer.self_attn
+            if not _bind_projections(layer, c_layer, linears):
+                return None
             c_layer.window = attn.window or 0  # each layer's sliding window (0: none)
             for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.post_attention_layernorm)):
-                w = norm.weight
-                if w.dtype is not torch.float32 or not w.is_cpu or not w.is_contiguous() \
-                        or norm.eps != config.rms_norm_eps:
+                if not _bind_norm(c_layer, name, norm, norm.weight, config.rms_norm_eps, norms):
                     return None
-                setattr(c_layer, name, w.data_ptr())
-                norms.append((norm, w))
         c = config
         dims = ck.Dims(num_layers=len(layers), hidden=c.hidden_size, heads=c.num_attention_heads,
                        kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
@@ -92,14 +83,9 @@ class CpuLayerStack:
         linears, norms = [], []
         local = model.model.rotary_emb.sliding is not None
         for layer, c_layer in zip(model.model.layers, layers, strict=True):
-            attn, mlp = layer.self_attn, layer.mlp
-            for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                                 ("down", mlp.down_proj)):
-                linear = _linear(module)
-                if linear is None:
-                    return None
-                setattr(c_layer, name, linear)
-                linears.append((module, module.kernel))
+            attn = layer.self_attn
+            if not _bind_projections(layer, c_layer, linears):
+                return None
             c_layer.window = attn.window or 0
             c_layer.local_rope = int(local and attn.window is not None)
             for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.pre_feedforward_layernorm),
@@ -110,12 +96,8 @@ class CpuLayerStack:
                     continue
                 if norm.scale is None:
                     norm.prepare()
-                w = norm.scale
-                if w.dtype is not torch.float32 or not w.is_cpu or not w.is_contiguous() \
-                        or norm.eps != config.rms_norm_eps:
+                if not _bind_norm(c_layer, name, norm, norm.scale, config.rms_norm_eps, norms):
                     return None
-                setattr(c_layer, name, w.data_ptr())
-                norms.append((norm, w))
         c = config
         dims = ck.Dims(num_layers=len(layers), hidden=c.hidden_size, heads=c.num_attention_heads,
                        kv_heads=c.num_key_value_heads, head_dim=c.head_dim, intermediate=c.intermediate_size,
@@ -197,6 +179,28 @@ def _step(meta: AttentionMetadata, t: int) -> ck.Step:
         step.num_chunks, step.chunks = len(plan.others), chunks.data_ptr()
         step.chunk_tables, step.num_tables, step.chunk_stride = tables.data_ptr(), tables.shape[0], tables.shape[1]
     return step
+
+
+def _bind_projections(layer, c_layer, linears: list) -> bool:
+    """The layer's four fused projections into its C structure (False: one has no compiled CPU kernel)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                         ("down", mlp.down_proj)):
+        linear = _linear(module)
+        if linear is None:
+            return False
+        setattr(c_layer, name, linear)
+        linears.append((module, module.kernel))
+    return True
+
+
+def _bind_norm(c_layer, name: str, norm, w: torch.Tensor, eps: float, norms: list) -> bool:
+    """A norm's fp32 multiplier `w` into the C structure (False: not one the C code reads, or another eps)."""
+    if w.dtype is not torch.float32 or not w.is_cpu or not w.is_contiguous() or norm.eps != eps:
+        return False
+    setattr(c_layer, name, w.data_ptr())
+    norms.append((norm, w))
+    return True
 
 
 def _linear(module) -> ck.Linear | None:
