@@ -149,25 +149,23 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: i
 
 def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
     """silu(gate_up[:, :n]) * gate_up[:, n:] for the fused gate/up output [T, 2n]."""
-    ok = gate_up.dim() == 2 and gate_up.shape[1] == 2 * n and _plain(gate_up)
-    lib = load() if ok else None
-    if lib is None:
-        return None
-    t = gate_up.shape[0]
-    y = gate_up.new_empty((t, n))
-    lib.llmd_silu_mul(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), n, t, n)
-    return y
+    return _gated(gate_up, n, "llmd_silu_mul")
 
 
 def gelu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
     """gelu_tanh(gate_up[:, :n]) * gate_up[:, n:] for the fused gate/up output [T, 2n] (GeGLU)."""
+    return _gated(gate_up, n, "llmd_gelu_mul")
+
+
+def _gated(gate_up: torch.Tensor, n: int, fn: str) -> torch.Tensor | None:
+    """One C gated-activation call (`fn`: llmd_silu_mul or llmd_gelu_mul) into a new [T, n], or None."""
     ok = gate_up.dim() == 2 and gate_up.shape[1] == 2 * n and _plain(gate_up)
     lib = load() if ok else None
     if lib is None:
         return None
     t = gate_up.shape[0]
     y = gate_up.new_empty((t, n))
-    lib.llmd_gelu_mul(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), n, t, n)
+    getattr(lib, fn)(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), n, t, n)
     return y
 
 
