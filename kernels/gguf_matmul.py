@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import triton, tl, HAVE_TRITON
+from ._triton import triton, tl, HAVE_TRITON, fastest
 from .gguf_blocks import dequantize_blocks
 
 
@@ -425,18 +425,8 @@ def _best_config(x: torch.Tensor, qweight: torch.Tensor, t: GGUFType, k: int) ->
     key = (t.name, _m_bucket(m) if m <= SMALL_M else min(_m_bucket(m), 512), n, k, x.dtype)
     if key in _best:
         return _best[key]
-    from triton.testing import do_bench
-
-    best, best_ms = None, float("inf")
-    for cfg, launch in candidates(m, t.name, k):
-        try:
-            ms = do_bench(lambda: _run(x, qweight, t, k, cfg, launch), warmup=3, rep=10)
-        except Exception:  # a tiling that does not fit this device (shared memory, registers)
-            continue
-        if ms < best_ms:
-            best, best_ms = (cfg, launch), ms
-    if best is None:
-        raise RuntimeError(f"no {t.name} matmul tiling runs for M={m} N={n} K={k}")
+    best = fastest(candidates(m, t.name, k), lambda cfg, launch: _run(x, qweight, t, k, cfg, launch),
+                   f"{t.name} matmul for M={m} N={n} K={k}")
     _best[key] = best
     return best
 

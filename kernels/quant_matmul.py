@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from ._triton import triton, tl, HAVE_TRITON
+from ._triton import triton, tl, HAVE_TRITON, fastest
 
 # Decode-sized batches (M up to this) take the split-K path.
 SMALL_M = 32
@@ -233,18 +233,9 @@ def _best_config(kernel, args, x, n, group, per_channel, extra) -> tuple[dict, d
            n, k, group, x.dtype)
     if key in _best:
         return _best[key]
-    from triton.testing import do_bench
-
-    best, best_ms = None, float("inf")
-    for cfg, launch in candidates(m, k, group, per_channel):
-        try:
-            ms = do_bench(lambda: _run(kernel, args, x, n, extra, cfg, launch), warmup=3, rep=10)
-        except Exception:  # a tiling that does not fit this device (shared memory, registers)
-            continue
-        if ms < best_ms:
-            best, best_ms = (cfg, launch), ms
-    if best is None:
-        raise RuntimeError(f"no quantized matmul tiling runs for M={m} N={n} K={k}")
+    best = fastest(candidates(m, k, group, per_channel),
+                   lambda cfg, launch: _run(kernel, args, x, n, extra, cfg, launch),
+                   f"quantized matmul for M={m} N={n} K={k}")
     _best[key] = best
     return best
 
