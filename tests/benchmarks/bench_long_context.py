@@ -152,6 +152,11 @@ def llama_batch(llama, kv: str, prompts: list[list[int]], steps: int) -> float:
                           rope_freq_scale=1.0 / ROPE_FACTOR).decode_tok_s
 
 
+def rates(decode: dict[int, dict], col: str) -> str:
+    """One side's ladder as it finishes, so a run cut short still shows what it measured."""
+    return ", ".join(f"{n:,}: {row[col]:.1f} tok/s" for n, row in decode.items() if col in row)
+
+
 def print_table(title: str, rows: dict, cols: list[str], kvs: list[str], ref: str | None, fmt: str,
                 higher_is_better: bool = True) -> None:
     print(f"\n{title}\n| context | " + " | ".join(cols) + (f" | best llmd / {ref} |" if ref else " |"))
@@ -200,11 +205,11 @@ def main() -> None:
     for kv in kvs:
         for n, rate in llmd_ladder(loaded, kv, ids, contexts, args.steps).items():
             decode[n][f"llmd {kv}"] = rate
-        print(f"  llmd {kv}: done", flush=True)
+        print(f"  llmd {kv}: " + rates(decode, f"llmd {kv}"), flush=True)
     for kv in llama_kvs if llama else []:
         for n, rate in llama_ladder(llama, kv, ids, contexts, args.steps).items():
             decode[n][f"llama.cpp {kv}"] = rate
-        print(f"  llama.cpp {kv}: done", flush=True)
+        print(f"  llama.cpp {kv}: " + rates(decode, f"llama.cpp {kv}"), flush=True)
     print_table("batch-1 decode, tok/s", decode, cols, kvs, ref, "{:.1f}")
 
     ttft: dict[int, dict] = {}
