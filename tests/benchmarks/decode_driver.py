@@ -12,33 +12,28 @@ from llmd.model.attention_backends import choose_backend
 from llmd.model.cpu_stack import CompiledCpuForward
 
 
-@torch.inference_mode()
-def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, block_size: int = 16,
-                             warmup: int = 2, sync=lambda: None, query_len: int = 1, kv_cache_dtype: str = "auto",
-                             prefill_chunk: int | None = None, kv_groups: bool = False) -> float:
-    """Steps per second times batch. query_len > 1 feeds that many positions per sequence per step, the shape of a
-    speculative verify (k proposals + 1), so its cost can be compared with a plain decode step. prefill_chunk: feed
-    the prompts in chunks of that many positions (a long prompt in one forward needs its activations at once).
-    kv_groups: in a model mixing window and global layers, the window layers' K/V in a pool of their own with their
-    own block tables (meta.window_group), as the engine's runner keeps them."""
+def paged_kv(model, batch: int, max_len: int, block_size: int = 16, kv_cache_dtype: str = "auto",
+             kv_groups: bool = False):
+    """Zeroed KV caches for `batch` sequences of up to `max_len` tokens, each with its own blocks, and
+    build(query_lens, seq_lens) -> the step's AttentionMetadata over them. kv_groups: in a model mixing window and
+    global layers, the window layers' K/V in a pool of their own with their own block tables (meta.window_group),
+    as the engine's runner keeps them."""
     cfg = model.config
     param = next(p for p in model.parameters())
     device, dtype = param.device, (param.dtype if param.is_floating_point() else torch.float32)
     backend = choose_backend(device)  # as the engine's runner picks it (Triton on CUDA where it runs)
-    forward = CompiledCpuForward.try_build(model) or model  # and, on the CPU, the layers in one C call
-    max_len = prompt_len + query_len * (steps + warmup) + 1
     per_seq = -(-max_len // block_size)
-    kv = allocate_kv_cache(cfg.num_hidden_layers, batch * per_seq + 1, block_size, cfg.num_key_value_heads,
-                           cfg.head_dim, dtype, device, kv_cache_dtype=kv_cache_dtype)
     tables = [list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)) for b in range(batch)]
     windows = cfg.layer_windows
-    window_tables = None
-    if kv_groups and any(w is None for w in windows) and any(w is not None for w in windows):
-        window_kv = iter(allocate_kv_cache(cfg.num_hidden_layers, batch * per_seq + 2, block_size,
-                                           cfg.num_key_value_heads, cfg.head_dim, dtype, device,
-                                           kv_cache_dtype=kv_cache_dtype))
-        kv = [next(window_kv) if w is not None else c for w, c in zip(windows, kv, strict=True)]
-        window_tables = [[b + 1 for b in t] for t in tables]  # other ids in a pool of another size
+    grouped = kv_groups and any(w is None for w in windows) and any(w is not None for w in windows)
+
+    def pool(blocks: int):  # one layer's cache
+        return allocate_kv_cache(1, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device,
+                                 kv_cache_dtype=kv_cache_dtype)[0]
+
+    # grouped: the window layers' caches in a pool of another size (one more block), with tables of other ids
+    kv = [pool(batch * per_seq + (2 if grouped and w is not None else 1)) for w in windows]
+    window_tables = [[b + 1 for b in t] for t in tables] if grouped else None
 
     def build(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device, backend=backend)
@@ -47,6 +42,46 @@ def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, blo
                                                         device=device, backend=backend)
         return meta
 
+    return kv, build
+
+
+@torch.inference_mode()
+def prefill_tokens_per_second(model, tokens: int, block_size: int = 16, rounds: int = 2, sync=lambda: None,
+                              kv_cache_dtype: str = "auto", kv_groups: bool = False) -> float:
+    """A `tokens`-long prompt in one forward into an empty cache, plus the logits of its last position: tokens / the
+    best of `rounds` timed forwards, after one untimed one (which compiles the kernels)."""
+    cfg = model.config
+    device = next(p for p in model.parameters()).device
+    forward = CompiledCpuForward.try_build(model) or model
+    kv, build = paged_kv(model, 1, tokens, block_size, kv_cache_dtype, kv_groups)
+    prompt = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).to(device)
+    positions = torch.arange(tokens, device=device)
+    best = float("inf")
+    for r in range(rounds + 1):
+        sync()
+        t0 = time.perf_counter()
+        hidden = forward(prompt, positions, kv, build([tokens], [tokens]))
+        model.compute_logits(hidden[-1:])
+        sync()
+        if r > 0:
+            best = min(best, time.perf_counter() - t0)
+    return tokens / best
+
+
+@torch.inference_mode()
+def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, block_size: int = 16,
+                             warmup: int = 2, sync=lambda: None, query_len: int = 1, kv_cache_dtype: str = "auto",
+                             prefill_chunk: int | None = None, kv_groups: bool = False) -> float:
+    """Steps per second times batch. query_len > 1 feeds that many positions per sequence per step, the shape of a
+    speculative verify (k proposals + 1), so its cost can be compared with a plain decode step. prefill_chunk: feed
+    the prompts in chunks of that many positions (a long prompt in one forward needs its activations at once).
+    kv_groups: the window layers' K/V in a pool of their own (paged_kv). Timed step s (of warmup + steps) attends
+    over prompt_len + (s + 1) * query_len tokens per sequence."""
+    cfg = model.config
+    device = next(p for p in model.parameters()).device
+    forward = CompiledCpuForward.try_build(model) or model  # and, on the CPU, the layers in one C call
+    max_len = prompt_len + query_len * (steps + warmup) + 1
+    kv, build = paged_kv(model, batch, max_len, block_size, kv_cache_dtype, kv_groups)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (batch, prompt_len), generator=gen)
     chunk = prefill_chunk or prompt_len

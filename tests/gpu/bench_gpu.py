@@ -15,6 +15,11 @@
 6. Long-context decode (section long_context; run_gpu_checks.sh runs it apart, as --sections long_context --name
    gpu_long_context): batch 1 after 8k and 32k tokens for the random bf16 Llama-3-8B with a
    bf16 and an int8 KV cache, with achieved GB/s of weights + KV read per step and % of the roofline.
+7. Real model shapes (section shapes; run apart as --sections shapes --name gpu_shapes): random-weight Gemma 3 4B
+   (text) and Qwen2.5-7B built from their config.json values through llmd's own ModelConfig and model classes, bf16
+   and int8: prefill tok/s of a 2k prompt, decode tok/s at batch 1 and 16 after it, GB/s of weights + KV read per
+   decode step and % of the roofline, weight and peak GPU memory, as a table. `--device cpu --scale tiny` runs the
+   same code on the CPU at a tiny size of the same families (tests/test_gpu_bench_shapes.py).
 Writes JSON and a text table to --out. Imports nothing outside torch/triton/llmd.
 """
 
@@ -27,8 +32,12 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from llmd.model.config import ModelConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
@@ -215,24 +224,29 @@ def prefill_attention_speed(peak_gbs: float) -> list[dict]:
     return rows
 
 
-def random_model(mode: str, shape: dict = LLAMA3_8B):
+def random_model(mode: str, shape: dict | ModelConfig = LLAMA3_8B, device: str = "cuda"):
+    """llmd's own model class for `shape` (ModelConfig fields, or a ModelConfig) with random weights, built on the
+    meta device and materialised once on `device`: mode "bf16" / "fp32" unquantized in that dtype, else a quant
+    mode (int8, int4-g128) over bf16 activations on CUDA and fp32 ones on the CPU."""
     from llmd.model import quant
     from llmd.model.config import ModelConfig
     from llmd.model.weights import build_empty
 
-    config = ModelConfig(**shape)
-    if mode == "bf16":
-        model = build_empty(config, torch.bfloat16, "cuda")
+    config = shape if isinstance(shape, ModelConfig) else ModelConfig(**shape)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    if mode in ("bf16", "fp32"):
+        model = build_empty(config, getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[mode]), device)
     else:
-        model, _ = quant.build_empty_quantized(config, torch.bfloat16, "cuda", quant.parse_quant(mode))
-    gen = torch.Generator(device="cuda").manual_seed(0)
+        model, _ = quant.build_empty_quantized(config, dtype, device, quant.parse_quant(mode))
+    norm_value = 0.0 if config.architecture.startswith("Gemma") else 1.0  # Gemma's norms scale by 1 + weight
+    gen = torch.Generator(device=device).manual_seed(0)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.dtype == torch.uint8:
             t.random_(0, 256, generator=gen)
         elif t.dtype == torch.int8:
             t.random_(-127, 128, generator=gen)
         elif "norm" in name:
-            t.fill_(1.0)
+            t.fill_(norm_value)
         elif name.endswith(("scales",)):
             t.uniform_(0.001, 0.01, generator=gen)
         elif name.endswith("zeros"):
@@ -240,6 +254,21 @@ def random_model(mode: str, shape: dict = LLAMA3_8B):
         elif t.is_floating_point() and "inv_freq" not in name and "cos" not in name and "sin" not in name:
             t.normal_(0, 0.02, generator=gen)
     return model, config
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """(bytes the weights occupy, bytes of them one decode step reads). Every parameter and weight buffer counts
+    once (a tied head is the embedding table, read whole by the logits); an untied model's embedding table is left
+    out of the read (a step reads only its batch's rows). The RoPE frequencies (recomputed, a few KB) are left out."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.data_ptr() in seen or name.endswith("inv_freq"):
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    embed = model.model.embed_tokens.weight
+    read = total if model.lm_head is None else total - embed.numel() * embed.element_size()
+    return total, read
 
 
 def decode_roofline(peak_gbs: float, prompt_len: int = 128, steps: int = 32) -> list[dict]:
@@ -251,13 +280,7 @@ def decode_roofline(peak_gbs: float, prompt_len: int = 128, steps: int = 32) -> 
     rows = []
     for mode in ("bf16", "int8", "int4-g128"):
         model, config = random_model(mode)
-        seen, total = set(), 0
-        for t in list(model.parameters()) + list(model.buffers()):
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
-        embed = model.model.embed_tokens.weight
-        read = total - embed.numel() * embed.element_size()  # one embedding row per token, the rest every step
+        _, read = weight_bytes(model)  # one embedding row per token, the rest every step
         kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2  # bf16 K+V
         kv = kv_per_token * (prompt_len + steps // 2)  # mean context read per step
         tok_s = decode_tokens_per_second(model, 1, prompt_len, steps, sync=torch.cuda.synchronize)
@@ -352,8 +375,7 @@ def long_context_decode(peak_gbs: float, contexts=(8192, 32768), steps: int = 16
 
     attention = choose_backend(torch.device("cuda")).name == "triton"
     model, config = random_model("bf16")
-    embed = model.model.embed_tokens.weight
-    read = sum(t.numel() * t.element_size() for t in model.parameters()) - embed.numel() * embed.element_size()
+    _, read = weight_bytes(model)
     rows = []
     for context in contexts:
         for kv in ("auto", "int8"):  # auto: the model's bf16
@@ -376,32 +398,191 @@ def long_context_decode(peak_gbs: float, contexts=(8192, 32768), steps: int = 16
     return rows
 
 
+# Real checkpoints' config.json values (Gemma 3 4B: the text part, Gemma3ForCausalLM), read by the daemon's own
+# ModelConfig.from_hf_config, so that the field names and the defaults are the ones a real checkpoint goes through.
+GEMMA3_4B_HF = dict(architectures=["Gemma3ForCausalLM"], vocab_size=262208, hidden_size=2560, intermediate_size=10240,
+                    num_hidden_layers=34, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                    query_pre_attn_scalar=256, sliding_window=1024, sliding_window_pattern=6, rope_theta=1_000_000.0,
+                    rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                    max_position_embeddings=131072, rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh",
+                    tie_word_embeddings=True)
+QWEN25_7B_HF = dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                    num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1_000_000.0,
+                    max_position_embeddings=32768, sliding_window=131072, use_sliding_window=False,
+                    rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False)
+SHAPE_MODELS = {"gemma3-4b": GEMMA3_4B_HF, "qwen2.5-7b": QWEN25_7B_HF}
+# --scale tiny: the same families small enough for the CPU in a second. Layers, widths, vocabulary and window shrink;
+# the architecture, the GQA ratio, the 5:1 window/global pattern (with the real model's trailing window layers),
+# q/k width != hidden (Gemma), qkv bias (Qwen2), the RoPE bases and query_pre_attn_scalar stay.
+TINY_SHAPES = {
+    "gemma3-4b": dict(num_hidden_layers=7, hidden_size=80, intermediate_size=160, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=512, sliding_window=16),
+    "qwen2.5-7b": dict(num_hidden_layers=2, hidden_size=112, intermediate_size=224, num_attention_heads=7,
+                       num_key_value_heads=1, vocab_size=512),
+}
+# what the shapes section runs at each scale: a 2k prompt (past Gemma 3's 1,024-token window), decode after it
+SHAPE_RUNS = {"full": dict(prompt_len=2048, steps=32, warmup=2, batches=(1, 16), prefill_chunk=512),
+              "tiny": dict(prompt_len=64, steps=4, warmup=1, batches=(1, 16), prefill_chunk=32)}
+
+
+def shape_config(name: str, scale: str = "full") -> ModelConfig:
+    """The ModelConfig of SHAPE_MODELS[name] as the daemon reads it from config.json (tiny: TINY_SHAPES over it)."""
+    from llmd.model.config import ModelConfig
+
+    return ModelConfig.from_hf_config({**SHAPE_MODELS[name], **(TINY_SHAPES[name] if scale == "tiny" else {})})
+
+
+def shape_modes(device: str) -> tuple[str, ...]:
+    """The unquantized dtype the device serves in (bf16 on CUDA, fp32 on the CPU), then int8 weights."""
+    return ("bf16" if device == "cuda" else "fp32", "int8")
+
+
+def kv_read_bytes(config: ModelConfig, batch: int, context: int, element_size: int) -> int:
+    """K and V bytes one decode step reads for `batch` sequences of `context` tokens: a window layer reads only its
+    window's tokens (the Triton decode kernel starts at seq_len - window), a global layer the whole context."""
+    per_token = 2 * config.num_key_value_heads * config.head_dim * element_size
+    return batch * per_token * sum(context if w is None else min(context, w) for w in config.layer_windows)
+
+
+def memory_bytes(device: str) -> tuple[int, int]:
+    """(allocated now, peak since the last reset): the CUDA allocator's counts; on the CPU the process's peak RSS
+    for both (what the test scale can report)."""
+    if device == "cuda":
+        return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return peak, peak
+
+
+def measure_shape(model, config: ModelConfig, mode: str, peak_gbs: float, device: str, prompt_len: int, steps: int,
+                  warmup: int, batches: tuple[int, ...], prefill_chunk: int) -> dict:
+    """Prefill tok/s of one prompt_len prompt; decode tok/s at each batch after prompt_len tokens, with the bytes one
+    step reads (weights + each sequence's K/V, the mean over the timed steps), the achieved GB/s and % of the
+    roofline; the weights' and the peak memory."""
+    from decode_driver import decode_tokens_per_second, prefill_tokens_per_second
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    weights_mem, _ = memory_bytes(device)
+    resident, read = weight_bytes(model)
+    kv_elem = next(p for p in model.parameters() if p.is_floating_point()).element_size()  # KV "auto": the model's
+    row = dict(mode=mode, weight_bytes=resident, weight_read_bytes=read,
+               prefill_tok_s=prefill_tokens_per_second(model, prompt_len, sync=sync, kv_groups=True),
+               prompt_len=prompt_len)
+    # the timed decode steps attend over prompt_len + s + 1 tokens, s = warmup .. warmup + steps - 1
+    contexts = [prompt_len + s + 1 for s in range(warmup, warmup + steps)]
+    for batch in batches:
+        kv = sum(kv_read_bytes(config, batch, c, kv_elem) for c in contexts) / steps
+        tok_s = decode_tokens_per_second(model, batch, prompt_len, steps, warmup=warmup, sync=sync,
+                                         prefill_chunk=prefill_chunk, kv_groups=True)
+        step_s = tok_s / batch  # decode steps per second
+        row[f"b{batch}"] = dict(tok_s=tok_s, bytes_per_step=read + kv, kv_bytes_per_step=kv,
+                                gbs=step_s * (read + kv) / 1e9, pct_roofline=100 * step_s * (read + kv) / 1e9 / peak_gbs)
+    row["mem_weights_bytes"], row["mem_peak_bytes"] = weights_mem, memory_bytes(device)[1]
+    return row
+
+
+SHAPE_COLUMNS = ("model", "mode", "weights GB", "prefill tok/s", "b1 tok/s", "b1 GB/s", "b1 %roof", "b16 tok/s",
+                 "b16 GB/s", "b16 %roof", "b1 GB/step", "b16 GB/step", "mem GB", "peak GB")
+
+
+def shape_cells(row: dict) -> list:
+    """One table row's cells, in SHAPE_COLUMNS' order (bytes in GB)."""
+    b1, b16 = row["b1"], row["b16"]
+    return [row["model"], row["mode"], row["weight_bytes"] / 1e9, row["prefill_tok_s"], b1["tok_s"], b1["gbs"],
+            b1["pct_roofline"], b16["tok_s"], b16["gbs"], b16["pct_roofline"], b1["bytes_per_step"] / 1e9,
+            b16["bytes_per_step"] / 1e9, row["mem_weights_bytes"] / 1e9, row["mem_peak_bytes"] / 1e9]
+
+
+def _cell(value) -> str:
+    """A figure to its useful digits: whole numbers from 100 up, 2 decimals from 1, else 4 significant digits (the
+    tiny scale's bytes are small fractions of a GB)."""
+    if isinstance(value, str):
+        return value
+    return f"{value:.0f}" if abs(value) >= 100 else f"{value:.2f}" if abs(value) >= 1 else f"{value:.4g}"
+
+
+def shape_line(cells: list) -> str:
+    name, mode, *figures = [_cell(c) for c in cells]
+    return f"{name:11} {mode:5} " + " ".join(f"{f:>11}" for f in figures)
+
+
+def real_shapes(peak_gbs: float, device: str = "cuda", scale: str = "full") -> list[dict]:
+    """Gemma 3 4B and Qwen2.5-7B of real shapes (random weights) through llmd's model classes, each unquantized and
+    int8: prefill tok/s of a 2k prompt, decode tok/s at batch 1 and 16 after it, GB/s of weights + KV read per step
+    and % of the roofline, weight and peak memory. A table line per model and mode as each finishes (the unquantized
+    ones first: no autotuning); a failure is recorded in its row (`error`) and the next one runs."""
+    from llmd.model.attention_backends import choose_backend
+
+    run = SHAPE_RUNS[scale]
+    attention = choose_backend(torch.device(device)).name  # as decode_driver picks it
+    print(f"shapes ({scale}, {device}, {attention} attention): prompt {run['prompt_len']} tokens, decode "
+          f"{run['steps']} steps at batch {', '.join(map(str, run['batches']))} after it; GB/step = weights + K/V "
+          "read per step", flush=True)
+    print(shape_line(list(SHAPE_COLUMNS)), flush=True)
+    rows = []
+    for mode in shape_modes(device):
+        for name in SHAPE_MODELS:
+            config = shape_config(name, scale)
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                model, _ = random_model(mode, config, device)
+                row = {"model": name, "attention": attention,
+                       **measure_shape(model, config, mode, peak_gbs, device, **run)}
+                print(shape_line(shape_cells(row)), flush=True)
+            except Exception:
+                row = dict(model=name, mode=mode, error=traceback.format_exc())
+                print(f"{name:11} {mode:5} failed:\n{row['error']}", flush=True)
+            rows.append(row)
+            model = None
+            gc.collect()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+    return rows
+
+
 SECTIONS = {"decode_cuda_graphs": decode_cuda_graphs, "kernels": kernel_bandwidth,
             "prefill_attention": prefill_attention_speed, "decode": decode_roofline, "spec_verify": verify_cost,
-            "gguf_kernels": gguf_kernel_bandwidth, "long_context": long_context_decode}
-APART = ("gguf_kernels", "long_context")  # run_gpu_checks.sh runs these on their own, with their own time limits
+            "gguf_kernels": gguf_kernel_bandwidth, "long_context": long_context_decode, "shapes": real_shapes}
+# run_gpu_checks.sh runs these on their own, with their own time limits
+APART = ("gguf_kernels", "long_context", "shapes")
+SCALED = ("shapes",)  # the sections that take --device and --scale (the others need CUDA at full size)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--peak-gbs", type=float, default=4800.0)  # H200 HBM3e
     parser.add_argument("--sections", default="", help=f"comma-separated, of: {', '.join(SECTIONS)} (default all "
                                                        f"but {', '.join(APART)})")
     parser.add_argument("--name", default="gpu_bench", help="the JSON file's name under --out, without .json")
-    args = parser.parse_args()
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help=f"cpu: only for {', '.join(SCALED)}, to check the code path without a GPU")
+    parser.add_argument("--scale", default="full", choices=tuple(SHAPE_RUNS),
+                        help=f"tiny: {', '.join(SCALED)} at a size the CPU runs in seconds")
+    args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     chosen = args.sections.split(",") if args.sections else [s for s in SECTIONS if s not in APART]
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}")
-    results: dict = {"device": torch.cuda.get_device_name(), "peak_gbs": args.peak_gbs}
+    if (args.device, args.scale) != ("cuda", "full") and any(s not in SCALED for s in chosen):
+        parser.error(f"--device cpu and --scale tiny apply only to --sections {','.join(SCALED)}")
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    results: dict = {"device": device_name, "peak_gbs": args.peak_gbs, "scale": args.scale}
     for name in chosen:
         fn = SECTIONS[name]
         start = time.perf_counter()
         try:
-            results[name] = fn(args.peak_gbs)
+            if name in SCALED:
+                results[name] = fn(args.peak_gbs, device=args.device, scale=args.scale)
+            else:
+                results[name] = fn(args.peak_gbs)
+            failed = [r["error"] for r in results[name] if isinstance(r, dict) and "error" in r]
+            if failed:  # a row's failure, kept in its row, fails the run
+                results[name + "_error"] = "\n".join(failed)
         except Exception:
             results[name + "_error"] = traceback.format_exc()
             print(results[name + "_error"], flush=True)

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in stages, each under its own time
-# limit. A session has about 8 minutes of device time for this: the four default limits sum to 470 s. To spend a
-# second session on what the first cut short, run a subset: STAGES="gguf long" tests/gpu/run_gpu_checks.sh
-# (stages: tests, bench, gguf, long; default all four, in that order).
-# Writes under $OUT (default ./gpu-results): summary.txt, pytest logs, gpu_bench.json/.txt, gguf_bench.json/.txt and
-# gpu_long_context.json/.txt.
+# limit. A session has about 8 minutes of device time for this: the default limits sum to 470 s (tests 150 + 35,
+# bench 125, shapes 85, gguf 40, long 35), leaving 10 s of the 480 for the start. To spend a second session on what
+# the first cut short, run a subset: STAGES="shapes gguf long" tests/gpu/run_gpu_checks.sh
+# (stages: tests, bench, shapes, gguf, long; default all five, in that order). summary.txt gets each stage's
+# seconds, to size the limits from.
+# Writes under $OUT (default ./gpu-results): summary.txt, pytest logs, gpu_bench.json/.txt, gpu_shapes.json/.txt,
+# gguf_bench.json/.txt and gpu_long_context.json/.txt.
 set -u -o pipefail  # a failing pytest or benchmark, not tee, decides each step's status
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu-results}"
@@ -22,8 +24,9 @@ if ! "$PY" -c "import llmd" 2>/dev/null; then
   export PYTHONPATH="$SHIM:$PYTHONPATH"
 fi
 status=0
-STAGES=" ${STAGES:-tests bench gguf long} "
+STAGES=" ${STAGES:-tests bench shapes gguf long} "
 wants() { [[ "$STAGES" == *" $1 "* ]]; }
+took() { echo "   ($1: $((SECONDS - $2)) s)" | tee -a "$OUT/summary.txt"; }  # a stage's wall time
 # Most of the tests' time is Triton compiling kernels (hundreds of variants, about a second each on one core). With
 # pytest-xdist the six files run side by side, one per worker, so the wall time is the slowest file's, not the sum.
 PARALLEL=()
@@ -31,27 +34,44 @@ if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 6 --dist loadfile); fi
 : > "$OUT/summary.txt"
 if wants tests; then
 echo "== GPU tests" | tee -a "$OUT/summary.txt"
-timeout 180 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --durations=15 \
+t0=$SECONDS
+timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --durations=15 \
   tests/test_kernels_quant_matmul.py tests/test_kernels_paged_attention.py tests/test_kernels_prefill_attention.py tests/test_kv_int8.py \
   tests/test_cuda_graphs.py tests/test_kernels_gguf_matmul.py \
   2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5 | tee -a "$OUT/summary.txt" || status=1
 # the sliding-window Triton kernels: every test of the file (they run on the GPU when there is one)
-timeout 40 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_sliding_window.py \
+timeout 35 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_sliding_window.py \
   2>&1 | tee "$OUT/pytest_window.txt" | tail -2 | tee -a "$OUT/summary.txt" || status=1
+took tests "$t0"
 fi
 if wants bench; then
 echo "== GPU benchmarks" | tee -a "$OUT/summary.txt"
-timeout 150 "$PY" tests/gpu/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.txt" || status=1
+t0=$SECONDS
+timeout 125 "$PY" tests/gpu/bench_gpu.py --out "$OUT" 2>&1 | tee "$OUT/gpu_bench.txt" || status=1
+took bench "$t0"
+fi
+# random-weight Gemma 3 4B and Qwen2.5-7B of real shapes, bf16 and int8: prefill, decode b1/b16, GB/s, memory (a
+# table line per model and mode as it finishes; after the bench stage, whose int8 kernels it reuses compiled)
+if wants shapes; then
+echo "== real model shapes (Gemma 3 4B, Qwen2.5-7B)" | tee -a "$OUT/summary.txt"
+t0=$SECONDS
+timeout 85 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections shapes --name gpu_shapes 2>&1 \
+  | tee "$OUT/gpu_shapes.txt" | grep -A6 "^model " | tee -a "$OUT/summary.txt" || status=1
+took shapes "$t0"
 fi
 # GGUF packed matmul per type (its kernels are mostly compiled by then: the GPU tests autotuned the same shapes)
 if wants gguf; then
 echo "== GGUF matmul benchmark" | tee -a "$OUT/summary.txt"
-timeout 50 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections gguf_kernels --name gguf_bench 2>&1 \
+t0=$SECONDS
+timeout 40 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections gguf_kernels --name gguf_bench 2>&1 \
   | tee "$OUT/gguf_bench.txt" || status=1
+took gguf "$t0"
 fi
 if wants long; then
 echo "== long-context decode (8k, 32k; bf16 and int8 KV)" | tee -a "$OUT/summary.txt"
-timeout 50 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections long_context --name gpu_long_context 2>&1 \
+t0=$SECONDS
+timeout 35 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections long_context --name gpu_long_context 2>&1 \
   | tee "$OUT/gpu_long_context.txt" | tail -4 | tee -a "$OUT/summary.txt" || status=1
+took long "$t0"
 fi
 exit $status
