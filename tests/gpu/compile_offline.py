@@ -2,9 +2,15 @@
 each tiling's resources: shared memory, registers, spills (cuobjdump), and the global loads in its PTX.
 
     python tests/gpu/compile_offline.py [--arch 90] [--types Q4_K,Q6_K] [--jobs 2]
+    python tests/gpu/compile_offline.py --attention [--arch 90]
 
 Every (type, tiling) that `gguf_matmul.candidates` can pick for M = 1, 2, 4, 16 and 512 with bf16 activations is
 compiled once (the binary does not depend on M or SPLIT_K). Exits non-zero if any compile fails or spills.
+
+--attention: the paged decode and prefill attention kernels instead, with bf16 caches, at the head shapes of
+bench_gpu.py's models (Llama-3-8B, and the shapes stage's Gemma 3 4B and Qwen2.5-7B), with the tiles their launchers
+pick for a 2k-token prompt and its decode steps. Exits non-zero if any compile fails; spills are printed, not
+failed (they cost speed, which the GPU stage measures).
 """
 
 from __future__ import annotations
@@ -72,6 +78,82 @@ def _compile(arch: int, name: str, cfg: dict, launch: dict) -> dict:
     return row
 
 
+# (model, query heads per KV head, head_dim, sliding window) of bench_gpu.py's models
+ATTENTION_SHAPES = [("llama3-8b", 4, 128, None), ("gemma3-4b", 2, 256, 1024), ("gemma3-4b", 2, 256, None),
+                    ("qwen2.5-7b", 7, 128, None)]
+
+
+def _attention_variants() -> list[tuple[str, dict, dict, dict]]:
+    """(what, constexprs, launch options, runtime int values that decide divisibility) per compile: the decode
+    kernel without and with splits (SPLIT is a constexpr; 8 stands for any split count) and the prefill kernel
+    with its 2k-prompt tile (block_m 128), as paged_decode_attention / paged_prefill_attention launch them."""
+    from llmd.kernels.prefill_attention import _next_pow2
+
+    out = []
+    for model, group, head_dim, window in ATTENTION_SHAPES:
+        kind = f"{model} {'window' if window else 'global'}"
+        if window is None or model == "gemma3-4b":  # the decode kernel takes the window at run time
+            for split in (1, 8):
+                out.append((f"decode  {kind} split={split}", dict(
+                    GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
+                    D_PAD=max(16, _next_pow2(head_dim)), BLOCK_T=64, SPLIT=split, QUANT=False),
+                    dict(num_warps=4, num_stages=2), dict(split=split)))
+        out.append((f"prefill {kind}", dict(
+            GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
+            BLOCK_M=128, BLOCK_N=64, QUANT=False, WINDOWED=window is not None),
+            dict(num_warps=8, num_stages=2), {}))
+    return out
+
+
+def _compile_attention(arch: int, what: str, consts: dict, launch: dict, extra: dict) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from llmd.kernels import paged_attention, prefill_attention
+
+    decode = what.startswith("decode")
+    kernel = paged_attention._paged_decode_kernel if decode else prefill_attention._paged_prefill_kernel
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "ks_ptr": "*bf16", "vs_ptr": "*bf16",
+                "bt_ptr": "*i32", "sl_ptr": "*i32", "qsl_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+                "out_ptr": "*fp32" if decode and extra.get("split", 1) > 1 else "*bf16"}
+    floats = ("scale", "qk_scale")
+    unspecialized = ("num_seqs", "stride_btb")  # do_not_specialize in the kernels
+    params = [p.name for p in kernel.params]
+    signature = {p: "constexpr" if p in consts else pointers.get(p) or ("fp32" if p in floats else "i32")
+                 for p in params}
+    constexprs = {(i,): consts[p] for i, p in enumerate(params) if p in consts}
+    # as the launcher specializes them at these shapes: every pointer, stride (heads x head_dim multiples, or 0),
+    # block size (16), window (1024 or 0) and min split (256) is a multiple of 16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+             if p not in consts and p not in floats and p not in unspecialized}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    row: dict = dict(what=what, **launch)
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
+    except Exception as e:  # report and go on
+        return dict(row, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    row["shared"] = compiled.metadata.shared
+    row.update(_resources(compiled.asm["cubin"]))
+    return row
+
+
+def attention_main(arch: int, jobs: int) -> int:
+    variants = _attention_variants()
+    print(f"sm_{arch}: {len(variants)} attention compiles", flush=True)
+    failed = 0
+    with ProcessPoolExecutor(jobs) as pool:
+        for r in [f.result() for f in [pool.submit(_compile_attention, arch, *v) for v in variants]]:
+            if "error" in r:
+                failed += 1
+                print(f"{r['what']:36} FAILED {r['error']}", flush=True)
+                continue
+            spill = r["stack"] > 0 or r["local"] > 0
+            print(f"{r['what']:36} warps={r['num_warps']}  shared {r['shared']:6} B  regs {r['regs']:3}  "
+                  f"stack {r['stack']:4}  local {r['local']}{'  SPILLS' if spill else ''}", flush=True)
+    return 1 if failed else 0
+
+
 def _resources(cubin: bytes) -> dict:
     import triton
 
@@ -89,7 +171,11 @@ def main() -> int:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--types", default="")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--attention", action="store_true",
+                        help="the attention kernels at bench_gpu's head shapes instead of the GGUF matmul")
     args = parser.parse_args()
+    if args.attention:
+        return attention_main(args.arch, args.jobs)
     from llmd.kernels import gguf_matmul as gm
 
     types = args.types.split(",") if args.types else list(gm.TYPES)
