@@ -14,40 +14,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamacpp_anchor  # noqa: E402
-from decode_driver import decode_tokens_per_second  # noqa: E402
+from decode_driver import decode_tokens_per_second, prefill_tokens_per_second  # noqa: E402
 
 KV = "fp16"
-
-
-@torch.inference_mode()
-def llmd_prefill_tok_s(model, tokens: int, block_size: int = 16) -> float:
-    from llmd.model.attention import AttentionMetadata, allocate_kv_cache
-    from llmd.model.cpu_stack import CompiledCpuForward
-
-    forward = CompiledCpuForward.try_build(model) or model  # as the engine's runner runs it
-    cfg = model.config
-    blocks = -(-tokens // block_size)
-    pools = [iter(allocate_kv_cache(cfg.num_hidden_layers, blocks + extra, block_size, cfg.num_key_value_heads,
-                                    cfg.head_dim, torch.float32, "cpu", kv_cache_dtype=KV)) for extra in (1, 2)]
-    # two KV groups, as the engine's runner keeps them: the window layers' K/V in a pool of their own
-    kv = [next(pools[w is not None]) for w in cfg.layer_windows]
-    prompt = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1))
-    best = float("inf")
-    for _ in range(2):
-        meta = AttentionMetadata.build([tokens], [tokens], [list(range(1, blocks + 1))], block_size)
-        meta.window_group = AttentionMetadata.build([tokens], [tokens], [list(range(2, blocks + 2))], block_size)
-        t0 = time.perf_counter()
-        hidden = forward(prompt, torch.arange(tokens), kv, meta)
-        model.compute_logits(hidden[-1:])
-        best = min(best, time.perf_counter() - t0)
-    return tokens / best
 
 
 def llama_cpp_figures(path: Path, batches, prompt_len: int, steps: int, prefills) -> dict | None:
@@ -98,7 +73,9 @@ def main(argv=None):
     rows = [(f"decode b={b} tok/s", decode_tokens_per_second(model, b, args.prompt_len, args.steps,
                                                              kv_cache_dtype=KV, kv_groups=True), b)
             for b in batches]  # two KV groups (window / global layers), as the engine runs it
-    rows += [(f"prefill {n} tok/s", llmd_prefill_tok_s(model, n), f"prefill {n}") for n in prefills]
+    rows += [(f"prefill {n} tok/s", prefill_tokens_per_second(model, n, warmup=0, kv_cache_dtype=KV,
+                                                               kv_groups=True), f"prefill {n}")
+             for n in prefills]  # a cold prompt into an empty cache, best of two
     print(f"  {'':22} {'llmd':>9} {'llama.cpp':>10} {'ratio':>7}")
     for label, value, key in rows:
         other = ref[key] if ref else float("nan")

@@ -46,10 +46,10 @@ def paged_kv(model, batch: int, max_len: int, block_size: int = 16, kv_cache_dty
 
 
 @torch.inference_mode()
-def prefill_tokens_per_second(model, tokens: int, block_size: int = 16, rounds: int = 2, sync=lambda: None,
-                              kv_cache_dtype: str = "auto", kv_groups: bool = False) -> float:
+def prefill_tokens_per_second(model, tokens: int, block_size: int = 16, rounds: int = 2, warmup: int = 1,
+                              sync=lambda: None, kv_cache_dtype: str = "auto", kv_groups: bool = False) -> float:
     """A `tokens`-long prompt in one forward into an empty cache, plus the logits of its last position: tokens / the
-    best of `rounds` timed forwards, after one untimed one (which compiles the kernels)."""
+    best of `rounds` timed forwards, after `warmup` untimed ones (on CUDA the first compiles the kernels)."""
     cfg = model.config
     device = next(p for p in model.parameters()).device
     forward = CompiledCpuForward.try_build(model) or model
@@ -57,13 +57,13 @@ def prefill_tokens_per_second(model, tokens: int, block_size: int = 16, rounds: 
     prompt = torch.randint(0, cfg.vocab_size, (tokens,), generator=torch.Generator().manual_seed(1)).to(device)
     positions = torch.arange(tokens, device=device)
     best = float("inf")
-    for r in range(rounds + 1):
+    for r in range(warmup + rounds):
         sync()
         t0 = time.perf_counter()
         hidden = forward(prompt, positions, kv, build([tokens], [tokens]))
         model.compute_logits(hidden[-1:])
         sync()
-        if r > 0:
+        if r >= warmup:
             best = min(best, time.perf_counter() - t0)
     return tokens / best
 

@@ -475,9 +475,9 @@ def measure_shape(model, config: ModelConfig, mode: str, peak_gbs: float, device
         kv = sum(kv_read_bytes(config, batch, c, kv_elem) for c in contexts) / steps
         tok_s = decode_tokens_per_second(model, batch, prompt_len, steps, warmup=warmup, sync=sync,
                                          prefill_chunk=prefill_chunk, kv_groups=True)
-        step_s = tok_s / batch  # decode steps per second
-        row[f"b{batch}"] = dict(tok_s=tok_s, bytes_per_step=read + kv, kv_bytes_per_step=kv,
-                                gbs=step_s * (read + kv) / 1e9, pct_roofline=100 * step_s * (read + kv) / 1e9 / peak_gbs)
+        gbs = tok_s / batch * (read + kv) / 1e9  # decode steps per second x bytes per step
+        row[f"b{batch}"] = dict(tok_s=tok_s, bytes_per_step=read + kv, kv_bytes_per_step=kv, gbs=gbs,
+                                pct_roofline=100 * gbs / peak_gbs)
     row["mem_weights_bytes"], row["mem_peak_bytes"] = weights_mem, memory_bytes(device)[1]
     return row
 
