@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
 import bench_gpu  # noqa: E402
@@ -18,6 +19,7 @@ import bench_gpu  # noqa: E402
 from llmd.model.gemma import GemmaCausalLM  # noqa: E402
 from llmd.model.llama import CausalLM  # noqa: E402
 from llmd.model.quant.layers import Int8Linear  # noqa: E402
+from llmd.model.registry import build_model  # noqa: E402
 
 S, F = "sliding_attention", "full_attention"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -40,6 +42,15 @@ def test_full_scale_configs_are_the_real_checkpoints_shapes():
         ("Qwen2ForCausalLM", 3584, 28, 28, 4, 128, 18944, 152064)
     assert qwen.attention_bias and qwen.rope_theta == 1_000_000.0 and not qwen.tie_word_embeddings
     assert qwen.layer_windows == [None] * 28  # its config's sliding_window is off (use_sliding_window false)
+
+    # the model classes at these configs hold the checkpoints' parameter counts (built on meta: no memory)
+    counts = {}
+    for name in ("gemma3-4b", "qwen2.5-7b"):
+        with torch.device("meta"):
+            model = build_model(bench_gpu.shape_config(name))
+        counts[name] = sum(p.numel() for p in model.parameters())
+    assert counts["qwen2.5-7b"] == 7_615_616_512  # Qwen2.5-7B's safetensors total
+    assert 3.8e9 < counts["gemma3-4b"] < 3.95e9  # Gemma 3 4B's ~4.3B less its ~0.42B vision tower
 
 
 def test_tiny_models_keep_the_families_structure():
