@@ -46,6 +46,25 @@ INLINE __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
 }
 
+/* tanh on 8 lanes (soft-capped attention scores): an odd Taylor polynomial to x^13 for |x| < 0.4 (truncation below
+ * 5e-9 relative), else 1 - 2 / (exp(2|x|) + 1) with exp8 (relative error below 4e-7 there); the sign is put back
+ * last. Each lane is the same function of its own input, so a score's value does not depend on its lane. */
+INLINE __m256 tanh8(__m256 x) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), one = _mm256_set1_ps(1.0f);
+    const __m256 a = _mm256_andnot_ps(sign, x), a2 = _mm256_mul_ps(a, a);
+    __m256 p = _mm256_set1_ps(21844.0f / 6081075);
+    p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(-1382.0f / 155925));
+    p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(62.0f / 2835));
+    p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(-17.0f / 315));
+    p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(2.0f / 15));
+    p = _mm256_fmadd_ps(p, a2, _mm256_set1_ps(-1.0f / 3));
+    const __m256 small = _mm256_fmadd_ps(_mm256_mul_ps(a, a2), p, a);
+    const __m256 e = exp8(_mm256_add_ps(a, a)); /* exp8 clamps at 88: large |x| give 1 exactly, never inf / inf */
+    const __m256 big = _mm256_sub_ps(one, _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, one)));
+    const __m256 t = _mm256_blendv_ps(big, small, _mm256_cmp_ps(a, _mm256_set1_ps(0.4f), _CMP_LT_OQ));
+    return _mm256_or_ps(t, _mm256_and_ps(x, sign));
+}
+
 INLINE float hsum8(__m256 v) {
     __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     a = _mm_add_ps(a, _mm_movehl_ps(a, a));
@@ -103,6 +122,26 @@ static float softmax_numerators(float *s, int64_t n, float *max) {
     for (; t < n; t++) sum += s[t] = expf(s[t] - m);
     *max = m;
     return sum;
+}
+
+/* s[i] = cap * tanh(s[i] / cap), i < n (Gemma 2's attention logit soft-capping). With SIMD the tail goes through
+ * tanh8 too, zero-padded, so every score gets the same function whatever n is and wherever it sits. */
+static void soft_cap(float *s, int64_t n, float cap) {
+    const float inv = 1.0f / cap;
+    int64_t i = 0;
+#if SIMD
+    const __m256 vc = _mm256_set1_ps(cap), vi = _mm256_set1_ps(inv);
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(s + i, _mm256_mul_ps(vc, tanh8(_mm256_mul_ps(_mm256_loadu_ps(s + i), vi))));
+    if (i < n) {
+        float t[8] = {0};
+        memcpy(t, s + i, (size_t)(n - i) * sizeof(float));
+        _mm256_storeu_ps(t, _mm256_mul_ps(vc, tanh8(_mm256_mul_ps(_mm256_loadu_ps(t), vi))));
+        memcpy(s + i, t, (size_t)(n - i) * sizeof(float));
+    }
+#else
+    for (; i < n; i++) s[i] = cap * tanhf(s[i] * inv);
+#endif
 }
 
 /* y = x / sqrt(mean(x^2) + eps) * w per row of n values (as transformers: normalise, then scale by w). */
@@ -318,7 +357,9 @@ int llmd_kv_dtype_supported(int64_t dt) { return dt >= KV_F32 && dt <= KV_I8; }
  * A sliding window (window W > 0) gives query j the tokens lo[j] <= t < len[j], lo[j] = max(0, len[j] - W): it
  * takes only the partitions that hold some of them, and within its first one the tokens before lo[j] add exact
  * zeros, as those past len[j] do. Partitions stay cut from the context's start, so a query's numbers still depend
- * only on its own position and window. No block wholly before lo[j] is read. */
+ * only on its own position and window. No block wholly before lo[j] is read.
+ * A soft-cap (cap > 0, Gemma 2) maps each of a query's scores to cap * tanh(score / cap) before its softmax, one
+ * score at a time (`soft_cap`), so the invariants above hold with it; cap 0 leaves the scores untouched. */
 #define PQ 4
 #define PART 256
 #define PREFETCH 8 /* tokens */
@@ -333,10 +374,11 @@ typedef struct {
 
 /* P queries (P <= PQ, compile-time like the cache type DT, so the accumulators stay in registers) over partition
  * [t0, t0 + PART) of their contexts: query j takes tokens max(t0, lo[j]) <= t < len[j]; each query with a token
- * there gets part[j] = {max score, sum of exp(score - max), sum of exp(score - max) * v [d]}. s: P * PART floats. */
+ * there gets part[j] = {max score, sum of exp(score - max), sum of exp(score - max) * v [d]}. s: P * PART floats.
+ * cap > 0: the scores are soft-capped first. */
 INLINE void attend_part_p(const float *const *q, const int64_t *lo, const int64_t *len, const head_view *hv,
-                          const int64_t *off, int64_t d, float scale, int64_t t0, float *s, float *const *part,
-                          const int P, const int DT) {
+                          const int64_t *off, int64_t d, float scale, float cap, int64_t t0, float *s,
+                          float *const *part, const int P, const int DT) {
     int64_t n = 0, i0 = PART, aj[PQ], nj[PQ];
     for (int j = 0; j < P; j++) {
         nj[j] = (len[j] < t0 + PART ? len[j] : t0 + PART) - t0;
@@ -390,6 +432,7 @@ INLINE void attend_part_p(const float *const *q, const int64_t *lo, const int64_
             for (int64_t i = i0; i < n; i++) sj[i] = 0.0f;
             continue;
         }
+        if (cap > 0.0f) soft_cap(sj + aj[j], nj[j] - aj[j], cap);
         part[j][1] = softmax_numerators(sj + aj[j], nj[j] - aj[j], part[j]);
         for (int64_t i = i0; i < aj[j]; i++) sj[i] = 0.0f;
         for (int64_t i = nj[j]; i < n; i++) sj[i] = 0.0f;
@@ -427,15 +470,15 @@ INLINE void attend_part_p(const float *const *q, const int64_t *lo, const int64_
 
 #define ATTEND_DT(P)                                                                                                 \
     switch (dt) {                                                                                                    \
-    case KV_F32: attend_part_p(q, lo, len, hv, off, d, scale, t0, s, part, P, KV_F32); break;                            \
-    case KV_F16: attend_part_p(q, lo, len, hv, off, d, scale, t0, s, part, P, KV_F16); break;                            \
-    case KV_BF16: attend_part_p(q, lo, len, hv, off, d, scale, t0, s, part, P, KV_BF16); break;                          \
-    default: attend_part_p(q, lo, len, hv, off, d, scale, t0, s, part, P, KV_I8); break;                                 \
+    case KV_F32: attend_part_p(q, lo, len, hv, off, d, scale, cap, t0, s, part, P, KV_F32); break;                   \
+    case KV_F16: attend_part_p(q, lo, len, hv, off, d, scale, cap, t0, s, part, P, KV_F16); break;                   \
+    case KV_BF16: attend_part_p(q, lo, len, hv, off, d, scale, cap, t0, s, part, P, KV_BF16); break;                 \
+    default: attend_part_p(q, lo, len, hv, off, d, scale, cap, t0, s, part, P, KV_I8); break;                        \
     }
 
 static void attend_part(const float *const *q, const int64_t *lo, const int64_t *len, int nq, int64_t dt,
-                        const head_view *hv, const int64_t *off, int64_t d, float scale, int64_t t0, float *s,
-                        float *const *part) {
+                        const head_view *hv, const int64_t *off, int64_t d, float scale, float cap, int64_t t0,
+                        float *s, float *const *part) {
     switch (nq) {
     case 1: ATTEND_DT(1); break;
     case 2: ATTEND_DT(2); break;
@@ -498,8 +541,9 @@ static int64_t parts_of(int64_t len) { return (len + PART - 1) / PART; }
  * serve the other heads too (a token's K and V rows hold every head). */
 int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, int64_t num_rows,
                           const llmd_kv *kv, const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
-                          int64_t heads, float scale, int64_t window, float *out, int64_t ldo, int threads) {
-    if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads || window < 0) return -1;
+                          int64_t heads, float scale, int64_t window, float softcap, float *out, int64_t ldo,
+                          int threads) {
+    if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads || window < 0 || !(softcap >= 0.0f)) return -1;
     const int64_t kv_heads = kv->kv_heads, d = kv->d, bs = kv->block_size, group = heads / kv_heads;
     int64_t total = 0, tasks_pq = 0;
     const int64_t per_group = (group + PQ - 1) / PQ;
@@ -562,7 +606,7 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
                 los[j] = wlo;
             }
             const head_view hv = head_of(kv, kvh);
-            attend_part(qj, los, lens, nq, kv->dtype, &hv, off + start[b], d, scale, p * PART,
+            attend_part(qj, los, lens, nq, kv->dtype, &hv, off + start[b], d, scale, softcap, p * PART,
                         scores + (int64_t)tid * PQ * PART, pj);
         }
 #pragma omp for schedule(static)
@@ -585,8 +629,10 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
  * contexts, then merges each query's. */
 int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const llmd_kv *kv,
                            const int64_t *table, int64_t table_len, int64_t heads, float scale, int64_t window,
-                           float *out, int64_t ldo, int threads) {
-    if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads || q_len < 1 || ctx < q_len || window < 0) return -1;
+                           float softcap, float *out, int64_t ldo, int threads) {
+    if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads || q_len < 1 || ctx < q_len || window < 0 ||
+        !(softcap >= 0.0f))
+        return -1;
     const int64_t bs = kv->block_size, d = kv->d, stride = d + 2;
     const int64_t lo0 = window_lo(ctx - q_len + 1, window); /* the first token the chunk's first query sees */
     if ((ctx + bs - 1) / bs > table_len) return -1;
@@ -622,7 +668,7 @@ int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t c
         for (int64_t p = lo[0] / PART; p < parts_of(len[nq - 1]); p++) {
             float *pj[PQ];
             for (int j = 0; j < nq; j++) pj[j] = partial + (p * PQ + j) * stride;
-            attend_part(qj, lo, len, nq, kv->dtype, &hv, off, d, scale, p * PART, scores, pj);
+            attend_part(qj, lo, len, nq, kv->dtype, &hv, off, d, scale, softcap, p * PART, scores, pj);
         }
         for (int j = 0; j < nq; j++) {
             const int64_t p0 = lo[j] / PART;

@@ -1,12 +1,13 @@
 /* A model's whole stack of decoder layers on the CPU in one call, for Llama-shaped layers whose projections are the
- * quantized layers of cpu_gemm.c (fused qkv and gate/up, optional biases), and Gemma 3's (q/k norms, sandwich norms,
- * GELU-tanh, local and global RoPE tables; llmd.model.gemma).
+ * quantized layers of cpu_gemm.c (fused qkv and gate/up, optional biases), and Gemma 2's and 3's (sandwich norms,
+ * GELU-tanh; Gemma 3's q/k norms and local and global RoPE tables; Gemma 2's soft-capped attention; llmd.model.gemma).
  *
  * A layer is the same sequence of calls that llmd.model.llama makes one by one from Python (RMSNorm, qkv matmul,
  * RoPE, K/V write, attention, o matmul, residual add, RMSNorm, gate/up matmul, SiLU * up, down matmul, residual add),
  * with the same arguments, so the hidden states come out bit for bit the same. What goes away is ~12 Python-level
  * calls per layer, each costing tens of microseconds of interpreter, ctypes and tensor allocation: at batch 1 on a
- * small model that was a third of a decode step.
+ * small model that was a third of a decode step. Gemma 2's layers are Gemma 3's without q/k norms, with soft-capped
+ * attention (llmd_layer.softcap).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -26,11 +27,13 @@ typedef struct {
     llmd_linear qkv, o, gate_up, down;
     llmd_kv kv; /* the layer's paged KV cache, in any of its element types */
     int64_t window; /* sliding window of its attention (0: none) */
-    /* Gemma 3 (NULL / 0 for Llama-shaped layers): RMSNorm weights over each q and k head before RoPE; "sandwich"
-     * norms of the attention and MLP outputs before their residual adds (post_norm is then the pre-feedforward norm);
+    /* Gemma (NULL / 0 for Llama-shaped layers): RMSNorm weights over each q and k head before RoPE (Gemma 3);
+     * "sandwich" norms of the attention and MLP outputs before their residual adds (post_norm is then the
+     * pre-feedforward norm);
      * local_rope: this layer rotates with the step's local tables (cos_local, ssin_local). */
     const float *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm;
     int64_t local_rope;
+    float softcap; /* attention logit soft-cap (Gemma 2; 0: none) */
 } llmd_layer;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -101,7 +104,7 @@ static int attention(const llmd_dims *dm, const llmd_layer *L, const llmd_step *
     if (st->num_decodes) {
         const int rc = llmd_decode_attention(qkv, ldq, st->decode_rows, st->num_decodes, st->T, &L->kv,
                                              st->decode_tables, st->decode_stride, st->decode_lens, H, dm->scale,
-                                             L->window, out, H * d, nth);
+                                             L->window, L->softcap, out, H * d, nth);
         if (rc) return rc;
     }
     for (int64_t i = 0; i < st->num_chunks; i++) {
@@ -109,7 +112,7 @@ static int attention(const llmd_dims *dm, const llmd_layer *L, const llmd_step *
         if (c[0] < 0 || c[1] < 1 || c[0] + c[1] > st->T || c[3] < 0 || c[3] >= st->num_tables) return -1;
         const int rc = llmd_prefill_attention(qkv + c[0] * ldq, ldq, c[1], c[2], &L->kv,
                                               st->chunk_tables + c[3] * st->chunk_stride, st->chunk_stride, H,
-                                              dm->scale, L->window, out + c[0] * H * d, H * d, nth);
+                                              dm->scale, L->window, L->softcap, out + c[0] * H * d, H * d, nth);
         if (rc) return rc;
     }
     return 0;

@@ -29,7 +29,8 @@ class Layer(ctypes.Structure):
                 ("down", Linear), ("kv", cpu_ops.KV), ("window", _i64),  # window 0: full attention
                 # Gemma 3 (None / 0 otherwise): q/k head norms, the attention / MLP output norms, local RoPE tables
                 ("q_norm", _ptr), ("k_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr),
-                ("local_rope", _i64)]
+                ("local_rope", _i64),
+                ("softcap", _f32)]  # attention logit soft-cap (Gemma 2; 0: none)
 
 
 class Dims(ctypes.Structure):

@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 
-from llmd.model.attention import AttentionMetadata, torch_paged_attention
-from llmd.model.attention_backends import CPU, TORCH
+from llmd.kernels import cpu_ops
+from llmd.model.attention import AttentionMetadata, DecodePlan, torch_paged_attention
+from llmd.model.attention_backends import CPU, TORCH, CpuBackend
 
 BLOCK = 16
 
@@ -104,7 +105,8 @@ def naive_attention(q, k, v, q_pos, scale, window=None, softcap=None):
 
 @pytest.mark.parametrize("window,softcap", [(5, None), (None, 2.0), (20, 1.5), (1, None)])
 def test_torch_backend_window_and_softcap_match_a_naive_computation(window, softcap):
-    """The per-layer options: a query at position p sees keys at positions > p - window; logits soft-capped."""
+    """The per-layer options: a query at position p sees keys at positions > p - window; logits soft-capped. The
+    torch backend and the C kernels of the CPU one, against the reference and a naive computation."""
     query_lens, seq_lens = [1, 7, 1, 1], [40, 30, 3, 17]
     kv_heads, group, d = 2, 2, 16
     cache, tables = make_cache(seq_lens, kv_heads, d, seed=7)
@@ -121,5 +123,11 @@ def test_torch_backend_window_and_softcap_match_a_naive_computation(window, soft
         want = naive_attention(q[start:start + n], k, v, torch.arange(s - n, s), 0.25, window, softcap)
         torch.testing.assert_close(got[start:start + n], want, rtol=1e-5, atol=1e-5)
         start += n
-    if window is None:  # the CPU backend runs the same options through the torch code
-        torch.testing.assert_close(CPU.attend(q, cache, meta, 0.25, softcap=softcap), got, rtol=0, atol=0)
+    if cpu_ops.load() is None:
+        return
+    # the CPU backend runs both options in its C kernels (no torch fallback), to the torch code's tolerance
+    cpu_meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK, backend=CPU)
+    out = torch.full_like(q, float("nan"))
+    assert CpuBackend._c_attention(q, cache, cpu_meta, DecodePlan.build(cpu_meta), 0.25, out, window, softcap)
+    assert torch.equal(CPU.attend(q, cache, cpu_meta, 0.25, window=window, softcap=softcap), out)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

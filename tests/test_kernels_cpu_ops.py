@@ -1,6 +1,7 @@
 """The compiled fp32 glue ops (llmd.kernels.cpu_ops) against their torch forms: RMSNorm, RoPE, SiLU * up, the paged
-KV write and decode attention (GQA ratios 1/3/8, partial blocks, a subset of rows), and decode attention's batch and
-thread invariance. Where no C compiler exists every op returns None/False; the tests then check that instead."""
+KV write and decode attention (GQA ratios 1/3/8, partial blocks, a subset of rows, sliding windows, soft-caps), and
+decode attention's batch and thread invariance. Where no C compiler exists every op returns None/False; the tests then
+check that instead."""
 
 from __future__ import annotations
 
@@ -134,11 +135,12 @@ def test_decode_attention_is_batch_and_thread_invariant():
     assert torch.equal(again, full)
 
 
+@pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("group,d", [(1, 16), (3, 16), (8, 16), (3, 24)])  # d 24: a scalar tail after 16
-def test_a_decoded_token_attends_bit_for_bit_as_in_a_chunk(group, d):
+def test_a_decoded_token_attends_bit_for_bit_as_in_a_chunk(group, d, softcap):
     """Decode attention and chunk attention give a query the very same numbers, so a token's output does not depend
     on whether it was decoded, verified in a speculative chunk or recomputed in a prefill after preemption; nor on
-    whether its query heads ran one per task (few sequences) or tiled together (many)."""
+    whether its query heads ran one per task (few sequences) or tiled together (many). With a soft-cap too."""
     if not HAVE_OPS:
         return
     lens = [1, 5, 17, 40]
@@ -150,13 +152,13 @@ def test_a_decoded_token_attends_bit_for_bit_as_in_a_chunk(group, d):
         chunk = torch.randn(chunk_len, *q.shape[1:], generator=_gen(i))
         chunk[-1] = q[i]  # the chunk's last query is the decoded one, at the same position
         in_chunk = torch.empty_like(chunk)
-        assert cpu_ops.prefill_attention(chunk, (k_cache, v_cache), table, n, 0.3, in_chunk)
+        assert cpu_ops.prefill_attention(chunk, (k_cache, v_cache), table, n, 0.3, in_chunk, softcap=softcap)
         for t in (1, 4):  # one query head per task, or tiles of query heads sharing their KV head
             torch.set_num_threads(t)
             try:
                 decoded = torch.empty_like(q[i : i + 1])
                 assert cpu_ops.decode_attention(q[i : i + 1], (k_cache, v_cache), table[None], torch.tensor([n]), None,
-                                                0.3, decoded)
+                                                0.3, decoded, softcap=softcap)
             finally:
                 torch.set_num_threads(threads)
             assert torch.equal(decoded[0], in_chunk[-1])
@@ -266,10 +268,11 @@ def test_decode_and_chunk_attention_match_the_reference_on_every_cache_type(kind
         start += q_len
 
 
+@pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("kind", KV_KINDS)
-def test_long_context_split_across_threads_is_bit_identical(kind):
+def test_long_context_split_across_threads_is_bit_identical(kind, softcap):
     """One long sequence's partitions run on every thread; its output is bit for bit the same at 1, 2 and 4
-    threads, alone or in a batch, and decoded or as the last query of a chunk."""
+    threads, alone or in a batch, and decoded or as the last query of a chunk (soft-capped or not)."""
     if not HAVE_OPS:
         return
     lens = [1100, 40, 513]
@@ -281,14 +284,16 @@ def test_long_context_split_across_threads_is_bit_identical(kind):
         for t in (1, 2, 4):
             torch.set_num_threads(t)
             batch = torch.empty_like(q)
-            assert cpu_ops.decode_attention(q, cache, meta.block_tables, meta.seq_lens, None, 0.125, batch)
+            assert cpu_ops.decode_attention(q, cache, meta.block_tables, meta.seq_lens, None, 0.125, batch,
+                                            softcap=softcap)
             alone = torch.empty_like(q[:1])
             table = torch.tensor([tables[0]])
-            assert cpu_ops.decode_attention(q[:1], cache, table, torch.tensor([lens[0]]), None, 0.125, alone)
+            assert cpu_ops.decode_attention(q[:1], cache, table, torch.tensor([lens[0]]), None, 0.125, alone,
+                                            softcap=softcap)
             chunk = torch.randn(6, *q.shape[1:], generator=_gen(6))
             chunk[-1] = q[0]
             in_chunk = torch.empty_like(chunk)
-            assert cpu_ops.prefill_attention(chunk, cache, table[0], lens[0], 0.125, in_chunk)
+            assert cpu_ops.prefill_attention(chunk, cache, table[0], lens[0], 0.125, in_chunk, softcap=softcap)
             outs.append((batch, alone, in_chunk))
     finally:
         torch.set_num_threads(threads)
@@ -296,6 +301,61 @@ def test_long_context_split_across_threads_is_bit_identical(kind):
     assert torch.equal(alone[0], batch[0]) and torch.equal(in_chunk[-1], batch[0])
     for other in outs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("kind", KV_KINDS)
+def test_soft_capped_attention_matches_the_torch_reference(kind, window):
+    """Gemma 2's soft-cap (scores -> cap * tanh(scores / cap)) in the decode and chunk kernels against the torch code
+    that served it before (torch_paged_attention with the softcap), on every cache type, with and without a window:
+    scores of 0 to ~10 caps, so both halves of the vectorised tanh (polynomial below 0.4, exp above) count."""
+    if not HAVE_OPS:
+        return
+    lens = [3, 256, 700]
+    q, cache, tables = _long_case(kind, lens, seed=7)
+    q = q * 6  # scores of standard deviation ~6, cap 2: most saturate, some sit near 0
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, 16)
+    got = torch.full_like(q, float("nan"))
+    assert cpu_ops.decode_attention(q, cache, meta.block_tables, meta.seq_lens, None, 0.125, got, window, 2.0)
+    want = torch_paged_attention(q, cache, meta, 0.125, window=window, softcap=2.0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
+    uncapped = torch.empty_like(q)
+    cpu_ops.decode_attention(q, cache, meta.block_tables, meta.seq_lens, None, 0.125, uncapped, window)
+    assert (uncapped - want).abs().max() > 0.1  # the cap bites
+    q_lens = [3, 5, 9]
+    chunk = torch.randn(sum(q_lens), *q.shape[1:], generator=_gen(8)) * 6
+    meta = AttentionMetadata.build(q_lens, lens, tables, 16)
+    want = torch_paged_attention(chunk, cache, meta, 0.125, window=window, softcap=2.0)
+    start = 0
+    for i, (q_len, n) in enumerate(zip(q_lens, lens)):
+        rows = slice(start, start + q_len)
+        out = torch.full_like(chunk[rows], float("nan"))
+        assert cpu_ops.prefill_attention(chunk[rows], cache, meta.block_tables[i], n, 0.125, out, window, 2.0)
+        torch.testing.assert_close(out, want[rows], rtol=1e-5, atol=2e-6)
+        start += q_len
+
+
+def test_soft_cap_limits():
+    """A cap far above every score leaves the attention as it was (tanh(x) ~ x); a cap far below makes every score
+    ~cap, so the weights are uniform and the output is the mean of V; a cap of 0 or below is refused."""
+    if not HAVE_OPS:
+        return
+    lens = [37]
+    q, k_cache, v_cache, tables = _paged_case(3, lens, seed=9)
+    meta = AttentionMetadata.build([1], lens, tables, 4)
+    args = ((k_cache, v_cache), meta.block_tables, meta.seq_lens, None, 0.3)
+    plain, wide, narrow = (torch.empty_like(q) for _ in range(3))
+    assert cpu_ops.decode_attention(q, *args, plain)
+    assert cpu_ops.decode_attention(q, *args, wide, softcap=1e4)
+    assert cpu_ops.decode_attention(q, *args, narrow, softcap=1e-6)
+    torch.testing.assert_close(wide, plain, rtol=1e-5, atol=1e-6)
+    v = v_cache[tables[0]].flatten(0, 1)[:37]  # [37, kv_heads, d]
+    mean = v.mean(0).repeat_interleave(3, dim=0)  # each query head's KV head
+    torch.testing.assert_close(narrow[0], mean, rtol=1e-5, atol=1e-5)
+    for bad in (0.0, -1.0):
+        assert not cpu_ops.decode_attention(q, *args, plain, softcap=bad)
+        assert not cpu_ops.prefill_attention(q, (k_cache, v_cache), meta.block_tables[0], 37, 0.3, plain,
+                                             softcap=bad)
 
 
 def test_caches_the_kernels_cannot_read_are_declined():

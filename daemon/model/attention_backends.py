@@ -10,14 +10,17 @@ which hands the step to `meta.backend`.
   sequences (prefill chunks, speculative verifies) one by one. Which path a sequence takes depends only on its own
   query length, never on the rest of the batch, so a sequence's result is the same alone or batched.
 - `CpuBackend`: the compiled C calls of llmd.kernels.cpu_ops (the K/V write; all decodes of a step in one call, each
-  prefill chunk in one), reading every cache type in place; the torch code where they do not apply.
+  prefill chunk in one), reading every cache type in place, windowed and soft-capped layers included; the torch code
+  only where they do not apply (activations that are not fp32, a cache layout they do not read, no C compiler).
 - `TritonBackend`: the Triton kernels of llmd.kernels (decode, varlen prefill); it takes no per-step value from the
   host beyond static bounds, so decode steps can be captured in CUDA graphs (`cuda_graph_safe`).
 
 Per-layer options, passed on every call: `window` (sliding window in tokens: a query at position p sees keys at
-positions > p - window) and `softcap` (Gemma 2's logit soft-capping). Every backend takes a window (no path reads a
-block wholly before it); the softcap is the torch code's only: the CPU backend then runs the torch code, the Triton
-backend raises NotImplementedError.
+positions > p - window) and `softcap` (Gemma 2's logit soft-capping: scores -> softcap * tanh(scores / softcap)
+before the softmax). Every backend takes a window (no path reads a block wholly before it). The torch and CPU
+backends take a softcap (the C kernels with a vectorised tanh, within ~1e-6 of torch's, keeping their batch, chunk and
+thread invariance); the Triton backend raises NotImplementedError, so `choose_backend` serves a soft-capped model on
+CUDA with the torch backend.
 """
 
 from __future__ import annotations
@@ -88,19 +91,19 @@ class CpuBackend(TorchBackend):
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, *,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if softcap is None:  # the C kernels take a sliding window, not a softcap
-            out = torch.empty_like(q)
-            if self._c_attention(q, kv_cache, meta, decode_plan(meta), scale, out, window):
-                return out
+        out = torch.empty_like(q)
+        if self._c_attention(q, kv_cache, meta, decode_plan(meta), scale, out, window, softcap):
+            return out
         return super().attend(q, kv_cache, meta, scale, window=window, softcap=softcap)
 
     @staticmethod
     def _c_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, plan: DecodePlan, scale: float,
-                     out: torch.Tensor, window: int | None = None) -> bool:
+                     out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> bool:
         """All decodes in one call, then each prefill chunk or speculative verify in one call, into `out`. False
         where the C code does not apply (`out` may then be partly written)."""
         if plan.block_tables.shape[0] and not cpu_ops.decode_attention(q, kv_cache, plan.block_tables,
-                                                                        plan.seq_lens, plan.rows, scale, out, window):
+                                                                        plan.seq_lens, plan.rows, scale, out, window,
+                                                                        softcap):
             return False
         starts = [0]
         for n in meta.query_lens_list:
@@ -108,7 +111,7 @@ class CpuBackend(TorchBackend):
         for i in plan.others:
             rows = slice(starts[i], starts[i + 1])
             if not cpu_ops.prefill_attention(q[rows], kv_cache, meta.block_tables[i], meta.seq_lens_list[i], scale,
-                                             out[rows], window):
+                                             out[rows], window, softcap):
                 return False
         return True
 
