@@ -120,6 +120,28 @@ def test_gemma3_stack_with_two_kv_groups_matches_the_modules(tmp_path, kv_cache_
     _assert_stack_matches_modules(loaded, **kw)
 
 
+@pytest.mark.parametrize("mode,kv_cache_dtype,spec", [("int4-g32", "fp16", "off"), ("int8", "int8", "ngram")])
+def test_gemma2_stack_matches_the_modules(tmp_path, mode, kv_cache_dtype, spec):
+    """A tiny Gemma 2 (window 8, window and global layers alternating, attention soft-capped at 2 so the cap bites on
+    random weights) runs every step in the stack, soft-capped attention in the C kernels, with the modules' logits
+    and caches bit for bit: contexts past 8x the window, its window layers in their own KV group, prompt-lookup
+    verify chunks beside decodes."""
+    from tiny_gemma import WINDOWS, write_tiny_gemma
+
+    loaded = load_model(write_tiny_gemma(tmp_path / "gemma2", "gemma2"), quant=mode)
+    assert loaded.config.attn_logit_softcapping == 2.0
+    assert all(layer.softcap == 2.0 for layer in cpu_stack.CpuLayerStack.build(loaded.model).layers)
+    window = WINDOWS["gemma2"]
+    g = torch.Generator().manual_seed(1)
+    prompts = [[2] + torch.randint(10, 500, (n - 1,), generator=g).tolist() for n in (70, 9, 8 * window + 3, 30)]
+    prompts[1] = prompts[1] * 4  # repeats: n-gram proposals to verify
+    kw = dict(prompts=prompts, max_tokens=8, max_num_batched_tokens=24, block_size=8, num_kv_blocks=None,
+              kv_cache_bytes=2**21, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype, speculative_mode=spec)
+    runner = make_engine(loaded, **{k: v for k, v in kw.items() if k not in ("prompts", "max_tokens")}).runner
+    assert runner.num_window_blocks  # the window layers' own pool
+    _assert_stack_matches_modules(loaded, **kw)
+
+
 def test_stack_steps_aside_where_it_does_not_apply(tiny_llama, tiny_qwen3):
     fp32 = load_model(tiny_llama, dtype=torch.float32)
     assert cpu_stack.CpuLayerStack.build(fp32.model) is None  # fp32 weights: MKL through torch

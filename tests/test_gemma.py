@@ -85,6 +85,49 @@ def test_greedy_continuation_matches_transformers_generate(kind, folders):
     assert greedy_generate(lm, ids, 24, chunk_sizes=[7]) == out
 
 
+def _dequantized_reference(folder: Path, lm):
+    """transformers' model of `folder` with llmd's quantized projections put back as their dequantized fp32 weights:
+    the same model on both sides, so what is compared is the computation."""
+    ref = _reference(folder)
+    cfg = lm.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    with torch.no_grad():
+        for mine, theirs in zip(lm.model.model.layers, ref.model.layers, strict=True):
+            attn, mlp = theirs.self_attn, theirs.mlp
+            parts = [(mine.self_attn.qkv_proj, [attn.q_proj, attn.k_proj, attn.v_proj], [q, kv, kv]),
+                     (mine.self_attn.o_proj, [attn.o_proj], None),
+                     (mine.mlp.gate_up_proj, [mlp.gate_proj, mlp.up_proj], [cfg.intermediate_size] * 2),
+                     (mine.mlp.down_proj, [mlp.down_proj], None)]
+            for fused, targets, sizes in parts:
+                w = fused.dequantized_weight().float()
+                for target, piece in zip(targets, w.split(sizes) if sizes else [w], strict=True):
+                    target.weight.copy_(piece)
+    return ref
+
+
+def test_gemma2_c_layer_stack_matches_transformers(folders):
+    """Gemma 2 with int8 projections runs its layers as one C call per step (llmd.model.cpu_stack: the soft-capped
+    attention in the C kernels, cap 2 so it bites on random weights; the final logit cap in compute_logits, outside
+    the layers). Against transformers holding the same dequantized weights: logits within TOLERANCE through chunked
+    prefill and decodes to 5x the window, and the same greedy continuation."""
+    from llmd.model.cpu_stack import CompiledCpuForward
+
+    lm = load_model(folders["gemma2"], dtype=torch.float32, device="cpu", quant="int8")
+    ref = _dequantized_reference(folders["gemma2"], lm)
+    ids, decode = prompt_ids(5 * WINDOWS["gemma2"], seed=6), prompt_ids(7, seed=7)[1:]
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids + decode])).logits[0].float()
+    seq = SingleSequence(lm, max_tokens=len(ids) + len(decode))
+    assert isinstance(seq.forward, CompiledCpuForward), "the C layer stack should cover Gemma 2 with int8 layers"
+    got = torch.cat([seq.feed(ids[:11]), seq.feed(ids[11:])] + [seq.feed([t]) for t in decode])
+    assert seq.forward.stack.steps == 2 + len(decode)  # every step in C
+    assert (got - expected).abs().max().item() < TOLERANCE
+    prompt = prompt_ids(2 * WINDOWS["gemma2"], seed=8)
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    assert greedy_generate(lm, prompt, 24, chunk_sizes=[7]) == out
+
+
 def test_config_fields_from_hf_and_refusals(folders):
     cfg = ModelConfig.from_hf_folder(folders["gemma3"])
     assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention", "sliding_attention"]

@@ -4,11 +4,12 @@ The C code makes, layer by layer, the same kernel calls with the same arguments 
 (each of which already runs in C on the CPU), so the hidden states are bit for bit the same; it only removes the
 Python between them, about a third of a small model's decode step at batch 1.
 
-It applies to Llama-shaped models (no q/k norm, no partial rotary, no softcap; sliding windows included) and to Gemma 3
-(llmd.model.gemma, `cpu_stack_kind = "gemma"`: q/k norms, sandwich norms, GELU-tanh, local RoPE tables) whose fused
-qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type, or a GGUFConcat of
-several) with a prepared CPU kernel, with fp32 activations and a KV cache the C attention reads (fp32, fp16, bf16 or
-int8). Everything else (fp32 or bitsandbytes weights, Qwen3, Gemma 2's softcap, CUDA, LLMD_CPU_GEMM=0) keeps the
+It applies to Llama-shaped models (no q/k norm, no partial rotary; sliding windows included) and to Gemma 2 and 3
+(llmd.model.gemma, `cpu_stack_kind = "gemma"`: sandwich norms, GELU-tanh; Gemma 3's q/k norms and local RoPE tables,
+Gemma 2's soft-capped attention, `Layer.softcap`; Gemma 2's final logit soft-cap stays in `compute_logits`, outside
+the layers) whose fused qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type,
+or a GGUFConcat of several) with a prepared CPU kernel, with fp32 activations and a KV cache the C attention reads
+(fp32, fp16, bf16 or int8). Everything else (fp32 or bitsandbytes weights, Qwen3, CUDA, LLMD_CPU_GEMM=0) keeps the
 module path. A step with two KV groups (a model mixing window and global layers: `meta.window_group`) runs too: each
 window layer writes and reads its own group's pool through its slots and tables (`Step.window`), as paged_attention
 picks them, and the two pools may differ in size. The engine's runner builds a
@@ -51,9 +52,7 @@ class CpuLayerStack:
             return None
         if getattr(model, "cpu_stack_kind", "llama") == "gemma":
             return cls._build_gemma(lib, model)
-        if config.qk_norm or config.rotary_dim != config.head_dim or any(
-                layer.self_attn.softcap is not None
-                for layer in model.model.layers):  # the C attention has no softcap; the C RoPE rotates whole heads
+        if config.qk_norm or config.rotary_dim != config.head_dim:  # the C RoPE rotates whole heads
             return None
         layers = (ck.Layer * len(model.model.layers))()
         linears, norms = [], []
@@ -62,6 +61,7 @@ class CpuLayerStack:
             if not _bind_projections(layer, c_layer, linears):
                 return None
             c_layer.window = attn.window or 0  # each layer's sliding window (0: none)
+            c_layer.softcap = attn.softcap or 0.0  # its attention logit soft-cap (0: none)
             for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.post_attention_layernorm)):
                 if not _bind_norm(c_layer, name, norm, norm.weight, config.rms_norm_eps, norms):
                     return None
@@ -73,12 +73,10 @@ class CpuLayerStack:
 
     @classmethod
     def _build_gemma(cls, lib, model) -> "CpuLayerStack | None":
-        """Gemma 3's layers (llmd.model.gemma): the same projections, with the fp32 (1 + weight) multipliers of its
-        norms, q/k norms, sandwich norms, GELU-tanh and the local RoPE tables of its sliding layers. Soft-capped
-        attention (Gemma 2) has no C kernel: None."""
+        """Gemma 2's and 3's layers (llmd.model.gemma): the same projections, with the fp32 (1 + weight) multipliers
+        of its norms, sandwich norms and GELU-tanh; Gemma 3's q/k norms and the local RoPE tables of its sliding
+        layers; Gemma 2's soft-capped attention (q and k rotated as one view, as the modules do)."""
         config = model.config
-        if config.attn_logit_softcapping is not None:
-            return None
         layers = (ck.Layer * len(model.model.layers))()
         linears, norms = [], []
         local = model.model.rotary_emb.sliding is not None
@@ -87,6 +85,7 @@ class CpuLayerStack:
             if not _bind_projections(layer, c_layer, linears):
                 return None
             c_layer.window = attn.window or 0
+            c_layer.softcap = attn.softcap or 0.0
             c_layer.local_rope = int(local and attn.window is not None)
             for name, norm in (("input_norm", layer.input_layernorm), ("post_norm", layer.pre_feedforward_layernorm),
                                ("attn_out_norm", layer.post_attention_layernorm),

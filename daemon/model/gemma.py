@@ -14,11 +14,11 @@ What differs from Llama, following transformers' modeling_gemma2/3 (the referenc
 
 Which path runs what: these modules, with the ops of llmd.model.ops (RMSNorm, RoPE, GELU-tanh * up: C on the CPU)
 and each quantized layer's kernel chosen at load, as for Llama. One exception, chosen once by the engine's runner: on
-the CPU with int8/int4/GGUF weights, Gemma 3 runs its layers as one C call (kernels/cpu_stack.c through
+the CPU with int8/int4/GGUF weights, Gemma 2 and Gemma 3 run their layers as one C call (kernels/cpu_stack.c through
 llmd.model.cpu_stack.CompiledCpuForward: the same kernel calls as these modules, so bit for bit the same;
-tests/test_gemma.py holds it). Gemma 2 (soft-capped attention), fp weights and CUDA always run the modules.
+tests/test_gemma.py and tests/test_cpu_stack.py hold it). fp weights and CUDA always run the modules.
 Attention goes through the step's backend with the layer's window and softcap (llmd.model.attention_backends: the C
-kernels on the CPU take the window; a soft-capped layer runs the torch code).
+kernels on the CPU take both; on CUDA a soft-capped model runs the torch code).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class GemmaCausalLM(nn.Module):
     configured)."""
 
     graph_blocker = "Gemma's windowed / soft-capped attention has no CUDA-graph-safe kernel yet"
-    cpu_stack_kind = "gemma"  # llmd.model.cpu_stack builds Gemma 3's layers as one C call
+    cpu_stack_kind = "gemma"  # llmd.model.cpu_stack builds Gemma 2's and 3's layers as one C call
     awq_calibration = False  # llmd.model.awq assumes Llama's norms: int4 is quantized weight by weight (loader)
     checkpoint_parts = CausalLM.checkpoint_parts
     route = CausalLM.route

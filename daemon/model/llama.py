@@ -14,7 +14,7 @@ Numerics follow transformers (RMSNorm in fp32, rotate-half RoPE with cos/sin in 
 What runs: this file's modules, with the ops (RMSNorm, RoPE, SiLU * up: llmd.model.ops) and each quantized layer's
 kernel (QuantizedLinear.prepare) chosen for the device when the model is loaded. One exception, chosen once by the
 engine's runner: on the CPU with int8/int4 weights or packed GGUF weights (and fp32 activations, a KV cache the C
-attention reads, no q/k norm, no softcap), `kernels/cpu_stack.c` runs these layers, all of them in
+attention reads, no q/k norm), `kernels/cpu_stack.c` runs these layers, all of them in
 one call per step (llmd.model.cpu_stack.CompiledCpuForward); `tests/test_cpu_stack.py` keeps it bit-identical to the
 modules here. fp32 and bitsandbytes weights, Qwen3 and CUDA always run the modules.
 """
