@@ -71,17 +71,15 @@ def prefill_tokens_per_second(model, tokens: int, block_size: int = 16, rounds: 
 @torch.inference_mode()
 def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, block_size: int = 16,
                              warmup: int = 2, sync=lambda: None, query_len: int = 1, kv_cache_dtype: str = "auto",
-                             prefill_chunk: int | None = None, kv_groups: bool = False,
-                             layer_stack: bool = True) -> float:
+                             prefill_chunk: int | None = None, kv_groups: bool = False) -> float:
     """Steps per second times batch. query_len > 1 feeds that many positions per sequence per step, the shape of a
     speculative verify (k proposals + 1), so its cost can be compared with a plain decode step. prefill_chunk: feed
     the prompts in chunks of that many positions (a long prompt in one forward needs its activations at once).
     kv_groups: the window layers' K/V in a pool of their own (paged_kv). Timed step s (of warmup + steps) attends
-    over prompt_len + (s + 1) * query_len tokens per sequence. layer_stack False: the model's modules even where the
-    C layer stack applies (to time one against the other)."""
+    over prompt_len + (s + 1) * query_len tokens per sequence."""
     cfg = model.config
     device = next(p for p in model.parameters()).device
-    forward = (CompiledCpuForward.try_build(model) if layer_stack else None) or model  # the CPU: layers in one C call
+    forward = CompiledCpuForward.try_build(model) or model  # and, on the CPU, the layers in one C call
     max_len = prompt_len + query_len * (steps + warmup) + 1
     kv, build = paged_kv(model, batch, max_len, block_size, kv_cache_dtype, kv_groups)
     gen = torch.Generator().manual_seed(0)
