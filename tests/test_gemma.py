@@ -1,6 +1,7 @@
 """Gemma 2 and Gemma 3 text against transformers (the reference), CPU fp32: tiny random-weight models from Hugging Face
-folders and from GGUF files, at contexts several times their sliding window; the engine's exactness invariants on a
-window model; and the real Gemma 3 270M Q4_K_M (greedy continuations equal transformers' on the same file)."""
+folders and from GGUF files, at contexts several times their sliding window; Gemma 2's C layer stack (soft-capped
+attention in C) against transformers on the same dequantized weights; the engine's exactness invariants on a window
+model; and the real Gemma 3 270M Q4_K_M (greedy continuations equal transformers' on the same file)."""
 
 from __future__ import annotations
 
