@@ -70,5 +70,5 @@ def transposed_tied_head(model: nn.Module) -> None:
 
 def _transposed(weight: torch.Tensor, bias: torch.Tensor | None) -> TransposedLinear:
     weight_t = weight.detach().t().contiguous()
-    weight.data = torch.empty(0, dtype=weight.dtype)  # free the [out, in] copy now, not when the module goes
+    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # free the [out, in] copy now, not when the module goes
     return TransposedLinear(weight_t, bias)
