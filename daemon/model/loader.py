@@ -51,12 +51,9 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
                quant: str | None = None, quantize_head: bool = False) -> LoadedModel:
     """Load a model from a `llmd.store.ModelFiles`, a folder in Hugging Face layout, a .gguf file, or a store name.
 
-    One pipeline over the weight source (llmd.model.source): build the model with its quantized layers swapped in
-    (meta device), stream the tensors in, each quantized / kept packed / copied on its way (quantized layers:
-    llmd.model.quant; int8/int4 results cached, int4 calibrated, by llmd.model.quant_cache; q/k/v and gate/up
-    straight into the rows of their fused layers), tie the output head and lay the weights out for the device.
-    Default dtype: fp32 on CPU, bf16 on CUDA. Raises ModelFileError / UnsupportedArchitecture / ModelNotFound with a
-    message for the user.
+    One pipeline over the weight source (LoadPipeline; quantized layers: llmd.model.quant), whose int8/int4 results
+    llmd.model.quant_cache keeps. Default dtype: fp32 on CPU, bf16 on CUDA. Raises ModelFileError /
+    UnsupportedArchitecture / ModelNotFound with a message for the user.
     """
     kind, path, name = _describe(files)
     device_t = torch.device(device or default_device())
@@ -85,9 +82,8 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
 
 @dataclass
 class LoadPipeline:
-    """The steps from a weight source to a ready model, as one object that the quantized-weight cache wraps
-    (llmd.model.quant_cache.cached): `run()` takes them all; `empty()` is run()'s model with nothing read into it,
-    which the cache fills from an entry instead, and `prepare()` then takes the last step."""
+    """The steps from a weight source to a ready model, which llmd.model.quant_cache.cached wraps: `run()` takes them
+    all; `empty()` is run()'s model with nothing read in, for the cache to fill, and `prepare()` then takes the last."""
 
     source: WeightSource
     spec: QuantSpec
@@ -96,8 +92,9 @@ class LoadPipeline:
     quantize_head: bool = False
 
     def run(self) -> tuple[nn.Module, LoadReport]:
-        """Build on the meta device with the quantized layers swapped in, stream the weights in (each transformed on
-        its way), calibrate int4, tie the head, lay the weights out and prepare the layers for the device."""
+        """Build on the meta device with the quantized layers swapped in, stream the weights in (each quantized /
+        kept packed / copied on its way; q/k/v and gate/up straight into the rows of their fused layers), calibrate
+        int4, tie the head, lay the weights out and prepare the layers for the device."""
         source, spec = self.source, self.spec
         model, swapped = build_empty_quantized(source.config, self.dtype, self.device, spec, self.quantize_head,
                                                source.raw_types(spec.method))
@@ -119,41 +116,34 @@ class LoadPipeline:
         return model
 
     def prepare(self, model: nn.Module) -> None:
-        """The last step, once the tensors are in (by run() or from a cache entry)."""
-        prepare_for_device(model, self.device, self.dtype)
+        """The last step, once the tensors are in (by run() or from a cache entry): bind the model's ops to the device
+        (llmd.model.ops: the C glue on the CPU) and choose each quantized layer's kernel (QuantizedLinear.prepare)."""
+        bind_ops(model, choose_ops(self.device, self.dtype))
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear):
+                module.prepare(self.device, self.dtype)
 
     def _final_form(self, model: nn.Module) -> None:
         """The head tied (once) and the weights laid out for the device: the forms a cache entry stores, which differ
         by device type (on the CPU every fp linear, a tied head included, is held transposed)."""
-        tie_output_head(model, self.spec, self.quantize_head, self.dtype, self.device)
+        self.tie_output_head(model)
         if self.device.type == "cpu":
             use_transposed_weights(model)
 
-
-def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """The last step of loading: bind the model's ops to the device (llmd.model.ops: the C glue on the CPU) and
-    choose each quantized layer's kernel (QuantizedLinear.prepare)."""
-    bind_ops(model, choose_ops(device, dtype))
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            module.prepare(device, dtype)
-
-
-def tie_output_head(model: nn.Module, spec: QuantSpec, quantize_head: bool, dtype: torch.dtype,
-                    device: torch.device) -> None:
-    """The one place a tied model (tie_word_embeddings: no lm_head of its own) gets its output head:
-    - a packed GGUF token table: the head reads that very table (llmd.model.quant.tie_gguf_head);
-    - --quantize-head with an int8/int4/bnb mode: a quantized copy of the table (the table stays as it is);
-    - otherwise on CPU: one [hidden, vocab] fp copy serving as head and, transposed, as the embeddings;
-    - otherwise (CUDA, fp) the head stays None and the logits are taken from the embedding table."""
-    if getattr(model, "lm_head", "untied") is not None:
-        return
-    if spec.method == "gguf" and tie_gguf_head(model, dtype):
-        return
-    if quantize_head and spec.method not in ("none", "gguf"):
-        quantize_tied_head(model, spec)
-    elif device.type == "cpu":
-        transposed_tied_head(model)
+    def tie_output_head(self, model: nn.Module) -> None:
+        """The one place a tied model (tie_word_embeddings: no lm_head of its own) gets its output head:
+        - a packed GGUF token table: the head reads that very table (llmd.model.quant.tie_gguf_head);
+        - --quantize-head with an int8/int4/bnb mode: a quantized copy of the table (the table stays as it is);
+        - otherwise on CPU: one [hidden, vocab] fp copy serving as head and, transposed, as the embeddings;
+        - otherwise (CUDA, fp) the head stays None and the logits are taken from the embedding table."""
+        if getattr(model, "lm_head", "untied") is not None:
+            return
+        if self.spec.method == "gguf" and tie_gguf_head(model, self.dtype):
+            return
+        if self.quantize_head and self.spec.method not in ("none", "gguf"):
+            quantize_tied_head(model, self.spec)
+        elif self.device.type == "cpu":
+            transposed_tied_head(model)
 
 
 def _warn_dequantizing(path: Path, dtype: torch.dtype) -> None:

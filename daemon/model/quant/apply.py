@@ -149,8 +149,6 @@ def quantize_tied_head(model: nn.Module, spec: QuantSpec) -> None:
     """Give a tied-embedding model a separate quantized output head (the embedding table stays as it is).
     The head is the largest single matmul of a small model's decode step. On the meta device (the skeleton that a
     cache entry fills) the layer is only made."""
-    if getattr(model, "lm_head", None) is not None or spec.method in ("none", "gguf"):
-        return
     emb = model.model.embed_tokens.weight
     layer = empty_quantized(spec, emb.shape[1], emb.shape[0], False, dtype=emb.dtype, device=emb.device)
     if not emb.is_meta:
