@@ -124,11 +124,11 @@ def test_gguf_tensor_readers_match_the_file_stream(smollm2_gguf):
 
 
 def test_cache_hit_skips_calibration_and_the_key_names_it(tiny_llama, quant_cache_dir, monkeypatch):
-    from llmd.model import quant_cache
+    from llmd.model import loader, quant_cache
 
     runs = []
-    real = quant_cache.quantize_calibrated
-    monkeypatch.setattr(quant_cache, "quantize_calibrated", lambda *a, **k: (runs.append(1), real(*a, **k))[1])
+    real = loader.quantize_calibrated
+    monkeypatch.setattr(loader, "quantize_calibrated", lambda *a, **k: (runs.append(1), real(*a, **k))[1])
     first = load_model(tiny_llama, quant="int4-g32")
     assert runs == [1]
     second = load_model(tiny_llama, quant="int4-g32")
@@ -137,6 +137,7 @@ def test_cache_hit_skips_calibration_and_the_key_names_it(tiny_llama, quant_cach
     assert torch.equal(prefill_logits(first, ids), prefill_logits(second, ids))
     # calibrated and weight-by-weight int4 of the same file are different entries
     files = safetensors_files(tiny_llama)
-    on = quant_cache.entry_path(files, quant.QuantSpec("int4", 32, calibrate=True), torch.float32, False)
-    off = quant_cache.entry_path(files, quant.QuantSpec("int4", 32), torch.float32, False)
+    cpu = torch.device("cpu")
+    on = quant_cache.entry_path(files, quant.QuantSpec("int4", 32, calibrate=True), torch.float32, cpu, False)
+    off = quant_cache.entry_path(files, quant.QuantSpec("int4", 32), torch.float32, cpu, False)
     assert on != off

@@ -333,6 +333,25 @@ def test_damaged_cache_entry_is_ignored_with_a_warning_and_rebuilt(tiny_llama, q
     assert not calls
 
 
+def test_cache_entry_holds_the_devices_forms_and_its_key_names_the_device_type(tiny_qwen2, quant_cache_dir):
+    """An entry is the model as LoadPipeline.run() leaves it for its device: on the CPU the tied head is one
+    transposed [hidden, vocab] table (the embeddings read from it), on CUDA the token table itself. So a CPU entry
+    must never be read for CUDA, and the device type is part of the key."""
+    from llmd.model import quant_cache
+    from llmd.model.weights import iter_safetensors, safetensors_files
+
+    lm = load_model(tiny_qwen2, quant="int8")
+    assert lm.config.tie_word_embeddings
+    (entry,) = quant_cache_dir.glob("*.safetensors")
+    files, spec = safetensors_files(tiny_qwen2), quant.parse_quant("int8")
+    assert entry == quant_cache.entry_path(files, spec, torch.float32, torch.device("cpu"), False)
+    assert entry != quant_cache.entry_path(files, spec, torch.float32, torch.device("cuda"), False)
+    stored = {name: tensor for name, tensor in iter_safetensors([entry])}
+    assert "model.embed_tokens.weight" not in stored
+    emb = lm.model.model.embed_tokens(torch.arange(lm.config.vocab_size))
+    assert torch.equal(stored["lm_head.weight_t"], emb.t())
+
+
 def test_changed_source_file_misses_the_cache(tiny_llama, quant_cache_dir, tmp_path):
     import os
     import shutil

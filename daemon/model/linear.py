@@ -62,7 +62,7 @@ def use_transposed_weights(model: nn.Module) -> None:
 
 def transposed_tied_head(model: nn.Module) -> None:
     """A tied model on CPU (lm_head None, fp embeddings): the table becomes a TransposedLinear head, and the
-    embeddings read from it, so it is held once (llmd.model.loader.tie_output_head decides when)."""
+    embeddings read from it, so it is held once (llmd.model.loader.LoadPipeline.tie_output_head decides when)."""
     head = _transposed(model.model.embed_tokens.weight, None)
     model.lm_head = head
     model.model.embed_tokens = TransposedEmbedding(head)
@@ -70,5 +70,6 @@ def transposed_tied_head(model: nn.Module) -> None:
 
 def _transposed(weight: torch.Tensor, bias: torch.Tensor | None) -> TransposedLinear:
     weight_t = weight.detach().t().contiguous()
-    weight.data = torch.empty(0, dtype=weight.dtype)  # free the [out, in] copy now, not when the module goes
+    # free the [out, in] copy now, not when the module goes (on the same device: a meta skeleton too can be laid out)
+    weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
     return TransposedLinear(weight_t, bias)

@@ -13,14 +13,15 @@ import torch
 from torch import nn
 
 from ..errors import ModelFileError
+from .calibrate import quantize_calibrated
 from .config import ModelConfig
 from .linear import transposed_tied_head, use_transposed_weights
 from .ops import bind_ops, choose_ops
 from .quant import (QuantizedLinear, QuantSpec, build_empty_quantized, parse_quant, quantize_tied_head, quantized_weight_bytes,
                     quantizing_stream, tie_gguf_head)
-from .quant_cache import load_quantized  # second starts read packed weights from the XDG cache
+from .quant_cache import cached  # second starts read packed weights from the XDG cache
 from .registry import model_class
-from .source import open_source
+from .source import WeightSource, open_source
 from .weights import LoadReport, load_tensors
 
 log = logging.getLogger(__name__)
@@ -50,12 +51,9 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
                quant: str | None = None, quantize_head: bool = False) -> LoadedModel:
     """Load a model from a `llmd.store.ModelFiles`, a folder in Hugging Face layout, a .gguf file, or a store name.
 
-    One pipeline over the weight source (llmd.model.source): build the model with its quantized layers swapped in
-    (meta device), stream the tensors in, each quantized / kept packed / copied on its way (quantized layers:
-    llmd.model.quant; int8/int4 results cached, int4 calibrated, by llmd.model.quant_cache; q/k/v and gate/up
-    straight into the rows of their fused layers), tie the output head and lay the weights out for the device.
-    Default dtype: fp32 on CPU, bf16 on CUDA. Raises ModelFileError / UnsupportedArchitecture / ModelNotFound with a
-    message for the user.
+    One pipeline over the weight source (LoadPipeline; quantized layers: llmd.model.quant), whose int8/int4 results
+    llmd.model.quant_cache keeps. Default dtype: fp32 on CPU, bf16 on CUDA. Raises ModelFileError /
+    UnsupportedArchitecture / ModelNotFound with a message for the user.
     """
     kind, path, name = _describe(files)
     device_t = torch.device(device or default_device())
@@ -73,16 +71,8 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
     if source.kind == "gguf" and spec.method == "none" and quant in (None, "auto"):
         _warn_dequantizing(path, dtype)
 
-    def build():
-        model, swapped = build_empty_quantized(config, dtype, device_t, spec, quantize_head,
-                                               source.raw_types(spec.method))
-        stream = quantizing_stream(source.stream(spec.method), model, swapped, spec, path)
-        return model, load_tensors(model, stream, path)
-
-    model, report, _ = load_quantized(source.files, config, dtype, device_t, spec, quantize_head, build)
+    model, report = cached(LoadPipeline(source, spec, dtype, device_t, quantize_head))
     tokenizer = source.tokenizer()
-    tie_output_head(model, spec, quantize_head, dtype, device_t)
-    prepare_for_device(model, device_t, dtype)
     report.weight_bytes = quantized_weight_bytes(model)
     seconds = time.perf_counter() - start
     report.seconds = seconds
@@ -90,32 +80,70 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
     return LoadedModel(model, tokenizer, config, name, dtype, device_t, seconds, report)
 
 
-def prepare_for_device(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """The last step of loading: lay the weights out for the device, bind the model's ops to it (llmd.model.ops:
-    the C glue on the CPU) and choose each quantized layer's kernel (QuantizedLinear.prepare)."""
-    if device.type == "cpu":
-        use_transposed_weights(model)
-    bind_ops(model, choose_ops(device, dtype))
-    for module in model.modules():
-        if isinstance(module, QuantizedLinear):
-            module.prepare(device, dtype)
+@dataclass
+class LoadPipeline:
+    """The steps from a weight source to a ready model, which llmd.model.quant_cache.cached wraps: `run()` takes them
+    all; `empty()` is run()'s model with nothing read in, for the cache to fill, and `prepare()` then takes the last."""
 
+    source: WeightSource
+    spec: QuantSpec
+    dtype: torch.dtype
+    device: torch.device
+    quantize_head: bool = False
 
-def tie_output_head(model: nn.Module, spec: QuantSpec, quantize_head: bool, dtype: torch.dtype,
-                    device: torch.device) -> None:
-    """The one place a tied model (tie_word_embeddings: no lm_head of its own) gets its output head:
-    - a packed GGUF token table: the head reads that very table (llmd.model.quant.tie_gguf_head);
-    - --quantize-head with an int8/int4/bnb mode: a quantized copy of the table (the table stays as it is);
-    - otherwise on CPU: one [hidden, vocab] fp copy serving as head and, transposed, as the embeddings;
-    - otherwise (CUDA, fp) the head stays None and the logits are taken from the embedding table."""
-    if getattr(model, "lm_head", "untied") is not None:
-        return
-    if spec.method == "gguf" and tie_gguf_head(model, dtype):
-        return
-    if quantize_head and spec.method not in ("none", "gguf"):
-        quantize_tied_head(model, spec)
-    elif device.type == "cpu":
-        transposed_tied_head(model)
+    def run(self) -> tuple[nn.Module, LoadReport]:
+        """Build on the meta device with the quantized layers swapped in, stream the weights in (each quantized /
+        kept packed / copied on its way; q/k/v and gate/up straight into the rows of their fused layers), calibrate
+        int4, tie the head, lay the weights out and prepare the layers for the device."""
+        source, spec = self.source, self.spec
+        model, swapped = build_empty_quantized(source.config, self.dtype, self.device, spec, self.quantize_head,
+                                               source.raw_types(spec.method))
+        report = load_tensors(model, quantizing_stream(source.stream(spec.method), model, swapped, spec, source.path),
+                              source.path)
+        if spec.calibrate:  # the stream left the int4 layers empty: GPTQ fills them, a layer at a time
+            quantize_calibrated(model, source.files, spec)
+        self._final_form(model)
+        self.prepare(model)
+        return model, report
+
+    def empty(self) -> nn.Module:
+        """run()'s model, its tensors allocated (once) but not filled: the layers, tied head and layout are settled
+        on the meta device, where quantizing or transposing a weight costs nothing."""
+        model, _ = build_empty_quantized(self.source.config, self.dtype, "meta", self.spec, self.quantize_head)
+        self._final_form(model)
+        model = model.to_empty(device=self.device)
+        model.init_buffers(self.device)
+        return model
+
+    def prepare(self, model: nn.Module) -> None:
+        """The last step, once the tensors are in (by run() or from a cache entry): bind the model's ops to the device
+        (llmd.model.ops: the C glue on the CPU) and choose each quantized layer's kernel (QuantizedLinear.prepare)."""
+        bind_ops(model, choose_ops(self.device, self.dtype))
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear):
+                module.prepare(self.device, self.dtype)
+
+    def _final_form(self, model: nn.Module) -> None:
+        """The head tied (once) and the weights laid out for the device: the forms a cache entry stores, which differ
+        by device type (on the CPU every fp linear, a tied head included, is held transposed)."""
+        self.tie_output_head(model)
+        if self.device.type == "cpu":
+            use_transposed_weights(model)
+
+    def tie_output_head(self, model: nn.Module) -> None:
+        """The one place a tied model (tie_word_embeddings: no lm_head of its own) gets its output head:
+        - a packed GGUF token table: the head reads that very table (llmd.model.quant.tie_gguf_head);
+        - --quantize-head with an int8/int4/bnb mode: a quantized copy of the table (the table stays as it is);
+        - otherwise on CPU: one [hidden, vocab] fp copy serving as head and, transposed, as the embeddings;
+        - otherwise (CUDA, fp) the head stays None and the logits are taken from the embedding table."""
+        if getattr(model, "lm_head", "untied") is not None:
+            return
+        if self.spec.method == "gguf" and tie_gguf_head(model, self.dtype):
+            return
+        if self.quantize_head and self.spec.method not in ("none", "gguf"):
+            quantize_tied_head(model, self.spec)
+        elif self.device.type == "cpu":
+            transposed_tied_head(model)
 
 
 def _warn_dequantizing(path: Path, dtype: torch.dtype) -> None:

@@ -1,11 +1,12 @@
 """A cache of quantized checkpoints in the XDG cache (`llmd.config.cache_dir()/quantized`), so the second start of a
 model with --quant int8 / int4 reads packed weights instead of quantizing again.
 
-An entry is one safetensors file named by the identity of the source files (resolved path, size, mtime), the mode,
-the dtype, whether the head is quantized, the calibration (method + text, for int4) and the llmd version; a changed
-source, calibration or llmd misses and rebuilds.
+An entry holds the model that `LoadPipeline.run()` (llmd.model.loader) makes, head tied and weights laid out for the
+device, and is one safetensors file named by the identity of the source files (resolved path, size, mtime), the mode,
+the dtype, the device type (the CPU holds fp linears transposed), whether the head is quantized, the calibration
+(method + text, for int4) and the llmd version; a changed source, calibration or llmd misses and rebuilds.
 Entries are written to a temporary name and renamed, carry a CRC32 per tensor, and are read tensor by tensor into
-the empty (meta-built) model, so loading never holds more than the quantized model plus one tensor. An unreadable
+the pipeline's empty model, so loading never holds more than the quantized model plus one tensor. An unreadable
 or damaged entry is logged, deleted and rebuilt.
 """
 
@@ -16,9 +17,10 @@ import json
 import logging
 import os
 import struct
+import time
 import zlib
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -26,9 +28,12 @@ from torch import nn
 from .. import __version__
 from ..config import cache_dir
 from ..errors import ModelFileError
-from .calibrate import CALIBRATION, quantize_calibrated
-from .quant import QuantizedLinear, QuantSpec, build_empty_quantized, empty_quantized, quantize_tied_head
+from .calibrate import CALIBRATION
+from .quant import QuantizedLinear, QuantSpec
 from .weights import LoadReport, current_rss_bytes, iter_safetensors, peak_rss_bytes
+
+if TYPE_CHECKING:
+    from .loader import LoadPipeline
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +48,13 @@ def quant_cache_dir() -> Path:
     return Path(override) if override else cache_dir() / "quantized"
 
 
-def entry_path(sources: list[Path], spec: QuantSpec, dtype: torch.dtype, quantize_head: bool) -> Path:
+def entry_path(sources: list[Path], spec: QuantSpec, dtype: torch.dtype, device: torch.device,
+               quantize_head: bool) -> Path:
     """The cache file for these source files and settings (the name changes whenever any of them does)."""
     resolved = [Path(p).resolve() for p in sources]
     identity = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in resolved]
-    key = json.dumps({"files": identity, "mode": spec.label, "dtype": str(dtype), "head": quantize_head,
+    key = json.dumps({"files": identity, "mode": spec.label, "dtype": str(dtype), "device": device.type,
+                      "head": quantize_head,
                       "calibration": CALIBRATION if spec.calibrate else None, "llmd": __version__,
                       "layout": "fused"})  # q/k/v and gate/up as one layer each
     where = hashlib.sha256(str(resolved[0]).encode()).hexdigest()[:16]
@@ -129,38 +136,31 @@ def read_entry(path: Path, model: nn.Module) -> int:
     return len(crcs)
 
 
-def load_quantized(sources: list[Path], config, dtype: torch.dtype, device: torch.device, spec: QuantSpec,
-                   quantize_head: bool, build: Callable[[], tuple[nn.Module, LoadReport]]):
-    """(model, report, hit): the model from its cache entry, else from `build()` (which streams and quantizes the
-    source; for a calibrated spec the int4 layers are then filled by llmd.model.calibrate), after which the entry is
-    written. Modes other than int8/int4 just build."""
+def cached(pipeline: LoadPipeline) -> tuple[nn.Module, LoadReport]:
+    """The pipeline's model: read from its cache entry into `pipeline.empty()`, else made by `pipeline.run()`, after
+    which the entry is written. Modes other than int8/int4 just run the pipeline."""
+    spec = pipeline.spec
     if spec.method not in CACHED_METHODS:
-        return (*build(), False)
-    path = entry_path(sources, spec, dtype, quantize_head)
+        return pipeline.run()
+    path = entry_path(pipeline.source.files, spec, pipeline.dtype, pipeline.device, pipeline.quantize_head)
     if path.is_file():
-        model, _ = build_empty_quantized(config, dtype, device, spec, quantize_head)
-        if quantize_head and model.lm_head is None:  # a tied head gets its own quantized layer, filled from the entry
-            model.lm_head = empty_quantized(spec, config.hidden_size, config.vocab_size, False, dtype, device)
+        start = time.perf_counter()
+        model = pipeline.empty()
         try:
-            import time
-
-            start = time.perf_counter()
             count = read_entry(path, model)
-            log.info("read quantized weights from the cache (%s)", path)
-            weight_bytes = sum(t.numel() * t.element_size() for t in cached_state(model).values())
-            return model, LoadReport(time.perf_counter() - start, count, weight_bytes, current_rss_bytes(),
-                                     peak_rss_bytes()), True
         except (ModelFileError, OSError, struct.error) as exc:
             log.warning("ignoring a damaged quantized-weight cache entry %s (%s); quantizing again", path, exc)
             path.unlink(missing_ok=True)
             del model
-    model, report = build()
-    if spec.calibrate:  # the stream left the int4 layers empty: GPTQ fills them, a layer at a time
-        quantize_calibrated(model, sources, spec)
-    if quantize_head:
-        quantize_tied_head(model, spec)
+        else:
+            log.info("read quantized weights from the cache (%s)", path)
+            pipeline.prepare(model)
+            weight_bytes = sum(t.numel() * t.element_size() for t in cached_state(model).values())
+            return model, LoadReport(time.perf_counter() - start, count, weight_bytes, current_rss_bytes(),
+                                     peak_rss_bytes())
+    model, report = pipeline.run()
     try:
         write_entry(path, model)
     except OSError as exc:  # a full or read-only cache must not stop the model from loading
         log.warning("could not write the quantized-weight cache %s (%s)", path, exc)
-    return model, report, False
+    return model, report

@@ -147,13 +147,12 @@ def quantize_model(model: nn.Module, mode: str | QuantSpec, include_lm_head: boo
 
 def quantize_tied_head(model: nn.Module, spec: QuantSpec) -> None:
     """Give a tied-embedding model a separate quantized output head (the embedding table stays as it is).
-    The head is the largest single matmul of a small model's decode step."""
-    if getattr(model, "lm_head", None) is not None or spec.method in ("none", "gguf"):
-        return
+    The head is the largest single matmul of a small model's decode step. On the meta device (the skeleton that a
+    cache entry fills) the layer is only made."""
     emb = model.model.embed_tokens.weight
-    head = nn.Linear(emb.shape[1], emb.shape[0], bias=False, device="meta")
-    layer = empty_quantized(spec, head.in_features, head.out_features, False, dtype=emb.dtype, device=emb.device)
-    layers.fill_from_weight(layer, emb.detach(), spec)
+    layer = empty_quantized(spec, emb.shape[1], emb.shape[0], False, dtype=emb.dtype, device=emb.device)
+    if not emb.is_meta:
+        layers.fill_from_weight(layer, emb.detach(), spec)
     model.lm_head = layer
 
 
