@@ -2027,104 +2027,6 @@ GQ_SMALL(q5_1, 24, _mm256_or_si256(nibbles32(qb + 8), fifth_bits(gguf_u32(qb + 4
 GQ_SMALL(q8_0, 34, _mm256_loadu_si256((const __m256i *)(qb + 2)), 0.0f)
 GQ_SMALL(iq4_nl, 18, iq4_lookup(nibbles32(qb + 2)), 0.0f)
 
-GQ_DEC(q4_k) {
-    (void)nu;
-    float a[8] __attribute__((aligned(32))), m[8] __attribute__((aligned(32)));
-    gg_k4_scales(q, a, m);
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
-        u[2 * c] = _mm256_and_si256(v, m4);
-        u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    }
-    for (int s = 0; s < 8; s++) sv[s] = _mm256_set1_ps(a[s]), z[2 * s] = z[2 * s + 1] = m[s];
-}
-
-GQ_DEC(q5_k) {
-    (void)nu;
-    float a[8] __attribute__((aligned(32))), m[8] __attribute__((aligned(32)));
-    gg_k4_scales(q, a, m);
-    const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 16)), m4 = _mm256_set1_epi8(0x0F),
-                  b4 = _mm256_set1_epi8(0x10);
-    for (int c = 0; c < 4; c++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 48 + 32 * c));
-        for (int h = 0; h < 2; h++) {
-            const int s = 2 * c + h;
-            u[s] = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4),
-                                   _mm256_and_si256(gg_shift(qh, 4 - s), b4));
-        }
-    }
-    for (int s = 0; s < 8; s++) sv[s] = _mm256_set1_ps(a[s]), z[2 * s] = z[2 * s + 1] = m[s];
-}
-
-GQ_DEC(q6_k) {
-    (void)nu;
-    const int8_t *sc = (const int8_t *)(q + 192);
-    const float d = gguf_f16(q + 208);
-    float a[16];
-    for (int s = 0; s < 16; s++) a[s] = d * (float)sc[s], z[s] = -32.0f * a[s];
-    const __m256i m4 = _mm256_set1_epi8(0x0F), b45 = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; h++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
-        for (int t = 0; t < 4; t++) {
-            const __m256i lo = t & 1 ? l1 : l0;
-            u[4 * h + t] = _mm256_or_si256(_mm256_and_si256(t >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4),
-                                           _mm256_and_si256(gg_shift(qh, 4 - 2 * t), b45));
-            sv[4 * h + t] = gq_pair(a[8 * h + 2 * t], a[8 * h + 2 * t + 1]);
-        }
-    }
-}
-
-GQ_DEC(q2_k) {
-    (void)nu;
-    const float d = gguf_f16(q + 80), dmin = gguf_f16(q + 82);
-    float a[16];
-    for (int s = 0; s < 16; s++) a[s] = d * (float)(q[s] & 0xF), z[s] = -(dmin * (float)(q[s] >> 4));
-    const __m256i m2 = _mm256_set1_epi8(3);
-    for (int h = 0; h < 2; h++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * h));
-        for (int t = 0; t < 4; t++) {
-            u[4 * h + t] = _mm256_and_si256(gg_shift(v, -2 * t), m2);
-            sv[4 * h + t] = gq_pair(a[8 * h + 2 * t], a[8 * h + 2 * t + 1]);
-        }
-    }
-}
-
-GQ_DEC(q3_k) {
-    (void)nu;
-    const uint8_t *sb = q + 96;
-    const float d = gguf_f16(q + 108);
-    float a[16];
-    for (int s = 0; s < 16; s++) {
-        const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
-        a[s] = d * (float)((int8_t)(low | high << 4) - 32);
-        z[s] = -4.0f * a[s];
-    }
-    const __m256i hm = _mm256_loadu_si256((const __m256i *)q), m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
-    for (int h = 0; h < 2; h++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 + 32 * h));
-        for (int t = 0; t < 4; t++) { /* u = crumb + 4 * (hmask bit 4h + t) */
-            u[4 * h + t] = _mm256_or_si256(_mm256_and_si256(gg_shift(v, -2 * t), m2),
-                                           _mm256_and_si256(gg_shift(hm, 2 - (4 * h + t)), b2));
-            sv[4 * h + t] = gq_pair(a[8 * h + 2 * t], a[8 * h + 2 * t + 1]);
-        }
-    }
-}
-
-GQ_DEC(iq4_xs) {
-    (void)nu;
-    (void)z; /* signed codes: no offsets */
-    const float d = gguf_f16(q);
-    const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
-    for (int s = 0; s < 8; s++) {
-        const int sc = (int)(((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
-        u[s] = iq4_lookup(nibbles32(q + 8 + 16 * s));
-        sv[s] = _mm256_set1_ps(d * (float)sc);
-    }
-}
-
 /* A tile of R rows x up to C columns (cols): each chunk of each column decoded once for the R rows. xq, xd, xs: row
  * 0's bytes, block scales and sums (strides K, K / 32, gq_sums(K)); nb: GGUF blocks per row. */
 #define GQ_TILE(T, BPC, BYTES, SIGNED, R, C)                                                                       \
@@ -2175,12 +2077,192 @@ GQ_TILES(q5_0, 8, 22, 0)
 GQ_TILES(q5_1, 8, 24, 0)
 GQ_TILES(q8_0, 8, 34, 1)
 GQ_TILES(iq4_nl, 8, 18, 1)
-GQ_TILES(iq4_xs, 1, 136, 1)
-GQ_TILES(q4_k, 1, 144, 0)
-GQ_TILES(q5_k, 1, 176, 0)
-GQ_TILES(q6_k, 1, 210, 0)
-GQ_TILES(q2_k, 1, 84, 0)
-GQ_TILES(q3_k, 1, 110, 0)
+
+/* Super-block types: the sub-block scales are small integers (a_s = d * sc_s) and meet the dot products in integer
+ * arithmetic, as _mm256_madd_epi16's second operand (int16 pairs, both halves of each 32-bit lane holding sc_s), so
+ * a unit costs one FMA by d_b per row; d is applied once per super-block. Per output, in this order:
+ *   for each super-block: acc = sum over its units j of float(dot_j * sc) * d_j (mul, then 7 FMAs);
+ *       out = fma(acc, d, out); out = fma(z[0..8), S[0..8), out); out = fma(z[8..16), S[8..16), out);
+ *   y = hsum(out).
+ * (|dot pair * sc| < 2^23: exact.) Per type, one super-block: codes u [8], madd scale operands scp [8], d and the
+ * offset vectors zl, zh (16-element sub-blocks 0-7 and 8-15). */
+#define GQK_DEC(T) INLINE void gqk_##T(const uint8_t *q, __m256i *u, __m256i *scp, float *d, __m256 *zl, __m256 *zh)
+
+/* int32 lanes of small signed integers -> both int16 halves of each lane holding the value */
+INLINE __m256i gq_twice(__m256i v) {
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
+/* 8 sub-blocks of 32: unit s scales by lane s of sc; z [8] per sub-block -> per 16-element half */
+INLINE void gq_units32(__m256i sc, __m256 z, __m256i *scp, __m256 *zl, __m256 *zh) {
+    const __m256i p = gq_twice(sc);
+    for (int s = 0; s < 8; s++) scp[s] = _mm256_permutevar8x32_epi32(p, _mm256_set1_epi32(s));
+    *zl = _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    *zh = _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+}
+
+/* 16 sub-blocks of 16 (sc0: 0-7, sc1: 8-15): unit j's lanes 0-3 scale by sub-block 2j, lanes 4-7 by 2j + 1 */
+INLINE void gq_units16(__m256i sc0, __m256i sc1, __m256i *scp) {
+    const __m256i p0 = gq_twice(sc0), p1 = gq_twice(sc1);
+    for (int j = 0; j < 8; j++) {
+        const int s = 2 * (j % 4);
+        scp[j] = _mm256_permutevar8x32_epi32(j < 4 ? p0 : p1, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
+    }
+}
+
+/* Q4_K / Q5_K: the 6-bit scales and mins unpacked 4 at a time from the 12 scale bytes (scale_min_k4's fields) */
+INLINE void gq_k4(const uint8_t *q, __m256i *scp, float *d, __m256 *zl, __m256 *zh) {
+    uint32_t w[3];
+    memcpy(w, q + 4, 12);
+    const uint32_t sc_lo = w[0] & 0x3F3F3F3Fu, mn_lo = w[1] & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (w[2] & 0x0F0F0F0Fu) | ((w[0] >> 6) & 0x03030303u) << 4;
+    const uint32_t mn_hi = ((w[2] >> 4) & 0x0F0F0F0Fu) | ((w[1] >> 6) & 0x03030303u) << 4;
+    const __m256i sc = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)sc_hi << 32 | sc_lo)));
+    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)mn_hi << 32 | mn_lo))));
+    *d = gguf_f16(q);
+    gq_units32(sc, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(gguf_f16(q + 2)), mn)), scp, zl, zh);
+}
+
+GQK_DEC(q4_k) {
+    gq_k4(q, scp, d, zl, zh);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
+        u[2 * c] = _mm256_and_si256(v, m4);
+        u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+}
+
+GQK_DEC(q5_k) {
+    gq_k4(q, scp, d, zl, zh);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 16)), m4 = _mm256_set1_epi8(0x0F),
+                  b4 = _mm256_set1_epi8(0x10);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 48 + 32 * c));
+        for (int h = 0; h < 2; h++) {
+            const int s = 2 * c + h;
+            u[s] = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4),
+                                   _mm256_and_si256(gg_shift(qh, 4 - s), b4));
+        }
+    }
+}
+
+GQK_DEC(q6_k) { /* u = q + 32, z = -32 a */
+    const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 192)));
+    const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 200)));
+    *d = gguf_f16(q + 208);
+    const __m256 m32d = _mm256_set1_ps(-32.0f * *d);
+    *zl = _mm256_mul_ps(m32d, _mm256_cvtepi32_ps(sc0));
+    *zh = _mm256_mul_ps(m32d, _mm256_cvtepi32_ps(sc1));
+    gq_units16(sc0, sc1, scp);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b45 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
+        for (int t = 0; t < 4; t++) {
+            const __m256i lo = t & 1 ? l1 : l0;
+            u[4 * h + t] = _mm256_or_si256(_mm256_and_si256(t >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4),
+                                           _mm256_and_si256(gg_shift(qh, 4 - 2 * t), b45));
+        }
+    }
+}
+
+GQK_DEC(q2_k) { /* a = d (sc & 15), z = -dmin (sc >> 4) */
+    const __m128i b = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+    *d = gguf_f16(q + 80);
+    const __m256 mdmin = _mm256_set1_ps(-gguf_f16(q + 82));
+    *zl = _mm256_mul_ps(mdmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+    *zh = _mm256_mul_ps(mdmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
+    gq_units16(_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), scp);
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * h));
+        for (int t = 0; t < 4; t++) u[4 * h + t] = _mm256_and_si256(gg_shift(v, -2 * t), m2);
+    }
+}
+
+GQK_DEC(q3_k) { /* u = crumb + 4 * (hmask bit), z = -4 a */
+    const uint8_t *sb = q + 96;
+    int8_t sc[16];
+    for (int s = 0; s < 16; s++) {
+        const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
+        sc[s] = (int8_t)((low | high << 4) - 32);
+    }
+    const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
+    const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+    *d = gguf_f16(q + 108);
+    const __m256 m4d = _mm256_set1_ps(-4.0f * *d);
+    *zl = _mm256_mul_ps(m4d, _mm256_cvtepi32_ps(sc0));
+    *zh = _mm256_mul_ps(m4d, _mm256_cvtepi32_ps(sc1));
+    gq_units16(sc0, sc1, scp);
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)q), m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 + 32 * h));
+        for (int t = 0; t < 4; t++)
+            u[4 * h + t] = _mm256_or_si256(_mm256_and_si256(gg_shift(v, -2 * t), m2),
+                                           _mm256_and_si256(gg_shift(hm, 2 - (4 * h + t)), b2));
+    }
+}
+
+GQK_DEC(iq4_xs) { /* signed table codes, a = d (sc - 32), no offsets */
+    const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
+    int8_t sc[8];
+    for (int s = 0; s < 8; s++) sc[s] = (int8_t)((((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32);
+    *d = gguf_f16(q);
+    gq_units32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)), _mm256_setzero_ps(), scp, zl, zh);
+    for (int s = 0; s < 8; s++) u[s] = iq4_lookup(nibbles32(q + 8 + 16 * s));
+}
+
+#define GQK_TILE(T, BYTES, SIGNED, R, C)                                                                           \
+    static void gqt_##T##_##R(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd,         \
+                              const float *xs, int64_t K, int64_t nb, float *y, int64_t ldy) {                    \
+        const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
+        __m256 out[R][C];                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) out[r][c] = _mm256_setzero_ps();                      \
+        for (int64_t b = 0; b < nb; b++) {                                                                         \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) if (c < cols) {                                   \
+                const uint8_t *qc = q + c * rb + b * (BYTES);                                                      \
+                for (int p = 0; p < (BYTES); p += 64)                                                              \
+                    _mm_prefetch((const char *)(qc + PF_TILES * C * rb + p), _MM_HINT_T0);                       \
+                __m256i u[8], scp[8];                                                                              \
+                __m256 zl, zh, acc[R];                                                                             \
+                float d;                                                                                           \
+                gqk_##T(qc, u, scp, &d, &zl, &zh);                                                                 \
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                             \
+                    const __m256i w = SIGNED ? _mm256_abs_epi8(u[j]) : u[j];                                       \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
+                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * b + 32 * j));   \
+                        const __m256i p = _mm256_maddubs_epi16(w, SIGNED ? _mm256_sign_epi8(xv, u[j]) : xv);       \
+                        const __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, scp[j]));                         \
+                        const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * b + j);                          \
+                        acc[r] = j ? _mm256_fmadd_ps(t, dv, acc[r]) : _mm256_mul_ps(t, dv);                        \
+                    }                                                                                              \
+                }                                                                                                  \
+                const __m256 dd = _mm256_set1_ps(d);                                                               \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
+                    const float *sr = xs + r * lds + 16 * b;                                                       \
+                    out[r][c] = _mm256_fmadd_ps(acc[r], dd, out[r][c]);                                            \
+                    out[r][c] = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), out[r][c]);                              \
+                    out[r][c] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), out[r][c]);                          \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int c = 0; c < C && c < cols; c++) y[r * ldy + c] = hsum(out[r][c]);                             \
+    }
+#define GQK_TILES(T, BYTES, SIGNED)                                                                                \
+    GQK_TILE(T, BYTES, SIGNED, 1, GG_C1) GQK_TILE(T, BYTES, SIGNED, 2, GG_C2)                                      \
+    GQK_TILE(T, BYTES, SIGNED, 3, GG_C3) GQK_TILE(T, BYTES, SIGNED, 4, GG_C4)
+GQK_TILES(iq4_xs, 136, 1)
+GQK_TILES(q4_k, 144, 0)
+GQK_TILES(q5_k, 176, 0)
+GQK_TILES(q6_k, 210, 0)
+GQK_TILES(q2_k, 84, 0)
+GQK_TILES(q3_k, 110, 0)
+
 
 typedef void (*gq_tile_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *, const float *, int64_t,
                            int64_t, float *, int64_t);

@@ -284,7 +284,9 @@ def quantize_activations_ref(x: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     xb = x.to(torch.float32).reshape(m, k // Q8_BLOCK, Q8_BLOCK)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a tensor divided by a tensor: `127.0 / amax` is computed as 127 * (1 / amax) in torch, off by an ulp at times,
+    # which flips a rare activation that lands on .5 (the kernel divides once, correctly rounded)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv)
     return (q * (amax / 127.0)).reshape(m, k)
 

@@ -158,6 +158,26 @@ def test_integer_path_matches_reference(type_name):
             torch.testing.assert_close(y, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
 
 
+def test_activation_quantization_is_the_kernels_bit_for_bit():
+    """An activation that lands exactly on .5 (x * (127 / amax) = -117.5 with a correctly rounded division, -117.49999
+    with 127 * (1 / amax), which is what torch makes of `127.0 / amax`): the reference rounds it as the kernel does.
+    Q8_0 weights with one code 1 per column (d = 1) pick each quantized activation d_b * q out of the matmul."""
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 20] = -1.8828774690628052, 2.0351102352142334  # the value, and the block's amax
+    amax = x.abs().amax()
+    assert (x[0, 0] * (torch.full_like(amax, 127.0) / amax)).item() == -117.5
+    ref = cpu_gemm.quantize_activations_ref(x)
+    assert ref[0, 0] == -118 * (amax / 127.0)  # ties to even
+    blocks = torch.zeros(32, 34, dtype=torch.uint8)
+    blocks[:, 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    blocks[torch.arange(32), 2 + torch.arange(32)] = 1
+    y = cpu_gemm.gguf_matmul_q8(x, blocks, "Q8_0")
+    if not HAVE_KERNEL:
+        assert y is None
+        return
+    assert torch.equal(y, ref)
+
+
 def test_integer_path_differs_from_fp32_activations_only_by_the_quantization():
     """The reference is not vacuous: fp32 activations give other values, int8-quantized ones give the kernel's."""
     if not HAVE_KERNEL:
