@@ -1606,15 +1606,25 @@ INLINE void gc_q2_k(GG_ARGS) {
     gg_zero(z, xs, lds, out, os, R, 1);
 }
 
+/* Q3_K's 16 signed 6-bit scales (-32..31) as bytes: low 4 bits from the nibbles of bytes 96..103 (low nibbles for
+ * s < 8), high 2 bits from bits 2 (s / 4) of byte 104 + s % 4 */
+INLINE __m128i q3k_scales(const uint8_t *q) {
+    const __m128i sb = _mm_loadl_epi64((const __m128i *)(q + 96)), m4 = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(sb, m4), _mm_and_si128(_mm_srli_epi16(sb, 4), m4));
+    const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)gguf_u32(q + 104)), _mm_setr_epi32(0, 2, 4, 6)),
+                                       _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
+}
+
 INLINE void gc_q3_k(GG_ARGS) {
     (void)nu;
     float a[16] __attribute__((aligned(32))), z[16] __attribute__((aligned(32)));
-    const uint8_t *sb = q + 96;
-    const float d = gguf_f16(q + 108);
-    for (int s = 0; s < 16; s++) {
-        const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
-        a[s] = d * (float)((int8_t)(low | high << 4) - 32);
-        z[s] = -4.0f * a[s];
+    const __m256 d = _mm256_set1_ps(gguf_f16(q + 108)), m4 = _mm256_set1_ps(-4.0f);
+    const __m128i sc = q3k_scales(q);
+    for (int i = 0; i < 2; i++) { /* a = d * sc, z = -4 a: the scalar products, 8 at a time */
+        const __m256 ai = _mm256_mul_ps(d, i8_to_f32(i ? _mm_srli_si128(sc, 8) : sc));
+        _mm256_store_ps(a + 8 * i, ai);
+        _mm256_store_ps(z + 8 * i, _mm256_mul_ps(m4, ai));
     }
     const __m256i hm = _mm256_loadu_si256((const __m256i *)q), m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
     for (int h = 0; h < 2; h++) {
@@ -2184,14 +2194,8 @@ GQK_DEC(q2_k) { /* a = d (sc & 15), z = -dmin (sc >> 4) */
 }
 
 GQK_DEC(q3_k) { /* u = crumb + 4 * (hmask bit), z = -4 a */
-    const uint8_t *sb = q + 96;
-    int8_t sc[16];
-    for (int s = 0; s < 16; s++) {
-        const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
-        sc[s] = (int8_t)((low | high << 4) - 32);
-    }
-    const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
-    const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
+    const __m128i sc = q3k_scales(q);
+    const __m256i sc0 = _mm256_cvtepi8_epi32(sc), sc1 = _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8));
     *d = gguf_f16(q + 108);
     const __m256 m4d = _mm256_set1_ps(-4.0f * *d);
     *zl = _mm256_mul_ps(m4d, _mm256_cvtepi32_ps(sc0));
