@@ -1975,8 +1975,9 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  * activation bytes in an integer dot product per 32-element unit (_mm256_maddubs_epi16 unsigned x signed bytes ->
  * int16 pairs, _mm256_madd_epi16 -> 8 int32 lanes of 4 elements each, exact). Per output y[r, c], in this order
  * whatever M, the row's position, the part, the tile or the thread count:
- *   for each unit j of 32 elements: out = fma(float(dot_j), a_j * d_j, out) (lanes 0-3 and 4-7 carry the scales of
- *       two 16-element sub-blocks where the type has them);
+ *   blocks of 32 (Q4_0 .. Q8_0, IQ4_NL): for each block j, out = fma(float(dot_j), a_j * d_j, out);
+ *   super-blocks of 256 (the K-quants, IQ4_XS): the sub-block scales in integer arithmetic, d once per super-block
+ *       (see GQK_TILE below);
  *   after each chunk of 256 elements: out = fma(z[0..8), S[0..8), out), then fma(z[8..16), S[8..16), out), with z the
  *       offsets of the chunk's 16-element sub-blocks (a 32-element sub-block's offset twice) and S = d_b * sum(q) over
  *       each 16 activations (row data, computed once per call);
@@ -2037,8 +2038,8 @@ GQ_SMALL(q5_1, 24, _mm256_or_si256(nibbles32(qb + 8), fifth_bits(gguf_u32(qb + 4
 GQ_SMALL(q8_0, 34, _mm256_loadu_si256((const __m256i *)(qb + 2)), 0.0f)
 GQ_SMALL(iq4_nl, 18, iq4_lookup(nibbles32(qb + 2)), 0.0f)
 
-/* A tile of R rows x up to C columns (cols): each chunk of each column decoded once for the R rows. xq, xd, xs: row
- * 0's bytes, block scales and sums (strides K, K / 32, gq_sums(K)); nb: GGUF blocks per row. */
+/* Blocks of 32: a tile of R rows x up to C columns (cols), each chunk of 8 blocks of each column decoded once for the R
+ * rows. xq, xd, xs: row 0's bytes, block scales and sums (strides K, K / 32, gq_sums(K)); nb: GGUF blocks per row. */
 #define GQ_TILE(T, BPC, BYTES, SIGNED, R, C)                                                                       \
     static void gqt_##T##_##R(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd,         \
                               const float *xs, int64_t K, int64_t nb, float *y, int64_t ldy) {                    \
@@ -2048,7 +2049,7 @@ GQ_SMALL(iq4_nl, 18, iq4_lookup(nibbles32(qb + 2)), 0.0f)
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) out[r][c] = _mm256_setzero_ps();                      \
         for (int64_t b = 0, i = 0; b < nb; b += BPC, i++) {                                                        \
-            const int nu = BPC == 1 ? 8 : (int)(nb - b < BPC ? nb - b : BPC);                                      \
+            const int nu = (int)(nb - b < BPC ? nb - b : BPC);                                                     \
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) if (c < cols) {                                   \
                 const uint8_t *qc = q + c * rb + b * (BYTES);                                                      \
                 for (int p = 0; p < nu * (BYTES); p += 64)                                                       \

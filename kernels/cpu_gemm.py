@@ -11,10 +11,11 @@ Without a compiler, or when the build or a self-check against the torch referenc
 returns None, and `int8_matmul` / `int4_matmul` return None: callers keep their torch path. LLMD_CPU_GEMM=0 turns the
 kernel off (read by each function call, and by a quantized layer when it first runs).
 
-Two numerics paths: `int8_matmul` / `int4_matmul` keep fp32 activations; `int8_matmul_q8` / `int4_matmul_q8` quantize
-each activation row to int8 per block of 32 and use integer dot products (2-3x the multiply-adds per second). The
-quantized layers use `layer_kernel`, which fixes one path per layer for every M: the integer one wherever K and the
-group are multiples of 32.
+Two numerics paths: `int8_matmul` / `int4_matmul` / `gguf_matmul` keep fp32 activations; `int8_matmul_q8` /
+`int4_matmul_q8` / `gguf_matmul_q8` quantize each activation row to int8 per block of 32 and use integer dot products
+(2-3x the multiply-adds per second; each has a torch reference, `*_q8_ref`). The quantized layers use `layer_kernel`
+and `gguf_kernel`, which fix one path per layer for every M (LLMD_CPU_GEMM_ACT, see Q8_ACTIVATIONS): the integer one,
+where chosen, wherever K and the group are multiples of 32 (every GGUF block type).
 """
 
 from __future__ import annotations
