@@ -227,6 +227,7 @@ def test_integer_path_is_chosen_by_the_environment(monkeypatch):
     assert kernel.q8
     x = _x(4, k)
     assert torch.equal(kernel(x), cpu_gemm.gguf_matmul_q8(x, q, "Q5_0"))
+    assert kernel(x[:0]).shape == (0, q.shape[0])
     assert not cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, "Q5_0")], k, q8=False).q8
 
 
