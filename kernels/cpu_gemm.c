@@ -1528,7 +1528,8 @@ INLINE void gg_k4_scales(const uint8_t *q, float *a, float *z) {
     const uint32_t sc_hi = (w[2] & 0x0F0F0F0Fu) | ((w[0] >> 6) & 0x03030303u) << 4;
     const uint32_t mn_hi = ((w[2] >> 4) & 0x0F0F0F0Fu) | ((w[1] >> 6) & 0x03030303u) << 4;
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)sc_hi << 32 | sc_lo))));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)mn_hi << 32 | mn_lo))));
+    const __m256 mn =
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)mn_hi << 32 | mn_lo))));
     _mm256_store_ps(a, _mm256_mul_ps(_mm256_set1_ps(gguf_f16(q)), sc));
     _mm256_store_ps(z, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(gguf_f16(q + 2)), mn)));
 }
@@ -2058,7 +2059,7 @@ GQ_SMALL(iq4_nl, 18, iq4_lookup(nibbles32(qb + 2)), 0.0f)
                 __m256 sv[8];                                                                                      \
                 float z[16] __attribute__((aligned(32))) = {0};                                                    \
                 gqd_##T(qc, nu, u, sv, z);                                                                         \
-                for (int j = 0; j < nu; j++) {                                                                     \
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu) {                                 \
                     const __m256i w = SIGNED ? _mm256_abs_epi8(u[j]) : u[j];                                       \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
                         const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * i + 32 * j));   \
@@ -2117,7 +2118,8 @@ INLINE void gq_units16(__m256i sc0, __m256i sc1, __m256i *scp) {
     const __m256i p0 = gq_twice(sc0), p1 = gq_twice(sc1);
     for (int j = 0; j < 8; j++) {
         const int s = 2 * (j % 4);
-        scp[j] = _mm256_permutevar8x32_epi32(j < 4 ? p0 : p1, _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1));
+        const __m256i lanes = _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1);
+        scp[j] = _mm256_permutevar8x32_epi32(j < 4 ? p0 : p1, lanes);
     }
 }
 
@@ -2129,7 +2131,8 @@ INLINE void gq_k4(const uint8_t *q, __m256i *scp, float *d, __m256 *zl, __m256 *
     const uint32_t sc_hi = (w[2] & 0x0F0F0F0Fu) | ((w[0] >> 6) & 0x03030303u) << 4;
     const uint32_t mn_hi = ((w[2] >> 4) & 0x0F0F0F0Fu) | ((w[1] >> 6) & 0x03030303u) << 4;
     const __m256i sc = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)sc_hi << 32 | sc_lo)));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)mn_hi << 32 | mn_lo))));
+    const __m256 mn =
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)mn_hi << 32 | mn_lo))));
     *d = gguf_f16(q);
     gq_units32(sc, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(gguf_f16(q + 2)), mn)), scp, zl, zh);
 }
@@ -2214,7 +2217,8 @@ GQK_DEC(q3_k) { /* u = crumb + 4 * (hmask bit), z = -4 a */
 GQK_DEC(iq4_xs) { /* signed table codes, a = d (sc - 32), no offsets */
     const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
     int8_t sc[8];
-    for (int s = 0; s < 8; s++) sc[s] = (int8_t)((((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32);
+    for (int s = 0; s < 8; s++)
+        sc[s] = (int8_t)((((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32);
     *d = gguf_f16(q);
     gq_units32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)), _mm256_setzero_ps(), scp, zl, zh);
     for (int s = 0; s < 8; s++) u[s] = iq4_lookup(nibbles32(q + 8 + 16 * s));
@@ -2269,12 +2273,98 @@ GQK_TILES(q2_k, 84, 0)
 GQK_TILES(q3_k, 110, 0)
 
 
+/* Many rows: one column at a time over up to GQ_ROWS rows, each chunk of the column decoded once for all of them (the
+ * tiles above decode it once per 4 rows); the rows' running sums wait in memory between chunks. Each output gets the
+ * very operations of the tiles above in the same order, so a row's result does not depend on the path. */
+#define GQ_ROWS 16
+#define GQM_TILE(T, BPC, BYTES, SIGNED)                                                                            \
+    static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, int64_t K,          \
+                        int64_t nb, float *y, int64_t ldy, int rows) {                                            \
+        const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
+        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
+        __m256 out[GQ_ROWS];                                                                                       \
+        for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();                                               \
+        for (int64_t b = 0, i = 0; b < nb; b += BPC, i++) {                                                        \
+            const int nu = (int)(nb - b < BPC ? nb - b : BPC);                                                     \
+            __m256i u[8];                                                                                          \
+            __m256 sv[8];                                                                                          \
+            float z[16] __attribute__((aligned(32))) = {0};                                                        \
+            gqd_##T(q + b * (BYTES), nu, u, sv, z);                                                                \
+            const __m256 zl = _mm256_load_ps(z), zh = _mm256_load_ps(z + 8);                                      \
+            __m256i aw[8]; /* the unsigned operands */                                                             \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu)                                       \
+                aw[j] = SIGNED ? _mm256_abs_epi8(u[j]) : u[j];                                                     \
+            for (int r = 0; r < rows; r++) {                                                                       \
+                __m256 acc = out[r];                                                                               \
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu) { /* unrolled: in registers */    \
+                    const __m256i w = aw[j];                                                                       \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * i + 32 * j));       \
+                    const __m256i p = _mm256_maddubs_epi16(w, SIGNED ? _mm256_sign_epi8(xv, u[j]) : xv);           \
+                    const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * i + j);                              \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_mul_ps(sv[j], dv), \
+                                          acc);                                                                    \
+                }                                                                                                  \
+                const float *sr = xs + r * lds + 16 * i;                                                           \
+                acc = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), acc);                                               \
+                out[r] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), acc);                                        \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < rows; r++) y[r * ldy] = hsum(out[r]);                                                  \
+    }
+#define GQKM_TILE(T, BYTES, SIGNED)                                                                                \
+    static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, int64_t K,          \
+                        int64_t nb, float *y, int64_t ldy, int rows) {                                            \
+        const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
+        __m256 out[GQ_ROWS];                                                                                       \
+        for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();                                               \
+        for (int64_t b = 0; b < nb; b++) {                                                                         \
+            __m256i u[8], scp[8];                                                                                  \
+            __m256 zl, zh;                                                                                         \
+            float d;                                                                                               \
+            gqk_##T(q + b * (BYTES), u, scp, &d, &zl, &zh);                                                        \
+            const __m256 dd = _mm256_set1_ps(d);                                                                   \
+            __m256i aw[8]; /* the unsigned operands */                                                             \
+            for (int j = 0; j < 8; j++) aw[j] = SIGNED ? _mm256_abs_epi8(u[j]) : u[j];                             \
+            for (int r = 0; r < rows; r++) {                                                                       \
+                __m256 acc = _mm256_setzero_ps();                                                                  \
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                             \
+                    const __m256i w = aw[j];                                                                       \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * b + 32 * j));       \
+                    const __m256i p = _mm256_maddubs_epi16(w, SIGNED ? _mm256_sign_epi8(xv, u[j]) : xv);           \
+                    const __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, scp[j]));                             \
+                    const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * b + j);                              \
+                    acc = j ? _mm256_fmadd_ps(t, dv, acc) : _mm256_mul_ps(t, dv);                                  \
+                }                                                                                                  \
+                const float *sr = xs + r * lds + 16 * b;                                                           \
+                __m256 o = _mm256_fmadd_ps(acc, dd, out[r]);                                                       \
+                o = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), o);                                                   \
+                out[r] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), o);                                          \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < rows; r++) y[r * ldy] = hsum(out[r]);                                                  \
+    }
+GQM_TILE(q4_0, 8, 18, 0)
+GQM_TILE(q4_1, 8, 20, 0)
+GQM_TILE(q5_0, 8, 22, 0)
+GQM_TILE(q5_1, 8, 24, 0)
+GQM_TILE(q8_0, 8, 34, 1)
+GQM_TILE(iq4_nl, 8, 18, 1)
+GQKM_TILE(iq4_xs, 136, 1)
+GQKM_TILE(q4_k, 144, 0)
+GQKM_TILE(q5_k, 176, 0)
+GQKM_TILE(q6_k, 210, 0)
+GQKM_TILE(q2_k, 84, 0)
+GQKM_TILE(q3_k, 110, 0)
+
 typedef void (*gq_tile_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *, const float *, int64_t,
                            int64_t, float *, int64_t);
-#define GQ_ROW(id, T) {id, {gqt_##T##_1, gqt_##T##_2, gqt_##T##_3, gqt_##T##_4}}
+typedef void (*gq_rows_fn)(const uint8_t *, const int8_t *, const float *, const float *, int64_t, int64_t, float *,
+                           int64_t, int);
+#define GQ_ROW(id, T) {id, {gqt_##T##_1, gqt_##T##_2, gqt_##T##_3, gqt_##T##_4}, gqm_##T}
 static const struct {
     int type;
     gq_tile_fn tiles[4];
+    gq_rows_fn rows;
 } GQ_TYPES[] = {GQ_ROW(2, q4_0),  GQ_ROW(3, q4_1),  GQ_ROW(6, q5_0),  GQ_ROW(7, q5_1),
                 GQ_ROW(8, q8_0),  GQ_ROW(10, q2_k), GQ_ROW(11, q3_k), GQ_ROW(12, q4_k),
                 GQ_ROW(13, q5_k), GQ_ROW(14, q6_k), GQ_ROW(20, iq4_nl), GQ_ROW(23, iq4_xs)};
@@ -2289,8 +2379,9 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
     int rc = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     const gq_tile_fn *tiles = NULL;
+    gq_rows_fn rows_fn = NULL;
     for (size_t i = 0; i < sizeof GQ_TYPES / sizeof GQ_TYPES[0]; i++)
-        if (GQ_TYPES[i].type == t->type) tiles = GQ_TYPES[i].tiles;
+        if (GQ_TYPES[i].type == t->type) tiles = GQ_TYPES[i].tiles, rows_fn = GQ_TYPES[i].rows;
     if (!tiles) return -1;
     const int64_t chunk = (256 * 1024) / k < 8 ? 8 : (256 * 1024) / k; /* rows whose bytes stay within ~256 KiB */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
@@ -2303,7 +2394,14 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
             const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
             for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' blocks stay in cache over the rows */
                 const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
-                for (int64_t r0 = m0; r0 < m1; r0 += 4) {
+                int64_t r0 = m0;
+                for (; m1 - r0 >= GQ_ROWS / 2; r0 += GQ_ROWS) { /* many rows: each column decoded once per GQ_ROWS */
+                    const int rr = (int)(m1 - r0 < GQ_ROWS ? m1 - r0 : GQ_ROWS);
+                    for (int64_t c = c0; c < c1; c++)
+                        rows_fn(q + c * rb, xq + r0 * k, xd + r0 * nbx, xs + r0 * lds, k, nb, y + r0 * ldy + c, ldy,
+                                rr);
+                }
+                for (; r0 < m1; r0 += 4) {
                     const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
                     for (int64_t c = c0; c < c1; c += tc)
                         tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xq + r0 * k, xd + r0 * nbx,
