@@ -1528,7 +1528,8 @@ INLINE void gg_k4_scales(const uint8_t *q, float *a, float *z) {
     const uint32_t sc_hi = (w[2] & 0x0F0F0F0Fu) | ((w[0] >> 6) & 0x03030303u) << 4;
     const uint32_t mn_hi = ((w[2] >> 4) & 0x0F0F0F0Fu) | ((w[1] >> 6) & 0x03030303u) << 4;
     const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)sc_hi << 32 | sc_lo))));
-    const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)mn_hi << 32 | mn_lo))));
+    const __m256 mn =
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)mn_hi << 32 | mn_lo))));
     _mm256_store_ps(a, _mm256_mul_ps(_mm256_set1_ps(gguf_f16(q)), sc));
     _mm256_store_ps(z, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(gguf_f16(q + 2)), mn)));
 }
@@ -1606,15 +1607,25 @@ INLINE void gc_q2_k(GG_ARGS) {
     gg_zero(z, xs, lds, out, os, R, 1);
 }
 
+/* Q3_K's 16 signed 6-bit scales (-32..31) as bytes: low 4 bits from the nibbles of bytes 96..103 (low nibbles for
+ * s < 8), high 2 bits from bits 2 (s / 4) of byte 104 + s % 4 */
+INLINE __m128i q3k_scales(const uint8_t *q) {
+    const __m128i sb = _mm_loadl_epi64((const __m128i *)(q + 96)), m4 = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(sb, m4), _mm_and_si128(_mm_srli_epi16(sb, 4), m4));
+    const __m128i high = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)gguf_u32(q + 104)), _mm_setr_epi32(0, 2, 4, 6)),
+                                       _mm_set1_epi8(3));
+    return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
+}
+
 INLINE void gc_q3_k(GG_ARGS) {
     (void)nu;
     float a[16] __attribute__((aligned(32))), z[16] __attribute__((aligned(32)));
-    const uint8_t *sb = q + 96;
-    const float d = gguf_f16(q + 108);
-    for (int s = 0; s < 16; s++) {
-        const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
-        a[s] = d * (float)((int8_t)(low | high << 4) - 32);
-        z[s] = -4.0f * a[s];
+    const __m256 d = _mm256_set1_ps(gguf_f16(q + 108)), m4 = _mm256_set1_ps(-4.0f);
+    const __m128i sc = q3k_scales(q);
+    for (int i = 0; i < 2; i++) { /* a = d * sc, z = -4 a: the scalar products, 8 at a time */
+        const __m256 ai = _mm256_mul_ps(d, i8_to_f32(i ? _mm_srli_si128(sc, 8) : sc));
+        _mm256_store_ps(a + 8 * i, ai);
+        _mm256_store_ps(z + 8 * i, _mm256_mul_ps(m4, ai));
     }
     const __m256i hm = _mm256_loadu_si256((const __m256i *)q), m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
     for (int h = 0; h < 2; h++) {
@@ -1956,4 +1967,498 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
         col += parts[i].n;
     }
     return 0;
+}
+
+/* ==== GGUF blocks with int8-quantized activations (the integer path) ==========================================
+ *
+ * The activations are quantized as for int8/int4 (quantize_row: per block of 32, d_b = amax / 127, q = round(x / d_b)),
+ * and every weight is again w = a_s * u + z_s (see "The GGUF matmul" above), now with u a byte code that meets the
+ * activation bytes in an integer dot product per 32-element unit (_mm256_maddubs_epi16 unsigned x signed bytes ->
+ * int16 pairs, _mm256_madd_epi16 -> 8 int32 lanes of 4 elements each, exact). Per output y[r, c], in this order
+ * whatever M, the row's position, the part, the tile or the thread count:
+ *   blocks of 32 (Q4_0 .. Q8_0, IQ4_NL): for each block j, out = fma(float(dot_j), a_j * d_j, out);
+ *   super-blocks of 256 (the K-quants, IQ4_XS): the sub-block scales in integer arithmetic, d once per super-block
+ *       (see GQK_TILE below);
+ *   after each chunk of 256 elements: out = fma(z[0..8), S[0..8), out), then fma(z[8..16), S[8..16), out), with z the
+ *       offsets of the chunk's 16-element sub-blocks (a 32-element sub-block's offset twice) and S = d_b * sum(q) over
+ *       each 16 activations (row data, computed once per call);
+ *   y = hsum(out).
+ * Codes are unsigned (0..63: nibbles, 5- and 6-bit codes, Q3_K's code + 4, Q6_K's + 32) except for the 8-bit types
+ * (Q8_0, IQ4_NL / IQ4_XS table values), which are signed with z = 0: their absolute value is the unsigned operand
+ * and their sign moves onto the activation byte, as for int8 weights. Either way a pair of products fits int16
+ * (63 * 127 * 2 or 128 * 127 * 2 < 32768). The portable build dequantizes each column (the reference's values) and
+ * sums d_b * (sum of q * w per block) in a fixed order. */
+
+/* Row data of the integer path: d [m][K/32], S [m][chunks * 16], then the bytes q [m][K]. */
+static int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 16; }
+
+static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
+    const int64_t nb = k / QB, lds = gq_sums(k);
+    float *d = (float *)aligned_alloc(64, ((size_t)(m * (nb + lds) * 4 + m * k) + 63) / 64 * 64);
+    if (!d) return NULL;
+    float *S = d + m * nb;
+    int8_t *xq = (int8_t *)(S + m * lds);
+    for (int64_t r = 0; r < m; r++) {
+        float D; /* the whole row's sum (quantize_row's group sum), unused */
+        quantize_row(x + r * ldx, k, k, 0, xq + r * k, d + r * nb, &D);
+        float *sr = S + r * lds;
+        memset(sr, 0, (size_t)lds * 4);
+        for (int64_t s = 0; s < k / 16; s++) {
+            int sum = 0;
+            for (int i = 0; i < 16; i++) sum += xq[r * k + 16 * s + i];
+            sr[s] = d[r * nb + s / 2] * (float)sum;
+        }
+    }
+    return d;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+
+/* Per type, one chunk of one column: the codes u [8] of its units (element order), the units' scale vectors sv [8]
+ * and the offsets z [16] of its 16-element sub-blocks (zeroed by the caller; nu blocks of 32, or one super-block). */
+#define GQ_DEC(T) INLINE void gqd_##T(const uint8_t *q, int nu, __m256i *u, __m256 *sv, float *z)
+
+INLINE __m256 gq_pair(float a0, float a1) {
+    return _mm256_blend_ps(_mm256_set1_ps(a0), _mm256_set1_ps(a1), 0xF0);
+}
+
+#define GQ_SMALL(T, BYTES, CODES, ZERO)                                                                            \
+    GQ_DEC(T) {                                                                                                    \
+        for (int b = 0; b < nu; b++) {                                                                             \
+            const uint8_t *qb = q + b * (BYTES);                                                                   \
+            const float d = gguf_f16(qb);                                                                          \
+            u[b] = (CODES);                                                                                        \
+            sv[b] = _mm256_set1_ps(d);                                                                             \
+            z[2 * b] = z[2 * b + 1] = (ZERO);                                                                      \
+        }                                                                                                          \
+    }
+GQ_SMALL(q4_0, 18, nibbles32(qb + 2), -8.0f * d)
+GQ_SMALL(q4_1, 20, nibbles32(qb + 4), gguf_f16(qb + 2))
+GQ_SMALL(q5_0, 22, _mm256_or_si256(nibbles32(qb + 6), fifth_bits(gguf_u32(qb + 2))), -16.0f * d)
+GQ_SMALL(q5_1, 24, _mm256_or_si256(nibbles32(qb + 8), fifth_bits(gguf_u32(qb + 4))), gguf_f16(qb + 2))
+GQ_SMALL(q8_0, 34, _mm256_loadu_si256((const __m256i *)(qb + 2)), 0.0f)
+GQ_SMALL(iq4_nl, 18, iq4_lookup(nibbles32(qb + 2)), 0.0f)
+
+/* Blocks of 32: a tile of R rows x up to C columns (cols), each chunk of 8 blocks of each column decoded once for the R
+ * rows. xq, xd, xs: row 0's bytes, block scales and sums (strides K, K / 32, gq_sums(K)); nb: GGUF blocks per row. */
+#define GQ_TILE(T, BPC, BYTES, SIGNED, R, C)                                                                       \
+    static void gqt_##T##_##R(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd,         \
+                              const float *xs, int64_t K, int64_t nb, float *y, int64_t ldy) {                    \
+        const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
+        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
+        __m256 out[R][C];                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) out[r][c] = _mm256_setzero_ps();                      \
+        for (int64_t b = 0, i = 0; b < nb; b += BPC, i++) {                                                        \
+            const int nu = (int)(nb - b < BPC ? nb - b : BPC);                                                     \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) if (c < cols) {                                   \
+                const uint8_t *qc = q + c * rb + b * (BYTES);                                                      \
+                for (int p = 0; p < nu * (BYTES); p += 64)                                                       \
+                    _mm_prefetch((const char *)(qc + PF_TILES * C * rb + p), _MM_HINT_T0);                       \
+                __m256i u[8];                                                                                      \
+                __m256 sv[8];                                                                                      \
+                float z[16] __attribute__((aligned(32))) = {0};                                                    \
+                gqd_##T(qc, nu, u, sv, z);                                                                         \
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu) {                                 \
+                    const __m256i w = SIGNED ? _mm256_abs_epi8(u[j]) : u[j];                                       \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
+                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * i + 32 * j));   \
+                        const __m256i p = _mm256_maddubs_epi16(w, SIGNED ? _mm256_sign_epi8(xv, u[j]) : xv);       \
+                        const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * i + j);                          \
+                        out[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),               \
+                                                    _mm256_mul_ps(sv[j], dv), out[r][c]);                          \
+                    }                                                                                              \
+                }                                                                                                  \
+                const __m256 zl = _mm256_load_ps(z), zh = _mm256_load_ps(z + 8);                                   \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
+                    const float *sr = xs + r * lds + 16 * i;                                                       \
+                    out[r][c] = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), out[r][c]);                              \
+                    out[r][c] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), out[r][c]);                          \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int c = 0; c < C && c < cols; c++) y[r * ldy + c] = hsum(out[r][c]);                             \
+    }
+#define GQ_TILES(T, BPC, BYTES, SIGNED)                                                                            \
+    GQ_TILE(T, BPC, BYTES, SIGNED, 1, GG_C1) GQ_TILE(T, BPC, BYTES, SIGNED, 2, GG_C2)                              \
+    GQ_TILE(T, BPC, BYTES, SIGNED, 3, GG_C3) GQ_TILE(T, BPC, BYTES, SIGNED, 4, GG_C4)
+GQ_TILES(q4_0, 8, 18, 0)
+GQ_TILES(q4_1, 8, 20, 0)
+GQ_TILES(q5_0, 8, 22, 0)
+GQ_TILES(q5_1, 8, 24, 0)
+GQ_TILES(q8_0, 8, 34, 1)
+GQ_TILES(iq4_nl, 8, 18, 1)
+
+/* Super-block types: the sub-block scales are small integers (a_s = d * sc_s) and meet the dot products in integer
+ * arithmetic, as _mm256_madd_epi16's second operand (int16 pairs, both halves of each 32-bit lane holding sc_s), so
+ * a unit costs one FMA by d_b per row; d is applied once per super-block. Per output, in this order:
+ *   for each super-block: acc = sum over its units j of float(dot_j * sc) * d_j (mul, then 7 FMAs);
+ *       out = fma(acc, d, out); out = fma(z[0..8), S[0..8), out); out = fma(z[8..16), S[8..16), out);
+ *   y = hsum(out).
+ * (|dot pair * sc| < 2^23: exact.) Per type, one super-block: codes u [8], madd scale operands scp [8], d and the
+ * offset vectors zl, zh (16-element sub-blocks 0-7 and 8-15). */
+#define GQK_DEC(T) INLINE void gqk_##T(const uint8_t *q, __m256i *u, __m256i *scp, float *d, __m256 *zl, __m256 *zh)
+
+/* int32 lanes of small signed integers -> both int16 halves of each lane holding the value */
+INLINE __m256i gq_twice(__m256i v) {
+    return _mm256_or_si256(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(v, 16));
+}
+
+/* 8 sub-blocks of 32: unit s scales by lane s of sc; z [8] per sub-block -> per 16-element half */
+INLINE void gq_units32(__m256i sc, __m256 z, __m256i *scp, __m256 *zl, __m256 *zh) {
+    const __m256i p = gq_twice(sc);
+    for (int s = 0; s < 8; s++) scp[s] = _mm256_permutevar8x32_epi32(p, _mm256_set1_epi32(s));
+    *zl = _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+    *zh = _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7));
+}
+
+/* 16 sub-blocks of 16 (sc0: 0-7, sc1: 8-15): unit j's lanes 0-3 scale by sub-block 2j, lanes 4-7 by 2j + 1 */
+INLINE void gq_units16(__m256i sc0, __m256i sc1, __m256i *scp) {
+    const __m256i p0 = gq_twice(sc0), p1 = gq_twice(sc1);
+    for (int j = 0; j < 8; j++) {
+        const int s = 2 * (j % 4);
+        const __m256i lanes = _mm256_setr_epi32(s, s, s, s, s + 1, s + 1, s + 1, s + 1);
+        scp[j] = _mm256_permutevar8x32_epi32(j < 4 ? p0 : p1, lanes);
+    }
+}
+
+/* Q4_K / Q5_K: the 6-bit scales and mins unpacked 4 at a time from the 12 scale bytes (scale_min_k4's fields) */
+INLINE void gq_k4(const uint8_t *q, __m256i *scp, float *d, __m256 *zl, __m256 *zh) {
+    uint32_t w[3];
+    memcpy(w, q + 4, 12);
+    const uint32_t sc_lo = w[0] & 0x3F3F3F3Fu, mn_lo = w[1] & 0x3F3F3F3Fu;
+    const uint32_t sc_hi = (w[2] & 0x0F0F0F0Fu) | ((w[0] >> 6) & 0x03030303u) << 4;
+    const uint32_t mn_hi = ((w[2] >> 4) & 0x0F0F0F0Fu) | ((w[1] >> 6) & 0x03030303u) << 4;
+    const __m256i sc = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)sc_hi << 32 | sc_lo)));
+    const __m256 mn =
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)((uint64_t)mn_hi << 32 | mn_lo))));
+    *d = gguf_f16(q);
+    gq_units32(sc, _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(_mm256_set1_ps(gguf_f16(q + 2)), mn)), scp, zl, zh);
+}
+
+GQK_DEC(q4_k) {
+    gq_k4(q, scp, d, zl, zh);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * c));
+        u[2 * c] = _mm256_and_si256(v, m4);
+        u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+}
+
+GQK_DEC(q5_k) {
+    gq_k4(q, scp, d, zl, zh);
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 16)), m4 = _mm256_set1_epi8(0x0F),
+                  b4 = _mm256_set1_epi8(0x10);
+    for (int c = 0; c < 4; c++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 48 + 32 * c));
+        for (int h = 0; h < 2; h++) {
+            const int s = 2 * c + h;
+            u[s] = _mm256_or_si256(_mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, m4),
+                                   _mm256_and_si256(gg_shift(qh, 4 - s), b4));
+        }
+    }
+}
+
+GQK_DEC(q6_k) { /* u = q + 32, z = -32 a */
+    const __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 192)));
+    const __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 200)));
+    *d = gguf_f16(q + 208);
+    const __m256 m32d = _mm256_set1_ps(-32.0f * *d);
+    *zl = _mm256_mul_ps(m32d, _mm256_cvtepi32_ps(sc0));
+    *zh = _mm256_mul_ps(m32d, _mm256_cvtepi32_ps(sc1));
+    gq_units16(sc0, sc1, scp);
+    const __m256i m4 = _mm256_set1_epi8(0x0F), b45 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
+        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
+        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
+        for (int t = 0; t < 4; t++) {
+            const __m256i lo = t & 1 ? l1 : l0;
+            u[4 * h + t] = _mm256_or_si256(_mm256_and_si256(t >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4),
+                                           _mm256_and_si256(gg_shift(qh, 4 - 2 * t), b45));
+        }
+    }
+}
+
+GQK_DEC(q2_k) { /* a = d (sc & 15), z = -dmin (sc >> 4) */
+    const __m128i b = _mm_loadu_si128((const __m128i *)q), m4 = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+    *d = gguf_f16(q + 80);
+    const __m256 mdmin = _mm256_set1_ps(-gguf_f16(q + 82));
+    *zl = _mm256_mul_ps(mdmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)));
+    *zh = _mm256_mul_ps(mdmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))));
+    gq_units16(_mm256_cvtepu8_epi32(lo), _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), scp);
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 16 + 32 * h));
+        for (int t = 0; t < 4; t++) u[4 * h + t] = _mm256_and_si256(gg_shift(v, -2 * t), m2);
+    }
+}
+
+GQK_DEC(q3_k) { /* u = crumb + 4 * (hmask bit), z = -4 a */
+    const __m128i sc = q3k_scales(q);
+    const __m256i sc0 = _mm256_cvtepi8_epi32(sc), sc1 = _mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8));
+    *d = gguf_f16(q + 108);
+    const __m256 m4d = _mm256_set1_ps(-4.0f * *d);
+    *zl = _mm256_mul_ps(m4d, _mm256_cvtepi32_ps(sc0));
+    *zh = _mm256_mul_ps(m4d, _mm256_cvtepi32_ps(sc1));
+    gq_units16(sc0, sc1, scp);
+    const __m256i hm = _mm256_loadu_si256((const __m256i *)q), m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+    for (int h = 0; h < 2; h++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 + 32 * h));
+        for (int t = 0; t < 4; t++)
+            u[4 * h + t] = _mm256_or_si256(_mm256_and_si256(gg_shift(v, -2 * t), m2),
+                                           _mm256_and_si256(gg_shift(hm, 2 - (4 * h + t)), b2));
+    }
+}
+
+GQK_DEC(iq4_xs) { /* signed table codes, a = d (sc - 32), no offsets */
+    const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
+    int8_t sc[8];
+    for (int s = 0; s < 8; s++)
+        sc[s] = (int8_t)((((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32);
+    *d = gguf_f16(q);
+    gq_units32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)), _mm256_setzero_ps(), scp, zl, zh);
+    for (int s = 0; s < 8; s++) u[s] = iq4_lookup(nibbles32(q + 8 + 16 * s));
+}
+
+#define GQK_TILE(T, BYTES, SIGNED, R, C)                                                                           \
+    static void gqt_##T##_##R(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd,         \
+                              const float *xs, int64_t K, int64_t nb, float *y, int64_t ldy) {                    \
+        const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
+        __m256 out[R][C];                                                                                          \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
+        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) out[r][c] = _mm256_setzero_ps();                      \
+        for (int64_t b = 0; b < nb; b++) {                                                                         \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) if (c < cols) {                                   \
+                const uint8_t *qc = q + c * rb + b * (BYTES);                                                      \
+                for (int p = 0; p < (BYTES); p += 64)                                                              \
+                    _mm_prefetch((const char *)(qc + PF_TILES * C * rb + p), _MM_HINT_T0);                       \
+                __m256i u[8], scp[8];                                                                              \
+                __m256 zl, zh, acc[R];                                                                             \
+                float d;                                                                                           \
+                gqk_##T(qc, u, scp, &d, &zl, &zh);                                                                 \
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                             \
+                    const __m256i w = SIGNED ? _mm256_abs_epi8(u[j]) : u[j];                                       \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
+                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * b + 32 * j));   \
+                        const __m256i p = _mm256_maddubs_epi16(w, SIGNED ? _mm256_sign_epi8(xv, u[j]) : xv);       \
+                        const __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, scp[j]));                         \
+                        const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * b + j);                          \
+                        acc[r] = j ? _mm256_fmadd_ps(t, dv, acc[r]) : _mm256_mul_ps(t, dv);                        \
+                    }                                                                                              \
+                }                                                                                                  \
+                const __m256 dd = _mm256_set1_ps(d);                                                               \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
+                    const float *sr = xs + r * lds + 16 * b;                                                       \
+                    out[r][c] = _mm256_fmadd_ps(acc[r], dd, out[r][c]);                                            \
+                    out[r][c] = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), out[r][c]);                              \
+                    out[r][c] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), out[r][c]);                          \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < R; r++)                                                                                \
+            for (int c = 0; c < C && c < cols; c++) y[r * ldy + c] = hsum(out[r][c]);                             \
+    }
+#define GQK_TILES(T, BYTES, SIGNED)                                                                                \
+    GQK_TILE(T, BYTES, SIGNED, 1, GG_C1) GQK_TILE(T, BYTES, SIGNED, 2, GG_C2)                                      \
+    GQK_TILE(T, BYTES, SIGNED, 3, GG_C3) GQK_TILE(T, BYTES, SIGNED, 4, GG_C4)
+GQK_TILES(iq4_xs, 136, 1)
+GQK_TILES(q4_k, 144, 0)
+GQK_TILES(q5_k, 176, 0)
+GQK_TILES(q6_k, 210, 0)
+GQK_TILES(q2_k, 84, 0)
+GQK_TILES(q3_k, 110, 0)
+
+
+/* Many rows: one column at a time over up to GQ_ROWS rows, each chunk of the column decoded once for all of them (the
+ * tiles above decode it once per 4 rows); the rows' running sums wait in memory between chunks. Each output gets the
+ * very operations of the tiles above in the same order, so a row's result does not depend on the path. */
+#define GQ_ROWS 16
+#define GQM_TILE(T, BPC, BYTES, SIGNED)                                                                            \
+    static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, int64_t K,          \
+                        int64_t nb, float *y, int64_t ldy, int rows) {                                            \
+        const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
+        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
+        __m256 out[GQ_ROWS];                                                                                       \
+        for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();                                               \
+        for (int64_t b = 0, i = 0; b < nb; b += BPC, i++) {                                                        \
+            const int nu = (int)(nb - b < BPC ? nb - b : BPC);                                                     \
+            __m256i u[8];                                                                                          \
+            __m256 sv[8];                                                                                          \
+            float z[16] __attribute__((aligned(32))) = {0};                                                        \
+            gqd_##T(q + b * (BYTES), nu, u, sv, z);                                                                \
+            const __m256 zl = _mm256_load_ps(z), zh = _mm256_load_ps(z + 8);                                      \
+            __m256i aw[8]; /* the unsigned operands */                                                             \
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu)                                       \
+                aw[j] = SIGNED ? _mm256_abs_epi8(u[j]) : u[j];                                                     \
+            for (int r = 0; r < rows; r++) {                                                                       \
+                __m256 acc = out[r];                                                                               \
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu) { /* unrolled: in registers */    \
+                    const __m256i w = aw[j];                                                                       \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * i + 32 * j));       \
+                    const __m256i p = _mm256_maddubs_epi16(w, SIGNED ? _mm256_sign_epi8(xv, u[j]) : xv);           \
+                    const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * i + j);                              \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_mul_ps(sv[j], dv), \
+                                          acc);                                                                    \
+                }                                                                                                  \
+                const float *sr = xs + r * lds + 16 * i;                                                           \
+                acc = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), acc);                                               \
+                out[r] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), acc);                                        \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < rows; r++) y[r * ldy] = hsum(out[r]);                                                  \
+    }
+#define GQKM_TILE(T, BYTES, SIGNED)                                                                                \
+    static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, int64_t K,          \
+                        int64_t nb, float *y, int64_t ldy, int rows) {                                            \
+        const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
+        __m256 out[GQ_ROWS];                                                                                       \
+        for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();                                               \
+        for (int64_t b = 0; b < nb; b++) {                                                                         \
+            __m256i u[8], scp[8];                                                                                  \
+            __m256 zl, zh;                                                                                         \
+            float d;                                                                                               \
+            gqk_##T(q + b * (BYTES), u, scp, &d, &zl, &zh);                                                        \
+            const __m256 dd = _mm256_set1_ps(d);                                                                   \
+            __m256i aw[8]; /* the unsigned operands */                                                             \
+            for (int j = 0; j < 8; j++) aw[j] = SIGNED ? _mm256_abs_epi8(u[j]) : u[j];                             \
+            for (int r = 0; r < rows; r++) {                                                                       \
+                __m256 acc = _mm256_setzero_ps();                                                                  \
+                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {                                             \
+                    const __m256i w = aw[j];                                                                       \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * b + 32 * j));       \
+                    const __m256i p = _mm256_maddubs_epi16(w, SIGNED ? _mm256_sign_epi8(xv, u[j]) : xv);           \
+                    const __m256 t = _mm256_cvtepi32_ps(_mm256_madd_epi16(p, scp[j]));                             \
+                    const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * b + j);                              \
+                    acc = j ? _mm256_fmadd_ps(t, dv, acc) : _mm256_mul_ps(t, dv);                                  \
+                }                                                                                                  \
+                const float *sr = xs + r * lds + 16 * b;                                                           \
+                __m256 o = _mm256_fmadd_ps(acc, dd, out[r]);                                                       \
+                o = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), o);                                                   \
+                out[r] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), o);                                          \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int r = 0; r < rows; r++) y[r * ldy] = hsum(out[r]);                                                  \
+    }
+GQM_TILE(q4_0, 8, 18, 0)
+GQM_TILE(q4_1, 8, 20, 0)
+GQM_TILE(q5_0, 8, 22, 0)
+GQM_TILE(q5_1, 8, 24, 0)
+GQM_TILE(q8_0, 8, 34, 1)
+GQM_TILE(iq4_nl, 8, 18, 1)
+GQKM_TILE(iq4_xs, 136, 1)
+GQKM_TILE(q4_k, 144, 0)
+GQKM_TILE(q5_k, 176, 0)
+GQKM_TILE(q6_k, 210, 0)
+GQKM_TILE(q2_k, 84, 0)
+GQKM_TILE(q3_k, 110, 0)
+
+typedef void (*gq_tile_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *, const float *, int64_t,
+                           int64_t, float *, int64_t);
+typedef void (*gq_rows_fn)(const uint8_t *, const int8_t *, const float *, const float *, int64_t, int64_t, float *,
+                           int64_t, int);
+#define GQ_ROW(id, T) {id, {gqt_##T##_1, gqt_##T##_2, gqt_##T##_3, gqt_##T##_4}, gqm_##T}
+static const struct {
+    int type;
+    gq_tile_fn tiles[4];
+    gq_rows_fn rows;
+} GQ_TYPES[] = {GQ_ROW(2, q4_0),  GQ_ROW(3, q4_1),  GQ_ROW(6, q5_0),  GQ_ROW(7, q5_1),
+                GQ_ROW(8, q8_0),  GQ_ROW(10, q2_k), GQ_ROW(11, q3_k), GQ_ROW(12, q4_k),
+                GQ_ROW(13, q5_k), GQ_ROW(14, q6_k), GQ_ROW(20, iq4_nl), GQ_ROW(23, iq4_xs)};
+#endif
+
+/* One part: y [m, n] from the quantized rows (gq_quantize's) and blocks q of type t. */
+static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float *y, int64_t ldy, int64_t m,
+                   int64_t n, int64_t k, int nthreads) {
+    const int64_t nb = k / t->elems, rb = nb * t->bytes, nbx = k / QB, lds = gq_sums(k);
+    const float *xd = (const float *)work, *xs = xd + m * nbx;
+    const int8_t *xq = (const int8_t *)(xs + m * lds);
+    int rc = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    const gq_tile_fn *tiles = NULL;
+    gq_rows_fn rows_fn = NULL;
+    for (size_t i = 0; i < sizeof GQ_TYPES / sizeof GQ_TYPES[0]; i++)
+        if (GQ_TYPES[i].type == t->type) tiles = GQ_TYPES[i].tiles, rows_fn = GQ_TYPES[i].rows;
+    if (!tiles) return -1;
+    const int64_t chunk = (256 * 1024) / k < 8 ? 8 : (256 * 1024) / k; /* rows whose bytes stay within ~256 KiB */
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int tid, nth;
+        thread_id(&tid, &nth);
+        int64_t n0, n1;
+        column_range(n, tid, nth, &n0, &n1);
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' blocks stay in cache over the rows */
+                const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
+                int64_t r0 = m0;
+                for (; m1 - r0 >= GQ_ROWS / 2; r0 += GQ_ROWS) { /* many rows: each column decoded once per GQ_ROWS */
+                    const int rr = (int)(m1 - r0 < GQ_ROWS ? m1 - r0 : GQ_ROWS);
+                    for (int64_t c = c0; c < c1; c++)
+                        rows_fn(q + c * rb, xq + r0 * k, xd + r0 * nbx, xs + r0 * lds, k, nb, y + r0 * ldy + c, ldy,
+                                rr);
+                }
+                for (; r0 < m1; r0 += 4) {
+                    const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
+                    for (int64_t c = c0; c < c1; c += tc)
+                        tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xq + r0 * k, xd + r0 * nbx,
+                                      xs + r0 * lds, k, nb, y + r0 * ldy + c, ldy);
+                }
+            }
+        }
+    }
+#else
+    (void)xs;
+    /* portable: each column dequantized (the reference's values), then per row sum_b d_b * (sum of q * w in block b) */
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int64_t n0, n1;
+        float *w = thread_panel(n, (size_t)k, &n0, &n1, &rc);
+        for (int64_t c = n0; w && c < n1; c++) {
+            t->fn(q + c * rb, nb, w);
+            for (int64_t r = 0; r < m; r++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nbx; b++) {
+                    float s = 0.0f;
+                    for (int i = 0; i < QB; i++) s += (float)xq[r * k + b * QB + i] * w[b * QB + i];
+                    acc += xd[r * nbx + b] * s;
+                }
+                y[r * ldy + c] = acc;
+            }
+        }
+        free(w);
+    }
+#endif
+    return rc;
+}
+
+/* llmd_gguf_parts_matmul with int8-quantized activations (quantized once for all parts); -1 for an unknown type or a
+ * K the blocks do not divide, -2 out of memory. */
+int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
+                              int64_t ldy, int64_t m, int64_t k, int nthreads) {
+    if (m < 0 || k <= 0 || k % QB) return -1;
+    for (int64_t i = 0; i < nparts; i++)
+        if (!gguf_type_of((int)parts[i].type, k) || parts[i].n < 0) return -1;
+    if (m == 0) return 0;
+    if (nthreads < 1) nthreads = 1;
+    void *work = gq_quantize(x, ldx, m, k);
+    if (!work) return -2;
+    int64_t col = 0;
+    int rc = 0;
+    for (int64_t i = 0; i < nparts && rc == 0; i++) {
+        rc = gq_part(gguf_type_of((int)parts[i].type, k), work, parts[i].q, y + col, ldy, m, parts[i].n, k, nthreads);
+        col += parts[i].n;
+    }
+    free(work);
+    return rc;
+}
+
+/* y [M, N] = q8(x) [M, K] @ dequant(q).T for GGUF blocks of `type`: the integer path of one part. */
+int llmd_gguf_matmul_q8(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
+                        int64_t n, int64_t k, int nthreads) {
+    const llmd_gguf_part part = {type, n, q};
+    return llmd_gguf_parts_matmul_q8(&part, 1, x, ldx, y, ldy, m, k, nthreads);
 }

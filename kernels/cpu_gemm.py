@@ -11,10 +11,11 @@ Without a compiler, or when the build or a self-check against the torch referenc
 returns None, and `int8_matmul` / `int4_matmul` return None: callers keep their torch path. LLMD_CPU_GEMM=0 turns the
 kernel off (read by each function call, and by a quantized layer when it first runs).
 
-Two numerics paths: `int8_matmul` / `int4_matmul` keep fp32 activations; `int8_matmul_q8` / `int4_matmul_q8` quantize
-each activation row to int8 per block of 32 and use integer dot products (2-3x the multiply-adds per second). The
-quantized layers use `layer_kernel`, which fixes one path per layer for every M: the integer one wherever K and the
-group are multiples of 32.
+Two numerics paths: `int8_matmul` / `int4_matmul` / `gguf_matmul` keep fp32 activations; `int8_matmul_q8` /
+`int4_matmul_q8` / `gguf_matmul_q8` quantize each activation row to int8 per block of 32 and use integer dot products
+(2-3x the multiply-adds per second; each has a torch reference, `*_q8_ref`). The quantized layers use `layer_kernel`
+and `gguf_kernel`, which fix one path per layer for every M (LLMD_CPU_GEMM_ACT, see Q8_ACTIVATIONS): the integer one,
+where chosen, wherever K and the group are multiples of 32 (every GGUF block type).
 """
 
 from __future__ import annotations
@@ -115,6 +116,9 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.llmd_gguf_dequant.argtypes = [cint, ptr, i64, i64, i64, ptr, i64]
     lib.llmd_gguf_parts_matmul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, cint]
     lib.llmd_gguf_matmul.restype = lib.llmd_gguf_dequant.restype = lib.llmd_gguf_parts_matmul.restype = cint
+    lib.llmd_gguf_matmul_q8.argtypes = lib.llmd_gguf_matmul.argtypes
+    lib.llmd_gguf_parts_matmul_q8.argtypes = lib.llmd_gguf_parts_matmul.argtypes
+    lib.llmd_gguf_matmul_q8.restype = lib.llmd_gguf_parts_matmul_q8.restype = cint
     return lib
 
 
@@ -136,6 +140,10 @@ def _self_check(lib: ctypes.CDLL) -> None:
     blocks[:, 0:4] = torch.tensor([0.01, 0.002], dtype=torch.float16).view(torch.uint8)
     if not torch.equal(_gguf_dequant(lib, blocks, "Q4_K", 256), gb.dequantize_blocks(blocks, "Q4_K")):
         raise RuntimeError("self-check failed: GGUF Q4_K blocks dequantize to other values than the reference")
+    x = torch.randn(2, 256, generator=g)
+    got = GGUFKernel(lib, [(blocks, "Q4_K")], 256, q8=True)(x, 1)
+    if not torch.allclose(got, gguf_matmul_q8_ref(x, blocks, "Q4_K"), rtol=1e-4, atol=1e-4):
+        raise RuntimeError("self-check failed: the GGUF Q4_K integer path differs from its reference")
 
 
 def build_and_load() -> ctypes.CDLL | None:
@@ -277,7 +285,9 @@ def quantize_activations_ref(x: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     xb = x.to(torch.float32).reshape(m, k // Q8_BLOCK, Q8_BLOCK)
     amax = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # a tensor divided by a tensor: `127.0 / amax` is computed as 127 * (1 / amax) in torch, off by an ulp at times,
+    # which flips a rare activation that lands on .5 (the kernel divides once, correctly rounded)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv)
     return (q * (amax / 127.0)).reshape(m, k)
 
@@ -297,7 +307,11 @@ def int4_matmul_q8_ref(x, qweight, scales, zeros, group_size):
 # to the integer path wherever K and the group allow: llama.cpp's numerics, ~1.2x faster at batch 1 and ~1.5x at 16
 # on SmolLM2, but it moves logits by ~0.3 (perplexity +0.6 %), enough to flip near-ties: SmolLM2 then answers
 # "What is the capital of France?" like llama.cpp does ("L'Étoile, ...") instead of "The capital of France is Paris."
-Q8_ACTIVATIONS = {"int4": True, "int8": True}
+# GGUF blocks (GGUFKernel, every block type: their rows are whole blocks of 32) take the integer path too, as llama.cpp
+# computes them: on Gemma 3 270M Q4_K_M at 1 thread ~1.1x decode at batch 1 (the Q8_0 head, half the step, streams
+# memory either way) and ~1.45x at batch 16. It stays opt-in for the same reason: fp32 activations compute exactly the
+# file's weights, which test_gemma's greedy-equals-transformers check relies on.
+Q8_ACTIVATIONS = {"int4": True, "int8": True, "gguf": True}
 
 
 def q8_activations(kind: str) -> bool:
@@ -389,15 +403,17 @@ class GGUFPart(ctypes.Structure):
 
 
 class GGUFKernel:
-    """A packed GGUF layer's CPU matmul (fp32 activations): the kernel multiplies the blocks' integer codes with the
-    activations per sub-block and applies each sub-block's scale and offset once (the int4 kernel's arithmetic), in
-    one fixed operation order per output, so a row's result never depends on the batch. Several parts of different
-    types (a fused q/k/v) fill their own columns side by side."""
+    """A packed GGUF layer's CPU matmul: the kernel multiplies the blocks' integer codes with the activations per
+    sub-block and applies each sub-block's scale and offset once (the int4 kernel's arithmetic), in one fixed
+    operation order per output, so a row's result never depends on the batch. Several parts of different types (a
+    fused q/k/v) fill their own columns side by side. q8: the integer path (activations quantized to int8 per block
+    of 32, integer dot products: gguf_matmul_q8_ref's values) for every M; None: as LLMD_CPU_GEMM_ACT says."""
 
     kind = "gguf"
 
-    def __init__(self, lib, parts: list[tuple[torch.Tensor, str]], k: int):
+    def __init__(self, lib, parts: list[tuple[torch.Tensor, str]], k: int, q8: bool | None = None):
         self.k = k
+        self.q8 = (q8_activations("gguf") if q8 is None else q8) and k % Q8_BLOCK == 0
         self._keep = []
         self.parts = (GGUFPart * len(parts))()
         for c_part, (qweight, type_name) in zip(self.parts, parts):
@@ -408,7 +424,7 @@ class GGUFKernel:
             c_part.type, c_part.n, c_part.q = GGUF_TYPE_IDS[type_name], q.shape[0], q.data_ptr()
         self.n = sum(p.n for p in self.parts)
         self.types = [t for _, t in parts]
-        self._fn = lib.llmd_gguf_parts_matmul
+        self._fn = lib.llmd_gguf_parts_matmul_q8 if self.q8 else lib.llmd_gguf_parts_matmul
         self.parts_pointer = ctypes.addressof(self.parts)
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -417,7 +433,7 @@ class GGUFKernel:
         rc = self._fn(self.parts_pointer, len(self.parts), x.data_ptr(), x.stride(0), y.data_ptr(), self.n,
                       x.shape[0], self.k, threads or torch.get_num_threads())
         if rc == -2:
-            raise MemoryError("CPU kernel could not allocate its weight panel")
+            raise MemoryError("CPU kernel could not allocate its weight panel or activations")
         if rc != 0:
             raise ValueError(f"{'/'.join(self.types)} kernel rejected N={self.n} K={self.k}")
         return y
@@ -432,6 +448,23 @@ def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, type_name: str, threads:
         return None
     elems, nbytes = gb.block_shape(type_name)
     return GGUFKernel(lib, [(qweight, type_name)], qweight.shape[1] // nbytes * elems)(x, threads)
+
+
+def gguf_matmul_q8(x: torch.Tensor, qweight: torch.Tensor, type_name: str, threads: int | None = None
+                   ) -> torch.Tensor | None:
+    """gguf_matmul on the integer path (x quantized to int8 per block of 32: gguf_matmul_q8_ref); None where the
+    kernel is unavailable or does not know the type."""
+    lib = load()
+    if lib is None or type_name not in GGUF_TYPE_IDS:
+        return None
+    elems, nbytes = gb.block_shape(type_name)
+    return GGUFKernel(lib, [(qweight, type_name)], qweight.shape[1] // nbytes * elems, q8=True)(x, threads)
+
+
+def gguf_matmul_q8_ref(x: torch.Tensor, qweight: torch.Tensor, type_name: str) -> torch.Tensor:
+    """The integer path's values in torch: the activations quantized as the kernel does (quantize_activations_ref),
+    times the blocks' reference weights (gguf's dequantize)."""
+    return quantize_activations_ref(x) @ gb.dequantize_blocks(qweight, type_name).t()
 
 
 def gguf_kernel(parts: list[tuple[torch.Tensor, str]], k: int) -> GGUFKernel | None:

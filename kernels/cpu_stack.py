@@ -12,7 +12,7 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 # llmd_linear.kind
 KINDS = {("int8", False): 0, ("int4", False): 1, ("int8", True): 2, ("int4", True): 3,
-         ("gguf", False): 4}  # gguf: q points to the kernel's llmd_gguf_part array, group is its length
+         ("gguf", False): 4, ("gguf", True): 5}  # gguf: q points to the kernel's llmd_gguf_part array, group is its length
 
 
 # llmd_dims.act: the gated MLP's activation

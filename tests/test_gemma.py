@@ -212,10 +212,27 @@ def test_gemma3_270m_c_layer_stack_equals_the_modules(gemma3_270m_lm, groups):
     """Gemma 3's layers as one C call (llmd.model.cpu_stack) give bit for bit the modules' logits and caches: chunked
     prefill then decodes, past the window, fp16 KV (the CPU default); with one KV group, and with two (the window
     layers' own pool, of another size, and block tables, as the engine's runner keeps them)."""
+    _assert_stack_equals_the_modules(gemma3_270m_lm, groups)
+
+
+def test_gemma3_270m_c_layer_stack_on_the_integer_path(gemma3_270m, monkeypatch):
+    """LLMD_CPU_GEMM_ACT=int8: every packed layer takes the integer GGUF matmul (int8 activations), and the C layer
+    stack runs it (its own linear kind) with the modules' logits and caches bit for bit."""
+    from llmd.kernels import cpu_stack as ck
+    from llmd.model.cpu_stack import CpuLayerStack
+
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "int8")
+    lm = load_model(gemma3_270m, device="cpu", dtype=torch.float32)
+    layers = CpuLayerStack.build(lm.model).layers
+    assert {getattr(layer, name).kind for layer in layers for name in ("qkv", "o", "gate_up", "down")} == \
+        {ck.KINDS["gguf", True]}
+    _assert_stack_equals_the_modules(lm, 2)
+
+
+def _assert_stack_equals_the_modules(lm, groups: int) -> None:
     from llmd.model.attention import AttentionMetadata, allocate_kv_cache
     from llmd.model.cpu_stack import CompiledCpuForward
 
-    lm = gemma3_270m_lm
     compiled = CompiledCpuForward.try_build(lm.model)
     assert compiled is not None, "the C layer stack should cover Gemma 3 with packed GGUF layers"
     ids = lm.tokenizer.encode("The capital of France is", add_special_tokens=True) * 110

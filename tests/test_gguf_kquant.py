@@ -252,26 +252,33 @@ def test_auto_without_the_cpu_kernels_says_it_dequantizes(kquant_files, monkeypa
     assert not any(isinstance(m, GGUFLinear) for m in lm.model.modules())
 
 
-def test_mixed_types_fuse_and_the_c_layer_stack_runs_them_bit_for_bit(kquant_files):
+@pytest.mark.parametrize("act", ["fp32", "int8"])
+def test_mixed_types_fuse_and_the_c_layer_stack_runs_them_bit_for_bit(kquant_files, act, monkeypatch):
     """q/k (Q4_K) and v (Q6_K) fuse into one GGUFConcat; the C layer stack then runs every layer and gives the module
-    path's hidden states bit for bit, for a prefill chunk and decodes."""
-    from llmd.kernels import cpu_ops
+    path's hidden states bit for bit, for a prefill chunk and decodes; with LLMD_CPU_GEMM_ACT=int8 too, where every
+    packed layer takes the integer path (its own linear kind in the stack)."""
+    from llmd.kernels import cpu_gemm, cpu_ops
+    from llmd.kernels import cpu_stack as ck
     from llmd.model import cpu_stack
     from llmd.model.attention import AttentionMetadata, allocate_kv_cache
     from llmd.model.quant import GGUFConcat
 
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", act)
     lm = load_model(kquant_files["untied"], quant="gguf", device="cpu")
     model, cfg = lm.model, lm.config
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert isinstance(qkv, GGUFConcat) and [p.type_name for p in qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
     w = torch.cat([gb.dequantize_blocks(p.qweight, p.type_name) for p in qkv.parts])
     x = torch.randn(3, HIDDEN)
-    torch.testing.assert_close(qkv(x), x @ w.t(), rtol=1e-4, atol=1e-4)
+    ref = x @ w.t() if act == "fp32" else cpu_gemm.quantize_activations_ref(x) @ w.t()
+    torch.testing.assert_close(qkv(x), ref, rtol=1e-4, atol=1e-4)
     if cpu_ops.load() is None:
         return
 
     compiled = cpu_stack.CompiledCpuForward.try_build(model)
     assert compiled is not None
+    kinds = {getattr(layer, name).kind for layer in compiled.stack.layers for name in ("qkv", "o", "gate_up", "down")}
+    assert kinds == {ck.KINDS["gguf", act == "int8"]}
 
     def run(use_stack: bool) -> list[torch.Tensor]:
         forward = compiled if use_stack else model

@@ -2,7 +2,9 @@
 the blocks' integer codes and applies each sub-block's scale and offset once, yet one-hot activations still pick out
 the reference's weights (llmd.kernels.gguf_blocks, itself gguf's) bit for bit, on every path (one row, row tiles, rows
 in vector lanes); the C dequantize is the reference's in the portable build too; its products match the torch
-reference; a row's output is bitwise the same whatever the batch, its position and the thread count.
+reference; a row's output is bitwise the same whatever the batch, its position and the thread count. The integer path
+(GGUFKernel(q8=True), LLMD_CPU_GEMM_ACT=int8: activations quantized to int8 per block of 32) matches its torch
+reference (gguf_matmul_q8_ref) for every type, and is bitwise the same whatever the batch, row, threads and parts.
 
 Where no C compiler exists the functions return None; the tests then check that branch instead of skipping."""
 
@@ -139,6 +141,96 @@ def test_bad_shapes_raise():
         cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q[:, :-1], "Q6_K")], k)
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+def test_integer_path_matches_reference(type_name):
+    """Every type, K of several chunks (and 7 blocks of 32 for the small types: a last chunk of fewer units)."""
+    elems = gb.BLOCKS[type_name][0]
+    for k in ([3 * elems] if elems == 256 else [6 * elems, 7 * elems]):
+        q, _ = _weights(type_name, n=37, k=k, seed=k)
+        for m in ROWS:
+            x = _x(m, k, seed=m)
+            y = cpu_gemm.gguf_matmul_q8(x, q, type_name)
+            if not HAVE_KERNEL:
+                assert y is None
+                return
+            ref = cpu_gemm.gguf_matmul_q8_ref(x, q, type_name)
+            # the same products in another order: fp32 rounding only (the outputs are up to a few hundred)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
+
+
+def test_activation_quantization_is_the_kernels_bit_for_bit():
+    """An activation that lands exactly on .5 (x * (127 / amax) = -117.5 with a correctly rounded division, -117.49999
+    with 127 * (1 / amax), which is what torch makes of `127.0 / amax`): the reference rounds it as the kernel does.
+    Q8_0 weights with one code 1 per column (d = 1) pick each quantized activation d_b * q out of the matmul."""
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 20] = -1.8828774690628052, 2.0351102352142334  # the value, and the block's amax
+    amax = x.abs().amax()
+    assert (x[0, 0] * (torch.full_like(amax, 127.0) / amax)).item() == -117.5
+    ref = cpu_gemm.quantize_activations_ref(x)
+    assert ref[0, 0] == -118 * (amax / 127.0)  # ties to even
+    blocks = torch.zeros(32, 34, dtype=torch.uint8)
+    blocks[:, 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    blocks[torch.arange(32), 2 + torch.arange(32)] = 1
+    y = cpu_gemm.gguf_matmul_q8(x, blocks, "Q8_0")
+    if not HAVE_KERNEL:
+        assert y is None
+        return
+    assert torch.equal(y, ref)
+
+
+def test_integer_path_differs_from_fp32_activations_only_by_the_quantization():
+    """The reference is not vacuous: fp32 activations give other values, int8-quantized ones give the kernel's."""
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights("Q4_K", n=16)
+    x = _x(3, k)
+    y, fp = cpu_gemm.gguf_matmul_q8(x, q, "Q4_K"), cpu_gemm.gguf_matmul(x, q, "Q4_K")
+    ref = cpu_gemm.gguf_matmul_q8_ref(x, q, "Q4_K")
+    assert (y - fp).abs().max() > 100 * (y - ref).abs().max()
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_integer_path_rows_do_not_depend_on_batch_threads_or_parts(type_name):
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights(type_name, n=45, k=512)
+    other_type = "Q6_K" if type_name != "Q6_K" else "Q8_0"  # fused with parts of another type on either side
+    other, _ = _weights(other_type, n=11, k=k, seed=3)
+    lib = cpu_gemm.load()
+    kernel = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, q8=True)
+    fused = cpu_gemm.GGUFKernel(lib, [(other, other_type), (q, type_name), (other, other_type)], k, q8=True)
+    assert kernel.q8 and fused.q8
+    x = _x(70, k)
+    full = kernel(x)
+    for i in (0, 5, 69):
+        assert torch.equal(kernel(x[i:i + 1]), full[i:i + 1])
+    for m in (2, 3, 4, 5, 9, 16, 17, 64):
+        assert torch.equal(kernel(x[70 - m:]), full[70 - m:])
+    picked = [3, 40, 7, 66, 12]
+    assert torch.equal(kernel(x[picked]), full[picked])
+    for threads in (1, 2, 3):
+        assert torch.equal(kernel(x, threads), full) and torch.equal(kernel(x[:7], threads), full[:7])
+    both = fused(x, 2)  # a part's columns are its own matmul's, bit for bit
+    assert torch.equal(both[:, 11:56], full)
+    assert torch.equal(both[:, :11], both[:, 56:])
+    assert torch.equal(fused(x[:1], 1), both[:1])
+
+
+def test_integer_path_is_chosen_by_the_environment(monkeypatch):
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights("Q5_0")
+    monkeypatch.delenv("LLMD_CPU_GEMM_ACT", raising=False)
+    assert not cpu_gemm.gguf_kernel([(q, "Q5_0")], k).q8  # fp32 activations by default
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "int8")
+    kernel = cpu_gemm.gguf_kernel([(q, "Q5_0")], k)
+    assert kernel.q8
+    x = _x(4, k)
+    assert torch.equal(kernel(x), cpu_gemm.gguf_matmul_q8(x, q, "Q5_0"))
+    assert kernel(x[:0]).shape == (0, q.shape[0])
+    assert not cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, "Q5_0")], k, q8=False).q8
+
+
 def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
     """The scalar code (built without SIMD flags): the same dequantized values, products close to the reference and
     rows independent of the batch."""
@@ -156,3 +248,8 @@ def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
         full = kernel(x, 2)
         torch.testing.assert_close(full, x @ w.t(), rtol=1e-4, atol=1e-4)
         assert torch.equal(kernel(x[3:4], 1), full[3:4])
+        integer = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, q8=True)
+        full = integer(x, 2)
+        ref = cpu_gemm.gguf_matmul_q8_ref(x, q, type_name)
+        torch.testing.assert_close(full, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
+        assert torch.equal(integer(x[3:4], 1), full[3:4])

@@ -6,13 +6,14 @@ Python between them, about a third of a small model's decode step at batch 1.
 
 It applies to Llama-shaped models (no q/k norm, no partial rotary; sliding windows included) and to Gemma 2 and 3
 (llmd.model.gemma, `cpu_stack_kind = "gemma"`: sandwich norms, GELU-tanh; Gemma 3's q/k norms and local RoPE tables,
-Gemma 2's soft-capped attention, `Layer.softcap`; Gemma 2's final logit soft-cap stays in `compute_logits`, outside
-the layers) whose fused qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type,
-or a GGUFConcat of several) with a prepared CPU kernel, with fp32 activations and a KV cache the C attention reads
-(fp32, fp16, bf16 or int8). Everything else (fp32 or bitsandbytes weights, Qwen3, CUDA, LLMD_CPU_GEMM=0) keeps the
-module path. A step with two KV groups (a model mixing window and global layers: `meta.window_group`) runs too: each
-window layer writes and reads its own group's pool through its slots and tables (`Step.window`), as paged_attention
-picks them, and the two pools may differ in size. The engine's runner builds a
+Gemma 2's soft-capped attention, `Layer.softcap`; Gemma 2's final logit soft-cap stays in `compute_logits`, outside the
+layers) whose fused qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type, or a
+GGUFConcat of several) with a prepared CPU kernel (on either matmul path, as LLMD_CPU_GEMM_ACT chose it), with fp32
+activations and a KV cache the C attention reads (fp32, fp16, bf16 or int8). Everything else (fp32 or bitsandbytes
+weights, Qwen3, CUDA, LLMD_CPU_GEMM=0) keeps the module path. A step with two KV groups (a model mixing window and
+global layers: `meta.window_group`) runs too: each window layer writes and reads its own group's pool through its slots
+and tables (`Step.window`), as paged_attention picks them, and the two pools may differ in size. The engine's runner
+builds a
 `CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of the model.
 """
 
@@ -213,7 +214,7 @@ def _linear(module) -> ck.Linear | None:
         module.prepare(torch.device("cpu"), torch.float32)
     kernel = module.kernel
     if isinstance(kernel, cpu_gemm.GGUFKernel):  # packed GGUF blocks: the kernel's parts array (one or more)
-        return ck.Linear(kind=ck.KINDS["gguf", False], n=kernel.n, k=kernel.k, group=len(kernel.parts),
+        return ck.Linear(kind=ck.KINDS["gguf", kernel.q8], n=kernel.n, k=kernel.k, group=len(kernel.parts),
                          q=kernel.parts_pointer, s=None, z=None, bias=None if bias is None else bias.data_ptr())
     if not isinstance(kernel, cpu_gemm.LayerKernel):
         return None

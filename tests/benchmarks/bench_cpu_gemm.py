@@ -17,7 +17,9 @@ call (best of repeated calls) and the weight bytes streamed per second (GB/s) fo
               change side by side in one run
 With --gguf (all packed types, or a list), instead: llmd's matmul straight from GGUF blocks of each type
 (llmd.kernels.cpu_gemm.GGUFKernel) at shapes whose rows are whole 256-element super-blocks, in ms and in weights per
-second (Gw/s), GB/s of the type's bytes and GFLOP/s, next to fp32 at the same shape.
+second (Gw/s), GB/s of the type's bytes and GFLOP/s, then the same blocks on the integer path (GGUFKernel(q8=True):
+activations quantized to int8 per block of 32, as LLMD_CPU_GEMM_ACT=int8 runs them) in ms and GB/s, and fp32 at the
+same shape.
 Weights are random codes: speed does not depend on their values. The first llmd call builds the kernel if needed.
 """
 
@@ -90,22 +92,24 @@ def gguf_table(types: list[str], threads: list[int], rows: list[int], budget: fl
         print("llmd cpu_gemm kernel unavailable here: no GGUF figures")
         return
     print(f"{'type':7} {'shape':18} {'thr':>3} {'M':>4} {'ms':>9} {'Gw/s':>7} {'GB/s':>7} {'GFLOP/s':>8} "
-          f"{'fp32 ms':>9}")
+          f"{'q8 ms':>9} {'q8 GB/s':>7} {'fp32 ms':>9}")
     with torch.inference_mode():
         for name, n, k in GGUF_SHAPES:
             w_t = torch.randn(k, n) * 0.02
             for type_name in types:
                 blocks = torch.from_numpy(np.ascontiguousarray(random_blocks(type_name, n, k, scale=0.001)))
-                kernel = cpu_gemm.GGUFKernel(lib, [(blocks, type_name)], k)
+                kernel = cpu_gemm.GGUFKernel(lib, [(blocks, type_name)], k, q8=False)
+                integer = cpu_gemm.GGUFKernel(lib, [(blocks, type_name)], k, q8=True)
                 for t in threads:
                     torch.set_num_threads(t)
                     for m in rows:
                         x = torch.randn(m, k)
                         ms = best_ms(lambda: kernel(x), budget)
+                        q8 = best_ms(lambda: integer(x), budget)
                         fp = best_ms(lambda: x @ w_t, budget)
                         print(f"{type_name:7} {name:18} {t:3d} {m:4d} {ms:9.3f} {n * k / ms / 1e6:7.2f} "
-                              f"{blocks.numel() / ms / 1e6:7.2f} {2 * m * n * k / ms / 1e6:8.1f} {fp:9.3f}",
-                              flush=True)
+                              f"{blocks.numel() / ms / 1e6:7.2f} {2 * m * n * k / ms / 1e6:8.1f} {q8:9.3f} "
+                              f"{blocks.numel() / q8 / 1e6:7.2f} {fp:9.3f}", flush=True)
 
 
 def main(argv=None):
