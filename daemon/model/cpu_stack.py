@@ -13,8 +13,7 @@ activations and a KV cache the C attention reads (fp32, fp16, bf16 or int8). Eve
 weights, Qwen3, CUDA, LLMD_CPU_GEMM=0) keeps the module path. A step with two KV groups (a model mixing window and
 global layers: `meta.window_group`) runs too: each window layer writes and reads its own group's pool through its slots
 and tables (`Step.window`), as paged_attention picks them, and the two pools may differ in size. The engine's runner
-builds a
-`CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of the model.
+builds a `CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of the model.
 """
 
 from __future__ import annotations
