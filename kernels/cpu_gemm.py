@@ -12,7 +12,7 @@ returns None, and `int8_matmul` / `int4_matmul` return None: callers keep their 
 kernel off (read by each function call, and by a quantized layer when it first runs).
 
 Two numerics paths: `int8_matmul` / `int4_matmul` / `gguf_matmul` keep fp32 activations; `int8_matmul_q8` /
-`int4_matmul_q8` / `gguf_matmul_q8` quantize each activation row to int8 per block of 32 and use integer dot products
+`int4_matmul_q8` / `gguf_matmul(q8=True)` quantize each activation row to int8 per block of 32 and use integer dot products
 (2-3x the multiply-adds per second; each has a torch reference, `*_q8_ref`). The quantized layers use `layer_kernel`
 and `gguf_kernel`, which fix one path per layer for every M (LLMD_CPU_GEMM_ACT, see Q8_ACTIVATIONS): the integer one,
 where chosen, wherever K and the group are multiples of 32 (every GGUF block type).
@@ -439,26 +439,16 @@ class GGUFKernel:
         return y
 
 
-def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, type_name: str, threads: int | None = None
-                ) -> torch.Tensor | None:
-    """fp32 x [M, K] @ dequantize_blocks(qweight [N, row bytes], type_name).T -> fp32 [M, N]; None when the kernel
-    is unavailable or does not know the type (then use the torch path)."""
+def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, type_name: str, threads: int | None = None,
+                q8: bool = False) -> torch.Tensor | None:
+    """fp32 x [M, K] @ dequantize_blocks(qweight [N, row bytes], type_name).T -> fp32 [M, N] (q8: on the integer path,
+    x quantized to int8 per block of 32: gguf_matmul_q8_ref's values); None when the kernel is unavailable or does not
+    know the type (then use the torch path)."""
     lib = load()
     if lib is None or type_name not in GGUF_TYPE_IDS:
         return None
     elems, nbytes = gb.block_shape(type_name)
-    return GGUFKernel(lib, [(qweight, type_name)], qweight.shape[1] // nbytes * elems)(x, threads)
-
-
-def gguf_matmul_q8(x: torch.Tensor, qweight: torch.Tensor, type_name: str, threads: int | None = None
-                   ) -> torch.Tensor | None:
-    """gguf_matmul on the integer path (x quantized to int8 per block of 32: gguf_matmul_q8_ref); None where the
-    kernel is unavailable or does not know the type."""
-    lib = load()
-    if lib is None or type_name not in GGUF_TYPE_IDS:
-        return None
-    elems, nbytes = gb.block_shape(type_name)
-    return GGUFKernel(lib, [(qweight, type_name)], qweight.shape[1] // nbytes * elems, q8=True)(x, threads)
+    return GGUFKernel(lib, [(qweight, type_name)], qweight.shape[1] // nbytes * elems, q8=q8)(x, threads)
 
 
 def gguf_matmul_q8_ref(x: torch.Tensor, qweight: torch.Tensor, type_name: str) -> torch.Tensor:

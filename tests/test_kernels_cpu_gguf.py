@@ -156,7 +156,7 @@ def test_integer_path_matches_reference(type_name):
         q, _ = _weights(type_name, n=37, k=k, seed=k)
         for m in ROWS:
             x = _x(m, k, seed=m)
-            y = cpu_gemm.gguf_matmul_q8(x, q, type_name)
+            y = cpu_gemm.gguf_matmul(x, q, type_name, q8=True)
             if not HAVE_KERNEL:
                 assert y is None
                 return
@@ -178,7 +178,7 @@ def test_activation_quantization_is_the_kernels_bit_for_bit():
     blocks = torch.zeros(32, 34, dtype=torch.uint8)
     blocks[:, 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
     blocks[torch.arange(32), 2 + torch.arange(32)] = 1
-    y = cpu_gemm.gguf_matmul_q8(x, blocks, "Q8_0")
+    y = cpu_gemm.gguf_matmul(x, blocks, "Q8_0", q8=True)
     if not HAVE_KERNEL:
         assert y is None
         return
@@ -191,7 +191,7 @@ def test_integer_path_differs_from_fp32_activations_only_by_the_quantization():
         return
     q, k = _weights("Q4_K", n=16)
     x = _x(3, k)
-    y, fp = cpu_gemm.gguf_matmul_q8(x, q, "Q4_K"), cpu_gemm.gguf_matmul(x, q, "Q4_K")
+    y, fp = cpu_gemm.gguf_matmul(x, q, "Q4_K", q8=True), cpu_gemm.gguf_matmul(x, q, "Q4_K")
     ref = cpu_gemm.gguf_matmul_q8_ref(x, q, "Q4_K")
     assert (y - fp).abs().max() > 100 * (y - ref).abs().max()
 
@@ -227,7 +227,7 @@ def test_integer_path_is_chosen_by_the_environment(monkeypatch):
     kernel = cpu_gemm.gguf_kernel([(q, "Q5_0")], k)
     assert kernel.q8
     x = _x(4, k)
-    assert torch.equal(kernel(x), cpu_gemm.gguf_matmul_q8(x, q, "Q5_0"))
+    assert torch.equal(kernel(x), cpu_gemm.gguf_matmul(x, q, "Q5_0", q8=True))
     assert kernel(x[:0]).shape == (0, q.shape[0])
     assert not cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, "Q5_0")], k, q8=False).q8
 
