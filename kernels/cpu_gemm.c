@@ -34,6 +34,16 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* u8 x s8 dot product of 32 bytes -> 8 int32 lanes of 4 products each: one vpdpbusd where VNNI is built in, else
+ * maddubs (int16 pairs) + madd. The same integers either way: no operand pair here reaches int16 saturation. */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT_U8S8(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#elif defined(__AVXVNNI__)
+#define DOT_U8S8(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#else
+#define DOT_U8S8(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
+#endif
+
 int llmd_cpu_gemm_simd(void) {
 #if defined(__AVX2__) && defined(__FMA__)
     return 1;
@@ -785,15 +795,15 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, i
         _mm_prefetch((const char *)(base) + PF_TILES * (C) * (BYTES) * nb + (b) * (C) * (BYTES) + p, _MM_HINT_T0)
 
 /* Per block of rows r and column c: acc += float(dot) * (d_b * s_g). */
-#define Q8_BLOCK_FMA(acc, dot, dv, sv)                                                                             \
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dot, ones)), _mm256_mul_ps(dv, sv), acc)
+#define Q8_BLOCK_FMA(acc, u, s, dv, sv)                                                                            \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_U8S8(u, s)), _mm256_mul_ps(dv, sv), acc)
 
 /* R rows (quantized: bytes xq with stride K, block scales xd stride nb, group sums xD stride ng) x C columns. */
 #define Q4_TILE(R, C)                                                                                              \
     static void q4_tile_##R##_##C(const int8_t *xq, const float *xd, const float *xD, const uint8_t *q,          \
                                   const float *s, const float *z, float *y, int64_t ldy, int64_t K, int64_t G) {  \
         const int64_t nb = K / QB, ng = K / G, bpg = G / QB, kh = K / 2;                                          \
-        const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                \
+        const __m256i mask = _mm256_set1_epi8(0x0F);                                                             \
         __m256 acc[R][C];                                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                      \
@@ -811,7 +821,7 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, i
                 const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), mask);              \
                 const __m256 sv = _mm256_broadcast_ss(s + c * ng + g);                                             \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                               \
-                    Q8_BLOCK_FMA(acc[r][c], _mm256_maddubs_epi16(w, xv[r]), dv[r], sv);                            \
+                    Q8_BLOCK_FMA(acc[r][c], w, xv[r], dv[r], sv);                                                      \
             }                                                                                                      \
             if (++gb == bpg) {                                                                                     \
                 gb = 0;                                                                                            \
@@ -829,7 +839,6 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, i
         (void)xD;                                                                                                  \
         (void)z;                                                                                                   \
         const int64_t nb = K / QB, ng = K / G, bpg = G / QB;                                                      \
-        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
         __m256 acc[R][C];                                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                      \
@@ -847,7 +856,7 @@ static void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, i
                 const __m256i aw = _mm256_abs_epi8(w);                                                             \
                 const __m256 sv = _mm256_broadcast_ss(s + c * ng + g);                                             \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                               \
-                    Q8_BLOCK_FMA(acc[r][c], _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xv[r], w)), dv[r], sv);      \
+                    Q8_BLOCK_FMA(acc[r][c], aw, _mm256_sign_epi8(xv[r], w), dv[r], sv);                                \
             }                                                                                                      \
             if (++gb == bpg) {                                                                                     \
                 gb = 0;                                                                                            \
@@ -1973,15 +1982,15 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  *
  * The activations are quantized as for int8/int4 (quantize_row: per block of 32, d_b = amax / 127, q = round(x / d_b)),
  * and every weight is again w = a_s * u + z_s (see "The GGUF matmul" above), now with u a byte code that meets the
- * activation bytes in an integer dot product per 32-element unit (_mm256_maddubs_epi16 unsigned x signed bytes ->
- * int16 pairs, _mm256_madd_epi16 -> 8 int32 lanes of 4 elements each, exact). Per output y[r, c], in this order
+ * activation bytes in an integer dot product per 32-element unit (DOT_U8S8: unsigned x signed bytes -> 8 int32 lanes of
+ * 4 elements each, exact). Per output y[r, c], in this order
  * whatever M, the row's position, the part, the tile or the thread count:
  *   blocks of 32 (Q4_0 .. Q8_0, IQ4_NL): for each block j, out = fma(float(dot_j), a_j * d_j, out);
  *   super-blocks of 256 (the K-quants, IQ4_XS): the sub-block scales in integer arithmetic, d once per super-block
  *       (see GQK_TILE below);
  *   after each chunk of 256 elements: out = fma(z[0..8), S[0..8), out), then fma(z[8..16), S[8..16), out), with z the
  *       offsets of the chunk's 16-element sub-blocks (a 32-element sub-block's offset twice) and S = d_b * sum(q) over
- *       each 16 activations (row data, computed once per call);
+ *       each 16 activations (row data, computed once per call); the signed blocks of 32 (no offsets) skip this;
  *   y = hsum(out).
  * Codes are unsigned (0..63: nibbles, 5- and 6-bit codes, Q3_K's code + 4, Q6_K's + 32) except for the 8-bit types
  * (Q8_0, IQ4_NL / IQ4_XS table values), which are signed with z = 0: their absolute value is the unsigned operand
@@ -2022,60 +2031,74 @@ INLINE __m256 gq_pair(float a0, float a1) {
     return _mm256_blend_ps(_mm256_set1_ps(a0), _mm256_set1_ps(a1), 0xF0);
 }
 
+/* One block of 32: its codes u, scale d and offset z. */
 #define GQ_SMALL(T, BYTES, CODES, ZERO)                                                                            \
+    INLINE __m256i gq1_##T(const uint8_t *qb, float *d, float *z) {                                               \
+        *d = gguf_f16(qb);                                                                                         \
+        *z = (ZERO);                                                                                               \
+        return (CODES);                                                                                            \
+    }                                                                                                              \
     GQ_DEC(T) {                                                                                                    \
         for (int b = 0; b < nu; b++) {                                                                             \
-            const uint8_t *qb = q + b * (BYTES);                                                                   \
-            const float d = gguf_f16(qb);                                                                          \
-            u[b] = (CODES);                                                                                        \
+            float d;                                                                                               \
+            u[b] = gq1_##T(q + b * (BYTES), &d, &z[2 * b]);                                                        \
+            z[2 * b + 1] = z[2 * b];                                                                               \
             sv[b] = _mm256_set1_ps(d);                                                                             \
-            z[2 * b] = z[2 * b + 1] = (ZERO);                                                                      \
         }                                                                                                          \
     }
-GQ_SMALL(q4_0, 18, nibbles32(qb + 2), -8.0f * d)
+GQ_SMALL(q4_0, 18, nibbles32(qb + 2), -8.0f * *d)
 GQ_SMALL(q4_1, 20, nibbles32(qb + 4), gguf_f16(qb + 2))
-GQ_SMALL(q5_0, 22, _mm256_or_si256(nibbles32(qb + 6), fifth_bits(gguf_u32(qb + 2))), -16.0f * d)
+GQ_SMALL(q5_0, 22, _mm256_or_si256(nibbles32(qb + 6), fifth_bits(gguf_u32(qb + 2))), -16.0f * *d)
 GQ_SMALL(q5_1, 24, _mm256_or_si256(nibbles32(qb + 8), fifth_bits(gguf_u32(qb + 4))), gguf_f16(qb + 2))
 GQ_SMALL(q8_0, 34, _mm256_loadu_si256((const __m256i *)(qb + 2)), 0.0f)
 GQ_SMALL(iq4_nl, 18, iq4_lookup(nibbles32(qb + 2)), 0.0f)
 
-/* Blocks of 32: a tile of R rows x up to C columns (cols), each chunk of 8 blocks of each column decoded once for the R
- * rows. xq, xd, xs: row 0's bytes, block scales and sums (strides K, K / 32, gq_sums(K)); nb: GGUF blocks per row. */
+/* Blocks of 32: a tile of R rows x up to C columns (cols), one block of every column at a time (the rows' activation
+ * block loaded once for the C columns; nothing decoded waits in registers), the offsets of a chunk of 8 blocks applied
+ * after it (signed types have none). xq, xd, xs: row 0's bytes, block scales and sums (strides K, K / 32,
+ * gq_sums(K)); nb: GGUF blocks per row. */
 #define GQ_TILE(T, BPC, BYTES, SIGNED, R, C)                                                                       \
     static void gqt_##T##_##R(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd,         \
                               const float *xs, int64_t K, int64_t nb, float *y, int64_t ldy) {                    \
         const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
-        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
         __m256 out[R][C];                                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) out[r][c] = _mm256_setzero_ps();                      \
-        for (int64_t b = 0, i = 0; b < nb; b += BPC, i++) {                                                        \
-            const int nu = (int)(nb - b < BPC ? nb - b : BPC);                                                     \
-            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) if (c < cols) {                                   \
-                const uint8_t *qc = q + c * rb + b * (BYTES);                                                      \
-                for (int p = 0; p < nu * (BYTES); p += 64)                                                       \
-                    _mm_prefetch((const char *)(qc + PF_TILES * C * rb + p), _MM_HINT_T0);                       \
-                __m256i u[8];                                                                                      \
-                __m256 sv[8];                                                                                      \
-                float z[16] __attribute__((aligned(32))) = {0};                                                    \
-                gqd_##T(qc, nu, u, sv, z);                                                                         \
-                _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu) {                                 \
-                    const __m256i w = SIGNED ? _mm256_abs_epi8(u[j]) : u[j];                                       \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
-                        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * i + 32 * j));   \
-                        const __m256i p = _mm256_maddubs_epi16(w, SIGNED ? _mm256_sign_epi8(xv, u[j]) : xv);       \
-                        const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * i + j);                          \
-                        out[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)),               \
-                                                    _mm256_mul_ps(sv[j], dv), out[r][c]);                          \
-                    }                                                                                              \
-                }                                                                                                  \
-                const __m256 zl = _mm256_load_ps(z), zh = _mm256_load_ps(z + 8);                                   \
+        for (int64_t b0 = 0, i = 0; b0 < nb; b0 += BPC, i++) {                                                     \
+            const int nu = (int)(nb - b0 < BPC ? nb - b0 : BPC);                                                   \
+            float z[C][16] __attribute__((aligned(32)));                                                           \
+            for (int j = 0; j < nu; j++) {                                                                         \
+                const int64_t b = b0 + j;                                                                          \
+                __m256i xv[R];                                                                                     \
+                __m256 dv[R];                                                                                      \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
-                    const float *sr = xs + r * lds + 16 * i;                                                       \
-                    out[r][c] = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), out[r][c]);                              \
-                    out[r][c] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), out[r][c]);                          \
+                    xv[r] = _mm256_loadu_si256((const __m256i *)(xq + r * K + 32 * b));                           \
+                    dv[r] = _mm256_broadcast_ss(xd + r * nbx + b);                                                 \
+                }                                                                                                  \
+                _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) if (c < cols) {                               \
+                    const uint8_t *qb = q + c * rb + b * (BYTES);                                                  \
+                    _mm_prefetch((const char *)(qb + PF_TILES * C * rb), _MM_HINT_T0);                            \
+                    float d;                                                                                       \
+                    const __m256i u = gq1_##T(qb, &d, &z[c][2 * j]);                                               \
+                    z[c][2 * j + 1] = z[c][2 * j];                                                                 \
+                    const __m256 sv = _mm256_set1_ps(d);                                                           \
+                    const __m256i w = SIGNED ? _mm256_abs_epi8(u) : u;                                             \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                           \
+                        out[r][c] = _mm256_fmadd_ps(                                                               \
+                            _mm256_cvtepi32_ps(DOT_U8S8(w, SIGNED ? _mm256_sign_epi8(xv[r], u) : xv[r])),          \
+                            _mm256_mul_ps(sv, dv[r]), out[r][c]);                                                  \
                 }                                                                                                  \
             }                                                                                                      \
+            if (!SIGNED)                                                                                           \
+                _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) if (c < cols) {                               \
+                    for (int j = 2 * nu; j < 16; j++) z[c][j] = 0.0f;                                              \
+                    const __m256 zl = _mm256_load_ps(z[c]), zh = _mm256_load_ps(z[c] + 8);                         \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
+                        const float *sr = xs + r * lds + 16 * i;                                                   \
+                        out[r][c] = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), out[r][c]);                          \
+                        out[r][c] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), out[r][c]);                      \
+                    }                                                                                              \
+                }                                                                                                  \
         }                                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
             for (int c = 0; c < C && c < cols; c++) y[r * ldy + c] = hsum(out[r][c]);                             \
@@ -2281,7 +2304,6 @@ GQK_TILES(q3_k, 110, 0)
     static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, int64_t K,          \
                         int64_t nb, float *y, int64_t ldy, int rows) {                                            \
         const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
-        const __m256i ones = _mm256_set1_epi16(1);                                                                 \
         __m256 out[GQ_ROWS];                                                                                       \
         for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();                                               \
         for (int64_t b = 0, i = 0; b < nb; b += BPC, i++) {                                                        \
@@ -2299,14 +2321,16 @@ GQK_TILES(q3_k, 110, 0)
                 _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu) { /* unrolled: in registers */    \
                     const __m256i w = aw[j];                                                                       \
                     const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * i + 32 * j));       \
-                    const __m256i p = _mm256_maddubs_epi16(w, SIGNED ? _mm256_sign_epi8(xv, u[j]) : xv);           \
+                    const __m256i xs8 = SIGNED ? _mm256_sign_epi8(xv, u[j]) : xv;                                  \
                     const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * i + j);                              \
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_mul_ps(sv[j], dv), \
-                                          acc);                                                                    \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_U8S8(w, xs8)), _mm256_mul_ps(sv[j], dv), acc);     \
                 }                                                                                                  \
-                const float *sr = xs + r * lds + 16 * i;                                                           \
-                acc = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), acc);                                               \
-                out[r] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), acc);                                        \
+                if (!SIGNED) {                                                                                     \
+                    const float *sr = xs + r * lds + 16 * i;                                                       \
+                    acc = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), acc);                                           \
+                    acc = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), acc);                                       \
+                }                                                                                                  \
+                out[r] = acc;                                                                                      \
             }                                                                                                      \
         }                                                                                                          \
         for (int r = 0; r < rows; r++) y[r * ldy] = hsum(out[r]);                                                  \

@@ -256,6 +256,10 @@ def test_build_goes_to_the_user_cache(monkeypatch, tmp_path):
 def test_simd_flags_follow_the_cpu():
     assert cpu_gemm.simd_flags({"avx2", "fma", "f16c", "sse4_2"}) == ["-mavx2", "-mfma", "-mf16c"]
     assert cpu_gemm.simd_flags({"avx2", "sse4_2"}) == []  # no FMA: the portable code
+    avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni", "avx_vnni"}
+    assert cpu_gemm.simd_flags(avx512) == ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw",
+                                           "-mavx512vnni", "-mavxvnni", "-mprefer-vector-width=256"]
+    assert "-mavx512vnni" not in cpu_gemm.simd_flags(avx512 - {"avx512bw"})  # VNNI on ymm needs AVX-512 VL/BW
     assert "-march=native" not in cpu_gemm.simd_flags()
 
 
