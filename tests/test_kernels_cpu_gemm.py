@@ -355,6 +355,24 @@ def test_q8_scalar_build_computes_the_same_math(tmp_path, monkeypatch):
                        cpu_gemm._int4_q8(lib, x, q4, s4, z4, 64, 2)[2:3])
 
 
+def test_avx2_build_equals_the_default_build_bit_for_bit(tmp_path, monkeypatch):
+    """Built with AVX2/FMA/F16C only, the int8/int4 kernels on both paths give the default build's bits (which, on a
+    CPU with AVX-512 and VNNI, uses vpdpbusd and 32 vector registers)."""
+    if not HAVE_KERNEL or not cpu_gemm.simd_flags():
+        return
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    avx2 = cpu_gemm._bind(cpu_gemm._build(cpu_gemm._compiler(), cpu_gemm._BASE_FLAGS + cpu_gemm.simd_flags()[:3]
+                                          + ["-fopenmp"]))
+    default = cpu_gemm.load()
+    q4, s4, z4 = _int4(37, 256, 64)
+    q8, s8 = _int8(37, 256, 32)
+    x = _x(19, 256)
+    for q8_act in (False, True):
+        assert torch.equal(cpu_gemm._int4(avx2, x, q4, s4, z4, 64, 2, q8_act),
+                           cpu_gemm._int4(default, x, q4, s4, z4, 64, 2, q8_act))
+        assert torch.equal(cpu_gemm._int8(avx2, x, q8, s8, 32, 2, q8_act), cpu_gemm._int8(default, x, q8, s8, 32, 2, q8_act))
+
+
 def test_q8_rejects_bad_shapes():
     q, s, z = _int4(8, 64, 32)
     assert not cpu_gemm.supports_q8(100, 100) and not cpu_gemm.supports_q8(64, 16) and cpu_gemm.supports_q8(96, 96)

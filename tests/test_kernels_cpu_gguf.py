@@ -254,3 +254,20 @@ def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
         ref = cpu_gemm.gguf_matmul_q8_ref(x, q, type_name)
         torch.testing.assert_close(full, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
         assert torch.equal(integer(x[3:4], 1), full[3:4])
+
+
+def test_avx2_build_equals_the_default_build_bit_for_bit(tmp_path, monkeypatch):
+    """Built with AVX2/FMA/F16C only (maddubs + madd, 16 vector registers), every type on both paths gives the very
+    bits of the default build (on a CPU with AVX-512 and VNNI: vpdpbusd and 32 registers)."""
+    if not HAVE_KERNEL or not cpu_gemm.simd_flags():
+        return
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    avx2 = cpu_gemm._bind(cpu_gemm._build(cpu_gemm._compiler(), cpu_gemm._BASE_FLAGS + cpu_gemm.simd_flags()[:3]
+                                          + ["-fopenmp"]))
+    assert avx2.llmd_cpu_gemm_simd() == 1
+    x = _x(21, 512)
+    for type_name in TYPES:
+        q, k = _weights(type_name, n=19, k=512)
+        for q8 in (False, True):
+            got = cpu_gemm.GGUFKernel(avx2, [(q, type_name)], k, q8=q8)(x, 2)
+            assert torch.equal(_bits(got), _bits(cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, q8=q8)(x, 2)))
