@@ -1211,12 +1211,15 @@ INLINE void emit32(__m256i q, float a, float a2, float b, const int off, float *
 }
 
 /* 16 bytes of nibbles -> 32 codes: low nibbles are codes 0..15, high nibbles 16..31. */
-INLINE __m256i nibbles32(const uint8_t *qs) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+INLINE __m256i nibbles32(const uint8_t *qs) { /* the 16 bytes in both halves, the upper half shifted right by 4 */
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
 /* bit j of `bits` -> byte j of the result: 0x10 where set, else 0 (the fifth bit of a 5-bit code). */
+#if defined(__AVX512VL__) && defined(__AVX512BW__)
+INLINE __m256i fifth_bits(uint32_t bits) { return _mm256_maskz_mov_epi8((__mmask32)bits, _mm256_set1_epi8(0x10)); }
+#else
 INLINE __m256i fifth_bits(uint32_t bits) {
     const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,  /* byte j: byte j / 8 */
                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
@@ -1224,6 +1227,7 @@ INLINE __m256i fifth_bits(uint32_t bits) {
     const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
 }
+#endif
 
 INLINE __m256i iq4_lookup(__m256i codes) {
     const __m128i t = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
