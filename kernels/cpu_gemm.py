@@ -316,27 +316,27 @@ def int4_matmul_q8_ref(x, qweight, scales, zeros, group_size):
 
 # ---- per-layer kernels: validated once, so a decode step's ~200 calls pay little Python per call -------------------
 
-# Activations stay fp32 by default: the layer then computes exactly the file's weights (same logits as the
-# dequantized model up to summation order). LLMD_CPU_GEMM_ACT=int8, read when a layer's kernel is prepared, opts in
-# to the integer path wherever K and the group allow: llama.cpp's numerics, ~1.2x faster at batch 1 and ~1.5x at 16
-# on SmolLM2, but it moves logits by ~0.3 (perplexity +0.6 %), enough to flip near-ties: SmolLM2 then answers
-# "What is the capital of France?" like llama.cpp does ("L'Étoile, ...") instead of "The capital of France is Paris."
-# GGUF blocks (GGUFKernel, every block type: their rows are whole blocks of 32) take the integer path too, as llama.cpp
-# computes them: on Gemma 3 270M Q4_K_M at 1 thread ~1.1x decode at batch 1 (the Q8_0 head, half the step, streams
-# memory either way) and ~1.45x at batch 16. It stays opt-in for the same reason: fp32 activations compute exactly the
-# file's weights, which test_gemma's greedy-equals-transformers check relies on.
-Q8_ACTIVATIONS = {"int4": True, "int8": True, "gguf": True}
+# Which activations each kind of layer takes when LLMD_CPU_GEMM_ACT is unset (or "auto"), read when a layer's kernel
+# is prepared; "fp32" or "int8" choose one path for every kind.
+# - int8 / int4 (llmd's own quantization of HF weights, and GGUF Q4_0/Q4_1/Q8_0 repacked): fp32 activations, so the
+#   layer computes exactly its weights (the dequantized model's logits up to summation order). The integer path is
+#   ~1.2x faster at batch 1 and ~1.5x at 16 on SmolLM2 but moves logits by ~0.3 (perplexity +0.6 %), enough to flip
+#   near-ties: SmolLM2 then answers "What is the capital of France?" as llama.cpp does ("L'Étoile, ...").
+# - gguf (a file's K-quant, Q5_0/Q5_1 and IQ4 blocks kept packed): the integer path, activations quantized to int8 per
+#   block of 32 as llama.cpp computes these files; on Gemma 3 270M Q4_K_M at 1 thread ~1.25x decode at batch 1 and
+#   ~1.3x at 16, and its greedy text unchanged. LLMD_CPU_GEMM_ACT=fp32 computes the file's exact weights instead.
+Q8_ACTIVATIONS = {"int4": False, "int8": False, "gguf": True}
 
 
 def q8_activations(kind: str) -> bool:
-    return Q8_ACTIVATIONS[kind] and _activation_mode(os.environ.get("LLMD_CPU_GEMM_ACT", "fp32")) == "int8"
+    mode = _activation_mode(os.environ.get("LLMD_CPU_GEMM_ACT", "auto"))
+    return Q8_ACTIVATIONS[kind] if mode == "auto" else mode == "int8"
 
 
-@functools.lru_cache(maxsize=None)
 def _activation_mode(value: str) -> str:
-    if value not in ("fp32", "int8"):
-        log.warning("LLMD_CPU_GEMM_ACT=%r is not fp32 or int8; using fp32 activations", value)
-        return "fp32"
+    if value not in ("auto", "fp32", "int8"):
+        log.warning("LLMD_CPU_GEMM_ACT=%r is not auto, fp32 or int8; using auto", value)
+        return "auto"
     return value
 
 

@@ -104,7 +104,9 @@ IDS = [1, 5, 9, 3, 30, 17, 2, 8, 8, 12, 39, 0]
 
 
 @pytest.mark.parametrize("variant", ["untied", "tied"])
-def test_logits_equal_transformers_with_every_tensor_packed(kquant_files, variant):
+def test_logits_equal_transformers_with_every_tensor_packed(kquant_files, variant, monkeypatch):
+    """With fp32 activations (the file's exact weights); the default integer path is checked below."""
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")
     path = kquant_files[variant]
     lm = load_model(path, quant="gguf", device="cpu", dtype=torch.float32)
     model = lm.model
@@ -128,6 +130,7 @@ def test_logits_equal_transformers_with_every_tensor_packed(kquant_files, varian
 
 
 def test_torch_fallback_gives_the_same_logits(kquant_files, monkeypatch):
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")  # the fallback computes the exact weights, as fp32 activations do
     path = kquant_files["untied"]
     with_kernel = prefill_logits(load_model(path, quant="gguf", device="cpu"), IDS)
     monkeypatch.setenv("LLMD_CPU_GEMM", "0")
@@ -138,7 +141,8 @@ def test_torch_fallback_gives_the_same_logits(kquant_files, monkeypatch):
     torch.testing.assert_close(fallback, with_kernel, rtol=1e-4, atol=1e-4)
 
 
-def test_packed_layer_matches_its_dequantized_weights():
+def test_packed_layer_matches_its_dequantized_weights(monkeypatch):
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")
     for type_name in gb.BLOCKS:
         k = 2 * gb.BLOCKS[type_name][0] if gb.BLOCKS[type_name][0] == 32 else 256
         layer = GGUFLinear(k, 40, type_name)
@@ -160,7 +164,8 @@ def test_resident_bytes_by_type(kquant_files):
     assert by_type == {k: v for k, v in in_file.items() if k != "F32"}
 
 
-def test_a_type_without_kernel_converts_to_q8_0_with_one_warning(tmp_path, caplog):
+def test_a_type_without_kernel_converts_to_q8_0_with_one_warning(tmp_path, caplog, monkeypatch):
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")  # the conversion's cost alone
     path = tmp_path / "tq.gguf"
     types = [dict(LAYER_TYPES[0], ffn_up="TQ2_0", ffn_gate="TQ2_0")]
     write_kquant_gguf(path, layer_types=types)

@@ -221,11 +221,11 @@ def test_integer_path_is_chosen_by_the_environment(monkeypatch):
     if not HAVE_KERNEL:
         return
     q, k = _weights("Q5_0")
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")
+    assert not cpu_gemm.gguf_kernel([(q, "Q5_0")], k).q8
     monkeypatch.delenv("LLMD_CPU_GEMM_ACT", raising=False)
-    assert not cpu_gemm.gguf_kernel([(q, "Q5_0")], k).q8  # fp32 activations by default
-    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "int8")
     kernel = cpu_gemm.gguf_kernel([(q, "Q5_0")], k)
-    assert kernel.q8
+    assert kernel.q8  # the integer path by default, as llama.cpp computes GGUF blocks
     x = _x(4, k)
     assert torch.equal(kernel(x), cpu_gemm.gguf_matmul(x, q, "Q5_0", q8=True))
     assert kernel(x[:0]).shape == (0, q.shape[0])

@@ -2,8 +2,8 @@
 
 A GGUF weight of any type in llmd.kernels.gguf_blocks (Q4_K, Q5_K, Q6_K, Q5_0/1, IQ4, Q2_K/Q3_K, ...) stays the
 file's own block bytes, uint8 [N, row bytes], beside its GGML type name: resident bytes are the file's. Matmuls:
-- CPU, fp32 activations: the compiled kernel (llmd.kernels.cpu_gemm.gguf_kernel) when it builds here (on the integer
-  path, activations quantized to int8 as llama.cpp does, under LLMD_CPU_GEMM_ACT=int8);
+- CPU, fp32 activations: the compiled kernel (llmd.kernels.cpu_gemm.gguf_kernel) when it builds here, by default on
+  the integer path (activations quantized to int8 as llama.cpp does; LLMD_CPU_GEMM_ACT=fp32: the exact weights);
 - CUDA with Triton: the fused dequantize + matmul kernels of llmd.kernels.gguf_matmul;
 - otherwise (no C compiler, other dtypes): the rows of the weight are dequantized with the torch reference in
   bounded chunks per call and multiplied, so no fp32 copy is ever kept.
