@@ -30,7 +30,7 @@ import os
 
 import torch
 
-from ._triton import triton, tl, HAVE_TRITON
+from ._triton import HAVE_TRITON, tl, triton
 
 MIN_SPLIT_TOKENS = 256  # a shorter slice of a context costs more in the combine than it saves
 
@@ -190,7 +190,7 @@ def paged_decode_attention(
     if k_cache.stride() != v_cache.stride():
         raise ValueError("the K and V caches must have the same layout")
     quant = k_scale is not None
-    if quant:
+    if k_scale is not None:
         if v_scale is None or k_scale.stride() != v_scale.stride() or k_scale.shape != k_cache.shape[:3]:
             raise ValueError("an int8 cache needs K and V scales of shape [num_blocks, block_size, kv_heads], "
                              "with the same layout")

@@ -30,8 +30,15 @@ from typing import Protocol
 import torch
 
 from ..kernels import cpu_ops
-from .attention import (AttentionMetadata, DecodePlan, KVCache, allocate_kv_cache, batched_decode_attention,
-                        torch_paged_attention, write_kv)
+from .attention import (
+    AttentionMetadata,
+    DecodePlan,
+    KVCache,
+    allocate_kv_cache,
+    batched_decode_attention,
+    torch_paged_attention,
+    write_kv,
+)
 from .kv_int8 import kv_parts
 
 log = logging.getLogger(__name__)
@@ -69,13 +76,13 @@ class TorchBackend:
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, *,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         plan = decode_plan(meta)
-        opts = dict(window=window, softcap=softcap)
         if plan.block_tables.shape[0] == 0:
-            return torch_paged_attention(q, kv_cache, meta, scale, **opts)
+            return torch_paged_attention(q, kv_cache, meta, scale, window=window, softcap=softcap)
         if plan.rows is None:
-            return batched_decode_attention(q, kv_cache, plan, scale, **opts)
-        out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others, **opts)
-        out[plan.rows] = batched_decode_attention(q[plan.rows], kv_cache, plan, scale, **opts)
+            return batched_decode_attention(q, kv_cache, plan, scale, window=window, softcap=softcap)
+        out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others, window=window, softcap=softcap)
+        out[plan.rows] = batched_decode_attention(q[plan.rows], kv_cache, plan, scale, window=window,
+                                                  softcap=softcap)
         return out
 
 
@@ -183,12 +190,11 @@ def check_attention_backend(backend: AttentionBackend, num_heads: int, num_kv_he
         for query_lens, seq_lens in steps:
             meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device, backend=backend)
             q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
-            opts = dict(window=window, softcap=softcap)
             try:
-                got = backend.attend(q, cache, meta, head_dim ** -0.5, **opts)
+                got = backend.attend(q, cache, meta, head_dim ** -0.5, window=window, softcap=softcap)
             except Exception as e:  # a compile or launch failure on this GPU
                 return f"{type(e).__name__}: {e}"
-            want = torch_paged_attention(q, cache, meta, head_dim ** -0.5, **opts)
+            want = torch_paged_attention(q, cache, meta, head_dim ** -0.5, window=window, softcap=softcap)
             err = (got.float() - want.float()).abs().max().item()
             if not err <= tol:  # also catches NaN
                 return (f"max |difference| from the torch reference {err:.3g} > {tol:g} (query lens {query_lens}, "
