@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-
 from kernel_testing import DEVICE, load_kernel_module
 from llmd.model.attention import AttentionMetadata, allocate_kv_cache, torch_paged_attention, write_kv
 from llmd.model.attention_backends import triton_paged_attention

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_testing import DEVICE, load_kernel_module
 from llmd.model import attention_backends as ab
 from llmd.model.attention import AttentionMetadata, torch_paged_attention
