@@ -53,6 +53,30 @@ def test_prefill_kernel_matches_dense(window, block_m, block_n):
                                                      window=window), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [8, 5])  # (a window of 1 sees one key: no cap changes its softmax)
+def test_kernels_with_window_and_softcap(window):
+    """Gemma 2's local layers are windowed and soft-capped: on the poisoned caches both kernels (decode over three
+    splits, the varlen prefill through the backend entry point) equal the torch reference, read no block before the
+    window (no NaN) and differ from the uncapped result."""
+    decode_lens = [3, 8, 9, 17, 32, 70]
+    decode = [1] * len(decode_lens)
+    for lens, q_lens, group in ((decode_lens, decode, 3), (LENS, Q_LENS, 2)):
+        q, cache, tables, _ = make_case(lens, q_lens, window, group=group)
+        q = q * 4  # scores of a few units: a cap of 2 changes them
+        qd, cachd, meta = _on_device(q, cache, tables, lens, q_lens)
+        want = torch_paged_attention(q, cache, AttentionMetadata.build(q_lens, lens, tables, BS), 0.3, window=window,
+                                     softcap=2.0)
+        assert torch.isfinite(want).all()
+        if q_lens is decode:
+            got = pa.paged_decode_attention(qd, *cachd, meta.block_tables, meta.seq_lens, 0.3, num_splits=3,
+                                            min_split_tokens=2, window=window, softcap=2.0)
+        else:
+            got = ab.TRITON.attend(qd, cachd, meta, 0.3, window=window, softcap=2.0)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+        uncapped = ab.TRITON.attend(qd, cachd, meta, 0.3, window=window)
+        assert (uncapped.cpu() - want).abs().max() > 0.1
+
+
 def test_startup_check_covers_the_models_windows():
     """check_attention_backend runs each window of the model: a backend that ignores the window is refused."""
     ok = ab.check_attention_backend(ab.TRITON, 4, 2, 16, torch.float32, device=DEVICE, windows=(5,))
