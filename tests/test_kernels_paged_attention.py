@@ -180,6 +180,20 @@ def test_real_shapes_on_gpu(batch, context):
     assert (out.float() - ref.float()).abs().max() < 2e-2
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 512])
+def test_softcap_real_shapes_on_gpu(window):
+    """Gemma 2 2B's attention (8 query heads on 4 KV heads, head_dim 256) in bf16, soft-capped at 2, a cap that
+    these unit-sized random scores reach (Gemma's 50 would leave them almost as they are)."""
+    lens = [1000 - 37 * i for i in range(16)]
+    q, k_cache, v_cache, meta = _ragged_batch(lens, 4, 2, 256, 16, torch.bfloat16)
+    opts = dict(window=window, softcap=2.0)
+    ref = pa.paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 256 ** -0.5, **opts)
+    out = pa.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, 256 ** -0.5,
+                                    max_seq_len=1000, **opts)
+    assert (out.float() - ref.float()).abs().max() < 2e-2
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp16", "bf16"])
 def test_compact_float_caches_under_an_fp32_model(kv_cache_dtype):
     """--kv-cache-dtype fp16/bf16 with fp32 activations: both kernels (a decode-only step, then a step with a prefill

@@ -193,6 +193,17 @@ def test_real_shapes_on_gpu(kv_cache_dtype, query_lens, seq_lens):
     check(triton_paged_attention(q, cache, meta, scale), ref, torch.bfloat16, tol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 512])
+def test_softcap_real_shapes_on_gpu(window):
+    """Gemma 2 2B's attention (8 query heads on 4 KV heads, head_dim 256) in bf16, soft-capped at 2 (a cap these
+    random scores reach): a chunk over a cached prefix beside decodes and a speculative verify."""
+    q, cache, meta = paged_step([500, 1, 1, 9], [1200, 700, 1500, 1200], 4, 2, 256, 16, torch.bfloat16)
+    ref = run(pf.paged_prefill_attention_ref, q, cache, meta, 256 ** -0.5, window=window, softcap=2.0)
+    check(run(pf.paged_prefill_attention, q, cache, meta, 256 ** -0.5, window=window, softcap=2.0), ref,
+          torch.bfloat16, tol=2e-2)
+
+
 # ---- the engine on the Triton backend (tiny Llama, CPU fp32 under the interpreter) ---------------------------------
 @pytest.mark.skipif(DEVICE != "cpu", reason="the tiny model runs on CPU; on a GPU the real-shape tests cover this")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
