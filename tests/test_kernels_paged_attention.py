@@ -194,6 +194,21 @@ def test_softcap_real_shapes_on_gpu(window):
     assert (out.float() - ref.float()).abs().max() < 2e-2
 
 
+@pytest.mark.gpu
+def test_gemma2_is_served_by_the_triton_kernels_on_gpu():
+    """A Gemma 2 model (2B's attention: soft-capped at 50, window-4096 layers beside global ones) gets the Triton
+    backend on CUDA: its soft-capped kernels pass the startup check, no torch fallback."""
+    from llmd.model.attention_backends import choose_backend
+    from llmd.model.config import ModelConfig
+
+    config = ModelConfig.from_hf_config({
+        "architectures": ["Gemma2ForCausalLM"], "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"})
+    assert config.attn_logit_softcapping == 50.0
+    assert choose_backend(torch.device("cuda"), config, torch.bfloat16) is TRITON
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["fp16", "bf16"])
 def test_compact_float_caches_under_an_fp32_model(kv_cache_dtype):
     """--kv-cache-dtype fp16/bf16 with fp32 activations: both kernels (a decode-only step, then a step with a prefill
