@@ -15,6 +15,11 @@ fully.
 A sliding window (`window`, a per-layer option) starts each sequence's range at max(0, seq_len - window): only the
 window's tokens are split and read.
 
+Soft-capping (`softcap`, Gemma 2's per-layer option): each score (after the scale, before the softmax) becomes
+softcap * tanh(score / softcap). It is a compile-time switch (SOFTCAP), so kernels without it are unchanged. Triton has
+no portable tanh (libdevice's is not there in every version, nor under TRITON_INTERPRET=1): `softcap_tanh` computes it
+from exp, with a series near 0 so that the error stays relative to the score even for a huge cap.
+
 An int8 cache (llmd.model.kv_int8: int8 values plus an fp32 scale per token per KV head) is dequantized as it is
 loaded, by `load_kv_tile`, a jit helper that other kernels reading the paged cache (prefill) can call too.
 """
@@ -25,7 +30,7 @@ import os
 
 import torch
 
-from ._triton import triton, tl, HAVE_TRITON
+from ._triton import HAVE_TRITON, tl, triton
 
 MIN_SPLIT_TOKENS = 256  # a shorter slice of a context costs more in the combine than it saves
 
@@ -34,12 +39,12 @@ def paged_decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    min_split_tokens: int = MIN_SPLIT_TOKENS, window: int | None = None,
+    min_split_tokens: int = MIN_SPLIT_TOKENS, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence, already in the cache) -> [B, H, D]. num_splits, max_seq_len and
     min_split_tokens do not change the result; they are accepted so the signature matches the kernel.
     k_scale/v_scale [num_blocks, block_size, kv_heads]: the caches hold int8 values x / scale. window: attend to
-    the last `window` tokens only."""
+    the last `window` tokens only. softcap: scores -> softcap * tanh(scores / softcap) (None or 0: as they are)."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -57,6 +62,8 @@ def paged_decode_attention_ref(
         k = context(k_cache, k_scale, ids, s_len)[lo:]
         v = context(v_cache, v_scale, ids, s_len)[lo:]
         scores = torch.einsum("hd,shd->hs", q[b].to(torch.float32), k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), v).to(q.dtype)
     return out
 
@@ -74,15 +81,28 @@ if HAVE_TRITON:
             x = x.to(tl.float32) * s[:, None]
         return x
 
+    @triton.jit
+    def softcap_tanh(x):
+        """tanh of an fp32 tensor, to a few ulp relative: (1 - e) / (1 + e) with e = exp(-2|x|) (never overflows),
+        and below |x| = 1/4, where 1 - e would cancel, its Taylor series to x^9 (the next term is < 1e-8 relative)."""
+        a = tl.abs(x)
+        e = tl.exp(-2.0 * a)
+        far = (1.0 - e) / (1.0 + e)
+        s = tl.minimum(a, 0.25)
+        s2 = s * s
+        near = s * (1.0 + s2 * (-1.0 / 3.0 + s2 * (2.0 / 15.0 + s2 * (-17.0 / 315.0 + s2 * (62.0 / 2835.0)))))
+        t = tl.where(a < 0.25, near, far)
+        return tl.where(x < 0, -t, t)
+
     # The block-table row stride (the step's widest table in eager steps) is not specialized on: Triton would compile
     # apart a width of 1, of a multiple of 16 and any other width, a new compile mid-serving for no speed.
     @triton.jit(do_not_specialize=["stride_btb"])
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, m_ptr, l_ptr, scale,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, stride_btb,
-        stride_ob, stride_oh, stride_os, block_size, min_split_tokens, window,
+        stride_ob, stride_oh, stride_os, block_size, min_split_tokens, window, softcap,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr,
+        BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -117,7 +137,9 @@ if HAVE_TRITON:
             scale_row = blk.to(tl.int64) * stride_sb + (t % block_size) * stride_st + kvh * stride_sh
             k = load_kv_tile(k_ptr, ks_ptr, row, scale_row, t_mask, d, d_mask, QUANT).to(q.dtype)
             v = load_kv_tile(v_ptr, vs_ptr, row, scale_row, t_mask, d, d_mask, QUANT).to(q.dtype)
-            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)  # [GROUP_PAD, BLOCK_T]
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.float32)  # [GROUP_PAD, BLOCK_T], q already scaled
+            if SOFTCAP:
+                s = softcap * softcap_tanh(s / softcap)
             s = tl.where(t_mask[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
@@ -154,7 +176,7 @@ def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-    min_split_tokens: int = MIN_SPLIT_TOKENS, window: int | None = None,
+    min_split_tokens: int = MIN_SPLIT_TOKENS, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton version of `paged_decode_attention_ref`. max_seq_len (a host int, any upper bound of seq_lens) picks
     the grid's split count without a sync; num_splits overrides it. Each sequence uses at most that many splits,
@@ -168,7 +190,7 @@ def paged_decode_attention(
     if k_cache.stride() != v_cache.stride():
         raise ValueError("the K and V caches must have the same layout")
     quant = k_scale is not None
-    if quant:
+    if k_scale is not None:
         if v_scale is None or k_scale.stride() != v_scale.stride() or k_scale.shape != k_cache.shape[:3]:
             raise ValueError("an int8 cache needs K and V scales of shape [num_blocks, block_size, kv_heads], "
                              "with the same layout")
@@ -197,8 +219,8 @@ def paged_decode_attention(
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part, m, l, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
         block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), block_size, max(1, min_split_tokens),
-        window or 0, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
-        BLOCK_T=block_t, SPLIT=num_splits, QUANT=quant,
+        window or 0, float(softcap or 1.0), GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
+        BLOCK_T=block_t, SPLIT=num_splits, QUANT=quant, SOFTCAP=bool(softcap),
         **({} if interp else {"num_warps": 4, "num_stages": 2}),
     )
     if num_splits == 1:

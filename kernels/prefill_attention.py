@@ -14,6 +14,10 @@ A sliding window (`window`, a per-layer option) hides keys at or before q_pos - 
 [first row's q_pos - window + 1, its last key) in one masked pass (rows may see none of a tile's keys, so the running
 max is guarded against -inf).
 
+Soft-capping (`softcap`, Gemma 2) turns each score (after the scale, before the mask and softmax) into
+softcap * tanh(score / softcap), with paged_attention's `softcap_tanh`; a compile-time switch (SOFTCAP), so kernels
+without it are unchanged. The scale then goes in two parts: 1 / softcap before the tanh, softcap * log2(e) after.
+
 Programs are laid out without any host-side plan: sequence i's tiles are numbered from
 query_start_loc[i] // BLOCK_Q + i, a strictly increasing start, and each program finds its sequence by binary search
 over query_start_loc. cdiv(T, BLOCK_Q) + B programs per KV head cover every tile; the few left over exit at once.
@@ -34,11 +38,12 @@ def paged_prefill_attention_ref(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, window: int | None = None,
+    num_stages: int | None = None, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D], computed in fp32 (window: keys in (q_pos - window, q_pos] only). k_scale/v_scale [num_blocks, block_size, kv_heads]: the caches
-    hold int8 values x / scale. max_query_len and the tile settings do not change the result; they are accepted so
-    the signature matches the kernel."""
+    """q [T, H, D] -> [T, H, D], computed in fp32 (window: keys in (q_pos - window, q_pos] only; softcap: scores ->
+    softcap * tanh(scores / softcap), None or 0: as they are). k_scale/v_scale [num_blocks, block_size, kv_heads]:
+    the caches hold int8 values x / scale. max_query_len and the tile settings do not change the result; they are
+    accepted so the signature matches the kernel."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -58,6 +63,8 @@ def paged_prefill_attention_ref(
         k, v = context(k_cache, k_scale, ids, s_len), context(v_cache, v_scale, ids, s_len)
         qs = q[first:last].transpose(0, 1).to(torch.float32)  # [H, L, D]
         scores = torch.einsum("hld,hsd->hls", qs, k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(s_len - (last - first), s_len, device=q.device)
         k_pos = torch.arange(s_len, device=q.device)[None, :]
         hidden = k_pos > q_pos[:, None]
@@ -69,16 +76,18 @@ def paged_prefill_attention_ref(
 
 
 if HAVE_TRITON:
-    from .paged_attention import load_kv_tile
+    from .paged_attention import load_kv_tile, softcap_tanh
 
     @triton.jit
     def _attend_range(
         acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, begin, end, d, d_mask, block_size,
-        stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale, window,
+        stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale, cap_scale, window,
         BLOCK_N: tl.constexpr, QUANT: tl.constexpr, CAUSAL: tl.constexpr, WINDOWED: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         """Fold context positions [begin, end) into the running softmax of every row; CAUSAL also hides keys past
-        each row's own position, WINDOWED (with CAUSAL) those at or before q_pos - window."""
+        each row's own position, WINDOWED (with CAUSAL) those at or before q_pos - window. SOFTCAP: the scores are
+        cap_scale * tanh(q.k * qk_scale) (qk_scale = scale / softcap, cap_scale = softcap * log2(e))."""
         for t0 in range(begin, end, BLOCK_N):
             t = t0 + tl.arange(0, BLOCK_N)
             t_mask = t < end
@@ -89,6 +98,8 @@ if HAVE_TRITON:
             k = load_kv_tile(k_ptr, ks_ptr, row, scale_row, t_mask, d, d_mask, QUANT).to(q.dtype)
             v = load_kv_tile(v_ptr, vs_ptr, row, scale_row, t_mask, d, d_mask, QUANT).to(q.dtype)
             s = tl.dot(q, tl.trans(k), out_dtype=tl.float32) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+            if SOFTCAP:
+                s = cap_scale * softcap_tanh(s)
             if CAUSAL:
                 visible = t_mask[None, :] & (t[None, :] <= q_pos[:, None])
             else:
@@ -111,11 +122,12 @@ if HAVE_TRITON:
     # multiple of 16, other): they only bound a search and offset one load, and each variant is a compile mid-serving.
     @triton.jit(do_not_specialize=["num_seqs", "stride_btb"])
     def _paged_prefill_kernel(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, qsl_ptr, out_ptr, qk_scale, num_seqs,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, qsl_ptr, out_ptr, qk_scale, cap_scale, num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh,
         stride_btb, block_size, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, WINDOWED: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD  # query tokens per tile
         tile = tl.program_id(0)
@@ -163,20 +175,20 @@ if HAVE_TRITON:
             acc, l_i, m_i = _attend_range(
                 acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, begin, causal_end, d,
                 d_mask, block_size, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale,
-                window, BLOCK_N, QUANT, True, True,
+                cap_scale, window, BLOCK_N, QUANT, True, True, SOFTCAP,
             )
         else:
             # keys before the tile's first token: visible to every row
             acc, l_i, m_i = _attend_range(
                 acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, 0, shared_end, d, d_mask,
-                block_size, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale, window,
-                BLOCK_N, QUANT, False, False,
+                block_size, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale, cap_scale,
+                window, BLOCK_N, QUANT, False, False, SOFTCAP,
             )
             # the tile's own tokens: causal (row with token j sees up to chunk_pos + j; rows past q_len not stored)
             acc, l_i, m_i = _attend_range(
                 acc, l_i, m_i, q, q_pos, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row_ptr, kvh, shared_end, causal_end, d,
                 d_mask, block_size, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale,
-                window, BLOCK_N, QUANT, True, False,
+                cap_scale, window, BLOCK_N, QUANT, True, False, SOFTCAP,
             )
         if WINDOWED:  # padding rows past the chunk may see no key at all (they are not stored)
             l_i = tl.where(l_i == 0.0, 1.0, l_i)
@@ -204,7 +216,7 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-    num_stages: int | None = None, window: int | None = None,
+    num_stages: int | None = None, window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Triton version of `paged_prefill_attention_ref`. max_query_len (a host int; read from query_start_loc when
     not given) lets steps of short chunks (speculative verifies) use smaller tiles. block_m (rows = tokens x padded
@@ -234,13 +246,17 @@ def paged_prefill_attention(
         block_n = 16 if interp else 64
     block_q = block_m // group_pad
     grid = (triton.cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
+    if softcap:  # tanh(q.k * scale / softcap), then back to log2 units
+        qk_scale, cap_scale = scale / softcap, softcap * math.log2(math.e)
+    else:
+        qk_scale, cap_scale = scale * math.log2(math.e), 1.0
     _paged_prefill_kernel[grid](
         q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, out,
-        scale * math.log2(math.e), num_seqs,
+        qk_scale, cap_scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), *scale_strides, block_tables.stride(0), k_cache.shape[1], window or 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=block_n, QUANT=quant, WINDOWED=bool(window),
+        BLOCK_M=block_m, BLOCK_N=block_n, QUANT=quant, WINDOWED=bool(window), SOFTCAP=bool(softcap),
         # compiled for sm_90 these tiles use wgmma (block_m >= 64) and cp.async double-buffered K/V without spills
         **({} if interp else {"num_warps": num_warps or (8 if block_m >= 128 else 4), "num_stages": num_stages or 2}),
     )

@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-
 from kernel_testing import DEVICE, load_kernel_module
 from llmd.model.attention import AttentionMetadata, allocate_kv_cache, torch_paged_attention, write_kv
 from llmd.model.attention_backends import triton_paged_attention
@@ -98,12 +97,61 @@ def test_int8_cache_matches_reference(dtype, group, num_kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_reference_agrees_with_engine_attention(kv_cache_dtype):
+@pytest.mark.parametrize("window,softcap", [(None, None), (None, 2.0), (5, 2.0)])
+def test_reference_agrees_with_engine_attention(kv_cache_dtype, window, softcap):
     """The kernel's reference and llmd.model.attention's torch path compute the same thing (fp32)."""
     q, cache, meta = paged_step(MIXED_QUERY_LENS, MIXED_SEQ_LENS, 2, 3, 32, 16, torch.float32,
                                 kv_cache_dtype=kv_cache_dtype, seed=3)
-    torch.testing.assert_close(run(pf.paged_prefill_attention_ref, q, cache, meta, 0.3),
-                               torch_paged_attention(q, cache, meta, 0.3), rtol=1e-5, atol=1e-5)
+    q = q * 4  # scores of a few units: a cap of 2 changes them
+    opts = dict(window=window, softcap=softcap)
+    torch.testing.assert_close(run(pf.paged_prefill_attention_ref, q, cache, meta, 0.3, **opts),
+                               torch_paged_attention(q, cache, meta, 0.3, **opts), rtol=1e-5, atol=1e-5)
+
+
+# ---- Gemma 2's attention logit soft-capping: scores -> softcap * tanh(scores / softcap) before mask and softmax -----
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [
+    (torch.float32, "auto"), (torch.float32, "fp16"), (torch.float32, "int8"),
+    (torch.float16, "auto"), (torch.float16, "int8"),
+])
+def test_softcap_matches_reference(dtype, kv_cache_dtype, window):
+    """The mixed step (chunks over cached prefixes, decodes, a verify), GQA, every cache type, with and without a
+    sliding window, default tiles (and small ones for the model-dtype cache): the kernel equals its torch reference,
+    which is far from the uncapped result (the cap is really applied)."""
+    q, cache, meta = paged_step(MIXED_QUERY_LENS, MIXED_SEQ_LENS, 2, 3, 32, 16, dtype, kv_cache_dtype=kv_cache_dtype,
+                                seed=5)
+    q = q * 4
+    ref = run(pf.paged_prefill_attention_ref, q, cache, meta, 0.2, window=window, softcap=2.0)
+    small = [{"block_m": 16, "block_n": 16}] if kv_cache_dtype == "auto" else []
+    for tiles in [{}, *small]:
+        check(run(pf.paged_prefill_attention, q, cache, meta, 0.2, window=window, softcap=2.0, **tiles), ref, dtype)
+    uncapped = run(pf.paged_prefill_attention_ref, q, cache, meta, 0.2, window=window)
+    assert (uncapped.float() - ref.float()).abs().max() > 0.1
+    if dtype == torch.float32:  # the backend entry point against the engine's torch path
+        check(triton_paged_attention(q, cache, meta, 0.2, window=window, softcap=2.0),
+              torch_paged_attention(q, cache, meta, 0.2, window=window, softcap=2.0), dtype)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_softcap_limits(window):
+    """A huge cap is no cap; a tiny one flattens every score to ~0, so each query gets the mean of V over the keys it
+    sees (causal, and within the window)."""
+    q, cache, meta = paged_step(MIXED_QUERY_LENS, MIXED_SEQ_LENS, 1, 8, 32, 8, torch.float32, seed=6)
+    q = q * 4
+    plain = run(pf.paged_prefill_attention, q, cache, meta, 0.2, window=window)
+    torch.testing.assert_close(run(pf.paged_prefill_attention, q, cache, meta, 0.2, window=window, softcap=1e4), plain,
+                               rtol=1e-5, atol=1e-5)
+    flat = run(pf.paged_prefill_attention, q, cache, meta, 0.2, window=window, softcap=1e-5)
+    v = cache[1]
+    row = 0
+    for i, (q_len, n) in enumerate(zip(MIXED_QUERY_LENS, MIXED_SEQ_LENS, strict=True)):
+        context = v[meta.block_tables[i]].flatten(0, 1)[:n]  # [n, 1 KV head, d]
+        for pos in range(n - q_len, n):
+            lo = 0 if window is None else max(0, pos - window + 1)
+            mean = context[lo : pos + 1].mean(0).expand(8, -1)
+            torch.testing.assert_close(flat[row], mean, rtol=1e-4, atol=1e-4)
+            row += 1
+    assert (plain - flat).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
@@ -144,6 +192,17 @@ def test_real_shapes_on_gpu(kv_cache_dtype, query_lens, seq_lens):
     ref = run(pf.paged_prefill_attention_ref, q, cache, meta, scale)
     check(run(pf.paged_prefill_attention, q, cache, meta, scale), ref, torch.bfloat16, tol=2e-2)
     check(triton_paged_attention(q, cache, meta, scale), ref, torch.bfloat16, tol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 512])
+def test_softcap_real_shapes_on_gpu(window):
+    """Gemma 2 2B's attention (8 query heads on 4 KV heads, head_dim 256) in bf16, soft-capped at 2 (a cap these
+    random scores reach): a chunk over a cached prefix beside decodes and a speculative verify."""
+    q, cache, meta = paged_step([500, 1, 1, 9], [1200, 700, 1500, 1200], 4, 2, 256, 16, torch.bfloat16)
+    ref = run(pf.paged_prefill_attention_ref, q, cache, meta, 256 ** -0.5, window=window, softcap=2.0)
+    check(run(pf.paged_prefill_attention, q, cache, meta, 256 ** -0.5, window=window, softcap=2.0), ref,
+          torch.bfloat16, tol=2e-2)
 
 
 # ---- the engine on the Triton backend (tiny Llama, CPU fp32 under the interpreter) ---------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_testing import DEVICE, load_kernel_module
 from llmd.model import attention_backends as ab
 from llmd.model.attention import AttentionMetadata, torch_paged_attention
@@ -54,6 +53,30 @@ def test_prefill_kernel_matches_dense(window, block_m, block_n):
                                                      window=window), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [8, 5])  # (a window of 1 sees one key: no cap changes its softmax)
+def test_kernels_with_window_and_softcap(window):
+    """Gemma 2's local layers are windowed and soft-capped: on the poisoned caches both kernels (decode over three
+    splits, the varlen prefill through the backend entry point) equal the torch reference, read no block before the
+    window (no NaN) and differ from the uncapped result."""
+    decode_lens = [3, 8, 9, 17, 32, 70]
+    decode = [1] * len(decode_lens)
+    for lens, q_lens, group in ((decode_lens, decode, 3), (LENS, Q_LENS, 2)):
+        q, cache, tables, _ = make_case(lens, q_lens, window, group=group)
+        q = q * 4  # scores of a few units: a cap of 2 changes them
+        qd, cachd, meta = _on_device(q, cache, tables, lens, q_lens)
+        want = torch_paged_attention(q, cache, AttentionMetadata.build(q_lens, lens, tables, BS), 0.3, window=window,
+                                     softcap=2.0)
+        assert torch.isfinite(want).all()
+        if q_lens is decode:
+            got = pa.paged_decode_attention(qd, *cachd, meta.block_tables, meta.seq_lens, 0.3, num_splits=3,
+                                            min_split_tokens=2, window=window, softcap=2.0)
+        else:
+            got = ab.TRITON.attend(qd, cachd, meta, 0.3, window=window, softcap=2.0)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+        uncapped = ab.TRITON.attend(qd, cachd, meta, 0.3, window=window)
+        assert (uncapped.cpu() - want).abs().max() > 0.1
+
+
 def test_startup_check_covers_the_models_windows():
     """check_attention_backend runs each window of the model: a backend that ignores the window is refused."""
     ok = ab.check_attention_backend(ab.TRITON, 4, 2, 16, torch.float32, device=DEVICE, windows=(5,))
@@ -65,3 +88,42 @@ def test_startup_check_covers_the_models_windows():
 
     problem = ab.check_attention_backend(IgnoresWindow(), 4, 2, 16, torch.float32, device=DEVICE, windows=(5,))
     assert problem is not None and "window 5" in problem
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the tiny model runs on CPU; on a GPU the kernel tests above cover this")
+def test_gemma2_engine_on_the_triton_kernels(tmp_path, monkeypatch):
+    """A tiny Gemma 2 (window-8 layers beside global ones, every layer soft-capped at 2) served on the Triton backend:
+    chunked prefills past the window, decodes in the same steps and a prefix-cache hit give the default backend's
+    greedy tokens and logprobs (the cap moves this model's logits by ~0.3: its tokens alone would not notice a kernel
+    that dropped it), and every soft-capped layer runs a Triton kernel."""
+    from engine_testing import make_engine
+    from llmd.engine import SamplingParams, generate
+    from llmd.engine import runner as runner_module
+    from llmd.model.loader import load_model
+    from tiny_gemma import write_tiny_gemma
+
+    lm = load_model(write_tiny_gemma(tmp_path / "gemma2", "gemma2"), dtype=torch.float32, device="cpu")
+    g = torch.Generator().manual_seed(0)
+    shared = [2] + torch.randint(10, 570, (19,), generator=g).tolist()
+    prompts = [shared + torch.randint(10, 570, (n,), generator=g).tolist() for n in (3, 14)]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=2)
+
+    def tokens():
+        engine = make_engine(lm, max_num_batched_tokens=16)
+        first = generate(engine, prompts[:1], params)  # fills the prefix cache
+        rest = generate(engine, prompts, params)
+        assert rest[0].timings.num_cached_tokens == 16
+        return [r.token_ids for r in first + rest], [[x.logprob for x in r.logprobs] for r in first + rest]
+
+    want, want_logprobs = tokens()
+    capped = []
+    for module, name in ((pa, "paged_decode_attention"), (pf, "paged_prefill_attention")):
+        def counted(*a, _kernel=getattr(module, name), **kw):
+            capped.append(kw.get("softcap"))
+            return _kernel(*a, **kw)
+        monkeypatch.setattr(module, name, counted)
+    monkeypatch.setattr(runner_module, "choose_backend", lambda *a, **kw: ab.TRITON)  # as a GPU's runner picks
+    got, got_logprobs = tokens()
+    assert got == want
+    torch.testing.assert_close(torch.tensor(got_logprobs), torch.tensor(want_logprobs), rtol=0, atol=1e-4)
+    assert len(capped) >= 8 * lm.config.num_hidden_layers and set(capped) == {2.0}

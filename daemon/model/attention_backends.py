@@ -17,10 +17,9 @@ which hands the step to `meta.backend`.
 
 Per-layer options, passed on every call: `window` (sliding window in tokens: a query at position p sees keys at
 positions > p - window) and `softcap` (Gemma 2's logit soft-capping: scores -> softcap * tanh(scores / softcap)
-before the softmax). Every backend takes a window (no path reads a block wholly before it). The torch and CPU
-backends take a softcap (the C kernels with a vectorised tanh, within ~1e-6 of torch's, keeping their batch, chunk and
-thread invariance); the Triton backend raises NotImplementedError, so `choose_backend` serves a soft-capped model on
-CUDA with the torch backend.
+before the softmax). Every backend takes both: no path reads a block wholly before the window; the C kernels compute
+the softcap with a vectorised tanh (within ~1e-6 of torch's, keeping their batch, chunk and thread invariance), the
+Triton kernels with a compile-time switch (so the kernels of layers without it are unchanged) and a tanh built from exp.
 """
 
 from __future__ import annotations
@@ -31,8 +30,15 @@ from typing import Protocol
 import torch
 
 from ..kernels import cpu_ops
-from .attention import (AttentionMetadata, DecodePlan, KVCache, allocate_kv_cache, batched_decode_attention,
-                        torch_paged_attention, write_kv)
+from .attention import (
+    AttentionMetadata,
+    DecodePlan,
+    KVCache,
+    allocate_kv_cache,
+    batched_decode_attention,
+    torch_paged_attention,
+    write_kv,
+)
 from .kv_int8 import kv_parts
 
 log = logging.getLogger(__name__)
@@ -70,13 +76,13 @@ class TorchBackend:
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, *,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         plan = decode_plan(meta)
-        opts = dict(window=window, softcap=softcap)
         if plan.block_tables.shape[0] == 0:
-            return torch_paged_attention(q, kv_cache, meta, scale, **opts)
+            return torch_paged_attention(q, kv_cache, meta, scale, window=window, softcap=softcap)
         if plan.rows is None:
-            return batched_decode_attention(q, kv_cache, plan, scale, **opts)
-        out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others, **opts)
-        out[plan.rows] = batched_decode_attention(q[plan.rows], kv_cache, plan, scale, **opts)
+            return batched_decode_attention(q, kv_cache, plan, scale, window=window, softcap=softcap)
+        out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others, window=window, softcap=softcap)
+        out[plan.rows] = batched_decode_attention(q[plan.rows], kv_cache, plan, scale, window=window,
+                                                  softcap=softcap)
         return out
 
 
@@ -130,24 +136,23 @@ class TritonBackend:
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, *,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        if softcap is not None:
-            raise NotImplementedError("the Triton attention kernels do not take a softcap yet")
-        return triton_paged_attention(q, kv_cache, meta, scale, window=window)
+        return triton_paged_attention(q, kv_cache, meta, scale, window=window, softcap=softcap)
 
 
 def triton_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
-                           window: int | None = None) -> torch.Tensor:
-    """The Triton kernels on one step (see TritonBackend); window: the layer's sliding window."""
+                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """The Triton kernels on one step (see TritonBackend); window, softcap: the layer's options."""
     from ..kernels import paged_attention, prefill_attention
 
     k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
     if not meta.is_decode_only:
         return prefill_attention.paged_prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
-            max_query_len=max(meta.query_lens_list), k_scale=k_scale, v_scale=v_scale, window=window)
+            max_query_len=max(meta.query_lens_list), k_scale=k_scale, v_scale=v_scale, window=window,
+            softcap=softcap)
     return paged_attention.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                                   max_seq_len=max(meta.seq_lens_list), k_scale=k_scale,
-                                                  v_scale=v_scale, window=window)
+                                                  v_scale=v_scale, window=window, softcap=softcap)
 
 
 TORCH = TorchBackend()
@@ -165,11 +170,17 @@ def default_backend(device: torch.device | str) -> AttentionBackend:
 
 def check_attention_backend(backend: AttentionBackend, num_heads: int, num_kv_heads: int, head_dim: int,
                             dtype: torch.dtype, kv_cache_dtype: str = "auto",
-                            device: str | torch.device = "cuda", windows: tuple[int, ...] = ()) -> str | None:
+                            device: str | torch.device = "cuda", windows: tuple[int, ...] = (),
+                            softcap: float | None = None) -> str | None:
     """Run `backend` once on a small paged batch of the model's head shape (a prefill chunk over a cached prefix
     beside decodes, then a decode-only step), with full attention and with each of the model's sliding `windows`,
-    against the torch reference. Returns None when it agrees, else why not: a kernel that fails to compile or
-    computes wrong values on this GPU is caught at startup, before it serves a request."""
+    against the torch reference; soft-capped when the model's attention has a `softcap`. Returns None when it
+    agrees, else why not: a kernel that fails to compile or computes wrong values on this GPU is caught at startup,
+    before it serves a request."""
+    # The check's scores are about unit-sized: the model's cap (Gemma 2: 50) would leave them almost as they are and
+    # a kernel that ignored it would pass. A cap they reach runs the same compiled kernel (the value is not compiled
+    # in) through both branches of its tanh.
+    cap = None if not softcap else min(softcap, 2.0)
     gen = torch.Generator().manual_seed(0)
     block_size, num_blocks = 16, 12
     (cache,) = allocate_kv_cache(1, num_blocks, block_size, num_kv_heads, head_dim, dtype, device, kv_cache_dtype)
@@ -184,14 +195,14 @@ def check_attention_backend(backend: AttentionBackend, num_heads: int, num_kv_he
             meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device, backend=backend)
             q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
             try:
-                got = backend.attend(q, cache, meta, head_dim ** -0.5, window=window)
+                got = backend.attend(q, cache, meta, head_dim ** -0.5, window=window, softcap=cap)
             except Exception as e:  # a compile or launch failure on this GPU
                 return f"{type(e).__name__}: {e}"
-            want = torch_paged_attention(q, cache, meta, head_dim ** -0.5, window=window)
+            want = torch_paged_attention(q, cache, meta, head_dim ** -0.5, window=window, softcap=cap)
             err = (got.float() - want.float()).abs().max().item()
             if not err <= tol:  # also catches NaN
                 return (f"max |difference| from the torch reference {err:.3g} > {tol:g} (query lens {query_lens}, "
-                        f"window {window})")
+                        f"window {window}, softcap {cap})")
     return None
 
 
@@ -208,12 +219,10 @@ def choose_backend(device: torch.device, model_config=None, dtype: torch.dtype =
         return TORCH
     if model_config is not None:
         c = model_config
-        if getattr(c, "attn_logit_softcapping", None) is not None:
-            log.warning("Triton attention has no softcap yet: the torch path serves %s", c.architecture)
-            return TORCH
         windows = tuple(sorted({w for w in getattr(c, "layer_windows", ()) if w is not None}))
         problem = check_attention_backend(TRITON, c.num_attention_heads, c.num_key_value_heads, c.head_dim, dtype,
-                                          kv_cache_dtype, device=device, windows=windows)
+                                          kv_cache_dtype, device=device, windows=windows,
+                                          softcap=getattr(c, "attn_logit_softcapping", None))
         if problem is not None:
             log.warning("Triton attention disabled, the torch path serves instead: %s", problem)
             return TORCH

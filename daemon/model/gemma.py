@@ -18,7 +18,7 @@ the CPU with int8/int4/GGUF weights, Gemma 2 and Gemma 3 run their layers as one
 llmd.model.cpu_stack.CompiledCpuForward: the same kernel calls as these modules, so bit for bit the same;
 tests/test_gemma.py and tests/test_cpu_stack.py hold it). fp weights and CUDA always run the modules.
 Attention goes through the step's backend with the layer's window and softcap (llmd.model.attention_backends: the C
-kernels on the CPU take both; on CUDA a soft-capped model runs the torch code).
+kernels on the CPU and the Triton kernels on CUDA take both).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ Every (type, tiling) that `gguf_matmul.candidates` can pick for M = 1, 2, 4, 16 
 compiled once (the binary does not depend on M or SPLIT_K). Exits non-zero if any compile fails or spills.
 
 --attention: the paged decode and prefill attention kernels instead, with bf16 caches, at the head shapes of
-bench_gpu.py's models (Llama-3-8B, and the shapes stage's Gemma 3 4B and Qwen2.5-7B), with the tiles their launchers
+bench_gpu.py's models (Llama-3-8B, and the shapes stage's Gemma 3 4B and Qwen2.5-7B) and soft-capped at Gemma 2 9B's
+(SOFTCAP), with the tiles their launchers
 pick for a 2k-token prompt and its decode steps. Exits non-zero if any compile fails; spills are printed, not
 failed (they cost speed, which the GPU stage measures).
 """
@@ -44,10 +45,9 @@ def _variants(types: list[str]) -> list[tuple[str, dict, dict]]:
 
 def _compile(arch: int, name: str, cfg: dict, launch: dict) -> dict:
     import triton
+    from llmd.kernels import gguf_matmul as gm
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from llmd.kernels import gguf_matmul as gm
 
     t = gm.TYPES[name]
     kernel = gm._gguf_mm_kernel if cfg["USE_DOT"] else gm._gguf_gemv_kernel
@@ -79,8 +79,10 @@ def _compile(arch: int, name: str, cfg: dict, launch: dict) -> dict:
 
 
 # (model, query heads per KV head, head_dim, sliding window) of bench_gpu.py's models
-ATTENTION_SHAPES = [("llama3-8b", 4, 128, None), ("gemma3-4b", 2, 256, 1024), ("gemma3-4b", 2, 256, None),
-                    ("qwen2.5-7b", 7, 128, None)]
+# (model, query heads per KV head, head_dim, sliding window, soft-capped)
+ATTENTION_SHAPES = [("llama3-8b", 4, 128, None, False), ("gemma3-4b", 2, 256, 1024, False),
+                    ("gemma3-4b", 2, 256, None, False), ("qwen2.5-7b", 7, 128, None, False),
+                    ("gemma2-9b", 2, 256, 4096, True), ("gemma2-9b", 2, 256, None, True)]
 
 
 def _attention_variants() -> list[tuple[str, dict, dict, dict]]:
@@ -90,34 +92,33 @@ def _attention_variants() -> list[tuple[str, dict, dict, dict]]:
     from llmd.kernels.prefill_attention import _next_pow2
 
     out = []
-    for model, group, head_dim, window in ATTENTION_SHAPES:
-        kind = f"{model} {'window' if window else 'global'}"
+    for model, group, head_dim, window, softcap in ATTENTION_SHAPES:
+        kind = f"{model} {'window' if window else 'global'}{' softcap' if softcap else ''}"
         if window is None or model == "gemma3-4b":  # the decode kernel takes the window at run time
             for split in (1, 8):
                 out.append((f"decode  {kind} split={split}", dict(
                     GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
-                    D_PAD=max(16, _next_pow2(head_dim)), BLOCK_T=64, SPLIT=split, QUANT=False),
+                    D_PAD=max(16, _next_pow2(head_dim)), BLOCK_T=64, SPLIT=split, QUANT=False, SOFTCAP=softcap),
                     dict(num_warps=4, num_stages=2), dict(split=split)))
         out.append((f"prefill {kind}", dict(
             GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
-            BLOCK_M=128, BLOCK_N=64, QUANT=False, WINDOWED=window is not None),
+            BLOCK_M=128, BLOCK_N=64, QUANT=False, WINDOWED=window is not None, SOFTCAP=softcap),
             dict(num_warps=8, num_stages=2), {}))
     return out
 
 
 def _compile_attention(arch: int, what: str, consts: dict, launch: dict, extra: dict) -> dict:
     import triton
+    from llmd.kernels import paged_attention, prefill_attention
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-
-    from llmd.kernels import paged_attention, prefill_attention
 
     decode = what.startswith("decode")
     kernel = paged_attention._paged_decode_kernel if decode else prefill_attention._paged_prefill_kernel
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "ks_ptr": "*bf16", "vs_ptr": "*bf16",
                 "bt_ptr": "*i32", "sl_ptr": "*i32", "qsl_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32",
                 "out_ptr": "*fp32" if decode and extra.get("split", 1) > 1 else "*bf16"}
-    floats = ("scale", "qk_scale")
+    floats = ("scale", "qk_scale", "softcap", "cap_scale")
     unspecialized = ("num_seqs", "stride_btb")  # do_not_specialize in the kernels
     params = [p.name for p in kernel.params]
     signature = {p: "constexpr" if p in consts else pointers.get(p) or ("fp32" if p in floats else "i32")
@@ -146,10 +147,10 @@ def attention_main(arch: int, jobs: int) -> int:
         for r in [f.result() for f in [pool.submit(_compile_attention, arch, *v) for v in variants]]:
             if "error" in r:
                 failed += 1
-                print(f"{r['what']:36} FAILED {r['error']}", flush=True)
+                print(f"{r['what']:44} FAILED {r['error']}", flush=True)
                 continue
             spill = r["stack"] > 0 or r["local"] > 0
-            print(f"{r['what']:36} warps={r['num_warps']}  shared {r['shared']:6} B  regs {r['regs']:3}  "
+            print(f"{r['what']:44} warps={r['num_warps']}  shared {r['shared']:6} B  regs {r['regs']:3}  "
                   f"stack {r['stack']:4}  local {r['local']}{'  SPILLS' if spill else ''}", flush=True)
     return 1 if failed else 0
 
