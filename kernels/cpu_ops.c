@@ -195,6 +195,70 @@ int llmd_silu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t ro
     return 0;
 }
 
+/* out[t] = the index of the largest x[t, i], the first of equal ones, a NaN counting as the largest (torch.argmax's
+ * answer). The vector pass keeps each lane's first maximum; a row holding a NaN is scanned again in plain C. */
+static int64_t argmax_scalar(const float *x, int64_t n) {
+    int64_t best = 0;
+    for (int64_t i = 1; i < n; i++) {
+        if (x[best] != x[best]) break; /* the first NaN */
+        if (x[i] > x[best] || x[i] != x[i]) best = i;
+    }
+    return best;
+}
+
+int llmd_argmax_rows(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t *out) {
+    if (n <= 0) return -1;
+    for (int64_t t = 0; t < rows; t++) {
+        const float *xr = x + t * ldx;
+        int64_t i = 0;
+#if SIMD
+        if (n >= 32 && n < INT32_MAX) { /* four independent running maxima (the blend chain is the bound) */
+            __m256 best[4], nan = _mm256_setzero_ps();
+            __m256i at[4], idx[4];
+            const __m256i step = _mm256_set1_epi32(32);
+            for (int a = 0; a < 4; a++) {
+                best[a] = _mm256_loadu_ps(xr + 8 * a);
+                nan = _mm256_or_ps(nan, _mm256_cmp_ps(best[a], best[a], _CMP_UNORD_Q));
+                at[a] = idx[a] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * a));
+            }
+            for (i = 32; i + 32 <= n; i += 32)
+                for (int a = 0; a < 4; a++) {
+                    idx[a] = _mm256_add_epi32(idx[a], step);
+                    const __m256 v = _mm256_loadu_ps(xr + i + 8 * a);
+                    const __m256 gt = _mm256_cmp_ps(v, best[a], _CMP_GT_OQ);
+                    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+                    best[a] = _mm256_blendv_ps(best[a], v, gt);
+                    at[a] = _mm256_castps_si256(
+                        _mm256_blendv_ps(_mm256_castsi256_ps(at[a]), _mm256_castsi256_ps(idx[a]), gt));
+                }
+            int64_t b = -1;
+            if (!_mm256_movemask_ps(nan)) {
+                float bv[32];
+                int32_t bi[32];
+                for (int a = 0; a < 4; a++) {
+                    _mm256_storeu_ps(bv + 8 * a, best[a]);
+                    _mm256_storeu_si256((__m256i *)(bi + 8 * a), at[a]);
+                }
+                b = bi[0]; /* each lane holds its first maximum: the largest, then the smallest index */
+                for (int l = 1; l < 32; l++)
+                    if (bv[l] > xr[b] || (bv[l] == xr[b] && bi[l] < b)) b = bi[l];
+                for (; i < n; i++) {
+                    if (xr[i] != xr[i]) {
+                        b = -1;
+                        break;
+                    }
+                    if (xr[i] > xr[b]) b = i;
+                }
+            }
+            out[t] = b >= 0 ? b : argmax_scalar(xr, n); /* a NaN: the first one, found in plain C */
+            continue;
+        }
+#endif
+        out[t] = argmax_scalar(xr, n);
+    }
+    return 0;
+}
+
 /* y[t, i] = gelu_tanh(g[t, i]) * g[t, n + i] (GeGLU: Gemma). gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)),
  * u = sqrt(2 / pi) (x + 0.044715 x^3): the form of silu_mul with the exponent 2u, so the same exp. */
 int llmd_gelu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t rows, int64_t n) {

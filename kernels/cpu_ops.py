@@ -75,8 +75,9 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, i64, kv, ptr, i64, ptr, i64, f32, i64, f32, ptr, i64,
                                           cint]
     lib.llmd_prefill_attention.argtypes = [ptr, i64, i64, i64, kv, ptr, i64, i64, f32, i64, f32, ptr, i64, cint]
+    lib.llmd_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
     for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_gelu_mul, lib.llmd_write_kv, lib.llmd_decode_attention,
-               lib.llmd_prefill_attention):
+               lib.llmd_prefill_attention, lib.llmd_argmax_rows):
         fn.restype = cint
     return lib
 
@@ -133,6 +134,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     y = torch.empty_like(x)
     lib.llmd_rms_norm(x.data_ptr(), n, weight.data_ptr(), y.data_ptr(), n, x.numel() // n, n, eps)
     return y
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(logits, -1) for fp32 rows [..., V] (the first of equal maxima, a NaN the largest): one vector pass
+    in C where it runs (~10x torch's single-threaded argmax over a 262k vocabulary), else torch's."""
+    ok = _plain(logits) and logits.dim() >= 1 and logits.shape[-1] > 0 and logits.numel() > 0
+    lib = load() if ok else None
+    if lib is None:
+        return torch.argmax(logits, dim=-1)
+    rows = logits.reshape(-1, logits.shape[-1])
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    lib.llmd_argmax_rows(rows.data_ptr(), rows.stride(0), rows.shape[0], rows.shape[1], out.data_ptr())
+    return out.view(logits.shape[:-1])
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int, head_dim: int) -> bool:

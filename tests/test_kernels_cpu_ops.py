@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from llmd.kernels import cpu_ops
 from llmd.model.attention import AttentionMetadata, torch_paged_attention
-from llmd.model.ops import apply_rope
+from llmd.model.ops import apply_rope, greedy_tokens
 
 HAVE_OPS = cpu_ops.load() is not None
 
@@ -371,3 +371,23 @@ def test_caches_the_kernels_cannot_read_are_declined():
         assert not cpu_ops.decode_attention(q, bad, table, lens, None, 0.3, out)
         assert not cpu_ops.write_kv(q[:, :2], q[:, :2], bad, torch.tensor([0]))
     assert not out.any()
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 31, 32, 33, 63, 64, 65, 1000, 262144])
+def test_argmax_is_torchs(n):
+    """greedy_tokens on CPU rows: torch.argmax's index, the first of equal maxima and the first NaN, on every length
+    around the vector width, rows in a strided view, a batch of rows and a single row."""
+    g = _gen(n)
+    x = torch.randn(6, n + 3, generator=g)[:, 1 : n + 1]  # rows of a wider tensor: strided
+    x[1] = x[1].round()  # many ties
+    x[2] = 7.0
+    if n > 3:
+        x[3, n // 2] = x[3, n - 1] = x[3].max() + 1  # a tie of two maxima, the second at the very end
+        x[4, n - 2] = float("nan")
+        x[4, n // 3] = float("inf")
+    x[5] = float("-inf")
+    want = torch.argmax(x, dim=-1)
+    assert torch.equal(greedy_tokens(x), want) and torch.equal(greedy_tokens(x[0]), want[0])
+    got = cpu_ops.argmax(x.contiguous())
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    assert torch.equal(cpu_ops.argmax(x.half()), torch.argmax(x.half(), dim=-1))  # other dtypes: torch's

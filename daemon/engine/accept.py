@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..model.ops import greedy_tokens
 from .rejection import greedy_verify, rejection_sample, row_distributions
 from .sampler import SampleRequest, needs_penalties, sample_row, top_logprobs
 from .types import TokenLogprob
@@ -40,7 +41,7 @@ def accept(logits: torch.Tensor, reqs: list[SampleRequest], proposals: list[list
     if masks is not None:
         masks.apply(logits)
     fast = [r.params.greedy and not needs_penalties(r.params) for r in reqs]
-    best = torch.argmax(logits, dim=-1).tolist() if any(fast) else None
+    best = greedy_tokens(logits).tolist() if any(fast) else None
     runs: list[list[int]] = []
     for req, proposal, probs, is_fast, row in zip(reqs, proposals, draft_probs, fast, starts):
         k = len(proposal)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..model.ops import greedy_tokens
 from .sampler import SampleRequest, needs_penalties, apply_penalties, warp
 from .types import SamplingParams
 
@@ -40,7 +41,7 @@ def row_distributions(logits: torch.Tensor, params: SamplingParams, prompt_ids: 
 
 def greedy_verify(target_logits: torch.Tensor, proposal: list[int]) -> tuple[int, list[int]]:
     """target_logits [k+1, V] (penalised). Returns (accepted count, emitted tokens = accepted + one more)."""
-    best = torch.argmax(target_logits, dim=-1).tolist()
+    best = greedy_tokens(target_logits).tolist()
     a = 0
     while a < len(proposal) and proposal[a] == best[a]:
         a += 1

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..model.ops import greedy_tokens
 from .types import SamplingParams, TokenLogprob
 
 
@@ -73,7 +74,7 @@ def sample_row(logits: torch.Tensor, req: SampleRequest) -> int:
     if needs_penalties(p):
         logits = apply_penalties(logits, req)
     if p.greedy:
-        return int(torch.argmax(logits))
+        return int(greedy_tokens(logits))
     probs = warp(logits.float(), p)
     return int(torch.multinomial(probs, 1, generator=req.generator))
 

@@ -10,6 +10,7 @@ import torch
 from llmd.model.attention import AttentionMetadata, allocate_kv_cache
 from llmd.model.attention_backends import choose_backend
 from llmd.model.cpu_stack import CompiledCpuForward
+from llmd.model.ops import greedy_tokens
 
 
 def paged_kv(model, batch: int, max_len: int, block_size: int = 16, kv_cache_dtype: str = "auto",
@@ -96,7 +97,7 @@ def decode_tokens_per_second(model, batch: int, prompt_len: int, steps: int, blo
     for step in range(warmup + steps):
         sync()
         t0 = time.perf_counter()
-        ids = model.compute_logits(last).argmax(-1).repeat_interleave(query_len)
+        ids = greedy_tokens(model.compute_logits(last)).repeat_interleave(query_len)  # as the engine's sampler
         length += query_len
         meta = build([query_len] * batch, [length] * batch)
         positions = torch.arange(length - query_len, length, device=device).repeat(batch)
