@@ -322,10 +322,11 @@ def int4_matmul_q8_ref(x, qweight, scales, zeros, group_size):
 #   layer computes exactly its weights (the dequantized model's logits up to summation order). The integer path is
 #   ~1.2x faster at batch 1 and ~1.5x at 16 on SmolLM2 but moves logits by ~0.3 (perplexity +0.6 %), enough to flip
 #   near-ties: SmolLM2 then answers "What is the capital of France?" as llama.cpp does ("L'Étoile, ...").
-# - gguf (a file's K-quant, Q5_0/Q5_1 and IQ4 blocks kept packed): the integer path, activations quantized to int8 per
-#   block of 32 as llama.cpp computes these files; on Gemma 3 270M Q4_K_M at 1 thread ~1.25x decode at batch 1 and
-#   ~1.3x at 16, and its greedy text unchanged. LLMD_CPU_GEMM_ACT=fp32 computes the file's exact weights instead.
-Q8_ACTIVATIONS = {"int4": False, "int8": False, "gguf": True}
+# - gguf (a file's K-quant, Q5_0/Q5_1, Q8_0 and IQ4 blocks kept packed): the integer path, activations quantized to
+#   int8 per block of 32 as llama.cpp computes these files (LLMD_CPU_GEMM_ACT=fp32: the file's exact weights).
+# - gguf_head (a packed output head, tied or not): fp32 activations. The head picks the token: on the integer path
+#   SmolLM2's tied Q8_0 head alone turns "The capital of France is Paris." into llama.cpp's "L'Étoile, ...".
+Q8_ACTIVATIONS = {"int4": False, "int8": False, "gguf": True, "gguf_head": False}
 
 
 def q8_activations(kind: str) -> bool:
@@ -345,7 +346,7 @@ class LayerKernel:
     K and the group take it (one numerics path per layer, so a row's result never depends on the batch)."""
 
     def __init__(self, lib, kind: str, qweight, scales, zeros, group_size: int, q8: bool | None = None):
-        """q8: int8 activations (where K and the group allow); None: as LLMD_CPU_GEMM_ACT says."""
+        """q8: int8 activations (where K and the group allow); None: as LLMD_CPU_GEMM_ACT says for `kind`."""
         self.kind, self.group_size = kind, group_size
         self.n = qweight.shape[0]
         self.k = qweight.shape[1] * (2 if kind == "int4" else 1)
@@ -471,9 +472,10 @@ def gguf_matmul_q8_ref(x: torch.Tensor, qweight: torch.Tensor, type_name: str) -
     return quantize_activations_ref(x) @ gb.dequantize_blocks(qweight, type_name).t()
 
 
-def gguf_kernel(parts: list[tuple[torch.Tensor, str]], k: int) -> GGUFKernel | None:
+def gguf_kernel(parts: list[tuple[torch.Tensor, str]], k: int, head: bool = False) -> GGUFKernel | None:
     """The GGUFKernel of one packed GGUF weight, or of several side by side (GGUFConcat), for the caller to keep;
-    None where the kernel is off or unavailable or does not know a type (then the layer dequantizes in torch)."""
+    None where the kernel is off or unavailable or does not know a type (then the layer dequantizes in torch).
+    head: the output head's (its activations chosen as Q8_ACTIVATIONS["gguf_head"] says)."""
     lib = load()
     ok = lib is not None and all(t in GGUF_TYPE_IDS for _, t in parts)
-    return GGUFKernel(lib, parts, k) if ok else None
+    return GGUFKernel(lib, parts, k, q8_activations("gguf_head" if head else "gguf")) if ok else None

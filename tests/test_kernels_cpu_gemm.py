@@ -384,17 +384,20 @@ def test_q8_rejects_bad_shapes():
     assert cpu_gemm.int4_matmul_q8(_x(0, 64), q, s, z, 32).shape == (0, 8)
 
 
+KINDS = ("int8", "int4", "gguf", "gguf_head")
+
+
 def test_activation_mode_per_kind_and_forced(monkeypatch, caplog):
-    """Unset or auto: GGUF blocks take the integer path (llama.cpp's numerics), llmd's int8/int4 fp32 activations;
-    fp32 / int8 force one path for every kind; anything else warns once and means auto."""
+    """Unset or auto: GGUF blocks take the integer path (llama.cpp's numerics), a GGUF output head and llmd's
+    int8/int4 fp32 activations; fp32 / int8 force one path for every kind; anything else warns and means auto."""
     for value in (None, "auto", "int4"):
         if value is None:
             monkeypatch.delenv("LLMD_CPU_GEMM_ACT", raising=False)
         else:
             monkeypatch.setenv("LLMD_CPU_GEMM_ACT", value)
         with caplog.at_level("WARNING", logger="llmd.kernels.cpu_gemm"):
-            assert [cpu_gemm.q8_activations(k) for k in ("int8", "int4", "gguf")] == [False, False, True]
+            assert [cpu_gemm.q8_activations(k) for k in KINDS] == [False, False, True, False]
     assert "LLMD_CPU_GEMM_ACT='int4' is not auto, fp32 or int8" in caplog.text
     for value, want in (("fp32", False), ("int8", True)):
         monkeypatch.setenv("LLMD_CPU_GEMM_ACT", value)
-        assert [cpu_gemm.q8_activations(k) for k in ("int8", "int4", "gguf")] == [want] * 3
+        assert [cpu_gemm.q8_activations(k) for k in KINDS] == [want] * 4

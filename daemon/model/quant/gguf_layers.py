@@ -41,6 +41,7 @@ class GGUFLinear(QuantizedLinear):
         elems = gb.block_shape(type_name)[0]
         super().__init__(in_features, out_features, bias, elems, dtype, device)
         self.type_name = type_name
+        self.output_head = False  # set for the model's output head, whose CPU kernel keeps fp32 activations
         self.register_buffer("qweight", torch.empty(out_features, gb.row_bytes(type_name, in_features),
                                                     dtype=torch.uint8, device=device))
 
@@ -66,7 +67,7 @@ class GGUFLinear(QuantizedLinear):
 
             return lambda x: gguf_matmul(x, qweight, type_name, k)
         if device.type == "cpu":
-            c = c_kernel(dtype, lambda: cpu_gemm.gguf_kernel([(qweight, type_name)], k))
+            c = c_kernel(dtype, lambda: cpu_gemm.gguf_kernel([(qweight, type_name)], k, head=self.output_head))
             if c is not None:
                 return c
         return self._chunked
@@ -160,6 +161,7 @@ def tie_gguf_head(model: nn.Module, dtype: torch.dtype) -> bool:
         return False
     head = GGUFLinear(emb.embedding_dim, emb.num_embeddings, emb.type_name, bias=False, device="meta")
     head.qweight = emb.qweight  # shared: the table is held once
+    head.output_head = True
     emb.head = [head]
     model.lm_head = head
     return True
