@@ -67,13 +67,16 @@ _EXTRA_FLAGS = (({"avx512f", "avx512vl", "avx512bw"}, ["-mavx512f", "-mavx512vl"
                 ({"avx_vnni"}, ["-mavxvnni"]))
 
 
-def simd_flags(cpu_flags: set[str] | None = None) -> list[str]:
+def simd_flags(cpu_flags: set[str] | None = None, isa: str | None = None) -> list[str]:
     """-mavx2 -mfma -mf16c when the CPU lists all of AVX2, FMA and F16C, plus AVX-512 VL/BW and VNNI where it lists
-    them; else none (the portable scalar code)."""
+    them unless LLMD_CPU_ISA=avx2 (`isa`: for a VM that lists them but faults, or a like-for-like comparison with an
+    AVX2 build); else none (the portable scalar code)."""
     flags = _cpu_flags() if cpu_flags is None else cpu_flags
     if not {"avx2", "fma", "f16c"} <= flags:
         return []
     out = ["-mavx2", "-mfma", "-mf16c"]
+    if (isa or os.environ.get("LLMD_CPU_ISA", "auto")) == "avx2":
+        return out
     for needs, extra in _EXTRA_FLAGS:
         if needs <= flags:
             out += extra

@@ -260,6 +260,7 @@ def test_simd_flags_follow_the_cpu():
     assert cpu_gemm.simd_flags(avx512) == ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vl", "-mavx512bw",
                                            "-mavx512vnni", "-mavxvnni", "-mprefer-vector-width=256"]
     assert "-mavx512vnni" not in cpu_gemm.simd_flags(avx512 - {"avx512bw"})  # VNNI on ymm needs AVX-512 VL/BW
+    assert cpu_gemm.simd_flags(avx512, isa="avx2") == ["-mavx2", "-mfma", "-mf16c"]
     assert "-march=native" not in cpu_gemm.simd_flags()
 
 

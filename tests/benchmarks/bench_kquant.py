@@ -95,7 +95,8 @@ def main(argv=None):
         print(llamacpp_anchor.MISSING + " (it also makes the K-quant files)")
         return
     batches = [int(b) for b in args.batches.split(",")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, llmd CPU kernels: {cpu_gemm.available()}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, llmd CPU kernels: {cpu_gemm.available()} "
+          f"({' '.join(cpu_gemm.simd_flags()) or 'portable'}; LLMD_CPU_ISA=avx2 matches the anchor's AVX2 build)")
     for path in paths:
         by_type = file_bytes_by_type(path)
         total = sum(by_type.values())
