@@ -321,7 +321,7 @@ def int4_matmul_q8_ref(x, qweight, scales, zeros, group_size):
 
 # Which activations each kind of layer takes when LLMD_CPU_GEMM_ACT is unset (or "auto"), read when a layer's kernel
 # is prepared; "fp32" or "int8" choose one path for every kind.
-# - int8 / int4 (llmd's own quantization of HF weights, and GGUF Q4_0/Q4_1/Q8_0 repacked): fp32 activations, so the
+# - int8 / int4 (llmd's own quantization of HF weights, and GGUF Q4_0/Q4_1 repacked): fp32 activations, so the
 #   layer computes exactly its weights (the dequantized model's logits up to summation order). The integer path is
 #   ~1.2x faster at batch 1 and ~1.5x at 16 on SmolLM2 but moves logits by ~0.3 (perplexity +0.6 %), enough to flip
 #   near-ties: SmolLM2 then answers "What is the capital of France?" as llama.cpp does ("L'Étoile, ...").
@@ -337,6 +337,7 @@ def q8_activations(kind: str) -> bool:
     return Q8_ACTIVATIONS[kind] if mode == "auto" else mode == "int8"
 
 
+@functools.lru_cache(maxsize=None)  # one warning per value, not one per layer
 def _activation_mode(value: str) -> str:
     if value not in ("auto", "fp32", "int8"):
         log.warning("LLMD_CPU_GEMM_ACT=%r is not auto, fp32 or int8; using auto", value)

@@ -391,6 +391,7 @@ KINDS = ("int8", "int4", "gguf", "gguf_head")
 def test_activation_mode_per_kind_and_forced(monkeypatch, caplog):
     """Unset or auto: GGUF blocks take the integer path (llama.cpp's numerics), a GGUF output head and llmd's
     int8/int4 fp32 activations; fp32 / int8 force one path for every kind; anything else warns and means auto."""
+    cpu_gemm._activation_mode.cache_clear()  # it warns once per value
     for value in (None, "auto", "int4"):
         if value is None:
             monkeypatch.delenv("LLMD_CPU_GEMM_ACT", raising=False)
