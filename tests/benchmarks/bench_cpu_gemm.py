@@ -18,7 +18,7 @@ call (best of repeated calls) and the weight bytes streamed per second (GB/s) fo
 With --gguf (all packed types, or a list), instead: llmd's matmul straight from GGUF blocks of each type
 (llmd.kernels.cpu_gemm.GGUFKernel) at shapes whose rows are whole 256-element super-blocks, in ms and in weights per
 second (Gw/s), GB/s of the type's bytes and GFLOP/s, then the same blocks on the integer path (GGUFKernel(q8=True):
-activations quantized to int8 per block of 32, as LLMD_CPU_GEMM_ACT=int8 runs them) in ms and GB/s, and fp32 at the
+activations quantized to int8 per block of 32, as a GGUF file's layers run by default) in ms and GB/s, and fp32 at the
 same shape.
 Weights are random codes: speed does not depend on their values. The first llmd call builds the kernel if needed.
 """
