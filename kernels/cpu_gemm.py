@@ -163,17 +163,26 @@ def _self_check(lib: ctypes.CDLL) -> None:
         raise RuntimeError("self-check failed: the GGUF Q4_K integer path differs from its reference")
 
 
+def _build_any(cc: str, simd_choices: list[list[str]]) -> Path:
+    """The first build that compiles: each SIMD choice (an older compiler may not know the AVX-512/VNNI flags), with
+    OpenMP, then without (a compiler without it: single-threaded)."""
+    error: RuntimeError | None = None
+    for simd in dict.fromkeys(map(tuple, simd_choices)):
+        for openmp in (["-fopenmp"], []):
+            try:
+                return _build(cc, _BASE_FLAGS + list(simd) + openmp)
+            except RuntimeError as exc:
+                error = exc
+    raise error or RuntimeError("no build")
+
+
 def build_and_load() -> ctypes.CDLL | None:
     """Build (or find in the cache), load and self-check the library; None, logged in one line, on any failure."""
     try:
         cc = _compiler()
         if cc is None:
             raise RuntimeError("no C compiler (cc, gcc, clang) on PATH")
-        flags = _BASE_FLAGS + simd_flags()
-        try:
-            path = _build(cc, flags + ["-fopenmp"])
-        except RuntimeError:  # a compiler without OpenMP: single-threaded
-            path = _build(cc, flags)
+        path = _build_any(cc, [simd_flags(), simd_flags(isa="avx2")])
         lib = _bind(path)
         _self_check(lib)
         return lib

@@ -240,6 +240,21 @@ def test_a_failing_build_logs_one_line_and_returns_none(monkeypatch, tmp_path, c
     assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
 
 
+def test_a_compiler_without_the_avx512_flags_still_builds_the_avx2_kernels(monkeypatch, tmp_path):
+    """An older compiler that refuses -mavx512* / -mavxvnni: the AVX2 build, not the torch fallback."""
+    if not HAVE_KERNEL or not cpu_gemm.simd_flags():
+        return
+    real = cpu_gemm._compiler()
+    cc = tmp_path / "old-cc"
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do case "$a" in -mavx512*|-mavxvnni) exit 1;; esac; done\n'
+                  f'exec "{real}" "$@"\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    lib = cpu_gemm.build_and_load()
+    assert lib is not None and lib.llmd_cpu_gemm_simd() == 1
+
+
 def test_build_goes_to_the_user_cache(monkeypatch, tmp_path):
     if not HAVE_KERNEL:
         return
