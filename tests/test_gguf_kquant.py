@@ -16,8 +16,9 @@ from test_gguf import _tokenizer_metadata, VOCAB
 from test_gguf_blocks import random_blocks
 
 from llmd.errors import ModelFileError
+from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
-from llmd.model.quant import GGUFEmbedding, GGUFLinear, packed_weight_bytes
+from llmd.model.quant import GGUFConcat, GGUFEmbedding, GGUFLinear, packed_weight_bytes
 from llmd.model.loader import load_model
 from simple_driver import prefill_logits
 
@@ -151,6 +152,21 @@ def test_packed_layer_matches_its_dequantized_weights(monkeypatch):
         want = x @ gb.dequantize_blocks(layer.qweight, type_name).t()
         torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(layer._chunked(x), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["untied", "tied"])
+def test_packed_head_keeps_fp32_activations_by_default(kquant_files, variant, monkeypatch):
+    """By default every packed layer takes the integer path and the output head (the file's Q6_K, or the tied Q4_K
+    token table) fp32 activations; LLMD_CPU_GEMM_ACT=int8 puts the head on the integer path too."""
+    if not cpu_gemm.available():
+        return
+    monkeypatch.delenv("LLMD_CPU_GEMM_ACT", raising=False)
+    model = load_model(kquant_files[variant], quant="gguf", device="cpu").model
+    layers = [m for m in model.model.modules() if isinstance(m, (GGUFLinear, GGUFConcat))]
+    assert layers and all(m.kernel.q8 for m in layers)
+    assert model.lm_head.output_head and not model.lm_head.kernel.q8
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "int8")
+    assert load_model(kquant_files[variant], quant="gguf", device="cpu").model.lm_head.kernel.q8
 
 
 def test_resident_bytes_by_type(kquant_files):

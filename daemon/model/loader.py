@@ -17,7 +17,7 @@ from .calibrate import quantize_calibrated
 from .config import ModelConfig
 from .linear import transposed_tied_head, use_transposed_weights
 from .ops import bind_ops, choose_ops
-from .quant import (QuantizedLinear, QuantSpec, build_empty_quantized, parse_quant, quantize_tied_head, quantized_weight_bytes,
+from .quant import (GGUFLinear, QuantizedLinear, QuantSpec, build_empty_quantized, parse_quant, quantize_tied_head, quantized_weight_bytes,
                     quantizing_stream, tie_gguf_head)
 from .quant_cache import cached  # second starts read packed weights from the XDG cache
 from .registry import model_class
@@ -124,9 +124,12 @@ class LoadPipeline:
                 module.prepare(self.device, self.dtype)
 
     def _final_form(self, model: nn.Module) -> None:
-        """The head tied (once) and the weights laid out for the device: the forms a cache entry stores, which differ
-        by device type (on the CPU every fp linear, a tied head included, is held transposed)."""
+        """The head tied (once; a packed head marked as the output head) and the weights laid out for the device: the
+        forms a cache entry stores, which differ by device type (on the CPU every fp linear, a tied head included, is
+        held transposed)."""
         self.tie_output_head(model)
+        if isinstance(getattr(model, "lm_head", None), GGUFLinear):  # tied or the file's own: it picks the token
+            model.lm_head.output_head = True
         if self.device.type == "cpu":
             use_transposed_weights(model)
 

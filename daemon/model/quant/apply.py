@@ -50,8 +50,6 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
             layer = _gguf_layer(linear, model.checkpoint_parts(name), name, gguf_types or {}, dtype, device)
             if layer is None:
                 continue
-            if name == "lm_head" and isinstance(layer, GGUFLinear):
-                layer.output_head = True
         else:
             if spec.method == "int4" and linear.in_features % spec.group_size:
                 raise ValueError(f"{name}: in_features {linear.in_features} is not a multiple of the int4 group "
