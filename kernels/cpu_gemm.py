@@ -67,6 +67,14 @@ _EXTRA_FLAGS = (({"avx512f", "avx512vl", "avx512bw"}, ["-mavx512f", "-mavx512vl"
                 ({"avx_vnni"}, ["-mavxvnni"]))
 
 
+@functools.lru_cache(maxsize=None)  # one warning per value
+def _isa(value: str) -> str:
+    if value not in ("auto", "avx2"):
+        log.warning("LLMD_CPU_ISA=%r is not auto or avx2; using auto", value)
+        return "auto"
+    return value
+
+
 def simd_flags(cpu_flags: set[str] | None = None, isa: str | None = None) -> list[str]:
     """-mavx2 -mfma -mf16c when the CPU lists all of AVX2, FMA and F16C, plus AVX-512 VL/BW and VNNI where it lists
     them unless LLMD_CPU_ISA=avx2 (`isa`: for a VM that lists them but faults, or a like-for-like comparison with an
@@ -75,7 +83,7 @@ def simd_flags(cpu_flags: set[str] | None = None, isa: str | None = None) -> lis
     if not {"avx2", "fma", "f16c"} <= flags:
         return []
     out = ["-mavx2", "-mfma", "-mf16c"]
-    if (isa or os.environ.get("LLMD_CPU_ISA", "auto")) == "avx2":
+    if (isa or _isa(os.environ.get("LLMD_CPU_ISA", "auto"))) == "avx2":
         return out
     for needs, extra in _EXTRA_FLAGS:
         if needs <= flags:

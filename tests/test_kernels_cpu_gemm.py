@@ -268,7 +268,7 @@ def test_build_goes_to_the_user_cache(monkeypatch, tmp_path):
     assert cpu_gemm.build_and_load() is not None and built[0].stat().st_mtime_ns == mtime
 
 
-def test_simd_flags_follow_the_cpu():
+def test_simd_flags_follow_the_cpu(monkeypatch, caplog):
     assert cpu_gemm.simd_flags({"avx2", "fma", "f16c", "sse4_2"}) == ["-mavx2", "-mfma", "-mf16c"]
     assert cpu_gemm.simd_flags({"avx2", "sse4_2"}) == []  # no FMA: the portable code
     avx512 = {"avx2", "fma", "f16c", "avx512f", "avx512vl", "avx512bw", "avx512_vnni", "avx_vnni"}
@@ -276,6 +276,12 @@ def test_simd_flags_follow_the_cpu():
                                            "-mavx512vnni", "-mavxvnni", "-mprefer-vector-width=256"]
     assert "-mavx512vnni" not in cpu_gemm.simd_flags(avx512 - {"avx512bw"})  # VNNI on ymm needs AVX-512 VL/BW
     assert cpu_gemm.simd_flags(avx512, isa="avx2") == ["-mavx2", "-mfma", "-mf16c"]
+    monkeypatch.setenv("LLMD_CPU_ISA", "avx2")
+    assert cpu_gemm.simd_flags(avx512) == ["-mavx2", "-mfma", "-mf16c"]
+    monkeypatch.setenv("LLMD_CPU_ISA", "avx9000")
+    with caplog.at_level(logging.WARNING, logger="llmd.kernels.cpu_gemm"):
+        assert "-mavx512vnni" in cpu_gemm.simd_flags(avx512)
+    assert "LLMD_CPU_ISA='avx9000' is not auto or avx2" in caplog.text
     assert "-march=native" not in cpu_gemm.simd_flags()
 
 
