@@ -11,11 +11,12 @@ Without a compiler, or when the build or a self-check against the torch referenc
 returns None, and `int8_matmul` / `int4_matmul` return None: callers keep their torch path. LLMD_CPU_GEMM=0 turns the
 kernel off (read by each function call, and by a quantized layer when it first runs).
 
-Two numerics paths: `int8_matmul` / `int4_matmul` / `gguf_matmul` keep fp32 activations; `int8_matmul_q8` /
-`int4_matmul_q8` / `gguf_matmul(q8=True)` quantize each activation row to int8 per block of 32 and use integer dot products
-(2-3x the multiply-adds per second; each has a torch reference, `*_q8_ref`). The quantized layers use `layer_kernel`
-and `gguf_kernel`, which fix one path per layer for every M (LLMD_CPU_GEMM_ACT, see Q8_ACTIVATIONS): the integer one,
-where chosen, wherever K and the group are multiples of 32 (every GGUF block type).
+Numerics paths: `int8_matmul` / `int4_matmul` / `gguf_matmul` keep fp32 activations; `int8_matmul_q8` /
+`int4_matmul_q8` / `gguf_matmul(act="int8")` quantize each activation row to int8 per block of 32 and use integer dot
+products (2-3x the multiply-adds per second; each has a torch reference, `*_q8_ref`); `gguf_matmul(act="int16")`
+quantizes to int16 per block of 32 (Q8_0 and Q6_K blocks, the output heads; `gguf_matmul_q16_ref`). The quantized
+layers use `layer_kernel` and `gguf_kernel`, which fix one path per layer for every M (LLMD_CPU_GEMM_ACT, see
+ACTIVATIONS): a quantized one, where chosen, wherever K and the group are multiples of 32 (every GGUF block type).
 """
 
 from __future__ import annotations
@@ -144,6 +145,10 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.llmd_gguf_matmul_q8.argtypes = lib.llmd_gguf_matmul.argtypes
     lib.llmd_gguf_parts_matmul_q8.argtypes = lib.llmd_gguf_parts_matmul.argtypes
     lib.llmd_gguf_matmul_q8.restype = lib.llmd_gguf_parts_matmul_q8.restype = cint
+    lib.llmd_gguf_matmul_q16.argtypes = lib.llmd_gguf_matmul.argtypes
+    lib.llmd_gguf_parts_matmul_q16.argtypes = lib.llmd_gguf_parts_matmul.argtypes
+    lib.llmd_gguf_q16_type.argtypes = [cint]
+    lib.llmd_gguf_matmul_q16.restype = lib.llmd_gguf_parts_matmul_q16.restype = lib.llmd_gguf_q16_type.restype = cint
     return lib
 
 
@@ -166,9 +171,15 @@ def _self_check(lib: ctypes.CDLL) -> None:
     if not torch.equal(_gguf_dequant(lib, blocks, "Q4_K", 256), gb.dequantize_blocks(blocks, "Q4_K")):
         raise RuntimeError("self-check failed: GGUF Q4_K blocks dequantize to other values than the reference")
     x = torch.randn(2, 256, generator=g)
-    got = GGUFKernel(lib, [(blocks, "Q4_K")], 256, q8=True)(x, 1)
+    got = GGUFKernel(lib, [(blocks, "Q4_K")], 256, act="int8")(x, 1)
     if not torch.allclose(got, gguf_matmul_q8_ref(x, blocks, "Q4_K"), rtol=1e-4, atol=1e-4):
         raise RuntimeError("self-check failed: the GGUF Q4_K integer path differs from its reference")
+    blocks = torch.randint(-128, 128, (3, 8, 34), dtype=torch.int8, generator=g).view(torch.uint8)  # Q8_0
+    blocks[:, :, 0:2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    blocks = blocks.reshape(3, 272)
+    got = GGUFKernel(lib, [(blocks, "Q8_0")], 256, act="int16")(x, 1)
+    if not torch.allclose(got, gguf_matmul_q16_ref(x, blocks, "Q8_0"), rtol=1e-5, atol=1e-5):
+        raise RuntimeError("self-check failed: the GGUF Q8_0 head path differs from its reference")
 
 
 def _build_any(cc: str, simd_choices: list[list[str]]) -> Path:
@@ -313,17 +324,18 @@ def int4_matmul_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     return _int4_q8(lib, x, qweight, scales, zeros, group_size, threads)
 
 
-def quantize_activations_ref(x: torch.Tensor) -> torch.Tensor:
-    """The kernel's activation quantization in torch, dequantized: per block of 32, d = amax / 127 and
-    q = round(x * (127 / amax)) (ties to even); returns d * q (the same fp32 ops, so the same q and d bit for bit)."""
+def quantize_activations_ref(x: torch.Tensor, levels: int = 127) -> torch.Tensor:
+    """The kernel's activation quantization in torch, dequantized: per block of 32, d = amax / levels and
+    q = round(x * (levels / amax)) (ties to even; levels 127 for int8, 32767 for int16); returns d * q (the same fp32
+    ops, so the same q and d bit for bit)."""
     m, k = x.shape
     xb = x.to(torch.float32).reshape(m, k // Q8_BLOCK, Q8_BLOCK)
     amax = xb.abs().amax(-1, keepdim=True)
     # a tensor divided by a tensor: `127.0 / amax` is computed as 127 * (1 / amax) in torch, off by an ulp at times,
     # which flips a rare activation that lands on .5 (the kernel divides once, correctly rounded)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    inv = torch.where(amax > 0, torch.full_like(amax, float(levels)) / amax, torch.zeros_like(amax))
     q = torch.round(xb * inv)
-    return (q * (amax / 127.0)).reshape(m, k)
+    return (q * (amax / float(levels))).reshape(m, k)
 
 
 def int8_matmul_q8_ref(x, qweight, scales, group_size):
@@ -344,14 +356,18 @@ def int4_matmul_q8_ref(x, qweight, scales, zeros, group_size):
 #   near-ties: SmolLM2 then answers "What is the capital of France?" as llama.cpp does ("L'Étoile, ...").
 # - gguf (a file's K-quant, Q5_0/Q5_1, Q8_0 and IQ4 blocks kept packed): the integer path, activations quantized to
 #   int8 per block of 32 as llama.cpp computes these files (LLMD_CPU_GEMM_ACT=fp32: the file's exact weights).
-# - gguf_head (a packed output head, tied or not): fp32 activations. The head picks the token: on the integer path
-#   SmolLM2's tied Q8_0 head alone turns "The capital of France is Paris." into llama.cpp's "L'Étoile, ...".
-Q8_ACTIVATIONS = {"int4": False, "int8": False, "gguf": True, "gguf_head": False}
+# - gguf_head (a packed output head, tied or not): int16 activations where the head is Q8_0 or Q6_K (as nearly every
+#   file's is), else fp32. The head picks the token: on the int8 path SmolLM2's tied Q8_0 head alone turns "The
+#   capital of France is Paris." into llama.cpp's "L'Étoile, ..."; int16 is 256 times finer (the logits move by
+#   ~1e-4, not ~0.1) while the head stays bound by reading its weights, not by fp32 multiplies.
+ACTIVATIONS = {"int4": "fp32", "int8": "fp32", "gguf": "int8", "gguf_head": "int16"}
 
 
-def q8_activations(kind: str) -> bool:
+def activations(kind: str) -> str:
+    """The activation path ("fp32", "int8" or "int16") that a layer of `kind` takes: ACTIVATIONS[kind] unless
+    LLMD_CPU_GEMM_ACT says fp32 or int8 for every kind."""
     mode = _activation_mode(os.environ.get("LLMD_CPU_GEMM_ACT", "auto"))
-    return Q8_ACTIVATIONS[kind] if mode == "auto" else mode == "int8"
+    return ACTIVATIONS[kind] if mode == "auto" else mode
 
 
 @functools.lru_cache(maxsize=None)  # one warning per value, not one per layer
@@ -373,13 +389,17 @@ class LayerKernel:
         self.k = qweight.shape[1] * (2 if kind == "int4" else 1)
         # contiguous fp32 forms, kept alive with the layer: the pointers below stay valid
         self._keep = [qweight.contiguous(), _f32(scales)] + ([_f32(zeros)] if kind == "int4" else [])
-        self.q8 = (q8_activations(kind) if q8 is None else q8) and supports_q8(self.k, group_size)
+        self.q8 = (activations(kind) == "int8" if q8 is None else q8) and supports_q8(self.k, group_size)
         if self.q8:
             self._fn = lib.llmd_int4_matmul_q8 if kind == "int4" else lib.llmd_int8_matmul_q8
             self._work_per_row = lib.llmd_q8_work_bytes(1, self.k, group_size)
         else:
             self._fn = lib.llmd_int4_matmul if kind == "int4" else lib.llmd_int8_matmul
         self.weight_pointers = tuple(t.data_ptr() for t in self._keep)  # (q, s) or (q, s, z)
+
+    @property
+    def act(self) -> str:
+        return "int8" if self.q8 else "fp32"
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
         x = _prepare_x(x, self.k)
@@ -442,14 +462,19 @@ class GGUFKernel:
     """A packed GGUF layer's CPU matmul: the kernel multiplies the blocks' integer codes with the activations per
     sub-block and applies each sub-block's scale and offset once (the int4 kernel's arithmetic), in one fixed
     operation order per output, so a row's result never depends on the batch. Several parts of different types (a
-    fused q/k/v) fill their own columns side by side. q8: the integer path (activations quantized to int8 per block
-    of 32, integer dot products: gguf_matmul_q8_ref's values) for every M; None: as LLMD_CPU_GEMM_ACT says."""
+    fused q/k/v) fill their own columns side by side. act, the activation path for every M: "fp32"; "int8"
+    (quantized per block of 32, integer dot products: gguf_matmul_q8_ref's values); "int16" (per block of 32 to
+    int16, where every part is Q8_0 or Q6_K, else fp32: gguf_matmul_q16_ref's values); None: as LLMD_CPU_GEMM_ACT
+    says for a layer."""
 
     kind = "gguf"
 
-    def __init__(self, lib, parts: list[tuple[torch.Tensor, str]], k: int, q8: bool | None = None):
+    def __init__(self, lib, parts: list[tuple[torch.Tensor, str]], k: int, act: str | None = None):
         self.k = k
-        self.q8 = (q8_activations("gguf") if q8 is None else q8) and k % Q8_BLOCK == 0
+        act = activations("gguf") if act is None else act
+        if act == "int16" and not all(lib.llmd_gguf_q16_type(GGUF_TYPE_IDS[t]) for _, t in parts):
+            act = "fp32"
+        self.act = act if k % Q8_BLOCK == 0 else "fp32"
         self._keep = []
         self.parts = (GGUFPart * len(parts))()
         for c_part, (qweight, type_name) in zip(self.parts, parts):
@@ -460,7 +485,8 @@ class GGUFKernel:
             c_part.type, c_part.n, c_part.q = GGUF_TYPE_IDS[type_name], q.shape[0], q.data_ptr()
         self.n = sum(p.n for p in self.parts)
         self.types = [t for _, t in parts]
-        self._fn = lib.llmd_gguf_parts_matmul_q8 if self.q8 else lib.llmd_gguf_parts_matmul
+        self._fn = {"fp32": lib.llmd_gguf_parts_matmul, "int8": lib.llmd_gguf_parts_matmul_q8,
+                    "int16": lib.llmd_gguf_parts_matmul_q16}[self.act]
         self.parts_pointer = ctypes.addressof(self.parts)
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
@@ -476,15 +502,15 @@ class GGUFKernel:
 
 
 def gguf_matmul(x: torch.Tensor, qweight: torch.Tensor, type_name: str, threads: int | None = None,
-                q8: bool = False) -> torch.Tensor | None:
-    """fp32 x [M, K] @ dequantize_blocks(qweight [N, row bytes], type_name).T -> fp32 [M, N] (q8: on the integer path,
-    x quantized to int8 per block of 32: gguf_matmul_q8_ref's values); None when the kernel is unavailable or does not
-    know the type (then use the torch path)."""
+                act: str = "fp32") -> torch.Tensor | None:
+    """fp32 x [M, K] @ dequantize_blocks(qweight [N, row bytes], type_name).T -> fp32 [M, N] (act "int8" or "int16":
+    x quantized per block of 32, gguf_matmul_q8_ref's or gguf_matmul_q16_ref's values); None when the kernel is
+    unavailable or does not know the type (then use the torch path)."""
     lib = load()
     if lib is None or type_name not in GGUF_TYPE_IDS:
         return None
     elems, nbytes = gb.block_shape(type_name)
-    return GGUFKernel(lib, [(qweight, type_name)], qweight.shape[1] // nbytes * elems, q8=q8)(x, threads)
+    return GGUFKernel(lib, [(qweight, type_name)], qweight.shape[1] // nbytes * elems, act=act)(x, threads)
 
 
 def gguf_matmul_q8_ref(x: torch.Tensor, qweight: torch.Tensor, type_name: str) -> torch.Tensor:
@@ -493,10 +519,17 @@ def gguf_matmul_q8_ref(x: torch.Tensor, qweight: torch.Tensor, type_name: str) -
     return quantize_activations_ref(x) @ gb.dequantize_blocks(qweight, type_name).t()
 
 
+def gguf_matmul_q16_ref(x: torch.Tensor, qweight: torch.Tensor, type_name: str) -> torch.Tensor:
+    """The head path's values in torch: x quantized to int16 per block of 32 as the kernel does, times the blocks'
+    reference weights, summed in float64."""
+    xq = quantize_activations_ref(x, 32767).double()
+    return (xq @ gb.dequantize_blocks(qweight, type_name).double().t()).float()
+
+
 def gguf_kernel(parts: list[tuple[torch.Tensor, str]], k: int, head: bool = False) -> GGUFKernel | None:
     """The GGUFKernel of one packed GGUF weight, or of several side by side (GGUFConcat), for the caller to keep;
     None where the kernel is off or unavailable or does not know a type (then the layer dequantizes in torch).
-    head: the output head's (its activations chosen as Q8_ACTIVATIONS["gguf_head"] says)."""
+    head: the output head's (its activations chosen as ACTIVATIONS["gguf_head"] says)."""
     lib = load()
     ok = lib is not None and all(t in GGUF_TYPE_IDS for _, t in parts)
-    return GGUFKernel(lib, parts, k, q8_activations("gguf_head" if head else "gguf")) if ok else None
+    return GGUFKernel(lib, parts, k, activations("gguf_head" if head else "gguf")) if ok else None

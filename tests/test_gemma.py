@@ -227,16 +227,16 @@ def test_gemma3_270m_c_layer_stack_equals_the_modules(gemma3_270m_lm, groups):
 
 def test_gemma3_270m_packed_layers_take_the_integer_path_by_default(gemma3_270m_lm, gemma3_270m_exact):
     """By default every packed layer takes the integer GGUF matmul (the C layer stack's own linear kind for it) and
-    the tied head fp32 activations; LLMD_CPU_GEMM_ACT=fp32 every layer the fp32-activation one, whose C stack equals
-    its modules bit for bit too."""
+    the tied Q8_0 head int16 activations; LLMD_CPU_GEMM_ACT=fp32 every layer and the head the fp32-activation one,
+    whose C stack equals its modules bit for bit too."""
     from llmd.kernels import cpu_stack as ck
     from llmd.model.cpu_stack import CpuLayerStack
 
-    for lm, integer in ((gemma3_270m_lm, True), (gemma3_270m_exact, False)):
+    for lm, act, head in ((gemma3_270m_lm, "int8", "int16"), (gemma3_270m_exact, "fp32", "fp32")):
         layers = CpuLayerStack.build(lm.model).layers
         assert {getattr(layer, name).kind for layer in layers for name in ("qkv", "o", "gate_up", "down")} == \
-            {ck.KINDS["gguf", integer]}
-        assert lm.model.lm_head.output_head and not lm.model.lm_head.kernel.q8
+            {ck.KINDS["gguf", act]}
+        assert lm.model.lm_head.output_head and lm.model.lm_head.kernel.act == head
     _assert_stack_equals_the_modules(gemma3_270m_exact, 2)
 
 

@@ -155,18 +155,19 @@ def test_packed_layer_matches_its_dequantized_weights(monkeypatch):
 
 
 @pytest.mark.parametrize("variant", ["untied", "tied"])
-def test_packed_head_keeps_fp32_activations_by_default(kquant_files, variant, monkeypatch):
-    """By default every packed layer takes the integer path and the output head (the file's Q6_K, or the tied Q4_K
-    token table) fp32 activations; LLMD_CPU_GEMM_ACT=int8 puts the head on the integer path too."""
+def test_packed_head_takes_int16_or_fp32_activations_by_default(kquant_files, variant, monkeypatch):
+    """By default every packed layer takes the integer path and the output head int16 activations where it is Q6_K
+    (the file's own head) and fp32 where it is the tied Q4_K token table; LLMD_CPU_GEMM_ACT=int8 puts the head on the
+    integer path too."""
     if not cpu_gemm.available():
         return
     monkeypatch.delenv("LLMD_CPU_GEMM_ACT", raising=False)
     model = load_model(kquant_files[variant], quant="gguf", device="cpu").model
     layers = [m for m in model.model.modules() if isinstance(m, (GGUFLinear, GGUFConcat))]
-    assert layers and all(m.kernel.q8 for m in layers)
-    assert model.lm_head.output_head and not model.lm_head.kernel.q8
+    assert layers and all(m.kernel.act == "int8" for m in layers)
+    assert model.lm_head.output_head and model.lm_head.kernel.act == ("int16" if variant == "untied" else "fp32")
     monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "int8")
-    assert load_model(kquant_files[variant], quant="gguf", device="cpu").model.lm_head.kernel.q8
+    assert load_model(kquant_files[variant], quant="gguf", device="cpu").model.lm_head.kernel.act == "int8"
 
 
 def test_resident_bytes_by_type(kquant_files):
@@ -299,7 +300,7 @@ def test_mixed_types_fuse_and_the_c_layer_stack_runs_them_bit_for_bit(kquant_fil
     compiled = cpu_stack.CompiledCpuForward.try_build(model)
     assert compiled is not None
     kinds = {getattr(layer, name).kind for layer in compiled.stack.layers for name in ("qkv", "o", "gate_up", "down")}
-    assert kinds == {ck.KINDS["gguf", act == "int8"]}
+    assert kinds == {ck.KINDS["gguf", act]}
 
     def run(use_stack: bool) -> list[torch.Tensor]:
         forward = compiled if use_stack else model

@@ -410,8 +410,8 @@ KINDS = ("int8", "int4", "gguf", "gguf_head")
 
 
 def test_activation_mode_per_kind_and_forced(monkeypatch, caplog):
-    """Unset or auto: GGUF blocks take the integer path (llama.cpp's numerics), a GGUF output head and llmd's
-    int8/int4 fp32 activations; fp32 / int8 force one path for every kind; anything else warns and means auto."""
+    """Unset or auto: GGUF blocks take the integer path (llama.cpp's numerics), a GGUF output head int16 activations
+    and llmd's int8/int4 fp32 ones; fp32 / int8 force one path for every kind; anything else warns and means auto."""
     cpu_gemm._activation_mode.cache_clear()  # it warns once per value
     for value in (None, "auto", "int4"):
         if value is None:
@@ -419,8 +419,8 @@ def test_activation_mode_per_kind_and_forced(monkeypatch, caplog):
         else:
             monkeypatch.setenv("LLMD_CPU_GEMM_ACT", value)
         with caplog.at_level("WARNING", logger="llmd.kernels.cpu_gemm"):
-            assert [cpu_gemm.q8_activations(k) for k in KINDS] == [False, False, True, False]
+            assert [cpu_gemm.activations(k) for k in KINDS] == ["fp32", "fp32", "int8", "int16"]
     assert "LLMD_CPU_GEMM_ACT='int4' is not auto, fp32 or int8" in caplog.text
-    for value, want in (("fp32", False), ("int8", True)):
+    for value in ("fp32", "int8"):
         monkeypatch.setenv("LLMD_CPU_GEMM_ACT", value)
-        assert [cpu_gemm.q8_activations(k) for k in KINDS] == [want] * 4
+        assert [cpu_gemm.activations(k) for k in KINDS] == [value] * 4

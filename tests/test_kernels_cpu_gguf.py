@@ -3,8 +3,10 @@ the blocks' integer codes and applies each sub-block's scale and offset once, ye
 the reference's weights (llmd.kernels.gguf_blocks, itself gguf's) bit for bit, on every path (one row, row tiles, rows
 in vector lanes); the C dequantize is the reference's in the portable build too; its products match the torch
 reference; a row's output is bitwise the same whatever the batch, its position and the thread count. The integer path
-(GGUFKernel(q8=True), LLMD_CPU_GEMM_ACT=int8: activations quantized to int8 per block of 32) matches its torch
+(GGUFKernel(act="int8"), LLMD_CPU_GEMM_ACT=int8: activations quantized to int8 per block of 32) matches its torch
 reference (gguf_matmul_q8_ref) for every type, and is bitwise the same whatever the batch, row, threads and parts.
+The output head's path (act="int16": int16 activations, Q8_0 and Q6_K) matches gguf_matmul_q16_ref, is far closer
+to fp32 activations than int8 is, and gives the same bits in every build and batch.
 
 Where no C compiler exists the functions return None; the tests then check that branch instead of skipping."""
 
@@ -156,7 +158,7 @@ def test_integer_path_matches_reference(type_name):
         q, _ = _weights(type_name, n=37, k=k, seed=k)
         for m in ROWS:
             x = _x(m, k, seed=m)
-            y = cpu_gemm.gguf_matmul(x, q, type_name, q8=True)
+            y = cpu_gemm.gguf_matmul(x, q, type_name, act="int8")
             if not HAVE_KERNEL:
                 assert y is None
                 return
@@ -178,7 +180,7 @@ def test_activation_quantization_is_the_kernels_bit_for_bit():
     blocks = torch.zeros(32, 34, dtype=torch.uint8)
     blocks[:, 0:2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
     blocks[torch.arange(32), 2 + torch.arange(32)] = 1
-    y = cpu_gemm.gguf_matmul(x, blocks, "Q8_0", q8=True)
+    y = cpu_gemm.gguf_matmul(x, blocks, "Q8_0", act="int8")
     if not HAVE_KERNEL:
         assert y is None
         return
@@ -191,7 +193,7 @@ def test_integer_path_differs_from_fp32_activations_only_by_the_quantization():
         return
     q, k = _weights("Q4_K", n=16)
     x = _x(3, k)
-    y, fp = cpu_gemm.gguf_matmul(x, q, "Q4_K", q8=True), cpu_gemm.gguf_matmul(x, q, "Q4_K")
+    y, fp = cpu_gemm.gguf_matmul(x, q, "Q4_K", act="int8"), cpu_gemm.gguf_matmul(x, q, "Q4_K")
     ref = cpu_gemm.gguf_matmul_q8_ref(x, q, "Q4_K")
     assert (y - fp).abs().max() > 100 * (y - ref).abs().max()
 
@@ -204,9 +206,9 @@ def test_integer_path_rows_do_not_depend_on_batch_threads_or_parts(type_name):
     other_type = "Q6_K" if type_name != "Q6_K" else "Q8_0"  # fused with parts of another type on either side
     other, _ = _weights(other_type, n=11, k=k, seed=3)
     lib = cpu_gemm.load()
-    kernel = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, q8=True)
-    fused = cpu_gemm.GGUFKernel(lib, [(other, other_type), (q, type_name), (other, other_type)], k, q8=True)
-    assert kernel.q8 and fused.q8
+    kernel = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, act="int8")
+    fused = cpu_gemm.GGUFKernel(lib, [(other, other_type), (q, type_name), (other, other_type)], k, act="int8")
+    assert kernel.act == fused.act == "int8"
     x = _x(70, k)
     full = _rows_independent_of_the_batch(kernel, x)
     for threads in (1, 2, 3):
@@ -222,14 +224,77 @@ def test_integer_path_is_chosen_by_the_environment(monkeypatch):
         return
     q, k = _weights("Q5_0")
     monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")
-    assert not cpu_gemm.gguf_kernel([(q, "Q5_0")], k).q8
+    assert cpu_gemm.gguf_kernel([(q, "Q5_0")], k).act == "fp32"
     monkeypatch.delenv("LLMD_CPU_GEMM_ACT", raising=False)
     kernel = cpu_gemm.gguf_kernel([(q, "Q5_0")], k)
-    assert kernel.q8  # the integer path by default, as llama.cpp computes GGUF blocks
+    assert kernel.act == "int8"  # the integer path by default, as llama.cpp computes GGUF blocks
     x = _x(4, k)
-    assert torch.equal(kernel(x), cpu_gemm.gguf_matmul(x, q, "Q5_0", q8=True))
+    assert torch.equal(kernel(x), cpu_gemm.gguf_matmul(x, q, "Q5_0", act="int8"))
     assert kernel(x[:0]).shape == (0, q.shape[0])
-    assert not cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, "Q5_0")], k, q8=False).q8
+    assert cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, "Q5_0")], k, act="fp32").act == "fp32"
+
+
+HEAD_TYPES = ["Q8_0", "Q6_K"]  # the output head's int16 path
+
+
+@pytest.mark.parametrize("type_name", HEAD_TYPES)
+def test_head_path_matches_reference(type_name):
+    """int16-quantized activations (act="int16"): the reference's values up to fp32 rounding, for every row count."""
+    elems = gb.BLOCKS[type_name][0]
+    for k in ([3 * elems] if elems == 256 else [6 * elems, 7 * elems]):
+        q, _ = _weights(type_name, n=37, k=k, seed=k)
+        for m in ROWS:
+            x = _x(m, k, seed=m)
+            y = cpu_gemm.gguf_matmul(x, q, type_name, act="int16")
+            if not HAVE_KERNEL:
+                assert y is None
+                return
+            ref = cpu_gemm.gguf_matmul_q16_ref(x, q, type_name)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=2e-6 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("type_name", HEAD_TYPES)
+def test_head_path_is_256_times_closer_to_fp32_than_int8(type_name):
+    """Why the head takes int16: its error from fp32 activations is that of int16 rounding, far below int8's."""
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights(type_name, n=64, k=512)
+    x = _x(8, k)
+    exact = x.double() @ gb.dequantize_blocks(q, type_name).double().t()
+    err16 = (cpu_gemm.gguf_matmul(x, q, type_name, act="int16").double() - exact).abs().max().item()
+    err8 = (cpu_gemm.gguf_matmul(x, q, type_name, act="int8").double() - exact).abs().max().item()
+    assert 0 < err16 < err8 / 50
+
+
+@pytest.mark.parametrize("type_name", HEAD_TYPES)
+def test_head_path_rows_do_not_depend_on_batch_or_threads(type_name):
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights(type_name, n=45, k=512)
+    kernel = cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, act="int16")
+    assert kernel.act == "int16"
+    x = _x(70, k)
+    full = _rows_independent_of_the_batch(kernel, x)
+    for threads in (1, 2, 3):
+        assert torch.equal(kernel(x, threads), full) and torch.equal(kernel(x[:7], threads), full[:7])
+
+
+def test_head_path_is_chosen_for_q8_0_and_q6_k_heads(monkeypatch):
+    """By default a Q8_0 or Q6_K head takes int16 activations and any other head fp32; layers stay on int8;
+    LLMD_CPU_GEMM_ACT=fp32 or int8 chooses that path for the heads too."""
+    if not HAVE_KERNEL:
+        return
+    monkeypatch.delenv("LLMD_CPU_GEMM_ACT", raising=False)
+    for type_name in TYPES:
+        q, k = _weights(type_name, n=8, k=512)
+        want = "int16" if type_name in HEAD_TYPES else "fp32"
+        assert cpu_gemm.gguf_kernel([(q, type_name)], k, head=True).act == want, type_name
+        assert cpu_gemm.gguf_kernel([(q, type_name)], k).act == "int8"
+        assert cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, act="int16").act == want
+    q, k = _weights("Q8_0", n=8, k=512)
+    for mode in ("fp32", "int8"):
+        monkeypatch.setenv("LLMD_CPU_GEMM_ACT", mode)
+        assert cpu_gemm.gguf_kernel([(q, "Q8_0")], k, head=True).act == mode
 
 
 def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
@@ -244,16 +309,20 @@ def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
         q, k = _weights(type_name, n=19)
         w = gb.dequantize_blocks(q, type_name)
         assert torch.equal(cpu_gemm._gguf_dequant(lib, q, type_name, k).view(torch.int32), w.view(torch.int32))
-        kernel = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, q8=False)
+        kernel = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, act="fp32")
         x = _x(20, k)
         full = kernel(x, 2)
         torch.testing.assert_close(full, x @ w.t(), rtol=1e-4, atol=1e-4)
         assert torch.equal(kernel(x[3:4], 1), full[3:4])
-        integer = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, q8=True)
+        integer = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, act="int8")
         full = integer(x, 2)
         ref = cpu_gemm.gguf_matmul_q8_ref(x, q, type_name)
         torch.testing.assert_close(full, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
         assert torch.equal(integer(x[3:4], 1), full[3:4])
+        if type_name in HEAD_TYPES:  # the head path's lanes in plain C: the vector build's very bits
+            head = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, act="int16")
+            vector = cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, act="int16")
+            assert torch.equal(_bits(head(x, 2)), _bits(vector(x, 2)))
 
 
 def test_avx2_build_equals_the_default_build_bit_for_bit(tmp_path, monkeypatch):
@@ -268,6 +337,6 @@ def test_avx2_build_equals_the_default_build_bit_for_bit(tmp_path, monkeypatch):
     x = _x(21, 512)
     for type_name in TYPES:
         q, k = _weights(type_name, n=19, k=512)
-        for q8 in (False, True):
-            got = cpu_gemm.GGUFKernel(avx2, [(q, type_name)], k, q8=q8)(x, 2)
-            assert torch.equal(_bits(got), _bits(cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, q8=q8)(x, 2)))
+        for act in ("fp32", "int8", "int16"):
+            got = cpu_gemm.GGUFKernel(avx2, [(q, type_name)], k, act=act)(x, 2)
+            assert torch.equal(_bits(got), _bits(cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, act=act)(x, 2)))

@@ -213,13 +213,13 @@ def _linear(module) -> ck.Linear | None:
         module.prepare(torch.device("cpu"), torch.float32)
     kernel = module.kernel
     if isinstance(kernel, cpu_gemm.GGUFKernel):  # packed GGUF blocks: the kernel's parts array (one or more)
-        return ck.Linear(kind=ck.KINDS["gguf", kernel.q8], n=kernel.n, k=kernel.k, group=len(kernel.parts),
+        return ck.Linear(kind=ck.KINDS["gguf", kernel.act], n=kernel.n, k=kernel.k, group=len(kernel.parts),
                          q=kernel.parts_pointer, s=None, z=None, bias=None if bias is None else bias.data_ptr())
     if not isinstance(kernel, cpu_gemm.LayerKernel):
         return None
     kind = kernel.kind
     ptrs = kernel.weight_pointers
-    return ck.Linear(kind=ck.KINDS[kind, kernel.q8], n=kernel.n, k=kernel.k, group=kernel.group_size, q=ptrs[0],
+    return ck.Linear(kind=ck.KINDS[kind, kernel.act], n=kernel.n, k=kernel.k, group=kernel.group_size, q=ptrs[0],
                      s=ptrs[1], z=ptrs[2] if kind == "int4" else None,
                      bias=None if bias is None else bias.data_ptr())
 

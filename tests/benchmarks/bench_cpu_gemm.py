@@ -17,8 +17,9 @@ call (best of repeated calls) and the weight bytes streamed per second (GB/s) fo
               change side by side in one run
 With --gguf (all packed types, or a list), instead: llmd's matmul straight from GGUF blocks of each type
 (llmd.kernels.cpu_gemm.GGUFKernel) at shapes whose rows are whole 256-element super-blocks, in ms and in weights per
-second (Gw/s), GB/s of the type's bytes and GFLOP/s, then the same blocks on the integer path (GGUFKernel(q8=True):
-activations quantized to int8 per block of 32, as a GGUF file's layers run by default) in ms and GB/s, and fp32 at the
+second (Gw/s), GB/s of the type's bytes and GFLOP/s, then the same blocks on the integer path (GGUFKernel(act="int8"):
+activations quantized to int8 per block of 32, as a GGUF file's layers run by default) in ms and GB/s, on the output
+head's path for Q8_0 and Q6_K (act="int16": activations quantized to int16 per block of 32) in ms, and fp32 at the
 same shape.
 Weights are random codes: speed does not depend on their values. The first llmd call builds the kernel if needed.
 """
@@ -75,7 +76,7 @@ def layers(n: int, k: int):
     return w_t, i8, i4
 
 
-GGUF_SHAPES = [("mlp down 576x1536", 576, 1536), ("mlp up 2048x1024", 2048, 1024)]
+GGUF_SHAPES = [("mlp down 576x1536", 576, 1536), ("mlp up 2048x1024", 2048, 1024), ("head 32768x1024", 32768, 1024)]
 
 
 def gguf_table(types: list[str], threads: list[int], rows: list[int], budget: float) -> None:
@@ -92,24 +93,26 @@ def gguf_table(types: list[str], threads: list[int], rows: list[int], budget: fl
         print("llmd cpu_gemm kernel unavailable here: no GGUF figures")
         return
     print(f"{'type':7} {'shape':18} {'thr':>3} {'M':>4} {'ms':>9} {'Gw/s':>7} {'GB/s':>7} {'GFLOP/s':>8} "
-          f"{'q8 ms':>9} {'q8 GB/s':>7} {'fp32 ms':>9}")
+          f"{'q8 ms':>9} {'q8 GB/s':>7} {'q16 ms':>9} {'fp32 ms':>9}")
     with torch.inference_mode():
         for name, n, k in GGUF_SHAPES:
             w_t = torch.randn(k, n) * 0.02
             for type_name in types:
                 blocks = torch.from_numpy(np.ascontiguousarray(random_blocks(type_name, n, k, scale=0.001)))
-                kernel = cpu_gemm.GGUFKernel(lib, [(blocks, type_name)], k, q8=False)
-                integer = cpu_gemm.GGUFKernel(lib, [(blocks, type_name)], k, q8=True)
+                kernel = cpu_gemm.GGUFKernel(lib, [(blocks, type_name)], k, act="fp32")
+                integer = cpu_gemm.GGUFKernel(lib, [(blocks, type_name)], k, act="int8")
+                head = cpu_gemm.GGUFKernel(lib, [(blocks, type_name)], k, act="int16")  # Q8_0 / Q6_K only
                 for t in threads:
                     torch.set_num_threads(t)
                     for m in rows:
                         x = torch.randn(m, k)
                         ms = best_ms(lambda: kernel(x), budget)
                         q8 = best_ms(lambda: integer(x), budget)
+                        q16 = f"{best_ms(lambda: head(x), budget):9.3f}" if head.act == "int16" else f"{'-':>9}"
                         fp = best_ms(lambda: x @ w_t, budget)
                         print(f"{type_name:7} {name:18} {t:3d} {m:4d} {ms:9.3f} {n * k / ms / 1e6:7.2f} "
                               f"{blocks.numel() / ms / 1e6:7.2f} {2 * m * n * k / ms / 1e6:8.1f} {q8:9.3f} "
-                              f"{blocks.numel() / q8 / 1e6:7.2f} {fp:9.3f}", flush=True)
+                              f"{blocks.numel() / q8 / 1e6:7.2f} {q16} {fp:9.3f}", flush=True)
 
 
 def main(argv=None):

@@ -41,7 +41,7 @@ class GGUFLinear(QuantizedLinear):
         elems = gb.block_shape(type_name)[0]
         super().__init__(in_features, out_features, bias, elems, dtype, device)
         self.type_name = type_name
-        self.output_head = False  # the model's output head (set by the loader): its CPU kernel keeps fp32 activations
+        self.output_head = False  # the model's output head (set by the loader): its CPU kernel takes finer activations
         self.register_buffer("qweight", torch.empty(out_features, gb.row_bytes(type_name, in_features),
                                                     dtype=torch.uint8, device=device))
 
