@@ -37,9 +37,12 @@
 /* u8 x s8 dot product of 32 bytes -> 8 int32 lanes of 4 products each: one vpdpbusd where VNNI is built in, else
  * maddubs (int16 pairs) + madd. The same integers either way: no operand pair here reaches int16 saturation. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define DOT_U8S8(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s)
+#define DOT_U8S8_ACC(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
 #elif defined(__AVXVNNI__)
-#define DOT_U8S8(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s)
+#define DOT_U8S8_ACC(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
+#ifdef DOT_U8S8_ACC
+#define DOT_U8S8(u, s) DOT_U8S8_ACC(_mm256_setzero_si256(), u, s)
 #else
 #define DOT_U8S8(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))
 #endif
@@ -2002,15 +2005,17 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  * (63 * 127 * 2 or 128 * 127 * 2 < 32768). The portable build dequantizes each column (the reference's values) and
  * sums d_b * (sum of q * w per block) in a fixed order. */
 
-/* Row data of the integer path: d [m][K/32], S [m][chunks * 16], then the bytes q [m][K]. */
+/* Row data of the integer path: d [m][K/32], S [m][chunks * 16], the bytes q [m][K], then C [m][K/4]: -128 times
+ * the sum of each 4 bytes of q (see GQ_SIGNED_DOT). */
 static int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 16; }
 
 static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
     const int64_t nb = k / QB, lds = gq_sums(k);
-    float *d = (float *)aligned_alloc(64, ((size_t)(m * (nb + lds) * 4 + m * k) + 63) / 64 * 64);
+    float *d = (float *)aligned_alloc(64, ((size_t)(m * (nb + lds) * 4 + 2 * m * k) + 63) / 64 * 64);
     if (!d) return NULL;
     float *S = d + m * nb;
     int8_t *xq = (int8_t *)(S + m * lds);
+    int32_t *C = (int32_t *)(xq + m * k);
     for (int64_t r = 0; r < m; r++) {
         float D; /* the whole row's sum (quantize_row's group sum), unused */
         quantize_row(x + r * ldx, k, k, 0, xq + r * k, d + r * nb, &D);
@@ -2021,6 +2026,10 @@ static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
             for (int i = 0; i < 16; i++) sum += xq[r * k + 16 * s + i];
             sr[s] = d[r * nb + s / 2] * (float)sum;
         }
+        for (int64_t i = 0; i < k / 4; i++) {
+            const int8_t *v = xq + r * k + 4 * i;
+            C[r * (k / 4) + i] = -128 * (v[0] + v[1] + v[2] + v[3]);
+        }
     }
     return d;
 }
@@ -2030,6 +2039,20 @@ static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
 /* Per type, one chunk of one column: the codes u [8] of its units (element order), the units' scale vectors sv [8]
  * and the offsets z [16] of its 16-element sub-blocks (zeroed by the caller; nu blocks of 32, or one super-block). */
 #define GQ_DEC(T) INLINE void gqd_##T(const uint8_t *q, int nu, __m256i *u, __m256 *sv, float *z)
+
+/* Signed codes u (Q8_0, IQ4_NL: |u| <= 128) against activation bytes xv: |u| against the activations signed by u, or
+ * (where OFFSET: VNNI, one row; measured faster there only) u + 128 as the unsigned operand with the accumulator
+ * starting at -128 times each lane's 4 activation bytes (row data C at c), one vpdpbusd. The same integers either
+ * way (GQ_SIGNED_W: the unsigned operand). */
+#ifdef DOT_U8S8_ACC
+#define GQ_OFFSET_ROWS 1
+#else
+#define GQ_OFFSET_ROWS 0
+#define DOT_U8S8_ACC(acc, u, s) _mm256_add_epi32(acc, DOT_U8S8(u, s)) /* not used: keeps both branches compiling */
+#endif
+#define GQ_SIGNED_W(u, OFFSET) (OFFSET ? _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)) : _mm256_abs_epi8(u))
+#define GQ_SIGNED_DOT(w, u, xv, c, OFFSET)                                                                         \
+    (OFFSET ? DOT_U8S8_ACC(_mm256_loadu_si256((const __m256i *)(c)), w, xv) : DOT_U8S8(w, _mm256_sign_epi8(xv, u)))
 
 INLINE __m256 gq_pair(float a0, float a1) {
     return _mm256_blend_ps(_mm256_set1_ps(a0), _mm256_set1_ps(a1), 0xF0);
@@ -2063,7 +2086,7 @@ GQ_SMALL(iq4_nl, 18, iq4_lookup(nibbles32(qb + 2)), 0.0f)
  * gq_sums(K)); nb: GGUF blocks per row. */
 #define GQ_TILE(T, BPC, BYTES, SIGNED, R, C)                                                                       \
     static void gqt_##T##_##R(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd,         \
-                              const float *xs, int64_t K, int64_t nb, float *y, int64_t ldy) {                    \
+                              const float *xs, const int32_t *xc, int64_t K, int64_t nb, float *y, int64_t ldy) { \
         const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
         __m256 out[R][C];                                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
@@ -2086,11 +2109,13 @@ GQ_SMALL(iq4_nl, 18, iq4_lookup(nibbles32(qb + 2)), 0.0f)
                     const __m256i u = gq1_##T(qb, &d, &z[c][2 * j]);                                               \
                     z[c][2 * j + 1] = z[c][2 * j];                                                                 \
                     const __m256 sv = _mm256_set1_ps(d);                                                           \
-                    const __m256i w = SIGNED ? _mm256_abs_epi8(u) : u;                                             \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                           \
-                        out[r][c] = _mm256_fmadd_ps(                                                               \
-                            _mm256_cvtepi32_ps(DOT_U8S8(w, SIGNED ? _mm256_sign_epi8(xv[r], u) : xv[r])),          \
-                            _mm256_mul_ps(sv, dv[r]), out[r][c]);                                                  \
+                    const __m256i w = SIGNED ? GQ_SIGNED_W(u, R <= GQ_OFFSET_ROWS) : u;                            \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
+                        const __m256i dot =                                                                        \
+                            SIGNED ? GQ_SIGNED_DOT(w, u, xv[r], xc + r * (K / 4) + 8 * b, R <= GQ_OFFSET_ROWS)     \
+                                   : DOT_U8S8(w, xv[r]);                                                           \
+                        out[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sv, dv[r]), out[r][c]); \
+                    }                                                                                              \
                 }                                                                                                  \
             }                                                                                                      \
             if (!SIGNED)                                                                                           \
@@ -2253,7 +2278,7 @@ GQK_DEC(iq4_xs) { /* signed table codes, a = d (sc - 32), no offsets */
 
 #define GQK_TILE(T, BYTES, SIGNED, R, C)                                                                           \
     static void gqt_##T##_##R(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd,         \
-                              const float *xs, int64_t K, int64_t nb, float *y, int64_t ldy) {                    \
+                              const float *xs, const int32_t *xc, int64_t K, int64_t nb, float *y, int64_t ldy) { \
         const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
         __m256 out[R][C];                                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
@@ -2305,8 +2330,8 @@ GQK_TILES(q3_k, 110, 0)
  * very operations of the tiles above in the same order, so a row's result does not depend on the path. */
 #define GQ_ROWS 16
 #define GQM_TILE(T, BPC, BYTES, SIGNED)                                                                            \
-    static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, int64_t K,          \
-                        int64_t nb, float *y, int64_t ldy, int rows) {                                            \
+    static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, const int32_t *xc,  \
+                        int64_t K, int64_t nb, float *y, int64_t ldy, int rows) {                                 \
         const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
         __m256 out[GQ_ROWS];                                                                                       \
         for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();                                               \
@@ -2319,15 +2344,15 @@ GQK_TILES(q3_k, 110, 0)
             const __m256 zl = _mm256_load_ps(z), zh = _mm256_load_ps(z + 8);                                      \
             __m256i aw[8]; /* the unsigned operands */                                                             \
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu)                                       \
-                aw[j] = SIGNED ? _mm256_abs_epi8(u[j]) : u[j];                                                     \
+                aw[j] = SIGNED ? GQ_SIGNED_W(u[j], 0) : u[j];                                                      \
             for (int r = 0; r < rows; r++) {                                                                       \
                 __m256 acc = out[r];                                                                               \
                 _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu) { /* unrolled: in registers */    \
                     const __m256i w = aw[j];                                                                       \
                     const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * i + 32 * j));       \
-                    const __m256i xs8 = SIGNED ? _mm256_sign_epi8(xv, u[j]) : xv;                                  \
+                    const __m256i dot = SIGNED ? GQ_SIGNED_DOT(w, u[j], xv, NULL, 0) : DOT_U8S8(w, xv);            \
                     const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * i + j);                              \
-                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_U8S8(w, xs8)), _mm256_mul_ps(sv[j], dv), acc);     \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sv[j], dv), acc);                 \
                 }                                                                                                  \
                 if (!SIGNED) {                                                                                     \
                     const float *sr = xs + r * lds + 16 * i;                                                       \
@@ -2340,8 +2365,8 @@ GQK_TILES(q3_k, 110, 0)
         for (int r = 0; r < rows; r++) y[r * ldy] = hsum(out[r]);                                                  \
     }
 #define GQKM_TILE(T, BYTES, SIGNED)                                                                                \
-    static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, int64_t K,          \
-                        int64_t nb, float *y, int64_t ldy, int rows) {                                            \
+    static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, const int32_t *xc,  \
+                        int64_t K, int64_t nb, float *y, int64_t ldy, int rows) {                                 \
         const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
         __m256 out[GQ_ROWS];                                                                                       \
         for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();                                               \
@@ -2384,10 +2409,10 @@ GQKM_TILE(q6_k, 210, 0)
 GQKM_TILE(q2_k, 84, 0)
 GQKM_TILE(q3_k, 110, 0)
 
-typedef void (*gq_tile_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *, const float *, int64_t,
-                           int64_t, float *, int64_t);
-typedef void (*gq_rows_fn)(const uint8_t *, const int8_t *, const float *, const float *, int64_t, int64_t, float *,
-                           int64_t, int);
+typedef void (*gq_tile_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *, const float *,
+                           const int32_t *, int64_t, int64_t, float *, int64_t);
+typedef void (*gq_rows_fn)(const uint8_t *, const int8_t *, const float *, const float *, const int32_t *, int64_t,
+                           int64_t, float *, int64_t, int);
 #define GQ_ROW(id, T) {id, {gqt_##T##_1, gqt_##T##_2, gqt_##T##_3, gqt_##T##_4}, gqm_##T}
 static const struct {
     int type;
@@ -2404,6 +2429,7 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
     const int64_t nb = k / t->elems, rb = nb * t->bytes, nbx = k / QB, lds = gq_sums(k);
     const float *xd = (const float *)work, *xs = xd + m * nbx;
     const int8_t *xq = (const int8_t *)(xs + m * lds);
+    const int32_t *xc = (const int32_t *)(xq + m * k);
     int rc = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     const gq_tile_fn *tiles = NULL;
@@ -2426,20 +2452,20 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
                 for (; m1 - r0 >= GQ_ROWS / 2; r0 += GQ_ROWS) { /* many rows: each column decoded once per GQ_ROWS */
                     const int rr = (int)(m1 - r0 < GQ_ROWS ? m1 - r0 : GQ_ROWS);
                     for (int64_t c = c0; c < c1; c++)
-                        rows_fn(q + c * rb, xq + r0 * k, xd + r0 * nbx, xs + r0 * lds, k, nb, y + r0 * ldy + c, ldy,
-                                rr);
+                        rows_fn(q + c * rb, xq + r0 * k, xd + r0 * nbx, xs + r0 * lds, xc + r0 * (k / 4), k, nb,
+                                y + r0 * ldy + c, ldy, rr);
                 }
                 for (; r0 < m1; r0 += 4) {
                     const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
                     for (int64_t c = c0; c < c1; c += tc)
                         tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xq + r0 * k, xd + r0 * nbx,
-                                      xs + r0 * lds, k, nb, y + r0 * ldy + c, ldy);
+                                      xs + r0 * lds, xc + r0 * (k / 4), k, nb, y + r0 * ldy + c, ldy);
                 }
             }
         }
     }
 #else
-    (void)xs;
+    (void)xs, (void)xc;
     /* portable: each column dequantized (the reference's values), then per row sum_b d_b * (sum of q * w in block b) */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
