@@ -2005,13 +2005,32 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  * (63 * 127 * 2 or 128 * 127 * 2 < 32768). The portable build dequantizes each column (the reference's values) and
  * sums d_b * (sum of q * w per block) in a fixed order. */
 
-/* Row data of the integer path: d [m][K/32], S [m][chunks * 16], the bytes q [m][K], then C [m][K/4]: -128 times
- * the sum of each 4 bytes of q (see GQ_SIGNED_DOT). */
+/* Row data of the integer path: d [m][K/32], S [m][chunks * 16], the bytes q [m][K], C [m][K/4]: -128 times the
+ * sum of each 4 bytes of q (see GQ_SIGNED_DOT); then, where m >= GQS_MIN_ROWS, the same rows 8 to a group in the vector lanes
+ * (gq_lanes, for the many-rows path of the signed blocks): XT [m/8][K/4][8] (each lane the 4 bytes of its row),
+ * CB [m/8][K/32][8] (C summed over each block of 32) and DT [m/8][K/32][8] (d); lanes past m hold zeros. */
 static int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 16; }
+#define GQS_MIN_ROWS 4 /* from 4 rows the signed blocks take the rows-in-lanes path (fewer: one row at a time) */
+static int64_t gq_groups(int64_t m) { return m >= GQS_MIN_ROWS ? (m + 7) / 8 : 0; }
+
+typedef struct {
+    const int32_t *xt, *cb;
+    const float *dt;
+} gq_lanes;
+
+/* the lane layout of row group g (rows 8g .. 8g + 7) */
+static gq_lanes gq_lanes_at(const void *work, int64_t m, int64_t k, int64_t g) {
+    const int64_t nb = k / QB, mg = gq_groups(m);
+    const int32_t *xt = (const int32_t *)((const int8_t *)((const float *)work + m * (nb + gq_sums(k))) + 2 * m * k);
+    const int32_t *cb = xt + mg * (k / 4) * 8;
+    const gq_lanes ln = {xt + g * (k / 4) * 8, cb + g * nb * 8, (const float *)(cb + mg * nb * 8) + g * nb * 8};
+    return ln;
+}
 
 static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
-    const int64_t nb = k / QB, lds = gq_sums(k);
-    float *d = (float *)aligned_alloc(64, ((size_t)(m * (nb + lds) * 4 + 2 * m * k) + 63) / 64 * 64);
+    const int64_t nb = k / QB, lds = gq_sums(k), mg = gq_groups(m);
+    float *d = (float *)aligned_alloc(
+        64, ((size_t)(m * (nb + lds) * 4 + 2 * m * k + mg * 8 * (k + 8 * nb)) + 63) / 64 * 64);
     if (!d) return NULL;
     float *S = d + m * nb;
     int8_t *xq = (int8_t *)(S + m * lds);
@@ -2029,6 +2048,25 @@ static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
         for (int64_t i = 0; i < k / 4; i++) {
             const int8_t *v = xq + r * k + 4 * i;
             C[r * (k / 4) + i] = -128 * (v[0] + v[1] + v[2] + v[3]);
+        }
+    }
+    for (int64_t g = 0; g < mg; g++) {
+        const gq_lanes ln = gq_lanes_at(d, m, k, g);
+        int32_t *xt = (int32_t *)ln.xt, *cb = (int32_t *)ln.cb;
+        float *dt = (float *)ln.dt;
+        for (int l = 0; l < 8; l++) {
+            const int64_t r = 8 * g + l;
+            for (int64_t i = 0; i < k / 4; i++) {
+                int32_t v = 0;
+                if (r < m) memcpy(&v, xq + r * k + 4 * i, 4);
+                xt[i * 8 + l] = v;
+            }
+            for (int64_t b = 0; b < nb; b++) {
+                int32_t sum = 0;
+                for (int i = 0; r < m && i < 8; i++) sum += C[r * (k / 4) + 8 * b + i];
+                cb[b * 8 + l] = sum;
+                dt[b * 8 + l] = r < m ? d[r * nb + b] : 0.0f;
+            }
         }
     }
     return d;
@@ -2139,8 +2177,6 @@ GQ_TILES(q4_0, 8, 18, 0)
 GQ_TILES(q4_1, 8, 20, 0)
 GQ_TILES(q5_0, 8, 22, 0)
 GQ_TILES(q5_1, 8, 24, 0)
-GQ_TILES(q8_0, 8, 34, 1)
-GQ_TILES(iq4_nl, 8, 18, 1)
 
 /* Super-block types: the sub-block scales are small integers (a_s = d * sc_s) and meet the dot products in integer
  * arithmetic, as _mm256_madd_epi16's second operand (int16 pairs, both halves of each 32-bit lane holding sc_s), so
@@ -2331,7 +2367,7 @@ GQK_TILES(q3_k, 110, 0)
 #define GQ_ROWS 16
 #define GQM_TILE(T, BPC, BYTES, SIGNED)                                                                            \
     static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, const int32_t *xc,  \
-                        int64_t K, int64_t nb, float *y, int64_t ldy, int rows) {                                 \
+                        const gq_lanes *ln, int64_t K, int64_t nb, float *y, int64_t ldy, int rows) {             \
         const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
         __m256 out[GQ_ROWS];                                                                                       \
         for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();                                               \
@@ -2366,7 +2402,7 @@ GQK_TILES(q3_k, 110, 0)
     }
 #define GQKM_TILE(T, BYTES, SIGNED)                                                                                \
     static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, const int32_t *xc,  \
-                        int64_t K, int64_t nb, float *y, int64_t ldy, int rows) {                                 \
+                        const gq_lanes *ln, int64_t K, int64_t nb, float *y, int64_t ldy, int rows) {             \
         const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
         __m256 out[GQ_ROWS];                                                                                       \
         for (int r = 0; r < rows; r++) out[r] = _mm256_setzero_ps();                                               \
@@ -2400,8 +2436,6 @@ GQM_TILE(q4_0, 8, 18, 0)
 GQM_TILE(q4_1, 8, 20, 0)
 GQM_TILE(q5_0, 8, 22, 0)
 GQM_TILE(q5_1, 8, 24, 0)
-GQM_TILE(q8_0, 8, 34, 1)
-GQM_TILE(iq4_nl, 8, 18, 1)
 GQKM_TILE(iq4_xs, 136, 1)
 GQKM_TILE(q4_k, 144, 0)
 GQKM_TILE(q5_k, 176, 0)
@@ -2409,18 +2443,119 @@ GQKM_TILE(q6_k, 210, 0)
 GQKM_TILE(q2_k, 84, 0)
 GQKM_TILE(q3_k, 110, 0)
 
+/* The signed blocks of 32 (Q8_0, IQ4_NL) take another order: each block's whole dot product D_b (exact int32) times
+ * P_b = d_b * dx_b, one accumulator per output, y = fma(float(D_b), P_b, y) for the blocks b in order. The vector
+ * lanes then hold 8 outputs: 8 columns of one row (gqt_T_1, the lane sums of their dot products, gq_lane_sums), or 8
+ * rows of one column from GQS_MIN_ROWS rows on (gqm_T: the rows' activation bytes XT against broadcast weight bytes, a vpdpbusd
+ * per 4 elements of 8 rows). */
+
+INLINE __m256i gq_pair_sums(__m256i a, __m256i b) { /* per 128-bit half: a0+a2, b0+b2, a1+a3, b1+b3 */
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+/* 8 vectors of int32 lanes -> one vector whose lane j is the sum of v[j]'s lanes (exact) */
+INLINE __m256i gq_lane_sums(const __m256i *v) {
+    const __m256i p01 = gq_pair_sums(v[0], v[1]), p23 = gq_pair_sums(v[2], v[3]);
+    const __m256i p45 = gq_pair_sums(v[4], v[5]), p67 = gq_pair_sums(v[6], v[7]);
+    /* per half: vectors 0-3 (4-7), each the sum of its half's 4 lanes */
+    const __m256i q0 = _mm256_add_epi32(_mm256_unpacklo_epi64(p01, p23), _mm256_unpackhi_epi64(p01, p23));
+    const __m256i q1 = _mm256_add_epi32(_mm256_unpacklo_epi64(p45, p67), _mm256_unpackhi_epi64(p45, p67));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+#define GQS_CODES_q8_0(qb) _mm256_loadu_si256((const __m256i *)((qb) + 2))
+#define GQS_CODES_iq4_nl(qb) iq4_lookup(nibbles32((qb) + 2))
+
+/* One row, up to 8 columns (cols) in the lanes; block b of every column at a time. */
+#define GQS_TILE1(T, BYTES)                                                                                        \
+    static void gqt_##T##_1(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd,           \
+                            const float *xs, const int32_t *xc, int64_t K, int64_t nb, float *y, int64_t ldy) {   \
+        (void)xs, (void)K, (void)ldy;                                                                              \
+        enum { OFF = GQ_OFFSET_ROWS };                                                                             \
+        const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                                            \
+        const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane);                                   \
+        const __m256i at = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)rb));                                   \
+        __m256 acc = _mm256_setzero_ps();                                                                          \
+        for (int64_t b = 0; b < nb; b++) {                                                                         \
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + QB * b));                                 \
+            __m256i v[8];                                                                                          \
+            _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                 \
+                v[c] = _mm256_setzero_si256();                                                                     \
+                if (c < cols) {                                                                                    \
+                    const uint8_t *qb = q + c * rb + b * (BYTES);                                                  \
+                    _mm_prefetch((const char *)(qb + PF_TILES * 8 * rb), _MM_HINT_T0);                            \
+                    const __m256i u = GQS_CODES_##T(qb);                                                           \
+                    v[c] = GQ_SIGNED_DOT(GQ_SIGNED_W(u, OFF), u, xv, xc + 8 * b, OFF);                             \
+                }                                                                                                  \
+            }                                                                                                      \
+            const __m256i h = _mm256_and_si256(                                                                    \
+                _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(q + b * (BYTES)), at, valid, 1), \
+                _mm256_set1_epi32(0xFFFF));                                                                        \
+            const __m256 sv = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))); \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gq_lane_sums(v)), _mm256_mul_ps(sv, _mm256_set1_ps(xd[b])),   \
+                                  acc);                                                                            \
+        }                                                                                                          \
+        float t[8];                                                                                                \
+        _mm256_storeu_ps(t, acc);                                                                                  \
+        for (int c = 0; c < cols; c++) y[c] = t[c];                                                                \
+    }
+GQS_TILE1(q8_0, 34)
+GQS_TILE1(iq4_nl, 18)
+
+/* 1 to 16 rows (two groups of 8 in the lanes) of one column. With VNNI the weight bytes + 128 are the unsigned
+ * operand and each accumulator starts at the group's CB (see GQ_SIGNED_DOT), else |w| against the activations signed
+ * by w. */
+#define GQSM_TILE(T, BYTES)                                                                                        \
+    static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, const int32_t *xc,  \
+                        const gq_lanes *ln, int64_t K, int64_t nb, float *y, int64_t ldy, int rows) {             \
+        (void)xq, (void)xd, (void)xs, (void)xc;                                                                    \
+        const int ng = rows > 8 ? 2 : 1;                                                                           \
+        const int64_t gs = (K / 4) * 8, gb = nb * 8; /* group strides of XT and of CB / DT */                     \
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                                \
+        for (int64_t b = 0; b < nb; b++) {                                                                         \
+            const uint8_t *qb = q + b * (BYTES);                                                                   \
+            const __m256i u = GQS_CODES_##T(qb);                                                                   \
+            int32_t wb[8] __attribute__((aligned(32))), ub[8] __attribute__((aligned(32)));                        \
+            _mm256_store_si256((__m256i *)wb, GQ_SIGNED_W(u, GQ_OFFSET_ROWS));                                     \
+            _mm256_store_si256((__m256i *)ub, u);                                                                  \
+            const __m256 sv = _mm256_set1_ps(gguf_f16(qb));                                                        \
+            for (int g = 0; g < ng; g++) {                                                                         \
+                const int32_t *xt = ln->xt + g * gs + 64 * b;                                                      \
+                __m256i D[2] = {GQ_OFFSET_ROWS ? _mm256_loadu_si256((const __m256i *)(ln->cb + g * gb + 8 * b))    \
+                                               : _mm256_setzero_si256(),                                           \
+                                _mm256_setzero_si256()}; /* two chains: vpdpbusd's latency */                      \
+                _Pragma("GCC unroll 8") for (int t = 0; t < 8; t++) {                                             \
+                    const __m256i xv = _mm256_loadu_si256((const __m256i *)(xt + 8 * t));                          \
+                    D[t & 1] = GQ_OFFSET_ROWS                                                                      \
+                                   ? DOT_U8S8_ACC(D[t & 1], _mm256_set1_epi32(wb[t]), xv)                          \
+                                   : _mm256_add_epi32(D[t & 1], DOT_U8S8(_mm256_set1_epi32(wb[t]),                 \
+                                                                   _mm256_sign_epi8(xv, _mm256_set1_epi32(ub[t])))); \
+                }                                                                                                  \
+                const __m256 P = _mm256_mul_ps(sv, _mm256_loadu_ps(ln->dt + g * gb + 8 * b));                      \
+                acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(D[0], D[1])), P, acc[g]);             \
+            }                                                                                                      \
+        }                                                                                                          \
+        for (int g = 0; g < ng; g++) {                                                                             \
+            float t[8];                                                                                            \
+            _mm256_storeu_ps(t, acc[g]);                                                                           \
+            for (int l = 0; l < 8 && 8 * g + l < rows; l++) y[(8 * g + l) * ldy] = t[l];                           \
+        }                                                                                                          \
+    }
+GQSM_TILE(q8_0, 34)
+GQSM_TILE(iq4_nl, 18)
+
 typedef void (*gq_tile_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *, const float *,
                            const int32_t *, int64_t, int64_t, float *, int64_t);
-typedef void (*gq_rows_fn)(const uint8_t *, const int8_t *, const float *, const float *, const int32_t *, int64_t,
-                           int64_t, float *, int64_t, int);
+typedef void (*gq_rows_fn)(const uint8_t *, const int8_t *, const float *, const float *, const int32_t *,
+                           const gq_lanes *, int64_t, int64_t, float *, int64_t, int);
 #define GQ_ROW(id, T) {id, {gqt_##T##_1, gqt_##T##_2, gqt_##T##_3, gqt_##T##_4}, gqm_##T}
+#define GQS_ROW(id, T) {id, {gqt_##T##_1, NULL, NULL, NULL}, gqm_##T} /* one row at a time, or gqm */
 static const struct {
     int type;
     gq_tile_fn tiles[4];
     gq_rows_fn rows;
 } GQ_TYPES[] = {GQ_ROW(2, q4_0),  GQ_ROW(3, q4_1),  GQ_ROW(6, q5_0),  GQ_ROW(7, q5_1),
-                GQ_ROW(8, q8_0),  GQ_ROW(10, q2_k), GQ_ROW(11, q3_k), GQ_ROW(12, q4_k),
-                GQ_ROW(13, q5_k), GQ_ROW(14, q6_k), GQ_ROW(20, iq4_nl), GQ_ROW(23, iq4_xs)};
+                GQS_ROW(8, q8_0),  GQ_ROW(10, q2_k), GQ_ROW(11, q3_k), GQ_ROW(12, q4_k),
+                GQ_ROW(13, q5_k), GQ_ROW(14, q6_k), GQS_ROW(20, iq4_nl), GQ_ROW(23, iq4_xs)};
 #endif
 
 /* One part: y [m, n] from the quantized rows (gq_quantize's) and blocks q of type t. */
@@ -2437,7 +2572,9 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
     for (size_t i = 0; i < sizeof GQ_TYPES / sizeof GQ_TYPES[0]; i++)
         if (GQ_TYPES[i].type == t->type) tiles = GQ_TYPES[i].tiles, rows_fn = GQ_TYPES[i].rows;
     if (!tiles) return -1;
-    const int64_t chunk = (256 * 1024) / k < 8 ? 8 : (256 * 1024) / k; /* rows whose bytes stay within ~256 KiB */
+    const int is_signed = !tiles[1], signed_lanes = is_signed && m >= GQS_MIN_ROWS;
+    /* rows whose bytes stay within ~256 KiB, a multiple of GQ_ROWS (the many-rows path starts at whole groups of 8) */
+    const int64_t chunk = ((256 * 1024) / k / GQ_ROWS < 1 ? 1 : (256 * 1024) / k / GQ_ROWS) * GQ_ROWS;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
         int tid, nth;
@@ -2449,14 +2586,16 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
             for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' blocks stay in cache over the rows */
                 const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
                 int64_t r0 = m0;
-                for (; m1 - r0 >= GQ_ROWS / 2; r0 += GQ_ROWS) { /* many rows: each column decoded once per GQ_ROWS */
+                /* many rows: each column decoded once per GQ_ROWS (the signed blocks: from 2 rows, in the lanes) */
+                for (; m1 - r0 >= (signed_lanes ? 1 : GQ_ROWS / 2); r0 += GQ_ROWS) {
                     const int rr = (int)(m1 - r0 < GQ_ROWS ? m1 - r0 : GQ_ROWS);
+                    const gq_lanes ln = gq_lanes_at(work, m, k, r0 / 8);
                     for (int64_t c = c0; c < c1; c++)
-                        rows_fn(q + c * rb, xq + r0 * k, xd + r0 * nbx, xs + r0 * lds, xc + r0 * (k / 4), k, nb,
+                        rows_fn(q + c * rb, xq + r0 * k, xd + r0 * nbx, xs + r0 * lds, xc + r0 * (k / 4), &ln, k, nb,
                                 y + r0 * ldy + c, ldy, rr);
                 }
-                for (; r0 < m1; r0 += 4) {
-                    const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
+                for (; r0 < m1; r0 += is_signed ? 1 : 4) {
+                    const int rr = is_signed ? 1 : (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
                     for (int64_t c = c0; c < c1; c += tc)
                         tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xq + r0 * k, xd + r0 * nbx,
                                       xs + r0 * lds, xc + r0 * (k / 4), k, nb, y + r0 * ldy + c, ldy);
@@ -2466,6 +2605,25 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
     }
 #else
     (void)xs, (void)xc;
+    if (t->type == 8 || t->type == 20) { /* the signed blocks' order (see GQS_TILE1): the vector build's bits */
+#pragma omp parallel for num_threads(nthreads) if (nthreads > 1)
+        for (int64_t c = 0; c < n; c++)
+            for (int64_t r = 0; r < m; r++) {
+                float acc = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const uint8_t *qb = q + c * rb + b * t->bytes;
+                    int32_t D = 0;
+                    for (int i = 0; i < QB; i++) {
+                        const int w = t->type == 8 ? (int8_t)qb[2 + i]
+                                                   : (int)IQ4_KV[i < 16 ? qb[2 + i] & 15 : qb[2 + i - 16] >> 4];
+                        D += w * xq[r * k + b * QB + i];
+                    }
+                    acc = fmaf((float)D, gguf_f16(qb) * xd[r * nbx + b], acc);
+                }
+                y[r * ldy + c] = acc;
+            }
+        return 0;
+    }
     /* portable: each column dequantized (the reference's values), then per row sum_b d_b * (sum of q * w in block b) */
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
