@@ -2303,12 +2303,15 @@ GQK_DEC(q3_k) { /* u = crumb + 4 * (hmask bit), z = -4 a */
 }
 
 GQK_DEC(iq4_xs) { /* signed table codes, a = d (sc - 32), no offsets */
-    const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
-    int8_t sc[8];
-    for (int s = 0; s < 8; s++)
-        sc[s] = (int8_t)((((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32);
+    /* sub-block s: low 4 bits from nibble s of the 4 bytes at q + 4, high 2 from bits 2s of the 2 bytes at q + 2 */
+    const __m256i s = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)gguf_u32(q + 4)), _mm256_slli_epi32(s, 2));
+    const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32((int)(q[2] | q[3] << 8)), _mm256_slli_epi32(s, 1));
+    const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xF)),
+                                                        _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4)),
+                                        _mm256_set1_epi32(32));
     *d = gguf_f16(q);
-    gq_units32(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc)), _mm256_setzero_ps(), scp, zl, zh);
+    gq_units32(sc, _mm256_setzero_ps(), scp, zl, zh);
     for (int s = 0; s < 8; s++) u[s] = iq4_lookup(nibbles32(q + 8 + 16 * s));
 }
 
