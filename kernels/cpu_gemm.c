@@ -1992,22 +1992,24 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  * activation bytes in an integer dot product per 32-element unit (DOT_U8S8: unsigned x signed bytes -> 8 int32 lanes of
  * 4 elements each, exact). Per output y[r, c], in this order
  * whatever M, the row's position, the part, the tile or the thread count:
- *   blocks of 32 (Q4_0 .. Q8_0, IQ4_NL): for each block j, out = fma(float(dot_j), a_j * d_j, out);
+ *   blocks of 32 with offsets (Q4_0, Q4_1, Q5_0, Q5_1): for each block j, out = fma(float(dot_j), a_j * d_j, out);
+ *   signed blocks of 32 (Q8_0, IQ4_NL): one accumulator per output over the blocks' whole dot products (see GQS_TILE1);
  *   super-blocks of 256 (the K-quants, IQ4_XS): the sub-block scales in integer arithmetic, d once per super-block
  *       (see GQK_TILE below);
  *   after each chunk of 256 elements: out = fma(z[0..8), S[0..8), out), then fma(z[8..16), S[8..16), out), with z the
  *       offsets of the chunk's 16-element sub-blocks (a 32-element sub-block's offset twice) and S = d_b * sum(q) over
- *       each 16 activations (row data, computed once per call); the signed blocks of 32 (no offsets) skip this;
+ *       each 16 activations (row data, computed once per call); IQ4_XS (no offsets) skips this;
  *   y = hsum(out).
  * Codes are unsigned (0..63: nibbles, 5- and 6-bit codes, Q3_K's code + 4, Q6_K's + 32) except for the 8-bit types
- * (Q8_0, IQ4_NL / IQ4_XS table values), which are signed with z = 0: their absolute value is the unsigned operand
- * and their sign moves onto the activation byte, as for int8 weights. Either way a pair of products fits int16
+ * (Q8_0, IQ4_NL / IQ4_XS table values), which are signed with z = 0 (GQ_SIGNED_DOT). A pair of products fits int16
  * (63 * 127 * 2 or 128 * 127 * 2 < 32768). The portable build dequantizes each column (the reference's values) and
- * sums d_b * (sum of q * w per block) in a fixed order. */
+ * sums d_b * (sum of q * w per block) in a fixed order, except for the signed blocks of 32, whose order it computes
+ * in plain C (the vector build's bits). */
 
 /* Row data of the integer path: d [m][K/32], S [m][chunks * 16], the bytes q [m][K], C [m][K/4]: -128 times the
- * sum of each 4 bytes of q (see GQ_SIGNED_DOT); then, where m >= GQS_MIN_ROWS, the same rows 8 to a group in the vector lanes
- * (gq_lanes, for the many-rows path of the signed blocks): XT [m/8][K/4][8] (each lane the 4 bytes of its row),
+ * sum of each 4 bytes of q (see GQ_SIGNED_DOT); then, where m >= GQS_MIN_ROWS, the same rows 8 to a group in the
+ * vector lanes (gq_lanes, for the many-rows path of the signed blocks): XT [m/8][K/4][8] (each lane the 4 bytes of
+ * its row),
  * CB [m/8][K/32][8] (C summed over each block of 32) and DT [m/8][K/32][8] (d); lanes past m hold zeros. */
 static int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 16; }
 #define GQS_MIN_ROWS 4 /* from 4 rows the signed blocks take the rows-in-lanes path (fewer: one row at a time) */
@@ -2078,10 +2080,9 @@ static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
  * and the offsets z [16] of its 16-element sub-blocks (zeroed by the caller; nu blocks of 32, or one super-block). */
 #define GQ_DEC(T) INLINE void gqd_##T(const uint8_t *q, int nu, __m256i *u, __m256 *sv, float *z)
 
-/* Signed codes u (Q8_0, IQ4_NL: |u| <= 128) against activation bytes xv: |u| against the activations signed by u, or
- * (where OFFSET: VNNI, one row; measured faster there only) u + 128 as the unsigned operand with the accumulator
- * starting at -128 times each lane's 4 activation bytes (row data C at c), one vpdpbusd. The same integers either
- * way (GQ_SIGNED_W: the unsigned operand). */
+/* Signed codes u (Q8_0, IQ4_NL: |u| <= 128) against activation bytes xv: with VNNI (OFFSET) u + 128 as the unsigned
+ * operand and the accumulator starting at -128 times each lane's 4 activation bytes (row data C at c), one vpdpbusd;
+ * else |u| against the activations signed by u. The same integers either way (GQ_SIGNED_W: the unsigned operand). */
 #ifdef DOT_U8S8_ACC
 #define GQ_OFFSET_ROWS 1
 #else
@@ -2115,14 +2116,12 @@ GQ_SMALL(q4_0, 18, nibbles32(qb + 2), -8.0f * *d)
 GQ_SMALL(q4_1, 20, nibbles32(qb + 4), gguf_f16(qb + 2))
 GQ_SMALL(q5_0, 22, _mm256_or_si256(nibbles32(qb + 6), fifth_bits(gguf_u32(qb + 2))), -16.0f * *d)
 GQ_SMALL(q5_1, 24, _mm256_or_si256(nibbles32(qb + 8), fifth_bits(gguf_u32(qb + 4))), gguf_f16(qb + 2))
-GQ_SMALL(q8_0, 34, _mm256_loadu_si256((const __m256i *)(qb + 2)), 0.0f)
-GQ_SMALL(iq4_nl, 18, iq4_lookup(nibbles32(qb + 2)), 0.0f)
 
 /* Blocks of 32: a tile of R rows x up to C columns (cols), one block of every column at a time (the rows' activation
  * block loaded once for the C columns; nothing decoded waits in registers), the offsets of a chunk of 8 blocks applied
- * after it (signed types have none). xq, xd, xs: row 0's bytes, block scales and sums (strides K, K / 32,
- * gq_sums(K)); nb: GGUF blocks per row. */
-#define GQ_TILE(T, BPC, BYTES, SIGNED, R, C)                                                                       \
+ * after it. xq, xd, xs, xc: row 0's bytes, block scales, sums and C (strides K, K / 32, gq_sums(K), K / 4); nb: GGUF
+ * blocks per row. */
+#define GQ_TILE(T, BPC, BYTES, R, C)                                                                               \
     static void gqt_##T##_##R(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd,         \
                               const float *xs, const int32_t *xc, int64_t K, int64_t nb, float *y, int64_t ldy) { \
         const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
@@ -2147,36 +2146,31 @@ GQ_SMALL(iq4_nl, 18, iq4_lookup(nibbles32(qb + 2)), 0.0f)
                     const __m256i u = gq1_##T(qb, &d, &z[c][2 * j]);                                               \
                     z[c][2 * j + 1] = z[c][2 * j];                                                                 \
                     const __m256 sv = _mm256_set1_ps(d);                                                           \
-                    const __m256i w = SIGNED ? GQ_SIGNED_W(u, R <= GQ_OFFSET_ROWS) : u;                            \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
-                        const __m256i dot =                                                                        \
-                            SIGNED ? GQ_SIGNED_DOT(w, u, xv[r], xc + r * (K / 4) + 8 * b, R <= GQ_OFFSET_ROWS)     \
-                                   : DOT_U8S8(w, xv[r]);                                                           \
-                        out[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sv, dv[r]), out[r][c]); \
-                    }                                                                                              \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                           \
+                        out[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_U8S8(u, xv[r])), _mm256_mul_ps(sv, dv[r]), \
+                                                    out[r][c]);                                                    \
                 }                                                                                                  \
             }                                                                                                      \
-            if (!SIGNED)                                                                                           \
-                _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) if (c < cols) {                               \
-                    for (int j = 2 * nu; j < 16; j++) z[c][j] = 0.0f;                                              \
-                    const __m256 zl = _mm256_load_ps(z[c]), zh = _mm256_load_ps(z[c] + 8);                         \
-                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                         \
-                        const float *sr = xs + r * lds + 16 * i;                                                   \
-                        out[r][c] = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), out[r][c]);                          \
-                        out[r][c] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), out[r][c]);                      \
-                    }                                                                                              \
+            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) if (c < cols) {                                   \
+                for (int j = 2 * nu; j < 16; j++) z[c][j] = 0.0f;                                                  \
+                const __m256 zl = _mm256_load_ps(z[c]), zh = _mm256_load_ps(z[c] + 8);                             \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
+                    const float *sr = xs + r * lds + 16 * i;                                                       \
+                    out[r][c] = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), out[r][c]);                              \
+                    out[r][c] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), out[r][c]);                          \
                 }                                                                                                  \
+            }                                                                                                      \
         }                                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
             for (int c = 0; c < C && c < cols; c++) y[r * ldy + c] = hsum(out[r][c]);                             \
     }
-#define GQ_TILES(T, BPC, BYTES, SIGNED)                                                                            \
-    GQ_TILE(T, BPC, BYTES, SIGNED, 1, GG_C1) GQ_TILE(T, BPC, BYTES, SIGNED, 2, GG_C2)                              \
-    GQ_TILE(T, BPC, BYTES, SIGNED, 3, GG_C3) GQ_TILE(T, BPC, BYTES, SIGNED, 4, GG_C4)
-GQ_TILES(q4_0, 8, 18, 0)
-GQ_TILES(q4_1, 8, 20, 0)
-GQ_TILES(q5_0, 8, 22, 0)
-GQ_TILES(q5_1, 8, 24, 0)
+#define GQ_TILES(T, BPC, BYTES)                                                                                    \
+    GQ_TILE(T, BPC, BYTES, 1, GG_C1) GQ_TILE(T, BPC, BYTES, 2, GG_C2)                                              \
+    GQ_TILE(T, BPC, BYTES, 3, GG_C3) GQ_TILE(T, BPC, BYTES, 4, GG_C4)
+GQ_TILES(q4_0, 8, 18)
+GQ_TILES(q4_1, 8, 20)
+GQ_TILES(q5_0, 8, 22)
+GQ_TILES(q5_1, 8, 24)
 
 /* Super-block types: the sub-block scales are small integers (a_s = d * sc_s) and meet the dot products in integer
  * arithmetic, as _mm256_madd_epi16's second operand (int16 pairs, both halves of each 32-bit lane holding sc_s), so
@@ -2307,9 +2301,9 @@ GQK_DEC(iq4_xs) { /* signed table codes, a = d (sc - 32), no offsets */
     const __m256i s = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)gguf_u32(q + 4)), _mm256_slli_epi32(s, 2));
     const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32((int)(q[2] | q[3] << 8)), _mm256_slli_epi32(s, 1));
-    const __m256i sc = _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xF)),
-                                                        _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4)),
-                                        _mm256_set1_epi32(32));
+    const __m256i hi2 = _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4);
+    const __m256i sc =
+        _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xF)), hi2), _mm256_set1_epi32(32));
     *d = gguf_f16(q);
     gq_units32(sc, _mm256_setzero_ps(), scp, zl, zh);
     for (int s = 0; s < 8; s++) u[s] = iq4_lookup(nibbles32(q + 8 + 16 * s));
@@ -2368,7 +2362,7 @@ GQK_TILES(q3_k, 110, 0)
  * tiles above decode it once per 4 rows); the rows' running sums wait in memory between chunks. Each output gets the
  * very operations of the tiles above in the same order, so a row's result does not depend on the path. */
 #define GQ_ROWS 16
-#define GQM_TILE(T, BPC, BYTES, SIGNED)                                                                            \
+#define GQM_TILE(T, BPC, BYTES)                                                                            \
     static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, const int32_t *xc,  \
                         const gq_lanes *ln, int64_t K, int64_t nb, float *y, int64_t ldy, int rows) {             \
         const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
@@ -2381,23 +2375,17 @@ GQK_TILES(q3_k, 110, 0)
             float z[16] __attribute__((aligned(32))) = {0};                                                        \
             gqd_##T(q + b * (BYTES), nu, u, sv, z);                                                                \
             const __m256 zl = _mm256_load_ps(z), zh = _mm256_load_ps(z + 8);                                      \
-            __m256i aw[8]; /* the unsigned operands */                                                             \
-            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu)                                       \
-                aw[j] = SIGNED ? GQ_SIGNED_W(u[j], 0) : u[j];                                                      \
             for (int r = 0; r < rows; r++) {                                                                       \
                 __m256 acc = out[r];                                                                               \
                 _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) if (j < nu) { /* unrolled: in registers */    \
-                    const __m256i w = aw[j];                                                                       \
                     const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + 256 * i + 32 * j));       \
-                    const __m256i dot = SIGNED ? GQ_SIGNED_DOT(w, u[j], xv, NULL, 0) : DOT_U8S8(w, xv);            \
+                    const __m256i dot = DOT_U8S8(u[j], xv);                                                        \
                     const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * i + j);                              \
                     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sv[j], dv), acc);                 \
                 }                                                                                                  \
-                if (!SIGNED) {                                                                                     \
-                    const float *sr = xs + r * lds + 16 * i;                                                       \
-                    acc = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), acc);                                           \
-                    acc = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), acc);                                       \
-                }                                                                                                  \
+                const float *sr = xs + r * lds + 16 * i;                                                           \
+                acc = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), acc);                                               \
+                acc = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), acc);                                           \
                 out[r] = acc;                                                                                      \
             }                                                                                                      \
         }                                                                                                          \
@@ -2435,10 +2423,10 @@ GQK_TILES(q3_k, 110, 0)
         }                                                                                                          \
         for (int r = 0; r < rows; r++) y[r * ldy] = hsum(out[r]);                                                  \
     }
-GQM_TILE(q4_0, 8, 18, 0)
-GQM_TILE(q4_1, 8, 20, 0)
-GQM_TILE(q5_0, 8, 22, 0)
-GQM_TILE(q5_1, 8, 24, 0)
+GQM_TILE(q4_0, 8, 18)
+GQM_TILE(q4_1, 8, 20)
+GQM_TILE(q5_0, 8, 22)
+GQM_TILE(q5_1, 8, 24)
 GQKM_TILE(iq4_xs, 136, 1)
 GQKM_TILE(q4_k, 144, 0)
 GQKM_TILE(q5_k, 176, 0)
@@ -2449,8 +2437,8 @@ GQKM_TILE(q3_k, 110, 0)
 /* The signed blocks of 32 (Q8_0, IQ4_NL) take another order: each block's whole dot product D_b (exact int32) times
  * P_b = d_b * dx_b, one accumulator per output, y = fma(float(D_b), P_b, y) for the blocks b in order. The vector
  * lanes then hold 8 outputs: 8 columns of one row (gqt_T_1, the lane sums of their dot products, gq_lane_sums), or 8
- * rows of one column from GQS_MIN_ROWS rows on (gqm_T: the rows' activation bytes XT against broadcast weight bytes, a vpdpbusd
- * per 4 elements of 8 rows). */
+ * rows of one column from GQS_MIN_ROWS rows on (gqm_T: the rows' activation bytes XT against broadcast weight bytes,
+ * a vpdpbusd per 4 elements of 8 rows). */
 
 INLINE __m256i gq_pair_sums(__m256i a, __m256i b) { /* per 128-bit half: a0+a2, b0+b2, a1+a3, b1+b3 */
     return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
@@ -2493,7 +2481,8 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
             const __m256i h = _mm256_and_si256(                                                                    \
                 _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(q + b * (BYTES)), at, valid, 1), \
                 _mm256_set1_epi32(0xFFFF));                                                                        \
-            const __m256 sv = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1))); \
+            const __m256 sv =                                                                                      \
+                _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));      \
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gq_lane_sums(v)), _mm256_mul_ps(sv, _mm256_set1_ps(xd[b])),   \
                                   acc);                                                                            \
         }                                                                                                          \

@@ -319,6 +319,9 @@ def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
         ref = cpu_gemm.gguf_matmul_q8_ref(x, q, type_name)
         torch.testing.assert_close(full, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
         assert torch.equal(integer(x[3:4], 1), full[3:4])
+        if type_name in ("Q8_0", "IQ4_NL"):  # the signed blocks' order in plain C: the vector build's very bits
+            vector = cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, act="int8")
+            assert torch.equal(_bits(full), _bits(vector(x, 2)))
         if type_name in HEAD_TYPES:  # the head path's lanes in plain C: the vector build's very bits
             head = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, act="int16")
             vector = cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, act="int16")
