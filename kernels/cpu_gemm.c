@@ -1992,16 +1992,17 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  * activation bytes in an integer dot product per 32-element unit (DOT_U8S8: unsigned x signed bytes -> 8 int32 lanes of
  * 4 elements each, exact). Per output y[r, c], in this order
  * whatever M, the row's position, the part, the tile or the thread count:
- *   blocks of 32 with offsets (Q4_0, Q4_1, Q5_0, Q5_1): for each block j, out = fma(float(dot_j), a_j * d_j, out);
- *   signed blocks of 32 (Q8_0, IQ4_NL): one accumulator per output over the blocks' whole dot products (see GQS_TILE1);
+ *   blocks of 32 with a minimum (Q4_1, Q5_1): for each block j, out = fma(float(dot_j), a_j * d_j, out);
+ *   signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL): one accumulator per output over the blocks' whole dot products
+ *       (see GQS_TILE1);
  *   super-blocks of 256 (the K-quants, IQ4_XS): the sub-block scales in integer arithmetic, d once per super-block
  *       (see GQK_TILE below);
  *   after each chunk of 256 elements: out = fma(z[0..8), S[0..8), out), then fma(z[8..16), S[8..16), out), with z the
  *       offsets of the chunk's 16-element sub-blocks (a 32-element sub-block's offset twice) and S = d_b * sum(q) over
  *       each 16 activations (row data, computed once per call); IQ4_XS (no offsets) skips this;
  *   y = hsum(out).
- * Codes are unsigned (0..63: nibbles, 5- and 6-bit codes, Q3_K's code + 4, Q6_K's + 32) except for the 8-bit types
- * (Q8_0, IQ4_NL / IQ4_XS table values), which are signed with z = 0 (GQ_SIGNED_DOT). A pair of products fits int16
+ * Codes are unsigned (0..63: nibbles, 5- and 6-bit codes, Q3_K's code + 4, Q6_K's + 32) except for the signed blocks
+ * of 32 and IQ4_XS's table values, which are signed with z = 0 (GQ_SIGNED_DOT). A pair of products fits int16
  * (63 * 127 * 2 or 128 * 127 * 2 < 32768). The portable build dequantizes each column (the reference's values) and
  * sums d_b * (sum of q * w per block) in a fixed order, except for the signed blocks of 32, whose order it computes
  * in plain C (the vector build's bits). */
@@ -2080,7 +2081,7 @@ static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
  * and the offsets z [16] of its 16-element sub-blocks (zeroed by the caller; nu blocks of 32, or one super-block). */
 #define GQ_DEC(T) INLINE void gqd_##T(const uint8_t *q, int nu, __m256i *u, __m256 *sv, float *z)
 
-/* Signed codes u (Q8_0, IQ4_NL: |u| <= 128) against activation bytes xv: with VNNI (OFFSET) u + 128 as the unsigned
+/* Signed codes u (the signed blocks of 32: |u| <= 128) against activation bytes xv: with VNNI (OFFSET) u + 128 as the unsigned
  * operand and the accumulator starting at -128 times each lane's 4 activation bytes (row data C at c), one vpdpbusd;
  * else |u| against the activations signed by u. The same integers either way (GQ_SIGNED_W: the unsigned operand). */
 #ifdef DOT_U8S8_ACC
@@ -2112,9 +2113,7 @@ INLINE __m256 gq_pair(float a0, float a1) {
             sv[b] = _mm256_set1_ps(d);                                                                             \
         }                                                                                                          \
     }
-GQ_SMALL(q4_0, 18, nibbles32(qb + 2), -8.0f * *d)
 GQ_SMALL(q4_1, 20, nibbles32(qb + 4), gguf_f16(qb + 2))
-GQ_SMALL(q5_0, 22, _mm256_or_si256(nibbles32(qb + 6), fifth_bits(gguf_u32(qb + 2))), -16.0f * *d)
 GQ_SMALL(q5_1, 24, _mm256_or_si256(nibbles32(qb + 8), fifth_bits(gguf_u32(qb + 4))), gguf_f16(qb + 2))
 
 /* Blocks of 32: a tile of R rows x up to C columns (cols), one block of every column at a time (the rows' activation
@@ -2167,9 +2166,7 @@ GQ_SMALL(q5_1, 24, _mm256_or_si256(nibbles32(qb + 8), fifth_bits(gguf_u32(qb + 4
 #define GQ_TILES(T, BPC, BYTES)                                                                                    \
     GQ_TILE(T, BPC, BYTES, 1, GG_C1) GQ_TILE(T, BPC, BYTES, 2, GG_C2)                                              \
     GQ_TILE(T, BPC, BYTES, 3, GG_C3) GQ_TILE(T, BPC, BYTES, 4, GG_C4)
-GQ_TILES(q4_0, 8, 18)
 GQ_TILES(q4_1, 8, 20)
-GQ_TILES(q5_0, 8, 22)
 GQ_TILES(q5_1, 8, 24)
 
 /* Super-block types: the sub-block scales are small integers (a_s = d * sc_s) and meet the dot products in integer
@@ -2423,9 +2420,7 @@ GQK_TILES(q3_k, 110, 0)
         }                                                                                                          \
         for (int r = 0; r < rows; r++) y[r * ldy] = hsum(out[r]);                                                  \
     }
-GQM_TILE(q4_0, 8, 18)
 GQM_TILE(q4_1, 8, 20)
-GQM_TILE(q5_0, 8, 22)
 GQM_TILE(q5_1, 8, 24)
 GQKM_TILE(iq4_xs, 136, 1)
 GQKM_TILE(q4_k, 144, 0)
@@ -2434,11 +2429,11 @@ GQKM_TILE(q6_k, 210, 0)
 GQKM_TILE(q2_k, 84, 0)
 GQKM_TILE(q3_k, 110, 0)
 
-/* The signed blocks of 32 (Q8_0, IQ4_NL) take another order: each block's whole dot product D_b (exact int32) times
- * P_b = d_b * dx_b, one accumulator per output, y = fma(float(D_b), P_b, y) for the blocks b in order. The vector
- * lanes then hold 8 outputs: 8 columns of one row (gqt_T_1, the lane sums of their dot products, gq_lane_sums), or 8
- * rows of one column from GQS_MIN_ROWS rows on (gqm_T: the rows' activation bytes XT against broadcast weight bytes,
- * a vpdpbusd per 4 elements of 8 rows). */
+/* The signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL) take another order: each block's whole dot product D_b (exact
+ * int32) times P_b = d_b * dx_b, one accumulator per output, y = fma(float(D_b), P_b, y) for the blocks b in order.
+ * The vector lanes then hold 8 outputs: 8 columns of one row (gqt_T_1, the lane sums of their dot products,
+ * gq_lane_sums), or 8 rows of one column from GQS_MIN_ROWS rows on (gqm_T: the rows' activation bytes XT against
+ * broadcast weight bytes, a vpdpbusd per 4 elements of 8 rows). */
 
 INLINE __m256i gq_pair_sums(__m256i a, __m256i b) { /* per 128-bit half: a0+a2, b0+b2, a1+a3, b1+b3 */
     return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
@@ -2453,6 +2448,10 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
+/* the signed codes of one block at qb: Q4_0's nibble - 8, Q5_0's 5-bit code - 16, Q8_0's byte, IQ4_NL's table value */
+#define GQS_CODES_q4_0(qb) _mm256_sub_epi8(nibbles32((qb) + 2), _mm256_set1_epi8(8))
+#define GQS_CODES_q5_0(qb) \
+    _mm256_sub_epi8(_mm256_or_si256(nibbles32((qb) + 6), fifth_bits(gguf_u32((qb) + 2))), _mm256_set1_epi8(16))
 #define GQS_CODES_q8_0(qb) _mm256_loadu_si256((const __m256i *)((qb) + 2))
 #define GQS_CODES_iq4_nl(qb) iq4_lookup(nibbles32((qb) + 2))
 
@@ -2490,6 +2489,8 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
         _mm256_storeu_ps(t, acc);                                                                                  \
         for (int c = 0; c < cols; c++) y[c] = t[c];                                                                \
     }
+GQS_TILE1(q4_0, 18)
+GQS_TILE1(q5_0, 22)
 GQS_TILE1(q8_0, 34)
 GQS_TILE1(iq4_nl, 18)
 
@@ -2532,6 +2533,8 @@ GQS_TILE1(iq4_nl, 18)
             for (int l = 0; l < 8 && 8 * g + l < rows; l++) y[(8 * g + l) * ldy] = t[l];                           \
         }                                                                                                          \
     }
+GQSM_TILE(q4_0, 18)
+GQSM_TILE(q5_0, 22)
 GQSM_TILE(q8_0, 34)
 GQSM_TILE(iq4_nl, 18)
 
@@ -2545,7 +2548,7 @@ static const struct {
     int type;
     gq_tile_fn tiles[4];
     gq_rows_fn rows;
-} GQ_TYPES[] = {GQ_ROW(2, q4_0),  GQ_ROW(3, q4_1),  GQ_ROW(6, q5_0),  GQ_ROW(7, q5_1),
+} GQ_TYPES[] = {GQS_ROW(2, q4_0),  GQ_ROW(3, q4_1),  GQS_ROW(6, q5_0),  GQ_ROW(7, q5_1),
                 GQS_ROW(8, q8_0),  GQ_ROW(10, q2_k), GQ_ROW(11, q3_k), GQ_ROW(12, q4_k),
                 GQ_ROW(13, q5_k), GQ_ROW(14, q6_k), GQS_ROW(20, iq4_nl), GQ_ROW(23, iq4_xs)};
 #endif
@@ -2597,7 +2600,7 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
     }
 #else
     (void)xs, (void)xc;
-    if (t->type == 8 || t->type == 20) { /* the signed blocks' order (see GQS_TILE1): the vector build's bits */
+    if (t->type == 2 || t->type == 6 || t->type == 8 || t->type == 20) { /* the signed blocks' order (GQS_TILE1) */
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1)
         for (int64_t c = 0; c < n; c++)
             for (int64_t r = 0; r < m; r++) {
@@ -2606,8 +2609,12 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
                     const uint8_t *qb = q + c * rb + b * t->bytes;
                     int32_t D = 0;
                     for (int i = 0; i < QB; i++) {
-                        const int w = t->type == 8 ? (int8_t)qb[2 + i]
-                                                   : (int)IQ4_KV[i < 16 ? qb[2 + i] & 15 : qb[2 + i - 16] >> 4];
+                        const int nib = t->type == 6 ? (i < 16 ? qb[6 + i] & 15 : qb[6 + i - 16] >> 4)
+                                                     : (i < 16 ? qb[2 + i] & 15 : qb[2 + i - 16] >> 4);
+                        const int w = t->type == 2   ? nib - 8
+                                      : t->type == 6 ? (nib | (int)(gguf_u32(qb + 2) >> i & 1) << 4) - 16
+                                      : t->type == 8 ? (int8_t)qb[2 + i]
+                                                     : (int)IQ4_KV[nib];
                         D += w * xq[r * k + b * QB + i];
                     }
                     acc = fmaf((float)D, gguf_f16(qb) * xd[r * nbx + b], acc);
