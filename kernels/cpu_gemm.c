@@ -2013,8 +2013,13 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  * its row),
  * CB [m/8][K/32][8] (C summed over each block of 32) and DT [m/8][K/32][8] (d); lanes past m hold zeros. */
 static int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 16; }
-#define GQS_MIN_ROWS 4 /* from 4 rows the signed blocks take the rows-in-lanes path (fewer: one row at a time) */
-static int64_t gq_groups(int64_t m) { return m >= GQS_MIN_ROWS ? (m + 7) / 8 : 0; }
+#define GQS_MIN_ROWS 2 /* from 2 rows the signed blocks take the rows-in-lanes paths (fewer: one row at a time) */
+/* rows per group of the lane layout: 8, or under 8 rows 4, lanes 4-7 then holding the next block's (block pairs) */
+static int64_t gq_group_rows(int64_t m) { return m >= 8 ? 8 : 4; }
+static int64_t gq_groups(int64_t m) { return m >= GQS_MIN_ROWS ? (m + gq_group_rows(m) - 1) / gq_group_rows(m) : 0; }
+/* int32 per group of XT, and of CB (DT: as many floats) */
+static int64_t gq_xt_len(int64_t m, int64_t k) { return m >= 8 ? k / 4 * 8 : (k / QB + 1) / 2 * 64; }
+static int64_t gq_cb_len(int64_t m, int64_t k) { return m >= 8 ? k / QB * 8 : (k / QB + 1) / 2 * 8; }
 
 typedef struct {
     const int32_t *xt, *cb;
@@ -2023,17 +2028,17 @@ typedef struct {
 
 /* the lane layout of row group g (rows 8g .. 8g + 7) */
 static gq_lanes gq_lanes_at(const void *work, int64_t m, int64_t k, int64_t g) {
-    const int64_t nb = k / QB, mg = gq_groups(m);
+    const int64_t nb = k / QB, mg = gq_groups(m), xl = gq_xt_len(m, k), cl = gq_cb_len(m, k);
     const int32_t *xt = (const int32_t *)((const int8_t *)((const float *)work + m * (nb + gq_sums(k))) + 2 * m * k);
-    const int32_t *cb = xt + mg * (k / 4) * 8;
-    const gq_lanes ln = {xt + g * (k / 4) * 8, cb + g * nb * 8, (const float *)(cb + mg * nb * 8) + g * nb * 8};
+    const int32_t *cb = xt + mg * xl;
+    const gq_lanes ln = {xt + g * xl, cb + g * cl, (const float *)(cb + mg * cl) + g * cl};
     return ln;
 }
 
 static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
     const int64_t nb = k / QB, lds = gq_sums(k), mg = gq_groups(m);
-    float *d = (float *)aligned_alloc(
-        64, ((size_t)(m * (nb + lds) * 4 + 2 * m * k + mg * 8 * (k + 8 * nb)) + 63) / 64 * 64);
+    const size_t bytes = (size_t)(m * (nb + lds) * 4 + 2 * m * k + mg * 4 * (gq_xt_len(m, k) + 2 * gq_cb_len(m, k)));
+    float *d = (float *)aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (!d) return NULL;
     float *S = d + m * nb;
     int8_t *xq = (int8_t *)(S + m * lds);
@@ -2057,20 +2062,21 @@ static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
         const gq_lanes ln = gq_lanes_at(d, m, k, g);
         int32_t *xt = (int32_t *)ln.xt, *cb = (int32_t *)ln.cb;
         float *dt = (float *)ln.dt;
-        for (int l = 0; l < 8; l++) {
-            const int64_t r = 8 * g + l;
-            for (int64_t i = 0; i < k / 4; i++) {
-                int32_t v = 0;
-                if (r < m) memcpy(&v, xq + r * k + 4 * i, 4);
-                xt[i * 8 + l] = v;
-            }
-            for (int64_t b = 0; b < nb; b++) {
+        /* lane l, at step s (8 groups of 8 rows: the block; 4 rows: the block pair): row and block */
+        const int pairs = m < 8;
+        for (int64_t s = 0; s < (pairs ? (nb + 1) / 2 : nb); s++)
+            for (int l = 0; l < 8; l++) {
+                const int64_t r = pairs ? 4 * g + (l & 3) : 8 * g + l, b = pairs ? 2 * s + (l >> 2) : s;
+                const int real = r < m && b < nb;
                 int32_t sum = 0;
-                for (int i = 0; r < m && i < 8; i++) sum += C[r * (k / 4) + 8 * b + i];
-                cb[b * 8 + l] = sum;
-                dt[b * 8 + l] = r < m ? d[r * nb + b] : 0.0f;
+                for (int t = 0; t < 8; t++) {
+                    int32_t v = 0;
+                    if (real) memcpy(&v, xq + r * k + QB * b + 4 * t, 4), sum += C[r * (k / 4) + 8 * b + t];
+                    xt[s * 64 + t * 8 + l] = v;
+                }
+                cb[s * 8 + l] = sum;
+                dt[s * 8 + l] = real ? d[r * nb + b] : 0.0f;
             }
-        }
     }
     return d;
 }
@@ -2081,9 +2087,10 @@ static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
  * and the offsets z [16] of its 16-element sub-blocks (zeroed by the caller; nu blocks of 32, or one super-block). */
 #define GQ_DEC(T) INLINE void gqd_##T(const uint8_t *q, int nu, __m256i *u, __m256 *sv, float *z)
 
-/* Signed codes u (the signed blocks of 32: |u| <= 128) against activation bytes xv: with VNNI (OFFSET) u + 128 as the unsigned
- * operand and the accumulator starting at -128 times each lane's 4 activation bytes (row data C at c), one vpdpbusd;
- * else |u| against the activations signed by u. The same integers either way (GQ_SIGNED_W: the unsigned operand). */
+/* Signed codes u (the signed blocks of 32: |u| <= 128) against activation bytes xv: with VNNI (OFFSET) u + 128 as the
+ * unsigned operand and the accumulator starting at -128 times each lane's 4 activation bytes (row data C at c), one
+ * vpdpbusd; else |u| against the activations signed by u. The same integers either way (GQ_SIGNED_W: the unsigned
+ * operand). */
 #ifdef DOT_U8S8_ACC
 #define GQ_OFFSET_ROWS 1
 #else
@@ -2430,10 +2437,12 @@ GQKM_TILE(q2_k, 84, 0)
 GQKM_TILE(q3_k, 110, 0)
 
 /* The signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL) take another order: each block's whole dot product D_b (exact
- * int32) times P_b = d_b * dx_b, one accumulator per output, y = fma(float(D_b), P_b, y) for the blocks b in order.
+ * int32) times P_b = d_b * dx_b, two accumulators per output, the even and the odd blocks',
+ *   a_{b % 2} = fma(float(D_b), P_b, a_{b % 2}) for the blocks b in order;  y = a_0 + a_1.
  * The vector lanes then hold 8 outputs: 8 columns of one row (gqt_T_1, the lane sums of their dot products,
- * gq_lane_sums), or 8 rows of one column from GQS_MIN_ROWS rows on (gqm_T: the rows' activation bytes XT against
- * broadcast weight bytes, a vpdpbusd per 4 elements of 8 rows). */
+ * gq_lane_sums), or from GQS_MIN_ROWS rows on 8 rows of one column (gqs_T, 8 rows and more) or 4 rows of one column
+ * for a pair of blocks (gqf_T, fewer rows): the rows' activation bytes XT against broadcast weight bytes, a vpdpbusd
+ * per 4 elements of each lane's row. */
 
 INLINE __m256i gq_pair_sums(__m256i a, __m256i b) { /* per 128-bit half: a0+a2, b0+b2, a1+a3, b1+b3 */
     return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
@@ -2464,7 +2473,7 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                                            \
         const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane);                                   \
         const __m256i at = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)rb));                                   \
-        __m256 acc = _mm256_setzero_ps();                                                                          \
+        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                                \
         for (int64_t b = 0; b < nb; b++) {                                                                         \
             const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + QB * b));                                 \
             __m256i v[8];                                                                                          \
@@ -2482,11 +2491,11 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
                 _mm256_set1_epi32(0xFFFF));                                                                        \
             const __m256 sv =                                                                                      \
                 _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));      \
-            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gq_lane_sums(v)), _mm256_mul_ps(sv, _mm256_set1_ps(xd[b])),   \
-                                  acc);                                                                            \
+            acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gq_lane_sums(v)),                                      \
+                                         _mm256_mul_ps(sv, _mm256_set1_ps(xd[b])), acc[b & 1]);                    \
         }                                                                                                          \
         float t[8];                                                                                                \
-        _mm256_storeu_ps(t, acc);                                                                                  \
+        _mm256_storeu_ps(t, _mm256_add_ps(acc[0], acc[1]));                                                        \
         for (int c = 0; c < cols; c++) y[c] = t[c];                                                                \
     }
 GQS_TILE1(q4_0, 18)
@@ -2503,7 +2512,7 @@ GQS_TILE1(iq4_nl, 18)
         (void)xq, (void)xd, (void)xs, (void)xc;                                                                    \
         const int ng = rows > 8 ? 2 : 1;                                                                           \
         const int64_t gs = (K / 4) * 8, gb = nb * 8; /* group strides of XT and of CB / DT */                     \
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                                \
+        __m256 acc[2][2] = {{_mm256_setzero_ps(), _mm256_setzero_ps()}, {_mm256_setzero_ps(), _mm256_setzero_ps()}}; \
         for (int64_t b = 0; b < nb; b++) {                                                                         \
             const uint8_t *qb = q + b * (BYTES);                                                                   \
             const __m256i u = GQS_CODES_##T(qb);                                                                   \
@@ -2524,15 +2533,57 @@ GQS_TILE1(iq4_nl, 18)
                                                                    _mm256_sign_epi8(xv, _mm256_set1_epi32(ub[t])))); \
                 }                                                                                                  \
                 const __m256 P = _mm256_mul_ps(sv, _mm256_loadu_ps(ln->dt + g * gb + 8 * b));                      \
-                acc[g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(D[0], D[1])), P, acc[g]);             \
+                acc[g][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(D[0], D[1])), P, acc[g][b & 1]); \
             }                                                                                                      \
         }                                                                                                          \
         for (int g = 0; g < ng; g++) {                                                                             \
             float t[8];                                                                                            \
-            _mm256_storeu_ps(t, acc[g]);                                                                           \
+            _mm256_storeu_ps(t, _mm256_add_ps(acc[g][0], acc[g][1]));                                              \
             for (int l = 0; l < 8 && 8 * g + l < rows; l++) y[(8 * g + l) * ldy] = t[l];                           \
         }                                                                                                          \
     }
+
+/* The dword t of each 128-bit half, in all four of its lanes */
+#define GQ_DWORD(v, t) _mm256_shuffle_epi32(v, (t) * 0x55)
+/* Up to 4 rows (one group, lanes 0-3 the even block of a pair, 4-7 the odd one) of one column. */
+#define GQSF_STEP(t)                                                                                               \
+    do {                                                                                                           \
+        const __m256i xv = _mm256_loadu_si256((const __m256i *)(xt + 8 * (t)));                                    \
+        const __m256i w = GQ_DWORD((t) < 4 ? wl : wh, (t) & 3);                                                    \
+        const __m256i us = GQ_DWORD((t) < 4 ? lo : hi, (t) & 3); /* the signs (no VNNI) */                       \
+        D[(t) & 1] = GQ_OFFSET_ROWS ? DOT_U8S8_ACC(D[(t) & 1], w, xv)                                             \
+                                    : _mm256_add_epi32(D[(t) & 1], DOT_U8S8(w, _mm256_sign_epi8(xv, us)));         \
+    } while (0)
+#define GQSF_TILE(T, BYTES)                                                                                        \
+    static void gqf_##T(const uint8_t *q, const gq_lanes *ln, int64_t nb, float *y, int64_t ldy, int rows) {      \
+        __m256 acc = _mm256_setzero_ps();                                                                          \
+        for (int64_t p = 0; 2 * p < nb; p++) {                                                                     \
+            const uint8_t *qb = q + 2 * p * (BYTES);                                                               \
+            const int two = 2 * p + 1 < nb;                                                                        \
+            const __m256i u0 = GQS_CODES_##T(qb), u1 = two ? GQS_CODES_##T(qb + (BYTES)) : _mm256_setzero_si256(); \
+            /* dwords 0-3 (4-7) of the even block in the low half, of the odd one in the high half */             \
+            const __m256i lo = _mm256_permute2x128_si256(u0, u1, 0x20), hi = _mm256_permute2x128_si256(u0, u1, 0x31); \
+            const __m256i wl = GQ_SIGNED_W(lo, GQ_OFFSET_ROWS), wh = GQ_SIGNED_W(hi, GQ_OFFSET_ROWS);              \
+            const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(gguf_f16(qb))),             \
+                                                   _mm_set1_ps(two ? gguf_f16(qb + (BYTES)) : 0.0f), 1);           \
+            const int32_t *xt = ln->xt + 64 * p;                                                                   \
+            __m256i D[2] = {GQ_OFFSET_ROWS ? _mm256_loadu_si256((const __m256i *)(ln->cb + 8 * p))                 \
+                                           : _mm256_setzero_si256(),                                               \
+                            _mm256_setzero_si256()};                                                               \
+            GQSF_STEP(0); GQSF_STEP(1); GQSF_STEP(2); GQSF_STEP(3);                                                \
+            GQSF_STEP(4); GQSF_STEP(5); GQSF_STEP(6); GQSF_STEP(7);                                                \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(D[0], D[1])),                                \
+                                  _mm256_mul_ps(sv, _mm256_loadu_ps(ln->dt + 8 * p)), acc);                        \
+        }                                                                                                          \
+        float t[8];                                                                                                \
+        _mm256_storeu_ps(t, acc);                                                                                  \
+        for (int r = 0; r < rows; r++) y[r * ldy] = t[r] + t[4 + r];                                               \
+    }
+GQSF_TILE(q4_0, 18)
+GQSF_TILE(q5_0, 22)
+GQSF_TILE(q8_0, 34)
+GQSF_TILE(iq4_nl, 18)
+
 GQSM_TILE(q4_0, 18)
 GQSM_TILE(q5_0, 22)
 GQSM_TILE(q8_0, 34)
@@ -2542,12 +2593,14 @@ typedef void (*gq_tile_fn)(const uint8_t *, int64_t, int, const int8_t *, const 
                            const int32_t *, int64_t, int64_t, float *, int64_t);
 typedef void (*gq_rows_fn)(const uint8_t *, const int8_t *, const float *, const float *, const int32_t *,
                            const gq_lanes *, int64_t, int64_t, float *, int64_t, int);
-#define GQ_ROW(id, T) {id, {gqt_##T##_1, gqt_##T##_2, gqt_##T##_3, gqt_##T##_4}, gqm_##T}
-#define GQS_ROW(id, T) {id, {gqt_##T##_1, NULL, NULL, NULL}, gqm_##T} /* one row at a time, or gqm */
+typedef void (*gq_pairs_fn)(const uint8_t *, const gq_lanes *, int64_t, float *, int64_t, int);
+#define GQ_ROW(id, T) {id, {gqt_##T##_1, gqt_##T##_2, gqt_##T##_3, gqt_##T##_4}, gqm_##T, NULL}
+#define GQS_ROW(id, T) {id, {gqt_##T##_1, NULL, NULL, NULL}, gqm_##T, gqf_##T} /* one row; 2-7 rows: gqf; more: gqm */
 static const struct {
     int type;
     gq_tile_fn tiles[4];
     gq_rows_fn rows;
+    gq_pairs_fn pairs;
 } GQ_TYPES[] = {GQS_ROW(2, q4_0),  GQ_ROW(3, q4_1),  GQS_ROW(6, q5_0),  GQ_ROW(7, q5_1),
                 GQS_ROW(8, q8_0),  GQ_ROW(10, q2_k), GQ_ROW(11, q3_k), GQ_ROW(12, q4_k),
                 GQ_ROW(13, q5_k), GQ_ROW(14, q6_k), GQS_ROW(20, iq4_nl), GQ_ROW(23, iq4_xs)};
@@ -2564,10 +2617,12 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
 #if defined(__AVX2__) && defined(__FMA__)
     const gq_tile_fn *tiles = NULL;
     gq_rows_fn rows_fn = NULL;
+    gq_pairs_fn pairs_fn = NULL;
     for (size_t i = 0; i < sizeof GQ_TYPES / sizeof GQ_TYPES[0]; i++)
-        if (GQ_TYPES[i].type == t->type) tiles = GQ_TYPES[i].tiles, rows_fn = GQ_TYPES[i].rows;
+        if (GQ_TYPES[i].type == t->type)
+            tiles = GQ_TYPES[i].tiles, rows_fn = GQ_TYPES[i].rows, pairs_fn = GQ_TYPES[i].pairs;
     if (!tiles) return -1;
-    const int is_signed = !tiles[1], signed_lanes = is_signed && m >= GQS_MIN_ROWS;
+    const int is_signed = pairs_fn != NULL, signed_lanes = is_signed && m >= GQS_MIN_ROWS;
     /* rows whose bytes stay within ~256 KiB, a multiple of GQ_ROWS (the many-rows path starts at whole groups of 8) */
     const int64_t chunk = ((256 * 1024) / k / GQ_ROWS < 1 ? 1 : (256 * 1024) / k / GQ_ROWS) * GQ_ROWS;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
@@ -2581,7 +2636,12 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
             for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' blocks stay in cache over the rows */
                 const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
                 int64_t r0 = m0;
-                /* many rows: each column decoded once per GQ_ROWS (the signed blocks: from 2 rows, in the lanes) */
+                for (; signed_lanes && m < 8 && r0 < m1; r0 += 4) { /* the signed blocks, 2-7 rows: block pairs */
+                    const gq_lanes ln = gq_lanes_at(work, m, k, r0 / 4);
+                    for (int64_t c = c0; c < c1; c++)
+                        pairs_fn(q + c * rb, &ln, nb, y + r0 * ldy + c, ldy, (int)(m1 - r0 < 4 ? m1 - r0 : 4));
+                }
+                /* many rows: each column decoded once per GQ_ROWS (the signed blocks: 8 rows in the lanes) */
                 for (; m1 - r0 >= (signed_lanes ? 1 : GQ_ROWS / 2); r0 += GQ_ROWS) {
                     const int rr = (int)(m1 - r0 < GQ_ROWS ? m1 - r0 : GQ_ROWS);
                     const gq_lanes ln = gq_lanes_at(work, m, k, r0 / 8);
@@ -2604,7 +2664,7 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1)
         for (int64_t c = 0; c < n; c++)
             for (int64_t r = 0; r < m; r++) {
-                float acc = 0.0f;
+                float acc[2] = {0.0f, 0.0f};
                 for (int64_t b = 0; b < nb; b++) {
                     const uint8_t *qb = q + c * rb + b * t->bytes;
                     int32_t D = 0;
@@ -2617,9 +2677,9 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
                                                      : (int)IQ4_KV[nib];
                         D += w * xq[r * k + b * QB + i];
                     }
-                    acc = fmaf((float)D, gguf_f16(qb) * xd[r * nbx + b], acc);
+                    acc[b & 1] = fmaf((float)D, gguf_f16(qb) * xd[r * nbx + b], acc[b & 1]);
                 }
-                y[r * ldy + c] = acc;
+                y[r * ldy + c] = acc[0] + acc[1];
             }
         return 0;
     }
