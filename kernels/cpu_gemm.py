@@ -358,8 +358,8 @@ def int4_matmul_q8_ref(x, qweight, scales, zeros, group_size):
 #   int8 per block of 32 as llama.cpp computes these files (LLMD_CPU_GEMM_ACT=fp32: the file's exact weights).
 # - gguf_head (a packed output head, tied or not): int16 activations where the head is Q8_0 or Q6_K (as nearly every
 #   file's is), else fp32. The head picks the token: on the int8 path SmolLM2's tied Q8_0 head alone turns "The
-#   capital of France is Paris." into llama.cpp's "L'Étoile, ..."; int16 is 256 times finer (the logits move by
-#   ~1e-4, not ~0.1) while the head stays bound by reading its weights, not by fp32 multiplies.
+#   capital of France is Paris." into llama.cpp's "L'Étoile, ..."; int16 is 256 times finer, and a Q8_0 head then
+#   runs as fast as on int8 (read at memory speed: Gemma 3's 178 MB table 4.7 ms instead of 8.7 ms with fp32).
 ACTIVATIONS = {"int4": "fp32", "int8": "fp32", "gguf": "int8", "gguf_head": "int16"}
 
 

@@ -27,8 +27,6 @@ int llmd_gguf_matmul_q8(int type, const float *x, int64_t ldx, const uint8_t *q,
                         int64_t n, int64_t k, int nthreads);
 int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
                               int64_t ldy, int64_t m, int64_t k, int nthreads);
-int llmd_gguf_parts_matmul_q16(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
-                               int64_t ldy, int64_t m, int64_t k, int nthreads);
 
 int llmd_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows, int64_t n,
                   float eps);
