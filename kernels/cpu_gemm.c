@@ -2300,16 +2300,19 @@ GQK_DEC(q3_k) { /* u = crumb + 4 * (hmask bit), z = -4 a */
     }
 }
 
-GQK_DEC(iq4_xs) { /* signed table codes, a = d (sc - 32), no offsets */
-    /* sub-block s: low 4 bits from nibble s of the 4 bytes at q + 4, high 2 from bits 2s of the 2 bytes at q + 2 */
+/* IQ4_XS's 8 sub-block scales sc - 32 (int32 lanes): low 4 bits from nibble s of the 4 bytes at q + 4, high 2 from
+ * bits 2s of the 2 bytes at q + 2 */
+INLINE __m256i iq4xs_scales(const uint8_t *q) {
     const __m256i s = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256i lo = _mm256_srlv_epi32(_mm256_set1_epi32((int)gguf_u32(q + 4)), _mm256_slli_epi32(s, 2));
     const __m256i hi = _mm256_srlv_epi32(_mm256_set1_epi32((int)(q[2] | q[3] << 8)), _mm256_slli_epi32(s, 1));
     const __m256i hi2 = _mm256_slli_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(3)), 4);
-    const __m256i sc =
-        _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xF)), hi2), _mm256_set1_epi32(32));
+    return _mm256_sub_epi32(_mm256_or_si256(_mm256_and_si256(lo, _mm256_set1_epi32(0xF)), hi2), _mm256_set1_epi32(32));
+}
+
+GQK_DEC(iq4_xs) { /* signed table codes, a = d (sc - 32), no offsets */
     *d = gguf_f16(q);
-    gq_units32(sc, _mm256_setzero_ps(), scp, zl, zh);
+    gq_units32(iq4xs_scales(q), _mm256_setzero_ps(), scp, zl, zh);
     for (int s = 0; s < 8; s++) u[s] = iq4_lookup(nibbles32(q + 8 + 16 * s));
 }
 
@@ -2354,7 +2357,41 @@ GQK_DEC(iq4_xs) { /* signed table codes, a = d (sc - 32), no offsets */
 #define GQK_TILES(T, BYTES, SIGNED)                                                                                \
     GQK_TILE(T, BYTES, SIGNED, 1, GG_C1) GQK_TILE(T, BYTES, SIGNED, 2, GG_C2)                                      \
     GQK_TILE(T, BYTES, SIGNED, 3, GG_C3) GQK_TILE(T, BYTES, SIGNED, 4, GG_C4)
-GQK_TILES(iq4_xs, 136, 1)
+#if GQ_OFFSET_ROWS
+/* IQ4_XS, one row, with VNNI: the codes + 128 against the activations from C (GQ_SIGNED_DOT), times the sub-block
+ * scale in int32 (the integers GQK_TILE's madd makes) */
+static void gqt_iq4_xs_1(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd, const float *xs,
+                         const int32_t *xc, int64_t K, int64_t nb, float *y, int64_t ldy) {
+    (void)K, (void)ldy;
+    __m256 out[GG_C1];
+    for (int c = 0; c < GG_C1; c++) out[c] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        _Pragma("GCC unroll 8") for (int c = 0; c < GG_C1; c++) if (c < cols) {
+            const uint8_t *qc = q + c * rb + b * 136;
+            for (int p = 0; p < 136; p += 64) _mm_prefetch((const char *)(qc + PF_TILES * GG_C1 * rb + p), _MM_HINT_T0);
+            const __m256i sc = iq4xs_scales(qc);
+            __m256 acc = _mm256_setzero_ps();
+            _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+                const __m256i u = iq4_lookup(nibbles32(qc + 8 + 16 * j));
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 256 * b + 32 * j));
+                const __m256i dot = GQ_SIGNED_DOT(GQ_SIGNED_W(u, 1), u, xv, xc + 64 * b + 8 * j, 1);
+                const __m256 t =
+                    _mm256_cvtepi32_ps(_mm256_mullo_epi32(dot, _mm256_permutevar8x32_epi32(sc, _mm256_set1_epi32(j))));
+                const __m256 dv = _mm256_broadcast_ss(xd + 8 * b + j);
+                acc = j ? _mm256_fmadd_ps(t, dv, acc) : _mm256_mul_ps(t, dv);
+            }
+            const __m256 zero = _mm256_setzero_ps(); /* GQK_TILE's (zero) offset terms, for its very bits */
+            out[c] = _mm256_fmadd_ps(acc, _mm256_set1_ps(gguf_f16(qc)), out[c]);
+            out[c] = _mm256_fmadd_ps(zero, _mm256_loadu_ps(xs + 16 * b), out[c]);
+            out[c] = _mm256_fmadd_ps(zero, _mm256_loadu_ps(xs + 16 * b + 8), out[c]);
+        }
+    }
+    for (int c = 0; c < GG_C1 && c < cols; c++) y[c] = hsum(out[c]);
+}
+#else
+GQK_TILE(iq4_xs, 136, 1, 1, GG_C1)
+#endif
+GQK_TILE(iq4_xs, 136, 1, 2, GG_C2) GQK_TILE(iq4_xs, 136, 1, 3, GG_C3) GQK_TILE(iq4_xs, 136, 1, 4, GG_C4)
 GQK_TILES(q4_k, 144, 0)
 GQK_TILES(q5_k, 176, 0)
 GQK_TILES(q6_k, 210, 0)
