@@ -2501,26 +2501,28 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
 #define GQS_CODES_q8_0(qb) _mm256_loadu_si256((const __m256i *)((qb) + 2))
 #define GQS_CODES_iq4_nl(qb) iq4_lookup(nibbles32((qb) + 2))
 
-/* One row, up to 8 columns (cols) in the lanes; block b of every column at a time. */
-#define GQS_TILE1(T, BYTES)                                                                                        \
-    static void gqt_##T##_1(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd,           \
-                            const float *xs, const int32_t *xc, int64_t K, int64_t nb, float *y, int64_t ldy) {   \
-        (void)xs, (void)K, (void)ldy;                                                                              \
+/* R rows (1-4), up to 8 columns (cols) in the lanes; block b of every column at a time, its codes decoded once for
+ * the R rows. */
+#define GQS_TILE(T, BYTES, R)                                                                                      \
+    static void gqt_##T##_##R(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd,         \
+                              const float *xs, const int32_t *xc, int64_t K, int64_t nb, float *y, int64_t ldy) { \
+        (void)xs;                                                                                                  \
         enum { OFF = GQ_OFFSET_ROWS };                                                                             \
+        const int64_t nbx = K / QB;                                                                                \
         const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);                                            \
         const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane);                                   \
         const __m256i at = _mm256_mullo_epi32(lane, _mm256_set1_epi32((int)rb));                                   \
-        __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};                                                \
+        __m256 acc[R][2];                                                                                          \
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                                   \
         for (int64_t b = 0; b < nb; b++) {                                                                         \
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + QB * b));                                 \
-            __m256i v[8];                                                                                          \
+            __m256i u[8], w[8];                                                                                    \
             _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++) {                                                 \
-                v[c] = _mm256_setzero_si256();                                                                     \
+                u[c] = w[c] = _mm256_setzero_si256();                                                              \
                 if (c < cols) {                                                                                    \
                     const uint8_t *qb = q + c * rb + b * (BYTES);                                                  \
                     _mm_prefetch((const char *)(qb + PF_TILES * 8 * rb), _MM_HINT_T0);                            \
-                    const __m256i u = GQS_CODES_##T(qb);                                                           \
-                    v[c] = GQ_SIGNED_DOT(GQ_SIGNED_W(u, OFF), u, xv, xc + 8 * b, OFF);                             \
+                    u[c] = GQS_CODES_##T(qb);                                                                      \
+                    w[c] = GQ_SIGNED_W(u[c], OFF);                                                                 \
                 }                                                                                                  \
             }                                                                                                      \
             const __m256i h = _mm256_and_si256(                                                                    \
@@ -2528,17 +2530,27 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
                 _mm256_set1_epi32(0xFFFF));                                                                        \
             const __m256 sv =                                                                                      \
                 _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));      \
-            acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gq_lane_sums(v)),                                      \
-                                         _mm256_mul_ps(sv, _mm256_set1_ps(xd[b])), acc[b & 1]);                    \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
+                const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + QB * b));                     \
+                __m256i v[8];                                                                                      \
+                _Pragma("GCC unroll 8") for (int c = 0; c < 8; c++)                                               \
+                    v[c] = c < cols ? GQ_SIGNED_DOT(w[c], u[c], xv, xc + r * (K / 4) + 8 * b, OFF)                 \
+                                    : _mm256_setzero_si256();                                                      \
+                acc[r][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gq_lane_sums(v)),                               \
+                                                _mm256_mul_ps(sv, _mm256_set1_ps(xd[r * nbx + b])), acc[r][b & 1]); \
+            }                                                                                                      \
         }                                                                                                          \
-        float t[8];                                                                                                \
-        _mm256_storeu_ps(t, _mm256_add_ps(acc[0], acc[1]));                                                        \
-        for (int c = 0; c < cols; c++) y[c] = t[c];                                                                \
+        for (int r = 0; r < R; r++) {                                                                              \
+            float t[8];                                                                                            \
+            _mm256_storeu_ps(t, _mm256_add_ps(acc[r][0], acc[r][1]));                                              \
+            for (int c = 0; c < cols; c++) y[r * ldy + c] = t[c];                                                  \
+        }                                                                                                          \
     }
-GQS_TILE1(q4_0, 18)
-GQS_TILE1(q5_0, 22)
-GQS_TILE1(q8_0, 34)
-GQS_TILE1(iq4_nl, 18)
+#define GQS_TILES(T, BYTES) GQS_TILE(T, BYTES, 1) GQS_TILE(T, BYTES, 2) GQS_TILE(T, BYTES, 3) GQS_TILE(T, BYTES, 4)
+GQS_TILES(q4_0, 18)
+GQS_TILES(q5_0, 22)
+GQS_TILES(q8_0, 34)
+GQS_TILES(iq4_nl, 18)
 
 /* 1 to 16 rows (two groups of 8 in the lanes) of one column. With VNNI the weight bytes + 128 are the unsigned
  * operand and each accumulator starts at the group's CB (see GQ_SIGNED_DOT), else |w| against the activations signed
@@ -2632,7 +2644,7 @@ typedef void (*gq_rows_fn)(const uint8_t *, const int8_t *, const float *, const
                            const gq_lanes *, int64_t, int64_t, float *, int64_t, int);
 typedef void (*gq_pairs_fn)(const uint8_t *, const gq_lanes *, int64_t, float *, int64_t, int);
 #define GQ_ROW(id, T) {id, {gqt_##T##_1, gqt_##T##_2, gqt_##T##_3, gqt_##T##_4}, gqm_##T, NULL}
-#define GQS_ROW(id, T) {id, {gqt_##T##_1, NULL, NULL, NULL}, gqm_##T, gqf_##T} /* one row; 2-7 rows: gqf; more: gqm */
+#define GQS_ROW(id, T) {id, {gqt_##T##_1, gqt_##T##_2, gqt_##T##_3, gqt_##T##_4}, gqm_##T, gqf_##T}
 static const struct {
     int type;
     gq_tile_fn tiles[4];
@@ -2659,7 +2671,11 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
         if (GQ_TYPES[i].type == t->type)
             tiles = GQ_TYPES[i].tiles, rows_fn = GQ_TYPES[i].rows, pairs_fn = GQ_TYPES[i].pairs;
     if (!tiles) return -1;
-    const int is_signed = pairs_fn != NULL, signed_lanes = is_signed && m >= GQS_MIN_ROWS;
+    /* the signed blocks of 32: with VNNI, one row at a time in the tiles, 2-7 rows in block pairs (gqf), more in
+     * groups of 8 (gqm); without, rows in the lanes only from 16 rows (measured: the tiles are faster below) */
+    const int is_signed = pairs_fn != NULL;
+    const int signed_lanes = is_signed && m >= (GQ_OFFSET_ROWS ? GQS_MIN_ROWS : GQ_ROWS);
+    const int64_t many = is_signed ? (signed_lanes ? 1 : m + 1) : GQ_ROWS / 2; /* rows from which gqm runs */
     /* rows whose bytes stay within ~256 KiB, a multiple of GQ_ROWS (the many-rows path starts at whole groups of 8) */
     const int64_t chunk = ((256 * 1024) / k / GQ_ROWS < 1 ? 1 : (256 * 1024) / k / GQ_ROWS) * GQ_ROWS;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
@@ -2679,15 +2695,15 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
                         pairs_fn(q + c * rb, &ln, nb, y + r0 * ldy + c, ldy, (int)(m1 - r0 < 4 ? m1 - r0 : 4));
                 }
                 /* many rows: each column decoded once per GQ_ROWS (the signed blocks: 8 rows in the lanes) */
-                for (; m1 - r0 >= (signed_lanes ? 1 : GQ_ROWS / 2); r0 += GQ_ROWS) {
+                for (; m1 - r0 >= many; r0 += GQ_ROWS) {
                     const int rr = (int)(m1 - r0 < GQ_ROWS ? m1 - r0 : GQ_ROWS);
                     const gq_lanes ln = gq_lanes_at(work, m, k, r0 / 8);
                     for (int64_t c = c0; c < c1; c++)
                         rows_fn(q + c * rb, xq + r0 * k, xd + r0 * nbx, xs + r0 * lds, xc + r0 * (k / 4), &ln, k, nb,
                                 y + r0 * ldy + c, ldy, rr);
                 }
-                for (; r0 < m1; r0 += is_signed ? 1 : 4) {
-                    const int rr = is_signed ? 1 : (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
+                for (; r0 < m1; r0 += 4) {
+                    const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = is_signed ? 8 : GG_COLS[rr - 1];
                     for (int64_t c = c0; c < c1; c += tc)
                         tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xq + r0 * k, xd + r0 * nbx,
                                       xs + r0 * lds, xc + r0 * (k / 4), k, nb, y + r0 * ldy + c, ldy);
