@@ -1994,7 +1994,7 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  * whatever M, the row's position, the part, the tile or the thread count:
  *   blocks of 32 with a minimum (Q4_1, Q5_1): for each block j, out = fma(float(dot_j), a_j * d_j, out);
  *   signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL): one accumulator per output over the blocks' whole dot products
- *       (see GQS_TILE1);
+ *       (see GQS_TILE);
  *   super-blocks of 256 (the K-quants, IQ4_XS): the sub-block scales in integer arithmetic, d once per super-block
  *       (see GQK_TILE below);
  *   after each chunk of 256 elements: out = fma(z[0..8), S[0..8), out), then fma(z[8..16), S[8..16), out), with z the
@@ -2008,12 +2008,13 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  * in plain C (the vector build's bits). */
 
 /* Row data of the integer path: d [m][K/32], S [m][chunks * 16], the bytes q [m][K], C [m][K/4]: -128 times the
- * sum of each 4 bytes of q (see GQ_SIGNED_DOT); then, where m >= GQS_MIN_ROWS, the same rows 8 to a group in the
- * vector lanes (gq_lanes, for the many-rows path of the signed blocks): XT [m/8][K/4][8] (each lane the 4 bytes of
- * its row),
- * CB [m/8][K/32][8] (C summed over each block of 32) and DT [m/8][K/32][8] (d); lanes past m hold zeros. */
+ * sum of each 4 bytes of q (see GQ_SIGNED_DOT); then, where m >= GQS_MIN_ROWS, the same rows in the vector lanes
+ * (gq_lanes, for the signed blocks' rows-in-lanes paths), per group of 8 rows and step s (a block of 32), or under 8
+ * rows per group of 4 and step s (a pair of blocks: lanes 0-3 the even one, 4-7 the odd one): XT [groups][s][8][8]
+ * (at each of the step's 8 dwords, each lane the 4 bytes of its row), CB [groups][s][8] (C summed over the lane's
+ * block) and DT [groups][s][8] (its d); lanes past m or past the last block hold zeros. */
 static int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 16; }
-#define GQS_MIN_ROWS 2 /* from 2 rows the signed blocks take the rows-in-lanes paths (fewer: one row at a time) */
+#define GQS_MIN_ROWS 2 /* with VNNI, from 2 rows the signed blocks take the rows-in-lanes paths (see gq_part) */
 /* rows per group of the lane layout: 8, or under 8 rows 4, lanes 4-7 then holding the next block's (block pairs) */
 static int64_t gq_group_rows(int64_t m) { return m >= 8 ? 8 : 4; }
 static int64_t gq_groups(int64_t m) { return m >= GQS_MIN_ROWS ? (m + gq_group_rows(m) - 1) / gq_group_rows(m) : 0; }
@@ -2026,7 +2027,7 @@ typedef struct {
     const float *dt;
 } gq_lanes;
 
-/* the lane layout of row group g (rows 8g .. 8g + 7) */
+/* the lane layout of row group g (rows 8g .. 8g + 7, or under 8 rows 4g .. 4g + 3) */
 static gq_lanes gq_lanes_at(const void *work, int64_t m, int64_t k, int64_t g) {
     const int64_t nb = k / QB, mg = gq_groups(m), xl = gq_xt_len(m, k), cl = gq_cb_len(m, k);
     const int32_t *xt = (const int32_t *)((const int8_t *)((const float *)work + m * (nb + gq_sums(k))) + 2 * m * k);
@@ -2358,8 +2359,8 @@ GQK_DEC(iq4_xs) { /* signed table codes, a = d (sc - 32), no offsets */
     GQK_TILE(T, BYTES, SIGNED, 1, GG_C1) GQK_TILE(T, BYTES, SIGNED, 2, GG_C2)                                      \
     GQK_TILE(T, BYTES, SIGNED, 3, GG_C3) GQK_TILE(T, BYTES, SIGNED, 4, GG_C4)
 #if GQ_OFFSET_ROWS
-/* IQ4_XS, one row, with VNNI: the codes + 128 against the activations from C (GQ_SIGNED_DOT), times the sub-block
- * scale in int32 (the integers GQK_TILE's madd makes) */
+/* IQ4_XS, one row, with VNNI: the codes + 128 against the activations, the accumulator starting at the row data C
+ * (GQ_SIGNED_DOT), times the sub-block scale in int32: the integers GQK_TILE's madd makes */
 static void gqt_iq4_xs_1(const uint8_t *q, int64_t rb, int cols, const int8_t *xq, const float *xd, const float *xs,
                          const int32_t *xc, int64_t K, int64_t nb, float *y, int64_t ldy) {
     (void)K, (void)ldy;
@@ -2368,7 +2369,8 @@ static void gqt_iq4_xs_1(const uint8_t *q, int64_t rb, int cols, const int8_t *x
     for (int64_t b = 0; b < nb; b++) {
         _Pragma("GCC unroll 8") for (int c = 0; c < GG_C1; c++) if (c < cols) {
             const uint8_t *qc = q + c * rb + b * 136;
-            for (int p = 0; p < 136; p += 64) _mm_prefetch((const char *)(qc + PF_TILES * GG_C1 * rb + p), _MM_HINT_T0);
+            for (int p = 0; p < 136; p += 64)
+                _mm_prefetch((const char *)(qc + PF_TILES * GG_C1 * rb + p), _MM_HINT_T0);
             const __m256i sc = iq4xs_scales(qc);
             __m256 acc = _mm256_setzero_ps();
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
@@ -2403,7 +2405,7 @@ GQK_TILES(q3_k, 110, 0)
  * tiles above decode it once per 4 rows); the rows' running sums wait in memory between chunks. Each output gets the
  * very operations of the tiles above in the same order, so a row's result does not depend on the path. */
 #define GQ_ROWS 16
-#define GQM_TILE(T, BPC, BYTES)                                                                            \
+#define GQM_TILE(T, BPC, BYTES)                                                                                    \
     static void gqm_##T(const uint8_t *q, const int8_t *xq, const float *xd, const float *xs, const int32_t *xc,  \
                         const gq_lanes *ln, int64_t K, int64_t nb, float *y, int64_t ldy, int rows) {             \
         const int64_t nbx = K / QB, lds = gq_sums(K);                                                             \
@@ -2713,7 +2715,7 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
     }
 #else
     (void)xs, (void)xc;
-    if (t->type == 2 || t->type == 6 || t->type == 8 || t->type == 20) { /* the signed blocks' order (GQS_TILE1) */
+    if (t->type == 2 || t->type == 6 || t->type == 8 || t->type == 20) { /* the signed blocks' order (GQS_TILE) */
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1)
         for (int64_t c = 0; c < n; c++)
             for (int64_t r = 0; r < m; r++) {

@@ -150,21 +150,27 @@ def test_bad_shapes_raise():
         cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q[:, :-1], "Q6_K")], k)
 
 
-@pytest.mark.parametrize("type_name", TYPES)
-def test_integer_path_matches_reference(type_name):
-    """Every type, K of several chunks (and 7 blocks of 32 for the small types: a last chunk of fewer units)."""
+HEAD_TYPES = ["Q8_0", "Q6_K"]  # the output head's int16 path
+
+
+@pytest.mark.parametrize("act,type_name", [("int8", t) for t in TYPES] + [("int16", t) for t in HEAD_TYPES])
+def test_quantized_activation_paths_match_reference(act, type_name):
+    """Every type on the integer path, Q8_0 and Q6_K on the head's int16 one; K of several chunks (and 7 blocks of 32
+    for the small types: a last chunk of fewer units), every row count."""
     elems = gb.BLOCKS[type_name][0]
+    reference = cpu_gemm.gguf_matmul_q8_ref if act == "int8" else cpu_gemm.gguf_matmul_q16_ref
     for k in ([3 * elems] if elems == 256 else [6 * elems, 7 * elems]):
         q, _ = _weights(type_name, n=37, k=k, seed=k)
         for m in ROWS:
             x = _x(m, k, seed=m)
-            y = cpu_gemm.gguf_matmul(x, q, type_name, act="int8")
+            y = cpu_gemm.gguf_matmul(x, q, type_name, act=act)
             if not HAVE_KERNEL:
                 assert y is None
                 return
-            ref = cpu_gemm.gguf_matmul_q8_ref(x, q, type_name)
+            ref = reference(x, q, type_name)
             # the same products in another order: fp32 rounding only (the outputs are up to a few hundred)
-            torch.testing.assert_close(y, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
+            scale = (2e-5 if act == "int8" else 2e-6) * ref.abs().max().item()
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=scale)
 
 
 def test_activation_quantization_is_the_kernels_bit_for_bit():
@@ -232,25 +238,6 @@ def test_integer_path_is_chosen_by_the_environment(monkeypatch):
     assert torch.equal(kernel(x), cpu_gemm.gguf_matmul(x, q, "Q5_0", act="int8"))
     assert kernel(x[:0]).shape == (0, q.shape[0])
     assert cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, "Q5_0")], k, act="fp32").act == "fp32"
-
-
-HEAD_TYPES = ["Q8_0", "Q6_K"]  # the output head's int16 path
-
-
-@pytest.mark.parametrize("type_name", HEAD_TYPES)
-def test_head_path_matches_reference(type_name):
-    """int16-quantized activations (act="int16"): the reference's values up to fp32 rounding, for every row count."""
-    elems = gb.BLOCKS[type_name][0]
-    for k in ([3 * elems] if elems == 256 else [6 * elems, 7 * elems]):
-        q, _ = _weights(type_name, n=37, k=k, seed=k)
-        for m in ROWS:
-            x = _x(m, k, seed=m)
-            y = cpu_gemm.gguf_matmul(x, q, type_name, act="int16")
-            if not HAVE_KERNEL:
-                assert y is None
-                return
-            ref = cpu_gemm.gguf_matmul_q16_ref(x, q, type_name)
-            torch.testing.assert_close(y, ref, rtol=1e-5, atol=2e-6 * ref.abs().max().item())
 
 
 @pytest.mark.parametrize("type_name", HEAD_TYPES)
