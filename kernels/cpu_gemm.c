@@ -1236,6 +1236,12 @@ INLINE __m256i iq4_lookup(__m256i codes) {
     const __m128i t = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
     return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
 }
+/* the same values + 128, as unsigned bytes */
+INLINE __m256i iq4_lookup_128(__m256i codes) {
+    const __m128i t = _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, (char)129, (char)141, (char)153, (char)166,
+                                    (char)181, (char)197, (char)217, (char)241);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
+}
 
 /* One block each: q -> weights w. */
 INLINE void blk_q4_0(const uint8_t *q, float *w) {
@@ -2374,9 +2380,9 @@ static void gqt_iq4_xs_1(const uint8_t *q, int64_t rb, int cols, const int8_t *x
             const __m256i sc = iq4xs_scales(qc);
             __m256 acc = _mm256_setzero_ps();
             _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
-                const __m256i u = iq4_lookup(nibbles32(qc + 8 + 16 * j));
+                const __m256i w = iq4_lookup_128(nibbles32(qc + 8 + 16 * j)); /* GQ_SIGNED_W of the codes */
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + 256 * b + 32 * j));
-                const __m256i dot = GQ_SIGNED_DOT(GQ_SIGNED_W(u, 1), u, xv, xc + 64 * b + 8 * j, 1);
+                const __m256i dot = GQ_SIGNED_DOT(w, w, xv, xc + 64 * b + 8 * j, 1);
                 const __m256 t =
                     _mm256_cvtepi32_ps(_mm256_mullo_epi32(dot, _mm256_permutevar8x32_epi32(sc, _mm256_set1_epi32(j))));
                 const __m256 dv = _mm256_broadcast_ss(xd + 8 * b + j);
@@ -2502,6 +2508,12 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
     _mm256_sub_epi8(_mm256_or_si256(nibbles32((qb) + 6), fifth_bits(gguf_u32((qb) + 2))), _mm256_set1_epi8(16))
 #define GQS_CODES_q8_0(qb) _mm256_loadu_si256((const __m256i *)((qb) + 2))
 #define GQS_CODES_iq4_nl(qb) iq4_lookup(nibbles32((qb) + 2))
+/* GQ_SIGNED_W of those codes, straight from the block where that saves an operation */
+#define GQS_W_q4_0(qb, OFF) (OFF ? _mm256_add_epi8(nibbles32((qb) + 2), _mm256_set1_epi8(120)) \
+                                 : GQ_SIGNED_W(GQS_CODES_q4_0(qb), 0))
+#define GQS_W_q5_0(qb, OFF) GQ_SIGNED_W(GQS_CODES_q5_0(qb), OFF)
+#define GQS_W_q8_0(qb, OFF) GQ_SIGNED_W(GQS_CODES_q8_0(qb), OFF)
+#define GQS_W_iq4_nl(qb, OFF) (OFF ? iq4_lookup_128(nibbles32((qb) + 2)) : GQ_SIGNED_W(GQS_CODES_iq4_nl(qb), 0))
 
 /* R rows (1-4), up to 8 columns (cols) in the lanes; block b of every column at a time, its codes decoded once for
  * the R rows. */
@@ -2523,8 +2535,8 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
                 if (c < cols) {                                                                                    \
                     const uint8_t *qb = q + c * rb + b * (BYTES);                                                  \
                     _mm_prefetch((const char *)(qb + PF_TILES * 8 * rb), _MM_HINT_T0);                            \
-                    u[c] = GQS_CODES_##T(qb);                                                                      \
-                    w[c] = GQ_SIGNED_W(u[c], OFF);                                                                 \
+                    u[c] = GQS_CODES_##T(qb); /* unused (and not computed) where OFF */                            \
+                    w[c] = GQS_W_##T(qb, OFF);                                                                     \
                 }                                                                                                  \
             }                                                                                                      \
             const __m256i h = _mm256_and_si256(                                                                    \
@@ -2568,7 +2580,7 @@ GQS_TILES(iq4_nl, 18)
             const uint8_t *qb = q + b * (BYTES);                                                                   \
             const __m256i u = GQS_CODES_##T(qb);                                                                   \
             int32_t wb[8] __attribute__((aligned(32))), ub[8] __attribute__((aligned(32)));                        \
-            _mm256_store_si256((__m256i *)wb, GQ_SIGNED_W(u, GQ_OFFSET_ROWS));                                     \
+            _mm256_store_si256((__m256i *)wb, GQS_W_##T(qb, GQ_OFFSET_ROWS));                                      \
             _mm256_store_si256((__m256i *)ub, u);                                                                  \
             const __m256 sv = _mm256_set1_ps(gguf_f16(qb));                                                        \
             for (int g = 0; g < ng; g++) {                                                                         \
