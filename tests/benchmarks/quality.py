@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> dict:
             loaded = load_model(model_path, quant="none")
             tokenizer = loaded.tokenizer
             ids = tokenizer.encode(TEXT)
+            sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for simple_driver
             from simple_driver import prefill_logits
 
             with torch.inference_mode():
