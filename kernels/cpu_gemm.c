@@ -2020,7 +2020,7 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  * (at each of the step's 8 dwords, each lane the 4 bytes of its row), CB [groups][s][8] (C summed over the lane's
  * block) and DT [groups][s][8] (its d); lanes past m or past the last block hold zeros. */
 static int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 16; }
-#define GQS_MIN_ROWS 2 /* with VNNI, from 2 rows the signed blocks take the rows-in-lanes paths (see gq_part) */
+#define GQS_MIN_ROWS 4 /* with VNNI, from 4 rows the signed blocks take the rows-in-lanes paths (see gq_part) */
 /* rows per group of the lane layout: 8, or under 8 rows 4, lanes 4-7 then holding the next block's (block pairs) */
 static int64_t gq_group_rows(int64_t m) { return m >= 8 ? 8 : 4; }
 static int64_t gq_groups(int64_t m) { return m >= GQS_MIN_ROWS ? (m + gq_group_rows(m) - 1) / gq_group_rows(m) : 0; }
@@ -2484,10 +2484,10 @@ GQKM_TILE(q3_k, 110, 0)
 /* The signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL) take another order: each block's whole dot product D_b (exact
  * int32) times P_b = d_b * dx_b, two accumulators per output, the even and the odd blocks',
  *   a_{b % 2} = fma(float(D_b), P_b, a_{b % 2}) for the blocks b in order;  y = a_0 + a_1.
- * The vector lanes then hold 8 outputs: 8 columns of one row (gqt_T_1, the lane sums of their dot products,
- * gq_lane_sums), or from GQS_MIN_ROWS rows on 8 rows of one column (gqs_T, 8 rows and more) or 4 rows of one column
- * for a pair of blocks (gqf_T, fewer rows): the rows' activation bytes XT against broadcast weight bytes, a vpdpbusd
- * per 4 elements of each lane's row. */
+ * The vector lanes then hold 8 outputs: 8 columns of each of 1-4 rows (gqt_T_R, the lane sums of their dot
+ * products, gq_lane_sums), or from GQS_MIN_ROWS rows on 8 rows of one column (gqm_T, 8 rows and more) or 4 rows of
+ * one column for a pair of blocks (gqf_T, fewer rows): the rows' activation bytes XT against broadcast weight bytes,
+ * a vpdpbusd per 4 elements of each lane's row. */
 
 INLINE __m256i gq_pair_sums(__m256i a, __m256i b) { /* per 128-bit half: a0+a2, b0+b2, a1+a3, b1+b3 */
     return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
@@ -2685,8 +2685,8 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
         if (GQ_TYPES[i].type == t->type)
             tiles = GQ_TYPES[i].tiles, rows_fn = GQ_TYPES[i].rows, pairs_fn = GQ_TYPES[i].pairs;
     if (!tiles) return -1;
-    /* the signed blocks of 32: with VNNI, one row at a time in the tiles, 2-7 rows in block pairs (gqf), more in
-     * groups of 8 (gqm); without, rows in the lanes only from 16 rows (measured: the tiles are faster below) */
+    /* the signed blocks of 32 (measured fastest so): with VNNI, up to 3 rows in the tiles, 4-7 in block pairs (gqf),
+     * more in groups of 8 (gqm); without, the tiles up to 15 rows, then groups of 8 */
     const int is_signed = pairs_fn != NULL;
     const int signed_lanes = is_signed && m >= (GQ_OFFSET_ROWS ? GQS_MIN_ROWS : GQ_ROWS);
     const int64_t many = is_signed ? (signed_lanes ? 1 : m + 1) : GQ_ROWS / 2; /* rows from which gqm runs */
@@ -2703,7 +2703,7 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
             for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' blocks stay in cache over the rows */
                 const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
                 int64_t r0 = m0;
-                for (; signed_lanes && m < 8 && r0 < m1; r0 += 4) { /* the signed blocks, 2-7 rows: block pairs */
+                for (; signed_lanes && m < 8 && r0 < m1; r0 += 4) { /* the signed blocks, 4-7 rows: block pairs */
                     const gq_lanes ln = gq_lanes_at(work, m, k, r0 / 4);
                     for (int64_t c = c0; c < c1; c++)
                         pairs_fn(q + c * rb, &ln, nb, y + r0 * ldy + c, ldy, (int)(m1 - r0 < 4 ? m1 - r0 : 4));
