@@ -756,16 +756,21 @@ int64_t llmd_q8_work_bytes(int64_t m, int64_t k, int64_t g) {
     return m * (k / QB * 4 + k / g * 4 + k);
 }
 
+/* the largest |x| of a block of 32 */
+static float block_amax(const float *xb) {
+    float amax = 0.0f;
+    for (int i = 0; i < QB; i++) {
+        const float a = xb[i] < 0 ? -xb[i] : xb[i];
+        amax = a > amax ? a : amax;
+    }
+    return amax;
+}
+
 /* Plain C (identical in every build): a row of K = nb * 32 values -> xq, d [nb], D [ng]. */
 static void quantize_row(const float *x, int64_t k, int64_t g, int interleave, int8_t *xq, float *d, float *D) {
     const int64_t nb = k / QB, bpg = g / QB;
     for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + b * QB;
-        float amax = 0.0f;
-        for (int i = 0; i < QB; i++) {
-            const float a = xb[i] < 0 ? -xb[i] : xb[i];
-            amax = a > amax ? a : amax;
-        }
+        const float *xb = x + b * QB, amax = block_amax(xb);
         const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int sum = 0;
         int8_t *qb = xq + b * QB;
@@ -2042,7 +2047,8 @@ static gq_lanes gq_lanes_at(const void *work, int64_t m, int64_t k, int64_t g) {
     return ln;
 }
 
-static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
+/* with_c: compute C (the signed blocks of 32 and IQ4_XS read it); with_lanes: the lane layout (the signed blocks) */
+static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k, int with_c, int with_lanes) {
     const int64_t nb = k / QB, lds = gq_sums(k), mg = gq_groups(m);
     const size_t bytes = (size_t)(m * (nb + lds) * 4 + 2 * m * k + mg * 4 * (gq_xt_len(m, k) + 2 * gq_cb_len(m, k)));
     float *d = (float *)aligned_alloc(64, (bytes + 63) / 64 * 64);
@@ -2060,12 +2066,12 @@ static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
             for (int i = 0; i < 16; i++) sum += xq[r * k + 16 * s + i];
             sr[s] = d[r * nb + s / 2] * (float)sum;
         }
-        for (int64_t i = 0; i < k / 4; i++) {
+        for (int64_t i = 0; with_c && i < k / 4; i++) {
             const int8_t *v = xq + r * k + 4 * i;
             C[r * (k / 4) + i] = -128 * (v[0] + v[1] + v[2] + v[3]);
         }
     }
-    for (int64_t g = 0; g < mg; g++) {
+    for (int64_t g = 0; with_lanes && g < mg; g++) {
         const gq_lanes ln = gq_lanes_at(d, m, k, g);
         int32_t *xt = (int32_t *)ln.xt, *cb = (int32_t *)ln.cb;
         float *dt = (float *)ln.dt;
@@ -2782,7 +2788,13 @@ int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const
         if (!gguf_type_of((int)parts[i].type, k) || parts[i].n < 0) return -1;
     if (m == 0) return 0;
     if (nthreads < 1) nthreads = 1;
-    void *work = gq_quantize(x, ldx, m, k);
+    int with_c = 0, with_lanes = 0;
+    for (int64_t i = 0; i < nparts; i++) {
+        const int64_t t = parts[i].type;
+        with_lanes |= t == 2 || t == 6 || t == 8 || t == 20;
+        with_c |= with_lanes || t == 23;
+    }
+    void *work = gq_quantize(x, ldx, m, k, with_c, with_lanes);
     if (!work) return -2;
     int64_t col = 0;
     int rc = 0;
@@ -2823,12 +2835,7 @@ static void *gh_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
     int16_t *xq = (int16_t *)(d + m * nb);
     for (int64_t r = 0; r < m; r++)
         for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + r * ldx + b * QB;
-            float amax = 0.0f;
-            for (int i = 0; i < QB; i++) {
-                const float a = xb[i] < 0 ? -xb[i] : xb[i];
-                amax = a > amax ? a : amax;
-            }
+            const float *xb = x + r * ldx + b * QB, amax = block_amax(xb);
             const float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
             for (int i = 0; i < QB; i++) xq[r * k + b * QB + i] = (int16_t)__builtin_nearbyintf(xb[i] * id);
             d[r * nb + b] = amax / 32767.0f;
