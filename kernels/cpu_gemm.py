@@ -472,6 +472,8 @@ class GGUFKernel:
     def __init__(self, lib, parts: list[tuple[torch.Tensor, str]], k: int, act: str | None = None):
         self.k = k
         act = activations("gguf") if act is None else act
+        if act not in ("fp32", "int8", "int16"):
+            raise ValueError(f"activation path {act!r} is not fp32, int8 or int16")
         if act == "int16" and not all(lib.llmd_gguf_q16_type(GGUF_TYPE_IDS[t]) for _, t in parts):
             act = "fp32"
         self.act = act if k % Q8_BLOCK == 0 else "fp32"

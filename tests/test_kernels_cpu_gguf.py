@@ -148,6 +148,8 @@ def test_bad_shapes_raise():
         cpu_gemm.gguf_matmul(_x(2, 256), q, "Q6_K")
     with pytest.raises(ValueError, match="do not hold"):
         cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q[:, :-1], "Q6_K")], k)
+    with pytest.raises(ValueError, match="'int4' is not fp32, int8 or int16"):
+        cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, "Q6_K")], k, act="int4")
 
 
 HEAD_TYPES = ["Q8_0", "Q6_K"]  # the output head's int16 path
