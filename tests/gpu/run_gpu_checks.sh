@@ -13,6 +13,7 @@ OUT="${OUT:-$PWD/gpu-results}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"  # the GPU machine's python3 is the one with torch
 unset TRITON_INTERPRET
+export PYTHONSAFEPATH=1  # the repository root off sys.path: its kernels/ would shadow Hugging Face's `kernels`
 export PYTHONPATH="$PWD/tests:${PYTHONPATH:-}"
 # the project may not be installed on the GPU machine: lay out the import package the way setuptools maps it
 if ! "$PY" -c "import llmd" 2>/dev/null; then
