@@ -76,13 +76,16 @@ lock: $(PY)
 
 # Optional anchor for the CPU benchmarks (tests/benchmarks): llama.cpp via llama-cpp-python, compiled from source
 # (PyPI has no CPU wheel), with its OpenAI-compatible server (tests/test_remote_llamacpp.py forwards to it).
-# Fixed to AVX2/FMA/F16C with no -march=native: some VMs advertise AMX or AVX-512 and fault
-# on it. The mtmd (vision) library is not needed. About 13 CPU-minutes (28 min on 2 busy shared cores); `make test`
-# never builds it.
+# Built for this CPU's own ISA (-march=native: AVX-512 and VNNI where the CPU has them, llama.cpp's repacked tiles),
+# as a user's own build or Ollama's variant for that CPU runs; `make bench-anchor ANCHOR_ISA=avx2` builds AVX2 only
+# (for a VM that lists AVX-512 but faults on it, or beside LLMD_CPU_ISA=avx2). The mtmd (vision) library is not
+# needed. About 13 CPU-minutes (28 min on 2 busy shared cores); `make test` never builds it.
 LLAMA_CPP_PYTHON ?= llama-cpp-python[server]==0.3.36
-LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-  -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DGGML_BACKEND_DL=OFF \
-  -DGGML_CPU_ALL_VARIANTS=OFF -DLLAVA_BUILD=OFF
+ANCHOR_ISA ?= native
+ANCHOR_CMAKE_native := -DGGML_NATIVE=ON
+ANCHOR_CMAKE_avx2 := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+  -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+LLAMA_CPP_CMAKE_ARGS ?= $(ANCHOR_CMAKE_$(ANCHOR_ISA)) -DGGML_BACKEND_DL=OFF -DGGML_CPU_ALL_VARIANTS=OFF -DLLAVA_BUILD=OFF
 bench-anchor: $(PY)
 	@$(PY) -c "import llama_cpp.server.app" 2>/dev/null || \
 	  CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
