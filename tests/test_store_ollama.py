@@ -3,6 +3,7 @@ fast checks on a fake store written here; tests/test_model_manager.py serves fro
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -60,6 +61,8 @@ def test_manifest_resolves_to_its_blob_read_only(store):
     assert files.kind == "gguf" and files.source == "ollama" and files.name == "llama3.2:3b"
     assert files.path == (store / "blobs" / f"sha256-{HEX}").resolve()
     assert files.options == {"stop": ["<|eot|>"], "num_ctx": 4096, "temperature": 0.2}  # mirostat is not applied
+    written = (store / "manifests" / "registry.ollama.ai" / "library" / "llama3.2" / "3b").read_bytes()
+    assert files.digest == hashlib.sha256(written).hexdigest()  # the manifest's, as `ollama list` shows it
     assert resolve("llama3.2:3b").path == files.path  # the command line finds it too
     assert [m.name.short for m in OllamaStore().list()] == ["llama3.2:3b"]
     assert {p: p.stat().st_mtime_ns for p in store.rglob("*")} == before  # nothing written

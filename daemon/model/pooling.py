@@ -47,6 +47,18 @@ def hf_folder_pooling(folder: Path) -> str:
     return DEFAULT_POOLING
 
 
+def is_embedding_folder(folder: Path) -> bool:
+    """An embedding model: a sentence-transformers folder (its modules.json lists a Pooling module)."""
+    modules = _small_json(folder / "modules.json")
+    return isinstance(modules, list) and any(
+        isinstance(m, dict) and str(m.get("type", "")).endswith(".Pooling") for m in modules)
+
+
+def is_embedding_gguf(meta: dict) -> bool:
+    """An embedding model: a GGUF file that declares its pooling (as Ollama tells embedding models apart)."""
+    return f"{meta.get('general.architecture')}.pooling_type" in meta
+
+
 def gguf_pooling(meta: dict) -> str:
     arch = meta.get("general.architecture")
     value = meta.get(f"{arch}.pooling_type")

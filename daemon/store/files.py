@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from .created import Created
 
 # Where a model's files live, as listings show it.
 Source = Literal["path", "bundled", "hf-cache", "ollama"]
@@ -19,3 +22,6 @@ class ModelFiles:
     source: Source = "path"
     # default request options the model brings (an Ollama manifest's params layer: stop, num_ctx, temperature, ...)
     options: dict = field(default_factory=dict, compare=False, hash=False)
+    digest: str | None = None  # the digest the store gives the model (an Ollama manifest's sha256), else None
+    # a name made with /api/create or /api/copy (llmd.store.created): its own defaults over these files'
+    created: "Created | None" = field(default=None, compare=False, hash=False)

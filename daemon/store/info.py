@@ -6,10 +6,12 @@ import collections
 import json
 import math
 import struct
-from dataclasses import dataclass, field
+import threading
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import ModelFileError
+from ..model.pooling import is_embedding_folder, is_embedding_gguf
 from .files import ModelFiles
 
 MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # the format's own limit
@@ -28,6 +30,7 @@ class ModelInfo:
     quantization: str | None = None  # None when the weights are plain floats
     context_length: int | None = None
     chat_template: bool = False
+    embedding: bool = False  # an embedding model (its files declare a pooling), not a chat or completion one
     file_sizes: list[tuple[str, int]] = field(default_factory=list)  # (path relative to the model, bytes)
 
     @property
@@ -37,6 +40,31 @@ class ModelInfo:
 
 def describe(files: ModelFiles) -> ModelInfo:
     return _describe_gguf(files) if files.kind == "gguf" else _describe_hf(files)
+
+
+_GGUF_FACTS: dict[tuple, ModelInfo] = {}  # (real path, size, mtime) -> what the header said; listings re-read none
+MAX_GGUF_FACTS = 256
+_facts_lock = threading.Lock()
+
+
+def _describe_gguf(files: ModelFiles) -> ModelInfo:
+    """A GGUF header holds the whole vocabulary (tenths of a second to parse): each file is read once while it is
+    unchanged."""
+    real = files.path.resolve()
+    try:
+        st = real.stat()
+    except OSError as exc:
+        raise ModelFileError(files.path, f"cannot read: {exc.strerror}") from None
+    key = (str(real), st.st_size, st.st_mtime_ns)
+    with _facts_lock:
+        known = _GGUF_FACTS.get(key)
+    if known is None:
+        known = _read_gguf(files)
+        with _facts_lock:
+            if len(_GGUF_FACTS) >= MAX_GGUF_FACTS:
+                _GGUF_FACTS.pop(next(iter(_GGUF_FACTS)))
+            _GGUF_FACTS[key] = known
+    return replace(known, files=files, file_sizes=list(known.file_sizes))
 
 
 def human_size(n: float | None) -> str:
@@ -89,6 +117,7 @@ def _describe_hf(files: ModelFiles) -> ModelInfo:
     if not has_template and tok_config.is_file():
         has_template = bool(_read_json(tok_config).get("chat_template"))
     info.chat_template = has_template
+    info.embedding = is_embedding_folder(folder)
     info.file_sizes = [(str(p.relative_to(folder)), p.stat().st_size)
                        for p in sorted(folder.rglob("*")) if p.is_file()]
     return info
@@ -143,7 +172,7 @@ def _dtype_label(counts: collections.Counter) -> str | None:
 # --- GGUF files ---
 
 
-def _describe_gguf(files: ModelFiles) -> ModelInfo:
+def _read_gguf(files: ModelFiles) -> ModelInfo:
     from ..model import gguf as gguf_reader  # metadata and tensor table, both checked against the file size
 
     header = gguf_reader._GGUFFile(files.path)
@@ -153,6 +182,7 @@ def _describe_gguf(files: ModelFiles) -> ModelInfo:
     info.architecture = arch
     info.context_length = meta.get(f"{arch}.context_length") if arch else None
     info.chat_template = bool(meta.get("tokenizer.chat_template"))
+    info.embedding = is_embedding_gguf(meta)
     types = collections.Counter[str]()
     params = 0
     for tensor in tensors:

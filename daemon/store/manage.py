@@ -1,14 +1,18 @@
-"""`llmd list` and `llmd rm`: what is available locally, and removing what `llmd pull` fetched."""
+"""`llmd list` and `llmd rm`: what is available locally, and removing what `llmd pull` fetched.
+
+A listed model carries every name a request may use for it (`names`, its own first): the bundled default also
+answers to its alias (`smollm2:135m`) until that repo is pulled, a pulled repo with an alias to its repo id too."""
 
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ..errors import LlmdError, ModelNotFound
 from .aliases import alias_for_repo
-from .bundled import BUNDLED_NAME, bundled_model_path
+from .bundled import BUNDLED_NAME, BUNDLED_REPO_ID, bundled_model_path
+from .created import list_created, resolve_created
 from .files import ModelFiles
 from .hub import hub_cache_dir, main_revision, scan_cached_models
 from .info import ModelInfo, describe
@@ -22,40 +26,61 @@ class ListedModel:
     info: ModelInfo | None  # None when the files could not be read
     size_bytes: int
     problem: str | None = None
-    source: str = "path"  # bundled | hf-cache | ollama | config (where it lives)
+    source: str = "path"  # bundled | hf-cache | ollama | created | config (where it lives)
     where: str = ""  # the file, folder or URL
+    names: list[str] = field(default_factory=list)  # every name it answers to, `name` first
+    files: ModelFiles | None = None
 
 
 def list_models() -> list[ListedModel]:
-    """The bundled default, every usable model repo in the hub cache (GGUF repos: one entry per file), then every
-    GGUF model in Ollama's store."""
+    """The bundled default, every usable model repo in the hub cache (GGUF repos: one entry per file), every GGUF
+    model in Ollama's store, then the names made with /api/create and /api/copy."""
     found: list[ListedModel] = []
+    cached = scan_cached_models()
     bundled = bundled_model_path()
     if bundled is not None:
-        found.append(_listed(ModelFiles(BUNDLED_NAME, "gguf", bundled, None, "bundled"), bundled.stat().st_size))
-    for repo in scan_cached_models():
+        alias = alias_for_repo(BUNDLED_REPO_ID)
+        pulled = any(r.repo_id.lower() == BUNDLED_REPO_ID.lower() for r in cached)
+        found.append(_listed(ModelFiles(BUNDLED_NAME, "gguf", bundled, None, "bundled"), bundled.stat().st_size,
+                             [alias] if alias and not pulled else []))
+    for repo in cached:
         revision = main_revision(repo)
         if revision is None:
             continue
         snapshot = Path(revision.snapshot_path)
-        name = alias_for_repo(repo.repo_id) or repo.repo_id
+        alias = alias_for_repo(repo.repo_id)
         if (snapshot / "config.json").is_file():
-            found.append(_listed(ModelFiles(name, "hf", snapshot, repo.repo_id, "hf-cache"), repo.size_on_disk))
+            files = ModelFiles(alias or repo.repo_id, "hf", snapshot, repo.repo_id, "hf-cache")
+            found.append(_listed(files, repo.size_on_disk, [repo.repo_id] if alias else []))
             continue
         for gguf in sorted(snapshot.rglob("*.gguf")):
             file_name = f"{repo.repo_id}:{gguf.name}"
             found.append(_listed(ModelFiles(file_name, "gguf", gguf, repo.repo_id, "hf-cache"), gguf.stat().st_size))
     for model in OllamaStore().list():
-        files = ModelFiles(model.name.short, "gguf", model.gguf, None, "ollama", options=model.params)
+        files = ModelFiles(model.name.short, "gguf", model.gguf, None, "ollama", options=model.params,
+                           digest=model.manifest_digest)
         found.append(_listed(files, model.size_bytes))
+    for entry in list_created():
+        try:
+            files = resolve_created(entry)
+        except LlmdError as exc:
+            found.append(ListedModel(entry.name, None, 0, problem=str(exc), source="created", names=[entry.name]))
+            continue
+        listed = _listed(replace(files, name=entry.name), 0)
+        listed.source, listed.size_bytes = "created", listed.info.size_bytes if listed.info else 0
+        found.append(listed)
     return found
 
 
-def _listed(files: ModelFiles, size: int) -> ListedModel:
+def _listed(files: ModelFiles, size: int, more_names: list[str] | None = None) -> ListedModel:
+    names = [files.name, *(more_names or [])]
+    where = str(files.path)
     try:
-        return ListedModel(files.name, describe(files), size, source=files.source, where=str(files.path))
+        return ListedModel(files.name, describe(files), size, source=files.source, where=where, names=names,
+                           files=files)
     except LlmdError as exc:  # one unreadable model must not hide the others
-        return ListedModel(files.name, None, size, problem=str(exc), source=files.source, where=str(files.path))
+        return ListedModel(files.name, None, size, problem=str(exc), source=files.source, where=where, names=names,
+                           files=files)
 
 
 def remove_model(name: str) -> tuple[str, int]:

@@ -1,12 +1,14 @@
 """A model name from a request -> files, through the stores only: never a filesystem path.
 
-Order: the bundled default's names, an alias or repo id in the Hugging Face cache, a model in Ollama's store. A name
-that looks like a path (`/etc/passwd`, `../../x`, `file:///...`, `~/x`, a backslash, a NUL or other control
-character) is refused before anything is looked up. Only `llmd serve --model PATH` and the config may name files
+Order: a name made with /api/create or /api/copy (llmd.store.created), the bundled default's names, an alias or repo
+id in the Hugging Face cache, a model in Ollama's store. A name that looks like a path (`/etc/passwd`, `../../x`,
+`file:///...`, `~/x`, a backslash, a NUL or other control character) is refused before anything is looked up. Only `llmd serve --model PATH` and the config may name files
 (`llmd.store.resolve`).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from ..errors import LlmdError, ModelNotFound
 from .aliases import ALIASES
@@ -42,7 +44,19 @@ def check_name(name: str) -> str:
 
 
 def resolve_name(name: str, ollama: OllamaStore | None = None) -> ModelFiles:
-    """Find a model by name in the stores; ModelNotFound (naming the model) when none has it."""
+    """Find a model by name: a created name (llmd.store.created), else the stores; ModelNotFound (naming the model)
+    when none has it."""
+    from .created import find_created, resolve_created
+
+    name = check_name(name)
+    created = find_created(name)
+    if created is not None:
+        return resolve_created(created)
+    return resolve_store_name(name, ollama)
+
+
+def resolve_store_name(name: str, ollama: OllamaStore | None = None) -> ModelFiles:
+    """Find a model by name in the stores only (bundled, HF cache, Ollama's store)."""
     from .resolve import from_snapshot, gguf_file, parse_hub_name
 
     name = check_name(name)
@@ -58,7 +72,8 @@ def resolve_name(name: str, ollama: OllamaStore | None = None) -> ModelFiles:
     if parse_name(name) is not None:
         found = store.find(name)
         if found is not None:
-            return gguf_file(found.gguf, name=found.name.short, source="ollama", options=found.params)
+            files = gguf_file(found.gguf, name=found.name.short, source="ollama", options=found.params)
+            return replace(files, digest=found.manifest_digest)
     if repo_id == BUNDLED_REPO_ID and selector is None and bundled is not None:
         return gguf_file(bundled, name=BUNDLED_NAME, source="bundled")  # not pulled; the wheel carries it
     known = "an alias (" + ", ".join(list(ALIASES)[:4]) + ", ...), a pulled repo id or a model in Ollama's store"

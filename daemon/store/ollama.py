@@ -13,6 +13,7 @@ whose real path leaves the store (a symlink pointing out) is refused: nothing ou
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -92,6 +93,7 @@ class OllamaModel:
     size_bytes: int
     digest: str  # the model blob's sha256 hex
     params: dict = field(default_factory=dict)  # checked default options from the params layer
+    manifest_digest: str = ""  # the manifest's sha256 hex: the model's digest in `ollama list` and /api/tags
 
 
 class OllamaStore:
@@ -135,7 +137,8 @@ class OllamaStore:
 
     def _read(self, name: OllamaName, manifest: Path) -> OllamaModel:
         real = self._inside(manifest)
-        data = _read_json(real, MAX_MANIFEST_BYTES, manifest)
+        raw = _read_limited(real, MAX_MANIFEST_BYTES, manifest)
+        data = _parse_json(raw, manifest)
         layers = data.get("layers")
         if not isinstance(layers, list):
             raise ModelFileError(manifest, "an Ollama manifest needs a list of layers")
@@ -153,7 +156,7 @@ class OllamaStore:
         if PARAMS_MEDIA_TYPE in by_type:
             _, params_blob = self._blob(by_type[PARAMS_MEDIA_TYPE], manifest)
             params = check_params(_read_json(params_blob, MAX_PARAMS_BYTES, params_blob), params_blob)
-        return OllamaModel(name, blob, blob.stat().st_size, digest, params)
+        return OllamaModel(name, blob, blob.stat().st_size, digest, params, hashlib.sha256(raw).hexdigest())
 
     def _blob(self, layer: dict, manifest: Path) -> tuple[str, Path]:
         match = _DIGEST_RE.match(str(layer.get("digest", "")))
@@ -168,6 +171,10 @@ class OllamaStore:
 
 
 def _read_json(path: Path, limit: int, shown: Path) -> dict:
+    return _parse_json(_read_limited(path, limit, shown), shown)
+
+
+def _read_limited(path: Path, limit: int, shown: Path) -> bytes:
     try:
         with open(path, "rb") as fh:
             raw = fh.read(limit + 1)
@@ -175,6 +182,10 @@ def _read_json(path: Path, limit: int, shown: Path) -> dict:
         raise ModelFileError(shown, f"cannot read: {exc.strerror}") from None
     if len(raw) > limit:
         raise ModelFileError(shown, f"larger than {limit} bytes; not an Ollama manifest or params layer")
+    return raw
+
+
+def _parse_json(raw: bytes, shown: Path) -> dict:
     try:
         data = json.loads(raw)
     except (UnicodeDecodeError, ValueError) as exc:

@@ -1,8 +1,10 @@
-"""`llmd pull`: download a repo's weights and tokenizer into the Hugging Face hub cache (with progress bars)."""
+"""`llmd pull` and Ollama's /api/pull: download a repo's weights and tokenizer into the Hugging Face hub cache (with
+progress bars, or with the bytes done and due reported to a callback)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from ..errors import LlmdError, ModelNotFound
 from .bundled import BUNDLED_NAME
@@ -23,7 +25,10 @@ HF_PATTERNS = [
 IGNORE_PATTERNS = ["*/*"]
 
 
-def pull(name: str) -> ModelFiles:
+Progress = Callable[[int, int], None]  # (bytes done, bytes due), called from the download's threads
+
+
+def pull(name: str, progress: Progress | None = None) -> ModelFiles:
     """Download `name` (alias, `owner/name`, or `owner/name:FILE.gguf` for GGUF repos) and return its files."""
     name = name.strip()
     if name == BUNDLED_NAME:
@@ -42,7 +47,8 @@ def pull(name: str) -> ModelFiles:
     try:
         repo_files = HfApi().list_repo_files(repo_id)
         allow = _patterns(name, repo_id, selector, repo_files)
-        snapshot_download(repo_id, cache_dir=hub_cache_dir(), allow_patterns=allow, ignore_patterns=IGNORE_PATTERNS)
+        snapshot_download(repo_id, cache_dir=hub_cache_dir(), allow_patterns=allow, ignore_patterns=IGNORE_PATTERNS,
+                          tqdm_class=_reporting_bar(progress) if progress else None)
     except GatedRepoError:
         raise LlmdError(
             f"{repo_id} is gated: accept its license on huggingface.co, then log in (hf auth login) and pull again"
@@ -57,6 +63,32 @@ def pull(name: str) -> ModelFiles:
         reason = " ".join(str(exc).split()) or type(exc).__name__
         raise LlmdError(f"could not download {repo_id}: {reason[:300]}") from None
     return resolve(name)
+
+
+def _reporting_bar(progress: Progress):
+    """A tqdm class that draws nothing and reports its byte counts (huggingface_hub sums every file's bytes into one
+    bar of unit "B"; its bar counting files is left out)."""
+    from tqdm import tqdm
+
+    class _Sink:
+        def write(self, _text: str) -> None:
+            pass
+
+        def flush(self) -> None:
+            pass
+
+    class ReportingBar(tqdm):
+        def __init__(self, *args, **kwargs):
+            kwargs.update(file=_Sink(), disable=False)
+            super().__init__(*args, **kwargs)
+
+        def update(self, n=1):
+            shown = super().update(n)
+            if self.unit == "B":
+                progress(int(self.n), int(self.total or 0))
+            return shown
+
+    return ReportingBar
 
 
 def _patterns(name: str, repo_id: str, selector: str | None, repo_files: list[str]) -> list[str]:
