@@ -492,6 +492,21 @@ BAD_INPUTS = [
     ("/api/generate", {"model": "nope", "prompt": "x"}, None, 404, "nope"),
     ("/api/show", {}, None, 400, "model is required"),
     ("/api/show", {"model": "nope"}, None, 404, "nope"),
+    ("/api/pull", {}, None, 400, "model is required"),
+    ("/api/pull", {"model": "nope"}, None, 404, "cannot pull it"),
+    ("/api/pull", {"model": "../../etc/passwd"}, None, 400, "file path"),
+    ("/api/pull", {"model": "@", "stream": "yes"}, None, 400, "stream must be true or false"),
+    ("/api/create", {"from": "smollm2:135m"}, None, 400, "model is required"),
+    ("/api/create", {"model": "mine"}, None, 400, "from is required"),
+    ("/api/create", {"model": "mine", "from": "smollm2:135m", "parameters": {"temperature": "hot"}}, None, 400,
+     "parameters.temperature"),
+    ("/api/create", {"model": "mine", "from": "smollm2:135m", "parameters": {"num_ctx": 0}}, None, 400,
+     "parameters.num_ctx"),
+    ("/api/create", {"model": "mine", "modelfile": "FROM @\nPARAMETER mirostat 1"}, None, 400, "mirostat"),
+    ("/api/create", {"model": "mine", "from": "smollm2:135m", "files": {"x.gguf": "sha256:00"}}, None, 400, "files"),
+    ("/api/create", {"model": "mine", "from": "/etc/passwd"}, None, 400, "file path"),
+    ("/api/copy", {"source": "smollm2:135m"}, None, 400, "destination is required"),
+    ("/api/copy", {"source": "nope", "destination": "mine"}, None, 404, "nope"),
     ("/completion", {}, None, 400, "prompt is required"),
     ("/completion", {"prompt": "x", "n_predict": "x"}, None, 400, "n_predict"),
     ("/completion", {"prompt": "x", "n_probs": 100}, None, 400, "n_probs"),
@@ -625,7 +640,8 @@ async def test_bad_inputs_every_endpoint(daemon, model_name):
         for method, path, status in (("GET", "/v1/nope", 404), ("DELETE", "/v1/models", 405), ("GET", "/api/nope", 404),
                                      ("GET", "/chat/completions", 404), ("PUT", "/completion", 405),
                                      ("GET", "/v1/messages", 405), ("GET", "/v1/messages/nope", 404),
-                                     ("GET", "/v1/responses/resp_nope", 404), ("DELETE", "/v1/responses/x", 404)):
+                                     ("GET", "/v1/responses/resp_nope", 404), ("DELETE", "/v1/responses/x", 404),
+                                     ("GET", "/api/pull", 405), ("POST", "/api/delete", 405)):
             async with http.request(method, path) as r:
                 assert r.status == status
                 error_message(path, await r.json())
@@ -643,7 +659,8 @@ ROUTES = [("GET", "/health"), ("GET", "/metrics"), ("GET", "/v1/llmd/stats"), ("
           ("POST", "/detokenize"), ("GET", "/props"), ("POST", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
           ("POST", "/v1/responses"), ("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
           ("POST", "/v1/embeddings"), ("POST", "/api/embed"), ("POST", "/api/embeddings"), ("POST", "/embedding"),
-          ("POST", "/embeddings")]
+          ("POST", "/embeddings"), ("POST", "/api/pull"), ("POST", "/api/create"), ("POST", "/api/copy"),
+          ("DELETE", "/api/delete")]
 
 
 async def test_host_and_origin_checked_on_every_route(daemon):

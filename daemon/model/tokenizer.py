@@ -12,6 +12,7 @@ apply_chat_template refuses with an InvalidRequest saying so.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -207,6 +208,12 @@ class Tokenizer:
         # transformers drops keys whose value is None before rendering
         cleaned = [{k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m for m in messages]
         return render_chat(template, cleaned, add_generation_prompt, self.special_tokens, **kwargs)
+
+    def with_chat_template(self, template: str) -> "Tokenizer":
+        """This tokenizer with another chat template (a created model's TEMPLATE); the vocabulary is shared."""
+        other = copy.copy(self)
+        other.chat_template, other.named_templates = template, {}
+        return other
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> list[int]:
         """Token ids of the rendered chat. As transformers does, no special tokens are added on top of the

@@ -388,8 +388,9 @@ async def count_tokens(request: web.Request) -> web.Response:
     state = state_of(request)
     try:
         intake, _ = parse(await read_json(request, state.max_body_bytes), state, count_only=True)
-        engine = await state.engine_for(request, intake.model)
-        ids, _, _ = await encode_prompt(engine, intake, intake.model or state.model_name)
+        bound = await state.use_model(request, intake.model)
+        ids, _, _ = await encode_prompt(bound.require_engine(), bound.with_defaults(intake),
+                                        intake.model or state.model_name, bound.template)
     except ApiError as exc:
         raise _dialect(exc) from None
     return web.json_response({"input_tokens": len(ids)})

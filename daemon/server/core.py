@@ -52,6 +52,8 @@ class ServerState:
     pid: int = field(default_factory=os.getpid)  # `llmd stop` signals it
     models: ModelManager | None = None  # the daemon's models; None: `engine` is the one served model
     options: dict = field(default_factory=dict)  # the bound model's default request options (Ollama params layer)
+    system: str | None = None  # the bound name's system message for chats without one (a created model's SYSTEM)
+    template: str | None = None  # the bound name's chat template, replacing the model's (a created model's TEMPLATE)
     load_wait_s: float = 0.0  # how long this request waited for its model to load (Ollama's load_duration)
 
     async def use_model(self, request: web.Request, name: str | None, keep_alive: object = None) -> ServerState:
@@ -63,9 +65,16 @@ class ServerState:
         asked = time.monotonic()
         served = await self.models.acquire(name, keep_alive)
         request.setdefault(LEASES, []).append(served)
+        created = self.models.created_for(name)  # a name made with /api/create or /api/copy: its own defaults
+        options = {**served.options, **created.parameters} if created else dict(served.options)
         return replace(self, engine=served.engine, model_name=served.name, model_info=served.info,
-                       aliases=set(served.aliases), status="ready", options=dict(served.options),
+                       aliases=set(served.aliases), status="ready", options=options,
+                       system=created.system if created else None, template=created.template if created else None,
                        metrics=self.metrics.for_model(served.name), load_wait_s=time.monotonic() - asked)
+
+    def with_defaults(self, intake: Intake) -> Intake:
+        """The request over the bound model's defaults (options, a system message)."""
+        return with_model_defaults(intake, self.options, self.system)
 
     # --- readiness and names ---
 
@@ -167,24 +176,27 @@ async def encode_fim(tok, prompt: FimPrompt, model_name: str) -> list[int]:
     return ids
 
 
-def traits_of(engine: AsyncEngine) -> ModelTraits:
+def traits_of(engine: AsyncEngine, template: str | None = None) -> ModelTraits:
     """The model's tool format and thinking, read from its templates (a "tool_use" one renders requests with
-    tools, so its markers count too)."""
+    tools, so its markers count too), or from `template` where a created model replaces them."""
     tok = engine.tokenizer
-    templates = [tok.named_templates.get("tool_use"), tok.chat_template]
+    templates = [template] if template else [tok.named_templates.get("tool_use"), tok.chat_template]
     return model_traits(str(engine.loaded.config.architecture), "\n".join(t for t in templates if t) or None)
 
 
-async def encode_prompt(engine: AsyncEngine, intake: Intake,
-                        model_name: str) -> tuple[list[int], Constraint | None, OutputParser]:
-    """The prompt's token ids, the answer's constraint and the parser its text goes through."""
+async def encode_prompt(engine: AsyncEngine, intake: Intake, model_name: str,
+                        template: str | None = None) -> tuple[list[int], Constraint | None, OutputParser]:
+    """The prompt's token ids, the answer's constraint and the parser its text goes through. `template`: a chat
+    template that replaces the model's (a created model's TEMPLATE)."""
     tok, prompt = engine.tokenizer, intake.prompt
     if getattr(engine, "url", None) is not None:  # a remote engine (llmd.server.remote): upstream renders
         return remote_prompt(tok, intake, model_name), None, OutputParser()
+    if template:
+        tok = tok.with_chat_template(template)
     if isinstance(prompt, ChatPrompt) and prompt.raw_without_template and not tok.has_chat_template:
         prompt = TextPrompt("\n\n".join(m["content"] for m in prompt.messages))
     if isinstance(prompt, ChatPrompt):
-        traits = traits_of(engine)
+        traits = traits_of(engine, template)
         if prompt.think and not traits.thinks:
             raise ApiError(400, f"think: model {model_name!r} does not support thinking", param="think")
         plan = plan_chat(prompt.messages, prompt.tools, intake.answer, prompt.think, prompt.template_kwargs, traits)
@@ -256,9 +268,9 @@ class Renderer(Protocol):
 async def run(request: web.Request, state: ServerState, intake: Intake, renderer: Renderer) -> web.StreamResponse:
     """Serve one parsed request: find the engine, encode, check the length, submit, then stream or collect."""
     state = await state.use_model(request, intake.model, intake.keep_alive)  # the one place a request binds its model
-    intake = with_model_defaults(intake, state.options)  # the model's default options, under the request's own
+    intake = state.with_defaults(intake)  # the model's default options and system message, under the request's own
     engine = state.require_engine()
-    prompt_ids, constraint, parser = await encode_prompt(engine, intake, state.model_name)
+    prompt_ids, constraint, parser = await encode_prompt(engine, intake, state.model_name, state.template)
     check_length(engine, prompt_ids, intake.params, intake.length_field, intake.num_ctx)
     params = intake.params
     field = intake.answer.field if intake.answer is not None else "tools"

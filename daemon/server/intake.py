@@ -7,7 +7,8 @@ From there one path serves every route: encode the prompt, check its length, sub
 
 A model may carry default options (an Ollama manifest's params layer: stop, num_ctx, temperature...). They apply on
 every route, in one place (`with_model_defaults`, called by core.run once the model is bound): each fills a sampling
-field the request left unset (`Intake.given` names the ones it set), as Ollama applies them under a request's own.
+field the request left unset (`Intake.given` names the ones it set), as Ollama applies them under a request's own. A
+name made with /api/create may also bring a system message, which opens chats that have none.
 """
 
 from __future__ import annotations
@@ -111,9 +112,14 @@ def with_options(params: SamplingParams, options: dict, keep: frozenset[str] = f
     return replace(params, **changes) if changes else params
 
 
-def with_model_defaults(intake: Intake, options: dict) -> Intake:
+def with_model_defaults(intake: Intake, options: dict, system: str | None = None) -> Intake:
     """The request over its model's default options, on every route: each fills a field the request left unset
-    (its num_ctx too); the request's own values win."""
+    (its num_ctx too); the request's own values win. `system` (a created model's SYSTEM) opens a chat that brings
+    no system message of its own, as Ollama applies a Modelfile's."""
+    prompt = intake.prompt
+    if system and isinstance(prompt, ChatPrompt) and not any(m.get("role") == "system" for m in prompt.messages):
+        intake = replace(intake, prompt=replace(prompt, messages=[{"role": "system", "content": system},
+                                                                  *prompt.messages]))
     if not options:
         return intake
     params = checked_params(with_options(intake.params, options, intake.given))

@@ -26,7 +26,7 @@ import gc
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -39,7 +39,7 @@ from .validation import ApiError
 if TYPE_CHECKING:
     from ..config import Settings
     from ..engine.types import EngineStats
-    from ..store import ModelFiles, ModelInfo
+    from ..store import Created, ModelFiles, ModelInfo
 
 log = logging.getLogger("llmd.server")
 
@@ -139,6 +139,7 @@ class ModelManager:
         self._models: dict[str, Served] = {}  # canonical name -> entry
         self._names: dict[str, str] = {}  # every name a request may use -> canonical name
         self._unloading: list[Served] = []  # forgotten, still freeing their memory
+        self._created: dict[str, Created] = {}  # names made with /api/create or /api/copy -> their defaults
         self._load_lock = asyncio.Lock()
         self._changed = asyncio.Condition()
         self._reaper: asyncio.Task | None = None
@@ -225,10 +226,43 @@ class ModelManager:
         canonical = self._names.get(name) or self._names.get(name.removesuffix(":latest"))
         return self._models.get(canonical) if canonical else None
 
+    def created_for(self, name: str | None) -> Created | None:
+        """The defaults of a name made with /api/create or /api/copy, as it resolved when it was last looked up."""
+        from ..store.created import canonical_name
+
+        key = canonical_name(name) if name else None
+        return self._created.get(key) if key else None
+
+    def forget_name(self, name: str) -> None:
+        """Drop a name made with /api/create or /api/copy that was remade or deleted: the next request resolves it
+        again. The model it named stays loaded under its other names."""
+        from ..store.created import canonical_name
+
+        key = canonical_name(name) or name
+        self._created.pop(key, None)
+        for alias in {name, key, key.removesuffix(":latest")}:
+            entry = self._models.get(self._names.get(alias, ""))
+            if entry is not None and alias != entry.name:
+                del self._names[alias]
+                entry.aliases.discard(alias)
+
     # ---- finding a model --------------------------------------------------------------------------------------
-    async def _entry_for(self, name: str | None) -> Served:
+    async def find(self, name: str) -> Found:
+        """What a request's model name resolves to (a config model, else the stores), without loading it; ApiError
+        400 for a name that can never name a model, 404 for one that names none."""
         from ..store import BadModelName
 
+        try:
+            return await asyncio.get_running_loop().run_in_executor(None, self._find_for_request, name)
+        except BadModelName as exc:
+            raise ApiError(400, str(exc), param="model") from None
+        except ModelNotFound as exc:
+            raise ApiError(404, str(exc), param="model", kind="model_not_found") from None
+        except LlmdError as exc:  # a store entry that cannot be read: its file and problem
+            raise ApiError(404, f"model {name!r} cannot be served: {exc}", param="model",
+                           kind="model_not_found") from None
+
+    async def _entry_for(self, name: str | None) -> Served:
         if name is None or name == "":
             name = self.default_name or self.settings.model
             if name is None:
@@ -238,18 +272,9 @@ class ModelManager:
         known = self.lookup(name)
         if known is not None:
             return known
-        try:
-            found = await asyncio.get_running_loop().run_in_executor(None, self._find_for_request, name)
-        except BadModelName as exc:
-            raise ApiError(400, str(exc), param="model") from None
-        except ModelNotFound as exc:
-            raise ApiError(404, str(exc), param="model", kind="model_not_found") from None
-        except LlmdError as exc:  # a store entry that cannot be read: its file and problem
-            raise ApiError(404, f"model {name!r} cannot be served: {exc}", param="model",
-                           kind="model_not_found") from None
-        return self._entry(found, name)
+        return self._entry(await self.find(name), name)
 
-    def _find_for_request(self, name: str) -> _Found:
+    def _find_for_request(self, name: str) -> Found:
         """(worker thread) A config model, else the stores: never a path."""
         from ..store import resolve_name
 
@@ -259,7 +284,7 @@ class ModelManager:
             return self._configured(key)
         return _found(resolve_name(name))
 
-    def _find_for_operator(self, name: str | None) -> _Found:
+    def _find_for_operator(self, name: str | None) -> Found:
         """(worker thread) A name from the command line: a config model, or anything `llmd.store.resolve` takes."""
         from ..store import resolve
 
@@ -270,25 +295,29 @@ class ModelManager:
             found.names |= {name, Path(name).name, Path(name).stem}
         return found
 
-    def _configured(self, name: str) -> _Found:
+    def _configured(self, name: str) -> Found:
         table = self.settings.models[name]
         if "url" in table:
-            return _Found(key=name, remote=table)
+            return Found(key=name, remote=table)
         from ..store import resolve
 
         return _found(resolve(table["path"]), key=name)
 
-    def _entry(self, found: _Found, requested: str | None) -> Served:
+    def _entry(self, found: Found, requested: str | None) -> Served:
         """(event loop) The entry of what a name resolved to: one per file, so two names of one file share it."""
         if found.remote is not None:
             assert found.key is not None
             return self._known(Served(name=found.key, files=None, source="remote", remote=found.remote))
         assert found.files is not None
+        created = found.files.created
+        if created is not None and requested:
+            self._created[created.name] = created
         for entry in self._models.values():
             if entry.real_path is not None and entry.real_path == found.real_path:
                 entry.aliases |= found.names | ({requested} if requested else set())
                 return entry
-        entry = Served(name=found.key or found.files.name, files=found.files, real_path=found.real_path,
+        files = replace(found.files, created=None)  # one entry per file; a created name's defaults are per name
+        entry = Served(name=found.key or files.name, files=files, real_path=found.real_path,
                        source="config" if found.key else found.files.source, options=dict(found.files.options))
         entry.aliases |= found.names | ({requested} if requested else set())
         return self._known(entry)
@@ -499,7 +528,7 @@ class ModelManager:
 
 
 @dataclass
-class _Found:
+class Found:
     """What a name resolved to, worked out in a worker thread (file system reads) for the event loop to use."""
 
     key: str | None = None  # a [models.NAME] of the config
@@ -509,9 +538,9 @@ class _Found:
     names: set[str] = field(default_factory=set)  # the names the files answer to
 
 
-def _found(files: "ModelFiles", key: str | None = None) -> _Found:
-    return _Found(key=key, files=files, real_path=str(Path(files.path).resolve()),
-                  names=_short_names(files) | ({key} if key else set()))
+def _found(files: "ModelFiles", key: str | None = None) -> Found:
+    return Found(key=key, files=files, real_path=str(Path(files.path).resolve()),
+                 names=_short_names(files) | ({key} if key else set()))
 
 
 def _short_names(files: "ModelFiles") -> set[str]:

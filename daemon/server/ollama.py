@@ -1,8 +1,10 @@
 """Ollama dialect: /api/chat, /api/generate (NDJSON streaming, native stats fields), /api/tags, /api/show, /api/ps,
-/api/version and `GET /`. Durations are nanoseconds, as Ollama reports them."""
+/api/version and `GET /`; the model verbs (/api/pull, /api/create, /api/copy, /api/delete) are in ollama_manage.py.
+Durations are nanoseconds, as Ollama reports them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import replace
@@ -13,6 +15,7 @@ from aiohttp import web
 from .. import __version__ as llmd_version
 from ..engine.types import RequestOutput, SamplingParams
 from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of, traits_of
+from ..store.modelfile import format_modelfile, format_parameters
 from ..tools.parsers import Piece
 from ..tools.spec import AnswerFormat, ToolSpec, check_schema, normalise_history, parse_tools
 from .intake import (OPTION_PARAMS, ChatPrompt, FimPrompt, Intake, TextPrompt, checked_params, given_fields,
@@ -20,8 +23,11 @@ from .intake import (OPTION_PARAMS, ChatPrompt, FimPrompt, Intake, TextPrompt, c
 from .validation import (MAX_NEW_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P, ApiError,
                          Field, bad_field, check_fields, parse_messages, read_json)
 
-# The Ollama API level this dialect follows; clients compare it to feature thresholds.
-OLLAMA_API_VERSION = "0.6.0"
+# The Ollama API level this dialect follows; clients compare it to feature thresholds (`codex --oss` refuses a server
+# below 0.13.4). Ollama's release line was 0.34 in September 2026, the newest seen when this was set, and llmd follows
+# that line's shapes on the routes it serves (chat, generate, embed, tags, show, ps, pull, create, copy, delete); a
+# feature it lacks (images, Go templates, adapters) is a 400 that names it, not a version a client must guess from.
+OLLAMA_API_VERSION = "0.34.0"
 
 REQUEST_FIELDS = {
     "model": Field("str", max_len=512),
@@ -250,14 +256,16 @@ def _model_entry(state: ServerState) -> dict:
 
 
 def _capabilities(state: ServerState) -> list[str]:
-    """What the model itself can do: tools only with a template that renders them, thinking only with one that
-    knows a thought (the generic tool fallback serves any model, but is no capability of it)."""
-    tok = state.engine.tokenizer
-    traits = traits_of(state.engine)
+    """What the model itself can do, as Ollama names it: an embedding model embeds only; another completes, with
+    tools when its template handles them, thinking when it knows a thought, insert with fill-in-the-middle tokens
+    (the generic tool fallback serves any model, but is no capability of it). No vision yet."""
+    if getattr(state.model_info, "embedding", False):
+        return ["embedding"]
+    traits = traits_of(state.engine, state.template)
     caps = ["completion"]
-    if traits.tools.native:
+    if traits.has_tools:
         caps.append("tools")
-    if tok.fim_token_ids():
+    if state.engine.tokenizer.fim_token_ids():
         caps.append("insert")
     if traits.thinks:
         caps.append("thinking")
@@ -294,7 +302,7 @@ async def ps(request: web.Request) -> web.Response:
     if state.models is not None:
         from .listing import ollama_ps
 
-        return web.json_response({"models": ollama_ps(state)})
+        return web.json_response({"models": await ollama_ps(state)})
     if state.status != "ready":
         return web.json_response({"models": []})
     entry = _model_entry(state)
@@ -315,16 +323,37 @@ async def show(request: web.Request) -> web.Response:
     cfg = state.engine.loaded.config
     arch = _family(state)
     ctx = state.max_model_len()
+    created = state.models.created_for(name) if state.models is not None else None
+    template = state.template or state.engine.tokenizer.chat_template or ""
+    details = _details(state)
+    modified = _model_entry(state)["modified_at"]
+    if created is not None:
+        details["parent_model"] = created.base
+        modified = datetime.fromtimestamp(created.modified_at, timezone.utc).isoformat()
     return web.json_response({
-        "modelfile": "", "parameters": "", "template": state.engine.tokenizer.chat_template or "",
-        "details": _details(state),
+        "modelfile": format_modelfile(created.base if created else state.model_name, state.options,
+                                      state.template, state.system, created.license if created else None),
+        "parameters": format_parameters(state.options), "template": template, "system": state.system or "",
+        "license": (created.license if created else None) or "", "details": details,
         "model_info": {"general.architecture": arch, f"{arch}.context_length": ctx,
                        f"{arch}.embedding_length": cfg.hidden_size, f"{arch}.block_count": cfg.num_hidden_layers,
                        f"{arch}.attention.head_count": cfg.num_attention_heads,
                        f"{arch}.attention.head_count_kv": cfg.num_key_value_heads},
         "capabilities": _capabilities(state),
-        "modified_at": _model_entry(state)["modified_at"],
+        "digest": await _digest(state, created),
+        "modified_at": modified,
     })
+
+
+async def _digest(state: ServerState, created) -> str:
+    """The digest /api/tags lists for this name (a created name's covers its own settings)."""
+    files = getattr(state.model_info, "files", None)
+    if files is None:
+        return ""
+    from ..store import model_digest
+
+    files = replace(files, created=created)
+    return await asyncio.get_running_loop().run_in_executor(None, model_digest, files)
 
 
 async def version(request: web.Request) -> web.Response:
@@ -336,6 +365,9 @@ async def root(request: web.Request) -> web.Response:
 
 
 def setup_routes(app: web.Application) -> None:
+    from . import ollama_manage
+
+    ollama_manage.setup_routes(app)
     app.router.add_post("/api/chat", chat)
     app.router.add_post("/api/generate", generate)
     app.router.add_get("/api/tags", tags)

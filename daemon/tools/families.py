@@ -42,9 +42,13 @@ class ToolFormat:
 class ModelTraits:
     tools: ToolFormat
     thinks: bool  # the template knows a <think> block (Qwen3, DeepSeek-R1 style)
+    # the model itself does tools (Ollama's "tools" capability): its template takes `tools`, or writes a known call
+    # format; the generic fallback serves tools on any model, but is no capability of it
+    has_tools: bool = False
 
 
 _USES_TOOLS = re.compile(r"\btools\b")
+CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
 
 
 @lru_cache(maxsize=32)
@@ -52,7 +56,7 @@ def model_traits(architecture: str, template: str | None) -> ModelTraits:
     text = template or ""
     thinks = "<think>" in text or "enable_thinking" in text
     if not _USES_TOOLS.search(text):
-        return ModelTraits(ToolFormat("generic", native=False), thinks)
+        return ModelTraits(ToolFormat("generic", native=False), thinks, any(m in text for m in CALL_MARKERS))
     if "<tool_call>" in text:
         name = "qwen3_coder" if "<function=" in text else "hermes"
     elif "[TOOL_CALLS]" in text:
@@ -60,5 +64,5 @@ def model_traits(architecture: str, template: str | None) -> ModelTraits:
     elif "<|python_tag|>" in text or ("<|start_header_id|>" in text and "parameters" in text):
         name = "llama3"
     else:  # a template that takes tools in a format not known here: describe them ourselves
-        return ModelTraits(ToolFormat("generic", native=False), thinks)
-    return ModelTraits(ToolFormat(name, native=True), thinks)
+        return ModelTraits(ToolFormat("generic", native=False), thinks, has_tools=True)
+    return ModelTraits(ToolFormat(name, native=True), thinks, has_tools=True)
