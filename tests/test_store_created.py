@@ -134,3 +134,31 @@ def test_digests_content_stand_in_cache_and_created(tmp_path):
     assert digests.of(ModelFiles("c", "gguf", one, created=Created("c:latest", "one"))) == base
     pirate = Created("p:latest", "one", system="You are a pirate.")
     assert digests.of(ModelFiles("p", "gguf", one, created=pirate)) not in (base, stand_in)
+
+
+def test_embedding_models_are_told_apart(tmp_path, smollm2_gguf):
+    """/api/show's `embedding` capability: a GGUF that declares its pooling, or a sentence-transformers folder."""
+    import gguf
+    import numpy as np
+
+    from llmd.store import describe, resolve
+
+    assert not describe(resolve(str(smollm2_gguf))).embedding  # a chat model
+    for pooled in (False, True):
+        path = tmp_path / f"m{int(pooled)}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        if pooled:
+            w.add_pooling_type(gguf.PoolingType.MEAN)
+        w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        assert describe(resolve(str(path))).embedding is pooled
+    folder = tmp_path / "st"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    assert not describe(resolve(str(folder))).embedding
+    (folder / "modules.json").write_text(json.dumps([{"idx": 1, "name": "1", "path": "1_Pooling",
+                                                      "type": "sentence_transformers.models.Pooling"}]))
+    assert describe(resolve(str(folder))).embedding

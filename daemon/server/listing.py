@@ -16,7 +16,7 @@ from ..errors import LlmdError
 from .validation import ApiError
 
 if TYPE_CHECKING:
-    from ..store import ListedModel, ModelFiles, ModelInfo
+    from ..store import ModelFiles, ModelInfo
     from .core import ServerState
     from .models import ModelManager, Served
 
@@ -33,9 +33,9 @@ def _real(path) -> str:
         return str(path)
 
 
-def _scan(loaded: list[ModelFiles | None], configured: dict[str, dict]) -> tuple[list[ListedModel], list[str], list[str],
-                                                                                  dict[str, str]]:
-    """(worker thread) The stores' models, and the digests of the loaded models, the listed ones and the config's."""
+def _scan(loaded: list[ModelFiles | None], configured: dict[str, dict]) -> tuple:
+    """(worker thread) The stores' models, and the digests of the loaded models, of the listed ones and of the
+    config's (by name)."""
     from ..store import list_models, model_digest, resolve
 
     listed = list_models()
@@ -60,7 +60,9 @@ def served_digest(e: Served) -> str:
     """(blocking: stats the files) A loaded model's digest."""
     from ..store import model_digest
 
-    return model_digest(e.files) if e.files is not None else _remote_digest(e.remote["url"] if e.remote else e.name)
+    if e.files is not None:
+        return model_digest(e.files)
+    return _remote_digest(e.remote["url"]) if e.remote else ""
 
 
 async def servable(state: ServerState) -> list[dict]:

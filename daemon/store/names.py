@@ -2,8 +2,8 @@
 
 Order: a name made with /api/create or /api/copy (llmd.store.created), the bundled default's names, an alias or repo
 id in the Hugging Face cache, a model in Ollama's store. A name that looks like a path (`/etc/passwd`, `../../x`,
-`file:///...`, `~/x`, a backslash, a NUL or other control character) is refused before anything is looked up. Only `llmd serve --model PATH` and the config may name files
-(`llmd.store.resolve`).
+`file:///...`, `~/x`, a backslash, a NUL or other control character) is refused before anything is looked up. Only
+`llmd serve --model PATH` and the config may name files (`llmd.store.resolve`).
 """
 
 from __future__ import annotations
