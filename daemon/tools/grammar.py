@@ -7,7 +7,10 @@
 - A reasoning model's thought stays free: a lazy `<think> ... </think>` rule comes first, the answer rule after it.
 
 JSON inside the grammars is compact (llguidance's `whitespace_flexible: false`): small models otherwise tend to
-emit whitespace until max_tokens, and compact JSON is still JSON to every client.
+emit whitespace until max_tokens, and compact JSON is still JSON to every client. Schemas compile leniently, after
+tools.schema's exact rewrites: a keyword the library does not implement is left out (the request's check logged it,
+or refused it under `strict`). A tool's arguments get an `$id` inside the call's body, so their `$ref`s resolve
+against them.
 
 The engine compiles them (AsyncEngine.compile_constraint); an invalid or unsatisfiable one is a 400 naming the request
 field (core.run).
@@ -19,13 +22,15 @@ import json
 
 from ..engine.types import Constraint
 from .families import ToolFormat
+from .schema import prepared
 from .spec import AnswerFormat, Function, ToolSpec
 
 COMPACT = {"whitespace_flexible": False, "whitespace_pattern": None}  # None: not the engine's default
 
 
 def _compact(schema: dict) -> dict:
-    return schema if "x-guidance" in schema else {**schema, "x-guidance": COMPACT}
+    """The grammar's options on a schema: compact and lenient (a client's own x-guidance keeps its other options)."""
+    return {**schema, "x-guidance": {"lenient": True, **schema.get("x-guidance", COMPACT)}}
 
 
 def _json(schema: dict) -> str:
@@ -33,7 +38,7 @@ def _json(schema: dict) -> str:
 
 
 def answer_schema(fmt: AnswerFormat) -> dict:
-    return {"type": "object"} if fmt.kind == "json_object" else json.loads(fmt.text)
+    return {"type": "object"} if fmt.kind == "json_object" else prepared(json.loads(fmt.text))
 
 
 def answer_constraint(fmt: AnswerFormat) -> Constraint:
@@ -44,15 +49,18 @@ def answer_constraint(fmt: AnswerFormat) -> Constraint:
 
 
 def _call_body(fn: Function, args_key: str) -> dict:
-    return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: fn.parameters},
+    args = {"$id": f"urn:llmd:tool:{fn.name}", **prepared(fn.parameters)}  # a $ref "#/..." means the arguments
+    return {"type": "object", "properties": {"name": {"const": fn.name}, args_key: args},
             "required": ["name", args_key], "additionalProperties": False}
 
 
 def _xml_function(i: int, fn: Function) -> list[str]:
     """Qwen3-Coder's call body: <function=NAME>, then each parameter (required ones always, in the schema's order)
     as <parameter=P> with a string as written (free up to its closing tag) or any other value as JSON."""
-    props = fn.parameters.get("properties") or {}
-    required = set(fn.parameters.get("required") or [])
+    params = prepared(fn.parameters)
+    props = params.get("properties") or {}
+    required = set(params.get("required") or [])
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}  # what a parameter's $ref may name
     rules, parts = [], []
     for k, (pname, schema) in enumerate(props.items()):
         schema = schema if isinstance(schema, dict) else {}
@@ -60,7 +68,7 @@ def _xml_function(i: int, fn: Function) -> list[str]:
         if schema.get("type") == "string" and len(schema) <= 2:  # a plain string (maybe with a description)
             rules.append(f'p_{i}_{k}[lazy]: {head} /(.|\\n)*/ "\\n</parameter>\\n"')
         else:
-            rules.append(f'p_{i}_{k}: {head} {_json(schema)} "\\n</parameter>\\n"')
+            rules.append(f'p_{i}_{k}: {head} {_json({**defs, **schema})} "\\n</parameter>\\n"')
         parts.append(f"p_{i}_{k}" + ("" if pname in required else "?"))
     rules.append(f"fn_{i}: {json.dumps(f'<function={fn.name}>' + chr(10))} {' '.join(parts)} \"</function>\"")
     return rules

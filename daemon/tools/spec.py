@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..server.validation import bad_field
+from .schema import check_keywords
 
 MAX_TOOLS = 128
 MAX_TOOLS_BYTES = 256 * 1024  # the tools' JSON, which becomes prompt text and grammar
@@ -77,8 +78,9 @@ def schema_depth(value: Any, depth: int = 0) -> int:
     return depth
 
 
-def check_schema(schema: Any, where: str) -> dict:
-    """A JSON schema must be an object, within the size and nesting bounds."""
+def check_schema(schema: Any, where: str, strict: bool = False) -> dict:
+    """A JSON schema must be an object, within the size and nesting bounds, that the grammar compiles; what the
+    grammar cannot enforce is logged, or refused when the request asks for strict validation (tools.schema)."""
     if isinstance(schema, bool):
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
@@ -96,43 +98,65 @@ def check_schema(schema: Any, where: str) -> dict:
         if key == "required" and value is not None and not (isinstance(value, list)
                                                              and all(isinstance(v, str) for v in value)):
             raise bad_field(f"{where}.required", "must be an array of strings")
+    check_keywords(schema, where, strict)
     return schema
 
 
-def parse_tools(value: Any, name: str = "tools") -> tuple[Function, ...]:
+def tool_list(value: Any, name: str) -> list:
+    """A tools array within the bounds (count, bytes of JSON)."""
     if not isinstance(value, list):
         raise bad_field(name, "must be an array of tools")
     if len(value) > MAX_TOOLS:
         raise bad_field(name, f"may hold at most {MAX_TOOLS} tools")
     if len(json.dumps(value)) > MAX_TOOLS_BYTES:
         raise bad_field(name, f"must be at most {MAX_TOOLS_BYTES} bytes of JSON")
-    out: list[Function] = []
-    for i, tool in enumerate(value):
-        where = f"{name}[{i}]"
-        if not isinstance(tool, dict):
-            raise bad_field(where, "must be an object")
-        if tool.get("type", "function") != "function":
-            raise bad_field(f"{where}.type", "must be \"function\"")
-        fn = tool.get("function")
-        if not isinstance(fn, dict):
-            raise bad_field(f"{where}.function", "must be an object with a name")
-        fname = fn.get("name")
-        if not isinstance(fname, str) or not fname:
-            raise bad_field(f"{where}.function.name", "is required (a non-empty string)")
-        if not NAME_RE.match(fname):
-            raise bad_field(f"{where}.function.name", "must be 1-64 letters, digits, '_', '.' or '-'")
-        if any(f.name == fname for f in out):
-            raise bad_field(f"{where}.function.name", f"{fname!r} is defined twice")
-        desc = fn.get("description") or ""
-        if not isinstance(desc, str):
-            raise bad_field(f"{where}.function.description", "must be a string")
-        params = fn.get("parameters")
-        params = {"type": "object", "properties": {}} if params is None else params
-        params = check_schema(params, f"{where}.function.parameters")
-        if params.get("type", "object") != "object":
-            raise bad_field(f"{where}.function.parameters", "must be a schema of type object")
-        out.append(Function(fname, desc, params))
-    return tuple(out)
+    return value
+
+
+def parse_tool(tool: Any, where: str) -> Function:
+    """One tool in the OpenAI shape, `{"type": "function", "function": {name, description, parameters, strict}}`."""
+    if not isinstance(tool, dict):
+        raise bad_field(where, "must be an object")
+    if tool.get("type", "function") != "function":
+        raise bad_field(f"{where}.type", "must be \"function\"")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise bad_field(f"{where}.function", "must be an object with a name")
+    fname = fn.get("name")
+    if not isinstance(fname, str) or not fname:
+        raise bad_field(f"{where}.function.name", "is required (a non-empty string)")
+    if not NAME_RE.match(fname):
+        raise bad_field(f"{where}.function.name", "must be 1-64 letters, digits, '_', '.' or '-'")
+    desc = fn.get("description") or ""
+    if not isinstance(desc, str):
+        raise bad_field(f"{where}.function.description", "must be a string")
+    strict = fn.get("strict") or False
+    if not isinstance(strict, bool):
+        raise bad_field(f"{where}.function.strict", "must be true or false")
+    params = fn.get("parameters")
+    params = {"type": "object", "properties": {}} if params is None else params
+    params = check_schema(params, f"{where}.function.parameters", strict)
+    if params.get("type", "object") != "object":
+        raise bad_field(f"{where}.function.parameters", "must be a schema of type object")
+    return Function(fname, desc, params)
+
+
+def unique_tools(tools: list[tuple[str, Function]]) -> tuple[Function, ...]:
+    """(where, function) pairs: no more than MAX_TOOLS, no name defined twice (the second one's `where` named)."""
+    if len(tools) > MAX_TOOLS:
+        raise bad_field(tools[MAX_TOOLS][0], f"is one tool too many: at most {MAX_TOOLS} are allowed")
+    seen: set[str] = set()
+    for where, fn in tools:
+        if fn.name in seen:
+            raise bad_field(where, f"{fn.name!r} is defined twice")
+        seen.add(fn.name)
+    return tuple(fn for _, fn in tools)
+
+
+def parse_tools(value: Any, name: str = "tools") -> tuple[Function, ...]:
+    tools = tool_list(value, name)
+    return unique_tools([(f"{name}[{i}].function.name", parse_tool(tool, f"{name}[{i}]"))
+                         for i, tool in enumerate(tools)])
 
 
 def parse_tool_choice(value: Any, functions: tuple[Function, ...], name: str = "tool_choice") -> str:
