@@ -5,10 +5,12 @@ renderers on a scripted answer, streamed and whole."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
 from llmd.server import anthropic, responses_api
+from llmd.server.response_store import ResponseStore
 from llmd.server.validation import ApiError
 from llmd.tools.plan import generic_messages
 
@@ -100,21 +102,121 @@ def test_responses_history_items():
 
 def test_responses_tools_choice_and_format():
     tools = [{"type": "function", "name": "weather", "parameters": SCHEMA, "strict": True}]
-    spec = responses_api.tool_spec({"tools": tools, "tool_choice": {"type": "function", "name": "weather"}},
-                                   {"parallel_tool_calls": False})
+    spec, namespaced = responses_api.tool_spec({"tools": tools, "tool_choice": {"type": "function",
+                                                                                "name": "weather"}},
+                                               {"parallel_tool_calls": False})
     assert spec.choice == "weather" and not spec.parallel and spec.functions[0].parameters == SCHEMA
+    assert namespaced == {}
     with pytest.raises(ApiError) as bad:
         responses_api.tool_spec({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]}, {})
     assert bad.value.param == "tools[0].parameters"
     with pytest.raises(ApiError) as bad:
-        responses_api.tool_spec({"tools": [{"type": "file_search", "vector_store_ids": []}]}, {})
-    assert bad.value.param == "tools[0].type"
+        responses_api.tool_spec({"tools": [{"type": "web_search"}], "tool_choice": {"type": "web_search"}}, {})
+    assert bad.value.param == "tool_choice"
     fmt = responses_api.answer_format({"text": {"format": {"type": "json_schema", "name": "x", "schema": SCHEMA}}})
     assert fmt.kind == "json_schema" and fmt.field == "text.format"
     assert responses_api.answer_format({"text": {"format": {"type": "text"}}}) is None
     assert responses_api.reasoning({"reasoning": {"effort": "none"}}) is False
     assert responses_api.reasoning({"reasoning": {"effort": "low", "summary": "auto"}}) is True
     assert responses_api.reasoning({"reasoning": {"summary": "auto"}}) is None
+
+
+# Codex's tools: a namespace of MCP functions, its own function tools, and hosted tools it sends along
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "parameters": SCHEMA, "strict": False},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "namespace", "name": "mcp__docs__", "description": "Docs server", "tools": [
+        {"type": "function", "name": "search", "description": "Search the docs", "parameters": SCHEMA},
+        {"type": "function", "name": "_fetch", "parameters": SCHEMA, "defer_loading": True},
+        {"type": "custom", "name": "grep", "format": {"type": "text"}}]},
+    {"type": "namespace", "name": "wiki", "description": "Wiki", "tools": [
+        {"type": "function", "name": "search", "parameters": SCHEMA}]},
+    {"type": "local_shell"}]
+
+
+def test_responses_namespaces_flatten_as_codex_does_and_other_tools_are_left_out(caplog):
+    with caplog.at_level(logging.WARNING, logger="llmd.server"):
+        spec, namespaced = responses_api.tool_spec({"tools": CODEX_TOOLS}, {})
+    assert [f.name for f in spec.functions] == ["shell", "mcp__docs__search", "mcp__docs__fetch", "wiki__search"]
+    assert namespaced == {"mcp__docs__search": ("mcp__docs__", "search"), "mcp__docs__fetch": ("mcp__docs__", "_fetch"),
+                          "wiki__search": ("wiki", "search")}
+    assert spec.functions[1].description == "Search the docs" and spec.functions[1].parameters == SCHEMA
+    (warning,) = [r.getMessage() for r in caplog.records]  # one line per request, naming every tool left out
+    assert "web_search" in warning and "custom (in namespace mcp__docs__)" in warning and "local_shell" in warning
+
+    def chosen(choice):
+        return responses_api.tool_spec({"tools": CODEX_TOOLS, "tool_choice": choice}, {})[0].choice
+
+    assert chosen({"type": "function", "name": "mcp__docs__fetch"}) == "mcp__docs__fetch"  # as the model sees it
+    assert chosen({"type": "function", "name": "_fetch"}) == "mcp__docs__fetch"  # a bare name one namespace has
+    assert chosen({"type": "function", "name": "search", "namespace": "wiki"}) == "wiki__search"
+    with pytest.raises(ApiError) as bad:
+        chosen({"type": "function", "name": "search"})
+    assert bad.value.param == "tool_choice.name" and "several namespaces" in bad.value.message
+    with pytest.raises(ApiError) as bad:
+        responses_api.tool_spec({"tools": [{"type": "namespace", "name": "ns", "tools": [
+            {"type": "function", "name": "f", "parameters": {"type": "array"}}]}]}, {})
+    assert bad.value.param == "tools[0].tools[0].parameters"
+    with pytest.raises(ApiError) as bad:
+        responses_api.tool_spec({"tools": [{"type": "namespace", "tools": []}]}, {})
+    assert bad.value.param == "tools[0].name"
+
+
+def test_responses_namespaced_calls_come_back_split_and_go_in_joined(smol_tokenizer):
+    from llmd.server.core import GenerationResult
+    from llmd.server.intake import Intake
+
+    namespaced = {"mcp__docs__search": ("mcp__docs__", "search")}
+    script = '<tool_call>\n{"name": "mcp__docs__search", "arguments": {"city": "Paris"}}\n</tool_call>'
+    gen = _generation(smol_tokenizer, frozenset({"mcp__docs__search"}))
+    answer = responses_api.ResponseAnswer(Intake("m", None, None, False), {}, "m", namespaced=namespaced)
+    (item,) = answer.whole(gen, GenerationResult(script, [7] * 9, "stop", None, []))["output"]
+    assert (item["type"], item["name"], item["namespace"]) == ("function_call", "search", "mcp__docs__")
+    answer = responses_api.ResponseAnswer(Intake("m", None, None, True), {}, "m", namespaced=namespaced)
+    gen = _generation(smol_tokenizer, frozenset({"mcp__docs__search"}))
+    events = [e for out in _outputs(script) for e in answer.events(gen, out)]
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [(i["name"], i["namespace"]) for i in added] == [("search", "mcp__docs__")]
+    assert [e["name"] for e in events if e["type"] == "response.function_call_arguments.done"] == ["search"]
+    # the stored turn, and the call sent back by the client, are shown to the model under the joined name
+    turn = responses_api.answer_turns([events[-1]["response"]["output"][0]])[0]
+    assert turn["tool_calls"][0]["function"]["name"] == "mcp__docs__search"
+    sent = {**item, "arguments": json.dumps({"city": "Paris"})}
+    out = responses_api.history({"input": [{"role": "user", "content": "Docs?"}, sent,
+                                           {"type": "function_call_output", "call_id": item["call_id"],
+                                            "namespace": "mcp__docs__", "output": "Found"}]})
+    assert out[1]["tool_calls"][0]["function"]["name"] == "mcp__docs__search"
+    assert out[2] == {"role": "tool", "content": "Found", "tool_call_id": item["call_id"],
+                      "name": "mcp__docs__search"}
+
+
+def test_fields_with_no_effect_are_accepted_and_named_at_debug(caplog):
+    from llmd.server.core import ServerState
+
+    state = ServerState(model_name="m")
+    claude_code = {"model": "m", "max_tokens": 32000, "stream": True, "metadata": {"user_id": "u"},
+                   "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+                   "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"}, "mcp_servers": [],
+                   "container": None, "cache_control": {"type": "ephemeral"},
+                   "system": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}],
+                   "messages": [{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                              "cache_control": {"type": "ephemeral"}}]}],
+                   "tools": [{"name": "Bash", "input_schema": SCHEMA, "cache_control": {"type": "ephemeral"}}]}
+    codex = {"model": "m", "input": "hi", "store": False, "include": ["reasoning.encrypted_content"],
+             "prompt_cache_key": "s1", "client_metadata": {"x-codex": "1"}, "stream": True,
+             "reasoning": {"effort": "medium", "summary": "auto"}}
+    with caplog.at_level(logging.DEBUG, logger="llmd.server"):
+        intake, shown = anthropic.parse(claude_code, state)
+        r_intake, _, _ = responses_api.parse(codex, state, ResponseStore())
+    assert intake.prompt.think is None and shown and intake.params.max_tokens == 32000
+    assert r_intake.prompt.think is True and r_intake.prompt.think_hint  # a model without thinking ignores it
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert "/v1/messages: accepted with no effect here: metadata, context_management, mcp_servers, cache_control" \
+        in lines
+    assert "/v1/responses: accepted with no effect here: include, prompt_cache_key, client_metadata" in lines
+    with pytest.raises(ApiError) as bad:  # what would silently change the answer is still refused
+        anthropic.parse({**claude_code, "mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}, state)
+    assert bad.value.param == "mcp_servers"
 
 
 # --- the renderers on a scripted answer: a thought, text and two calls, streamed in small pieces -----------------
@@ -131,7 +233,7 @@ def smol_tokenizer(smollm2_gguf):
     return Tokenizer.from_gguf(read_gguf_metadata(smollm2_gguf), smollm2_gguf)
 
 
-def _generation(tokenizer):
+def _generation(tokenizer, tools=frozenset({"weather"})):
     from types import SimpleNamespace
 
     from llmd.engine.types import SamplingParams
@@ -139,7 +241,7 @@ def _generation(tokenizer):
     from llmd.tools.parsers import OutputParser, ReasoningSplit, TaggedParser
 
     gen = Generation(ServerState(), None, SimpleNamespace(tokenizer=tokenizer), [1, 2, 3], SamplingParams())
-    gen.output = OutputParser(ReasoningSplit(), TaggedParser(frozenset({"weather"})))
+    gen.output = OutputParser(ReasoningSplit(), TaggedParser(tools))
     gen.finished, gen.finish_reason = True, "stop"
     return gen
 

@@ -239,7 +239,7 @@ async def test_bad_tool_requests_are_400s_never_500s(smol):
            ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f", "parameters": {
                "type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}},
                "required": ["a"]}}}],
-             "tool_choice": "required"}, "tools")]
+             "tool_choice": "required"}, "tools[0].function.parameters")]  # the request's check sees the schema
     async with aiohttp.ClientSession(smol.url) as http:
         for body, field in bad:
             async with http.post("/v1/chat/completions", json={**body, "max_tokens": 4}) as r:

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from ..tools.parsers import Piece, ToolCall
-from ..tools.spec import Function, parse_tools
+from ..tools.spec import Function, parse_tool, tool_list, unique_tools
 from .core import Generation
 from .validation import MAX_TEXT_CHARS, ApiError, bad_field
 
@@ -33,25 +33,29 @@ def renamed(exc: ApiError, renames: dict[str, str]) -> ApiError:
     return ApiError(exc.status, message, param=param, kind=exc.kind, headers=exc.headers)
 
 
-def flat_tools(value: Any, name: str, schema_key: str, allowed_types: tuple[str | None, ...]) -> tuple[Function, ...]:
-    """Flat tool definitions `{type?, name, description, <schema_key>}`: any `type` outside `allowed_types` (the
-    provider's hosted tools: web search, code execution, ...) is refused naming the field."""
-    if not isinstance(value, list):
-        raise bad_field(name, "must be an array of tools")
-    nested = []
-    for i, tool in enumerate(value):
-        if not isinstance(tool, dict):
-            raise bad_field(f"{name}[{i}]", "must be an object")
-        if tool.get("type") not in allowed_types:
-            raise bad_field(f"{name}[{i}].type", f"{tool.get('type')!r} is not supported: only function tools "
-                                                  "(the client runs them) are")
-        nested.append({"type": "function", "function": {"name": tool.get("name"),
-                                                        "description": tool.get("description"),
-                                                        "parameters": tool.get(schema_key)}})
+def flat_tool(tool: dict, where: str, schema_key: str) -> Function:
+    """One flat tool definition `{name, description, <schema_key>, strict}`, its type already judged."""
+    nested = {"type": "function", "function": {"name": tool.get("name"), "description": tool.get("description"),
+                                               "parameters": tool.get(schema_key), "strict": tool.get("strict")}}
     try:
-        return parse_tools(nested, name)
+        return parse_tool(nested, where)
     except ApiError as exc:
         raise renamed(exc, {".function.parameters": f".{schema_key}", ".function.": "."}) from None
+
+
+def flat_tools(value: Any, name: str, schema_key: str, allowed_types: tuple[str | None, ...]) -> tuple[Function, ...]:
+    """Flat tool definitions: any `type` outside `allowed_types` (the provider's hosted tools: web search, code
+    execution, ...) is refused naming the field."""
+    tools = []
+    for i, tool in enumerate(tool_list(value, name)):
+        where = f"{name}[{i}]"
+        if not isinstance(tool, dict):
+            raise bad_field(where, "must be an object")
+        if tool.get("type") not in allowed_types:
+            raise bad_field(f"{where}.type", f"{tool.get('type')!r} is not supported: only function tools "
+                                              "(the client runs them) are")
+        tools.append((f"{where}.name", flat_tool(tool, where, schema_key)))
+    return unique_tools(tools)
 
 
 def text_of(value: Any, where: str) -> str:

@@ -9,7 +9,9 @@ Anthropic's shape `{"type": "error", "error": {"type", "message"}}`, the message
 Headers: `x-api-key` is accepted as the daemon's token (security.py), `anthropic-version` and `anthropic-beta` are
 accepted with any value (the fields a beta unlocks are judged by the rules below).
 
-The rule for each field the `anthropic` package's `messages.create` can send:
+The rule: what the real API accepts and has no meaning here is accepted and ignored (the fields named in one DEBUG
+line); only what would silently change the answer is refused. For each field the `anthropic` package's
+`messages.create` can send, and those agents send (Claude Code):
 - honoured: model (the served name or an alias), messages, system, max_tokens (a ceiling, as Anthropic defines
   it: generation also ends at the context's end, stop_reason model_context_window_exceeded; at least 1, the cache
   pre-warming `0` is refused),
@@ -17,14 +19,19 @@ The rule for each field the `anthropic` package's `messages.create` can send:
   (auto, any, tool, none; `disable_parallel_tool_use`), thinking (enabled: on, disabled: off, adaptive /
   between_tools: the template's default; `display: omitted` sends the thinking blocks empty; thinking tokens count
   toward max_tokens, `budget_tokens` is checked but is no separate cap), output_config.format (and the older
-  top-level output_format): a JSON schema the answer follows, through the grammar.
+  top-level output_format): a JSON schema the answer follows, through the grammar (leniently: tools.schema; a
+  tool's `strict: true` refuses what the grammar cannot enforce).
 - accepted with no effect, since they steer Anthropic's hosted service and a local daemon has one of each:
   metadata, service_tier, speed, inference_geo, workspace_id, user_profile_id, diagnostics, output_config.effort,
-  and cache_control (the prefix cache reuses every shared prefix on its own; usage reports what it read).
-- refused with a 400 naming the field: container, mcp_servers, context_management, hosted tools (web search, code
-  execution, bash, text editor, ...), content blocks other than text / tool_use / tool_result / thinking (images,
-  documents, search results, server tool blocks), a tool_result naming no tool_use of the assistant message before
-  it, and a conversation that ends with an assistant turn (prefill: the chat template cannot continue a turn).
+  context_management (its edits trim old thinking and tool results server-side; past thoughts are never shown to
+  the model here, and a conversation too long for the context is a 400), container and mcp_servers when empty,
+  any field this list does not name, and cache_control, at the top level and on system, message, tool and
+  tool_result blocks (the prefix cache reuses every shared prefix on its own; usage reports what it read).
+- refused with a 400 naming the field: a container or MCP servers (hosted code execution, server-side MCP), hosted
+  tools (web search, code execution, bash, text editor, ...), content blocks other than text / tool_use /
+  tool_result / thinking (images, documents, search results, server tool blocks), a tool_result naming no tool_use
+  of the assistant message before it, and a conversation that ends with an assistant turn (prefill: the chat
+  template cannot continue a turn).
 """
 
 from __future__ import annotations
@@ -41,7 +48,8 @@ from ..tools.spec import AnswerFormat, Function, ToolSpec, check_schema
 from .agents import MAX_BLOCKS, call_entry, flat_tools, parts_in_order, renamed, text_of, token_counts
 from .core import Generation, GenerationResult, ServerState, encode_prompt, output_reason, run, state_of
 from .intake import ChatPrompt, Intake, checked_params, given_fields
-from .validation import MAX_MESSAGES, STOP, TOP_P, ApiError, Field, bad_field, check_fields, read_json, require
+from .validation import (MAX_MESSAGES, STOP, TOP_P, ApiError, Field, bad_field, check_fields, log_ignored, read_json,
+                         require)
 
 FIELDS = {
     "model": Field("str", max_len=512),
@@ -64,11 +72,12 @@ FIELDS = {
     "thinking": Field("dict"),
     "tool_choice": Field("dict"),
 }
-REFUSED = {
+REFUSED = {  # refused unless empty
     "container": "containers (for hosted code execution) are not supported",
     "mcp_servers": "MCP servers are not supported: the client runs its tools and sends them as tools",
-    "context_management": "context management is not supported",
 }
+HONOURED = ("model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature", "top_p", "top_k",
+            "tools", "tool_choice", "thinking", "output_config", "output_format")
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -237,6 +246,7 @@ def _checked(body: dict, state: ServerState) -> dict:
             raise bad_field(name, why)
     f = check_fields(body, FIELDS)
     state.check_model(f.get("model"), required=True)
+    log_ignored(body, HONOURED, "/v1/messages")
     return f
 
 

@@ -5,6 +5,7 @@ aborted in the engine on every early exit."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -27,6 +28,8 @@ from .validation import ApiError
 if TYPE_CHECKING:
     from ..engine.async_engine import AsyncEngine
     from .models import ModelManager
+
+log = logging.getLogger("llmd.server")
 
 RETRY_AFTER_QUEUE_S = 1
 RETRY_AFTER_LOADING_S = 2
@@ -197,9 +200,13 @@ async def encode_prompt(engine: AsyncEngine, intake: Intake, model_name: str,
         prompt = TextPrompt("\n\n".join(m["content"] for m in prompt.messages))
     if isinstance(prompt, ChatPrompt):
         traits = traits_of(engine, template)
-        if prompt.think and not traits.thinks:
-            raise ApiError(400, f"think: model {model_name!r} does not support thinking", param="think")
-        plan = plan_chat(prompt.messages, prompt.tools, intake.answer, prompt.think, prompt.template_kwargs, traits)
+        think = prompt.think
+        if think and not traits.thinks:
+            if not prompt.think_hint:
+                raise ApiError(400, f"think: model {model_name!r} does not support thinking", param="think")
+            log.debug("a reasoning effort for model %r, which does not think: ignored", model_name)
+            think = None
+        plan = plan_chat(prompt.messages, prompt.tools, intake.answer, think, prompt.template_kwargs, traits)
         text = await render_chat(tok, plan)
         constraint, parser = plan.output(text)
         return await encode_text(tok, text, False), constraint, parser

@@ -35,6 +35,7 @@ class ChatPrompt:
     messages: list[dict]
     tools: ToolSpec | None = None
     think: bool | None = None  # None: the template's default
+    think_hint: bool = False  # `think` is a reasoning effort: a model that does not think ignores it
     template_kwargs: dict = field(default_factory=dict)
     # Ollama's /api/generate: a model without a chat template (a base model) reads the prompt as it is, as Ollama's
     # default template does; the chat routes answer 400 there instead

@@ -1,8 +1,26 @@
-"""OpenAI dialect: /v1/chat/completions, /v1/completions (with `suffix` for fill-in-the-middle), /v1/models."""
+"""OpenAI dialect: /v1/chat/completions, /v1/completions (with `suffix` for fill-in-the-middle), /v1/models.
+
+Field rules (what the API accepts and has no meaning here is accepted and ignored, the fields named in one DEBUG
+line; only what would silently change the answer is refused):
+- honoured: model, messages / prompt, stream, stream_options.include_usage (stream_options without stream is a 400,
+  as OpenAI answers), temperature, top_p, max_tokens / max_completion_tokens, stop, seed, presence_penalty,
+  frequency_penalty, n (1), logprobs, top_logprobs, tools (function tools; a `strict: true` one refuses a schema
+  the grammar cannot enforce, others compile leniently: tools.schema), tool_choice, parallel_tool_calls,
+  response_format (text, json_object, json_schema with the same `strict` rule), reasoning_effort (none: thinking
+  off, any other: on; a hint, so a model without thinking ignores it), chat_template_kwargs, and the vLLM-style
+  top_k, min_p, repetition_penalty, ignore_eos; for completions also suffix (FIM) and echo.
+- accepted with no effect: user, store, metadata, service_tier, prompt_cache_key, safety_identifier, prediction
+  (a speed hint), verbosity, modalities ["text"], logit_bias and best_of at their neutral values (empty, 1), and
+  any field this list does not name; web_search_options (a hosted search) with a WARNING line.
+- refused with a 400 naming the field: n above 1, best_of above 1, a logit_bias, modalities other than text and
+  audio (the answer would lack them), and the legacy functions / function_call (send tools: ignoring them would
+  hide the tools from the model).
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 
@@ -14,7 +32,9 @@ from ..tools.spec import AnswerFormat, ToolSpec, check_schema, normalise_history
 from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, TokenPrompt, checked_params, given_fields
 from .responses import logprob_items, timings_dict
 from .validation import (LOGPROBS_TOP, MAX_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P,
-                         ApiError, Field, bad_field, check_fields, parse_messages, read_json, require)
+                         ApiError, Field, bad_field, check_fields, log_ignored, parse_messages, read_json, require)
+
+log = logging.getLogger("llmd.server")
 
 DEFAULT_MAX_TOKENS = 2048  # when the client sends none; also capped by the context left
 
@@ -38,9 +58,14 @@ COMMON = {
     "ignore_eos": Field("bool"),
 }
 CHAT_FIELDS = {**COMMON, "max_completion_tokens": MAX_TOKENS, "logprobs": Field("bool"), "top_logprobs": LOGPROBS_TOP,
-               "parallel_tool_calls": Field("bool"), "chat_template_kwargs": Field("dict")}
+               "parallel_tool_calls": Field("bool"), "chat_template_kwargs": Field("dict"),
+               "reasoning_effort": Field("str", choices=("none", "minimal", "low", "medium", "high", "xhigh")),
+               "modalities": Field("list", max_len=8)}
 COMPLETION_FIELDS = {**COMMON, "prompt": Field("str|list"), "suffix": TEXT, "echo": Field("bool"),
                      "logprobs": LOGPROBS_TOP}
+# the fields with an effect, besides those of the tables (but user)
+CHAT_HONOURED = {*CHAT_FIELDS, "messages", "tools", "tool_choice", "response_format"} - {"user", "modalities"}
+COMPLETION_HONOURED = {*COMPLETION_FIELDS, "response_format"} - {"user"}
 
 
 # the request fields that set a SamplingParams field (a model's default options fill the others: intake.py)
@@ -74,14 +99,24 @@ def _reject_unsupported(body: dict) -> None:
         raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
     if body.get("best_of") not in (None, 1):
         raise ApiError(400, "best_of must be 1: one choice per request is supported", param="best_of")
+    for legacy in ("functions", "function_call"):
+        if body.get(legacy):
+            raise bad_field(legacy, "(the legacy form of tools) is not supported: send tools and tool_choice")
+    if any(m != "text" for m in body.get("modalities") or []):
+        raise bad_field("modalities", "other than text are not supported")
+    if body.get("audio") is not None:
+        raise bad_field("audio", "output is not supported: answers are text")
+    if body.get("web_search_options") is not None:
+        log.warning("web_search_options: no web search here; the model answers from what it knows")
 
 
-def _check_common(state: ServerState, body: dict, table: dict) -> dict:
+def _check_common(state: ServerState, body: dict, table: dict, honoured: set[str], route: str) -> dict:
     if body.get("n") not in (None, 1):
         raise ApiError(400, "n must be 1: one choice per request is supported", param="n")
-    _reject_unsupported(body)
     f = check_fields(body, table)
+    _reject_unsupported(body)
     state.check_model(f.get("model"))
+    log_ignored(body, honoured, route)
     opts = f.get("stream_options")
     if opts is not None:
         if not f.get("stream"):
@@ -118,7 +153,10 @@ def response_format(value) -> AnswerFormat | None:
         raise bad_field("response_format.json_schema", "must be an object with name and schema")
     if not isinstance(spec.get("name"), str) or not spec["name"]:
         raise bad_field("response_format.json_schema.name", "is required (a string)")
-    schema = check_schema(spec.get("schema", {}), "response_format.json_schema.schema")
+    strict = spec.get("strict") or False
+    if not isinstance(strict, bool):
+        raise bad_field("response_format.json_schema.strict", "must be true or false")
+    schema = check_schema(spec.get("schema", {}), "response_format.json_schema.schema", strict)
     return AnswerFormat("json_schema", json.dumps(schema, ensure_ascii=False), "response_format")
 
 
@@ -148,14 +186,15 @@ def _template_kwargs(kwargs: dict) -> dict:
 
 def parse_chat(body: dict, state: ServerState) -> Intake:
     require(body, "messages")
-    f = _check_common(state, body, CHAT_FIELDS)
+    f = _check_common(state, body, CHAT_FIELDS, CHAT_HONOURED, "/v1/chat/completions")
     messages = normalise_history(body["messages"], parse_messages(body["messages"]))
     if "top_logprobs" in f and not f.get("logprobs"):
         raise ApiError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
     logprobs = f.get("top_logprobs", 0) if f.get("logprobs") else None
     params = checked_params(_params(f, f.get("max_completion_tokens", f.get("max_tokens")), logprobs))
     kwargs = _template_kwargs(f.get("chat_template_kwargs") or {})
-    prompt = ChatPrompt(messages, tool_spec(body, f), template_kwargs=kwargs)
+    think = f["reasoning_effort"] != "none" if "reasoning_effort" in f else None
+    prompt = ChatPrompt(messages, tool_spec(body, f), think=think, think_hint=True, template_kwargs=kwargs)
     return Intake(f.get("model"), prompt, params, bool(f.get("stream")), length_field="messages",
                   answer=response_format(body.get("response_format")), include_usage=_include_usage(f),
                   given=given_fields(f, GIVEN))
@@ -163,7 +202,7 @@ def parse_chat(body: dict, state: ServerState) -> Intake:
 
 def parse_completion(body: dict, state: ServerState) -> Intake:
     require(body, "prompt")
-    f = _check_common(state, body, COMPLETION_FIELDS)
+    f = _check_common(state, body, COMPLETION_FIELDS, COMPLETION_HONOURED, "/v1/completions")
     params = checked_params(_params(f, f.get("max_tokens"), f.get("logprobs")))
     prompt, suffix = f["prompt"], f.get("suffix")
     if isinstance(prompt, list):

@@ -12,27 +12,41 @@ Stored responses (response_store.py): as OpenAI does, a response is stored unles
 bounded (the last 256, 32 MiB of conversation); `previous_response_id` continues one (its conversation with its
 answer, without its instructions), and names no stored response -> 400.
 
-Field rules:
-- honoured: model, input, instructions, previous_response_id, store, tools (function tools), tool_choice (auto,
-  none, required, a function), parallel_tool_calls, max_output_tokens (a ceiling: generation also ends at the
-  context's end), temperature, top_p, text.format (text, json_object, json_schema), reasoning.effort (none:
-  thinking off; minimal..max: on; absent: the template's default; a model without thinking refuses "on"), stream,
-  metadata (echoed back).
+Namespaces (Codex groups its MCP tools so): a `{"type": "namespace", "name", "tools": [function tools]}` is
+flattened into its functions, each named for the model as Codex flattens them (`ToolName`'s canonical flat name):
+the namespace and the function's name joined by `__`, stray underscores at the joint trimmed (`mcp__docs` +
+`search` -> `mcp__docs__search`). A call the model makes comes back as OpenAI returns it, the function's own `name`
+with its `namespace` beside it (Codex routes calls by the pair); a function_call item sent back with a namespace is
+shown to the model under the joined name. tool_choice names such a function by its joined name, by `name` with
+`namespace`, or by its bare name when only one namespace has it.
+
+Field rules (what the API accepts and has no meaning here is accepted and ignored, the fields named in one DEBUG
+line; only what would silently change the answer is refused):
+- honoured: model, input, instructions, previous_response_id, store, tools (function tools and namespaces of them),
+  tool_choice (auto, none, required, a function), parallel_tool_calls, max_output_tokens (a ceiling: generation also
+  ends at the context's end), temperature, top_p, text.format (text, json_object, json_schema; schemas compile
+  leniently, `strict: true` refuses what the grammar cannot enforce: tools.schema; the same for a tool's
+  `strict`), reasoning.effort (none: thinking off; minimal..max: on; absent: the template's default; a hint, so a
+  model without thinking ignores it), stream, metadata (echoed back).
 - accepted with no effect, since they steer OpenAI's hosted service: user, safety_identifier, prompt_cache_key,
-  prompt_cache_retention, service_tier, include (nothing is encrypted, so there is nothing to include), truncation
-  "disabled", text.verbosity, reasoning.summary / generate_summary (the thought is returned whole as
-  reasoning_text), stream_options.
+  prompt_cache_retention, service_tier, client_metadata, include (nothing is encrypted, so there is nothing to
+  include), truncation "disabled", text.verbosity, reasoning.summary / generate_summary (the thought is returned
+  whole as reasoning_text), stream_options, and any field this list does not name.
+- left out with one WARNING line per request: tools the daemon cannot offer the model, hosted ones (web_search,
+  file_search, code_interpreter, computer_use_preview, image_generation, mcp, tool_search, ...) and those whose
+  calls are items other than function calls (local_shell, shell, apply_patch, custom), in a namespace too.
 - refused with a 400 naming the field: conversation, background, prompt (stored prompt templates), truncation
-  "auto", top_logprobs, max_tool_calls, hosted tools (web search, file search, MCP, code interpreter, ...), input
-  items other than messages, function calls and their outputs (reasoning items are accepted and dropped: templates
-  do not show past thoughts), content parts other than text, and a function_call_output whose call_id names no
-  function_call before it (in the input or the continued response).
+  "auto", top_logprobs, max_tool_calls, a tool_choice naming a hosted tool, input items other than messages,
+  function calls and their outputs (reasoning items are accepted and dropped: templates do not show past thoughts),
+  content parts other than text, and a function_call_output whose call_id names no function_call before it (in the
+  input or the continued response).
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 import time
 import uuid
 from typing import Any
@@ -41,12 +55,14 @@ from aiohttp import web
 
 from ..engine.types import RequestOutput, SamplingParams
 from ..tools.parsers import ToolCall
-from ..tools.spec import AnswerFormat, Function, ToolSpec, check_schema
-from .agents import MAX_BLOCKS, call_entry, flat_tools, parts_in_order, renamed, text_of, token_counts
+from ..tools.spec import AnswerFormat, Function, ToolSpec, check_schema, tool_list, unique_tools
+from .agents import MAX_BLOCKS, call_entry, flat_tool, parts_in_order, renamed, text_of, token_counts
 from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
 from .intake import ChatPrompt, Intake, checked_params, given_fields
 from .response_store import ResponseStore
-from .validation import TEXT, TOP_P, ApiError, Field, bad_field, check_fields, read_json, require
+from .validation import TEXT, TOP_P, ApiError, Field, bad_field, check_fields, log_ignored, read_json, require
+
+log = logging.getLogger("llmd.server")
 
 DEFAULT_MAX_TOKENS = 2048
 FIELDS = {
@@ -78,6 +94,9 @@ REFUSED = {
     "max_tool_calls": "is not supported: use parallel_tool_calls false for at most one call",
 }
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+HONOURED = ("model", "input", "instructions", "previous_response_id", "store", "tools", "tool_choice",
+            "parallel_tool_calls", "max_output_tokens", "temperature", "top_p", "text", "reasoning", "stream",
+            "metadata", "truncation")
 
 
 # --- the request ---------------------------------------------------------------------------------------------------
@@ -130,8 +149,8 @@ def conversation(body: dict, previous: list[dict] | None = None) -> list[dict]:
                 raise bad_field(f"{where}.role", "must be user, assistant, system or developer")
             out.append({"role": role, "content": _content_text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
-            call = call_entry(item.get("call_id"), item.get("name"), item.get("arguments"), where, "call_id",
-                              "arguments")
+            call = call_entry(item.get("call_id"), _call_name(item, where), item.get("arguments"), where,
+                              "call_id", "arguments")
             if not (out and out[-1]["role"] == "assistant"):
                 out.append({"role": "assistant", "content": ""})
             # a new dict: a stored turn this call continues stays as it was stored
@@ -162,10 +181,83 @@ def history(body: dict, previous: list[dict] | None = None) -> list[dict]:
     return instructions(body) + conversation(body, previous)
 
 
-def tool_spec(body: dict, f: dict) -> ToolSpec | None:
+def joined(namespace: str, name: str) -> str:
+    """A namespace's function as the model sees it (Codex's flat name for it)."""
+    return f"{namespace.rstrip('_')}__{name.lstrip('_')}"
+
+
+def _call_name(item: dict, where: str) -> Any:
+    """A function_call item's name as the model saw it: joined with its namespace, if it has one."""
+    namespace, name = item.get("namespace"), item.get("name")
+    if namespace is None or not isinstance(name, str) or not name:
+        return name  # call_entry names what is wrong with the name
+    if not isinstance(namespace, str) or not namespace:
+        raise bad_field(f"{where}.namespace", "must be a non-empty string")
+    return joined(namespace, name)
+
+
+Namespaced = dict[str, tuple[str, str]]  # joined name -> (namespace, the function's own name)
+
+
+def function_tools(value: Any) -> tuple[tuple[Function, ...], Namespaced]:
+    """The function tools, with the functions of each namespace under their joined names. Tools of other types are
+    left out, named in one warning."""
+    tools: list[tuple[str, Function]] = []
+    namespaced: Namespaced = {}
+    left_out: list[str] = []
+    for i, tool in enumerate(tool_list(value, "tools")):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise bad_field(where, "must be an object")
+        if tool.get("type") == "function":
+            tools.append((f"{where}.name", flat_tool(tool, where, "parameters")))
+        elif tool.get("type") == "namespace":
+            namespace, members = tool.get("name"), tool.get("tools")
+            if not isinstance(namespace, str) or not namespace:
+                raise bad_field(f"{where}.name", "is required (a non-empty string)")
+            for j, member in enumerate(tool_list(members, f"{where}.tools")):
+                mw = f"{where}.tools[{j}]"
+                if not isinstance(member, dict):
+                    raise bad_field(mw, "must be an object")
+                if member.get("type") != "function":
+                    left_out.append(f"{member.get('type')} (in namespace {namespace})")
+                    continue
+                name = member.get("name")
+                if not isinstance(name, str) or not name:
+                    raise bad_field(f"{mw}.name", "is required (a non-empty string)")
+                fn = flat_tool({**member, "name": joined(namespace, name)}, mw, "parameters")
+                namespaced[fn.name] = (namespace, name)
+                tools.append((f"{mw}.name", fn))
+        else:
+            left_out.append(str(tool.get("type")))
+    if left_out:
+        log.warning("/v1/responses: tools left out (only function tools, which the client runs, are served here): "
+                    "%s", ", ".join(left_out))
+    return unique_tools(tools), namespaced
+
+
+def _chosen(value: dict, functions: tuple[Function, ...], namespaced: Namespaced) -> str:
+    """The function a tool_choice names: by its joined name, by name and namespace, or by a bare name only one
+    namespace has."""
+    name, namespace = value.get("name"), value.get("namespace")
+    if isinstance(name, str) and isinstance(namespace, str):
+        name = joined(namespace, name)
+    if any(fn.name == name for fn in functions):
+        return name
+    bare = [flat for flat, (_, own) in namespaced.items() if own == name]
+    if len(bare) > 1:
+        raise bad_field("tool_choice.name", f"{name!r} is in several namespaces ({', '.join(bare)}): name one")
+    if not bare:
+        raise bad_field("tool_choice.name", f"names no tool in tools: {name!r}")
+    return bare[0]
+
+
+def tool_spec(body: dict, f: dict) -> tuple[ToolSpec | None, Namespaced]:
+    """The tools and the choice, and which of the tools are namespaced."""
     functions: tuple[Function, ...] = ()
+    namespaced: Namespaced = {}
     if body.get("tools") is not None:
-        functions = flat_tools(body["tools"], "tools", "parameters", ("function",))
+        functions, namespaced = function_tools(body["tools"])
     value = body.get("tool_choice")
     if value is None:
         choice = "auto" if functions else "none"
@@ -176,12 +268,11 @@ def tool_spec(body: dict, f: dict) -> ToolSpec | None:
             raise bad_field("tool_choice", "required needs tools")
         choice = value
     elif isinstance(value, dict) and value.get("type") == "function":
-        choice = value.get("name")
-        if not isinstance(choice, str) or not any(fn.name == choice for fn in functions):
-            raise bad_field("tool_choice.name", f"names no tool in tools: {choice!r}")
+        choice = _chosen(value, functions, namespaced)
     else:
         raise bad_field("tool_choice", "must be auto, none, required or {\"type\": \"function\", \"name\": ...}")
-    return ToolSpec(functions, choice, f.get("parallel_tool_calls", True)) if functions else None
+    spec = ToolSpec(functions, choice, f.get("parallel_tool_calls", True)) if functions else None
+    return spec, namespaced
 
 
 def answer_format(f: dict) -> AnswerFormat | None:
@@ -200,7 +291,10 @@ def answer_format(f: dict) -> AnswerFormat | None:
         return AnswerFormat("json_object", "", "text.format")
     if not isinstance(fmt.get("name"), str) or not fmt["name"]:
         raise bad_field("text.format.name", "is required (a string)")
-    schema = check_schema(fmt.get("schema"), "text.format.schema")
+    strict = fmt.get("strict") or False
+    if not isinstance(strict, bool):
+        raise bad_field("text.format.strict", "must be true or false")
+    schema = check_schema(fmt.get("schema"), "text.format.schema", strict)
     return AnswerFormat("json_schema", json.dumps(schema, ensure_ascii=False), "text.format")
 
 
@@ -226,8 +320,9 @@ def previous_conversation(body: dict, store: ResponseStore) -> list[dict] | None
     return stored.conversation
 
 
-def parse(body: dict, state: ServerState, store: ResponseStore) -> tuple[Intake, list[dict]]:
-    """The Intake, and the conversation a stored answer continues (without the instructions)."""
+def parse(body: dict, state: ServerState, store: ResponseStore) -> tuple[Intake, list[dict], Namespaced]:
+    """The Intake, the conversation a stored answer continues (without the instructions), and the namespaced
+    tools."""
     for name, why in REFUSED.items():
         if body.get(name) not in (None, "", [], {}):
             raise bad_field(name, why)
@@ -235,14 +330,16 @@ def parse(body: dict, state: ServerState, store: ResponseStore) -> tuple[Intake,
     if f.get("truncation") == "auto":
         raise bad_field("truncation", "auto is not supported: a conversation too long for the context is a 400")
     state.check_model(f.get("model"))
+    log_ignored(body, HONOURED, "/v1/responses")
     conv = conversation(body, previous_conversation(body, store))
-    prompt = ChatPrompt(instructions(body) + conv, tool_spec(body, f), think=reasoning(f))
+    tools, namespaced = tool_spec(body, f)
+    prompt = ChatPrompt(instructions(body) + conv, tools, think=reasoning(f), think_hint=True)
     params = checked_params(SamplingParams(
         max_tokens=f.get("max_output_tokens", DEFAULT_MAX_TOKENS), temperature=float(f.get("temperature", 1.0)),
         top_p=float(f.get("top_p", 1.0)) or 1e-6))
     given = given_fields(f, {"max_output_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p"})
     return Intake(f.get("model"), prompt, params, bool(f.get("stream")), length_field="input",
-                  answer=answer_format(f), given=given), conv
+                  answer=answer_format(f), given=given), conv, namespaced
 
 
 def _dialect(exc: ApiError) -> ApiError:
@@ -260,7 +357,8 @@ def answer_turns(items: list[dict]) -> list[dict]:
     """A response's output items as the assistant turn of the normalised history (thoughts left out)."""
     text = "".join(c["text"] for i in items if i["type"] == "message" for c in i["content"])
     calls = [{"id": i["call_id"], "type": "function",
-              "function": {"name": i["name"], "arguments": json.loads(i["arguments"] or "{}")}}
+              "function": {"name": joined(i["namespace"], i["name"]) if i.get("namespace") else i["name"],
+                           "arguments": json.loads(i["arguments"] or "{}")}}
              for i in items if i["type"] == "function_call"]
     turn: dict = {"role": "assistant", "content": text}
     if calls:
@@ -275,10 +373,12 @@ class ResponseAnswer:
     fmt = "sse_named"
 
     def __init__(self, intake: Intake, body: dict, model: str, store: ResponseStore | None = None,
-                 conv: list[dict] | None = None):
-        """store: where the finished response goes (None: not stored); conv: the conversation it answers."""
+                 conv: list[dict] | None = None, namespaced: Namespaced | None = None):
+        """store: where the finished response goes (None: not stored); conv: the conversation it answers;
+        namespaced: the tools that are a namespace's functions."""
         self.intake, self.body, self.model = intake, body, model
         self.store, self.conv = store, conv or []
+        self.namespaced = namespaced or {}
         self.id, self.created = _id("resp"), int(time.time())
         self.seq = 0
         self.items: list[dict] = []  # output items so far (streamed: the open one is the last)
@@ -324,10 +424,12 @@ class ResponseAnswer:
         content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
         return {"type": "message", "id": _id("msg"), "role": "assistant", "status": status, "content": content}
 
-    @staticmethod
-    def _call(call: ToolCall, status: str = "completed") -> dict:
-        return {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
+    def _call(self, call: ToolCall, status: str = "completed") -> dict:
+        item = {"type": "function_call", "id": _id("fc"), "call_id": call.id, "name": call.name,
                 "arguments": call.arguments_json if status == "completed" else "", "status": status}
+        if call.name in self.namespaced:  # as OpenAI returns it: the function's own name, its namespace beside it
+            item["namespace"], item["name"] = self.namespaced[call.name]
+        return item
 
     def whole(self, gen: Generation, res: GenerationResult) -> dict:
         for kind, value in parts_in_order(gen.output.parse(res.text)):
@@ -432,9 +534,10 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     state, store = state_of(request), request.app[STORE]
     body = await read_json(request, state.max_body_bytes)
     try:
-        intake, conv = parse(body, state, store)
+        intake, conv, namespaced = parse(body, state, store)
         keep = store if body.get("store", True) else None  # OpenAI stores by default
-        return await run(request, state, intake, ResponseAnswer(intake, body, intake.model or state.model_name, keep, conv))
+        answer = ResponseAnswer(intake, body, intake.model or state.model_name, keep, conv, namespaced)
+        return await run(request, state, intake, answer)
     except ApiError as exc:
         raise _dialect(exc) from None
 

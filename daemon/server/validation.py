@@ -2,18 +2,23 @@
 
 Each dialect declares a table `{field name: Field(...)}`; `check_fields` walks it and raises ApiError (400) naming the
 first bad field. Unknown fields are ignored (editors send many), known ones must have the right type and stay in bounds.
+`log_ignored` names, at DEBUG, the fields of a request that had no effect.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from ..engine.types import MAX_LOGPROBS, MAX_STOP_STRING_LEN, MAX_STOP_STRINGS
+
+log = logging.getLogger("llmd.server")
 
 # Upper bounds that are not engine limits (those come from llmd.engine.types).
 MAX_BODY_BYTES = 4 * 1024 * 1024
@@ -124,6 +129,13 @@ def check_fields(body: dict, table: dict[str, Field], prefix: str = "") -> dict:
         if name in body and body[name] is not None:
             out[name] = _check_one(prefix + name, body[name], spec)
     return out
+
+
+def log_ignored(body: dict, honoured: Collection[str], where: str) -> None:
+    """Name at DEBUG the fields of a body outside `honoured`: accepted, with no effect here."""
+    ignored = [name for name, value in body.items() if name not in honoured and value is not None]
+    if ignored:
+        log.debug("%s: accepted with no effect here: %s", where, ", ".join(ignored))
 
 
 def require(body: dict, name: str) -> None:
