@@ -107,6 +107,7 @@ class Settings:
     max_body_bytes: int = 4 * 1024 * 1024
     write_timeout: float = 30.0  # seconds a client may stall a stream before it is cut off
     shutdown_grace: float = 10.0  # seconds running streams get to finish on SIGTERM
+    log_level: str = "info"  # debug also names the request fields that had no effect
 
     # the model manager (llmd.server.models)
     preload: list[str] = field(default_factory=list)  # more models loaded at start and never expired (pinned)
@@ -154,7 +155,8 @@ _BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "shutdown_grace": (0, 3600),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {"dtype": tuple(DTYPE_NAMES), "quant": choices(QuantMethod),
-                                        "spec_mode": choices(SpecMode)}
+                                        "spec_mode": choices(SpecMode),
+                                        "log_level": ("debug", "info", "warning", "error")}
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Settings)}
 # the settings that are engine settings, by the EngineConfig field each one is

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 import aiohttp
+import jsonschema
 import pytest
 
 from llmd_daemon_proc import start_daemon
@@ -26,7 +28,7 @@ GREEDY = {"temperature": 0}  # the current anthropic package sends sampling fiel
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory):
-    d = start_daemon(tmp_path_factory.mktemp("llmd_agents"))
+    d = start_daemon(tmp_path_factory.mktemp("llmd_agents"), env={"LLMD_LOG_LEVEL": "debug"})
     yield d
     assert d.stop() == 0, d.log()
 
@@ -313,25 +315,144 @@ def test_responses_store_and_previous_response_id(daemon, oai, model):
     assert gone.value.body["param"] == "previous_response_id"
 
 
-def test_requests_shaped_like_claude_code_and_codex(daemon, claude, oai, model):
-    """What the agents send besides the basics (cache_control, metadata, betas, a large max_tokens ceiling, tool
-    schemas with $schema; include, store false, prompt_cache_key, strict tools) is accepted and changes nothing."""
-    tool = {**WEATHER, "input_schema": {"$schema": "http://json-schema.org/draft-07/schema#", **CITY},
-            "cache_control": {"type": "ephemeral"}}
-    plain = claude.messages.create(model=model, max_tokens=40, extra_body=GREEDY, tools=[WEATHER],
+# --- what real agents send --------------------------------------------------------------------------------------
+
+# tool schemas as zod writes them (client_schemas.json): z.record's propertyNames, the $schema header
+ZOD = json.loads((Path(__file__).parent / "client_schemas.json").read_text())
+CLAUDE_TOOLS = [
+    {"name": "Bash", "description": "Run a shell command", "input_schema": ZOD["zod4_bash_draft7"]},
+    {"name": "TodoWrite", "description": "Write the todo list", "input_schema": ZOD["zod4_todos"]},
+    {"name": "Edit", "description": "Edit a file", "input_schema": ZOD["zod3_edit"],
+     "cache_control": {"type": "ephemeral"}}]
+BETAS = ["claude-code-20250219", "interleaved-thinking-2025-05-14", "context-management-2025-06-27",
+         "fine-grained-tool-streaming-2025-05-14", "effort-2025-11-24"]
+QUESTION = "What is the capital of France?"
+
+
+def log_lines(daemon, text: str) -> list[str]:
+    return [line for line in daemon.log().splitlines() if text in line]
+
+
+def test_a_claude_code_request_streams_and_answers(daemon, claude, model):
+    """Claude Code's request, through the SDK's beta client as it sends it: betas, context_management, adaptive
+    thinking, output_config.effort, cache_control on system, message and tool blocks, metadata, a max_tokens
+    ceiling, zod tool schemas. It streams the answer the plain request gets; a forced call validates."""
+    ephemeral = {"type": "ephemeral"}
+    plain = claude.messages.create(model=model, max_tokens=40, extra_body=GREEDY, tools=CLAUDE_TOOLS,
                                    system="You are a coding agent.",
-                                   messages=[{"role": "user", "content": "What is the capital of France?"}])
-    agent = claude.messages.create(
-        model=model, max_tokens=16000, extra_body=GREEDY, tools=[tool], metadata={"user_id": "user_abc"},
-        service_tier="auto", extra_headers={"anthropic-beta": "interleaved-thinking-2025-05-14"},
-        system=[{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
-        messages=[{"role": "user", "content": [{"type": "text", "text": "What is the capital of France?",
-                                                 "cache_control": {"type": "ephemeral"}}]}])
-    assert agent.content == plain.content and agent.stop_reason == plain.stop_reason == "end_turn"
-    codex = list(oai.responses.create(
-        model=model, instructions="You are a coding agent.", stream=True, store=False, parallel_tool_calls=False,
-        include=["reasoning.encrypted_content"], prompt_cache_key="session-1", tool_choice="auto", temperature=0,
-        tools=[{**FN_WEATHER, "strict": False}], max_output_tokens=40,
-        input=[{"type": "message", "role": "user", "content": [{"type": "input_text",
-                                                                 "text": "What is the capital of France?"}]}]))
-    assert codex[-1].type == "response.completed" and codex[-1].response.output_text == plain.content[0].text
+                                   messages=[{"role": "user", "content": QUESTION}])
+    agent = dict(
+        model=model, max_tokens=32000, extra_body=GREEDY, betas=BETAS, tools=CLAUDE_TOOLS,
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        thinking={"type": "adaptive"}, output_config={"effort": "high"}, metadata={"user_id": "user_abc_session_1"},
+        system=[{"type": "text", "text": "You are a coding agent.", "cache_control": ephemeral}],
+        messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION, "cache_control": ephemeral}]}])
+    with claude.beta.messages.stream(**agent) as stream:
+        kinds = [e.type for e in stream]
+        answer = stream.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+    assert [(b.type, b.text) for b in answer.content] == [(b.type, b.text) for b in plain.content]
+    assert answer.stop_reason == plain.stop_reason == "end_turn"
+    # a forced call of the zod-schema tool: its input is what the schema allows
+    with claude.beta.messages.stream(**{**agent, "max_tokens": 200, "messages": [
+            {"role": "user", "content": "List the files here."}],
+            "tool_choice": {"type": "tool", "name": "Bash", "disable_parallel_tool_use": True}}) as stream:
+        called = stream.get_final_message()
+    (use,) = [b for b in called.content if b.type == "tool_use"]
+    assert use.name == "Bash" and called.stop_reason == "tool_use"
+    jsonschema.validate(use.input, ZOD["zod4_bash_draft7"])
+    # the fields with no effect are named at DEBUG in the daemon's log
+    assert log_lines(daemon, "/v1/messages: accepted with no effect here: metadata, context_management")
+
+
+QUERY = {"type": "object", "properties": {"query": {"type": "string", "maxLength": 40}}, "required": ["query"],
+         "additionalProperties": False}
+SHELL = {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}},
+         "required": ["command"], "additionalProperties": False}
+
+
+def codex_tools(namespaced: bool) -> list[dict]:
+    """Codex's tools: its shell, a hosted web search, and an MCP server's tools grouped in a namespace (namespaced
+    False: the same functions as the flat tools the model sees, and no web search)."""
+    search = {"type": "function", "name": "search", "description": "Search the docs", "strict": False,
+              "parameters": QUERY}
+    shell = {"type": "function", "name": "shell", "description": "Runs a shell command", "strict": False,
+             "parameters": SHELL}
+    if not namespaced:
+        return [shell, {**search, "name": "mcp__docs__search"}]
+    return [shell, {"type": "web_search", "external_web_access": False},
+            {"type": "namespace", "name": "mcp__docs__", "description": "Tools of the docs MCP server",
+             "tools": [search]}]
+
+
+def test_a_codex_request_answers_and_a_namespaced_call_comes_back_under_its_name(daemon, oai, model):
+    """Codex's request (namespace + web_search + function tools, include, store false, prompt_cache_key,
+    client_metadata, reasoning) answers as the plain request with the flattened functions does; a forced call of
+    the namespaced function comes back with its own name and its namespace, as Codex routes it."""
+    ask = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
+    plain = oai.responses.create(model=model, instructions="You are a coding agent.", input=ask, temperature=0,
+                                 tools=codex_tools(False), max_output_tokens=40)
+    agent = dict(model=model, instructions="You are a coding agent.", temperature=0, max_output_tokens=40,
+                 tools=codex_tools(True), tool_choice="auto", parallel_tool_calls=False, store=False,
+                 include=["reasoning.encrypted_content"], prompt_cache_key="session-1",
+                 reasoning={"effort": "medium", "summary": "auto"},
+                 extra_body={"client_metadata": {"x-codex-installation-id": "abc"}})
+    events = list(oai.responses.create(**agent, input=ask, stream=True))
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == plain.output_text
+    forced = list(oai.responses.create(**{**agent, "tool_choice": {"type": "function", "name": "mcp__docs__search"},
+                                          "max_output_tokens": 60}, stream=True,
+                                       input=[{"role": "user", "content": "Search the docs for streaming."}]))
+    (call,) = [i for i in forced[-1].response.output if i.type == "function_call"]
+    assert (call.name, call.namespace) == ("search", "mcp__docs__")
+    jsonschema.validate(json.loads(call.arguments), QUERY)
+    added = [e.item for e in forced if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert [(i.name, i.namespace) for i in added] == [("search", "mcp__docs__")]
+    # Codex sends the call back with its namespace: the conversation continues
+    final = oai.responses.create(**agent, input=[
+        {"role": "user", "content": "Search the docs for streaming."}, call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "Streaming: use SSE."}])
+    assert final.status in ("completed", "incomplete") and final.output
+    # the hosted tool was left out with one warning per request, the fields with no effect named at DEBUG
+    assert len(log_lines(daemon, "tools left out (only function tools")) == 3
+    assert log_lines(daemon, "/v1/responses: accepted with no effect here: include, prompt_cache_key, client_metadata")
+
+
+def test_a_chat_completions_agent_request_answers_as_the_plain_one(daemon, oai, model):
+    """The fields agents send to /v1/chat/completions with no meaning here change nothing."""
+    ask = [{"role": "user", "content": QUESTION}]
+    tools = [{"type": "function", "function": {"name": "mcp__docs__search", "parameters": QUERY, "strict": True}}]
+    plain = oai.chat.completions.create(model=model, messages=ask, tools=tools, temperature=0, max_tokens=40)
+    chunks = list(oai.chat.completions.create(
+        model=model, messages=ask, tools=tools, temperature=0, max_completion_tokens=40, stream=True,
+        stream_options={"include_usage": True}, parallel_tool_calls=False, store=False, metadata={"run": "1"},
+        prediction={"type": "content", "content": "Paris"}, modalities=["text"], reasoning_effort="low",
+        user="u", extra_body={"prompt_cache_key": "s1"}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    (line,) = log_lines(daemon, "/v1/chat/completions: accepted with no effect here: ")
+    ignored = line.split("accepted with no effect here: ")[1].split(", ")
+    assert sorted(ignored) == ["metadata", "modalities", "prediction", "prompt_cache_key", "store", "user"]
+
+
+def test_every_error_line_in_the_log_says_why(daemon, claude, oai, model):
+    """A 4xx/5xx request's line in the daemon's log carries the message the client got."""
+    import anthropic
+    import openai
+
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model=model, max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                               extra_body={"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]})
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model=model, input="hi", tools=codex_tools(True),
+                             tool_choice={"type": "function", "name": "nope"})
+    with pytest.raises(openai.BadRequestError):
+        oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                    functions=[{"name": "f", "parameters": QUERY}])
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")
+    for line in ("POST /v1/messages 400 mcp_servers MCP servers are not supported",
+                 "POST /v1/responses 400 tool_choice.name names no tool in tools: 'nope'",
+                 "POST /v1/chat/completions 400 functions (the legacy form of tools) is not supported",
+                 "GET /v1/models/no-such-model 404 "):
+        assert log_lines(daemon, line), line
+    assert all("INFO" in line for line in log_lines(daemon, " 400 "))

@@ -15,7 +15,7 @@ from . import anthropic, embeddings, llamacpp, ollama, openai, responses_api
 from .core import LEASES, STATE, ServerState, state_of
 from .responses import dialect_for_path, error_response, timings_dict
 from .security import SecurityPolicy, make_security_middleware
-from .streaming import ClientGone, EventStream, WriteStalled
+from .streaming import ERROR_KEY, ClientGone, EventStream, WriteStalled
 from .validation import ApiError
 
 log = logging.getLogger("llmd.server")
@@ -23,9 +23,30 @@ log = logging.getLogger("llmd.server")
 STATS_STREAM_INTERVAL_S = 1.0
 
 
-def _log_line(request: web.Request, status: int, started: float) -> str:
-    parts = [request.remote or "unix", request.method, request.path, str(status),
-             f"total={1000 * (time.monotonic() - started):.1f}ms"]
+MAX_LOGGED_ERROR_CHARS = 500
+
+
+def _error_message(response: web.StreamResponse | None) -> str | None:
+    """The message an error response told the client, from its body (every dialect's error shape, and the
+    health check's status)."""
+    if not isinstance(response, web.Response) or not isinstance(response.body, bytes):
+        return None
+    try:
+        body = json.loads(response.body)
+    except ValueError:
+        return None
+    error = body.get("error", body.get("status")) if isinstance(body, dict) else None
+    if isinstance(error, dict):
+        error = error.get("message")
+    return error if isinstance(error, str) else None
+
+
+def _log_line(request: web.Request, status: int, started: float, error: str | None = None) -> str:
+    parts = [request.remote or "unix", request.method, request.path, str(status)]
+    if error:  # why, as the client was told it: one line, bounded
+        error = " ".join(error.split())
+        parts.append(error if len(error) <= MAX_LOGGED_ERROR_CHARS else error[:MAX_LOGGED_ERROR_CHARS] + "...")
+    parts.append(f"total={1000 * (time.monotonic() - started):.1f}ms")
     t = timings_dict(request.get("llmd_timings"))
     if t:
         parts.append(f"prompt={t['prompt_tokens']} cached={t['cached_prompt_tokens']} gen={t['generated_tokens']}")
@@ -39,10 +60,12 @@ def _log_line(request: web.Request, status: int, started: float) -> str:
 
 @web.middleware
 async def errors_and_log(request: web.Request, handler):
-    """Every failure becomes a 4xx/5xx in the dialect's error shape; one log line per request with stage timings."""
+    """Every failure becomes a 4xx/5xx in the dialect's error shape; one INFO line per request with stage timings,
+    and for a 4xx/5xx (or an error sent inside a stream) the message the client got."""
     started = time.monotonic()
     dialect = dialect_for_path(request.path)
     status = 500
+    response: web.StreamResponse | None = None
     try:
         try:
             response = await handler(request)
@@ -57,7 +80,8 @@ async def errors_and_log(request: web.Request, handler):
             response = error_response(dialect, exc.status, message, headers={
                 k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")})
         except (asyncio.CancelledError, ConnectionError):
-            status = 499  # the client went away
+            status = 499
+            request[ERROR_KEY] = "the client went away"
             raise
         except Exception:  # a bug: log the traceback on the server, answer one line
             log.exception("internal error on %s %s", request.method, request.path)
@@ -77,7 +101,8 @@ async def errors_and_log(request: web.Request, handler):
             if state.models is not None:
                 state.models.release(served)
         state.metrics.count_response(status)
-        log.info(_log_line(request, status, started))
+        error = request.get(ERROR_KEY) or (_error_message(response) if status >= 400 else None)
+        log.info(_log_line(request, status, started, error))
 
 
 async def health(request: web.Request) -> web.Response:

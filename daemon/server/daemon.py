@@ -243,6 +243,6 @@ class Daemon:
 
 def serve(settings: Settings) -> int:
     """Run the daemon until SIGTERM/SIGINT; return the exit code."""
-    configure_logging()
+    configure_logging(getattr(logging, settings.log_level.upper()))
     daemon = Daemon(settings)
     return asyncio.run(daemon.run())

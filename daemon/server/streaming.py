@@ -27,6 +27,9 @@ class ClientGone(Exception):
     """The client closed the connection."""
 
 
+ERROR_KEY = "llmd_error"  # request key: the message of an error sent inside a stream (app.py logs it)
+
+
 class EventStream:
     """One streaming response: `sse` (OpenAI, llama.cpp, stats), `sse_named` (SSE whose events also carry their
     `type` as the event name: Anthropic Messages, OpenAI Responses) or `ndjson` (Ollama)."""
@@ -115,6 +118,7 @@ async def pump(gen, es: EventStream, render, tail=None, on_error=None) -> web.St
     except ClientGone:
         gen.abort("disconnect")
     except ApiError as exc:  # the engine failed mid-stream; the status line is already sent
+        es.request[ERROR_KEY] = exc.message  # the request's log line says why
         try:
             if on_error is not None:
                 await es.send(on_error(exc))
