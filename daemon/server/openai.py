@@ -13,8 +13,8 @@ line; only what would silently change the answer is refused):
   (a speed hint), verbosity, modalities ["text"], logit_bias and best_of at their neutral values (empty, 1), and
   any field this list does not name; web_search_options (a hosted search) with a WARNING line.
 - refused with a 400 naming the field: n above 1, best_of above 1, a logit_bias, modalities other than text and
-  audio (the answer would lack them), and the legacy functions / function_call (send tools: ignoring them would
-  hide the tools from the model).
+  an audio output (the answer would lack them), and the legacy functions / function_call (send tools: ignoring
+  them would hide the tools from the model).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ CHAT_FIELDS = {**COMMON, "max_completion_tokens": MAX_TOKENS, "logprobs": Field(
                "modalities": Field("list", max_len=8)}
 COMPLETION_FIELDS = {**COMMON, "prompt": Field("str|list"), "suffix": TEXT, "echo": Field("bool"),
                      "logprobs": LOGPROBS_TOP}
-# the fields with an effect, besides those of the tables (but user)
+# the fields that have an effect here (log_ignored names the others at DEBUG)
 CHAT_HONOURED = {*CHAT_FIELDS, "messages", "tools", "tool_choice", "response_format"} - {"user", "modalities"}
 COMPLETION_HONOURED = {*COMPLETION_FIELDS, "response_format"} - {"user"}
 

@@ -242,7 +242,7 @@ def _chosen(value: dict, functions: tuple[Function, ...], namespaced: Namespaced
     name, namespace = value.get("name"), value.get("namespace")
     if isinstance(name, str) and isinstance(namespace, str):
         name = joined(namespace, name)
-    if any(fn.name == name for fn in functions):
+    if isinstance(name, str) and any(fn.name == name for fn in functions):
         return name
     bare = [flat for flat, (_, own) in namespaced.items() if own == name]
     if len(bare) > 1:

@@ -141,6 +141,8 @@ def check_keywords(schema: dict, where: str, strict: bool) -> None:
 
 def _first_line(message: str) -> str:
     """llguidance's message in one line: its `error:` line when it has one (regex errors draw a caret picture)."""
-    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("error:")]
-    return (errors[0][len("error:"):].strip() if errors else lines[0])[:300] if lines else "unknown error"
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if not lines:
+        return "unknown error"
+    errors = [line.removeprefix("error:").strip() for line in lines if line.startswith("error:")]
+    return (errors or lines)[0][:300]
