@@ -32,12 +32,12 @@ def smol_tokenizer(smollm2_gguf):
     return Tokenizer.from_gguf(read_gguf_metadata(smollm2_gguf), path=smollm2_gguf)
 
 
-def run_parser(make, text: str, pieces) -> Piece:
+def run_parser(make, text: str, pieces, cut: bool = False) -> Piece:
     parser = make()
     out = Piece()
     for p in pieces(text):
         out.add(parser.feed(p))
-    return out.add(parser.finish())
+    return out.add(parser.finish(cut))
 
 
 def by_chars(text):
@@ -105,9 +105,8 @@ MALFORMED = [
     ('<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>', "hermes"),  # bad JSON
     ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', "hermes"),  # names no tool
     ('<tool_call>{"name": "add", "arguments": "not an object"}</tool_call>', "hermes"),
-    ('<tool_call>{"name": "add", "argu', "hermes"),  # cut off by max_tokens
     ('{"name": "add", "parameters": [1, 2]}', "llama3"),
-    ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}', "mistral"),
+    ('[TOOL_CALLS][{"name": "add", "arguments": {"a": 1}', "mistral"),  # unfinished, but not cut: maybe text
 ]
 
 
@@ -117,6 +116,49 @@ def test_malformed_calls_come_back_as_text(text, family):
     for pieces in (whole, by_chars):
         out = run_parser(lambda: OutputParser(None, fmt.parser(NAMES)), text, pieces)
         assert out.calls == [] and out.content == text
+
+
+ADD_1 = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+ADD_2 = '{"name": "add", "arguments": {"a": 3, "b": 4}}'
+
+
+@pytest.mark.parametrize("family, text, cut, expected", [
+    # a call the output ends inside of is dropped, whatever ended it
+    ("hermes", '<tool_call>{"name": "add", "argu', False, ("", [])),
+    # after a call, or when max_tokens cut the output, a start of the call marker is markup, not text
+    ("generic", f"<tool_call>\n{ADD_1}\n</tool_call>\n<tool_call", False, ("", [{"a": 1, "b": 2}])),
+    ("generic", "<tool_c", True, ("", [])),
+    ("generic", "Hello <tool", True, ("Hello", [])),
+    ("generic", "a <", False, ("a <", [])),  # not cut, no call: text as written
+    ("mistral", f'[TOOL_CALLS][{ADD_1}, {{"name": "add", "argu', True, ("", [{"a": 1, "b": 2}])),
+    ("llama3", '{"name": "add", "parameters": {"a": 1', True, ("", [])),
+])
+def test_cut_calls_and_call_markers_never_reach_the_content(family, text, cut, expected):
+    fmt = ToolFormat(family, native=family != "generic")
+    for pieces in (whole, by_chars):
+        out = run_parser(lambda: OutputParser(None, fmt.parser(NAMES)), text, pieces, cut=cut)
+        assert (out.content.strip(), [c.arguments for c in out.calls]) == expected, pieces
+
+
+@pytest.mark.parametrize("family, head, tail", [
+    ("hermes", f"<tool_call>\n{ADD_1}\n</tool_call>\n<tool_call>\n{ADD_2}\n</tool_call>\n"
+               f"<tool_call>\n{ADD_1.replace(' ', '')}\n</tool_call>", f"\nmore text\n<tool_call>\n{ADD_2}"),
+    ("llama3", f"{ADD_1}; {ADD_2}; {ADD_1}", "; more"),
+    ("mistral", f"[TOOL_CALLS][{ADD_1}, {ADD_2}, {ADD_1}", f", {ADD_2}"),
+])
+def test_a_repeated_call_ends_the_answer_at_once(family, head, tail):
+    """The same name and arguments again (however spaced): the calls before it are the answer, the parser says it
+    ended as soon as the repeat is complete (the last character of `head`), and nothing after it comes out."""
+    for pieces in (whole, by_chars):
+        parser = OutputParser(None, ToolFormat(family, native=True).parser(NAMES))
+        out, ended_at = Piece(), None
+        for i, p in enumerate(pieces(head + tail)):
+            out.add(parser.feed(p))
+            if parser.ended and ended_at is None:
+                ended_at = i
+        out.add(parser.finish())
+        assert [c.arguments for c in out.calls] == [{"a": 1, "b": 2}, {"a": 3, "b": 4}] and not out.content
+        assert ended_at == (0 if pieces is whole else len(head) - 1)
 
 
 def test_reasoning_split_opened_by_the_prompt_and_unclosed():
@@ -140,18 +182,20 @@ def test_grammar_kept_calls_stream_their_arguments_as_written(pieces):
         seen.add(got)
     seen.add(parser.finish())
     assert seen.content == "Ok." and [c.name for c in seen.calls] == ["get_weather", "add"]
-    assert all(c.streamed for c in seen.calls)
-    for call in seen.calls:
-        frags = [d for d in seen.deltas if d.id == call.id]
-        assert frags[0].name == call.name and all(d.name is None for d in frags[1:])
-        assert json.loads("".join(d.arguments for d in frags)) == call.arguments
+    # the first call streams; a later one comes whole, once it is known to repeat no earlier call
+    assert [c.streamed for c in seen.calls] == [True, False]
+    first = seen.calls[0]
+    frags = [d for d in seen.deltas if d.id == first.id]
+    assert frags[0].name == first.name and all(d.name is None for d in frags[1:])
+    assert json.loads("".join(d.arguments for d in frags)) == first.arguments
+    assert not [d for d in seen.deltas if d.id == seen.calls[1].id]
     if pieces is by_chars:  # the name goes out long before the call ends
-        assert heads_before_end == 2 and len([d for d in seen.deltas if d.name is None]) > 10
+        assert heads_before_end == 1 and len([d for d in seen.deltas if d.name is None]) > 10
 
 
 def test_call_ids_are_unique_and_arguments_are_json_text():
     out = run_parser(lambda: OutputParser(None, ToolFormat("hermes", True).parser(NAMES)),
-                     '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>' * 2, whole)
+                     f"<tool_call>{ADD_1}</tool_call><tool_call>{ADD_2}</tool_call>", whole)
     assert len({c.id for c in out.calls}) == 2
     assert json.loads(out.calls[0].arguments_json) == {"a": 1, "b": 2}
 
@@ -330,8 +374,16 @@ def test_required_grammar_allows_only_valid_calls(matcher_for):
     single = lark_grammar(generic, ToolSpec(FUNCTIONS, "required", parallel=False), None, None)
     assert matcher_for(single, CALL) and not matcher_for(single, CALL + "\n" + CALL)
     named = lark_grammar(generic, ToolSpec(FUNCTIONS, "get_weather"), None, None)
-    assert not matcher_for(named, CALL) and matcher_for(
-        named, '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>')
+    oslo = '<tool_call>\n{"name":"get_weather","arguments":{"city":"Oslo"}}\n</tool_call>'
+    assert not matcher_for(named, CALL) and matcher_for(named, oslo)
+    # a named function is one call even with parallel calls allowed: the grammar ends after it
+    assert not matcher_for(named, oslo + "\n" + oslo.replace("Oslo", "Rome"))
+    for family in ("llama3", "mistral"):
+        one = lark_grammar(ToolFormat(family, True), ToolSpec(FUNCTIONS, "add"), None, None)
+        body = '{"name":"add","parameters":{"a":1,"b":2}}' if family == "llama3" else '[' + CALL[12:-13] + ']'
+        assert matcher_for(one, body), family
+        two = body + ";" + body if family == "llama3" else body[:-1] + "," + body[1:]
+        assert not matcher_for(one, two), family
 
 
 def test_auto_generic_grammar_allows_text_or_a_call(matcher_for):

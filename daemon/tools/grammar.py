@@ -4,6 +4,9 @@
 - Tool calls are a lark grammar: the family's markers around `%json {...}` bodies that validate against each
   allowed tool's parameters; `required` or a named function allows only calls, the generic fallback's `auto` allows
   text (or the answer format) as the other alternative.
+- A named function is exactly one call, whatever parallel_tool_calls says: the grammar is complete after it, so
+  the engine stops there. `auto` and `required` with parallel calls allow call after call; the output parser ends
+  the answer at a call that repeats an earlier one (tools/parsers.py), and the server stops the request there.
 - A reasoning model's thought stays free: a lazy `<think> ... </think>` rule comes first, the answer rule after it.
 
 JSON inside the grammars is compact (llguidance's `whitespace_flexible: false`): small models otherwise tend to
@@ -75,8 +78,9 @@ def _xml_function(i: int, fn: Function) -> list[str]:
 
 
 def _call_rules(fmt: ToolFormat, spec: ToolSpec) -> list[str]:
-    """Rules defining `calls`: one call, or several when parallel calls are allowed."""
+    """Rules defining `calls`: one call, or several when parallel calls are allowed and no function is named."""
     fns = spec.allowed()
+    many = spec.parallel and spec.choice in ("auto", "required")
     if fmt.name == "qwen3_coder":
         rules = [rule for i, fn in enumerate(fns) for rule in _xml_function(i, fn)]
     else:
@@ -86,12 +90,12 @@ def _call_rules(fmt: ToolFormat, spec: ToolSpec) -> list[str]:
         rules.append("call: fn")
         sep = '";"'
     elif fmt.name == "mistral":  # the [TOOL_CALLS] marker is a special token: the bare array is what the text keeps
-        rules.append('calls: "[" fn ("," fn)* "]"' if spec.parallel else 'calls: "[" fn "]"')
+        rules.append('calls: "[" fn ("," fn)* "]"' if many else 'calls: "[" fn "]"')
         return rules
     else:
         rules.append('call: "<tool_call>\\n" fn "\\n</tool_call>"')
         sep = '"\\n"'
-    rules.append(f"calls: call ({sep} call)*" if spec.parallel else "calls: call")
+    rules.append(f"calls: call ({sep} call)*" if many else "calls: call")
     return rules
 
 

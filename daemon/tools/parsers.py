@@ -2,8 +2,16 @@
 
 Text arrives in arbitrary pieces (a marker may be split across tokens), so each parser holds back only what could
 still be the start of a marker, and releases everything else at once. A call is emitted whole, when its closing
-marker (or the end of the output) arrives; a call that does not parse, or names no tool of the request, is given
-back as the text it was: a malformed call is never an error.
+marker (or the end of the output) arrives; a complete call that does not parse, or names no tool of the request, is
+given back as the text it was: a malformed call is never an error.
+
+The end of an answer:
+- a call that repeats an earlier one (same name, same arguments) ends the answer: it is dropped with everything
+  after it, and `ended` tells the caller to stop the generation there (a small model under a grammar that allows
+  call after call would otherwise write the same call until max_tokens);
+- a call the output ends inside of (cut by max_tokens, `finish(cut=True)`, or by a stop token) is dropped if it does
+  not parse, and so is a start of a call marker left at the end after a call or when cut: call markup never reaches
+  the content.
 
 Formats (what the model writes; the engine's text keeps non-special marker tokens, drops special ones):
 - tagged (Hermes, Qwen2.5, Qwen3, and the generic fallback): `<tool_call>{"name": .., "arguments": {..}}</tool_call>`,
@@ -142,15 +150,25 @@ def _json_calls(text: str, names: Collection[str]) -> list[ToolCall] | None:
 
 
 class ToolCallParser:
-    """Base: `feed(text) -> Piece` as text arrives, `finish() -> Piece` at the end of the output."""
+    """Base: `feed(text) -> Piece` as text arrives, `finish(cut) -> Piece` at the end of the output (cut: by
+    max_tokens). `ended`: a call repeated an earlier one; the answer is over and later text is dropped."""
 
     def __init__(self, names: Collection[str]):
         self.names = names
+        self.ended = False
+        self._emitted: set[tuple[str, str]] = set()  # (name, arguments JSON) of every call emitted
+
+    def _new(self, call: ToolCall) -> bool:
+        """Whether `call` repeats no earlier call; a repeat ends the answer."""
+        key = (call.name, json.dumps(call.arguments, sort_keys=True))
+        self.ended = self.ended or key in self._emitted
+        self._emitted.add(key)
+        return not self.ended
 
     def feed(self, text: str) -> Piece:
         raise NotImplementedError
 
-    def finish(self) -> Piece:
+    def finish(self, cut: bool = False) -> Piece:
         raise NotImplementedError
 
 
@@ -160,9 +178,10 @@ _JSON_HEAD = re.compile(r'^\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_.\-]{1,64})"\s*,\s*
 class TaggedParser(ToolCallParser):
     """Calls between an opening and a closing tag, anywhere in the text, any number of them.
 
-    stream_args: a JSON call streams as CallDeltas as soon as its name is read, then its arguments as they come
-    (holding back what may be the object's closing brace and tag). Only for output a grammar keeps valid: a call
-    already streamed cannot be taken back as text."""
+    stream_args: the first JSON call streams as CallDeltas as soon as its name is read, then its arguments as they
+    come (holding back what may be the object's closing brace and tag). Only for output a grammar keeps valid: a call
+    already streamed cannot be taken back as text. Later calls come whole, once it is known they repeat no earlier
+    one."""
 
     def __init__(self, names: Collection[str], open_tag: str = "<tool_call>", close_tag: str = "</tool_call>",
                  stream_args: bool = False):
@@ -189,6 +208,8 @@ class TaggedParser(ToolCallParser):
         return pending[:-1].rstrip() if pending.endswith("}") else pending
 
     def _stream(self, out: Piece, final: bool = False) -> None:
+        if self.seen_call:
+            return
         if self.head is None:
             m = _JSON_HEAD.match(self.buf)
             if not m or m.group(1) not in self.names:
@@ -200,8 +221,9 @@ class TaggedParser(ToolCallParser):
             out.deltas.append(CallDelta(self.head.id, arguments=args[self.sent:]))
             self.sent = len(args)
 
-    def _close(self, body: str, out: Piece) -> None:
-        """A complete call body (its closing tag came, or the output ended)."""
+    def _close(self, body: str, out: Piece, ended_inside: bool = False) -> None:
+        """A call body: its closing tag came, or the output ended inside it (then one that does not parse is a call
+        cut short, and dropped)."""
         calls = self._body(body)
         if self.stream_args and calls is not None and len(calls) == 1:
             self._stream(out, final=True)  # what is left of its arguments (all of them, if it came in one piece)
@@ -209,15 +231,19 @@ class TaggedParser(ToolCallParser):
                 calls[0].id, calls[0].streamed = self.head.id, True
         self.head = None
         if calls is None:
-            out.content += self.open_tag + body + (self.close_tag if self.in_call is False else "")
-        else:
-            out.calls.extend(calls)
+            if not ended_inside:
+                out.content += self.open_tag + body + self.close_tag
+            return
+        for call in calls:
+            if not self._new(call):
+                return
+            out.calls.append(call)
             self.seen_call = True
 
     def feed(self, text: str) -> Piece:
         self.buf += text
         out = Piece()
-        while True:
+        while not self.ended:
             if not self.in_call:
                 at = self.buf.find(self.open_tag)
                 if at < 0:
@@ -240,21 +266,34 @@ class TaggedParser(ToolCallParser):
                 self.buf, self.in_call = body, False
                 self._close(body, out)
                 self.buf = rest
+        self.buf = ""
+        return out
 
-    def finish(self) -> Piece:
+    def finish(self, cut: bool = False) -> Piece:
         out = Piece()
-        if self.in_call:  # the output ended inside a call (a stop token took the closing tag, or max_tokens)
-            self._close(self.buf, out)
-        elif not (self.seen_call and not self.buf.strip()):
-            out.content = self.buf
+        text = self.buf
+        if self.ended:
+            pass
+        elif self.in_call:  # the output ended inside a call (a stop token took the closing tag, or max_tokens)
+            self._close(text, out, ended_inside=True)
+        else:
+            held = _held_prefix(text, self.open_tag)
+            if held and (cut or self.seen_call):  # the start of a call's marker, not text
+                text = text[:len(text) - held]
+            if not (self.seen_call and not text.strip()):
+                out.content = text
         self.buf, self.in_call = "", False
         return out
+
+
+_DECODER = json.JSONDecoder()
 
 
 class LeadingJsonParser(ToolCallParser):
     """Llama 3.x and Mistral: the answer is calls when it starts with a call (after an optional marker); then the
     whole answer is held to the end and read as JSON calls, else released as text. `name_args`: Mistral's newer
-    `NAME[ARGS]{...}` form is read too."""
+    `NAME[ARGS]{...}` form is read too. Held calls are read as each JSON object completes, so a repeat ends the
+    answer at once."""
 
     def __init__(self, names: Collection[str], markers: tuple[str, ...], name_args: bool = False):
         super().__init__(names)
@@ -262,6 +301,8 @@ class LeadingJsonParser(ToolCallParser):
         self.name_args = name_args
         self.buf = ""
         self.mode: str | None = None  # None: undecided; "text"; "calls"
+        self.found: list[ToolCall] = []  # the complete JSON calls read so far
+        self.scanned = 0  # where in buf the next one starts
 
     def _decide(self) -> str | None:
         head = self.buf.lstrip()
@@ -281,13 +322,39 @@ class LeadingJsonParser(ToolCallParser):
         return "text"
 
     def feed(self, text: str) -> Piece:
+        if self.ended:
+            return Piece()
         self.buf += text
         if self.mode is None:
             self.mode = self._decide()
         if self.mode == "text":
             out, self.buf = Piece(content=self.buf), ""
             return out
+        if self.mode == "calls":
+            self._scan()
         return Piece()
+
+    def _scan(self) -> None:
+        """Read the JSON calls completed since the last feed; at a repeat, cut the answer before it."""
+        while True:
+            at = self.scanned
+            while at < len(self.buf):  # separators and markers between calls
+                marker = next((m for m in self.markers if self.buf.startswith(m, at)), "")
+                if not marker and self.buf[at] not in " \t\n;,[":
+                    break
+                at += len(marker) or 1
+            try:
+                obj, end = _DECODER.raw_decode(self.buf, at)
+            except ValueError:  # not complete yet, or no JSON call
+                return
+            call = _call_from(obj, self.names)
+            if call is None:
+                return
+            if not self._new(call):
+                self.buf = self.buf[:at]
+                return
+            self.found.append(call)
+            self.scanned = end
 
     def _calls(self, text: str) -> list[ToolCall] | None:
         for marker in self.markers:
@@ -302,15 +369,19 @@ class LeadingJsonParser(ToolCallParser):
                 return calls if all(calls) else None  # type: ignore[return-value]
         return _json_calls(text.strip().strip(";"), self.names)
 
-    def finish(self) -> Piece:
+    def finish(self, cut: bool = False) -> Piece:
         text, self.buf = self.buf, ""
-        if self.mode == "text" or not text.strip():
+        if self.mode != "calls":
             return Piece(content=text)
-        calls = self._calls(text)
-        if calls and self.name_args:  # Mistral's templates take back only ids of 9 alphanumerics
+        calls = self.found if self.ended else self._calls(text)
+        if calls is None:
+            if not cut:
+                return Piece(content=text)
+            calls = self.found  # a call cut by max_tokens is dropped; the complete ones before it stay
+        if self.name_args:  # Mistral's templates take back only ids of 9 alphanumerics
             for call in calls:
                 call.id = uuid.uuid4().hex[:9]
-        return Piece(calls=calls) if calls else Piece(content=text)
+        return Piece(calls=calls)
 
 
 class ReasoningSplit:
@@ -368,14 +439,19 @@ class OutputParser:
         self.tools = tools
         self.calls = 0
 
-    def _after_reasoning(self, piece: Piece, final: bool) -> Piece:
+    @property
+    def ended(self) -> bool:
+        """The answer is over before the output is (a call repeated an earlier one): stop generating."""
+        return self.tools is not None and self.tools.ended
+
+    def _after_reasoning(self, piece: Piece, final: bool, cut: bool = False) -> Piece:
         if self.tools is None:
             return piece
         out = Piece(reasoning=piece.reasoning)
         if piece.content:
             out.add(self.tools.feed(piece.content))
         if final:
-            out.add(self.tools.finish())
+            out.add(self.tools.finish(cut))
         return out
 
     def feed(self, text: str) -> Piece:
@@ -384,9 +460,10 @@ class OutputParser:
         self.calls += len(out.calls)
         return out
 
-    def finish(self) -> Piece:
+    def finish(self, cut: bool = False) -> Piece:
+        """The rest at the end of the output; cut: max_tokens ended it."""
         piece = self.reasoning.finish() if self.reasoning else Piece()
-        out = self._after_reasoning(piece, final=True)
+        out = self._after_reasoning(piece, final=True, cut=cut)
         self.calls += len(out.calls)
         return out
 
