@@ -106,6 +106,7 @@ class Settings:
     max_queue: int = 64
     max_body_bytes: int = 4 * 1024 * 1024
     write_timeout: float = 30.0  # seconds a client may stall a stream before it is cut off
+    stream_keepalive: float = 10.0  # seconds a stream may be quiet (queued, in prefill) before it sends a keep-alive
     shutdown_grace: float = 10.0  # seconds running streams get to finish on SIGTERM
     log_level: str = "info"  # debug also names the request fields that had no effect
 
@@ -152,6 +153,7 @@ _BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "ollama_port": (0, 65535),
     "max_body_bytes": (1024, 1 << 31),
     "write_timeout": (0.1, 3600),
+    "stream_keepalive": (0.01, 3600),
     "shutdown_grace": (0, 3600),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {"dtype": tuple(DTYPE_NAMES), "quant": choices(QuantMethod),

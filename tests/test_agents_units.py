@@ -246,28 +246,41 @@ def _generation(tokenizer, tools=frozenset({"weather"})):
     return gen
 
 
-def _outputs(text: str, step: int = 3):
+def _result(gen, text: str, finish: str = "stop"):
+    """A whole answer's GenerationResult, its text parsed by the generation's parser."""
+    from llmd.server.core import GenerationResult
+
+    return GenerationResult(text, [7] * 9, finish, None, [], gen.output.parse(text))
+
+
+def _stream(answer, gen, text: str, step: int = 3) -> list:
+    """The events of a streamed answer: its opening, then each output of `step` characters with its parsed text."""
     from llmd.engine.types import FinishReason, RequestOutput
 
-    pieces = [text[i:i + step] for i in range(0, len(text), step)]
-    return [RequestOutput("r", [7], p, finished=i == len(pieces) - 1,
-                          finish_reason=FinishReason.STOP if i == len(pieces) - 1 else None)
-            for i, p in enumerate(pieces)]
+    events = answer.opening(gen)
+    chunks = [text[i:i + step] for i in range(0, len(text), step)]
+    for i, chunk in enumerate(chunks):
+        last = i == len(chunks) - 1
+        piece = gen.output.feed(chunk)
+        if last:
+            piece.add(gen.output.finish())
+        out = RequestOutput("r", [7], chunk, finished=last, finish_reason=FinishReason.STOP if last else None)
+        events += answer.events(gen, out, piece)
+    return events
 
 
 def test_anthropic_stream_rebuilds_the_whole_message(smol_tokenizer):
-    from llmd.server.core import GenerationResult
     from llmd.server.intake import Intake
 
     intake = Intake("m", None, None, True)
-    whole = anthropic.MessageAnswer(intake, "m", True).whole(_generation(smol_tokenizer),
-                                                             GenerationResult(SCRIPT, [7] * 9, "stop", None, []))
+    gen = _generation(smol_tokenizer)
+    whole = anthropic.MessageAnswer(intake, "m", True).whole(gen, _result(gen, SCRIPT))
     assert [b["type"] for b in whole["content"]] == ["thinking", "text", "tool_use", "tool_use"]
     assert whole["content"][0]["thinking"] == "two cities" and whole["content"][1]["text"] == "Checking."
     assert [b["input"] for b in whole["content"][2:]] == [{"city": "Paris"}, {"city": "Oslo"}]
     assert whole["stop_reason"] == "tool_use"
     answer, gen = anthropic.MessageAnswer(intake, "m", True), _generation(smol_tokenizer)
-    events = [e for out in _outputs(SCRIPT) for e in answer.events(gen, out)]
+    events = _stream(answer, gen, SCRIPT)
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
     blocks: list[dict] = []  # the content as a client rebuilds it from the events
@@ -289,16 +302,15 @@ def test_anthropic_stream_rebuilds_the_whole_message(smol_tokenizer):
 
 
 def test_responses_stream_rebuilds_the_whole_response(smol_tokenizer):
-    from llmd.server.core import GenerationResult
     from llmd.server.intake import Intake
 
     intake = Intake("m", None, None, True)
-    whole = responses_api.ResponseAnswer(intake, {}, "m").whole(
-        _generation(smol_tokenizer), GenerationResult(SCRIPT, [7] * 9, "stop", None, []))
+    gen = _generation(smol_tokenizer)
+    whole = responses_api.ResponseAnswer(intake, {}, "m").whole(gen, _result(gen, SCRIPT))
     assert [i["type"] for i in whole["output"]] == ["reasoning", "message", "function_call", "function_call"]
     assert whole["status"] == "completed" and whole["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
     answer, gen = responses_api.ResponseAnswer(intake, {}, "m"), _generation(smol_tokenizer)
-    events = [e for out in _outputs(SCRIPT) for e in answer.events(gen, out)]
+    events = _stream(answer, gen, SCRIPT)
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
     kinds = [e["type"] for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
@@ -353,7 +365,6 @@ def test_anthropic_stop_reasons(smol_tokenizer):
     from dataclasses import replace
 
     from llmd.engine.types import SamplingParams
-    from llmd.server.core import GenerationResult
     from llmd.server.intake import Intake
 
     asked = SamplingParams(max_tokens=100, stop=["END"])
@@ -362,7 +373,7 @@ def test_anthropic_stop_reasons(smol_tokenizer):
         answer = anthropic.MessageAnswer(Intake("m", None, asked, False), "m", True)
         gen = _generation(smol_tokenizer)
         gen.params, gen.stop_reason = gen_params, stop
-        whole = answer.whole(gen, GenerationResult(text, [7], finish, None, []))
+        whole = answer.whole(gen, _result(gen, text, finish))
         return whole["stop_reason"], whole["stop_sequence"]
 
     assert stop_reason(asked, "length") == ("max_tokens", None)

@@ -29,7 +29,8 @@ from ..errors import EngineDead, InvalidRequest, QueueFull
 from .engine import Engine, EngineStats
 from .grammar import COMPILE_TIMEOUT_S, CompiledGrammar
 from .turns import turns_for
-from .types import Constraint, ConstraintError, EmbedParams, FinishReason, Priority, RequestOutput, SamplingParams
+from .types import (Constraint, ConstraintError, EmbedParams, FinishReason, Priority, PromptProgress, RequestOutput,
+                    SamplingParams)
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,11 @@ class AsyncEngine:
         with self._lock:
             self._commands.append(("abort", request_id))
         self._wake.set()
+
+    def prompt_progress(self, request_id: str) -> PromptProgress | None:
+        """How far a request's prefill has come, read while the engine thread runs (Engine.prompt_progress); None
+        before the engine thread takes the request in and after it ends."""
+        return self.engine.prompt_progress(request_id)
 
     def stats(self) -> EngineStats:
         return dataclasses.replace(self.engine.stats(), engine_alive=self.alive, engine_error=self.error)

@@ -1,7 +1,8 @@
 """The synchronous engine: requests in, one batched forward per step(), outputs out.
 
-Not thread-safe by itself: one thread calls add_request/abort/step (AsyncEngine's engine thread). stats() may be
-called from another thread: it only reads counters and copies small bounded windows under a lock.
+Not thread-safe by itself: one thread calls add_request/abort/step (AsyncEngine's engine thread). stats() and
+prompt_progress() may be called from another thread: they only read counters (and copy small bounded windows under a
+lock).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .scheduler import Scheduler, ScheduledSeq
 from .sequence import Sequence
 from .stop import StopStringMatcher
 from .types import (SHORT_DTYPE_NAMES, EmbedParams, EngineStats, FinishReason, KvStats, LatencyStats, Percentiles,
-                    Priority, RequestOutput, RequestTimings, SamplingParams, TokenLogprob)
+                    Priority, PromptProgress, RequestOutput, RequestTimings, SamplingParams, TokenLogprob)
 
 LATENCY_WINDOW = 1000  # finished requests kept for percentiles
 THROUGHPUT_WINDOW_S = 10.0
@@ -185,6 +186,17 @@ class Engine:
             return False
         self._pending_outputs.append(self._finish(seq, FinishReason.ABORT, time.monotonic()))
         return True
+
+    def prompt_progress(self, request_id: str) -> PromptProgress | None:
+        """How far a request's prefill has come (None: not here). Safe from another thread: a dict lookup and a few
+        int reads, at worst one step old."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        t = seq.timings
+        return PromptProgress(seq.num_prompt_tokens, t.num_cached_tokens,
+                              min(seq.num_computed_tokens, seq.num_prompt_tokens),
+                              0.0 if t.first_scheduled is None else time.monotonic() - t.first_scheduled)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending_outputs)

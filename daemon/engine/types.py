@@ -244,6 +244,17 @@ class RequestTimings:
         }
 
 
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far a request's prefill has come: `computed` of its `total` prompt tokens have K/V, `cached` of them read
+    from the prefix cache; `elapsed_s` since its prefill began (0 while it waits)."""
+
+    total: int
+    cached: int
+    computed: int
+    elapsed_s: float
+
+
 @dataclass
 class TokenLogprob:
     token_id: int

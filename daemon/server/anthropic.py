@@ -43,10 +43,10 @@ from typing import Any
 from aiohttp import web
 
 from ..engine.types import RequestOutput, SamplingParams
-from ..tools.parsers import ToolCall
+from ..tools.parsers import Piece, ToolCall
 from ..tools.spec import AnswerFormat, Function, ToolSpec, check_schema
 from .agents import MAX_BLOCKS, call_entry, flat_tools, parts_in_order, renamed, text_of, token_counts
-from .core import Generation, GenerationResult, ServerState, encode_prompt, output_reason, run, state_of
+from .core import Generation, GenerationResult, Renderer, ServerState, encode_prompt, output_reason, run, state_of
 from .intake import ChatPrompt, Intake, checked_params, given_fields
 from .validation import (MAX_MESSAGES, STOP, TOP_P, ApiError, Field, bad_field, check_fields, log_ignored, read_json,
                          require)
@@ -289,9 +289,11 @@ def _tool_use(call: ToolCall, with_input: bool = True) -> dict:
     return {"type": "tool_use", "id": call.id, "name": call.name, "input": call.arguments if with_input else {}}
 
 
-class MessageAnswer:
-    """One Message, whole or as its event stream. Streamed, a block opens when the kind of output changes (thought,
-    text, each call) and closes before the next; a call's input comes as one input_json_delta."""
+class MessageAnswer(Renderer):
+    """One Message, whole or as its event stream. Streamed, `message_start` and a `ping` open it at once, a quiet
+    stream sends a `ping` now and then, a block opens when the kind of output changes (thought, text, each call) and
+    closes before the next; a call's input comes as one input_json_delta (a call max_tokens cuts is dropped:
+    stop_reason max_tokens)."""
 
     fmt = "sse_named"
 
@@ -299,7 +301,6 @@ class MessageAnswer:
         self.intake, self.model, self.show = intake, model, show_thinking
         self.requested = intake.params.max_tokens if intake.params is not None else 0  # before core caps it
         self.id = f"msg_{uuid.uuid4().hex}"
-        self.started = False
         self.index = -1
         self.open: str | None = None  # the kind of the block now open
         self.calls = 0
@@ -315,7 +316,7 @@ class MessageAnswer:
                 "stop_reason": stop[0], "stop_sequence": stop[1], "usage": usage}
 
     def whole(self, gen: Generation, res: GenerationResult) -> dict:
-        piece = gen.output.parse(res.text)
+        piece = res.piece
         content: list[dict] = []
         for kind, value in parts_in_order(piece):
             if kind == "reasoning":
@@ -350,18 +351,18 @@ class MessageAnswer:
             delta = {"type": "input_json_delta", "partial_json": value.arguments_json}
         return {"type": "content_block_delta", "index": self.index, "delta": delta}
 
-    def events(self, gen: Generation, out: RequestOutput) -> list:
+    def opening(self, gen: Generation) -> list:
+        return [{"type": "message_start",
+                 "message": self._message([], (None, None), {**self._usage(gen, 0), "output_tokens": 0})},
+                {"type": "ping"}]  # as Anthropic's own streams begin
+
+    def keepalive(self, gen: Generation) -> list:
+        return [{"type": "ping"}]
+
+    def events(self, gen: Generation, out: RequestOutput, piece: Piece) -> list:
         self.generated += len(out.new_token_ids)
         events: list[dict] = []
-        if not self.started:
-            self.started = True
-            events.append({"type": "message_start",
-                           "message": self._message([], (None, None), {**self._usage(gen, 0), "output_tokens": 0})})
-            events.append({"type": "ping"})  # as Anthropic's own streams begin
         finish = output_reason(out)
-        piece = gen.output.feed(out.text_delta)
-        if finish:
-            piece.add(gen.output.finish())
         for kind, value in parts_in_order(piece):
             if kind != self.open or kind == "call":
                 events += self._open(kind, value)
@@ -375,9 +376,6 @@ class MessageAnswer:
                            "usage": self._usage(gen, self.generated)})
             events.append({"type": "message_stop"})
         return events
-
-    def tail(self, gen: Generation) -> list:
-        return []
 
     def error(self, exc: ApiError) -> dict:
         return error_body(exc.status, exc.message)

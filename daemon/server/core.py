@@ -1,6 +1,7 @@
 """What every dialect shares: the server state (engine or loading), model-name checks, prompt encoding, `run` (the
-one path from a parsed `Intake` to an answer) and `Generation`, which submits one request and guarantees it is
-aborted in the engine on every early exit."""
+one path from a parsed `Intake` to an answer), the `Renderer` each dialect writes its shapes in, and `Generation`,
+which submits one request, parses its text (content, reasoning, tool calls) and guarantees it is aborted in the
+engine on every early exit, or stopped when the parser sees the answer end before the output does."""
 
 from __future__ import annotations
 
@@ -9,20 +10,20 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from ..engine.types import (Constraint, ConstraintError, FinishReason, Priority, RequestOutput, RequestTimings,
-                            SamplingParams)
+from ..engine.types import (Constraint, ConstraintError, FinishReason, Priority, PromptProgress, RequestOutput,
+                            RequestTimings, SamplingParams)
 from ..errors import EngineDead, InvalidRequest, LlmdError, QueueFull
 from ..tools.families import ModelTraits, model_traits
 from ..tools.grammar import answer_constraint
-from ..tools.parsers import OutputParser
+from ..tools.parsers import OutputParser, Piece
 from ..tools.plan import ChatPlan, plan_chat
 from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, with_model_defaults
 from .metrics import Metrics
-from .streaming import EventStream, pump
+from .streaming import KEEP_ALIVE, KEEPALIVE_S, EventStream, pump
 from .validation import ApiError
 
 if TYPE_CHECKING:
@@ -39,6 +40,7 @@ ENCODE_IN_THREAD_CHARS = 8192  # longer texts are tokenized off the event loop
 @dataclass
 class ServerState:
     write_timeout: float = 30.0
+    keepalive_s: float = KEEPALIVE_S  # a stream quiet this long (queued, in prefill) sends its keep-alive
     shutdown_grace: float = 10.0
     max_body_bytes: int = 4 * 1024 * 1024
     aliases: set[str] = field(default_factory=set)  # extra names clients may use for the served model
@@ -258,18 +260,39 @@ def check_length(engine: AsyncEngine, prompt_ids: list[int], params: SamplingPar
     params.max_tokens = max(1, min(params.max_tokens, limit - len(prompt_ids)))
 
 
-class Renderer(Protocol):
-    """A dialect's answer for one request, streamed or whole. `fmt`: "sse" or "ndjson"."""
+class Renderer:
+    """A dialect's answer for one request, whole or streamed: the shapes only (streaming.pump does the timing).
+    fmt: "sse", "sse_named" (SSE whose events name their type) or "ndjson". An event is a dict, or a string
+    (SSE `[DONE]`, KEEP_ALIVE)."""
 
-    fmt: str
+    fmt = "sse"
 
-    def whole(self, gen: "Generation", res: "GenerationResult") -> dict: ...
+    def whole(self, gen: "Generation", res: "GenerationResult") -> dict:
+        raise NotImplementedError
 
-    def events(self, gen: "Generation", out: RequestOutput) -> list: ...
+    def opening(self, gen: "Generation") -> list:
+        """What a stream sends as soon as the request is accepted, before its prefill."""
+        return []
 
-    def tail(self, gen: "Generation") -> list: ...
+    def events(self, gen: "Generation", out: RequestOutput, piece: Piece) -> list:
+        """One engine output and its parsed text."""
+        raise NotImplementedError
 
-    def error(self, exc: ApiError) -> dict: ...
+    def keepalive(self, gen: "Generation") -> list:
+        """What a quiet stream (queued, in prefill) sends now and then, so clients and proxies see it alive: an SSE
+        comment, which every SSE client skips."""
+        return [KEEP_ALIVE]
+
+    def progress(self, gen: "Generation", p: PromptProgress) -> list:
+        """The prompt's prefill progress, where the dialect has a place for it."""
+        return []
+
+    def tail(self, gen: "Generation") -> list:
+        """After the last output's events."""
+        return []
+
+    def error(self, exc: ApiError) -> dict:
+        raise NotImplementedError
 
 
 async def run(request: web.Request, state: ServerState, intake: Intake, renderer: Renderer) -> web.StreamResponse:
@@ -290,8 +313,7 @@ async def run(request: web.Request, state: ServerState, intake: Intake, renderer
     async with gen:
         if not intake.stream:
             return web.json_response(renderer.whole(gen, await gen.collect()))
-        return await pump(gen, EventStream(request, renderer.fmt, state.write_timeout),
-                          lambda out: renderer.events(gen, out), lambda: renderer.tail(gen), renderer.error)
+        return await pump(gen, EventStream(request, renderer.fmt, state.write_timeout), renderer, state.keepalive_s)
 
 
 STATE = web.AppKey("llmd_state", ServerState)
@@ -309,11 +331,12 @@ class GenerationResult:
     finish_reason: str | None
     timings: RequestTimings | None
     logprobs: list
+    piece: Piece = field(default_factory=Piece)  # the text parsed: content, reasoning, tool calls
 
 
 class Generation:
-    """One engine request. Use as `async with Generation(...) as gen: async for out in gen: ...`; leaving the block
-    before the last output (disconnect, stall, error, shutdown) aborts the request in the engine."""
+    """One engine request. Use as `async with Generation(...) as gen: async for out, piece in gen: ...`; leaving the
+    block before the last output (disconnect, stall, error, shutdown) aborts the request in the engine."""
 
     def __init__(self, state: ServerState, request: web.Request, engine: AsyncEngine, prompt_ids: list[int],
                  params: SamplingParams, priority: Priority = Priority.INTERACTIVE):
@@ -373,6 +396,8 @@ class Generation:
         self.state.metrics.count_abort(why)
 
     async def __aiter__(self):
+        """Each engine output with its text parsed (`output`). When the parser sees the answer end first (a tool call
+        repeated an earlier one), the request is stopped in the engine and that output is the last, as a stop."""
         async for out in self.stream:
             if out.timings is not None:
                 self.timings = out.timings
@@ -391,18 +416,39 @@ class Generation:
                     self.abort("time_limit")
                     self.finish_reason = "length"
                     out = replace(out, finished=True, finish_reason=FinishReason.LENGTH)
-            yield out
+            piece = self.output.feed(out.text_delta)
+            if self.output.ended and not out.finished:
+                out = await self._end_early(out)
+            if out.finished:
+                piece.add(self.output.finish(cut=_reason(out.finish_reason) == "length"))
+            yield out, piece
             if out.finished:
                 return
 
+    async def _end_early(self, out: RequestOutput) -> RequestOutput:
+        """Stop the request in the engine now; `out` becomes the last output, a stop. The engine's own last output
+        (within a step) brings the timings; the text after the end is dropped."""
+        self.stream.abort()
+        async for last in self.stream:
+            self.timings = last.timings or self.timings
+        self.finished, self.finish_reason, self.stop_reason = True, "stop", None
+        return replace(out, finished=True, finish_reason=FinishReason.STOP, stop_reason=None, timings=self.timings)
+
+    def progress(self) -> PromptProgress | None:
+        """How far the engine has computed this request's prompt; None when unknown (a remote model, or not yet
+        taken in by the engine thread)."""
+        read = getattr(self.engine, "prompt_progress", None)
+        return read(self.stream.request_id) if read is not None and self.stream is not None else None
+
     async def collect(self) -> GenerationResult:
-        parts, ids, logprobs = [], [], []
-        async for out in self:
+        parts, ids, logprobs, parsed = [], [], [], Piece()
+        async for out, piece in self:
             parts.append(out.text_delta)
             ids.extend(out.new_token_ids)
             if out.logprobs:
                 logprobs.extend(out.logprobs)
-        return GenerationResult("".join(parts), ids, self.finish_reason, self.timings, logprobs)
+            parsed.add(piece)
+        return GenerationResult("".join(parts), ids, self.finish_reason, self.timings, logprobs, parsed)
 
 
 def _reason(reason) -> str | None:

@@ -135,8 +135,9 @@ class Daemon:
         self.policy = security_policy(settings)
         self.socket_path = settings.resolved_socket_path()
         self.models = ModelManager(settings, load_served)
-        self.state = ServerState(write_timeout=settings.write_timeout, shutdown_grace=settings.shutdown_grace,
-                                 max_body_bytes=settings.max_body_bytes, models=self.models)
+        self.state = ServerState(write_timeout=settings.write_timeout, keepalive_s=settings.stream_keepalive,
+                                 shutdown_grace=settings.shutdown_grace, max_body_bytes=settings.max_body_bytes,
+                                 models=self.models)
         self.stop_requested = asyncio.Event()
         self.runner: web.AppRunner | None = None
         self.sites: list[web.BaseSite] = []

@@ -1,5 +1,7 @@
 """llama.cpp server dialect: /completion, /infill (what llama.vim and llama.vscode call), /tokenize, /detokenize,
-/props. Responses carry llama.cpp's native `timings` plus the contract's object as `llmd_timings`."""
+/props. Responses carry llama.cpp's native `timings` plus the contract's object as `llmd_timings`. Streamed with
+`return_progress`, the prefill's progress comes as `prompt_progress` chunks (`total`, `cache`, `processed`, which
+counts the cached tokens too, and `time_ms` since the prefill began), as llama-server sends them."""
 
 from __future__ import annotations
 
@@ -7,9 +9,10 @@ import json
 
 from aiohttp import web
 
-from ..engine.types import RequestOutput, SamplingParams
+from ..engine.types import PromptProgress, RequestOutput, SamplingParams
+from ..tools.parsers import Piece
 from ..tools.spec import MAX_GRAMMAR_CHARS, AnswerFormat, check_schema
-from .core import Generation, GenerationResult, ServerState, encode_text, output_reason, run, state_of
+from .core import Generation, GenerationResult, Renderer, ServerState, encode_text, output_reason, run, state_of
 from .intake import FimPrompt, Intake, Prompt, TextPrompt, TokenPrompt, checked_params, given_fields
 from .responses import logprob_items, timings_dict
 from .validation import (LOGPROBS_TOP, MAX_INPUT_EXTRA, MAX_NEW_TOKENS, MAX_PROMPT_TOKEN_IDS, MIN_P, PENALTY,
@@ -30,6 +33,7 @@ GEN_FIELDS = {
     "seed": SEED,
     "stream": Field("bool"),
     "cache_prompt": Field("bool"),  # accepted; the prefix cache is always on
+    "return_progress": Field("bool"),
     "n_probs": LOGPROBS_TOP,
     "t_max_predict_ms": Field("int", 0, 24 * 3600 * 1000),
     "model": Field("str", max_len=512),
@@ -85,16 +89,15 @@ def _stop_type(gen) -> str:
     return "word" if isinstance(gen.stop_reason, str) else _STOP_TYPE.get(gen.finish_reason or "", "none")
 
 
-class CompletionAnswer:
+class CompletionAnswer(Renderer):
     """llama.cpp's /completion and /infill answer. n_predict 0 (llama.vim's cache warm-up): the prompt is evaluated
     into the prefix cache and nothing is generated (the engine samples one token after the prefill; it is dropped)."""
 
-    fmt = "sse"
-
-    def __init__(self, intake: Intake, model: str, evaluate_only: bool):
+    def __init__(self, intake: Intake, model: str, evaluate_only: bool, return_progress: bool = False):
         self.intake = intake
         self.model = model
         self.evaluate_only = evaluate_only
+        self.return_progress = return_progress
         self.logprobs = bool(intake.params.logprobs)
 
     def final(self, gen: Generation, text: str) -> dict:
@@ -112,7 +115,13 @@ class CompletionAnswer:
             body["completion_probabilities"] = logprob_items(gen.engine.tokenizer, res.logprobs, "llamacpp")
         return body
 
-    def events(self, gen: Generation, out: RequestOutput) -> list:
+    def progress(self, gen: Generation, p: PromptProgress) -> list:
+        if not self.return_progress:
+            return []
+        return [{"content": "", "stop": False, "prompt_progress": {
+            "total": p.total, "cache": p.cached, "processed": p.computed, "time_ms": round(p.elapsed_s * 1000.0)}}]
+
+    def events(self, gen: Generation, out: RequestOutput, piece: Piece) -> list:
         events = []
         if (out.text_delta or out.logprobs) and not self.evaluate_only:
             ev = {"content": out.text_delta, "stop": False}
@@ -122,9 +131,6 @@ class CompletionAnswer:
         if output_reason(out) is not None:
             events.append(self.final(gen, ""))
         return events
-
-    def tail(self, gen: Generation) -> list:
-        return []
 
     def error(self, exc: ApiError) -> dict:
         return {"error": {"code": 500, "message": exc.message, "type": "server_error"}}
@@ -167,7 +173,8 @@ def parse_completion(body: dict, state: ServerState) -> Intake:
 
 
 async def _serve(request: web.Request, state: ServerState, body: dict, intake: Intake) -> web.StreamResponse:
-    answer = CompletionAnswer(intake, state.model_name, evaluate_only=body.get("n_predict") == 0)
+    answer = CompletionAnswer(intake, state.model_name, evaluate_only=body.get("n_predict") == 0,
+                              return_progress=body.get("return_progress") is True)
     return await run(request, state, intake, answer)
 
 

@@ -14,7 +14,7 @@ from aiohttp import web
 
 from .. import __version__ as llmd_version
 from ..engine.types import RequestOutput, SamplingParams
-from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of, traits_of
+from .core import Generation, GenerationResult, Renderer, ServerState, output_reason, run, state_of, traits_of
 from ..store.modelfile import format_modelfile, format_parameters
 from ..tools.parsers import Piece
 from ..tools.spec import AnswerFormat, ToolSpec, check_schema, normalise_history, parse_tools
@@ -156,9 +156,11 @@ def parse_generate(body: dict, state: ServerState) -> Intake:
     return _intake(body, f, opts, kind, "prompt")
 
 
-class _Answer:
+class _Answer(Renderer):
     """Ollama answers: every chunk, and the whole answer, is one shape with `done` and, at the end, the stats.
-    The text goes through the generation's OutputParser: content, thinking and tool calls (each call whole)."""
+    The text goes through the generation's OutputParser: content, thinking and tool calls (each call whole; one
+    that max_tokens cuts is dropped, done_reason "length"). NDJSON has no comments: a stream opens, and a quiet one
+    stays alive, with an empty chunk (`done` false), which Ollama's clients add to the answer as nothing."""
 
     fmt = "ndjson"
 
@@ -170,20 +172,20 @@ class _Answer:
         raise NotImplementedError
 
     def whole(self, gen: Generation, res: GenerationResult) -> dict:
-        return self.shape(gen.output.parse(res.text), True, _final_stats(gen, self.started))
+        return self.shape(res.piece, True, _final_stats(gen, self.started))
 
-    def events(self, gen: Generation, out: RequestOutput) -> list:
-        piece = gen.output.feed(out.text_delta)
+    def opening(self, gen: Generation) -> list:
+        return [self.shape(Piece(), False, {})]
+
+    def keepalive(self, gen: Generation) -> list:
+        return [self.shape(Piece(), False, {})]
+
+    def events(self, gen: Generation, out: RequestOutput, piece: Piece) -> list:
         done = output_reason(out) is not None
-        if done:
-            piece.add(gen.output.finish())
         events = [self.shape(piece, False, {})] if piece else []
         if done:
             events.append(self.shape(Piece(), True, _final_stats(gen, self.started)))
         return events
-
-    def tail(self, gen: Generation) -> list:
-        return []
 
     def error(self, exc: ApiError) -> dict:
         return {"error": exc.message}

@@ -27,7 +27,8 @@ import uuid
 from aiohttp import web
 
 from ..engine.types import RequestOutput, SamplingParams
-from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
+from .core import Generation, GenerationResult, Renderer, ServerState, output_reason, run, state_of
+from ..tools.parsers import Piece
 from ..tools.spec import AnswerFormat, ToolSpec, check_schema, normalise_history, parse_tool_choice, parse_tools
 from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, TokenPrompt, checked_params, given_fields
 from .responses import logprob_items, timings_dict
@@ -220,10 +221,10 @@ def parse_completion(body: dict, state: ServerState) -> Intake:
                   echo=bool(f.get("echo")) and isinstance(kind, (TextPrompt, FimPrompt)))
 
 
-class _Answer:
-    """What both OpenAI renderers share: the id, the creation time, usage and the stream's end."""
+class _Answer(Renderer):
+    """What both OpenAI renderers share: the id, the creation time, usage and the stream's end. A quiet stream sends
+    SSE comments (the Renderer's keep-alive)."""
 
-    fmt = "sse"
     obj = ""
 
     def __init__(self, intake: Intake, model: str, prefix: str):
@@ -261,14 +262,15 @@ def _message_calls(calls) -> list[dict]:
 
 
 class ChatAnswer(_Answer):
-    """Content, reasoning_content and tool_calls from the generation's OutputParser. Streamed, a call's id, type
-    and name come once, then its arguments; a stop after calls is finish_reason "tool_calls"."""
+    """Content, reasoning_content and tool_calls from the generation's OutputParser. Streamed, the role chunk opens
+    the stream at once; a call's id, type and name come once, then its arguments; a stop after calls is
+    finish_reason "tool_calls". A call max_tokens cuts is dropped from a whole answer; streamed, the part already
+    sent is marked incomplete by finish_reason "length"."""
 
     obj = "chat.completion.chunk"
 
     def __init__(self, intake: Intake, model: str):
         super().__init__(intake, model, "chatcmpl")
-        self.first = True
         self.index: dict[str, int] = {}  # call id -> its index in tool_calls
 
     def _head(self, call_id: str, name: str) -> dict:
@@ -285,7 +287,7 @@ class ChatAnswer(_Answer):
         return "tool_calls" if reason == "stop" and gen.output.calls else reason
 
     def whole(self, gen: Generation, res: GenerationResult) -> dict:
-        piece = gen.output.parse(res.text)
+        piece = res.piece
         message: dict = {"role": "assistant", "content": piece.content if piece.content or not piece.calls else None}
         if piece.reasoning:
             message["reasoning_content"] = piece.reasoning
@@ -299,16 +301,13 @@ class ChatAnswer(_Answer):
     def _choice(self, delta: dict, lp=None, finish: str | None = None) -> dict:
         return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
-    def events(self, gen: Generation, out: RequestOutput) -> list:
+    def opening(self, gen: Generation) -> list:
+        return [self.chunk(self._choice({"role": "assistant", "content": ""}), gen, None)]
+
+    def events(self, gen: Generation, out: RequestOutput, piece: Piece) -> list:
         self.generated += len(out.new_token_ids)
         finish = output_reason(out)
-        piece = gen.output.feed(out.text_delta)
-        if finish:
-            piece.add(gen.output.finish())
         events = []
-        if self.first:
-            self.first = False
-            events.append(self.chunk(self._choice({"role": "assistant", "content": ""}), gen, None))
         lp = self._logprobs(gen, out.logprobs) if out.logprobs else None
         deltas = []
         if piece.reasoning:
@@ -359,7 +358,7 @@ class CompletionAnswer(_Answer):
                                                                                         len(self.echo))}],
                 "usage": self.usage(gen, len(res.token_ids)), "timings": timings_dict(gen.timings)}
 
-    def events(self, gen: Generation, out: RequestOutput) -> list:
+    def events(self, gen: Generation, out: RequestOutput, piece: Piece) -> list:
         self.generated += len(out.new_token_ids)
         finish = output_reason(out)
         if not (out.text_delta or out.logprobs or finish or self.pending_echo):

@@ -54,10 +54,10 @@ from typing import Any
 from aiohttp import web
 
 from ..engine.types import RequestOutput, SamplingParams
-from ..tools.parsers import ToolCall
+from ..tools.parsers import Piece, ToolCall
 from ..tools.spec import AnswerFormat, Function, ToolSpec, check_schema, tool_list, unique_tools
 from .agents import MAX_BLOCKS, call_entry, flat_tool, parts_in_order, renamed, text_of, token_counts
-from .core import Generation, GenerationResult, ServerState, output_reason, run, state_of
+from .core import Generation, GenerationResult, Renderer, ServerState, output_reason, run, state_of
 from .intake import ChatPrompt, Intake, checked_params, given_fields
 from .response_store import ResponseStore
 from .validation import TEXT, TOP_P, ApiError, Field, bad_field, check_fields, log_ignored, read_json, require
@@ -366,9 +366,11 @@ def answer_turns(items: list[dict]) -> list[dict]:
     return [turn]
 
 
-class ResponseAnswer:
-    """One Response, whole or as its event stream. Streamed, an output item opens when the kind of output changes
-    (thought, text, each call) and is done before the next opens."""
+class ResponseAnswer(Renderer):
+    """One Response, whole or as its event stream. Streamed, `response.created` and `response.in_progress` open it
+    at once (a quiet stream then sends SSE comments), an output item opens when the kind of output changes (thought,
+    text, each call) and is done before the next opens. When max_output_tokens cuts the answer, the response and
+    its last text or thought are incomplete; a call comes only whole (one it cuts is dropped)."""
 
     fmt = "sse_named"
 
@@ -432,12 +434,12 @@ class ResponseAnswer:
         return item
 
     def whole(self, gen: Generation, res: GenerationResult) -> dict:
-        for kind, value in parts_in_order(gen.output.parse(res.text)):
+        for kind, value in parts_in_order(res.piece):
             self.items.append(self._reasoning(value) if kind == "reasoning" else self._message(value)
                               if kind == "text" else self._call(value))  # type: ignore[arg-type]
         status = self._status(res.finish_reason)
-        if self.items and status == "incomplete":  # the last item is the one max_output_tokens cut
-            self.items[-1]["status"] = "incomplete"
+        if self.items and status == "incomplete" and self.items[-1]["type"] != "function_call":
+            self.items[-1]["status"] = "incomplete"  # the text max_output_tokens cut
         return self._stored(self.response(gen, status, len(res.token_ids)))
 
     def _stored(self, response: dict) -> dict:
@@ -483,7 +485,7 @@ class ResponseAnswer:
             return []
         kind, self.open = self.open, None
         item, index = self.items[-1], len(self.items) - 1
-        item["status"] = status
+        item["status"] = "completed" if kind == "call" else status  # calls come only whole
         ids = {"item_id": item["id"], "output_index": index}
         if kind == "call":
             events = [self._event("response.function_call_arguments.done", **ids, name=item["name"],
@@ -498,17 +500,14 @@ class ResponseAnswer:
                                   text=item["content"][0]["text"])]
         return events + [self._event("response.output_item.done", output_index=index, item=dict(item))]
 
-    def events(self, gen: Generation, out: RequestOutput) -> list:
+    def opening(self, gen: Generation) -> list:
+        head = self.response(gen, "in_progress", None)
+        return [self._event("response.created", response=head), self._event("response.in_progress", response=head)]
+
+    def events(self, gen: Generation, out: RequestOutput, piece: Piece) -> list:
         self.generated += len(out.new_token_ids)
         events: list[dict] = []
-        if self.seq == 0:
-            head = self.response(gen, "in_progress", None)
-            events += [self._event("response.created", response=head),
-                       self._event("response.in_progress", response=head)]
         finish = output_reason(out)
-        piece = gen.output.feed(out.text_delta)
-        if finish:
-            piece.add(gen.output.finish())
         for kind, value in parts_in_order(piece):
             if kind != self.open or kind == "call":
                 events += self._start(kind, value)
@@ -519,9 +518,6 @@ class ResponseAnswer:
             response = self._stored(self.response(gen, status, self.generated))
             events.append(self._event(f"response.{status}", response=response))
         return events
-
-    def tail(self, gen: Generation) -> list:
-        return []
 
     def error(self, exc: ApiError) -> dict:
         return self._event("error", code="server_error", message=exc.message, param=exc.param)

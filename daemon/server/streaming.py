@@ -1,8 +1,15 @@
-"""SSE and NDJSON writers with bounded buffers and a write-stall timeout.
+"""SSE and NDJSON writers with bounded buffers and a write-stall timeout, and the timing of a stream (`pump`).
 
 Back-pressure: the transport's write buffer is kept small, and after every event we wait for it to drain below its
 high-water mark. A client that stops reading makes that wait last; past `write_timeout` we raise WriteStalled, and the
 caller aborts the request in the engine. Only this handler task waits: the engine thread and other streams never do.
+
+A stream opens at once: the dialect's opening events (OpenAI's role chunk, Anthropic's message_start, ...) go out as
+soon as the request is accepted, before its prefill. While no output comes (queued, in a long prefill), the prompt's
+progress goes out where the dialect has a place for it, and after `keepalive_s` seconds without a write the
+dialect's keep-alive (an SSE comment, Anthropic's ping, Ollama's empty chunk): clients with a stall watchdog and
+proxies with an idle timeout see the stream alive. `keepalive_s` is a setting (`stream_keepalive`), so tests can
+lower it.
 """
 
 from __future__ import annotations
@@ -10,13 +17,27 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
+from typing import TYPE_CHECKING
 
 from aiohttp import web
+
+if TYPE_CHECKING:
+    from .core import Generation, Renderer
 
 # Small buffers: a token event is a few hundred bytes, so these still hold many events, but a stalled reader is
 # noticed after tens of kilobytes instead of megabytes.
 TRANSPORT_HIGH_WATER = 8 * 1024
 SOCKET_SNDBUF = 16 * 1024
+KEEPALIVE_S = 10.0  # the default of the stream_keepalive setting
+PROGRESS_POLL_S = 0.25  # how often a quiet stream looks at its prompt's progress
+
+
+class SseComment(str):
+    """An SSE comment line (`: text`): every SSE client skips it."""
+
+
+KEEP_ALIVE = SseComment("keep-alive")
 
 
 class WriteStalled(Exception):
@@ -59,9 +80,12 @@ class EventStream:
         await self._guard(self.response.prepare(self.request))
 
     async def send(self, obj) -> None:
-        """Send one event: a dict as JSON, or a raw string (SSE `[DONE]`)."""
+        """Send one event: a dict as JSON, or a raw string (SSE `[DONE]`, or the KEEP_ALIVE comment)."""
         payload = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-        if self.fmt == "ndjson":
+        if isinstance(obj, SseComment):
+            assert self.fmt != "ndjson", "NDJSON has no comments: a dialect sends an empty chunk instead"
+            line = f": {payload}\n\n"
+        elif self.fmt == "ndjson":
             line = payload + "\n"
         elif self.fmt == "sse_named" and isinstance(obj, dict):
             line = f"event: {obj['type']}\ndata: {payload}\n\n"
@@ -98,18 +122,66 @@ class EventStream:
             raise ClientGone() from None
 
 
-async def pump(gen, es: EventStream, render, tail=None, on_error=None) -> web.StreamResponse:
-    """Stream one Generation: `render(out) -> [events]` per engine output, `tail() -> [events]` after the last.
+class _Ticks:
+    """Reads an async iterator with a deadline per wait: `next()` is its next item, None when `tick` seconds pass
+    first (the read goes on, the next call waits for it again), or END after its last item."""
+
+    END = object()
+
+    def __init__(self, source, tick: float):
+        self._it = source.__aiter__()
+        self._tick = tick
+        self._read: asyncio.Future | None = None
+
+    async def next(self):
+        if self._read is None:
+            self._read = asyncio.ensure_future(self._it.__anext__())
+        done, _ = await asyncio.wait({self._read}, timeout=self._tick)
+        if not done:
+            return None
+        read, self._read = self._read, None
+        try:
+            return read.result()
+        except StopAsyncIteration:
+            return self.END
+
+    def close(self) -> None:
+        """Cancel a read in flight (the stream is left early)."""
+        if self._read is not None:
+            self._read.cancel()
+
+
+async def pump(gen: Generation, es: EventStream, renderer: Renderer, keepalive_s: float) -> web.StreamResponse:
+    """Stream one Generation in a dialect's shapes (core.Renderer): its opening at once, the events of each engine
+    output and its parsed text, the tail after the last; while no output comes, the prompt's progress (when it grew)
+    and, after `keepalive_s` seconds without a write, the keep-alive.
 
     A stall or a vanished client aborts the request in the engine (the Generation's exit does the rest)."""
     from .validation import ApiError
 
+    outputs = _Ticks(gen, min(keepalive_s, PROGRESS_POLL_S))
     try:
         await es.open()
-        async for out in gen:
-            for event in render(out):
+        events, quiet_since, computed = renderer.opening(gen), time.monotonic(), 0
+        while True:
+            for event in events:
                 await es.send(event)
-        for event in (tail() if tail else []):
+            if events:
+                quiet_since = time.monotonic()
+            item = await outputs.next()
+            if item is _Ticks.END:
+                break
+            if item is not None:
+                events = renderer.events(gen, *item)
+                continue
+            p = gen.progress()
+            events = []
+            if p is not None and p.computed > computed:
+                computed = p.computed
+                events = renderer.progress(gen, p)
+            if not events and time.monotonic() - quiet_since >= keepalive_s:
+                events = renderer.keepalive(gen)
+        for event in renderer.tail(gen):
             await es.send(event)
         await es.close()
     except WriteStalled:
@@ -120,9 +192,10 @@ async def pump(gen, es: EventStream, render, tail=None, on_error=None) -> web.St
     except ApiError as exc:  # the engine failed mid-stream; the status line is already sent
         es.request[ERROR_KEY] = exc.message  # the request's log line says why
         try:
-            if on_error is not None:
-                await es.send(on_error(exc))
+            await es.send(renderer.error(exc))
             await es.close()
         except (WriteStalled, ClientGone):
             es.abort_connection()
+    finally:
+        outputs.close()
     return es.response
