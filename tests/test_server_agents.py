@@ -122,6 +122,39 @@ def test_anthropic_tool_loop_forced_through_the_grammar(daemon, claude, model):
     assert [e.delta.stop_reason for e in events if e.type == "message_delta"] == ["tool_use"]
 
 
+def test_forced_calls_end_cleanly_in_both_agent_apis(daemon, claude, oai, model):
+    """Parallel calls allowed (both APIs' default): a named tool is one call, `any` / `required` end at the model's
+    stop or its first repeated call, well before max_tokens; a call max_tokens cuts is dropped (stop_reason
+    max_tokens, status incomplete) and no call markup reaches a text block."""
+    ask = [{"role": "user", "content": ASK}]
+    named = claude.messages.create(model=model, max_tokens=200, messages=ask, tools=[WEATHER], extra_body=GREEDY,
+                                   tool_choice={"type": "tool", "name": "get_weather"})
+    assert named.stop_reason == "tool_use" and [b.type for b in named.content] == ["tool_use"]
+    one_call = named.usage.output_tokens
+    anyone = claude.messages.create(model=model, max_tokens=200, messages=ask, tools=[WEATHER], extra_body=GREEDY,
+                                    tool_choice={"type": "any"})
+    inputs = [json.dumps(b.input) for b in anyone.content if b.type == "tool_use"]
+    assert anyone.stop_reason == "tool_use" and inputs and len(set(inputs)) == len(inputs)
+    assert anyone.usage.output_tokens <= (len(inputs) + 1) * one_call + 2 < 200
+    cut = claude.messages.create(model=model, max_tokens=one_call - 8, messages=ask, tools=[WEATHER],
+                                 extra_body=GREEDY, tool_choice={"type": "any"})
+    assert cut.stop_reason == "max_tokens" and not [b for b in cut.content if b.type == "tool_use"]
+    assert all("<tool" not in b.text for b in cut.content if b.type == "text")
+
+    resp = oai.responses.create(model=model, input=ASK, tools=[FN_WEATHER], tool_choice="required",
+                                max_output_tokens=200, temperature=0)
+    calls = [i.arguments for i in resp.output if i.type == "function_call"]
+    assert resp.status == "completed" and calls and len(set(calls)) == len(calls)
+    assert [i.type for i in resp.output] == ["function_call"] * len(calls)
+    assert resp.usage.output_tokens <= (len(calls) + 1) * one_call + 2 < 200
+    events = list(oai.responses.create(model=model, input=ASK, tools=[FN_WEATHER], tool_choice="required",
+                                       max_output_tokens=one_call + 3, temperature=0, stream=True))
+    final = events[-1].response
+    assert final.status == "incomplete" and [i.type for i in final.output] == ["function_call"]
+    assert final.output[0].status == "completed" and not any(e.type.startswith("response.output_text")
+                                                             for e in events)
+
+
 def test_anthropic_errors_in_anthropic_shape(daemon, claude, model):
     import anthropic
 

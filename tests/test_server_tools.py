@@ -230,6 +230,89 @@ def test_ollama_tools_and_tool_results(smol):
     assert "tools" not in show.capabilities and "thinking" not in show.capabilities
 
 
+# --- forced calls end cleanly: one call for a named tool, no repeats, no call markup in the content --------------
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+TWO_CITIES = [{"role": "user", "content": "What is the weather in Paris and in Oslo? Use the tool for each city."}]
+
+
+def _no_markup(text: str | None) -> bool:
+    return "<tool" not in (text or "") and "tool_call>" not in (text or "")
+
+
+def test_forced_calls_end_cleanly_with_the_openai_client(smol):
+    """parallel_tool_calls left at its default (true), as LangChain and LiteLLM send it: a named tool is one call
+    (the grammar ends after it), `required` ends when the model stops or repeats a call, and generation stops
+    there: far fewer tokens than max_tokens."""
+    client = _client(smol)
+    model = smol.stats()["model"]
+    named = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice=NAMED,
+                                           max_tokens=200, temperature=0)
+    choice = named.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
+    one_call = named.usage.completion_tokens
+    assert one_call < 40
+    for ask in (ASK, TWO_CITIES):
+        resp = client.chat.completions.create(model=model, messages=ask, tools=[WEATHER], tool_choice="required",
+                                              max_tokens=200, temperature=0)
+        choice = resp.choices[0]
+        calls = [(c.function.name, json.loads(c.function.arguments)["city"]) for c in choice.message.tool_calls]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(set(calls)) == len(calls) and ("get_weather", "Paris") in calls
+        # stopped at the first repeat (or the model's own end): at most one call's worth of tokens more
+        assert resp.usage.completion_tokens <= (len(calls) + 1) * one_call + 2 < 200, resp.usage
+    assert len(calls) == 2  # the two cities, each once
+    # streamed: the same distinct calls, no content at all, finish_reason tool_calls
+    chunks = list(client.chat.completions.create(model=model, messages=TWO_CITIES, tools=[WEATHER],
+                                                 tool_choice="required", max_tokens=200, temperature=0, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    heads = [tc.function.name for d in deltas for tc in d.tool_calls or [] if tc.id]
+    assert heads == ["get_weather"] * len(calls) and not "".join(d.content or "" for d in deltas)
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+    # a call max_tokens cuts is dropped from the whole answer; streamed, its start may be out (finish_reason
+    # "length" marks it incomplete); a cut marker after a complete call never reaches the content
+    cut = client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice=NAMED,
+                                         max_tokens=one_call - 8, temperature=0)
+    assert cut.choices[0].finish_reason == "length" and not cut.choices[0].message.tool_calls
+    assert _no_markup(cut.choices[0].message.content)
+    chunks = list(client.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
+                                                 max_tokens=one_call + 3, temperature=0, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert _no_markup("".join(d.content or "" for d in deltas))
+    assert [tc.function.name for d in deltas for tc in d.tool_calls or [] if tc.id] == ["get_weather"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert smol.wait_idle()["kv"]["blocks_used"] == 0  # the requests stopped early left no blocks behind
+
+
+def test_ollama_calls_end_cleanly_and_a_cut_call_leaves_no_markup(smol):
+    """Ollama has no tool_choice: under the generic fallback's grammar the model chooses a call here (its earlier
+    call in the history shows it how); calls come whole, a cut one is dropped (done_reason length)."""
+    import ollama
+
+    client = ollama.Client(host=smol.url)
+    model = smol.stats()["model"]
+    history = [{"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+               {"role": "user", "content": "Weather in Paris?"}]
+    resp = client.chat(model=model, messages=history, tools=[WEATHER], options={"num_predict": 200, "temperature": 0})
+    assert resp.done_reason == "stop" and resp.message.content == "" and resp.eval_count < 60
+    assert [(c.function.name, c.function.arguments) for c in resp.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    parts = list(client.chat(model=model, messages=history, tools=[WEATHER], stream=True,
+                             options={"num_predict": 200, "temperature": 0}))
+    assert "".join(p.message.content for p in parts) == "" and parts[-1].done_reason == "stop"
+    assert [c.function.arguments for p in parts for c in p.message.tool_calls or []] == [{"city": "Paris"}]
+    # cut inside the arguments (whole), and inside the closing tag (streamed)
+    for cut in (client.chat(model=model, messages=history, tools=[WEATHER],
+                            options={"num_predict": 12, "temperature": 0}),
+                *client.chat(model=model, messages=history, tools=[WEATHER], stream=True,
+                             options={"num_predict": resp.eval_count - 2, "temperature": 0})):
+        assert _no_markup(cut.message.content) and not cut.message.tool_calls
+    assert cut.done and cut.done_reason == "length"
+
+
 async def test_bad_tool_requests_are_400s_never_500s(smol):
     before = _server_errors(smol)
     bad = [({"messages": ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
