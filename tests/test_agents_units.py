@@ -163,18 +163,17 @@ def test_responses_namespaces_flatten_as_codex_does_and_other_tools_are_left_out
 
 
 def test_responses_namespaced_calls_come_back_split_and_go_in_joined(smol_tokenizer):
-    from llmd.server.core import GenerationResult
     from llmd.server.intake import Intake
 
     namespaced = {"mcp__docs__search": ("mcp__docs__", "search")}
     script = '<tool_call>\n{"name": "mcp__docs__search", "arguments": {"city": "Paris"}}\n</tool_call>'
     gen = _generation(smol_tokenizer, frozenset({"mcp__docs__search"}))
     answer = responses_api.ResponseAnswer(Intake("m", None, None, False), {}, "m", namespaced=namespaced)
-    (item,) = answer.whole(gen, GenerationResult(script, [7] * 9, "stop", None, []))["output"]
+    (item,) = answer.whole(gen, _result(gen, script))["output"]
     assert (item["type"], item["name"], item["namespace"]) == ("function_call", "search", "mcp__docs__")
     answer = responses_api.ResponseAnswer(Intake("m", None, None, True), {}, "m", namespaced=namespaced)
     gen = _generation(smol_tokenizer, frozenset({"mcp__docs__search"}))
-    events = [e for out in _outputs(script) for e in answer.events(gen, out)]
+    events = _stream(answer, gen, script)
     added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
     assert [(i["name"], i["namespace"]) for i in added] == [("search", "mcp__docs__")]
     assert [e["name"] for e in events if e["type"] == "response.function_call_arguments.done"] == ["search"]
