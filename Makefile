@@ -45,8 +45,10 @@ install-test: $(PY)
 run: install
 	$(VENV)/bin/llmd run smollm2:135m "What is the capital of France?" --temperature 0
 
+# Test files run side by side on one worker process per core (at most 4), each file whole on one worker, so that its
+# module-scoped daemons and models are made once.
 test: install-test lint
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n auto --maxprocesses 4 --dist loadfile
 
 # ruff and mypy on the modules listed in pyproject.toml ([tool.ruff] include, [tool.mypy] files)
 lint: install-test
