@@ -19,7 +19,7 @@ LATEST_INSTALL = $(MAKE) --no-print-directory torch && $(PIP) install -q --upgra
 # `python -m`/`-c` the tests start from adding it.
 export PYTHONSAFEPATH := 1
 
-.PHONY: run test lint install install-test torch clean bench-anchor lock test-latest
+.PHONY: run test lint install install-test torch clean bench-anchor lock test-latest clients test-clients
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -93,5 +93,26 @@ bench-anchor: $(PY)
 	  CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
 	  $(PIP) install --no-binary llama-cpp-python "$(LLAMA_CPP_PYTHON)"
 
+# The real agents and editors against one real daemon (tests/test_real_clients.py, marker `clients`; `make test`
+# never runs them). Each CLI goes into .clients/ (ignored by git) at the version pinned here, never into .venv's
+# locked packages: the npm ones under .clients/npm (their native binaries come as npm optional dependencies, from
+# the registry), aider and llm each in a venv of their own (aider pins its dependencies exactly, and llm's conflict
+# with them; aider 0.86 wants Python 3.10-3.12: CLIENTS_PYTHON picks the interpreter).
+CLIENTS := .clients
+CLIENTS_PYTHON ?= python3
+CLIENTS_NPM := @anthropic-ai/claude-code@2.1.332 @openai/codex@0.171.0 opencode-ai@1.18.33 @continuedev/cli@1.5.47
+AIDER := aider-chat==0.86.2
+LLM_CLI := llm==0.36 llm-ollama==0.19.1
+clients:
+	@mkdir -p $(CLIENTS)/npm
+	npm install --prefix $(CLIENTS)/npm --save-exact --no-audit --no-fund --loglevel=error $(CLIENTS_NPM)
+	@test -x $(CLIENTS)/aider/bin/python || $(CLIENTS_PYTHON) -m venv $(CLIENTS)/aider
+	$(CLIENTS)/aider/bin/python -m pip install -q $(AIDER)
+	@test -x $(CLIENTS)/llm/bin/python || $(CLIENTS_PYTHON) -m venv $(CLIENTS)/llm
+	$(CLIENTS)/llm/bin/python -m pip install -q $(LLM_CLI)
+
+test-clients: install-test clients
+	LLMD_CLIENTS_DIR=$(abspath $(CLIENTS)) $(VENV)/bin/pytest -q -m clients -rA tests/test_real_clients.py
+
 clean:
-	rm -rf $(VENV) .venv-latest build *.egg-info
+	rm -rf $(VENV) .venv-latest build *.egg-info $(CLIENTS)
