@@ -49,6 +49,7 @@ class RecordingProxy:
     _loop: asyncio.AbstractEventLoop | None = None
     _runner: web.AppRunner | None = None
     _thread: threading.Thread | None = None
+    _session: aiohttp.ClientSession | None = None
 
     @property
     def url(self) -> str:
@@ -78,6 +79,7 @@ class RecordingProxy:
         self._loop.call_soon_threadsafe(self._loop.stop)
         if self._thread is not None:
             self._thread.join(30)
+        self._loop.close()
 
     def mark(self) -> int:
         """The number of exchanges so far: `since(mark)` is what came after."""
@@ -87,16 +89,15 @@ class RecordingProxy:
         return list(self.exchanges[mark:])
 
     async def _serve(self) -> None:
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=30),
-                                              auto_decompress=False)
+        session = self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=30), auto_decompress=False)
         app = web.Application(client_max_size=64 << 20)
         app.router.add_route("*", "/{tail:.*}", self._forward)
-        app.on_cleanup.append(lambda _app: self._session.close())
+        app.on_cleanup.append(lambda _app: session.close())
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)  # 0: any free port
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()  # port 0: any free port
+        self.port = self._runner.addresses[0][1]
 
     async def _forward(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -108,6 +109,7 @@ class RecordingProxy:
                       {k: v for k, v in request.headers.items() if k.lower() in KEPT_HEADERS}, body)
         self.exchanges.append(ex)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        assert self._session is not None
         try:
             async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
                                              data=raw or None) as up:
