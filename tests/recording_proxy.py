@@ -35,10 +35,10 @@ class Exchange:
     error: str = ""  # the proxy's own failure to reach upstream
 
     def summary(self) -> str:
-        line = f"{self.method} {self.path} -> {self.status or self.error}"
+        line = f"{self.method} {self.path} -> {self.status or ''}"
         if self.status >= 400:
             line += f" {self.response[:600]}"
-        return line
+        return line + (f" ({self.error})" if self.error else "")
 
 
 @dataclass
@@ -124,6 +124,8 @@ class RecordingProxy:
                             seen += chunk[:BODY_CAP - len(seen)]
                         await response.write(chunk)
                     await response.write_eof()
+                except ConnectionResetError:  # the client hung up (some do once they have the last event)
+                    ex.error = "the client hung up"
                 finally:
                     ex.response = seen.decode(errors="replace")
                 return response
