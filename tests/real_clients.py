@@ -279,9 +279,10 @@ def refusals(run: Run) -> list[str]:
 
 def describe_request(ex: Exchange) -> str:
     """What a generation request carried, in one paragraph: its top-level fields and the sizes that matter."""
-    body = ex.body if isinstance(ex.body, dict) else {}
-    size = len(json.dumps(body))
-    parts = [f"{ex.method} {ex.path} ({size} bytes JSON) headers {ex.headers}"]
+    if not isinstance(ex.body, dict) or not ex.body:
+        return f"{ex.method} {ex.path}"
+    body = ex.body
+    parts = [f"{ex.method} {ex.path} ({len(json.dumps(body))} bytes JSON) headers {ex.headers}"]
     for key, value in body.items():
         if key in ("messages", "input"):
             parts.append(f"  {key}: {len(value) if isinstance(value, list) else 1} item(s)")
