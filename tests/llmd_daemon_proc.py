@@ -83,9 +83,22 @@ class DaemonProc:
         return self.proc.returncode
 
 
+def share_compiled_kernels(cache: Path) -> None:
+    """The daemon's CPU kernels come from the test process's kernel cache: the same sources and flags name the same
+    file, written atomically, so sharing changes nothing but the ~20 s each daemon would spend compiling them again."""
+    from llmd.kernels.cpu_gemm import cache_dir
+
+    shared, mine = cache_dir(), cache / "llmd" / "kernels"
+    if not mine.exists():
+        shared.mkdir(parents=True, exist_ok=True)
+        mine.parent.mkdir(parents=True, exist_ok=True)
+        mine.symlink_to(shared, target_is_directory=True)
+
+
 def start_daemon(base: Path, *args: str, api_key: str | None = None, env: dict | None = None) -> DaemonProc:
     for sub in ("run", "config", "state", "data", "cache"):
         (base / sub).mkdir(parents=True, exist_ok=True, mode=0o700)
+    share_compiled_kernels(base / "cache")
     extra = {"OLLAMA_MODELS": str(base / "ollama-models"), **(env or {})}  # never the user's Ollama store
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_")}
     env.update(extra)
