@@ -132,7 +132,7 @@ def real_files(name: str, ftypes: list[str]) -> list[Path]:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}: one of {', '.join(SHAPES)}")
     out = [cache_dir() / f"real-{name}.{t}.gguf" for t in ftypes]
-    missing = [(p, t) for p, t in zip(out, ftypes) if not p.exists()]
+    missing = [(p, t) for p, t in zip(out, ftypes, strict=True) if not p.exists()]
     if missing:
         from conftest import bundled_smollm2_path
 
