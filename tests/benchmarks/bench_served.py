@@ -9,7 +9,8 @@ streamed /v1/completions (temperature 0; llmd ignores EOS, llama.cpp gets a -100
 - ttft: time to the first token of cold prompts of each --sizes tokens, a distinct prompt each (no prefix-cache hit);
 - decode: aggregate decode tok/s of 1, 4 and 16 concurrent streams (tokens after each stream's first, over the
   span from the first stream's first token to the last stream's last); llama-cpp-python's server runs one request
-  at a time, so its streams queue, as its users' do;
+  at a time, so its streams queue, as its users' do (with --interrupt_requests False: by default a new request
+  ends the stream in progress);
 - bandwidth: a STREAM-like triad (a = b + s*c, 3 x 1 GiB of float32, torch on --threads threads) and a pure read,
   and for batch-1 decode the GB/s achieved = (weight bytes read per token + KV bytes read) x tok/s, and its % of
   the triad.
@@ -96,10 +97,11 @@ def start_llamacpp(model: Model, threads: int, ctx: int, base: Path) -> Server |
         return None
     port = free_port()
     log = open(base / "llama-cpp.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "llama_cpp.server", "--model", str(model.path), "--host",
-                             "127.0.0.1", "--port", str(port), "--n_threads", str(threads), "--n_threads_batch",
-                             str(threads), "--n_ctx", str(ctx)], stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONSAFEPATH": "1"})
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model.path), "--host", "127.0.0.1", "--port",
+           str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(ctx),
+           "--interrupt_requests", "False"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONSAFEPATH": "1"})
 
     def stop() -> None:
         proc.terminate()
