@@ -134,7 +134,7 @@ async def stream(http: aiohttp.ClientSession, server: Server, prompt: str, max_t
         async for line in r.content:
             if line.startswith(b"data: {"):
                 choice = (json.loads(line[6:]).get("choices") or [{}])[0]
-                if choice.get("text"):
+                if choice.get("text") or choice.get("finish_reason"):  # a byte of a character may come as ""
                     arrivals.append(time.perf_counter())
                 finish = choice.get("finish_reason") or finish
     if not arrivals:
