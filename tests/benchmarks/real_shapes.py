@@ -117,7 +117,9 @@ def write_f16(name: str, path: Path, tokenizer_source: Path) -> None:
 
 def quantize(src: Path, dst: Path, ftype: str) -> None:
     import llama_cpp
+    from llama_cpp._logger import set_verbose
 
+    set_verbose(False)  # llama.cpp's per-tensor log: errors only
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = os.cpu_count() or 1
