@@ -88,7 +88,7 @@ def serve(
     shutdown_grace: float = typer.Option(None, "--shutdown-grace", help="Seconds streams get to finish on SIGTERM (default 10)."),
     api_key_file: str = typer.Option(None, "--api-key-file", help="File holding the bearer token (mode 0600)."),
     device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: CUDA when available)."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads for the model (default: one per core but one, left to the server and clients; fewer when the cores are busy)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads each model computes with (default: every core the process may use; fewer when the cores are busy with other work)."),
     dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16."),
     quant: str = typer.Option(None, "--quant", help="Weight format: none, gguf (keep a GGUF's packing), int8, int4[-g32|-g64|-g128], bnb-int8, bnb-nf4 (default: auto)."),
     max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Sequences in one batch."),
@@ -249,11 +249,11 @@ def generate(
     raw: bool = typer.Option(False, "--raw", help="Send the prompt as is, without the chat template."),
     dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."),
     device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
-    threads: int = typer.Option(None, "--threads", help="CPU threads for the model (default: one per core; fewer when the cores are busy)."),
+    threads: int = typer.Option(None, "--threads", help="CPU threads for the model (default: every core the process may use; fewer when the cores are busy)."),
     quant: str = typer.Option(None, "--quant", help="Weight format: none (dequantize), gguf (keep a GGUF's own packing), int8, int4 (default: auto)."),
 ):
     """Generate text from PROMPT and stream it to stdout (load time and speed go to stderr)."""
-    from .config import load_settings
+    from .config import load_settings, usable_cores
     from .store import resolve
 
     # Settings and the model name are checked before torch is imported, so those mistakes fail fast.
@@ -270,7 +270,7 @@ def generate(
     except ValueError as exc:
         fail(f"--quant: {exc}")
     check_device(settings.device)
-    set_threads(settings.threads)
+    set_threads(settings.threads or usable_cores())
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                             min_p=min_p, seed=seed).validate()
     loaded = load_model(files, dtype=torch_dtype(settings.dtype), device=settings.device, quant=quant)

@@ -77,6 +77,13 @@ def runtime_socket_path() -> Path:
     return Path(tempfile.gettempdir()) / f"llmd-{os.getuid()}" / "llmd.sock"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask: taskset, cgroup cpusets), the default of `threads`."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1  # macOS has no affinity mask
+
+
 def config_file() -> Path:
     override = os.environ.get(ENV_PREFIX + "CONFIG")
     return Path(override).expanduser() if override else config_dir() / "config.toml"
@@ -91,8 +98,8 @@ class Settings:
     dtype: str | None = None  # "float32", "bfloat16", "float16"; None: fp32 on CPU, bf16 on CUDA
     quant: str | None = None  # a QuantMethod; None: a GGUF keeps its packing on CUDA, else unquantized
     device: str | None = None  # "cpu", "cuda", "cuda:1"; None: CUDA when available
-    # CPU threads for the model's math; None: torch's default (one per core). Fewer helps on a desktop whose
-    # cores are busy with other work: a matmul waits for its slowest thread.
+    # CPU threads for each model's math (an engine setting); None: every core the process may use (usable_cores).
+    # Fewer helps on a desktop whose cores are busy with other work: a matmul waits for its slowest thread.
     threads: int | None = None
 
     # server
@@ -147,7 +154,6 @@ class Settings:
 # None means unbounded on that side.
 _BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "port": (0, 65535),
-    "threads": (1, 1024),
     "max_loaded_models": (1, 64),
     "memory_budget": (1, None),
     "ollama_port": (0, 65535),

@@ -396,8 +396,8 @@ def test_llmd_run_starts_a_daemon_and_leaves_it_serving(tmp_path):
 
 def test_llmd_ps_and_stats_show_each_models_kv_cache(daemon, tiny_qwen2):
     """Issue 19, through a real daemon serving two models: /v1/llmd/stats has one entry per loaded model, and `llmd ps`
-    shows each one's KV dtype, blocks used of its pool, and how many 8,192-token sequences the pool's bytes hold with
-    each KV dtype, which this test works out from the models' shapes."""
+    shows each one's CPU threads, KV dtype, blocks used of its pool, and how many 8,192-token sequences the pool's
+    bytes hold with each KV dtype, which this test works out from the models' shapes."""
     import subprocess
 
     from llmd_daemon_proc import llmd_exe
@@ -428,6 +428,9 @@ def test_llmd_ps_and_stats_show_each_models_kv_cache(daemon, tiny_qwen2):
         assert f"8k fits   {fits['fp16']} sequence" in shown, out.stdout
         assert f"(by KV dtype: fp32 {fits['fp32']}, fp16 {fits['fp16']}, bf16 {fits['bf16']}, int8 {fits['int8']})" \
             in shown, out.stdout
+        # each model's engine thread computes with every core the daemon may use (no --threads), and says so
+        cores = len(os.sched_getaffinity(daemon.proc.pid))
+        assert per[name]["threads"] == cores and f"CPU, {cores} thread" in shown, out.stdout
     tiny_fits = per["tiny"]["kv"]["seqs_8k_by_dtype"]
     assert tiny_fits["int8"] > tiny_fits["fp16"] > tiny_fits["fp32"] > 0  # the trade: bytes per token vs sequences
 

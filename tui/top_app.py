@@ -19,6 +19,7 @@ stats as JSON (it never imports the engine); this is the schema, served by llmd.
             requests_running, requests_waiting, requests_finished_total, prompt_tokens_total,
             generation_tokens_total, num_preemptions, steps_total, last_batch_size, last_step_tokens,
             tokens_per_second, engine_alive, engine_error, remote_url (a remote model's server, else null),
+            threads (the CPU threads its steps compute with; null on a GPU or remote),
             kv: {dtype, block_size, bytes_per_token, cache_bytes, blocks_total, blocks_used, blocks_cached,
                  blocks_free, seqs_8k_by_dtype: {fp32, fp16, bf16, int8}, prefix_queries_tokens,
                  prefix_hits_tokens, prefix_hit_rate, prefix_evictions, window_blocks_total, window_blocks_used,

@@ -2,9 +2,11 @@
 
 The event loop never waits on the model: submit() validates at once and queues a command; the engine thread drains
 commands before every step, runs the step, and hands the outputs back with call_soon_threadsafe. On the CPU it takes
-each step in turn with the process's other engines (engine/turns.py), so two models share the cores fairly. Each request reads
-its outputs from a RequestStream whose buffer is bounded: when a slow reader lets it fill, new outputs are merged
-into the last buffered one (tokens and text concatenated), so nothing is lost and nothing grows without limit.
+each step in turn with the process's other engines (engine/turns.py), so two models share the cores fairly; it first
+sets its own CPU thread count (EngineConfig.threads, Engine.use_threads), as torch's and OpenMP's are per thread.
+Each request reads its outputs from a RequestStream whose buffer is bounded: when a slow reader lets it fill, new
+outputs are merged into the last buffered one (tokens and text concatenated), so nothing is lost and nothing grows
+without limit.
 If a step raises, every in-flight request ends with an error output, and the engine is marked dead (stats show
 it, and submit raises EngineDead) rather than leaving requests hanging.
 
@@ -278,6 +280,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        engine.use_threads()  # torch's and the C kernels' thread count are this thread's own
         while not self._stop.is_set():
             try:
                 self._wake.clear()  # before draining: a command or compiled grammar arriving later still wakes us

@@ -27,6 +27,7 @@ BOUNDS: dict[str, tuple[float | None, float | None]] = {
     "max_queue": (1, 1_000_000),
     "num_speculative_tokens": (1, 16),
     "spec_max_batch": (1, 4096),
+    "threads": (1, 1024),
 }
 CHOICES: dict[str, tuple[str, ...]] = {"kv_cache_dtype": choices(KvCacheDtype),
                                        "speculative_mode": choices(SpecMode)}
@@ -59,6 +60,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     draft_model: object = None  # a model name/path, "self:N" (the target's first N layers) or a LoadedModel
     spec_max_batch: int | None = None  # auto mode: no speculation above this many sequences per step (default 8)
+    # CPU threads of each step: torch's intra-op pool and the C kernels' OpenMP teams in the thread that steps
+    # (Engine.use_threads); None: that thread's count as it is
+    threads: int | None = None
 
     def resolved(self, device_type: str, model_max_len: int) -> "EngineConfig":
         """A copy with every None default filled in for the device."""

@@ -94,6 +94,7 @@ class Engine:
         self.requests_finished_total = 0
         self.last_batch_size = 0
         self.last_step_tokens = 0
+        self.threads: int | None = None  # CPU threads of the last step, read in the thread that ran it
         self._stats_lock = threading.Lock()
         self._latencies: deque[dict] = deque(maxlen=LATENCY_WINDOW)
         self._throughput: deque[tuple[float, int]] = deque(maxlen=4096)
@@ -104,6 +105,15 @@ class Engine:
             self.speculator = Speculator(loaded, self.config, self.runner.num_blocks, self.runner.dtype, self.device)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    proposer=self.speculator, window_bm=self.window_block_manager)
+
+    def use_threads(self) -> None:
+        """Compute the steps that the calling thread runs with config.threads CPU threads. torch's intra-op count,
+        which the C kernels read as their OpenMP team size (torch.get_num_threads), belongs to each thread: the
+        thread that steps (AsyncEngine's engine thread) must set it, whatever another thread set."""
+        if self.config.threads:
+            torch.set_num_threads(self.config.threads)
+        if self.device.type == "cpu":
+            self.threads = torch.get_num_threads()
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,
@@ -207,6 +217,8 @@ class Engine:
         plan = self.scheduler.schedule()  # speculative proposals included (ScheduledSeq.spec)
         if plan.is_empty:
             return outputs
+        if self.device.type == "cpu":
+            self.threads = torch.get_num_threads()  # what this step's kernels run with (they read the same)
         now = time.monotonic()
         for s in plan.scheduled:
             if s.seq.timings.first_scheduled is None:
@@ -384,7 +396,7 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total, num_preemptions=self.scheduler.num_preemptions,
             steps_total=self.steps_total, last_batch_size=self.last_batch_size, last_step_tokens=self.last_step_tokens,
             tokens_per_second=tps, kv=kv, spec=self.speculator.stats() if self.speculator is not None else None,
-            latency=latency)
+            latency=latency, threads=self.threads)
 
     def check_no_leaks(self) -> None:
         """With no live requests, every block must be free or evictable cached (raises AssertionError if not)."""

@@ -390,6 +390,7 @@ class EngineStats:
     engine_alive: bool = True  # False once the engine thread died (engine_error says why)
     engine_error: str | None = None
     remote_url: str | None = None  # a remote model's upstream server
+    threads: int | None = None  # CPU threads the model's steps compute with (None: on a GPU, remote, or not yet known)
 
     @classmethod
     def from_dict(cls, data: dict) -> "EngineStats":

@@ -108,10 +108,13 @@ def ps(settings: Settings) -> str:
         for m in models:
             until = "forever (pinned)" if m.get("pinned") else "forever" if m["expires_at"].startswith("9999") \
                 else f"until {m['expires_at'][:19].replace('T', ' ')} UTC"
+            engine = EngineStats.from_dict(m.get("stats") or {})
             where = "GPU" if m.get("size_vram") else "CPU"
+            if engine.threads:
+                where += f", {engine.threads} thread{'' if engine.threads == 1 else 's'}"
             lines.append(f"model       {m['name']} ({m.get('source')}, {where}, {m.get('size', 0) / 2**20:.0f} MiB, "
                          f"{until})")
-            lines += _engine_lines(EngineStats.from_dict(m.get("stats") or {}))
+            lines += _engine_lines(engine)
         if not models:
             lines.append("model       none loaded (a request loads one on demand)")
     return "\n".join(lines)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from ..config import usable_cores
 from ..errors import LlmdError
 from .app import configure_logging, create_app
 from .core import ServerState
@@ -39,15 +40,18 @@ ABORT_SETTLE_S = 3.0  # after aborting, how long handlers get to send their last
 
 
 def model_threads(settings: Settings) -> int | None:
-    """CPU threads for the model: --threads, else (model on the CPU) one per core but one, which stays free for the
-    HTTP server and local clients. When every core computes, their threads preempt the model's mid-step: on 2 cores
-    SmolLM2 streamed 13-21 tok/s to one client with 2 threads and 29-30 with 1 (16 clients: 71-95 vs 65-74)."""
+    """CPU threads each model computes with: --threads, else (model on the CPU) every core the process may use.
+
+    Chosen by measurement (SmolLM2-135M Q4_1, 2 cores, one streaming client, a ~2k-token prompt then 64 tokens, over
+    HTTP: `tests/benchmarks/bench_http.py --levels 1 --max-tokens 64 --prompt-words 1950`): FIGURES. The old default,
+    one core left to the HTTP server, served that client with half the machine; the server's own work is a sliver of
+    a core between steps and no longer preempts the model mid-step."""
     if settings.threads:
         return settings.threads
     import torch
 
     on_cpu = (settings.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
-    return max(1, torch.get_num_threads() - 1) if on_cpu else None
+    return usable_cores() if on_cpu else None
 
 
 def engine_config(settings: "Settings", **overrides: Any) -> "EngineConfig":
@@ -57,6 +61,7 @@ def engine_config(settings: "Settings", **overrides: Any) -> "EngineConfig":
     values = {f.name: getattr(settings, f.name) for f in fields(EngineConfig) if hasattr(settings, f.name)}
     values["speculative_mode"] = settings.spec_mode or ("auto" if settings.draft_model else "off")
     values["seed"] = settings.seed or 0
+    values["threads"] = model_threads(settings)
     values.update(overrides)
     return EngineConfig(**values)
 
@@ -197,7 +202,8 @@ class Daemon:
         """Load the pinned models (the model manager); a failure ends the daemon with one clear line."""
         from ..generate import set_threads
 
-        set_threads(model_threads(self.settings))
+        threads = model_threads(self.settings)
+        set_threads(threads)  # the loads and threads started later; each engine thread sets its own (use_threads)
         log.info("loading model %s", self.settings.model or "(bundled default)")
         try:
             await self.models.start()
@@ -215,11 +221,9 @@ class Daemon:
         if default is not None:
             st.model_name, st.load_seconds = default.name, default.load_seconds
         st.status = "ready"
-        import torch
-
         on_cpu = default is None or not default.on_gpu
-        threads = f", {torch.get_num_threads()} CPU threads" if on_cpu else ""
-        log.info("ready: %s%s", ", ".join(e.name for e in self.models.loaded()), threads)
+        log.info("ready: %s%s", ", ".join(e.name for e in self.models.loaded()),
+                 f", {threads} CPU threads" if on_cpu and threads else "")
 
     async def _drain(self) -> None:
         st = self.state

@@ -171,7 +171,7 @@ async def ollama_ps(state: ServerState) -> list[dict]:
         out.append({"name": e.name, "model": e.name, "size": e.size_bytes, "digest": digest, "details": details(e.info),
                     "expires_at": iso_time(e.expires_at()), "size_vram": e.size_bytes if e.on_gpu else 0,
                     "context_length": _context_length(e), "requests_running": stats.requests_running,
-                    "requests_waiting": stats.requests_waiting})
+                    "requests_waiting": stats.requests_waiting, "threads": stats.threads})
     return out
 
 

@@ -310,7 +310,8 @@ async def ps(request: web.Request) -> web.Response:
     entry = _model_entry(state)
     stats = state.engine.stats()
     entry.update({"expires_at": "9999-12-31T23:59:59Z", "size_vram": 0, "context_length": state.max_model_len(),
-                  "requests_running": stats.requests_running, "requests_waiting": stats.requests_waiting})
+                  "requests_running": stats.requests_running, "requests_waiting": stats.requests_waiting,
+                  "threads": stats.threads})
     return web.json_response({"models": [entry]})
 
 

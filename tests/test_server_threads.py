@@ -1,0 +1,88 @@
+"""--threads reaches the model's computation: a real `llmd serve` on the bundled model, started with --threads 1 and 2,
+is watched from outside through /proc (which of its OS threads burn CPU during a prefill), and says the same count in
+/v1/llmd/stats, /api/ps and `llmd ps`. The count is set in the engine thread itself (torch's and OpenMP's thread
+counts are per thread), so a daemon whose engine thread silently computed on one core fails here. Whatever the thread
+count, the greedy answer and its logprobs are the same bits."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from llmd_daemon_proc import llmd_exe, start_daemon
+
+pytestmark = pytest.mark.slow
+
+PROMPT_TOKENS = 768  # one prefill of ~1-3 s of CPU: far above /proc's 10 ms ticks and the HTTP thread's share
+BUSY_SHARE = 0.25  # a thread computes if it burned at least this share of the busiest thread's CPU time
+ANSWERS: dict[int, dict] = {}  # --threads -> the greedy answer with logprobs
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("llmd_threads")  # one after the other, the daemons share it (the C kernels' build)
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["threads1", "threads2"])
+def daemon(request, base):
+    d = start_daemon(base, "--threads", str(request.param))
+    d.extra["threads"] = request.param
+    yield d
+    d.stop()
+
+
+def cpu_seconds_by_thread(pid: int) -> dict[int, float]:
+    """Each OS thread's user + system CPU time so far (utime and stime of /proc/PID/task/TID/stat)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            after_name = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended meanwhile
+        out[int(task.name)] = (int(after_name[11]) + int(after_name[12])) / tick
+    return out
+
+
+def complete(daemon, body: dict) -> dict:
+    req = urllib.request.Request(daemon.url + "/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        return json.loads(resp.read())
+
+
+def test_the_model_computes_on_the_threads_it_was_given(daemon):
+    threads = daemon.extra["threads"]
+    ids = random.Random(threads).choices(range(1000, 20000), k=PROMPT_TOKENS)  # token ids: no tokenizer work
+    before = cpu_seconds_by_thread(daemon.proc.pid)
+    assert complete(daemon, {"prompt": ids, "max_tokens": 1, "temperature": 0})["usage"]["prompt_tokens"] == \
+        PROMPT_TOKENS
+    after = cpu_seconds_by_thread(daemon.proc.pid)
+    used = sorted((after[tid] - before.get(tid, 0.0) for tid in after), reverse=True)
+    assert used[0] >= 0.3, used  # the prefill was measured at all
+    busy = [s for s in used if s >= BUSY_SHARE * used[0]]
+    assert len(busy) == threads, f"{len(busy)} OS threads computed, --threads {threads}: CPU seconds {used[:6]}"
+
+    stats = daemon.stats()
+    assert stats["threads"] == threads and [m["stats"]["threads"] for m in stats["models"]] == [threads]
+    status, ps = daemon.get_json("/api/ps")
+    assert status == 200 and [m["threads"] for m in ps["models"]] == [threads]
+    out = subprocess.run([llmd_exe(), "ps"], env=daemon.env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert f"CPU, {threads} thread{'s' if threads > 1 else ''}," in out.stdout, out.stdout
+
+
+def test_the_answer_is_the_same_bits_on_any_number_of_threads(daemon):
+    # a prompt of two prefill chunks (--max-num-batched-tokens is 512 on the CPU), then decode steps
+    prompt = "Tell me about the sea. " * 96
+    answer = complete(daemon, {"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 1})["choices"][0]
+    ANSWERS[daemon.extra["threads"]] = {"text": answer["text"], "logprobs": answer["logprobs"]}
+    if len(ANSWERS) < 2:
+        pytest.skip("compared when the daemon with the other thread count has answered")
+    assert ANSWERS[1] == ANSWERS[2] and ANSWERS[1]["logprobs"]["token_logprobs"], ANSWERS
