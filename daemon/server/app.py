@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -15,7 +16,7 @@ from . import anthropic, embeddings, llamacpp, ollama, openai, responses_api
 from .core import LEASES, STATE, ServerState, state_of
 from .responses import dialect_for_path, error_response, timings_dict
 from .security import SecurityPolicy, make_security_middleware
-from .streaming import ERROR_KEY, ClientGone, EventStream, WriteStalled
+from .streaming import ERROR_KEY, send_events
 from .validation import ApiError
 
 log = logging.getLogger("llmd.server")
@@ -130,18 +131,13 @@ async def llmd_stats(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     if request.query.get("stream") not in ("1", "true", "yes"):
         return web.json_response(state.stats())
-    es = EventStream(request, "sse", state.write_timeout)
-    try:
-        await es.open()
-        while state.status not in ("draining",):
-            await es.send(state.stats())
-            await asyncio.sleep(STATS_STREAM_INTERVAL_S)
-        await es.close()
-    except WriteStalled:
-        es.abort_connection()
-    except ClientGone:
-        pass
-    return es.response
+    return await send_events(request, "sse", state.write_timeout, _stats_while_serving(state))
+
+
+async def _stats_while_serving(state: ServerState) -> AsyncIterator[dict]:
+    while state.status != "draining":
+        yield state.stats()
+        await asyncio.sleep(STATS_STREAM_INTERVAL_S)
 
 
 def create_app(state: ServerState, policy: SecurityPolicy | None = None) -> web.Application:

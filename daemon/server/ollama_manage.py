@@ -30,7 +30,7 @@ from ..store import BadModelName, ModelFiles
 from ..store.modelfile import Modelfile, ModelfileError, check_parameters, parse_modelfile
 from .core import ServerState, state_of
 from .ollama import OPTION_FIELDS
-from .streaming import ClientGone, EventStream, WriteStalled
+from .streaming import send_events
 from .validation import TEXT, ApiError, Field, check_fields, read_json
 
 NAME = Field("str", max_len=512)
@@ -77,20 +77,16 @@ async def _answer(request: web.Request, state: ServerState, stream: bool,
     if not stream:
         events = [event async for event in steps]
         return web.json_response(events[-1])
-    es = EventStream(request, "ndjson", state.write_timeout)
+    return await send_events(request, "ndjson", state.write_timeout, _errors_as_lines(steps))
+
+
+async def _errors_as_lines(steps: AsyncIterator[dict]) -> AsyncIterator[dict]:
+    """Once a stream has begun, an error is its last line (as Ollama sends it)."""
     try:
-        await es.open()
-        try:
-            async for event in steps:
-                await es.send(event)
-        except ApiError as exc:
-            await es.send({"error": exc.message})
-        await es.close()
-    except WriteStalled:
-        es.abort_connection()
-    except ClientGone:
-        pass
-    return es.response
+        async for event in steps:
+            yield event
+    except ApiError as exc:
+        yield {"error": exc.message}
 
 
 async def _steps(*events: dict) -> AsyncIterator[dict]:

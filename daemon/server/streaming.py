@@ -18,6 +18,7 @@ import asyncio
 import json
 import socket
 import time
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -149,6 +150,22 @@ class _Ticks:
         """Cancel a read in flight (the stream is left early)."""
         if self._read is not None:
             self._read.cancel()
+
+
+async def send_events(request: web.Request, fmt: str, write_timeout: float,
+                      events: AsyncIterator[dict]) -> web.StreamResponse:
+    """A stream of events as they come (progress lines, periodic stats): a client that leaves or stalls ends it."""
+    es = EventStream(request, fmt, write_timeout)
+    try:
+        await es.open()
+        async for event in events:
+            await es.send(event)
+        await es.close()
+    except WriteStalled:
+        es.abort_connection()
+    except ClientGone:
+        pass
+    return es.response
 
 
 async def pump(gen: Generation, es: EventStream, renderer: Renderer, keepalive_s: float) -> web.StreamResponse:
