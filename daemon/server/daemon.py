@@ -42,11 +42,11 @@ ABORT_SETTLE_S = 3.0  # after aborting, how long handlers get to send their last
 def model_threads(settings: Settings) -> int | None:
     """CPU threads each model computes with: --threads, else (model on the CPU) every core the process may use.
 
-    Chosen by measurement (SmolLM2-135M Q4_1, 2 cores, one streaming client, a ~2k-token prompt then 64 tokens, over
-    HTTP: `tests/benchmarks/bench_http.py --levels 1 --max-tokens 64 --prompt-words 1950`): TTFT of the 2,009-token
-    prompt 5.0-5.2 s with both cores against 8.6-8.8 s with one, TPOT 19-23 ms either way. The old default,
-    one core left to the HTTP server, served that client with half the machine; the server's own work is a sliver of
-    a core between steps and no longer preempts the model mid-step."""
+    Chosen by measurement: the bundled SmolLM2-135M Q4_1 on 2 otherwise idle cores, one streaming client on the same
+    cores, a 2,009-token prompt then 64 tokens (`tests/benchmarks/bench_http.py --levels 1 --requests 1 --max-tokens
+    64 --prompt-words 1950`, 8 alternating runs, medians): with 2 threads TTFT 5.0 s and 19.1 ms/token of decode,
+    with 1 (the old default, one core left to the HTTP server) 8.6 s and 20.6 ms/token. The server's work between
+    steps did not make 2 threads lose, at either stage. With other programs busy on the cores, fewer threads help."""
     if settings.threads:
         return settings.threads
     import torch
