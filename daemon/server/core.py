@@ -9,6 +9,7 @@ import asyncio
 import logging
 import os
 import time
+from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -260,23 +261,24 @@ def check_length(engine: AsyncEngine, prompt_ids: list[int], params: SamplingPar
     params.max_tokens = max(1, min(params.max_tokens, limit - len(prompt_ids)))
 
 
-class Renderer:
+class Renderer(ABC):
     """A dialect's answer for one request, whole or streamed: the shapes only (streaming.pump does the timing).
     fmt: "sse", "sse_named" (SSE whose events name their type) or "ndjson". An event is a dict, or a string
     (SSE `[DONE]`, KEEP_ALIVE)."""
 
     fmt = "sse"
 
+    @abstractmethod
     def whole(self, gen: "Generation", res: "GenerationResult") -> dict:
-        raise NotImplementedError
+        """The whole answer, not streamed."""
 
     def opening(self, gen: "Generation") -> list:
         """What a stream sends as soon as the request is accepted, before its prefill."""
         return []
 
+    @abstractmethod
     def events(self, gen: "Generation", out: RequestOutput, piece: Piece) -> list:
         """One engine output and its parsed text."""
-        raise NotImplementedError
 
     def keepalive(self, gen: "Generation") -> list:
         """What a quiet stream (queued, in prefill) sends now and then, so clients and proxies see it alive: an SSE
@@ -291,8 +293,9 @@ class Renderer:
         """After the last output's events."""
         return []
 
+    @abstractmethod
     def error(self, exc: ApiError) -> dict:
-        raise NotImplementedError
+        """An error inside a stream, in the dialect's shape."""
 
 
 async def run(request: web.Request, state: ServerState, intake: Intake, renderer: Renderer) -> web.StreamResponse:
