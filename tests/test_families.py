@@ -198,8 +198,7 @@ def _refusal(path, exc=ModelFileError) -> str:
     return message
 
 
-@pytest.mark.parametrize("arch,kind", [("qwen2moe", "mixture-of-experts"), ("qwen3moe", "mixture-of-experts"),
-                                       ("mamba", "Mamba"), ("qwen2vl", "vision"), ("falcon", None)])
+@pytest.mark.parametrize("arch,kind", [("deepseek2", "mixture-of-experts"), ("mamba", "Mamba"), ("qwen2vl", "vision"), ("falcon", None)])
 def test_other_architectures_are_refused_by_name(arch, kind, gguf_files, tmp_path):
     path = _rewrite(gguf_files["qwen3"], tmp_path / f"{arch}.gguf", arch=arch)
     message = _refusal(path, UnsupportedArchitecture)
@@ -208,7 +207,7 @@ def test_other_architectures_are_refused_by_name(arch, kind, gguf_files, tmp_pat
         assert kind in message
 
 
-@pytest.mark.parametrize("arch", ["Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "PhiMoEForCausalLM",
+@pytest.mark.parametrize("arch", ["DeepseekV3ForCausalLM", "PhiMoEForCausalLM",
                                   "Phi3SmallForCausalLM", "MambaForCausalLM", "Qwen2VLForConditionalGeneration"])
 def test_other_hf_architectures_are_refused_by_name(arch, tiny_models, tmp_path):
     import json

@@ -92,6 +92,9 @@ def _randomise(model: torch.nn.Module) -> None:
                 p.normal_(1.0, 0.1)
             elif name.endswith(".bias"):
                 p.normal_(0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # GLM-4.5's expert selection bias
+                b.normal_(0.0, 0.1)
 
 
 def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int | None = None) -> Path:
@@ -150,6 +153,28 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
         config = tf.Phi3Config(**common, rope_theta=10000.0, rope_scaling=scaling, partial_rotary_factor=0.75,
                                original_max_position_embeddings=32, sliding_window=None, tie_word_embeddings=True)
         cls = tf.Phi3ForCausalLM
+    elif kind == "qwen3_moe":  # 8 experts, top 2, renormalised; q/k norm; layer 1 dense (mlp_only_layers)
+        config = tf.Qwen3MoeConfig(**common, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False,
+                                   num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                   norm_topk_prob=True, mlp_only_layers=[1])
+        cls = tf.Qwen3MoeForCausalLM
+    elif kind == "qwen2_moe":  # a shared expert behind a sigmoid gate; top-k weights not renormalised
+        config = tf.Qwen2MoeConfig(**common, rope_theta=1000000.0, tie_word_embeddings=True, num_experts=8,
+                                   num_experts_per_tok=2, moe_intermediate_size=32,
+                                   shared_expert_intermediate_size=48, norm_topk_prob=False)
+        cls = tf.Qwen2MoeForCausalLM
+    elif kind == "mixtral":
+        config = tf.MixtralConfig(**common, rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2,
+                                  sliding_window=sliding_window, tie_word_embeddings=False)
+        cls = tf.MixtralForCausalLM
+    elif kind == "glm4_moe":  # sigmoid scores + a selection bias, 2 groups keeping 1, shared expert, layer 0 dense,
+        # partial rotary (0.5), q/k/v bias, q/k norm
+        config = tf.Glm4MoeConfig(**common, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False,
+                                  n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                  n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1,
+                                  routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
+                                  use_qk_norm=True)
+        cls = tf.Glm4MoeForCausalLM
     else:
         raise ValueError(kind)
 
@@ -175,6 +200,7 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
 
 
 TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope")
+MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")  # written by tests/test_moe.py's own fixture
 
 
 # ----------------------------------------------------------------------------------------------------------------

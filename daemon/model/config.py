@@ -29,13 +29,59 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     # Gemma 2 / Gemma 3 text: their own model class (llmd.model.gemma); the Gemma-only fields come from gemma_fields
     "Gemma2ForCausalLM": {"attention_bias": None, "qk_norm": False},
     "Gemma3ForCausalLM": {"attention_bias": None, "qk_norm": True},
+    # mixtures of experts: the Llama decoder with an MoE block (llmd.model.moe) in place of some or all MLPs; the
+    # block's settings come from moe_fields
+    "MixtralForCausalLM": {"attention_bias": False, "qk_norm": False},
+    "Qwen2MoeForCausalLM": {"attention_bias": True, "qk_norm": False},
+    "Qwen3MoeForCausalLM": {"attention_bias": None, "qk_norm": True},
+    "Glm4MoeForCausalLM": {"attention_bias": None, "qk_norm": None},  # qk_norm: config.json's use_qk_norm
 }
 # architectures whose config.json sliding_window applies unless use_sliding_window says otherwise
-_WINDOW_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM")
+_WINDOW_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
 
 # rope_scaling types we implement exactly as transformers does; anything else is refused rather than silently wrong.
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
 _ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs named longrope "su"
+
+
+ROUTERS = ("softmax", "sigmoid", "softmax_topk")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture-of-experts block (llmd.model.moe.SparseMoE): which experts a token takes and how they mix.
+
+    router: "softmax" (probabilities over all experts, the top k taken: Qwen, Mixtral), "sigmoid" (independent scores,
+    the top k taken by score + selection bias, weighted by the score alone: GLM-4.5, DeepSeek-V3), "softmax_topk"
+    (the top k logits, then a softmax over those k: gpt-oss)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    router: str = "softmax"
+    renormalize: bool = True  # the k weights divided by their sum
+    scaling: float = 1.0  # the k weights multiplied by this (routed_scaling_factor)
+    selection_bias: bool = False  # a learned per-expert bias added to the scores for the choice only
+    groups: int = 1  # experts in `groups` groups; only the best `groups_kept` (by their top two scores) are eligible
+    groups_kept: int = 1
+    shared_intermediate_size: int = 0  # a shared expert every token takes (0: none)
+    shared_gate: bool = False  # Qwen2-MoE: the shared expert's output scaled by sigmoid(x . w)
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP of the model's intermediate_size
+
+    def __post_init__(self) -> None:
+        if self.router not in ROUTERS:
+            raise ModelFileError("config", f"router {self.router!r} is not one of {', '.join(ROUTERS)}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelFileError("config", f"{self.top_k} experts per token does not fit {self.num_experts} experts")
+        if self.intermediate_size < 1:
+            raise ModelFileError("config", f"expert intermediate size {self.intermediate_size} must be positive")
+        if self.groups < 1 or self.num_experts % self.groups or not 0 < self.groups_kept <= self.groups \
+                or self.top_k > self.groups_kept * (self.num_experts // self.groups):
+            raise ModelFileError("config", f"expert groups {self.groups} (keeping {self.groups_kept}) do not fit "
+                                           f"{self.num_experts} experts and top {self.top_k}")
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return layer_idx not in self.dense_layers
 
 
 @dataclass
@@ -74,6 +120,7 @@ class ModelConfig:
     final_logit_softcapping: float | None = None  # the same on the output logits
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim ** -0.5)
     rope_local_theta: float | None = None  # RoPE base of the sliding layers, which never take rope_scaling
+    moe: MoEConfig | None = None  # a mixture of experts in place of (some) MLPs; None: dense
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -151,7 +198,7 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitecture(unsupported_message(arch))
         family = FAMILY_FIELDS.get(arch)
-        if family is None and cfg.get("hidden_act", "silu") != "silu":
+        if family in (None, moe_fields) and cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitecture(f"{arch} with hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
 
         rope_params = dict(cfg.get("rope_parameters") or {})
@@ -195,7 +242,7 @@ class ModelConfig:
             attention_bias=bool(
                 cfg.get("attention_bias", False) if switches["attention_bias"] is None else switches["attention_bias"]
             ),
-            qk_norm=switches["qk_norm"],
+            qk_norm=bool(cfg.get("use_qk_norm", False) if switches["qk_norm"] is None else switches["qk_norm"]),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=_merge_eos(cfg.get("eos_token_id"), (generation_config or {}).get("eos_token_id")),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -274,8 +321,48 @@ def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoEConfig of a mixture-of-experts config.json, with transformers' defaults for absent keys."""
+    layers = int(cfg["num_hidden_layers"])
+    if arch == "MixtralForCausalLM":  # every layer sparse; the experts are intermediate_size wide
+        moe = MoEConfig(_first(cfg, "num_local_experts", "num_experts", default=8), int(cfg.get("num_experts_per_tok", 2)),
+                        int(cfg["intermediate_size"]))
+    elif arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        step = int(cfg.get("decoder_sparse_step", 1) or 1)
+        only = {int(i) for i in cfg.get("mlp_only_layers") or []}
+        experts = _first(cfg, "num_experts", "num_local_experts", default=60 if arch == "Qwen2MoeForCausalLM" else 128)
+        dense = tuple(i for i in range(layers) if i in only or experts == 0 or (i + 1) % step)
+        moe = MoEConfig(experts, int(cfg.get("num_experts_per_tok", 4 if arch == "Qwen2MoeForCausalLM" else 8)),
+                        int(cfg.get("moe_intermediate_size", 1408 if arch == "Qwen2MoeForCausalLM" else 768)),
+                        renormalize=bool(cfg.get("norm_topk_prob", arch == "Qwen3MoeForCausalLM")),
+                        shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 5632)
+                                                     if arch == "Qwen2MoeForCausalLM" else 0),
+                        shared_gate=arch == "Qwen2MoeForCausalLM", dense_layers=dense)
+    else:  # Glm4MoeForCausalLM: sigmoid scores with a selection bias, shared experts, the first layers dense
+        inter = int(cfg.get("moe_intermediate_size", 1408))
+        moe = MoEConfig(_first(cfg, "n_routed_experts", "num_local_experts", default=128),
+                        int(cfg.get("num_experts_per_tok", 8)), inter,
+                        router="sigmoid", renormalize=bool(cfg.get("norm_topk_prob", True)),
+                        scaling=float(cfg.get("routed_scaling_factor", 1.0)), selection_bias=True,
+                        groups=int(cfg.get("n_group", 1)), groups_kept=int(cfg.get("topk_group", 1)),
+                        shared_intermediate_size=inter * int(cfg.get("n_shared_experts", 1)),
+                        dense_layers=tuple(range(min(layers, int(cfg.get("first_k_dense_replace", 1))))))
+    out: dict[str, Any] = {"moe": moe}
+    if arch == "Glm4MoeForCausalLM" and "partial_rotary_factor" not in cfg \
+            and "partial_rotary_factor" not in (cfg.get("rope_parameters") or {}):
+        out["partial_rotary_factor"] = 0.5  # transformers' default for GLM-4.5
+    return out
+
+
+def _first(cfg: dict[str, Any], *keys: str, default: int) -> int:
+    """The first of `keys` config.json has (the hub's names and transformers 5's differ), as an int."""
+    return int(next((cfg[k] for k in keys if cfg.get(k) is not None), default))
+
+
 # HF architecture -> its extra ModelConfig fields from config.json (families whose layers differ from Llama's)
-FAMILY_FIELDS = {"Gemma2ForCausalLM": gemma_fields, "Gemma3ForCausalLM": gemma_fields}
+FAMILY_FIELDS = {"Gemma2ForCausalLM": gemma_fields, "Gemma3ForCausalLM": gemma_fields,
+                 "MixtralForCausalLM": moe_fields, "Qwen2MoeForCausalLM": moe_fields,
+                 "Qwen3MoeForCausalLM": moe_fields, "Glm4MoeForCausalLM": moe_fields}
 
 
 def rope_type_of(scaling: dict) -> str:
@@ -315,7 +402,8 @@ def read_json(path: Path) -> dict:
 def _arch_from_model_type(model_type: str | None) -> str | None:
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
-               "gemma3_text": "Gemma3ForCausalLM"}
+               "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+               "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
     return by_type.get(model_type or "", model_type)
 
 

@@ -54,6 +54,8 @@ class CpuLayerStack:
             return cls._build_gemma(lib, model)
         if config.qk_norm or config.rotary_dim != config.head_dim:  # the C RoPE rotates whole heads
             return None
+        if config.moe is not None:  # the C stack has dense MLPs only: MoE blocks run as modules
+            return None
         layers = (ck.Layer * len(model.model.layers))()
         linears, norms = [], []
         for layer, c_layer in zip(model.model.layers, layers):

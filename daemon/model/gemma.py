@@ -187,6 +187,7 @@ class GemmaCausalLM(nn.Module):
     awq_calibration = False  # llmd.model.awq assumes Llama's norms: int4 is quantized weight by weight (loader)
     checkpoint_parts = CausalLM.checkpoint_parts
     route = CausalLM.route
+    covers = CausalLM.covers
 
     def __init__(self, config: ModelConfig):
         super().__init__()

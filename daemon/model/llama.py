@@ -30,6 +30,7 @@ from torch import nn
 from .attention import AttentionMetadata, KVCache, paged_attention
 from .config import ModelConfig
 from .linear import make_linear
+from .moe import SparseMoE, canonical_name, expert_parts, expert_route, stacked_covers
 from .ops import TORCH_OPS, Ops, apply_rope
 
 
@@ -171,11 +172,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     ops: Ops = TORCH_OPS
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.gate_up_proj = make_linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = make_linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
-        self.intermediate_size = config.intermediate_size
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = make_linear(config.hidden_size, 2 * inter, bias=config.mlp_bias)
+        self.down_proj = make_linear(inter, config.hidden_size, bias=config.mlp_bias)
+        self.intermediate_size = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x), self.intermediate_size))
@@ -185,7 +187,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        moe = config.moe
+        if moe is not None and moe.is_sparse(layer_idx):  # a mixture of experts (llmd.model.moe)
+            shared = MLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+            self.mlp: nn.Module = SparseMoE(config, shared)
+        else:
+            self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -219,18 +226,27 @@ class CausalLM(nn.Module):
     def init_buffers(self, device: torch.device | str) -> None:
         self.model.rotary_emb.init_buffers(device)
 
-    def checkpoint_parts(self, module: str) -> list[tuple[str, slice]]:
+    def checkpoint_parts(self, module: str) -> list[tuple[str, object]]:
         """The checkpoint projections that fill module `module` (a full name), each with its rows: a fused
-        module's parts in row order, any other module itself."""
+        module's parts in row order, an experts' projection its per-expert parts (llmd.model.moe), any other module
+        itself."""
+        experts = expert_parts(module, self.config.moe) if self.config.moe is not None else None
+        if experts is not None:
+            return experts
         parent, _, child = module.rpartition(".")
         grand, _, attr = parent.rpartition(".")
         parts = [(f"{grand}.{key}", rows) for key, (fused, rows) in self.packed_modules.items()
                  if fused == f"{attr}.{child}"]
         return parts or [(module, slice(None))]
 
-    def route(self, name: str) -> tuple[str, slice | None]:
+    def route(self, name: str) -> tuple[str, object | None]:
         """Where a checkpoint tensor goes: (parameter name, its rows) for a part of a fused projection (q/k/v_proj,
-        gate/up_proj), else (name, None)."""
+        gate/up_proj), (parameter, index) for experts' weights (llmd.model.moe), else (name, None)."""
+        if self.config.moe is not None:
+            name = canonical_name(name)
+            routed = expert_route(name, self.config.moe)
+            if routed is not None:
+                return routed
         module, _, leaf = name.rpartition(".")
         parent, _, child = module.rpartition(".")
         grand, _, attr = parent.rpartition(".")
@@ -239,6 +255,11 @@ class CausalLM(nn.Module):
             return name, None
         fused, rows = target
         return f"{grand}.{fused}.{leaf}", rows
+
+    def covers(self, name: str) -> set[str]:
+        """The checkpoint parts a tensor routed with rows fills: itself, or every expert's for a stacked one."""
+        covered = stacked_covers(name, self.config.moe) if self.config.moe is not None else None
+        return covered if covered is not None else {canonical_name(name) if self.config.moe else name}
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
@@ -270,13 +291,18 @@ def packed_modules(config: ModelConfig) -> dict[str, tuple[str, slice]]:
     """Checkpoint projection (relative to a decoder layer) -> (the fused module holding it, its rows there)."""
     q, kv, inter = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim, \
         config.intermediate_size
-    return {
+    parts = {
         "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
         "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
         "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv)),
         "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
         "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
     }
+    shared = config.moe.shared_intermediate_size if config.moe is not None else 0
+    if shared:  # the MoE block's shared expert (mlp.shared_expert)
+        parts["shared_expert.gate_proj"] = ("shared_expert.gate_up_proj", slice(0, shared))
+        parts["shared_expert.up_proj"] = ("shared_expert.gate_up_proj", slice(shared, 2 * shared))
+    return parts
 
 
 def build_model(config: ModelConfig) -> CausalLM:

@@ -76,13 +76,13 @@ def load_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
         param = params.get(target)
         if param is None:
             raise ModelFileError(source, f"unexpected tensor {name!r} for {model.config.architecture}")
-        dest = param.data if rows is None else param.data[rows]
+        dest = param.data if rows is None else param.data[rows]  # rows: a slice, or an index into experts
         if tuple(tensor.shape) != tuple(dest.shape):
             raise ModelFileError(
                 source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
             )
         dest.copy_(tensor)
-        missing -= parts[target] if rows is None else {name}
+        missing -= parts[target] if rows is None else model.covers(name)
         count += 1
     if missing:
         shown = ", ".join(sorted(missing)[:5])

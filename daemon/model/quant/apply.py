@@ -107,11 +107,12 @@ def quantizing_stream(
         name = item.name if isinstance(item, RawTensor) else item[0]
         target, rows = model.route(name)
         layer = swapped.get(target.removesuffix(".weight")) if target.endswith(".weight") else None
-        if layer is None or not (name in pending or target in parts):
+        covered = model.covers(name)  # the parts this tensor fills (every expert's, for a stacked one)
+        if layer is None or not (covered & pending or target in parts):
             yield item if not isinstance(item, RawTensor) else (name, dequantize(item.data, item.type_name,
                                                                                  item.shape))
             continue
-        pending -= {f"{p}.weight" for p, _ in parts[target]} if rows is None else {name}
+        pending -= {f"{p}.weight" for p, _ in parts[target]} if rows is None else covered
         if spec.calibrate:
             continue  # read again, by name, during calibration
         if isinstance(item, RawTensor):

@@ -1,0 +1,212 @@
+"""The mixture-of-experts block every MoE family shares (Mixtral, Qwen2/3-MoE, GLM-4.5; gpt-oss, Gemma 4 and
+Qwen3.5-MoE reuse it): a router picks each token's top-k experts and their weights, the chosen experts' SwiGLU MLPs
+run, and their outputs are summed by weight; an optional shared expert runs on every token.
+
+Experts are one [E, out, in] tensor per projection (`experts.gate_up_proj`, gate rows then up rows, and
+`experts.down_proj`), fp here or packed GGUF blocks (llmd.model.quant.gguf_experts.GGUFExpertLinear): either way a
+projection answers `expert(e, x)`, x holding only the rows routed to expert e. The step's (token, slot) pairs are
+grouped by expert, so each expert reads its weights once per step whatever the number of tokens.
+
+Exactness: a token's k expert outputs land in their slots and are summed in slot order (the router's order), never in
+the order experts happen to run, and every expert kernel computes a row independently of the other rows; so a
+token's output never depends on which other tokens share its step (batched == alone, bit for bit on the CPU).
+
+Checkpoint names (CausalLM.route): per-expert tensors (`mlp.experts.7.gate_proj.weight`, Mixtral's
+`block_sparse_moe.experts.7.w1.weight`) fill one expert's rows; stacked ones (a GGUF file's `ffn_gate_exps`, named
+`mlp.experts.gate_proj.weight` here) fill every expert's; transformers 5's fused `mlp.experts.gate_up_proj` loads as
+is. The per-expert names are the canonical parts (`expert_parts`), a stacked tensor `covers` all of them.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, MoEConfig
+from .ops import TORCH_OPS, Ops
+
+# checkpoint spellings of the MoE parts -> ours
+_ALIASES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
+            (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
+            (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
+            (re.compile(r"\.mlp\.router\."), ".mlp.gate."),
+            (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),
+            (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.gate.selection_bias"),
+            (re.compile(r"\.experts\.(gate_up_proj|down_proj)$"), r".experts.\1.weight"),
+            (re.compile(r"\.experts\.(gate_up_proj|down_proj)_bias$"), r".experts.\1.bias"))
+_PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+_STACKED = re.compile(r"^(.*\.experts)\.(gate_proj|up_proj)\.(weight|bias)$")
+
+
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's name in this module's spelling (Mixtral's w1/w2/w3, gpt-oss's router, ...)."""
+    if ".experts." not in name and ".block_sparse_moe." not in name and ".mlp." not in name:
+        return name
+    for pattern, repl in _ALIASES:
+        name = pattern.sub(repl, name)
+    return name
+
+
+class Router(nn.Module):
+    """Scores [T, E] -> each token's top-k experts (ids [T, k]) and their weights (fp32 [T, k]), as MoEConfig says.
+    Computed in fp32 whatever the model's dtype, as transformers does for the routers that care."""
+
+    def __init__(self, hidden: int, moe: MoEConfig, bias: bool = False):
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))
+        self.bias = nn.Parameter(torch.empty(moe.num_experts)) if bias else None
+        self.selection_bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.selection_bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = self.moe
+        bias = None if self.bias is None else self.bias.float()
+        logits = F.linear(x.float(), self.weight.float(), bias)
+        if moe.router == "softmax_topk":  # the top-k logits, then a softmax over those k
+            top, ids = torch.topk(logits, moe.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        elif moe.router == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+        else:  # sigmoid: chosen by score + selection bias within the best groups, weighted by the score alone
+            scores = logits.sigmoid()
+            choice = scores if self.selection_bias is None else scores + self.selection_bias.float()
+            if moe.groups > 1:
+                grouped = choice.view(-1, moe.groups, moe.num_experts // moe.groups)
+                best = torch.topk(grouped.topk(2, dim=-1)[0].sum(-1), moe.groups_kept, dim=-1)[1]
+                keep = torch.zeros_like(grouped[..., 0]).scatter_(1, best, 1.0).bool()
+                choice = choice.masked_fill(~keep.repeat_interleave(moe.num_experts // moe.groups, dim=1),
+                                            float("-inf"))
+            ids = torch.topk(choice, moe.top_k, dim=-1)[1]
+            weights = scores.gather(1, ids)
+        if moe.renormalize and moe.router != "softmax_topk":
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if moe.router == "sigmoid" else 0.0))
+        if moe.scaling != 1.0:
+            weights = weights * moe.scaling
+        return weights, ids
+
+
+class ExpertLinear(nn.Module):
+    """One projection of every expert in fp: `weight` [E, out, in] (+ `bias` [E, out])."""
+
+    def __init__(self, num_experts: int, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.num_experts, self.in_features, self.out_features = num_experts, in_features, out_features
+        self.weight = nn.Parameter(torch.empty(num_experts, out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(num_experts, out_features)) if bias else None
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """x [m, in] -> [m, out] through expert e."""
+        return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
+
+    def extra_repr(self) -> str:
+        return f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}"
+
+
+class Experts(nn.Module):
+    """E SwiGLU MLPs: down(silu(gate(x)) * up(x)), gate and up as one projection."""
+
+    ops: Ops = TORCH_OPS
+
+    def __init__(self, hidden: int, moe: MoEConfig, bias: bool = False):
+        super().__init__()
+        self.num_experts, self.intermediate_size = moe.num_experts, moe.intermediate_size
+        self.gate_up_proj = ExpertLinear(moe.num_experts, hidden, 2 * moe.intermediate_size, bias)
+        self.down_proj = ExpertLinear(moe.num_experts, moe.intermediate_size, hidden, bias)
+        self.hits = torch.zeros(moe.num_experts, dtype=torch.int64)  # tokens routed to each expert (stats)
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.silu_mul(gate_up, self.intermediate_size)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden], each token's experts ids [T, k] and weights [T, k] -> [T, hidden]."""
+        t, k = ids.shape
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.hits += counts.cpu()
+        slots = x.new_empty(t * k, x.shape[-1])
+        token_of = order // k
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n == 0:
+                continue
+            pairs, tokens = order[start:start + n], token_of[start:start + n]
+            start += n
+            hidden = self.activation(self.gate_up_proj.expert(e, x[tokens]))
+            slots[pairs] = self.down_proj.expert(e, hidden)
+        slots = slots.view(t, k, -1)
+        w = weights.to(x.dtype).unsqueeze(-1)
+        out = slots[:, 0] * w[:, 0]
+        for j in range(1, k):  # in slot order, whatever order the experts ran in
+            out = out + slots[:, j] * w[:, j]
+        return out
+
+
+class SparseMoE(nn.Module):
+    """The MoE block in place of a decoder layer's MLP: [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, config: ModelConfig, shared: nn.Module | None = None):
+        super().__init__()
+        moe = config.moe
+        assert moe is not None
+        self.gate = Router(config.hidden_size, moe)
+        self.experts = Experts(config.hidden_size, moe, bias=config.mlp_bias)
+        self.shared_expert = shared  # an MLP every token takes (Qwen2-MoE, GLM-4.5), or None
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if moe.shared_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+def expert_parts(module: str, moe: MoEConfig) -> list[tuple[str, object]] | None:
+    """The per-expert checkpoint projections that fill an experts' projection (`...experts.gate_up_proj` or
+    `...experts.down_proj`), each with its index there; None for any other module."""
+    parent, _, child = module.rpartition(".")
+    if not parent.endswith(".experts") or child not in ("gate_up_proj", "down_proj"):
+        return None
+    inter = moe.intermediate_size
+    if child == "down_proj":
+        return [(f"{parent}.{e}.down_proj", e) for e in range(moe.num_experts)]
+    return [(f"{parent}.{e}.{proj}", (e, rows)) for e in range(moe.num_experts)
+            for proj, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter)))]
+
+
+def expert_route(name: str, moe: MoEConfig) -> tuple[str, object] | None:
+    """Where an expert checkpoint tensor goes: (parameter, index), or None if it is not one that needs an index."""
+    inter = moe.intermediate_size
+    rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}
+    m = _PER_EXPERT.match(name)
+    if m:
+        parent, e, proj, leaf = m.groups()
+        target = "down_proj" if proj == "down_proj" else "gate_up_proj"
+        return f"{parent}.{target}.{leaf}", int(e) if proj == "down_proj" else (int(e), rows[proj])
+    m = _STACKED.match(name)
+    if m:
+        parent, proj, leaf = m.groups()
+        return f"{parent}.gate_up_proj.{leaf}", (slice(None), rows[proj])
+    return None
+
+
+def stacked_covers(name: str, moe: MoEConfig) -> set[str] | None:
+    """The per-expert names a stacked tensor (`...experts.gate_proj.weight`, all experts at once) stands for."""
+    m = _STACKED.match(name)
+    if not m:
+        return None
+    parent, proj, leaf = m.groups()
+    return {f"{parent}.{e}.{proj}.{leaf}" for e in range(moe.num_experts)}
+
+
+def expert_hits(model: nn.Module) -> list[list[int]]:
+    """Tokens routed to each expert, per MoE layer, since the model loaded (for placement decisions and stats)."""
+    return [m.hits.tolist() for m in model.modules() if isinstance(m, Experts)]
