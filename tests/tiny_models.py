@@ -161,7 +161,7 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
     elif kind == "qwen2_moe":  # a shared expert behind a sigmoid gate; top-k weights not renormalised
         config = tf.Qwen2MoeConfig(**common, rope_theta=1000000.0, tie_word_embeddings=True, num_experts=8,
                                    num_experts_per_tok=2, moe_intermediate_size=32,
-                                   shared_expert_intermediate_size=48, norm_topk_prob=False)
+                                   shared_expert_intermediate_size=64, norm_topk_prob=False)
         cls = tf.Qwen2MoeForCausalLM
     elif kind == "mixtral":
         config = tf.MixtralConfig(**common, rope_theta=1000000.0, num_local_experts=4, num_experts_per_tok=2,
@@ -208,14 +208,20 @@ MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")  # written by test
 # names and metadata keys from the gguf package's constants; the llama q/k row permutation; Llama 3's rope_freqs and
 # Phi-3's rope factor tensors). The vocabulary is the folder's byte-level BPE as a "gpt2" tokenizer model.
 
-GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
+             "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+_MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
 _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 
@@ -250,6 +256,30 @@ def _llama3_rope_factors(cfg: dict, scaling: dict, theta: float, head_dim: int) 
         else:
             smooth = (old / wavelen - low) / (high - low)
             out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _stacked_experts(w, state: dict[str, torch.Tensor], cfg: dict, experts: int) -> dict[str, torch.Tensor]:
+    """The MoE metadata, and each layer's per-expert projections stacked [E, out, in] as llama.cpp's ffn_*_exps."""
+    w.add_expert_count(experts)
+    w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        for old, new in _MIXTRAL_NAMES.items():
+            name = name.replace(old, new)
+        head, sep, rest = name.partition(".experts.")
+        if not sep:
+            out[name] = tensor
+            continue
+        index, _, proj = rest.partition(".")
+        stacks.setdefault(f"{head}.experts.{proj}", {})[int(index)] = tensor
+    for name, parts in stacks.items():
+        out[name] = torch.stack([parts[e] for e in range(experts)])
     return out
 
 
@@ -328,14 +358,21 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
         state.update(load_file(file))
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:
+        state = _stacked_experts(w, state, cfg, experts)
     for name, tensor in state.items():
         t = tensor.float()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             t = _llama_cpp_permute(t, heads if ".q_proj." in name else kv_heads)
+        if name.endswith("shared_expert_gate.weight"):
+            t = t.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is [hidden]
         data = t.numpy()
-        if data.ndim == 2 and matrix_type == "F16":
+        if data.ndim >= 2 and name.endswith("mlp.gate.weight"):  # llama.cpp keeps the router in F32
+            w.add_tensor(gguf_tensor_name(name), data)
+        elif data.ndim >= 2 and matrix_type == "F16":
             w.add_tensor(gguf_tensor_name(name), data.astype(np.float16))
-        elif data.ndim == 2 and matrix_type != "F32":
+        elif data.ndim >= 2 and matrix_type != "F32":
             w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_tensor_name(name), data)

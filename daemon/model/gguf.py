@@ -14,6 +14,7 @@ Two entry points:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -379,6 +380,19 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# the mixture-of-experts tensors (llmd.model.moe): the router, every expert's projection stacked [E, out, in], the
+# shared expert and its gate, GLM's selection bias
+_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "exp_probs_b": "mlp.gate.e_score_correction",
+}
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
@@ -428,6 +442,37 @@ def _llama_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]
         cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
     elif scaling_type not in (None, "none", "linear"):
         cfg["rope_scaling"] = {"rope_type": str(scaling_type)}  # refused by name in ModelConfig
+
+
+def _moe_config(cfg: dict, meta: dict, p: str, tensor_names: set[str]) -> None:
+    """A mixture of experts' settings (`<arch>.expert_count`, ...) in the family's config.json spelling, which
+    llmd.model.config.moe_fields reads; a Llama file with experts is Mixtral. The layers without a router keep their
+    dense MLP."""
+    experts = meta.get(p + "expert_count")
+    if not experts:
+        return
+    if cfg["architectures"] == ["LlamaForCausalLM"]:
+        cfg["architectures"] = ["MixtralForCausalLM"]
+    layers = cfg["num_hidden_layers"]
+    cfg["num_experts"] = cfg["num_local_experts"] = cfg["n_routed_experts"] = int(experts)
+    cfg["num_experts_per_tok"] = int(meta[p + "expert_used_count"])
+    expert_ffn = meta.get(p + "expert_feed_forward_length")
+    if expert_ffn:
+        cfg["moe_intermediate_size"] = int(expert_ffn)
+        if cfg["architectures"] == ["MixtralForCausalLM"]:
+            cfg["intermediate_size"] = int(expert_ffn)
+    shared = meta.get(p + "expert_shared_feed_forward_length")
+    if shared:
+        cfg["shared_expert_intermediate_size"] = int(shared)
+    cfg["mlp_only_layers"] = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names]
+    for key, hf_key, convert in (("expert_weights_norm", "norm_topk_prob", bool),
+                                 ("expert_weights_scale", "routed_scaling_factor", float),
+                                 ("expert_shared_count", "n_shared_experts", int),
+                                 ("leading_dense_block_count", "first_k_dense_replace", int),
+                                 ("expert_group_count", "n_group", int),
+                                 ("expert_group_used_count", "topk_group", int)):
+        if meta.get(p + key) is not None:
+            cfg[hf_key] = convert(meta[p + key])
 
 
 def _qwen_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
@@ -505,8 +550,8 @@ def _gemma_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]
 
 GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     # Llama 2/3.x, SmolLM2, Mistral 7B (llama.cpp writes Mistral as llama; its sliding window is not in the file)
-    "llama": GGUFArch("LlamaForCausalLM", permuted_qk=True, config_tensors=("rope_freqs.weight",),
-                      quirks=_llama_quirks),
+    "llama": GGUFArch("LlamaForCausalLM", _MOE_NAMES, permuted_qk=True, config_tensors=("rope_freqs.weight",),
+                      quirks=_llama_quirks),  # with experts: Mixtral (_moe_config)
     # Qwen2 / Qwen2.5 / Qwen2.5-Coder: q/k/v biases (attn_q.bias, ...), NEOX RoPE
     "qwen2": GGUFArch("Qwen2ForCausalLM", config_tensors=("rope_freqs.weight",), quirks=_qwen_quirks),
     # Qwen3 dense: RMSNorm over each q/k head before RoPE
@@ -517,14 +562,19 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     "phi3": GGUFArch("Phi3ForCausalLM", layer_names={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
                      config_tensors=("rope_factors_long.weight", "rope_factors_short.weight"),
                      quirks=_phi3_quirks),
+    # Qwen1.5/Qwen2-MoE (a shared expert behind a sigmoid gate) and Qwen3-MoE (q/k norm): llmd.model.moe
+    "qwen2moe": GGUFArch("Qwen2MoeForCausalLM", _MOE_NAMES, config_tensors=("rope_freqs.weight",),
+                         quirks=_qwen_quirks),
+    "qwen3moe": GGUFArch("Qwen3MoeForCausalLM", {**_MOE_NAMES, "attn_q_norm": "self_attn.q_norm",
+                                                 "attn_k_norm": "self_attn.k_norm"},
+                         config_tensors=("rope_freqs.weight",), quirks=_qwen_quirks),
     "gemma2": GGUFArch("Gemma2ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
     "gemma3": GGUFArch("Gemma3ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
 }
 
 # Architectures llama.cpp knows that our decoder does not run, with what they are, for the refusal message.
 _REFUSED_KINDS = {
-    "qwen2moe": "a mixture-of-experts model", "qwen3moe": "a mixture-of-experts model",
-    "mixtral": "a mixture-of-experts model", "deepseek2": "a mixture-of-experts model",
+    "deepseek2": "a mixture-of-experts model",
     "llama4": "a mixture-of-experts model", "gpt-oss": "a mixture-of-experts model",
     "phimoe": "a mixture-of-experts model", "granitemoe": "a mixture-of-experts model",
     "mamba": "a state-space (Mamba) model", "mamba2": "a state-space (Mamba) model",
@@ -619,6 +669,10 @@ def hf_config_dict(meta: dict, tensor_names: set[str], path: Path,
             raise UnsupportedArchitecture(f"{path}: {e}") from None
         except (KeyError, TypeError, ValueError) as e:
             raise ModelFileError(path, f"GGUF metadata of {arch!r} is incomplete or bad: {e!r}") from None
+    try:
+        _moe_config(cfg, meta, p, tensor_names)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelFileError(path, f"GGUF mixture-of-experts metadata of {arch!r} is incomplete or bad: {e!r}") from None
     bos = meta.get("tokenizer.ggml.bos_token_id")
     eos_ids = [
         int(meta[k])
@@ -701,6 +755,8 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> list[_Checked]:
             heads = hf_cfg["num_key_value_heads"]
         if heads is not None and info.shape[0] % (2 * heads):
             raise ModelFileError(gf.path, f"tensor {info.name!r} shape {info.shape} does not fit {heads} heads")
+        if name.endswith("shared_expert_gate.weight") and len(info.dims) == 1:  # one output: [hidden] is [1, hidden]
+            info = dataclasses.replace(info, dims=(info.dims[0], 1))
         out.append(_Checked(info, name, heads))
     return out
 

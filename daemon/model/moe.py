@@ -34,7 +34,7 @@ _ALIASES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"\.expe
             (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
             (re.compile(r"\.mlp\.router\."), ".mlp.gate."),
             (re.compile(r"\.mlp\.shared_experts\."), ".mlp.shared_expert."),
-            (re.compile(r"\.mlp\.gate\.e_score_correction_bias$"), ".mlp.gate.selection_bias"),
+            (re.compile(r"\.mlp\.gate\.e_score_correction[._]bias$"), ".mlp.gate.selection_bias"),
             (re.compile(r"\.experts\.(gate_up_proj|down_proj)$"), r".experts.\1.weight"),
             (re.compile(r"\.experts\.(gate_up_proj|down_proj)_bias$"), r".experts.\1.bias"))
 _PER_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
