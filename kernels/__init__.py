@@ -11,6 +11,7 @@ The CPU has its own C kernels, compiled on first use (each falls back to torch w
 - cpu_gemm: int8/int4 weight-only matmul reading the same packed layouts.
 - cpu_ops: the fp32 glue of a decoder layer (RMSNorm, RoPE, SiLU * up, the paged KV write, attention).
 - cpu_stack: a quantized model's whole stack of decoder layers, built from the two above, in one call.
+- openmp: a thread that stops computing hands its OpenMP worker threads back (libgomp throttles spinning otherwise).
 """
 
 from __future__ import annotations

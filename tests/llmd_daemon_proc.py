@@ -102,6 +102,7 @@ def start_daemon(base: Path, *args: str, api_key: str | None = None, env: dict |
     extra = {"OLLAMA_MODELS": str(base / "ollama-models"), **(env or {})}  # never the user's Ollama store
     env = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_")}
     env.update(extra)
+    env = {k: v for k, v in env.items() if v is not None}  # env={"NAME": None}: the daemon goes without NAME
     env.update(XDG_RUNTIME_DIR=str(base / "run"), XDG_CONFIG_HOME=str(base / "config"),
                XDG_STATE_HOME=str(base / "state"), XDG_DATA_HOME=str(base / "data"),
                XDG_CACHE_HOME=str(base / "cache"), PYTHONUNBUFFERED="1")

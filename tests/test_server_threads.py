@@ -2,7 +2,8 @@
 is watched from outside through /proc (which of its OS threads burn CPU during a prefill), and says the same count in
 /v1/llmd/stats, /api/ps and `llmd ps`. The count is set in the engine thread itself (torch's and OpenMP's thread
 counts are per thread), so a daemon whose engine thread silently computed on one core fails here. Whatever the thread
-count, the greedy answer and its logprobs are the same bits."""
+count, the greedy answer and its logprobs are the same bits; and the engine thread's OpenMP workers spin between
+kernels rather than sleep (no other thread of the daemon keeps an OpenMP pool)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import json
 import os
 import random
 import subprocess
+import threading
 import urllib.request
 from pathlib import Path
 
@@ -31,23 +33,56 @@ def base(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["threads1", "threads2"])
 def daemon(request, base):
-    d = start_daemon(base, "--threads", str(request.param))
+    # OpenMP's own wait policy, as users run it (the suite's PASSIVE would hide whether workers spin or sleep)
+    d = start_daemon(base, "--threads", str(request.param), env={"OMP_WAIT_POLICY": None})
     d.extra["threads"] = request.param
     yield d
     d.stop()
 
 
-def cpu_seconds_by_thread(pid: int) -> dict[int, float]:
-    """Each OS thread's user + system CPU time so far (utime and stime of /proc/PID/task/TID/stat)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            after_name = (task / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # the thread ended meanwhile
-        out[int(task.name)] = (int(after_name[11]) + int(after_name[12])) / tick
-    return out
+class ThreadWatch:
+    """Samples each OS thread of a process (/proc/PID/task/TID) every few milliseconds while a request runs: its CPU
+    seconds (utime + stime) and voluntary context switches (it went to sleep). A thread that ends meanwhile (an
+    engine going idle hands its OpenMP workers back) keeps its last sample."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.first, self.last = self.sample(), {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def sample(self) -> dict[int, tuple[float, int]]:
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            try:
+                stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+                status = (task / "status").read_text()
+            except OSError:
+                continue  # the thread ended meanwhile
+            switches = sum(int(line.split()[1]) for line in status.splitlines() if line.startswith("voluntary_ctxt"))
+            out[int(task.name)] = ((int(stat[11]) + int(stat[12])) / tick, switches)
+        return out
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.005):
+            self.last.update(self.sample())
+
+    def __enter__(self) -> "ThreadWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.last.update(self.sample())
+
+    def cpu_seconds(self) -> list[float]:
+        """Each thread's CPU seconds during the watch, most first."""
+        return sorted((cpu - self.first.get(tid, (0.0, 0))[0] for tid, (cpu, _) in self.last.items()), reverse=True)
+
+    def voluntary_switches(self) -> int:
+        return sum(n - self.first.get(tid, (0.0, 0))[1] for tid, (_, n) in self.last.items())
 
 
 def complete(daemon, body: dict) -> dict:
@@ -60,11 +95,10 @@ def complete(daemon, body: dict) -> dict:
 def test_the_model_computes_on_the_threads_it_was_given(daemon):
     threads = daemon.extra["threads"]
     ids = random.Random(threads).choices(range(1000, 20000), k=PROMPT_TOKENS)  # token ids: no tokenizer work
-    before = cpu_seconds_by_thread(daemon.proc.pid)
-    assert complete(daemon, {"prompt": ids, "max_tokens": 1, "temperature": 0})["usage"]["prompt_tokens"] == \
-        PROMPT_TOKENS
-    after = cpu_seconds_by_thread(daemon.proc.pid)
-    used = sorted((after[tid] - before.get(tid, 0.0) for tid in after), reverse=True)
+    with ThreadWatch(daemon.proc.pid) as watch:
+        answer = complete(daemon, {"prompt": ids, "max_tokens": 1, "temperature": 0})
+    assert answer["usage"]["prompt_tokens"] == PROMPT_TOKENS
+    used = watch.cpu_seconds()
     assert used[0] >= 0.3, used  # the prefill was measured at all
     busy = [s for s in used if s >= BUSY_SHARE * used[0]]
     assert len(busy) == threads, f"{len(busy)} OS threads computed, --threads {threads}: CPU seconds {used[:6]}"
@@ -88,3 +122,19 @@ def test_the_answer_is_the_same_bits_on_any_number_of_threads(daemon):
     if threads == 2:  # the module's daemons run in turn, --threads 1 first: its answer is there to compare with
         assert 1 in ANSWERS, "the --threads 1 case of this test runs first and records its answer"
         assert ANSWERS[1] == ANSWERS[2], ANSWERS
+
+
+def test_the_engine_threads_openmp_workers_spin_between_kernels(daemon):
+    """While a process holds more OpenMP pool threads than cores, libgomp makes every worker sleep between parallel
+    regions (llmd.kernels.openmp): had the model loader kept its pool, each decode token would wake the engine
+    thread's worker a few hundred times (~300 voluntary context switches a token on 2 cores; about 1 without)."""
+    pid = daemon.proc.pid
+    if daemon.extra["threads"] < 2 or len(os.sched_getaffinity(pid)) < 2:
+        pytest.skip("no OpenMP workers to watch: one thread, or one core")
+    if "libgomp" not in Path(f"/proc/{pid}/maps").read_text():
+        pytest.skip("torch runs another OpenMP runtime here")
+    with ThreadWatch(pid) as watch:
+        answer = complete(daemon, {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0,
+                                   "ignore_eos": True})
+    switches = watch.voluntary_switches()
+    assert answer["usage"]["completion_tokens"] == 32 and switches < 30 * 32, f"{switches} voluntary switches"

@@ -281,17 +281,22 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         engine.use_threads()  # torch's and the C kernels' thread count are this thread's own
+        idle = False
         while not self._stop.is_set():
             try:
                 self._wake.clear()  # before draining: a command or compiled grammar arriving later still wakes us
                 outputs = self._drain_commands()
                 if engine.has_work():
+                    idle = False
                     if self._turns is None:
                         outputs += engine.step()
                     else:
                         with self._turns.turn():
                             outputs += engine.step()
                 elif not outputs:
+                    if not idle:  # its OpenMP workers would keep another engine's from spinning (kernels/openmp.py)
+                        engine.release_threads()
+                        idle = True
                     self._wake.wait(IDLE_WAIT_S)  # a command, a compiled grammar or shutdown wakes it
                     continue
             except Exception as e:  # noqa: BLE001 - any failure must end the requests, not hang them

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidRequest, QueueFull
+from ..model.ops import release_cpu_threads
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .accept import accept
@@ -114,6 +115,12 @@ class Engine:
             torch.set_num_threads(self.config.threads)
         if self.device.type == "cpu":
             self.threads = torch.get_num_threads()
+
+    def release_threads(self) -> None:
+        """The thread that steps goes idle: hand back its OpenMP worker threads (llmd.kernels.openmp: while a
+        process holds more of them than it has cores, they all sleep between kernels instead of spinning)."""
+        if self.device.type == "cpu":
+            release_cpu_threads()
 
     # ---- requests ---------------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams,

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..kernels import cpu_ops
+from ..kernels import cpu_ops, openmp
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -109,3 +109,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dimension, torch.argmax's answer: the compiled vector pass for fp32 CPU rows (torch's is
     single-threaded and ~0.4 ms over a 262k vocabulary, a few % of a small model's decode step), else torch's."""
     return cpu_ops.argmax(logits) if logits.is_cpu else torch.argmax(logits, dim=-1)
+
+
+def release_cpu_threads() -> bool:
+    """Hand back the calling thread's OpenMP worker threads (llmd.kernels.openmp): a model loader after the load,
+    an engine thread going idle. Its next parallel region starts new ones."""
+    return openmp.release_pool()

@@ -44,9 +44,9 @@ def model_threads(settings: Settings) -> int | None:
 
     Chosen by measurement: the bundled SmolLM2-135M Q4_1 on 2 otherwise idle cores, one streaming client on the same
     cores, a 2,009-token prompt then 64 tokens (`tests/benchmarks/bench_http.py --levels 1 --requests 1 --max-tokens
-    64 --prompt-words 1950`, 8 alternating runs, medians): with 2 threads TTFT 5.0 s and 19.1 ms/token of decode,
-    with 1 (the old default, one core left to the HTTP server) 8.6 s and 20.6 ms/token. The server's work between
-    steps did not make 2 threads lose, at either stage. With other programs busy on the cores, fewer threads help."""
+    64 --prompt-words 1950`, 8 alternating runs, medians): TTFT 4.6 s and 12.1 ms/token of decode with 2 threads,
+    8.6 s and 20.1 ms/token with 1 (the old default, a core left to the HTTP server). The server's work between steps
+    does not preempt the model's threads enough to matter; with other programs busy on the cores, fewer help."""
     if settings.threads:
         return settings.threads
     import torch
@@ -99,8 +99,13 @@ def _useful_kv_bytes(settings: "Settings", loaded: "LoadedModel") -> int:
 
 def load_served(entry: "Served", settings: "Settings", kv_cache_bytes: int, default: bool) -> tuple:
     """The model manager's loader: (engine, weight bytes, KV pool bytes, on a GPU)."""
+    from ..model.ops import release_cpu_threads
+
     assert entry.files is not None  # remote models have no loader
-    loaded, engine = build_engine(settings, entry.files, kv_cache_bytes, with_draft=default)
+    try:
+        loaded, engine = build_engine(settings, entry.files, kv_cache_bytes, with_draft=default)
+    finally:
+        release_cpu_threads()  # this thread's OpenMP workers would keep the engine thread's from spinning
     weights = loaded.report.weight_bytes if loaded.report is not None else 0
     return engine, weights, engine.runner.kv_cache_bytes, loaded.device.type == "cuda"
 
