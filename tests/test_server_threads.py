@@ -3,7 +3,7 @@ is watched from outside through /proc (which of its OS threads burn CPU during a
 /v1/llmd/stats, /api/ps and `llmd ps`. The count is set in the engine thread itself (torch's and OpenMP's thread
 counts are per thread), so a daemon whose engine thread silently computed on one core fails here. Whatever the thread
 count, the greedy answer and its logprobs are the same bits; and the engine thread's OpenMP workers spin between
-kernels rather than sleep (no other thread of the daemon keeps an OpenMP pool)."""
+kernels rather than sleep (no other thread of the daemon keeps an OpenMP pool), and end when it goes idle."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import os
 import random
 import subprocess
 import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -81,6 +82,11 @@ class ThreadWatch:
         """Each thread's CPU seconds during the watch, most first."""
         return sorted((cpu - self.first.get(tid, (0.0, 0))[0] for tid, (cpu, _) in self.last.items()), reverse=True)
 
+    def busy_threads(self) -> list[int]:
+        """The threads that computed during the watch: at least BUSY_SHARE of the busiest one's CPU seconds."""
+        used = {tid: cpu - self.first.get(tid, (0.0, 0))[0] for tid, (cpu, _) in self.last.items()}
+        return [tid for tid, cpu in used.items() if cpu >= BUSY_SHARE * max(used.values())]
+
     def voluntary_switches(self) -> int:
         return sum(n - self.first.get(tid, (0.0, 0))[1] for tid, (_, n) in self.last.items())
 
@@ -124,17 +130,24 @@ def test_the_answer_is_the_same_bits_on_any_number_of_threads(daemon):
         assert ANSWERS[1] == ANSWERS[2], ANSWERS
 
 
+@pytest.mark.parametrize("daemon", [2], indirect=True, ids=["threads2"])  # --threads 1 has no workers to watch
 def test_the_engine_threads_openmp_workers_spin_between_kernels(daemon):
     """While a process holds more OpenMP pool threads than cores, libgomp makes every worker sleep between parallel
     regions (llmd.kernels.openmp): had the model loader kept its pool, each decode token would wake the engine
     thread's worker a few hundred times (~300 voluntary context switches a token on 2 cores; about 1 without)."""
     pid = daemon.proc.pid
-    if daemon.extra["threads"] < 2 or len(os.sched_getaffinity(pid)) < 2:
-        pytest.skip("no OpenMP workers to watch: one thread, or one core")
-    if "libgomp" not in Path(f"/proc/{pid}/maps").read_text():
-        pytest.skip("torch runs another OpenMP runtime here")
+    assert len(os.sched_getaffinity(pid)) >= 2, "--threads 2 spins on 2 cores: this test needs them"
+    assert "libgomp" in Path(f"/proc/{pid}/maps").read_text(), "torch's OpenMP is libgomp, which openmp.py pauses"
     with ThreadWatch(pid) as watch:
         answer = complete(daemon, {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0,
                                    "ignore_eos": True})
     switches = watch.voluntary_switches()
     assert answer["usage"]["completion_tokens"] == 32 and switches < 30 * 32, f"{switches} voluntary switches"
+
+    # the engine thread going idle hands its worker back: of the two threads that decoded, one ends
+    busy = watch.busy_threads()
+    assert len(busy) == 2, busy
+    deadline = time.monotonic() + 10
+    while all(Path(f"/proc/{pid}/task/{tid}").exists() for tid in busy):
+        assert time.monotonic() < deadline, "the idle engine thread kept its OpenMP worker"
+        time.sleep(0.05)
