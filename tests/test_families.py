@@ -164,8 +164,9 @@ def test_transformers_reads_our_gguf_files_as_llama_cpp_files(kind, gguf_files, 
 
 
 def _rewrite(src, dst, arch: str | None = None, drop: tuple[str, ...] = (), change: dict | None = None,
-             extra: dict | None = None):
-    """A copy of GGUF `src` with another architecture name, tensors dropped, replaced or added."""
+             extra: dict | None = None, meta: dict | None = None):
+    """A copy of GGUF `src` (F32 tensors) with another architecture name, tensors dropped, replaced or added, and
+    metadata values changed (`meta`: key -> value)."""
     reader = gguf.GGUFReader(src)
     old_arch = reader.fields["general.architecture"].contents()
     arch = arch or old_arch
@@ -175,7 +176,8 @@ def _rewrite(src, dst, arch: str | None = None, drop: tuple[str, ...] = (), chan
             continue
         value_type = field.types[0]
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(key.replace(f"{old_arch}.", f"{arch}.", 1), field.contents(), value_type, sub_type=sub_type)
+        value = (meta or {}).get(key, field.contents())
+        w.add_key_value(key.replace(f"{old_arch}.", f"{arch}.", 1), value, value_type, sub_type=sub_type)
     for t in reader.tensors:
         if t.name in drop:
             continue

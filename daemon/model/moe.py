@@ -116,7 +116,8 @@ class Experts(nn.Module):
         self.num_experts, self.intermediate_size = moe.num_experts, moe.intermediate_size
         self.gate_up_proj = ExpertLinear(moe.num_experts, hidden, 2 * moe.intermediate_size, bias)
         self.down_proj = ExpertLinear(moe.num_experts, moe.intermediate_size, hidden, bias)
-        self.hits = torch.zeros(moe.num_experts, dtype=torch.int64)  # tokens routed to each expert (stats)
+        # tokens routed to each expert (stats); on the CPU even while the model is built on the meta device
+        self.hits = torch.zeros(moe.num_experts, dtype=torch.int64, device="cpu")
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_mul(gate_up, self.intermediate_size)

@@ -62,6 +62,34 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer)
         swapped[name] = layer
+    if spec.method == "gguf":
+        swapped.update(_swap_in_packed_experts(model, gguf_types or {}, dtype, device))
+    return swapped
+
+
+def _swap_in_packed_experts(model: nn.Module, gguf_types: dict[str, str], dtype, device) -> dict[str, nn.Module]:
+    """Each experts' projection whose stacked GGUF tensors (ffn_*_exps) are all packed keeps their blocks
+    (GGUFExpertLinear); a float one stays an fp ExpertLinear."""
+    from llmd.kernels.gguf_blocks import BLOCKS
+
+    from ..moe import ExpertLinear, Experts
+    from .gguf_experts import GGUFExpertLinear
+
+    swapped = {}
+    for name, experts in list(model.named_modules()):
+        if not isinstance(experts, Experts):
+            continue
+        inter = experts.intermediate_size
+        for proj, parts in (("gate_up_proj", (("gate_proj", inter), ("up_proj", inter))),
+                            ("down_proj", (("down_proj", experts.down_proj.out_features),))):
+            fp: ExpertLinear = getattr(experts, proj)
+            kinds = [gguf_types.get(f"{name}.{part}.weight") for part, _ in parts]
+            if not all(k in BLOCKS for k in kinds):
+                continue
+            layer = GGUFExpertLinear(fp.num_experts, fp.in_features, [(n, k) for (_, n), k in zip(parts, kinds)],
+                                     fp.bias is not None, dtype=dtype, device=device)
+            setattr(experts, proj, layer)
+            swapped[f"{name}.{proj}"] = layer
     return swapped
 
 

@@ -48,8 +48,12 @@ def int4_from_q4(data: np.ndarray, type_name: str, out_features: int, in_feature
 def _fill_packed(layer: nn.Module, raw, source, rows: slice | None = None) -> bool:
     """Fill a swapped layer (or its `rows`: a part of a fused projection) from a GGUF tensor's blocks without
     dequantizing; False when the types do not pair (the tensor is then dequantized and the layer quantized from it)."""
+    from .gguf_experts import GGUFExpertLinear
     from .gguf_layers import GGUFConcat, GGUFEmbedding, GGUFLinear
 
+    if isinstance(layer, GGUFExpertLinear):
+        layer.fill(raw, source, rows)
+        return True
     if isinstance(layer, GGUFConcat):  # each part is its own GGUFLinear
         if rows is None:
             return False

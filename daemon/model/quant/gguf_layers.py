@@ -168,9 +168,11 @@ def tie_gguf_head(model: nn.Module, dtype: torch.dtype) -> bool:
 
 def packed_weight_bytes(model: nn.Module) -> dict[str, int]:
     """Resident bytes of the packed GGUF weights by type (shared tables counted once)."""
+    from .gguf_experts import ExpertBlocks
+
     seen, out = set(), {}
     for module in model.modules():
-        if isinstance(module, (GGUFLinear, GGUFEmbedding)):
+        if isinstance(module, (GGUFLinear, GGUFEmbedding, ExpertBlocks)):
             t = module.qweight
             if t.data_ptr() in seen:
                 continue

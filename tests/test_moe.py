@@ -1,0 +1,172 @@
+"""Mixtures of experts (llmd.model.moe) against transformers on CPU fp32: Qwen3-MoE (q/k norm, a dense layer),
+Qwen2-MoE (a gated shared expert, weights not renormalised), Mixtral, GLM-4.5 (sigmoid scores with a selection bias
+and expert groups, shared expert, partial rotary); from HF folders, and (Qwen, Mixtral) from GGUF files written as
+llama.cpp's converter writes them, experts stacked and kept packed. Then the engine's invariants with experts:
+batched == alone, prefix hit == miss, preempted == not, speculation on == off; and bad files refused by name.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
+from llmd.engine import SamplingParams, generate
+from llmd.errors import ModelFileError
+from llmd.model.config import ModelConfig
+from llmd.model.loader import load_model
+from llmd.model.moe import Experts, expert_hits
+from llmd.model.quant.gguf_experts import GGUFExpertLinear
+from test_engine import GREEDY, random_prompts, run_alone, run_staggered
+from test_families import TOLERANCE, _rewrite, our_logits, prompt_ids, reference_logits
+from tiny_models import MOE_KINDS, write_tiny_gguf, write_tiny_model
+
+GGUF_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("moe_models")
+    return {kind: write_tiny_model(root / kind, kind) for kind in MOE_KINDS}
+
+
+@pytest.fixture(scope="module")
+def moe_ggufs(moe_models, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("moe_ggufs")
+    return {(kind, t): write_tiny_gguf(moe_models[kind], root / f"{kind}-{t}.gguf", t)
+            for kind in GGUF_KINDS for t in ("F32", "Q8_0")}
+
+
+@pytest.fixture(scope="module")
+def expected(moe_models) -> dict:
+    """transformers' logits per family for one prompt and its decode."""
+    from transformers import AutoModelForCausalLM
+
+    prompt, decode = prompt_ids(40), prompt_ids(24, seed=1)
+    out = {}
+    for kind, folder in moe_models.items():
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        out[kind] = reference_logits(ref, prompt, decode)
+    return out
+
+
+def logits_of(lm) -> torch.Tensor:
+    return our_logits(lm, prompt_ids(40), prompt_ids(24, seed=1))
+
+
+@pytest.mark.parametrize("kind", MOE_KINDS)
+def test_hf_folder_matches_transformers(kind, moe_models, expected):
+    lm = load_model(moe_models[kind], dtype=torch.float32, device="cpu")
+    assert lm.config.moe is not None
+    layers = lm.model.model.layers
+    assert any(isinstance(getattr(layer.mlp, "experts", None), Experts) for layer in layers)
+    diff = (logits_of(lm) - expected[kind]).abs().max().item()
+    assert diff < TOLERANCE, f"{kind}: max |logit difference| {diff:.2e}"
+    hits = expert_hits(lm.model)
+    assert hits and all(sum(h) > 0 for h in hits)  # every MoE layer routed the tokens somewhere, and counted them
+
+
+@pytest.mark.parametrize("quant", ["none", "gguf"])
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+def test_gguf_matches_transformers(kind, quant, moe_ggufs, expected):
+    lm = load_model(moe_ggufs[kind, "F32"], dtype=torch.float32, device="cpu", quant=quant)
+    assert lm.config.architecture == {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                                      "mixtral": "MixtralForCausalLM"}[kind]
+    diff = (logits_of(lm) - expected[kind]).abs().max().item()
+    assert diff < TOLERANCE, f"{kind} ({quant}): max |logit difference| {diff:.2e}"
+
+
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+def test_packed_experts_match_their_dequantized_weights(kind, moe_ggufs, monkeypatch):
+    """Q8_0 experts stay the file's blocks (resident bytes are the file's) and compute what the dequantized
+    weights compute (the exact-weights activation path)."""
+    path = moe_ggufs[kind, "Q8_0"]
+    dequantized = load_model(path, dtype=torch.float32, device="cpu", quant="none")
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")
+    packed = load_model(path, dtype=torch.float32, device="cpu", quant="gguf")
+    experts = [m for m in packed.model.modules() if isinstance(m, GGUFExpertLinear)]
+    assert experts and all(p.type_name == "Q8_0" for m in experts for p in m.parts)
+    fp = next(m for m in dequantized.model.modules() if isinstance(m, Experts)).gate_up_proj.weight
+    assert torch.equal(experts[0].dequantized_weight(), fp)
+    diff = (logits_of(packed) - logits_of(dequantized)).abs().max().item()
+    assert diff < TOLERANCE, f"{kind}: packed vs dequantized max |logit difference| {diff:.2e}"
+
+
+@pytest.fixture(scope="module")
+def packed_qwen3_moe(moe_ggufs):
+    """Q8_0 experts on the default (integer activation) path, as a user runs a GGUF."""
+    return load_model(moe_ggufs["qwen3_moe", "Q8_0"], dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+@pytest.mark.parametrize("kind", ["packed_qwen3_moe", "glm4_moe"])
+def test_engine_batched_and_prefix_hits_equal_alone(kind, request, moe_models):
+    lm = request.getfixturevalue(kind) if kind.startswith("packed") else \
+        load_model(moe_models[kind], dtype=torch.float32, device="cpu")
+    shared = prompt_ids(40, seed=9)  # a common prefix of whole blocks: later requests hit the prefix cache
+    prompts = [shared + p for p in random_prompts(8, 2, 40, 570, seed=10)]
+    params = SamplingParams(max_tokens=16, **GREEDY)
+    alone = run_alone(lm, prompts, params)
+    engine = make_engine(lm, max_num_batched_tokens=32)  # prompts are chunked too
+    batched = run_staggered(engine, prompts, params)
+    assert [batched[str(i)] for i in range(len(prompts))] == alone
+    assert engine.stats().kv.prefix_hits_tokens > 0
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_engine_preempted_and_speculating_equal_plain(packed_qwen3_moe):
+    prompts = random_prompts(6, 10, 40, 570, seed=2)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    ample = [r.token_ids for r in generate(make_engine(packed_qwen3_moe), prompts, params)]
+    engine = make_engine(packed_qwen3_moe, num_kv_blocks=10)
+    assert [r.token_ids for r in generate(engine, prompts, params)] == ample
+    assert engine.stats().num_preemptions > 0
+    spec = make_engine(packed_qwen3_moe, speculative_mode="draft", draft_model="self:1", num_speculative_tokens=3)
+    assert [r.token_ids for r in generate(spec, prompts, params)] == ample
+    assert spec.stats().spec is not None and spec.stats().spec.accepted_total > 0
+
+
+# ---- bad files and configs -------------------------------------------------------------------------------------
+
+
+def _gguf_refusal(path) -> str:
+    with pytest.raises(ModelFileError) as info:
+        load_model(path, dtype=torch.float32, device="cpu")
+    assert str(path) in str(info.value)
+    return str(info.value)
+
+
+def test_expert_count_that_does_not_match_the_tensors(moe_ggufs, tmp_path):
+    path = _rewrite(moe_ggufs["qwen3_moe", "F32"], tmp_path / "count.gguf", meta={"qwen3moe.expert_count": 6})
+    message = _gguf_refusal(path)  # the first tensor that disagrees with 6 experts, named with both shapes
+    assert "mlp.gate.weight" in message and "(8, 64), expected (6, 64)" in message
+
+
+def test_missing_expert_tensor(moe_ggufs, tmp_path):
+    path = _rewrite(moe_ggufs["qwen3_moe", "F32"], tmp_path / "missing.gguf", drop=("blk.0.ffn_up_exps.weight",))
+    assert "missing" in _gguf_refusal(path)
+
+
+def test_router_of_the_wrong_width(moe_ggufs, tmp_path):
+    path = _rewrite(moe_ggufs["qwen3_moe", "F32"], tmp_path / "router.gguf",
+                    change={"blk.0.ffn_gate_inp.weight": np.zeros((6, 64), np.float32)})
+    message = _gguf_refusal(path)
+    assert "mlp.gate.weight" in message and "(6, 64)" in message
+
+
+@pytest.mark.parametrize("change,problem", [({"num_experts_per_tok": 9}, "experts per token"),
+                                            ({"moe_intermediate_size": 0}, "intermediate size")])
+def test_bad_moe_configs_name_the_problem(change, problem, moe_models):
+    import json
+
+    cfg = json.loads((moe_models["qwen3_moe"] / "config.json").read_text())
+    with pytest.raises(ModelFileError, match=problem):
+        ModelConfig.from_hf_config({**cfg, **change})
+
+
+def test_gguf_writer_quantizes_stacked_experts():
+    """The test files' experts are what llama.cpp quantizes: each expert's rows in blocks (a guard on the writer)."""
+    data = np.random.default_rng(0).standard_normal((4, 8, 64)).astype(np.float32)
+    blocks = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+    assert blocks.shape == (4, 8, 68)
