@@ -287,7 +287,10 @@ def test_phi3_longrope_factors_of_the_wrong_length_name_the_config(tiny_models, 
 
 
 def test_converter_covers_every_family():
-    assert set(GGUF_ARCH.values()) == {"llama", "qwen2", "qwen3", "phi3"}
+    """Every GGUF architecture llmd runs has a test file writer (Gemma's: tests/tiny_gemma.py)."""
+    from llmd.model.gguf import GGUF_ARCHITECTURES
+
+    assert set(GGUF_ARCH.values()) == set(GGUF_ARCHITECTURES) - {"gemma2", "gemma3"}
 
 
 # ---- the engine's invariants hold for the new families (batched == alone, with chunked prefill and prefix hits)
