@@ -111,7 +111,11 @@ def test_engine_batched_and_prefix_hits_equal_alone(kind, request, moe_models):
     engine = make_engine(lm, max_num_batched_tokens=32)  # prompts are chunked too
     batched = run_staggered(engine, prompts, params)
     assert [batched[str(i)] for i in range(len(prompts))] == alone
-    assert engine.stats().kv.prefix_hits_tokens > 0
+    stats = engine.stats()
+    assert stats.kv.prefix_hits_tokens > 0
+    moe_layers = sum(lm.config.moe.is_sparse(i) for i in range(lm.config.num_hidden_layers))
+    assert len(stats.expert_hits) == moe_layers and all(len(h) == lm.config.moe.num_experts
+                                                         for h in stats.expert_hits)
 
 
 @pytest.mark.usefixtures("one_torch_thread")

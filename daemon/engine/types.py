@@ -391,6 +391,9 @@ class EngineStats:
     engine_error: str | None = None
     remote_url: str | None = None  # a remote model's upstream server
     threads: int | None = None  # CPU threads the model's steps compute with (None: on a GPU, remote, or not yet known)
+    # a mixture of experts: tokens routed to each expert, per MoE layer, since the model loaded (where to place
+    # experts); None for a dense model
+    expert_hits: list[list[int]] | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> "EngineStats":

@@ -224,7 +224,7 @@ def table(results: dict, bw: dict | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="a GGUF file")
-    ap.add_argument("--shape", default="1b", help="real_shapes.py shape, when no --model: 1b, 3b, 7b, 8b")
+    ap.add_argument("--shape", default="1b", help="real_shapes.py shape, when no --model: 1b, 3b, 7b, 8b, 30b-a3b")
     ap.add_argument("--type", default="Q4_K_M", help="with --shape: Q4_K_M, Q8_0, IQ4_XS, ...")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sections", default=",".join(SECTIONS))

@@ -41,10 +41,13 @@ class Shape:
     tied: bool
     eps: float = 1e-5
     qkv_bias: bool = False
+    head_size: int | None = None  # None: hidden / heads
+    experts: int = 0  # a mixture of experts (ffn: one expert's width), top_k of them per token; q/k norm
+    top_k: int = 0
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
 
 SHAPES = {
@@ -52,6 +55,10 @@ SHAPES = {
     "3b": Shape("llama", 3072, 28, 24, 8, 8192, 500000.0, tied=True),    # Llama-3.2-3B
     "7b": Shape("qwen2", 3584, 28, 28, 4, 18944, 1000000.0, tied=False, eps=1e-6, qkv_bias=True),  # Qwen2.5-7B
     "8b": Shape("llama", 4096, 32, 32, 8, 14336, 500000.0, tied=False),  # Llama-3.1-8B
+    # Qwen3-30B-A3B with 8 of its 48 layers (every layer is alike; the 48-layer F16 would be 58 GB on the way):
+    # per-token figures scale with the layers, and the ratio to llama.cpp on the same file holds
+    "30b-a3b": Shape("qwen3moe", 2048, 8, 32, 4, 768, 1000000.0, tied=False, eps=1e-6, head_size=128, experts=128,
+                     top_k=8),
 }
 DEFAULT_SHAPES = ("1b", "3b")  # the 7B / 8B files (~15 GB of F16 on the way) only when asked for by name
 CONTEXT = 32768
@@ -59,17 +66,23 @@ CONTEXT = 32768
 
 def tensors(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     """(name, numpy shape) of every tensor, in file order; 1-D ones are norms (ones) or biases (zeros)."""
-    kv = s.kv_heads * s.head_dim
+    kv, q = s.kv_heads * s.head_dim, s.heads * s.head_dim
     out = [("token_embd.weight", (vocab, s.hidden))]
     for i in range(s.layers):
         b = f"blk.{i}."
-        out += [(b + "attn_norm.weight", (s.hidden,)), (b + "attn_q.weight", (s.hidden, s.hidden)),
+        out += [(b + "attn_norm.weight", (s.hidden,)), (b + "attn_q.weight", (q, s.hidden)),
                 (b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden))]
         if s.qkv_bias:
-            out += [(b + "attn_q.bias", (s.hidden,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
-        out += [(b + "attn_output.weight", (s.hidden, s.hidden)), (b + "ffn_norm.weight", (s.hidden,)),
-                (b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden)),
-                (b + "ffn_down.weight", (s.hidden, s.ffn))]
+            out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
+        out += [(b + "attn_output.weight", (s.hidden, q)), (b + "ffn_norm.weight", (s.hidden,))]
+        if s.experts:
+            e = s.experts
+            out += [(b + "attn_q_norm.weight", (s.head_dim,)), (b + "attn_k_norm.weight", (s.head_dim,)),
+                    (b + "ffn_gate_inp.weight", (e, s.hidden)), (b + "ffn_gate_exps.weight", (e, s.ffn, s.hidden)),
+                    (b + "ffn_up_exps.weight", (e, s.ffn, s.hidden)), (b + "ffn_down_exps.weight", (e, s.hidden, s.ffn))]
+        else:
+            out += [(b + "ffn_gate.weight", (s.ffn, s.hidden)), (b + "ffn_up.weight", (s.ffn, s.hidden)),
+                    (b + "ffn_down.weight", (s.hidden, s.ffn))]
     out.append(("output_norm.weight", (s.hidden,)))
     if not s.tied:
         out.append(("output.weight", (vocab, s.hidden)))
@@ -93,13 +106,23 @@ def write_f16(name: str, path: Path, tokenizer_source: Path) -> None:
     w.add_rope_dimension_count(s.head_dim)
     w.add_layer_norm_rms_eps(s.eps)
     w.add_vocab_size(vocab)
+    if s.head_size:
+        w.add_key_length(s.head_dim)
+        w.add_value_length(s.head_dim)
+    if s.experts:
+        w.add_expert_count(s.experts)
+        w.add_expert_used_count(s.top_k)
+        w.add_expert_feed_forward_length(s.ffn)
     for key, field in src.fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
             w.add_key_value(key, field.contents(), field.types[0], sub)
     layout = tensors(s, vocab)
+    def is_f16(tname: str, shape: tuple[int, ...]) -> bool:  # llama.cpp keeps the router in F32
+        return len(shape) > 1 and "ffn_gate_inp" not in tname
+
     for tname, shape in layout:
-        dtype = np.float16 if len(shape) > 1 else np.float32
+        dtype = np.float16 if is_f16(tname, shape) else np.float32
         w.add_tensor_info(tname, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -107,7 +130,8 @@ def write_f16(name: str, path: Path, tokenizer_source: Path) -> None:
     rng = np.random.default_rng(0)
     for tname, shape in layout:  # one tensor in memory at a time
         if len(shape) > 1:
-            data = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float16)
+            data = rng.standard_normal(shape, dtype=np.float32) * 0.02
+            data = data.astype(np.float16) if is_f16(tname, shape) else data
         else:
             data = np.zeros(shape, np.float32) if tname.endswith(".bias") else np.ones(shape, np.float32)
         w.write_tensor_data(data)
