@@ -22,7 +22,7 @@ from test_engine import GREEDY, random_prompts, run_alone, run_staggered
 from test_families import TOLERANCE, _rewrite, our_logits, prompt_ids, reference_logits
 from tiny_models import MOE_KINDS, write_tiny_gguf, write_tiny_model
 
-GGUF_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral")
+GGUF_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_hf_folder_matches_transformers(kind, moe_models, expected):
 def test_gguf_matches_transformers(kind, quant, moe_ggufs, expected):
     lm = load_model(moe_ggufs[kind, "F32"], dtype=torch.float32, device="cpu", quant=quant)
     assert lm.config.architecture == {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                                      "mixtral": "MixtralForCausalLM"}[kind]
+                                      "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[kind]
     diff = (logits_of(lm) - expected[kind]).abs().max().item()
     assert diff < TOLERANCE, f"{kind} ({quant}): max |logit difference| {diff:.2e}"
 

@@ -90,7 +90,7 @@ def _randomise(model: torch.nn.Module) -> None:
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.1)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias", ".sinks")):
                 p.normal_(0.0, 0.1)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # GLM-4.5's expert selection bias
@@ -175,6 +175,13 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
                                   routed_scaling_factor=2.5, norm_topk_prob=True, attention_bias=True,
                                   use_qk_norm=True)
         cls = tf.Glm4MoeForCausalLM
+    elif kind == "gpt_oss":  # windows of 8 on even layers, YaRN past 64 positions, sinks, biased router/experts
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64}
+        config = tf.GptOssConfig(**{**common, "intermediate_size": 32}, head_dim=16, num_local_experts=4,
+                                 num_experts_per_tok=2, sliding_window=8, rope_parameters=rope,
+                                 tie_word_embeddings=False)
+        cls = tf.GptOssForCausalLM
     else:
         raise ValueError(kind)
 
@@ -200,7 +207,7 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
 
 
 TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope")
-MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")  # written by tests/test_moe.py's own fixture
+MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")  # gpt_oss: when sinks and YaRN land  # written by tests/test_moe.py's own fixture
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -209,7 +216,7 @@ MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")  # written by test
 # Phi-3's rope factor tensors). The vocabulary is the folder's byte-level BPE as a "gpt2" tokenizer model.
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+             "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe"}
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -221,14 +228,19 @@ _GGUF_LAYER = {
     "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp",
     "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
-_MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj."}
+_MIXTRAL_NAMES = {"block_sparse_moe.": "mlp.", ".w1.": ".gate_proj.", ".w3.": ".up_proj.", ".w2.": ".down_proj.",
+                  ".shared_experts.": ".shared_expert."}  # (and GLM's shared_experts)
 _GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                 "lm_head.weight": "output.weight"}
 
 
-def gguf_tensor_name(hf_name: str) -> str:
+def gguf_tensor_name(hf_name: str, arch: str = "") -> str:
     if hf_name in _GGUF_GLOBAL:
         return _GGUF_GLOBAL[hf_name]
+    if hf_name.endswith("mlp.gate.e_score_correction_bias"):
+        return f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias"
+    if arch == "glm4moe" and ".post_attention_layernorm." in hf_name:
+        return f"blk.{hf_name.split('.')[2]}.post_attention_norm.weight"
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, suffix = rest.rpartition(".")
     return f"blk.{layer}.{_GGUF_LAYER[module]}.{suffix}"
@@ -261,12 +273,26 @@ def _llama3_rope_factors(cfg: dict, scaling: dict, theta: float, head_dim: int) 
 
 def _stacked_experts(w, state: dict[str, torch.Tensor], cfg: dict, experts: int) -> dict[str, torch.Tensor]:
     """The MoE metadata, and each layer's per-expert projections stacked [E, out, in] as llama.cpp's ffn_*_exps."""
+    import gguf
+
     w.add_expert_count(experts)
     w.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg.get("moe_intermediate_size"):
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if cfg.get("shared_expert_intermediate_size"):
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+    if cfg["model_type"] == "glm4_moe":  # and one multi-token-prediction layer after the decoder, as GLM files have
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_expert_group_count(cfg["n_group"])
+        w.add_expert_group_used_count(cfg["topk_group"])
+        w.add_nextn_predict_layers(1)
+        mtp = f"blk.{cfg['num_hidden_layers']}"
+        w.add_tensor(f"{mtp}.nextn.eh_proj.weight", np.zeros((cfg["hidden_size"], 2 * cfg["hidden_size"]), np.float32))
+        w.add_tensor(f"{mtp}.nextn.enorm.weight", np.ones(cfg["hidden_size"], np.float32))
     out: dict[str, torch.Tensor] = {}
     stacks: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
@@ -327,7 +353,7 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny {cfg['model_type']}")
-    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_block_count(cfg["num_hidden_layers"] + (arch == "glm4moe"))  # GLM counts its nextn layer
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
@@ -358,7 +384,7 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
         state.update(load_file(file))
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
-    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     if experts:
         state = _stacked_experts(w, state, cfg, experts)
     for name, tensor in state.items():
@@ -369,13 +395,13 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
             t = t.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is [hidden]
         data = t.numpy()
         if data.ndim >= 2 and name.endswith("mlp.gate.weight"):  # llama.cpp keeps the router in F32
-            w.add_tensor(gguf_tensor_name(name), data)
+            w.add_tensor(gguf_tensor_name(name, arch), data)
         elif data.ndim >= 2 and matrix_type == "F16":
-            w.add_tensor(gguf_tensor_name(name), data.astype(np.float16))
+            w.add_tensor(gguf_tensor_name(name, arch), data.astype(np.float16))
         elif data.ndim >= 2 and matrix_type != "F32":
-            w.add_tensor(gguf_tensor_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_tensor_name(name, arch), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_tensor_name(name), data)
+            w.add_tensor(gguf_tensor_name(name, arch), data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -35,9 +35,12 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     "Qwen2MoeForCausalLM": {"attention_bias": True, "qk_norm": False},
     "Qwen3MoeForCausalLM": {"attention_bias": None, "qk_norm": True},
     "Glm4MoeForCausalLM": {"attention_bias": None, "qk_norm": None},  # qk_norm: config.json's use_qk_norm
+    # gpt-oss: biases on q/k/v/o, attention sinks, alternating window (128) and full layers, YaRN; experts with
+    # biases and a clamped SwiGLU (llmd.model.gpt_oss)
+    "GptOssForCausalLM": {"attention_bias": True, "qk_norm": False},
 }
 # architectures whose config.json sliding_window applies unless use_sliding_window says otherwise
-_WINDOW_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
+_WINDOW_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 
 # rope_scaling types we implement exactly as transformers does; anything else is refused rather than silently wrong.
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
@@ -45,6 +48,7 @@ _ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs named longrope 
 
 
 ROUTERS = ("softmax", "sigmoid", "softmax_topk")
+ACTIVATIONS = ("silu", "swiglu_clamped")
 
 
 @dataclass(frozen=True)
@@ -67,10 +71,20 @@ class MoEConfig:
     shared_intermediate_size: int = 0  # a shared expert every token takes (0: none)
     shared_gate: bool = False  # Qwen2-MoE: the shared expert's output scaled by sigmoid(x . w)
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP of the model's intermediate_size
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    expert_bias: bool = False  # biases on every expert's projections (gpt-oss)
+    # silu: silu(gate) * up; swiglu_clamped (gpt-oss): gate clamped above, up clamped both ways at swiglu_limit,
+    # gate * sigmoid(swiglu_alpha * gate) * (up + 1)
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
             raise ModelFileError("config", f"router {self.router!r} is not one of {', '.join(ROUTERS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ModelFileError("config", f"expert activation {self.activation!r} is not one of "
+                                           f"{', '.join(ACTIVATIONS)}")
         if not 0 < self.top_k <= self.num_experts:
             raise ModelFileError("config", f"{self.top_k} experts per token does not fit {self.num_experts} experts")
         if self.intermediate_size < 1:
@@ -121,6 +135,7 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale = this ** -0.5 (None: head_dim ** -0.5)
     rope_local_theta: float | None = None  # RoPE base of the sliding layers, which never take rope_scaling
     moe: MoEConfig | None = None  # a mixture of experts in place of (some) MLPs; None: dense
+    attention_out_bias: bool = False  # a bias on o_proj too (gpt-oss)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -338,6 +353,16 @@ def moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                         shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 5632)
                                                      if arch == "Qwen2MoeForCausalLM" else 0),
                         shared_gate=arch == "Qwen2MoeForCausalLM", dense_layers=dense)
+    elif arch == "GptOssForCausalLM":  # the top-k logits softmaxed; biased router and experts; clamped SwiGLU
+        moe = MoEConfig(_first(cfg, "num_local_experts", "num_experts", default=128),
+                        int(cfg.get("num_experts_per_tok", 4)), int(cfg["intermediate_size"]), router="softmax_topk",
+                        router_bias=True, expert_bias=True, activation="swiglu_clamped",
+                        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+        layers_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                                  for i in range(layers)]
+        return {"moe": moe, "attention_out_bias": True, "layer_types": list(layers_types),
+                "sliding_window": int(cfg.get("sliding_window") or 128)}
     else:  # Glm4MoeForCausalLM: sigmoid scores with a selection bias, shared experts, the first layers dense
         inter = int(cfg.get("moe_intermediate_size", 1408))
         moe = MoEConfig(_first(cfg, "n_routed_experts", "num_local_experts", default=128),
@@ -362,7 +387,7 @@ def _first(cfg: dict[str, Any], *keys: str, default: int) -> int:
 # HF architecture -> its extra ModelConfig fields from config.json (families whose layers differ from Llama's)
 FAMILY_FIELDS = {"Gemma2ForCausalLM": gemma_fields, "Gemma3ForCausalLM": gemma_fields,
                  "MixtralForCausalLM": moe_fields, "Qwen2MoeForCausalLM": moe_fields,
-                 "Qwen3MoeForCausalLM": moe_fields, "Glm4MoeForCausalLM": moe_fields}
+                 "Qwen3MoeForCausalLM": moe_fields, "Glm4MoeForCausalLM": moe_fields, "GptOssForCausalLM": moe_fields}
 
 
 def rope_type_of(scaling: dict) -> str:
@@ -403,7 +428,7 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
     return by_type.get(model_type or "", model_type)
 
 

@@ -395,6 +395,7 @@ _MOE_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 
 _REQUIRED = object()
 # "<arch>.<suffix>" -> (config.json key, conversion, default): the keys every architecture here shares
@@ -473,6 +474,16 @@ def _moe_config(cfg: dict, meta: dict, p: str, tensor_names: set[str]) -> None:
                                  ("expert_group_used_count", "topk_group", int)):
         if meta.get(p + key) is not None:
             cfg[hf_key] = convert(meta[p + key])
+
+
+def _glm4moe_quirks(cfg: dict, meta: dict, p: str) -> None:
+    _rope_quirks(cfg, meta, p)
+    cfg["num_hidden_layers"] -= int(meta.get(p + "nextn_predict_layers") or 0)  # counted in block_count
+    if cfg.get("partial_rotary_factor") is None:
+        cfg["partial_rotary_factor"] = 1.0  # the file says how many dimensions turn (GLM's own default is 0.5)
+    gating = meta.get(p + "expert_gating_func")
+    if gating is not None and int(gating) != 2:  # llama.cpp: 1 softmax, 2 sigmoid
+        raise ValueError(f"{p}expert_gating_func {gating} (GLM-4.5 routes by sigmoid, 2)")
 
 
 def _qwen_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
@@ -568,6 +579,11 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     "qwen3moe": GGUFArch("Qwen3MoeForCausalLM", {**_MOE_NAMES, "attn_q_norm": "self_attn.q_norm",
                                                  "attn_k_norm": "self_attn.k_norm"},
                          config_tensors=("rope_freqs.weight",), quirks=_qwen_quirks),
+    # GLM-4.5 / 4.5-Air: sigmoid routing with a selection bias, a shared expert, dense leading layers, partial
+    # rotary; the multi-token-prediction layers after the decoder (nextn) are not run
+    "glm4moe": GGUFArch("Glm4MoeForCausalLM", {**_MOE_NAMES, "post_attention_norm": "post_attention_layernorm",
+                                               "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"},
+                        quirks=lambda cfg, meta, p, factors: _glm4moe_quirks(cfg, meta, p)),
     "gemma2": GGUFArch("Gemma2ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
     "gemma3": GGUFArch("Gemma3ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
 }
@@ -657,6 +673,7 @@ def hf_config_dict(meta: dict, tensor_names: set[str], path: Path,
         cfg["vocab_size"] = len(meta.get("tokenizer.ggml.tokens") or [])
     cfg["tie_word_embeddings"] = "output.weight" not in tensor_names
     cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    cfg["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensor_names  # read where the family makes it optional
     cfg["rope_scaling"] = None
     if not (heads and hidden and cfg["num_hidden_layers"] and cfg["num_key_value_heads"]):
         raise ModelFileError(path, "GGUF metadata has a zero model size (heads, hidden size or layers)")
@@ -733,6 +750,9 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> list[_Checked]:
     entry = GGUF_ARCHITECTURES[hf_cfg["model_type"]]
     out = []
     for info in gf.tensors:
+        block = _BLOCK_RE.match(info.name)
+        if block and int(block.group(1)) >= hf_cfg["num_hidden_layers"]:
+            continue  # a layer after the decoder's (GLM's multi-token prediction): not run
         name = hf_tensor_name(info.name, hf_cfg["model_type"])
         if name is None:
             if info.name in entry.config_tensors:

@@ -135,7 +135,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         hidden, q_size, kv_size = config.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = make_linear(hidden, q_size + 2 * kv_size, bias=config.attention_bias)
-        self.o_proj = make_linear(q_size, hidden, bias=False)
+        self.o_proj = make_linear(q_size, hidden, bias=config.attention_out_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)

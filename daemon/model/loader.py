@@ -98,8 +98,11 @@ class LoadPipeline:
         source, spec = self.source, self.spec
         model, swapped = build_empty_quantized(source.config, self.dtype, self.device, spec, self.quantize_head,
                                                source.raw_types(spec.method))
-        report = load_tensors(model, quantizing_stream(source.stream(spec.method), model, swapped, spec, source.path),
-                              source.path)
+        stream = source.stream(spec.method)
+        adapt = getattr(model, "adapt_checkpoint", None)  # a family whose checkpoint layout is not the model's
+        if adapt is not None:
+            stream = adapt(stream)
+        report = load_tensors(model, quantizing_stream(stream, model, swapped, spec, source.path), source.path)
         if spec.calibrate:  # the stream left the int4 layers empty: GPTQ fills them, a layer at a time
             quantize_calibrated(model, source.files, spec)
         self._final_form(model)

@@ -114,13 +114,20 @@ class Experts(nn.Module):
     def __init__(self, hidden: int, moe: MoEConfig, bias: bool = False):
         super().__init__()
         self.num_experts, self.intermediate_size = moe.num_experts, moe.intermediate_size
+        self.moe = moe
         self.gate_up_proj = ExpertLinear(moe.num_experts, hidden, 2 * moe.intermediate_size, bias)
         self.down_proj = ExpertLinear(moe.num_experts, moe.intermediate_size, hidden, bias)
         # tokens routed to each expert (stats); on the CPU even while the model is built on the meta device
         self.hits = torch.zeros(moe.num_experts, dtype=torch.int64, device="cpu")
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.ops.silu_mul(gate_up, self.intermediate_size)
+        if self.moe.activation == "silu":
+            return self.ops.silu_mul(gate_up, self.intermediate_size)
+        # gpt-oss, in transformers' order of operations
+        limit = self.moe.swiglu_limit
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.moe.swiglu_alpha))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], each token's experts ids [T, k] and weights [T, k] -> [T, hidden]."""
@@ -154,8 +161,8 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = config.moe
         assert moe is not None
-        self.gate = Router(config.hidden_size, moe)
-        self.experts = Experts(config.hidden_size, moe, bias=config.mlp_bias)
+        self.gate = Router(config.hidden_size, moe, bias=moe.router_bias)
+        self.experts = Experts(config.hidden_size, moe, bias=config.mlp_bias or moe.expert_bias)
         self.shared_expert = shared  # an MLP every token takes (Qwen2-MoE, GLM-4.5), or None
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if moe.shared_gate else None
 

@@ -18,6 +18,7 @@ from .config import ModelConfig
 MODEL_CLASSES = {
     "Gemma2ForCausalLM": "gemma:GemmaCausalLM",
     "Gemma3ForCausalLM": "gemma:GemmaCausalLM",
+    "GptOssForCausalLM": "gpt_oss:GptOssCausalLM",
 }
 DEFAULT_CLASS = "llama:CausalLM"
 
