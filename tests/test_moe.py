@@ -174,3 +174,35 @@ def test_gguf_writer_quantizes_stacked_experts():
     data = np.random.default_rng(0).standard_normal((4, 8, 64)).astype(np.float32)
     blocks = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
     assert blocks.shape == (4, 8, 68)
+
+
+# ---- served: a real daemon and the official client --------------------------------------------------------------
+
+
+def test_served_by_a_real_daemon(moe_ggufs, tmp_path):
+    """A Qwen3-MoE GGUF named on the command line answers the OpenAI client (streamed and not, the same greedy
+    text), and the stats report where its tokens went."""
+    import json
+    import shutil
+    import urllib.request
+
+    import openai
+    from llmd_daemon_proc import start_daemon
+
+    path = tmp_path / "tiny-moe.gguf"
+    shutil.copy(moe_ggufs["qwen3_moe", "Q8_0"], path)
+    daemon = start_daemon(tmp_path / "llmd", "--model", str(path))
+    try:
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+        whole = client.completions.create(model="tiny-moe", prompt="def fibonacci(n):", max_tokens=12,
+                                          temperature=0)
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny-moe", prompt="def fibonacci(n):", max_tokens=12, temperature=0, stream=True))
+        assert whole.usage.completion_tokens == 12 and streamed == whole.choices[0].text
+        with urllib.request.urlopen(daemon.url + "/v1/llmd/stats", timeout=10) as resp:
+            stats = json.loads(resp.read())
+        (served,) = stats["models"]
+        hits = served["stats"]["expert_hits"]
+        assert len(hits) == 1 and sum(hits[0]) >= 2 * 2 * 12  # layer 0: top-2 of each prompt and decoded token
+    finally:
+        assert daemon.stop() == 0, daemon.log()
