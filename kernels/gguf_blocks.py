@@ -15,7 +15,12 @@ Per block (little-endian; d, dmin, m are fp16; "q[j]" is element j of the block)
   Q5_1    32    24     d@0 m@2 qh(u32)@4 qs[16]@8                              (d * (nib(j) | bit_j(qh) << 4)) + m
   Q8_0    32    34     d@0 qs(int8)[32]@2                                      q[j] * d
   IQ4_NL  32    18     d@0 qs[16]@2                                            d * KVALUES[nib(j)]
+  MXFP4   32    17     e(u8)@0 qs[16]@1                                        2^(e - 128) * E2M1X2[nib(j)]
     nib(j): low nibble of qs[j] for j < 16, high nibble of qs[j - 16] otherwise
+    MXFP4 (gpt-oss's expert weights): e is an E8M0 exponent, the codes E2M1 (sign, 2 exponent bits, 1 mantissa bit)
+    as ggml keeps them, doubled (E2M1X2 = 0, 1, 2, 3, 4, 6, 8, 12 and their negatives) with the scale halved, so
+    2^(e - 128) * E2M1X2 = 2^(e - 127) * E2M1. Every e is a finite power of two here (ggml's rule: e = 0 and 1 are
+    fp32 subnormals, 255 is 2^127, not E8M0's NaN), and each value is exact (or overflows to inf).
   Q2_K    256   84     scales[16]@0 qs[64]@16 d@80 dmin@82                     (d*sc_s) * q - (dmin*mn_s), 16 per s
                        j = 128h + 32t + l: q = qs[32h + l] >> 2t & 3; sc_s / mn_s = low / high nibble of scales[s]
   Q3_K    256   110    hmask[32]@0 qs[64]@32 scales[12]@96 d@108               (d * sc_s) * q, 16 per s
@@ -50,6 +55,7 @@ BLOCKS: dict[str, tuple[int, int]] = {
     "Q5_1": (32, 24),
     "Q8_0": (32, 34),
     "IQ4_NL": (32, 18),
+    "MXFP4": (32, 17),
     "Q2_K": (QK_K, 84),
     "Q3_K": (QK_K, 110),
     "Q4_K": (QK_K, 144),
@@ -59,6 +65,7 @@ BLOCKS: dict[str, tuple[int, int]] = {
 }
 PACKED_TYPES = tuple(BLOCKS)
 IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 codes' values, doubled
 
 
 def row_bytes(type_name: str, k: int) -> int:
@@ -154,6 +161,17 @@ def _iq4_nl(b):
     return _f16(b, 0) * _kvalues(b.device)[_nibbles32(b[:, 2:18]).to(torch.int64)]
 
 
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """E8M0 exponent bytes -> 2^(e - 128) as fp32 (ggml's ggml_e8m0_to_fp32_half: e < 2 are the subnormals)."""
+    e = e.to(torch.int32)
+    return torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+
+
+def _mxfp4(b):
+    kv = torch.tensor(MXFP4_KVALUES, dtype=torch.float32, device=b.device)
+    return e8m0_half(b[:, 0:1]) * kv[_nibbles32(b[:, 1:17]).to(torch.int64)]
+
+
 def _q2_k(b):
     scales = b[:, 0:16]
     d, dmin = _f16(b, 80), _f16(b, 82)
@@ -233,7 +251,7 @@ def _iq4_xs(b):
 
 
 _DEQUANT = {
-    "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "IQ4_NL": _iq4_nl,
+    "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0, "IQ4_NL": _iq4_nl, "MXFP4": _mxfp4,
     "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "IQ4_XS": _iq4_xs,
 }
 
