@@ -1017,6 +1017,16 @@ static inline float gguf_f16(const uint8_t *p) {
 }
 
 static const float IQ4_KV[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4's E2M1 codes as ggml keeps them: the values doubled (the scale halved, gguf_e8m0_half) */
+static const float MXFP4_KV[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* An E8M0 exponent byte -> 2^(e - 128) exactly (ggml's ggml_e8m0_to_fp32_half: e = 0, 1 are fp32 subnormals). */
+static inline float gguf_e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
 
 /* One block row each: nb blocks at q -> nb * block_elems floats at w. */
 __attribute__((unused)) static void dq_q4_0(const uint8_t *q, int64_t nb, float *w) {
@@ -1070,6 +1080,14 @@ __attribute__((unused)) static void dq_iq4_nl(const uint8_t *q, int64_t nb, floa
         const float d = gguf_f16(q);
         for (int j = 0; j < 16; j++) w[j] = d * IQ4_KV[q[2 + j] & 0xF];
         for (int j = 0; j < 16; j++) w[16 + j] = d * IQ4_KV[q[2 + j] >> 4];
+    }
+}
+
+__attribute__((unused)) static void dq_mxfp4(const uint8_t *q, int64_t nb, float *w) {
+    for (int64_t b = 0; b < nb; b++, q += 17, w += 32) {
+        const float d = gguf_e8m0_half(q[0]);
+        for (int j = 0; j < 16; j++) w[j] = d * MXFP4_KV[q[1 + j] & 0xF];
+        for (int j = 0; j < 16; j++) w[16 + j] = d * MXFP4_KV[q[1 + j] >> 4];
     }
 }
 
@@ -1248,6 +1266,17 @@ INLINE __m256i iq4_lookup_128(__m256i codes) {
     return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
 }
 
+INLINE __m256i mxfp4_lookup(__m256i codes) {
+    const __m128i t = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
+}
+/* the same values + 128, as unsigned bytes */
+INLINE __m256i mxfp4_lookup_128(__m256i codes) {
+    const __m128i t = _mm_setr_epi8((char)128, (char)129, (char)130, (char)131, (char)132, (char)134, (char)136,
+                                    (char)140, (char)128, 127, 126, 125, 124, 122, 120, 116);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), codes);
+}
+
 /* One block each: q -> weights w. */
 INLINE void blk_q4_0(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
@@ -1279,6 +1308,11 @@ INLINE void blk_q8_0(const uint8_t *q, float *w) {
 INLINE void blk_iq4_nl(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
     emit32(iq4_lookup(nibbles32(q + 2)), d, d, 0, OFF_NONE, w);
+}
+
+INLINE void blk_mxfp4(const uint8_t *q, float *w) {
+    const float d = gguf_e8m0_half(q[0]);
+    emit32(mxfp4_lookup(nibbles32(q + 1)), d, d, 0, OFF_NONE, w);
 }
 
 INLINE void blk_iq4_xs(const uint8_t *q, float *w) {
@@ -1392,6 +1426,7 @@ GGUF_VECTOR(q5_0, 32, 22)
 GGUF_VECTOR(q5_1, 32, 24)
 GGUF_VECTOR(q8_0, 32, 34)
 GGUF_VECTOR(iq4_nl, 32, 18)
+GGUF_VECTOR(mxfp4, 32, 17)
 GGUF_VECTOR(iq4_xs, 256, 136)
 GGUF_VECTOR(q4_k, 256, 144)
 GGUF_VECTOR(q5_k, 256, 176)
@@ -1403,8 +1438,8 @@ GGUF_VECTOR(q3_k, 256, 110)
  *
  * Every weight of every type is w = a_s * u + z_s: u an unsigned integer code, a_s and z_s its sub-block's scale and
  * offset (Q4_0: u = q, a = d, z = -8d; Q8_0: u = q + 128, z = -128 d; Q4_K: a = d sc, z = -dmin mn; Q6_K: u = q + 32,
- * z = -32 a; IQ4: u = table value + 128, z = -128 a; ...). Per output y[r, c], in this order whatever M, the row's
- * position, the path or the thread count:
+ * z = -32 a; IQ4, MXFP4: u = table value + 128, z = -128 a; ...). Per output y[r, c], in this order whatever M, the
+ * row's position, the path or the thread count:
  *   for each 32-element unit of K: acc = sum over its elements of x_k u_k (8 lanes of 4 terms: mul, then 3 FMAs),
  *       out = fma(acc, a, out) (16-element sub-blocks: lanes 0-3 and 4-7 carry their own a);
  *   after each chunk of 256 elements (a super-block, or 8 blocks of 32): out = fma(z, X, out) with X the sums of x
@@ -1415,7 +1450,8 @@ GGUF_VECTOR(q3_k, 256, 110)
  * sit in a 32-byte vector in element order; byte j of each 32-bit lane is picked by an AND with mask << 8j, which
  * leaves u * 2^8j (converted exactly), and the activations are stored pre-multiplied by 2^-8j to pair with it (for
  * 8-bit codes byte 3 is shifted down and its activation left unscaled). Nibble codes are masked in place.
- * Each a_s * u is exact in fp32 (at most 24 significant bits: an fp16 scale times small integers), so a one-hot
+ * Each a_s * u is exact in fp32 (at most 24 significant bits: an fp16 scale times small integers; MXFP4's scale is a
+ * power of two, exact short of fp32's range, which real blocks stay far from), so a one-hot
  * activation still yields the reference weight: fl(a u + z) = the reference's fl(a (u - off)) or fl(a q - m). */
 
 #define GG_CHUNK 256 /* elements per chunk: the zero terms and the sums X are per chunk */
@@ -1474,6 +1510,10 @@ INLINE __m256i gg_iq4(const uint8_t *qs) { /* IQ4 codes + 128 (1..241) */
     return t;
 }
 
+INLINE __m256i gg_mxfp4(const uint8_t *qs) { /* MXFP4 codes + 128 (116..140) */
+    return mxfp4_lookup_128(_mm256_and_si256(gg_nib16(qs), _mm256_set1_epi8(0x0F)));
+}
+
 /* 16-bit lanes of v shifted by s (left for s > 0, right for s < 0), a runtime count */
 INLINE __m256i gg_shift(__m256i v, int s) {
     return s >= 0 ? _mm256_sll_epi16(v, _mm_cvtsi32_si128(s)) : _mm256_srl_epi16(v, _mm_cvtsi32_si128(-s));
@@ -1485,18 +1525,21 @@ INLINE __m256i gg_shift(__m256i v, int s) {
     const uint8_t *q, int nu, const float *xu, int64_t ldp, const float *xs, int64_t lds, __m256 *out, const int os, \
         const int R
 
-/* blocks of 32 with one fp16 scale d: codes from DECODE(qb), offset ZERO (d and qb in scope) */
-#define GG_BLOCKS(T, BYTES, MASK, DECODE, ZERO)                                                                   \
+/* blocks of 32 with one scale d = SCALE(qb) (an fp16 at the block's start, or MXFP4's E8M0 byte): codes from
+ * DECODE(qb), offset ZERO (d and qb in scope) */
+#define GG_BLOCKS_SCALED(T, BYTES, SCALE, MASK, DECODE, ZERO)                                                     \
     INLINE void gc_##T(GG_ARGS) {                                                                                  \
         float z[8] __attribute__((aligned(32))) = {0};                                                             \
         for (int b = 0; b < nu; b++) {                                                                             \
             const uint8_t *qb = q + b * (BYTES);                                                                   \
-            const float d = gguf_f16(qb);                                                                          \
+            const float d = SCALE(qb);                                                                             \
             z[b] = (ZERO);                                                                                         \
             gg_unit((DECODE), MASK, _mm256_set1_ps(d), xu + 32 * b, ldp, out, os, R);                             \
         }                                                                                                          \
         gg_zero(z, xs, lds, out, os, R, 0);                                                                        \
     }
+#define GG_BLOCKS(T, BYTES, MASK, DECODE, ZERO) GG_BLOCKS_SCALED(T, BYTES, gguf_f16, MASK, DECODE, ZERO)
+#define GG_E8M0(qb) gguf_e8m0_half((qb)[0])
 #define GG_M4 _mm256_set1_epi8(0x0F)
 /* Q4_0 / Q4_1: two blocks per unit of 64, their 16 code bytes side by side in one vector (lanes 0-3 block b, 4-7
  * block b + 1) as the int4 kernel holds its nibbles: nibble p of each lane is picked in place by an AND with
@@ -1545,6 +1588,7 @@ GG_BLOCKS(q5_1, 24, 0x1F, _mm256_or_si256(_mm256_and_si256(gg_nib16(qb + 8), GG_
 GG_BLOCKS(q8_0, 34, 0xFF, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(qb + 2)), _mm256_set1_epi8((char)0x80)),
           -128.0f * d)
 GG_BLOCKS(iq4_nl, 18, 0xFF, gg_iq4(qb + 2), -128.0f * d)
+GG_BLOCKS_SCALED(mxfp4, 17, GG_E8M0, 0xFF, gg_mxfp4(qb + 1), -128.0f * d)
 
 /* Q4_K / Q5_K: the 8 scales a = d sc and offsets z = -(dmin mn) of a super-block, the 6-bit fields unpacked 4 at a
  * time from the 12 scale bytes (scale_min_k4's fields) */
@@ -1713,6 +1757,7 @@ GG_TILES(q5_0, 8, 22)
 GG_TILES(q5_1, 8, 24)
 GG_TILES(q8_0, 8, 34)
 GG_TILES(iq4_nl, 8, 18)
+GG_TILES(mxfp4, 8, 17)
 GG_TILES(iq4_xs, 1, 136)
 GG_TILES(q4_k, 1, 144)
 GG_TILES(q5_k, 1, 176)
@@ -1733,6 +1778,7 @@ GG_FILL(q5_0, 8, 22)
 GG_FILL(q5_1, 8, 24)
 GG_FILL(q8_0, 8, 34)
 GG_FILL(iq4_nl, 8, 18)
+GG_FILL(mxfp4, 8, 17)
 GG_FILL(iq4_xs, 1, 136)
 GG_FILL(q4_k, 1, 144)
 GG_FILL(q5_k, 1, 176)
@@ -1777,6 +1823,7 @@ static const gguf_type GGUF_TYPES[] = {
     {14, 256, 210, DQ(dq_q6_k, dqv_q6_k), GG(q6_k, 0, 16, 32)},
     {20, 32, 18, DQ(dq_iq4_nl, dqv_iq4_nl), GG(iq4_nl, 1, 32, 32)},
     {23, 256, 136, DQ(dq_iq4_xs, dqv_iq4_xs), GG(iq4_xs, 1, 32, 32)},
+    {39, 32, 17, DQ(dq_mxfp4, dqv_mxfp4), GG(mxfp4, 1, 32, 32)},
 };
 
 static const gguf_type *gguf_type_of(int type, int64_t k) {
@@ -2004,7 +2051,8 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  * 4 elements each, exact). Per output y[r, c], in this order
  * whatever M, the row's position, the part, the tile or the thread count:
  *   blocks of 32 with a minimum (Q4_1, Q5_1): for each block j, out = fma(float(dot_j), a_j * d_j, out);
- *   signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL): one accumulator per output over the blocks' whole dot products
+ *   signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4): one accumulator per output over the blocks' whole dot
+ *       products
  *       (see GQS_TILE);
  *   super-blocks of 256 (the K-quants, IQ4_XS): the sub-block scales in integer arithmetic, d once per super-block
  *       (see GQK_TILE below);
@@ -2025,6 +2073,8 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
  * (at each of the step's 8 dwords, each lane the 4 bytes of its row), CB [groups][s][8] (C summed over the lane's
  * block) and DT [groups][s][8] (its d); lanes past m or past the last block hold zeros. */
 static int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 16; }
+/* the signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4): their own order, the lane layout */
+static int gq_signed_type(int type) { return type == 2 || type == 6 || type == 8 || type == 20 || type == 39; }
 #define GQS_MIN_ROWS 4 /* with VNNI, from 4 rows the signed blocks take the rows-in-lanes paths (see gq_part) */
 /* rows per group of the lane layout: 8, or under 8 rows 4, lanes 4-7 then holding the next block's (block pairs) */
 static int64_t gq_group_rows(int64_t m) { return m >= 8 ? 8 : 4; }
@@ -2487,8 +2537,8 @@ GQKM_TILE(q6_k, 210, 0)
 GQKM_TILE(q2_k, 84, 0)
 GQKM_TILE(q3_k, 110, 0)
 
-/* The signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL) take another order: each block's whole dot product D_b (exact
- * int32) times P_b = d_b * dx_b, two accumulators per output, the even and the odd blocks',
+/* The signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4) take another order: each block's whole dot product D_b
+ * (exact int32) times P_b = d_b * dx_b, two accumulators per output, the even and the odd blocks',
  *   a_{b % 2} = fma(float(D_b), P_b, a_{b % 2}) for the blocks b in order;  y = a_0 + a_1.
  * The vector lanes then hold 8 outputs: 8 columns of each of 1-4 rows (gqt_T_R, the lane sums of their dot
  * products, gq_lane_sums), or from GQS_MIN_ROWS rows on 8 rows of one column (gqm_T, 8 rows and more) or 4 rows of
@@ -2508,18 +2558,42 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
-/* the signed codes of one block at qb: Q4_0's nibble - 8, Q5_0's 5-bit code - 16, Q8_0's byte, IQ4_NL's table value */
+/* the signed codes of one block at qb: Q4_0's nibble - 8, Q5_0's 5-bit code - 16, Q8_0's byte, IQ4_NL's and MXFP4's
+ * table values (MXFP4's E2M1 values doubled, as llama.cpp's integer dot product takes them) */
 #define GQS_CODES_q4_0(qb) _mm256_sub_epi8(nibbles32((qb) + 2), _mm256_set1_epi8(8))
 #define GQS_CODES_q5_0(qb) \
     _mm256_sub_epi8(_mm256_or_si256(nibbles32((qb) + 6), fifth_bits(gguf_u32((qb) + 2))), _mm256_set1_epi8(16))
 #define GQS_CODES_q8_0(qb) _mm256_loadu_si256((const __m256i *)((qb) + 2))
 #define GQS_CODES_iq4_nl(qb) iq4_lookup(nibbles32((qb) + 2))
+#define GQS_CODES_mxfp4(qb) mxfp4_lookup(nibbles32((qb) + 1))
 /* GQ_SIGNED_W of those codes, straight from the block where that saves an operation */
 #define GQS_W_q4_0(qb, OFF) (OFF ? _mm256_add_epi8(nibbles32((qb) + 2), _mm256_set1_epi8(120)) \
                                  : GQ_SIGNED_W(GQS_CODES_q4_0(qb), 0))
 #define GQS_W_q5_0(qb, OFF) GQ_SIGNED_W(GQS_CODES_q5_0(qb), OFF)
 #define GQS_W_q8_0(qb, OFF) GQ_SIGNED_W(GQS_CODES_q8_0(qb), OFF)
 #define GQS_W_iq4_nl(qb, OFF) (OFF ? iq4_lookup_128(nibbles32((qb) + 2)) : GQ_SIGNED_W(GQS_CODES_iq4_nl(qb), 0))
+#define GQS_W_mxfp4(qb, OFF) (OFF ? mxfp4_lookup_128(nibbles32((qb) + 1)) : GQ_SIGNED_W(GQS_CODES_mxfp4(qb), 0))
+/* a block's scale: the fp16 at its start, MXFP4's E8M0 byte; GQS_SCALES_T: 8 blocks' from the dwords at their starts */
+#define GQS_D_q4_0 gguf_f16
+#define GQS_D_q5_0 gguf_f16
+#define GQS_D_q8_0 gguf_f16
+#define GQS_D_iq4_nl gguf_f16
+#define GQS_D_mxfp4 GG_E8M0
+INLINE __m256 gqs_f16_scales(__m256i dwords) {
+    const __m256i h = _mm256_and_si256(dwords, _mm256_set1_epi32(0xFFFF));
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+INLINE __m256 gqs_e8m0_scales(__m256i dwords) { /* gguf_e8m0_half of the low bytes */
+    const __m256i e = _mm256_and_si256(dwords, _mm256_set1_epi32(0xFF));
+    const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
+#define GQS_SCALES_q4_0 gqs_f16_scales
+#define GQS_SCALES_q5_0 gqs_f16_scales
+#define GQS_SCALES_q8_0 gqs_f16_scales
+#define GQS_SCALES_iq4_nl gqs_f16_scales
+#define GQS_SCALES_mxfp4 gqs_e8m0_scales
 
 /* R rows (1-4), up to 8 columns (cols) in the lanes; block b of every column at a time, its codes decoded once for
  * the R rows. */
@@ -2545,11 +2619,8 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
                     w[c] = GQS_W_##T(qb, OFF);                                                                     \
                 }                                                                                                  \
             }                                                                                                      \
-            const __m256i h = _mm256_and_si256(                                                                    \
-                _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(q + b * (BYTES)), at, valid, 1), \
-                _mm256_set1_epi32(0xFFFF));                                                                        \
-            const __m256 sv =                                                                                      \
-                _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));      \
+            const __m256 sv = GQS_SCALES_##T(                                                                      \
+                _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(q + b * (BYTES)), at, valid, 1)); \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                 \
                 const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + r * K + QB * b));                     \
                 __m256i v[8];                                                                                      \
@@ -2571,6 +2642,7 @@ GQS_TILES(q4_0, 18)
 GQS_TILES(q5_0, 22)
 GQS_TILES(q8_0, 34)
 GQS_TILES(iq4_nl, 18)
+GQS_TILES(mxfp4, 17)
 
 /* 1 to 16 rows (two groups of 8 in the lanes) of one column. With VNNI the weight bytes + 128 are the unsigned
  * operand and each accumulator starts at the group's CB (see GQ_SIGNED_DOT), else |w| against the activations signed
@@ -2588,7 +2660,7 @@ GQS_TILES(iq4_nl, 18)
             int32_t wb[8] __attribute__((aligned(32))), ub[8] __attribute__((aligned(32)));                        \
             _mm256_store_si256((__m256i *)wb, GQS_W_##T(qb, GQ_OFFSET_ROWS));                                      \
             _mm256_store_si256((__m256i *)ub, u);                                                                  \
-            const __m256 sv = _mm256_set1_ps(gguf_f16(qb));                                                        \
+            const __m256 sv = _mm256_set1_ps(GQS_D_##T(qb));                                                       \
             for (int g = 0; g < ng; g++) {                                                                         \
                 const int32_t *xt = ln->xt + g * gs + 64 * b;                                                      \
                 __m256i D[2] = {GQ_OFFSET_ROWS ? _mm256_loadu_si256((const __m256i *)(ln->cb + g * gb + 8 * b))    \
@@ -2633,8 +2705,8 @@ GQS_TILES(iq4_nl, 18)
             /* dwords 0-3 (4-7) of the even block in the low half, of the odd one in the high half */             \
             const __m256i lo = _mm256_permute2x128_si256(u0, u1, 0x20), hi = _mm256_permute2x128_si256(u0, u1, 0x31); \
             const __m256i wl = GQ_SIGNED_W(lo, GQ_OFFSET_ROWS), wh = GQ_SIGNED_W(hi, GQ_OFFSET_ROWS);              \
-            const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(gguf_f16(qb))),             \
-                                                   _mm_set1_ps(two ? gguf_f16(qb + (BYTES)) : 0.0f), 1);           \
+            const __m256 sv = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(GQS_D_##T(qb))),            \
+                                                   _mm_set1_ps(two ? GQS_D_##T(qb + (BYTES)) : 0.0f), 1);          \
             const int32_t *xt = ln->xt + 64 * p;                                                                   \
             __m256i D[2] = {GQ_OFFSET_ROWS ? _mm256_loadu_si256((const __m256i *)(ln->cb + 8 * p))                 \
                                            : _mm256_setzero_si256(),                                               \
@@ -2652,11 +2724,13 @@ GQSF_TILE(q4_0, 18)
 GQSF_TILE(q5_0, 22)
 GQSF_TILE(q8_0, 34)
 GQSF_TILE(iq4_nl, 18)
+GQSF_TILE(mxfp4, 17)
 
 GQSM_TILE(q4_0, 18)
 GQSM_TILE(q5_0, 22)
 GQSM_TILE(q8_0, 34)
 GQSM_TILE(iq4_nl, 18)
+GQSM_TILE(mxfp4, 17)
 
 typedef void (*gq_tile_fn)(const uint8_t *, int64_t, int, const int8_t *, const float *, const float *,
                            const int32_t *, int64_t, int64_t, float *, int64_t);
@@ -2672,7 +2746,8 @@ static const struct {
     gq_pairs_fn pairs;
 } GQ_TYPES[] = {GQS_ROW(2, q4_0),  GQ_ROW(3, q4_1),  GQS_ROW(6, q5_0),  GQ_ROW(7, q5_1),
                 GQS_ROW(8, q8_0),  GQ_ROW(10, q2_k), GQ_ROW(11, q3_k), GQ_ROW(12, q4_k),
-                GQ_ROW(13, q5_k), GQ_ROW(14, q6_k), GQS_ROW(20, iq4_nl), GQ_ROW(23, iq4_xs)};
+                GQ_ROW(13, q5_k), GQ_ROW(14, q6_k), GQS_ROW(20, iq4_nl), GQ_ROW(23, iq4_xs),
+                GQS_ROW(39, mxfp4)};
 #endif
 
 /* One part: y [m, n] from the quantized rows (gq_quantize's) and blocks q of type t. */
@@ -2733,24 +2808,26 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
     }
 #else
     (void)xs, (void)xc;
-    if (t->type == 2 || t->type == 6 || t->type == 8 || t->type == 20) { /* the signed blocks' order (GQS_TILE) */
+    if (gq_signed_type(t->type)) { /* the signed blocks' order (GQS_TILE) */
 #pragma omp parallel for num_threads(nthreads) if (nthreads > 1)
         for (int64_t c = 0; c < n; c++)
             for (int64_t r = 0; r < m; r++) {
                 float acc[2] = {0.0f, 0.0f};
                 for (int64_t b = 0; b < nb; b++) {
                     const uint8_t *qb = q + c * rb + b * t->bytes;
+                    const int at = t->type == 6 ? 6 : t->type == 39 ? 1 : 2; /* the codes' first byte */
                     int32_t D = 0;
                     for (int i = 0; i < QB; i++) {
-                        const int nib = t->type == 6 ? (i < 16 ? qb[6 + i] & 15 : qb[6 + i - 16] >> 4)
-                                                     : (i < 16 ? qb[2 + i] & 15 : qb[2 + i - 16] >> 4);
-                        const int w = t->type == 2   ? nib - 8
-                                      : t->type == 6 ? (nib | (int)(gguf_u32(qb + 2) >> i & 1) << 4) - 16
-                                      : t->type == 8 ? (int8_t)qb[2 + i]
-                                                     : (int)IQ4_KV[nib];
+                        const int nib = i < 16 ? qb[at + i] & 15 : qb[at + i - 16] >> 4;
+                        const int w = t->type == 2    ? nib - 8
+                                      : t->type == 6  ? (nib | (int)(gguf_u32(qb + 2) >> i & 1) << 4) - 16
+                                      : t->type == 8  ? (int8_t)qb[2 + i]
+                                      : t->type == 39 ? (int)MXFP4_KV[nib]
+                                                      : (int)IQ4_KV[nib];
                         D += w * xq[r * k + b * QB + i];
                     }
-                    acc[b & 1] = fmaf((float)D, gguf_f16(qb) * xd[r * nbx + b], acc[b & 1]);
+                    const float d = t->type == 39 ? gguf_e8m0_half(qb[0]) : gguf_f16(qb);
+                    acc[b & 1] = fmaf((float)D, d * xd[r * nbx + b], acc[b & 1]);
                 }
                 y[r * ldy + c] = acc[0] + acc[1];
             }
@@ -2791,7 +2868,7 @@ int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const
     int with_c = 0, with_lanes = 0;
     for (int64_t i = 0; i < nparts; i++) {
         const int64_t t = parts[i].type;
-        with_lanes |= t == 2 || t == 6 || t == 8 || t == 20;
+        with_lanes |= gq_signed_type((int)t);
         with_c |= with_lanes || t == 23;
     }
     void *work = gq_quantize(x, ldx, m, k, with_c, with_lanes);

@@ -91,7 +91,7 @@ def test_matches_reference(type_name):
         torch.testing.assert_close(y, x @ w.t(), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q5_K", "Q4_0", "IQ4_XS", "Q2_K"])
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "Q5_K", "Q4_0", "IQ4_XS", "Q2_K", "MXFP4"])
 def test_row_results_do_not_depend_on_the_batch(type_name):
     if not HAVE_KERNEL:
         return
@@ -106,7 +106,7 @@ def test_row_results_do_not_depend_on_the_batch(type_name):
     assert torch.equal(mm(x[:1], threads=3), full[:1]) and torch.equal(mm(x[:7], threads=2), full[:7])
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "IQ4_NL"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4"])
 def test_rows_of_an_odd_number_of_blocks(type_name):
     """K = 7 blocks of 32: a last chunk of fewer than 8 blocks, and for Q4_0 / Q4_1 (two blocks per unit) a block
     that pairs with zero codes."""
@@ -121,6 +121,24 @@ def test_rows_of_an_odd_number_of_blocks(type_name):
         assert torch.equal(cpu_gemm.gguf_matmul(x[:m], q, type_name), full[:m])
     one_hot = torch.eye(k)[[0, 100, 223]]
     assert torch.equal(_bits(cpu_gemm.gguf_matmul(one_hot, q, type_name)), _bits(w[:, [0, 100, 223]].t().contiguous()))
+
+
+def test_mxfp4_scales_at_every_exponent_on_both_paths():
+    """Column n's blocks all have E8M0 byte n (0..160: ggml's subnormal scales at 0 and 1, then the powers of two),
+    decoded as the reference does by the scalar and the vector code of every path (rows 1-3 in tiles, 5 in block
+    pairs, 20 in lanes); activations of ~2^20 keep the products in fp32's normal range."""
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights("MXFP4", n=161, k=7 * 32)
+    q.view(161, 7, 17)[:, :, 0] = torch.arange(161, dtype=torch.uint8)[:, None]
+    w = gb.dequantize_blocks(q, "MXFP4")
+    assert torch.equal(cpu_gemm.gguf_dequantize(q, "MXFP4").view(torch.int32), w.view(torch.int32))
+    for m in (1, 3, 5, 20):
+        x = _x(m, k, seed=m) * 2.0 ** 20
+        for act, ref in (("fp32", x @ w.t()), ("int8", cpu_gemm.gguf_matmul_q8_ref(x, q, "MXFP4"))):
+            y = cpu_gemm.gguf_matmul(x, q, "MXFP4", act=act)
+            bound = 1e-5 * (x.abs() @ w.abs().t())  # fp32 rounding of the sums of products (2^n apart by column)
+            assert (bound > 0).all() and ((y - ref).abs() <= bound).all(), (m, act)
 
 
 def test_layer_kernel_is_prepared_once_and_dropped_by_a_fill():
@@ -308,7 +326,7 @@ def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
         ref = cpu_gemm.gguf_matmul_q8_ref(x, q, type_name)
         torch.testing.assert_close(full, ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
         assert torch.equal(integer(x[3:4], 1), full[3:4])
-        if type_name in ("Q8_0", "IQ4_NL"):  # the signed blocks' order in plain C: the vector build's very bits
+        if type_name in ("Q8_0", "IQ4_NL", "MXFP4"):  # the signed blocks' order in plain C: the vector build's bits
             vector = cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, act="int8")
             assert torch.equal(_bits(full), _bits(vector(x, 2)))
         if type_name in HEAD_TYPES:  # the head path's lanes in plain C: the vector build's very bits
