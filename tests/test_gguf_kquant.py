@@ -1,6 +1,6 @@
 """GGUF files of every packed type load with their tensors kept as the file's blocks (llmd.model.quant.gguf_layers)
 and run with the logits of transformers loading the same file (which dequantizes with gguf): tiny random-weight Llama GGUFs
-written here with K-quant, Q5, IQ4 and legacy blocks (raw block bytes with their type), untied and tied heads; the
+written here with K-quant, Q5, IQ4, MXFP4 and legacy blocks (raw block bytes with their type), untied and tied heads; the
 torch fallback (no C kernel) gives the same logits; resident bytes against the file's; bad files are refused naming
 file, tensor and problem."""
 
@@ -23,19 +23,23 @@ from llmd.model.loader import load_model
 from simple_driver import prefill_logits
 
 T = gguf.GGMLQuantizationType
-HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 512, 2
-# per layer, a Q4_K_M-like mix in layer 0 and the other packed types in layer 1
+HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 256, 4, 2, 512, 3
+# per layer, a Q4_K_M-like mix in layer 0, the other packed types in layer 1, MXFP4 (gpt-oss's expert type) in layer 2,
+# its gate fused with a Q4_K up projection
 LAYER_TYPES = [
     {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_0", "ffn_gate": "Q4_K",
      "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
     {"attn_q": "Q5_K", "attn_k": "Q3_K", "attn_v": "Q2_K", "attn_output": "IQ4_XS", "ffn_gate": "IQ4_NL",
      "ffn_up": "Q5_1", "ffn_down": "Q8_0"},
+    {"attn_q": "MXFP4", "attn_k": "MXFP4", "attn_v": "Q8_0", "attn_output": "MXFP4", "ffn_gate": "MXFP4",
+     "ffn_up": "Q4_K", "ffn_down": "MXFP4"},
 ]
 SHAPES = {"attn_q": (HIDDEN, HIDDEN), "attn_k": (HIDDEN // HEADS * KV_HEADS, HIDDEN),
           "attn_v": (HIDDEN // HEADS * KV_HEADS, HIDDEN), "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FFN, HIDDEN),
           "ffn_up": (FFN, HIDDEN), "ffn_down": (HIDDEN, FFN)}
-# fp16 scales of random blocks, per type, so the weights have a sane size (super-block scales multiply 6-bit ones)
-SCALE = {"Q8_0": 0.002, "Q4_0": 0.01, "Q4_1": 0.01, "Q5_0": 0.005, "Q5_1": 0.005, "IQ4_NL": 0.0005,
+# fp16 scales of random blocks, per type, so the weights have a sane size (super-block scales multiply 6-bit ones;
+# MXFP4: its power-of-two scales at most this)
+SCALE = {"MXFP4": 0.005, "Q8_0": 0.002, "Q4_0": 0.01, "Q4_1": 0.01, "Q5_0": 0.005, "Q5_1": 0.005, "IQ4_NL": 0.0005,
          "IQ4_XS": 0.00002, "Q2_K": 0.001, "Q3_K": 0.0005, "Q4_K": 0.0002, "Q5_K": 0.0001, "Q6_K": 0.0005}
 
 
@@ -113,7 +117,7 @@ def test_logits_equal_transformers_with_every_tensor_packed(kquant_files, varian
     model = lm.model
     packed = [m for m in model.modules() if isinstance(m, GGUFLinear)]
     assert {m.type_name for m in packed} == {"Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q3_K", "Q2_K", "IQ4_XS", "IQ4_NL",
-                                              "Q5_1", "Q8_0"}
+                                              "Q5_1", "Q8_0", "MXFP4"}
     if variant == "untied":
         assert isinstance(model.model.embed_tokens, GGUFEmbedding) and model.model.embed_tokens.type_name == "Q3_K"
         assert isinstance(model.lm_head, GGUFLinear) and model.lm_head.type_name == "Q6_K"

@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 # ggml type name -> (elements per block, bytes per block): the float types and every packed type that llmd keeps as
 # it is in the file (llmd.kernels.gguf_blocks)
 SUPPORTED_TYPES = {"F32": (1, 4), "F16": (1, 2), "BF16": (1, 2), **gb.BLOCKS}
-# Other types that the gguf package can dequantize (IQ2/IQ3/IQ1, TQ, MXFP4, ...) have no kernel here: their weights
+# Other types that the gguf package can dequantize (IQ2/IQ3/IQ1, TQ, NVFP4, ...) have no kernel here: their weights
 # are converted to Q8_0 blocks as they load (gguf's own Q8_0 quantizer), with one warning per type that names it and
 # the measured cost (the relative RMS change of the first tensor converted). Types gguf cannot dequantize are refused.
 CONVERTED_TO = "Q8_0"
