@@ -33,6 +33,7 @@ class GGUFType:
     block_bytes: int
     group: int  # G: elements in the low (and in the high) half of one group, see the module docstring
     f16_at: tuple[int, ...]  # byte offsets of the block's fp16 fields (super-scales, mins)
+    e8m0_at: tuple[int, ...] = ()  # byte offsets of E8M0 exponents (MXFP4's scale 2^(e - 128))
 
 
 _TYPE_LIST = [
@@ -48,6 +49,7 @@ _TYPE_LIST = [
     GGUFType("Q2_K", 9, 256, 84, 64, (80, 82)),
     GGUFType("Q3_K", 10, 256, 110, 64, (108,)),
     GGUFType("IQ4_XS", 11, 256, 136, 16, (0,)),
+    GGUFType("MXFP4", 12, 32, 17, 16, (), (0,)),
 ]
 TYPES: dict[str, GGUFType] = {t.name: t for t in _TYPE_LIST}
 
@@ -110,6 +112,22 @@ if HAVE_TRITON:
         gather per element, and Triton's pipeliner stages such gathers in shared memory: up to 240 KB a tiling)."""
         word = tl.where(q < 8, _IQ4_LO, _IQ4_HI)
         return ((word >> ((q & 7).to(tl.int64) * 8)) & 0xFF).to(tl.int8).to(tl.float32)
+
+    @triton.jit
+    def _mxfp4(q):
+        """MXFP4 codes (uint8 0..15) -> their doubled E2M1 values (gguf_blocks.MXFP4_KVALUES), computed in int32
+        (a 64-bit table word as _iq4's spills a tiling): magnitude m for m < 2, else (2 + m % 2) << (m // 2 - 1); bit
+        3 the sign."""
+        m = (q & 7).to(tl.int32)
+        mag = tl.where(m < 2, m, (2 + (m & 1)) << tl.maximum(m // 2 - 1, 0))
+        return tl.where(q >= 8, -mag, mag).to(tl.float32)
+
+    @triton.jit
+    def _ld_e8m0_half(ptr, mask):
+        """An E8M0 exponent byte at ptr -> 2^(e - 128) in fp32, built from its bits (ggml's
+        ggml_e8m0_to_fp32_half: e = 0 and 1 are the subnormals 2^21 and 2^22 ulps)."""
+        e = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+        return tl.where(e < 2, (e + 1) << 21, (e - 1) << 23).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _ld_f16(ptr, mask):
@@ -247,6 +265,11 @@ if HAVE_TRITON:
             sc_hi = ((l_hi | (u_hi << 4)).to(tl.int8) - 32).to(tl.int16)
             lo = d * (sc_lo * q_lo.to(tl.int16)).to(tl.float32)
             hi = d * (sc_hi * q_hi.to(tl.int16)).to(tl.float32)
+        elif TYPE == 12:  # MXFP4: an E8M0 exponent, 16 bytes of nibble pairs (E2M1 codes)
+            d = _ld_e8m0_half(blk, mask)
+            b = tl.load(blk + 1 + g, mask=mask, other=0)
+            lo = d * _mxfp4(b & 0x0F)
+            hi = d * _mxfp4(b >> 4)
         else:  # IQ4_XS: d, 2 bytes of high scale bits, 4 bytes of low scale nibbles, 128 qs bytes; group = sub-block
             sub = e // 32
             d = _ld_f16(blk, mask)

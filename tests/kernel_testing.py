@@ -28,10 +28,13 @@ def load_kernel_module(name: str):
 
 def random_gguf_blocks(t, n: int, k: int, seed: int = 0) -> np.ndarray:
     """GGUF blocks of type `t` (a llmd.kernels.gguf_matmul.GGUFType) for an [n, k] weight, uint8 [n, row bytes]:
-    random quants and scale bits, and finite fp16 super-scales around 0.01, so every value is finite."""
+    random quants and scale bits, and finite fp16 super-scales around 0.01 (E8M0 exponents: 2^-10 to 2^-7), so every
+    value is finite."""
     rng = np.random.default_rng(seed)
     nb = n * k // t.block_elems
     b = rng.integers(0, 256, size=(nb, t.block_bytes), dtype=np.uint8)
     for off in t.f16_at:
         b[:, off:off + 2] = (rng.standard_normal(nb) * 0.01).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    for off in t.e8m0_at:
+        b[:, off] = rng.integers(118, 122, nb, dtype=np.uint8)
     return b.reshape(n, -1)

@@ -1,6 +1,6 @@
 """GGUF packed matmul (llmd.kernels.gguf_matmul): the torch reference against gguf.quants.dequantize (bit for bit),
-and the Triton kernel against the reference, on random valid blocks of every type and on real tensors of the bundled
-Gemma 3 Q4_K_M file. Without CUDA the kernel runs under the Triton interpreter on tiny shapes (tests/kernel_testing.py).
+and the Triton kernel against the reference, on random valid blocks of every type (MXFP4's weights bit for bit at
+every exponent) and on real tensors of the bundled Gemma 3 Q4_K_M file. Without CUDA the kernel runs under the Triton interpreter on tiny shapes (tests/kernel_testing.py).
 """
 
 from __future__ import annotations
@@ -68,6 +68,22 @@ def test_explicit_tilings_partial_tiles(type_name, cfg):
     q = torch.from_numpy(random_blocks(type_name, n, k, seed=7)).to(DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     _close(gm._run(x, q, t, k, cfg, {}), gm.gguf_matmul_ref(x, q, type_name, k), torch.float32)
+
+
+def test_mxfp4_weights_are_the_reference_at_every_exponent_and_code():
+    """One-hot activations through the GEMV tiling (fp32 products, no tl.dot) pick each weight out exactly: row n's
+    block has E8M0 byte n (ggml's rule at every finite exponent: the subnormal scales 2^-128 and 2^-127 included) and
+    every code."""
+    t = gm.TYPES["MXFP4"]
+    n, k = 253, 32
+    q = torch.from_numpy(random_blocks("MXFP4", n, k, seed=2))
+    q[:, 0] = torch.arange(n, dtype=torch.uint8)
+    q[:, 1:9] = torch.tensor([0x80, 0x91, 0xA2, 0xB3, 0xC4, 0xD5, 0xE6, 0xF7], dtype=torch.uint8)  # codes j, j + 8
+    w = gm.dequantize_gguf(q, "MXFP4", k)
+    assert w[128, [0, 16, 7, 23]].tolist() == [0.0, 0.0, 12.0, -12.0] and w[0, 1] == 2.0 ** -128
+    cfg = dict(BLOCK_M=4, BLOCK_N=16, T=16, USE_DOT=False, SPLIT_K=1)
+    out = gm._run(torch.eye(k, device=DEVICE), q.to(DEVICE), t, k, cfg, {}).cpu()
+    assert torch.equal((out.t() + 0.0).view(torch.int32), (w + 0.0).view(torch.int32))
 
 
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q5_0"])
