@@ -9,9 +9,9 @@
    % of the roofline (weight + KV bytes read per token / peak bandwidth).
 4. Decode through the engine with CUDA graphs on and off (llmd.engine.cuda_graphs), batch 1 and 8, for the random
    Llama-3-8B and a random Qwen2.5-0.5B (small enough that eager steps are bound by kernel launches).
-5. GGUF packed matmul (llmd.kernels.gguf_matmul) per type at Llama-3-8B shapes for M = 1..16: GB/s and % of peak
-   bandwidth, next to bf16 torch matmul at the same shape (section gguf_kernels; run_gpu_checks.sh runs it apart,
-   with its own time limit, as --sections gguf_kernels --name gguf_bench).
+5. GGUF packed matmul (llmd.kernels.gguf_matmul) per type (Q4_K_M's and MXFP4) at Llama-3-8B shapes for M = 1..16:
+   GB/s and % of peak bandwidth, next to bf16 torch matmul at the same shape (section gguf_kernels; run_gpu_checks.sh
+   runs it apart, with its own time limit, as --sections gguf_kernels --name gguf_bench).
 6. Long-context decode (section long_context; run_gpu_checks.sh runs it apart, as --sections long_context --name
    gpu_long_context): batch 1 after 8k and 32k tokens for the random bf16 Llama-3-8B with a
    bf16 and an int8 KV cache, with achieved GB/s of weights + KV read per step and % of the roofline.
@@ -87,11 +87,13 @@ def kernel_bandwidth(peak_gbs: float, ms_list=(1, 2, 4, 8, 16, 32)) -> list[dict
     return rows
 
 
-GGUF_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0"]  # a Q4_K_M file's types (the GPU tests autotune the same ones)
+# a Q4_K_M file's types (the GPU tests autotune the same ones), and MXFP4 (gpt-oss's expert weights: its tilings
+# compile and autotune here)
+GGUF_TYPES = ["Q4_K", "Q6_K", "Q5_0", "Q8_0", "MXFP4"]
 
 
 def _random_gguf_blocks(type_name: str, n: int, k: int) -> torch.Tensor:
-    """Random quants and scale bits with finite fp16 scales of ~0.01 (the same recipe as the kernel tests)."""
+    """Random quants and scale bits with finite scales of ~0.01 (the same recipe as the kernel tests)."""
     from kernel_testing import random_gguf_blocks
 
     from llmd.kernels.gguf_matmul import TYPES
