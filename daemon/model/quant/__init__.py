@@ -11,6 +11,7 @@ Modes: none | int8 | int4 (group 64; int4-g32 / int4-g64 / int4-g128 pick the gr
   layers.py       QuantizedLinear, Int8Linear, Int4Linear; building and filling them
   gguf_blocks.py  GGUF blocks into those layers without dequantizing
   gguf_layers.py  GGUFLinear, GGUFConcat, GGUFEmbedding: layers holding GGUF blocks of any packed type; the tied head
+  mxfp4.py        a Hugging Face checkpoint's MXFP4 tensors (gpt-oss's experts) as GGUF MXFP4 block rows
   bnb.py          bitsandbytes layers
   apply.py        applying a mode while a model loads (swap in on the meta device, quantize as weights stream in)
 
@@ -25,6 +26,7 @@ from .gguf_layers import GGUFConcat, GGUFEmbedding, GGUFLinear, packed_weight_by
 from .layers import (Int4Linear, Int8Linear, QuantizedLinear, cpu_kernel_is_fast, empty_quantized,
                      fill_from_weight, fill_int4, quantize_linear, quantized_weight_bytes)
 from .modes import DEFAULT_INT4_GROUP, QuantSpec, parse_quant
+from .mxfp4 import mxfp4_blocks_from_hf
 from .quantize import fit_int4_grid, quantize_int4, quantize_int8
 
 __all__ = [
@@ -34,4 +36,5 @@ __all__ = [
     "int8_from_q8_0", "linear_modules", "packed_weight_bytes", "parse_quant", "quantize_int4", "quantize_int8",
     "quantize_linear", "quantize_model", "quantize_tied_head", "quantized_weight_bytes", "quantizing_stream",
     "swap_in_quantized", "tie_gguf_head",
+    "mxfp4_blocks_from_hf",
 ]
