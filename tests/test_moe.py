@@ -93,6 +93,21 @@ def test_packed_experts_match_their_dequantized_weights(kind, moe_ggufs, monkeyp
     assert diff < TOLERANCE, f"{kind}: packed vs dequantized max |logit difference| {diff:.2e}"
 
 
+def test_mxfp4_experts_stay_packed_and_match_their_dequantized_weights(moe_models, tmp_path, monkeypatch):
+    """gpt-oss's expert type, written by gguf's own MXFP4 quantizer (every matrix here): the experts keep the blocks
+    and compute what the dequantized weights compute."""
+    path = write_tiny_gguf(moe_models["qwen3_moe"], tmp_path / "qwen3_moe-MXFP4.gguf", "MXFP4")
+    dequantized = load_model(path, dtype=torch.float32, device="cpu", quant="none")
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")
+    packed = load_model(path, dtype=torch.float32, device="cpu", quant="gguf")
+    experts = [m for m in packed.model.modules() if isinstance(m, GGUFExpertLinear)]
+    assert experts and all(p.type_name == "MXFP4" for m in experts for p in m.parts)
+    fp = next(m for m in dequantized.model.modules() if isinstance(m, Experts)).gate_up_proj.weight
+    assert torch.equal(experts[0].dequantized_weight(), fp)
+    diff = (logits_of(packed) - logits_of(dequantized)).abs().max().item()
+    assert diff < TOLERANCE, f"MXFP4 experts: packed vs dequantized max |logit difference| {diff:.2e}"
+
+
 @pytest.fixture(scope="module")
 def packed_qwen3_moe(moe_ggufs):
     """Q8_0 experts on the default (integer activation) path, as a user runs a GGUF."""
