@@ -124,8 +124,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _ld_e8m0_half(ptr, mask):
-        """An E8M0 exponent byte at ptr -> 2^(e - 128) in fp32, built from its bits (ggml's
-        ggml_e8m0_to_fp32_half: e = 0 and 1 are the subnormals 2^21 and 2^22 ulps)."""
+        """An E8M0 exponent byte at ptr -> 2^(e - 128) in fp32, built from its bits as ggml's
+        ggml_e8m0_to_fp32_half does (e = 0 and 1: the subnormals 2^-128 and 2^-127)."""
         e = tl.load(ptr, mask=mask, other=0).to(tl.int32)
         return tl.where(e < 2, (e + 1) << 21, (e - 1) << 23).to(tl.float32, bitcast=True)
 
