@@ -1,6 +1,6 @@
 """The model families from GGUF files and HF folders against transformers (CPU fp32): Llama 2/3.x (llama3 RoPE as
 GGUF's rope_freqs, tied embeddings), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), Phi-3/4 (fused qkv and gate_up,
-longrope with partial rotary).
+longrope with partial rotary), and YaRN RoPE (Qwen2.5's long context, gpt-oss) on Qwen2 and Qwen3.
 
 Each tiny random-weight HF folder (tests/tiny_models.py) is also written as a GGUF the way llama.cpp's converter
 writes it. Our GGUF load is compared with transformers on the HF folder (transformers' own GGUF loader ignores
@@ -24,7 +24,7 @@ from llmd.model.gguf import gguf_config
 from llmd.model.llama import longrope_uses_long_factors
 from llmd.model.loader import load_model
 from simple_driver import SingleSequence, greedy_generate
-from tiny_models import GGUF_ARCH, write_tiny_gguf
+from tiny_models import GGUF_ARCH, YARN_KINDS, write_tiny_gguf, write_tiny_model
 
 TOLERANCE = 1e-4
 GGUF_KINDS = ["llama", "llama3_rope", "mistral", "qwen2", "qwen3", "phi3", "phi3_longrope"]
@@ -166,7 +166,7 @@ def test_transformers_reads_our_gguf_files_as_llama_cpp_files(kind, gguf_files, 
 def _rewrite(src, dst, arch: str | None = None, drop: tuple[str, ...] = (), change: dict | None = None,
              extra: dict | None = None, meta: dict | None = None):
     """A copy of GGUF `src` (F32 tensors) with another architecture name, tensors dropped, replaced or added, and
-    metadata values changed (`meta`: key -> value)."""
+    metadata values changed or added (`meta`: key -> value; a key the file lacks is written as a string or float32)."""
     reader = gguf.GGUFReader(src)
     old_arch = reader.fields["general.architecture"].contents()
     arch = arch or old_arch
@@ -178,6 +178,9 @@ def _rewrite(src, dst, arch: str | None = None, drop: tuple[str, ...] = (), chan
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         value = (meta or {}).get(key, field.contents())
         w.add_key_value(key.replace(f"{old_arch}.", f"{arch}.", 1), value, value_type, sub_type=sub_type)
+    for key, value in (meta or {}).items():
+        if key not in reader.fields:
+            w.add_string(key, value) if isinstance(value, str) else w.add_float32(key, value)
     for t in reader.tensors:
         if t.name in drop:
             continue
@@ -264,12 +267,12 @@ def test_phi3_unimplemented_rope_type_is_refused_by_name(tiny_models, tmp_path):
     import json
     import shutil
 
-    folder = tmp_path / "yarn"
+    folder = tmp_path / "dynamic"
     shutil.copytree(tiny_models["phi3"], folder)
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    cfg["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
     (folder / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(UnsupportedArchitecture, match="Phi3ForCausalLM with rope scaling type 'yarn'"):
+    with pytest.raises(UnsupportedArchitecture, match="Phi3ForCausalLM with rope scaling type 'dynamic'"):
         load_model(folder, device="cpu")
 
 
@@ -351,3 +354,117 @@ def test_released_phi_configs():
     with pytest.raises(ModelFileError, match="long_factor has 40 values for a rotary dimension of 96"):
         ModelConfig.from_hf_config(_phi_config(
             rope_scaling={"type": "longrope", "long_factor": [1.0] * 40, "short_factor": [1.0] * 48}))
+
+
+# ---- YaRN RoPE (Qwen2.5's long context; gpt-oss): HF folders and their GGUF files, past the pretraining context
+
+
+@pytest.fixture(scope="module")
+def yarn_models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("yarn_models")
+    return {kind: write_tiny_model(root / kind, kind) for kind in YARN_KINDS}
+
+
+YARN_KEYS = ("rope_type", "factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+             "truncate")
+
+
+@pytest.mark.parametrize("kind", YARN_KINDS)
+def test_yarn_logits_match_transformers(kind, yarn_models, tmp_path):
+    """A prompt past the 32-token pretraining context and decode to 4x it: the HF folder and its GGUF file (whose
+    metadata gives the same YaRN config) match transformers."""
+    from transformers import AutoModelForCausalLM
+
+    folder = yarn_models[kind]
+    hf = load_model(folder, dtype=torch.float32, device="cpu")
+    from_gguf = load_model(write_tiny_gguf(folder, tmp_path / f"{kind}.gguf"), dtype=torch.float32, device="cpu")
+    assert hf.config.rope_scaling["rope_type"] == "yarn"
+    assert {k: hf.config.rope_scaling[k] for k in YARN_KEYS} == {k: from_gguf.config.rope_scaling[k] for k in YARN_KEYS}
+    assert hf.config.rope_theta == from_gguf.config.rope_theta
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    prompt, decode = prompt_ids(ORIGINAL_CONTEXT + 8), prompt_ids(2 * ORIGINAL_CONTEXT, seed=1)
+    expected = reference_logits(ref, prompt, decode)
+    for lm in (hf, from_gguf):
+        assert (our_logits(lm, prompt, decode) - expected).abs().max().item() < TOLERANCE
+    hf.model.model.rotary_emb.attention_scaling = 1.0  # the cos/sin scale left out: the check sees it
+    assert (our_logits(hf, prompt, decode) - expected).abs().max().item() > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("extra", [{}, {"truncate": False}, {"beta_fast": 8, "beta_slow": 0.25},
+                                   {"mscale": 1.0, "mscale_all_dim": 0.5}, {"attention_factor": 1.3},
+                                   {"factor": None}])
+@pytest.mark.parametrize("theta,head_dim,partial,original", [(1e6, 16, 1.0, 32), (150000.0, 64, 1.0, 4096),
+                                                             (1e4, 128, 0.5, 4096)])
+def test_yarn_frequencies_equal_transformers(extra, theta, head_dim, partial, original):
+    """Every YaRN key (gpt-oss: base 150000, 64-wide heads, 4096 tokens, truncate false), bit for bit against
+    transformers' own _compute_yarn_parameters."""
+    import transformers as tf
+    from llmd.model.config import ModelConfig
+    from llmd.model.llama import RotaryEmbedding, rope_inv_freq
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": original, **extra}
+    hf = tf.Qwen2Config(hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim,
+                        max_position_embeddings=8 * original,
+                        rope_parameters={**scaling, "rope_theta": theta, "partial_rotary_factor": partial})
+    want, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    cfg = ModelConfig("Qwen2ForCausalLM", 10, 4 * head_dim, 8, 1, 4, head_dim=head_dim, rope_theta=theta,
+                      rope_scaling=dict(scaling), partial_rotary_factor=partial, max_position_embeddings=8 * original)
+    assert torch.equal(rope_inv_freq(cfg), want)
+    assert RotaryEmbedding(cfg).attention_scaling == attention_factor
+
+
+def _qwen2(**changes):
+    from llmd.model.config import ModelConfig
+
+    return ModelConfig.from_hf_config({"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 64,
+                                       "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+                                       "max_position_embeddings": 32768, **changes})
+
+
+def test_released_yarn_configs():
+    """Qwen2.5's README setting (classic "type") and gpt-oss's (transformers >= 5 rope_parameters, truncate false);
+    a config without the pretraining context takes max_position_embeddings, as transformers does."""
+    qwen = _qwen2(rope_scaling={"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"})
+    assert qwen.rope_scaling["rope_type"] == "yarn" and qwen.rope_scaling["truncate"]
+    assert qwen.rope_scaling["attention_factor"] == 0.1 * math.log(4.0) + 1
+    oss = _qwen2(max_position_embeddings=131072, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 150000, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "original_max_position_embeddings": 4096, "truncate": False})
+    assert oss.rope_theta == 150000 and not oss.rope_scaling["truncate"]
+    assert oss.rope_scaling["original_max_position_embeddings"] == 4096
+    implied = _qwen2(rope_scaling={"type": "yarn", "factor": 2.0})
+    assert implied.rope_scaling["original_max_position_embeddings"] == 32768
+
+
+@pytest.mark.parametrize("change,field", [({"factor": 0}, "factor 0"), ({"factor": -2.0}, "factor -2.0"),
+                                          ({"factor": "four"}, "factor 'four'"),
+                                          ({"original_max_position_embeddings": None},
+                                           "original_max_position_embeddings"),
+                                          ({"attention_factor": 0.0}, "attention_factor")])
+def test_bad_yarn_config_names_the_field(change, field):
+    from llmd.model.config import ModelConfig
+
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, **change}
+    with pytest.raises(ModelFileError, match=field):
+        ModelConfig("Qwen2ForCausalLM", 10, 64, 8, 1, 4, rope_scaling=scaling)
+
+
+def test_bad_yarn_files_name_the_file_and_field(yarn_models, tmp_path):
+    import json
+    import shutil
+
+    folder = tmp_path / "factor0"
+    shutil.copytree(yarn_models["qwen2_yarn"], folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    params = cfg.get("rope_scaling") or cfg["rope_parameters"]
+    params["factor"] = 0
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert "yarn rope scaling factor 0" in _refusal(folder)
+    src = write_tiny_gguf(yarn_models["qwen2_yarn"], tmp_path / "yarn.gguf")
+    path = _rewrite(src, tmp_path / "factor.gguf", meta={"qwen2.rope.scaling.factor": -1.0})
+    assert "yarn rope scaling factor -1.0" in _refusal(path)
+    path = _rewrite(src, tmp_path / "ext.gguf", meta={"qwen2.rope.scaling.yarn_ext_factor": 0.5})
+    assert "extrapolation factor 0.5" in _refusal(path, UnsupportedArchitecture)
+    path = _rewrite(src, tmp_path / "dynamic.gguf", meta={"qwen2.rope.scaling.type": "dynamic"})
+    assert "rope scaling type 'dynamic'" in _refusal(path, UnsupportedArchitecture)

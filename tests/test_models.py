@@ -158,9 +158,9 @@ def test_unsupported_architecture_is_named(tiny_llama, tmp_path):
 
 
 def test_unsupported_rope_scaling_is_refused(tiny_llama, tmp_path):
-    folder = _copy_with_config(tiny_llama, tmp_path / "yarn", rope_parameters={
-        "rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
-    with pytest.raises(UnsupportedArchitecture, match="yarn"):
+    folder = _copy_with_config(tiny_llama, tmp_path / "dynamic", rope_parameters={
+        "rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedArchitecture, match="dynamic"):
         load_model(folder, device="cpu")
 
 

@@ -143,6 +143,16 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
     elif kind == "qwen3":
         config = tf.Qwen3Config(**common, head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False)
         cls = tf.Qwen3ForCausalLM
+    elif kind == "qwen2_yarn":  # Qwen2.5's long-context setting as its README gives it, over a 32-token context
+        scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+        config = tf.Qwen2Config(**common, rope_theta=1000000.0, rope_scaling=scaling, tie_word_embeddings=True,
+                                use_sliding_window=False)
+        cls = tf.Qwen2ForCausalLM
+    elif kind == "qwen3_yarn":  # transformers >= 5's rope_parameters, every YaRN key given, a ramp over 3 dimensions
+        scaling = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 32,
+                   "beta_fast": 4.0, "beta_slow": 0.5, "attention_factor": 1.25}
+        config = tf.Qwen3Config(**common, head_dim=16, rope_parameters=scaling, tie_word_embeddings=False)
+        cls = tf.Qwen3ForCausalLM
     elif kind == "phi3":  # Phi-3-mini 4k / Phi-4: fused qkv_proj and gate_up_proj, plain RoPE
         config = tf.Phi3Config(**common, rope_theta=10000.0, sliding_window=None, tie_word_embeddings=False)
         cls = tf.Phi3ForCausalLM
@@ -208,12 +218,14 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
 
 TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope")
 MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")  # gpt_oss: when sinks and YaRN land  # written by tests/test_moe.py's own fixture
+YARN_KINDS = ("qwen2_yarn", "qwen3_yarn")  # written by the tests that use them (tests/test_families.py)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # The same models as llama.cpp GGUF files, converted as llama.cpp's convert_hf_to_gguf.py converts them (tensor
 # names and metadata keys from the gguf package's constants; the llama q/k row permutation; Llama 3's rope_freqs and
-# Phi-3's rope factor tensors). The vocabulary is the folder's byte-level BPE as a "gpt2" tokenizer model.
+# Phi-3's rope factor tensors; YaRN's rope.scaling keys). The vocabulary is the folder's byte-level BPE as a "gpt2"
+# tokenizer model.
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe"}
@@ -378,6 +390,15 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
         w.add_tensor("rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32))
+    if rope_type == "yarn":  # the keys convert_hf_to_gguf writes: those the config gives
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key, add in (("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                         ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                         ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+            if rope.get(key) is not None:
+                add(rope[key])
 
     state: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):

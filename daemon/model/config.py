@@ -43,7 +43,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
 _WINDOW_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 
 # rope_scaling types we implement exactly as transformers does; anything else is refused rather than silently wrong.
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "longrope", "yarn")
 _ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs named longrope "su"
 
 
@@ -136,6 +136,8 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of the sliding layers, which never take rope_scaling
     moe: MoEConfig | None = None  # a mixture of experts in place of (some) MLPs; None: dense
     attention_out_bias: bool = False  # a bias on o_proj too (gpt-oss)
+    # gpt-oss: a learned logit per attention head that joins each query's softmax denominator (llama.Attention.sinks)
+    attention_sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -167,6 +169,8 @@ class ModelConfig:
         if self.rope_freq_factors is not None and len(self.rope_freq_factors) != half:
             raise ModelFileError("config", f"{len(self.rope_freq_factors)} RoPE frequency factors for a rotary "
                                            f"dimension of {self.rotary_dim} (expected {half})")
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "yarn":
+            self.rope_scaling = _yarn(self.rope_scaling, self.max_position_embeddings)
         if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
             for key in ("short_factor", "long_factor"):
                 n = len(self.rope_scaling.get(key) or [])
@@ -227,6 +231,12 @@ class ModelConfig:
         max_pos = int(cfg.get("max_position_embeddings", 2048))
         if rope_scaling is not None and rope_type_of(rope_scaling) == "longrope":
             rope_scaling = _longrope(rope_scaling, cfg, max_pos)
+        if rope_scaling is not None and rope_type_of(rope_scaling) == "yarn":
+            # the pretraining context as transformers standardizes it: config.json's own key first, then the
+            # scaling's, else max_position_embeddings
+            original = cfg.get("original_max_position_embeddings") or rope_scaling.get(
+                "original_max_position_embeddings") or max_pos
+            rope_scaling = {**rope_scaling, "original_max_position_embeddings": original}
         # Mistral's config has sliding_window (null in v0.2+: full attention); Qwen2 has one too but uses it only
         # with use_sliding_window (off in every released checkpoint), as transformers does.
         window = cfg.get("sliding_window")
@@ -406,6 +416,43 @@ def _longrope(scaling: dict, cfg: dict[str, Any], max_pos: int) -> dict:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original,
             "attention_factor": float(attention_factor)}
+
+
+def _yarn(scaling: dict, max_pos: int) -> dict:
+    """YaRN's parameters checked and completed as transformers' _compute_yarn_parameters completes them: factor
+    (None: max_position_embeddings / original), beta_fast and beta_slow (a missing or zero value: 32 and 1), truncate
+    (default true) and the cos/sin scale attention_factor (given, else mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim) when both are set, else mscale(factor), with mscale(s, m) = 0.1 * m * ln(s) + 1 for s > 1)."""
+
+    def number(key: str, value: Any) -> float:
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            x = math.nan
+        if not (math.isfinite(x) and x > 0):
+            raise ModelFileError("config", f"yarn rope scaling {key} {value!r} must be a positive number")
+        return x
+
+    if scaling.get("original_max_position_embeddings") is None:
+        raise ModelFileError("config", "yarn rope scaling lacks original_max_position_embeddings (the pretraining "
+                                       "context)")
+    original = int(number("original_max_position_embeddings", scaling["original_max_position_embeddings"]))
+    factor = scaling.get("factor")
+    factor = max_pos / original if factor is None else number("factor", factor)
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is not None:
+        attention_factor = number("attention_factor", attention_factor)
+    elif scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        attention_factor = mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"]))
+    else:
+        attention_factor = mscale()
+    return {**scaling, "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original,
+            "attention_factor": attention_factor, "beta_fast": float(scaling.get("beta_fast") or 32),
+            "beta_slow": float(scaling.get("beta_slow") or 1), "truncate": bool(scaling.get("truncate", True))}
 
 
 def unsupported_message(arch: str | None) -> str:

@@ -491,8 +491,31 @@ def _qwen_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]])
     if "rope_freqs.weight" in factors:
         raise UnsupportedArchitecture(f"{p[:-1]} with per-frequency RoPE factors (rope_freqs) is not supported")
     scaling_type = meta.get(p + "rope.scaling.type")
-    if scaling_type not in (None, "none"):  # YaRN (Qwen2.5 long context) is not implemented: refused by name
-        cfg["rope_scaling"] = {"rope_type": str(scaling_type)}
+    if scaling_type == "yarn":  # Qwen2.5's long context
+        cfg["rope_scaling"] = yarn_scaling(cfg, meta, p)
+    elif scaling_type not in (None, "none"):
+        cfg["rope_scaling"] = {"rope_type": str(scaling_type)}  # refused by name in ModelConfig
+
+
+# rope.scaling.yarn_<key> -> the transformers YaRN key llama.cpp's converter (convert_hf_to_gguf.py) writes it from
+_YARN_KEYS = {"yarn_attn_factor": "attention_factor", "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+
+
+def yarn_scaling(cfg: dict, meta: dict, p: str) -> dict:
+    """A GGUF's YaRN metadata as transformers' rope_scaling (completed and checked by llmd.model.config): factor,
+    the pretraining context (original_context_length; absent: the file's context_length, as llama.cpp takes it) and
+    the optional rope.scaling.yarn_* keys. An extrapolation factor other than 1 (yarn_ext_factor) has no transformers
+    form: refused. (YaRN's `truncate` has no GGUF key: transformers' default, true, applies.)"""
+    ext = meta.get(p + "rope.scaling.yarn_ext_factor")
+    if ext is not None and float(ext) != 1.0:
+        raise UnsupportedArchitecture(f"{p[:-1]} with YaRN extrapolation factor {ext} is not supported (only 1)")
+    original = meta.get(p + "rope.scaling.original_context_length") or cfg["max_position_embeddings"]
+    scaling = {"rope_type": "yarn", "factor": meta.get(p + "rope.scaling.factor"),
+               "original_max_position_embeddings": int(original)}
+    for suffix, key in _YARN_KEYS.items():
+        if meta.get(p + "rope.scaling." + suffix) is not None:
+            scaling[key] = float(meta[p + "rope.scaling." + suffix])
+    return scaling
 
 
 def _phi3_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:

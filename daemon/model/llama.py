@@ -1,5 +1,6 @@
 """One decoder implementation for Llama (2/3.x, SmolLM2), Mistral (sliding window), Qwen2 (qkv bias), Qwen3
-(q/k RMSNorm) and Phi-3/4 (longrope, partial rotary), written for the engine: the forward takes a flattened batch of
+(q/k RMSNorm) and Phi-3/4 (longrope, partial rotary), with RoPE scaled as transformers scales it (llama3, linear,
+longrope, yarn), written for the engine: the forward takes a flattened batch of
 tokens from many sequences with their positions, and every layer's attention goes through `paged_attention`, which
 reads and writes the paged KV cache through the step's attention backend (llmd.model.attention_backends, chosen once
 by the engine's runner).
@@ -60,8 +61,8 @@ def longrope_uses_long_factors(config: ModelConfig) -> bool:
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
-    """Inverse frequencies [rotary_dim / 2] in fp32, scaled as transformers does (llama3, linear, longrope) or as
-    llama.cpp does with a GGUF's per-frequency factors (rope_freqs)."""
+    """Inverse frequencies [rotary_dim / 2] in fp32, scaled as transformers does (llama3, linear, longrope, yarn) or
+    as llama.cpp does with a GGUF's per-frequency factors (rope_freqs)."""
     dim = config.rotary_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
     scaling = config.rope_scaling
@@ -77,6 +78,8 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
     factor = float(scaling["factor"])
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
+    if scaling["rope_type"] == "yarn":
+        return yarn_inv_freq(config, exponents, factor)
     # llama3: long wavelengths are slowed by `factor`, short ones kept, the band between interpolated smoothly.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
     old_len = float(scaling["original_max_position_embeddings"])
@@ -89,16 +92,39 @@ def rope_inv_freq(config: ModelConfig, device: torch.device | str | None = None)
     return torch.where(is_medium, smoothed, scaled)
 
 
+def yarn_inv_freq(config: ModelConfig, exponents: torch.Tensor, factor: float) -> torch.Tensor:
+    """YaRN (config.rope_scaling completed by llmd.model.config): the frequencies that turn fewer than beta_slow times
+    over the pretraining context are interpolated (divided by `factor`), those that turn more than beta_fast times
+    kept, and a linear ramp over the dimensions between blends the two, as transformers computes it."""
+    scaling = config.rope_scaling or {}
+    dim, base = config.rotary_dim, config.rope_theta
+    original = scaling["original_max_position_embeddings"]
+
+    def correction_dim(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(scaling["beta_fast"]), correction_dim(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(exponents.device)
+    pos_freqs = base ** exponents
+    extrapolated = 1 - ramp  # the share of each dimension's frequency kept as it is
+    return 1.0 / (factor * pos_freqs) * (1 - extrapolated) + 1.0 / pos_freqs * extrapolated
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin for arbitrary token positions (no precomputed table, so any position up to the model's limit works).
-    longrope's cos and sin are scaled by its attention factor, as transformers does."""
+    longrope's and yarn's cos and sin are scaled by their attention factor, as transformers does."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         scaling = config.rope_scaling or {}
-        longrope = scaling.get("rope_type") == "longrope"
-        self.attention_scaling = float(scaling.get("attention_factor", 1.0)) if longrope else 1.0
+        scaled = scaling.get("rope_type") in ("longrope", "yarn")
+        self.attention_scaling = float(scaling.get("attention_factor", 1.0)) if scaled else 1.0
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def init_buffers(self, device: torch.device | str) -> None:
