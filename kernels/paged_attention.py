@@ -20,6 +20,10 @@ softcap * tanh(score / softcap). It is a compile-time switch (SOFTCAP), so kerne
 no portable tanh (libdevice's is not there in every version, nor under TRITON_INTERPRET=1): `softcap_tanh` computes it
 from exp, with a series near 0 so that the error stays relative to the score even for a huge cap.
 
+Attention sinks (`sinks`, gpt-oss's per-layer option: fp32 [heads]): each head's sink logit joins the softmax
+denominator of its query. A compile-time switch (SINKS) too: with one split the program folds the sink into its
+running max and sum before it normalises; with several, the combine step takes it in as one more slice without a value.
+
 An int8 cache (llmd.model.kv_int8: int8 values plus an fp32 scale per token per KV head) is dequantized as it is
 loaded, by `load_kv_tile`, a jit helper that other kernels reading the paged cache (prefill) can call too.
 """
@@ -40,11 +44,13 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     min_split_tokens: int = MIN_SPLIT_TOKENS, window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one new token per sequence, already in the cache) -> [B, H, D]. num_splits, max_seq_len and
     min_split_tokens do not change the result; they are accepted so the signature matches the kernel.
     k_scale/v_scale [num_blocks, block_size, kv_heads]: the caches hold int8 values x / scale. window: attend to
-    the last `window` tokens only. softcap: scores -> softcap * tanh(scores / softcap) (None or 0: as they are)."""
+    the last `window` tokens only. softcap: scores -> softcap * tanh(scores / softcap) (None or 0: as they are).
+    sinks [H]: each head's logit joins its softmax denominator (None: none)."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
@@ -64,7 +70,10 @@ def paged_decode_attention_ref(
         scores = torch.einsum("hd,shd->hs", q[b].to(torch.float32), k) * scale
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        out[b] = torch.einsum("hs,shd->hd", scores.softmax(-1), v).to(q.dtype)
+        if sinks is not None:  # the sink joins the softmax, then is dropped
+            scores = torch.cat((scores, sinks.float()[:, None]), dim=-1)
+        probs = scores.softmax(-1)[:, : k.shape[0]]
+        out[b] = torch.einsum("hs,shd->hd", probs, v).to(q.dtype)
     return out
 
 
@@ -98,11 +107,12 @@ if HAVE_TRITON:
     # apart a width of 1, of a multiple of 16 and any other width, a new compile mid-serving for no speed.
     @triton.jit(do_not_specialize=["stride_btb"])
     def _paged_decode_kernel(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, out_ptr, m_ptr, l_ptr, scale,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, sinks_ptr, out_ptr, m_ptr, l_ptr, scale,
         stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, stride_btb,
         stride_ob, stride_oh, stride_os, block_size, min_split_tokens, window, softcap,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_T: tl.constexpr, SPLIT: tl.constexpr, QUANT: tl.constexpr, SOFTCAP: tl.constexpr,
+        SINKS: tl.constexpr,
     ):
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -151,6 +161,12 @@ if HAVE_TRITON:
         o_mask = h_mask[:, None] & d_mask[None, :]
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + sp * stride_os + d[None, :]
         if SPLIT == 1:
+            if SINKS:  # one more term of the denominator, the max taken over it too
+                sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0)
+                m_new = tl.maximum(m_i, sink)
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.exp(sink - m_new)
+                acc = acc * alpha[:, None]
             tl.store(o_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
             tl.store(o_ptrs, acc, mask=o_mask)
@@ -177,6 +193,7 @@ def paged_decode_attention(
     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None, max_seq_len: int | None = None,
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     min_split_tokens: int = MIN_SPLIT_TOKENS, window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of `paged_decode_attention_ref`. max_seq_len (a host int, any upper bound of seq_lens) picks
     the grid's split count without a sync; num_splits overrides it. Each sequence uses at most that many splits,
@@ -215,17 +232,27 @@ def paged_decode_attention(
         part = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         m = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
         l = torch.empty_like(m)
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be a contiguous fp32 [{num_heads}] tensor")
     _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, part, m, l, scale,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, q if sinks is None else sinks, part, m, l,
+        scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *scale_strides,
         block_tables.stride(0), part.stride(0), part.stride(1), part.stride(2), block_size, max(1, min_split_tokens),
         window or 0, float(softcap or 1.0), GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
-        BLOCK_T=block_t, SPLIT=num_splits, QUANT=quant, SOFTCAP=bool(softcap),
+        BLOCK_T=block_t, SPLIT=num_splits, QUANT=quant, SOFTCAP=bool(softcap), SINKS=sinks is not None,
         **({} if interp else {"num_warps": 4, "num_stages": 2}),
     )
     if num_splits == 1:
         return out
-    # Merge the slices: weight each by exp(its max - overall max); empty slices have m = -inf and weigh 0.
+    # Merge the slices: weight each by exp(its max - overall max); empty slices have m = -inf and weigh 0. A sink is
+    # one more slice with m = sink, l = 1 and no value.
     m_all = m.amax(dim=-1, keepdim=True)
+    if sinks is None:
+        w = torch.exp(m - m_all)
+        return ((part * w.unsqueeze(-1)).sum(2) / (l * w).sum(-1, keepdim=True)).to(q.dtype)
+    sink = sinks.view(1, num_heads, 1)
+    m_all = torch.maximum(m_all, sink)
     w = torch.exp(m - m_all)
-    return ((part * w.unsqueeze(-1)).sum(2) / (l * w).sum(-1, keepdim=True)).to(q.dtype)
+    denominator = (l * w).sum(-1, keepdim=True) + torch.exp(sink - m_all)
+    return ((part * w.unsqueeze(-1)).sum(2) / denominator).to(q.dtype)

@@ -18,6 +18,10 @@ Soft-capping (`softcap`, Gemma 2) turns each score (after the scale, before the 
 softcap * tanh(score / softcap), with paged_attention's `softcap_tanh`; a compile-time switch (SOFTCAP), so kernels
 without it are unchanged. The scale then goes in two parts: 1 / softcap before the tanh, softcap * log2(e) after.
 
+Attention sinks (`sinks`, gpt-oss: fp32 [heads]): each head's sink logit joins the softmax denominator of its rows,
+folded into the running max and sum (in base 2, as sink * log2(e)) before the program normalises; a compile-time
+switch (SINKS), so kernels without it are unchanged.
+
 Programs are laid out without any host-side plan: sequence i's tiles are numbered from
 query_start_loc[i] // BLOCK_Q + i, a strictly increasing start, and each program finds its sequence by binary search
 over query_start_loc. cdiv(T, BLOCK_Q) + B programs per KV head cover every tile; the few left over exit at once.
@@ -39,9 +43,11 @@ def paged_prefill_attention_ref(
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D], computed in fp32 (window: keys in (q_pos - window, q_pos] only; softcap: scores ->
-    softcap * tanh(scores / softcap), None or 0: as they are). k_scale/v_scale [num_blocks, block_size, kv_heads]:
+    softcap * tanh(scores / softcap), None or 0: as they are; sinks [H]: each head's logit joins its softmax
+    denominator, None: none). k_scale/v_scale [num_blocks, block_size, kv_heads]:
     the caches hold int8 values x / scale. max_query_len and the tile settings do not change the result; they are
     accepted so the signature matches the kernel."""
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -70,7 +76,10 @@ def paged_prefill_attention_ref(
         hidden = k_pos > q_pos[:, None]
         if window is not None:
             hidden |= k_pos <= q_pos[:, None] - window
-        probs = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:  # the sink joins the softmax, then is dropped
+            scores = torch.cat((scores, sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)), dim=-1)
+        probs = scores.softmax(-1)[..., :s_len]
         out[first:last] = torch.einsum("hls,hsd->hld", probs, v).transpose(0, 1).to(q.dtype)
     return out
 
@@ -122,12 +131,12 @@ if HAVE_TRITON:
     # multiple of 16, other): they only bound a search and offset one load, and each variant is a compile mid-serving.
     @triton.jit(do_not_specialize=["num_seqs", "stride_btb"])
     def _paged_prefill_kernel(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, qsl_ptr, out_ptr, qk_scale, cap_scale, num_seqs,
+        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, sl_ptr, qsl_ptr, sinks_ptr, out_ptr, qk_scale, cap_scale, num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh,
         stride_btb, block_size, window,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, WINDOWED: tl.constexpr,
-        SOFTCAP: tl.constexpr,
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
     ):
         BLOCK_Q: tl.constexpr = BLOCK_M // GROUP_PAD  # query tokens per tile
         tile = tl.program_id(0)
@@ -190,6 +199,12 @@ if HAVE_TRITON:
                 d_mask, block_size, stride_kb, stride_kt, stride_kh, stride_sb, stride_st, stride_sh, qk_scale,
                 cap_scale, window, BLOCK_N, QUANT, True, False, SOFTCAP,
             )
+        if SINKS:  # one more term of the denominator (base 2), the max taken over it too
+            sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0) * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
         if WINDOWED:  # padding rows past the chunk may see no key at all (they are not stored)
             l_i = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_i[:, None]
@@ -217,6 +232,7 @@ def paged_prefill_attention(
     *, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
     num_stages: int | None = None, window: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton version of `paged_prefill_attention_ref`. max_query_len (a host int; read from query_start_loc when
     not given) lets steps of short chunks (speculative verifies) use smaller tiles. block_m (rows = tokens x padded
@@ -231,6 +247,8 @@ def paged_prefill_attention(
     if k_cache.stride() != v_cache.stride():
         raise ValueError("the K and V caches must have the same layout")
     k_scale, v_scale, scale_strides, quant = _scale_args(k_cache, k_scale, v_scale)
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_heads,) or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be a contiguous fp32 [{num_heads}] tensor")
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
@@ -251,12 +269,13 @@ def paged_prefill_attention(
     else:
         qk_scale, cap_scale = scale * math.log2(math.e), 1.0
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc, out,
-        qk_scale, cap_scale, num_seqs,
+        q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, query_start_loc,
+        q if sinks is None else sinks, out, qk_scale, cap_scale, num_seqs,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
         k_cache.stride(2), *scale_strides, block_tables.stride(0), k_cache.shape[1], window or 0,
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
         BLOCK_M=block_m, BLOCK_N=block_n, QUANT=quant, WINDOWED=bool(window), SOFTCAP=bool(softcap),
+        SINKS=sinks is not None,
         # compiled for sm_90 these tiles use wgmma (block_m >= 64) and cp.async double-buffered K/V without spills
         **({} if interp else {"num_warps": num_warps or (8 if block_m >= 128 else 4), "num_stages": num_stages or 2}),
     )

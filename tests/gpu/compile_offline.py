@@ -8,8 +8,8 @@ Every (type, tiling) that `gguf_matmul.candidates` can pick for M = 1, 2, 4, 16 
 compiled once (the binary does not depend on M or SPLIT_K). Exits non-zero if any compile fails or spills.
 
 --attention: the paged decode and prefill attention kernels instead, with bf16 caches, at the head shapes of
-bench_gpu.py's models (Llama-3-8B, and the shapes stage's Gemma 3 4B and Qwen2.5-7B) and soft-capped at Gemma 2 9B's
-(SOFTCAP), with the tiles their launchers
+bench_gpu.py's models (Llama-3-8B, and the shapes stage's Gemma 3 4B and Qwen2.5-7B), soft-capped at Gemma 2 9B's
+(SOFTCAP) and with attention sinks at gpt-oss-20b's (SINKS), with the tiles their launchers
 pick for a 2k-token prompt and its decode steps. Exits non-zero if any compile fails; spills are printed, not
 failed (they cost speed, which the GPU stage measures).
 """
@@ -78,11 +78,12 @@ def _compile(arch: int, name: str, cfg: dict, launch: dict) -> dict:
     return row
 
 
-# (model, query heads per KV head, head_dim, sliding window) of bench_gpu.py's models
-# (model, query heads per KV head, head_dim, sliding window, soft-capped)
-ATTENTION_SHAPES = [("llama3-8b", 4, 128, None, False), ("gemma3-4b", 2, 256, 1024, False),
-                    ("gemma3-4b", 2, 256, None, False), ("qwen2.5-7b", 7, 128, None, False),
-                    ("gemma2-9b", 2, 256, 4096, True), ("gemma2-9b", 2, 256, None, True)]
+# (model, query heads per KV head, head_dim, sliding window, soft-capped, attention sinks) of bench_gpu.py's models,
+# and gpt-oss-20b's (sinks on every layer, a 128-token window on every other)
+ATTENTION_SHAPES = [("llama3-8b", 4, 128, None, False, False), ("gemma3-4b", 2, 256, 1024, False, False),
+                    ("gemma3-4b", 2, 256, None, False, False), ("qwen2.5-7b", 7, 128, None, False, False),
+                    ("gemma2-9b", 2, 256, 4096, True, False), ("gemma2-9b", 2, 256, None, True, False),
+                    ("gpt-oss-20b", 8, 64, 128, False, True), ("gpt-oss-20b", 8, 64, None, False, True)]
 
 
 def _attention_variants() -> list[tuple[str, dict, dict, dict]]:
@@ -92,17 +93,17 @@ def _attention_variants() -> list[tuple[str, dict, dict, dict]]:
     from llmd.kernels.prefill_attention import _next_pow2
 
     out = []
-    for model, group, head_dim, window, softcap in ATTENTION_SHAPES:
-        kind = f"{model} {'window' if window else 'global'}{' softcap' if softcap else ''}"
+    for model, group, head_dim, window, softcap, sinks in ATTENTION_SHAPES:
+        kind = f"{model} {'window' if window else 'global'}{' softcap' if softcap else ''}{' sinks' if sinks else ''}"
         if window is None or model == "gemma3-4b":  # the decode kernel takes the window at run time
             for split in (1, 8):
                 out.append((f"decode  {kind} split={split}", dict(
                     GROUP=group, GROUP_PAD=max(16, _next_pow2(group)), HEAD_DIM=head_dim,
-                    D_PAD=max(16, _next_pow2(head_dim)), BLOCK_T=64, SPLIT=split, QUANT=False, SOFTCAP=softcap),
-                    dict(num_warps=4, num_stages=2), dict(split=split)))
+                    D_PAD=max(16, _next_pow2(head_dim)), BLOCK_T=64, SPLIT=split, QUANT=False, SOFTCAP=softcap,
+                    SINKS=sinks), dict(num_warps=4, num_stages=2), dict(split=split)))
         out.append((f"prefill {kind}", dict(
             GROUP=group, GROUP_PAD=_next_pow2(group), HEAD_DIM=head_dim, D_PAD=max(16, _next_pow2(head_dim)),
-            BLOCK_M=128, BLOCK_N=64, QUANT=False, WINDOWED=window is not None, SOFTCAP=softcap),
+            BLOCK_M=128, BLOCK_N=64, QUANT=False, WINDOWED=window is not None, SOFTCAP=softcap, SINKS=sinks),
             dict(num_warps=8, num_stages=2), {}))
     return out
 
@@ -116,7 +117,8 @@ def _compile_attention(arch: int, what: str, consts: dict, launch: dict, extra: 
     decode = what.startswith("decode")
     kernel = paged_attention._paged_decode_kernel if decode else prefill_attention._paged_prefill_kernel
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "ks_ptr": "*bf16", "vs_ptr": "*bf16",
-                "bt_ptr": "*i32", "sl_ptr": "*i32", "qsl_ptr": "*i32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+                "bt_ptr": "*i32", "sl_ptr": "*i32", "qsl_ptr": "*i32", "sinks_ptr": "*fp32", "m_ptr": "*fp32",
+                "l_ptr": "*fp32",
                 "out_ptr": "*fp32" if decode and extra.get("split", 1) > 1 else "*bf16"}
     floats = ("scale", "qk_scale", "softcap", "cap_scale")
     unspecialized = ("num_seqs", "stride_btb")  # do_not_specialize in the kernels
