@@ -47,9 +47,9 @@ int llmd_write_kv(const float *k, int64_t ldk, const float *v, int64_t ldv, cons
                   const llmd_kv *kv);
 int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, int64_t num_rows,
                           const llmd_kv *kv, const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
-                          int64_t heads, float scale, int64_t window, float softcap, float *out, int64_t ldo,
-                          int threads);
+                          int64_t heads, float scale, int64_t window, float softcap, const float *sinks, float *out,
+                          int64_t ldo, int threads);
 int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const llmd_kv *kv,
                            const int64_t *table, int64_t table_len, int64_t heads, float scale, int64_t window,
-                           float softcap, float *out, int64_t ldo, int threads);
+                           float softcap, const float *sinks, float *out, int64_t ldo, int threads);
 #endif

@@ -423,7 +423,10 @@ int llmd_kv_dtype_supported(int64_t dt) { return dt >= KV_F32 && dt <= KV_I8; }
  * zeros, as those past len[j] do. Partitions stay cut from the context's start, so a query's numbers still depend
  * only on its own position and window. No block wholly before lo[j] is read.
  * A soft-cap (cap > 0, Gemma 2) maps each of a query's scores to cap * tanh(score / cap) before its softmax, one
- * score at a time (`soft_cap`), so the invariants above hold with it; cap 0 leaves the scores untouched. */
+ * score at a time (`soft_cap`), so the invariants above hold with it; cap 0 leaves the scores untouched.
+ * Attention sinks (gpt-oss; sinks non-NULL, one logit per query head): the head's sink joins the softmax denominator
+ * of each of its queries and adds no value; `combine` takes it in as one more partition {m = sink, l = 1, acc = 0},
+ * so it stays a per-query operation in a fixed order. NULL: the combine as it was, bit for bit. */
 #define PQ 4
 #define PART 256
 #define PREFETCH 8 /* tokens */
@@ -552,14 +555,18 @@ static void attend_part(const float *const *q, const int64_t *lo, const int64_t 
 }
 
 /* o = a query's attention output from its n partitions ({m, l, acc[d]} at part + p * stride), merged in partition
- * order: o = sum_p acc_p * w_p / sum_p l_p * w_p with w_p = exp(m_p - max m). (One partition: w = 1 exactly.) */
-static void combine(float *part, int64_t n, int64_t stride, int64_t d, float *o) {
+ * order: o = sum_p acc_p * w_p / sum_p l_p * w_p with w_p = exp(m_p - max m). (One partition: w = 1 exactly.)
+ * sink (NULL: none): the query head's sink logit, one more term exp(sink - max m) of the denominator, the max taken
+ * over it too. */
+static void combine(float *part, int64_t n, int64_t stride, int64_t d, const float *sink, float *o) {
     float m = part[0], l = 0.0f;
     for (int64_t p = 1; p < n; p++) m = part[p * stride] > m ? part[p * stride] : m;
+    if (sink) m = *sink > m ? *sink : m;
     for (int64_t p = 0; p < n; p++) {
         part[p * stride] = expf(part[p * stride] - m); /* the partition's weight, in place of its max */
         l += part[p * stride + 1] * part[p * stride];
     }
+    if (sink) l += expf(*sink - m);
     const float inv = 1.0f / l;
     int64_t c = 0;
 #if SIMD
@@ -598,15 +605,15 @@ static int64_t parts_of(int64_t len) { return (len + PART - 1) / PART; }
 
 /* Attention of B single-token queries over their paged contexts.
  * q: row b at q + rows[b] * ldq (rows NULL: row b) of num_rows, [heads, d] each; the output goes to the same row of
- * `out` (stride ldo). block_tables [B, bt_stride]; seq_lens [B]. A task is one partition of one sequence's context
- * for a tile of up to PQ query heads sharing a KV head, or for a single query head where tiles leave too few tasks
- * to share among the threads (short contexts); a second pass merges each query's partitions. A sequence's tasks
- * go partition by partition, its KV heads within one, so the rows a partition's first head brings into the cache
- * serve the other heads too (a token's K and V rows hold every head). */
+ * `out` (stride ldo). block_tables [B, bt_stride]; seq_lens [B]; sinks [heads] or NULL. A task is one partition of
+ * one sequence's context for a tile of up to PQ query heads sharing a KV head, or for a single query head where tiles
+ * leave too few tasks to share among the threads (short contexts); a second pass merges each query's partitions
+ * (with its head's sink). A sequence's tasks go partition by partition, its KV heads within one, so the rows a
+ * partition's first head brings into the cache serve the other heads too (a token's K and V rows hold every head). */
 int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int64_t B, int64_t num_rows,
                           const llmd_kv *kv, const int64_t *block_tables, int64_t bt_stride, const int64_t *seq_lens,
-                          int64_t heads, float scale, int64_t window, float softcap, float *out, int64_t ldo,
-                          int threads) {
+                          int64_t heads, float scale, int64_t window, float softcap, const float *sinks, float *out,
+                          int64_t ldo, int threads) {
     if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads || window < 0 || !(softcap >= 0.0f)) return -1;
     const int64_t kv_heads = kv->kv_heads, d = kv->d, bs = kv->block_size, group = heads / kv_heads;
     int64_t total = 0, tasks_pq = 0;
@@ -679,7 +686,7 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
             const int64_t np = parts_of(seq_lens[b]) - window_lo(seq_lens[b], window) / PART;
             const int64_t task = first[b] + kvh * tiles + hi / tile;
             combine(partial + (task * tile + hi % tile) * stride, np, kv_heads * tiles * tile * stride, d,
-                    out + (rows ? rows[b] : b) * ldo + h * d);
+                    sinks ? sinks + h : NULL, out + (rows ? rows[b] : b) * ldo + h * d);
         }
     }
     free(partial);
@@ -689,11 +696,11 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
 
 /* Causal attention of one sequence's chunk of q_len new tokens (positions ctx - q_len .. ctx - 1) over its paged
  * context of ctx tokens (table: its block table): query i sees tokens 0 .. ctx - q_len + i (with a window, the last
- * `window` of them). A task is one query head and a tile of PQ consecutive queries, through every partition of their
- * contexts, then merges each query's. */
+ * `window` of them; sinks [heads] or NULL). A task is one query head and a tile of PQ consecutive queries, through
+ * every partition of their contexts, then merges each query's. */
 int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const llmd_kv *kv,
                            const int64_t *table, int64_t table_len, int64_t heads, float scale, int64_t window,
-                           float softcap, float *out, int64_t ldo, int threads) {
+                           float softcap, const float *sinks, float *out, int64_t ldo, int threads) {
     if (!kv_ok(kv) || heads < 1 || heads % kv->kv_heads || q_len < 1 || ctx < q_len || window < 0 ||
         !(softcap >= 0.0f))
         return -1;
@@ -736,7 +743,7 @@ int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t c
         }
         for (int j = 0; j < nq; j++) {
             const int64_t p0 = lo[j] / PART;
-            combine(partial + (p0 * PQ + j) * stride, parts_of(len[j]) - p0, PQ * stride, d,
+            combine(partial + (p0 * PQ + j) * stride, parts_of(len[j]) - p0, PQ * stride, d, sinks ? sinks + h : NULL,
                     out + (i0 + j) * ldo + h * d);
         }
     }

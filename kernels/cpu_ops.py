@@ -1,6 +1,7 @@
 """The fp32 glue of a decoder layer on the CPU, from cpu_ops.c (compiled into llmd.kernels.cpu_gemm's library):
 RMSNorm, RoPE in place, SiLU(gate) * up and GELU-tanh(gate) * up, the paged KV write, and attention: decode tokens,
-and causal chunks of new tokens (prefill, speculative verify), with an optional sliding window and logit soft-cap.
+and causal chunks of new tokens (prefill, speculative verify), with an optional sliding window, logit soft-cap and
+per-head sink logits.
 
 A layer's KV cache is the pair (k_cache, v_cache) [num_blocks, block_size, kv_heads, d] in fp32, fp16 or bf16, or
 the 4-tuple (k, v, k_scale, v_scale) of llmd.model.kv_int8 (int8 values, fp32 scales [num_blocks, block_size,
@@ -72,9 +73,10 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llmd_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
     lib.llmd_gelu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
     lib.llmd_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, kv]
-    lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, i64, kv, ptr, i64, ptr, i64, f32, i64, f32, ptr, i64,
-                                          cint]
-    lib.llmd_prefill_attention.argtypes = [ptr, i64, i64, i64, kv, ptr, i64, i64, f32, i64, f32, ptr, i64, cint]
+    lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, i64, kv, ptr, i64, ptr, i64, f32, i64, f32, ptr, ptr,
+                                          i64, cint]
+    lib.llmd_prefill_attention.argtypes = [ptr, i64, i64, i64, kv, ptr, i64, i64, f32, i64, f32, ptr, ptr, i64,
+                                           cint]
     lib.llmd_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
     for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_gelu_mul, lib.llmd_write_kv, lib.llmd_decode_attention,
                lib.llmd_prefill_attention, lib.llmd_argmax_rows):
@@ -205,6 +207,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple, slot_mapping: to
     return True
 
 
+def _sinks_ok(sinks: torch.Tensor | None, heads: int) -> bool:
+    """None, or one fp32 logit per query head, contiguous on the CPU."""
+    return sinks is None or (_plain(sinks) and sinks.is_contiguous() and sinks.numel() == heads)
+
+
 def _attention_view(q: torch.Tensor, out: torch.Tensor, kv_cache: tuple) -> KV | None:
     if not (_rows_of(q) and _rows_of(out) and q.shape[1:] == out.shape[1:]):
         return None
@@ -216,19 +223,21 @@ def _attention_view(q: torch.Tensor, out: torch.Tensor, kv_cache: tuple) -> KV |
 
 def decode_attention(q: torch.Tensor, kv_cache: tuple, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                      rows: torch.Tensor | None, scale: float, out: torch.Tensor, window: int | None = None,
-                     softcap: float | None = None) -> bool:
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> bool:
     """Attention of single-token queries over their paged contexts, written into `out` [T, heads, d].
 
     q [T, heads, d] fp32; sequence b's query is row rows[b] (rows None: row b); block_tables [B, nb] and seq_lens
     [B] long. window: attend only to the last `window` tokens (None: all); the blocks before them are not read.
     softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2; None: as they are).
+    sinks: fp32 [heads], each head's logit joining its softmax denominator (gpt-oss; None: none).
     A long context is split across the threads. False (nothing written) where the op does not apply."""
     b = seq_lens.shape[0]
     ok = (window is None or window > 0) and (softcap is None or softcap > 0) \
         and block_tables.dtype == seq_lens.dtype == torch.long \
         and block_tables.is_contiguous() \
         and seq_lens.is_contiguous() and block_tables.dim() == 2 and block_tables.shape[0] == b \
-        and (rows is None or (rows.dtype == torch.long and rows.is_contiguous() and rows.numel() == b))
+        and (rows is None or (rows.dtype == torch.long and rows.is_contiguous() and rows.numel() == b)) \
+        and _sinks_ok(sinks, q.shape[1])
     lib = load() if ok else None
     view = _attention_view(q, out, kv_cache) if lib is not None else None
     if view is None:
@@ -238,7 +247,8 @@ def decode_attention(q: torch.Tensor, kv_cache: tuple, block_tables: torch.Tenso
     rc = lib.llmd_decode_attention(
         q.data_ptr(), q.stride(0), None if rows is None else rows.data_ptr(), b, min(q.shape[0], out.shape[0]),
         ctypes.byref(view), block_tables.data_ptr(), block_tables.shape[1], seq_lens.data_ptr(), q.shape[1], scale,
-        window or 0, softcap or 0.0, out.data_ptr(), out.stride(0), torch.get_num_threads())
+        window or 0, softcap or 0.0, None if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0),
+        torch.get_num_threads())
     if rc == -2:
         raise MemoryError("CPU decode attention could not allocate its scratch")
     if rc != 0:
@@ -247,22 +257,23 @@ def decode_attention(q: torch.Tensor, kv_cache: tuple, block_tables: torch.Tenso
 
 
 def prefill_attention(q: torch.Tensor, kv_cache: tuple, block_table: torch.Tensor, context: int, scale: float,
-                      out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> bool:
+                      out: torch.Tensor, window: int | None = None, softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> bool:
     """Causal attention of one sequence's chunk of new tokens q [L, heads, d] (positions context - L .. context - 1,
     their K/V already in the cache) over its paged context, written into `out` [L, heads, d]: query i sees the first
     context - L + i + 1 tokens, or with a window W the last W of them. block_table: the sequence's block ids (long).
-    softcap: as for decode_attention. False where the op does not apply."""
+    softcap, sinks: as for decode_attention. False where the op does not apply."""
     ok = out.shape == q.shape and block_table.dtype == torch.long and block_table.is_contiguous() \
         and block_table.dim() == 1 and context >= q.shape[0] > 0 and (window is None or window > 0) \
-        and (softcap is None or softcap > 0)
+        and (softcap is None or softcap > 0) and q.dim() == 3 and _sinks_ok(sinks, q.shape[1])
     lib = load() if ok else None
     view = _attention_view(q, out, kv_cache) if lib is not None else None
     if view is None:
         return False
     rc = lib.llmd_prefill_attention(
         q.data_ptr(), q.stride(0), q.shape[0], context, ctypes.byref(view), block_table.data_ptr(),
-        block_table.numel(), q.shape[1], scale, window or 0, softcap or 0.0, out.data_ptr(), out.stride(0),
-        torch.get_num_threads())
+        block_table.numel(), q.shape[1], scale, window or 0, softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(), out.data_ptr(), out.stride(0), torch.get_num_threads())
     if rc == -2:
         raise MemoryError("CPU prefill attention could not allocate its scratch")
     if rc != 0:
@@ -270,7 +281,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: tuple, block_table: torch.Tenso
     return True
 
 
-def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None, softcap=None):
+def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None, softcap=None, sinks=None):
     """Torch reference: q [B, heads, d] (row b = sequence b) -> [B, heads, d]."""
     out = torch.empty_like(q)
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -282,7 +293,9 @@ def decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale, win
         scores = (q[i].unsqueeze(1) * k.transpose(0, 1)).sum(-1) * scale  # [heads, n]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # each head's sink logit joins its softmax, then is dropped
+            scores = torch.cat((scores, sinks[:, None]), dim=-1)
+        probs = torch.softmax(scores, dim=-1)[:, :n - lo]
         out[i] = torch.einsum("hn,nhd->hd", probs, v)
     return out
 
@@ -314,6 +327,11 @@ def _self_check() -> None:
     decode_attention(q * 8, (k_cache, v_cache), tables, lens, None, 0.3, got_c, softcap=2.0)
     checks.append(("soft-capped decode_attention", got_c,
                    decode_attention_ref(q * 8, k_cache, v_cache, tables, lens, 0.3, softcap=2.0)))
+    sinks = torch.randn(6, generator=g)
+    got_s = torch.empty_like(q)
+    decode_attention(q, (k_cache, v_cache), tables, lens, None, 0.3, got_s, sinks=sinks)
+    checks.append(("decode_attention with sinks", got_s,
+                   decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.3, sinks=sinks)))
     k16, v16 = k_cache.half(), v_cache.half()  # a compact cache: read in place, widened in registers
     got16 = torch.empty_like(q)
     decode_attention(q, (k16, v16), tables, lens, None, 0.3, got16)

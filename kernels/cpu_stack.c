@@ -107,7 +107,7 @@ static int attention(const llmd_dims *dm, const llmd_layer *L, const llmd_step *
     if (st->num_decodes) {
         const int rc = llmd_decode_attention(qkv, ldq, st->decode_rows, st->num_decodes, st->T, &L->kv,
                                              st->decode_tables, st->decode_stride, st->decode_lens, H, dm->scale,
-                                             L->window, L->softcap, out, H * d, nth);
+                                             L->window, L->softcap, NULL, out, H * d, nth);
         if (rc) return rc;
     }
     for (int64_t i = 0; i < st->num_chunks; i++) {
@@ -115,7 +115,8 @@ static int attention(const llmd_dims *dm, const llmd_layer *L, const llmd_step *
         if (c[0] < 0 || c[1] < 1 || c[0] + c[1] > st->T || c[3] < 0 || c[3] >= st->num_tables) return -1;
         const int rc = llmd_prefill_attention(qkv + c[0] * ldq, ldq, c[1], c[2], &L->kv,
                                               st->chunk_tables + c[3] * st->chunk_stride, st->chunk_stride, H,
-                                              dm->scale, L->window, L->softcap, out + c[0] * H * d, H * d, nth);
+                                              dm->scale, L->window, L->softcap, NULL, out + c[0] * H * d, H * d,
+                                              nth);
         if (rc) return rc;
     }
     return 0;

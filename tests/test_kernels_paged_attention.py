@@ -255,8 +255,8 @@ def test_startup_check_runs_the_models_softcap():
     assert check_attention_backend(TRITON, *shape, device=DEVICE, windows=(5,), softcap=50.0) is None
 
     class IgnoresSoftcap(TritonBackend):
-        def attend(self, q, kv_cache, meta, scale, *, window=None, softcap=None):
-            return super().attend(q, kv_cache, meta, scale, window=window)
+        def attend(self, q, kv_cache, meta, scale, *, window=None, softcap=None, sinks=None):
+            return super().attend(q, kv_cache, meta, scale, window=window, sinks=sinks)
 
     problem = check_attention_backend(IgnoresSoftcap(), *shape, device=DEVICE, softcap=50.0)
     assert problem is not None and "softcap 2.0" in problem

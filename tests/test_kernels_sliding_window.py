@@ -83,8 +83,8 @@ def test_startup_check_covers_the_models_windows():
     assert ok is None
 
     class IgnoresWindow(ab.TritonBackend):
-        def attend(self, q, kv_cache, meta, scale, *, window=None, softcap=None):
-            return super().attend(q, kv_cache, meta, scale)
+        def attend(self, q, kv_cache, meta, scale, *, window=None, softcap=None, sinks=None):
+            return super().attend(q, kv_cache, meta, scale, sinks=sinks)
 
     problem = ab.check_attention_backend(IgnoresWindow(), 4, 2, 16, torch.float32, device=DEVICE, windows=(5,))
     assert problem is not None and "window 5" in problem

@@ -1,6 +1,7 @@
 """Attention over a paged KV cache: the one seam between the models and the engine.
 
-Every model layer calls `paged_attention(q, k, v, kv_cache, meta, scale, window=..., softcap=...)`. The engine builds one `AttentionMetadata` per step
+Every model layer calls `paged_attention(q, k, v, kv_cache, meta, scale, window=..., softcap=..., sinks=...)`. The
+engine builds one `AttentionMetadata` per step
 for the whole flattened batch (decodes and prefill chunks mixed). K/V of the new tokens are written in place through
 `slot_mapping`; attention then reads each sequence's context through its block table.
 
@@ -14,6 +15,10 @@ to the keys at positions (p - W, p], as transformers does. No path reads a block
 of the earliest query it computes, so the engine may free or reuse those blocks (a block table keeps their places,
 with any valid id in them: llmd.engine.block_manager). A model that mixes window and global layers keeps its window
 layers' K/V in a pool of their own: the step's metadata for them is `window_group`.
+
+Attention sinks (a per-layer option, `sinks`: gpt-oss): a learned logit per query head joins each query's softmax
+denominator and contributes no value, p_j = exp(s_j - m) / (exp(sink - m) + sum_i exp(s_i - m)), with m the largest
+of the scores and the sink, as transformers' gpt_oss eager attention computes it (`softmax_with_sinks`).
 
 How K/V are written and attention computed is the step's `AttentionBackend` (llmd.model.attention_backends: torch,
 the CPU's C calls, or Triton), chosen once by the engine's ModelRunner and carried in the metadata; the torch
@@ -137,16 +142,25 @@ def window_start(seq_len: int, q_len: int, window: int | None) -> int:
     return 0 if window is None else max(0, seq_len - q_len - window + 1)
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last axis of `scores`, with `sinks` (broadcastable to scores[..., :1]: each row's head's sink
+    logit) joining each row's denominator; None: the plain softmax."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+
+
 def torch_paged_attention(
     q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, only: list[int] | None = None,
-    *, window: int | None = None, softcap: float | None = None,
+    *, window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference attention for q [T, heads, head_dim] whose K/V are already in the cache. Returns [T, heads, head_dim].
 
     Each sequence's queries sit at the end of its context, so query i of a chunk of length L attends to the
     first seq_len - L + i + 1 context tokens (causal, including cached prefix blocks), or with a `window` W only to
     the last W of them. `only`: compute just these sequences (the other rows of the result are left uninitialised).
-    window / softcap: see `paged_attention`.
+    window / softcap / sinks: see `paged_attention`.
     """
     out = torch.empty_like(q)
     num_heads = q.shape[1]
@@ -164,7 +178,7 @@ def torch_paged_attention(
             v = v.repeat_interleave(group, dim=1)
         qs = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, d]
         ks, vs = k.transpose(0, 1), v.transpose(0, 1)
-        if q_len == 1 and window is None and softcap is None:
+        if q_len == 1 and window is None and softcap is None and sinks is None:
             o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         else:
             q_pos = torch.arange(s_len - q_len, s_len, device=q.device).unsqueeze(1)
@@ -172,11 +186,16 @@ def torch_paged_attention(
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
-            if softcap is None:
+            if softcap is None and sinks is None:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
             else:
-                scores = torch.tanh(torch.matmul(qs, ks.transpose(-1, -2)) * (scale / softcap)) * softcap
-                o = torch.matmul(torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1), vs)
+                if softcap is None:
+                    scores = torch.matmul(qs, ks.transpose(-1, -2)) * scale
+                else:
+                    scores = torch.tanh(torch.matmul(qs, ks.transpose(-1, -2)) * (scale / softcap)) * softcap
+                head_sinks = None if sinks is None else sinks.view(-1, 1, 1)
+                probs = softmax_with_sinks(scores.masked_fill(~mask, float("-inf")), head_sinks)
+                o = torch.matmul(probs, vs)
         out[start : start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
@@ -231,7 +250,8 @@ class DecodePlan:
 
 
 def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePlan, scale: float,
-                             window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                             window: int | None = None, softcap: float | None = None,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of Bd single-token queries q [Bd, heads, d] over their contexts, in one batch.
 
     Every context is gathered whole-block into a padded [Bd, L, kv_heads, d] layout; positions past a sequence's
@@ -261,25 +281,27 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
     scores = torch.matmul(qg, k_t) * scale  # [Bd, kv_heads, group, L]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    probs = torch.softmax(scores.masked_fill_(plan.masked, float("-inf")), dim=-1)
+    group_sinks = None if sinks is None else sinks.view(kv_heads, num_heads // kv_heads, 1)
+    probs = softmax_with_sinks(scores.masked_fill_(plan.masked, float("-inf")), group_sinks)
     out = torch.matmul(probs, v_t)  # [Bd, kv_heads, group, d]
     return out.reshape(bd, num_heads, d)
 
 
 def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
-    *, window: int | None = None, softcap: float | None = None,
+    *, window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The model-facing call: write the new tokens' K/V into the cache, then attend, through the step's backend
     (`meta.backend`, chosen once by the runner). q [T, heads, d], k/v [T, kv_heads, d] -> [T, heads, d].
 
     Per-layer options: `window` (sliding window in tokens: a query at position p sees keys at positions > p - window;
-    None: the whole context) and `softcap` (attention logits become softcap * tanh(logits / softcap), Gemma 2)."""
+    None: the whole context), `softcap` (attention logits become softcap * tanh(logits / softcap), Gemma 2) and
+    `sinks` (fp32 [heads]: each head's sink logit joins its softmax denominator, gpt-oss; None: none)."""
     if window is not None and meta.window_group is not None:  # the window layers' own KV group
         meta = meta.window_group
     backend = meta.backend
     backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-    return backend.attend(q, kv_cache, meta, scale, window=window, softcap=softcap)
+    return backend.attend(q, kv_cache, meta, scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def allocate_kv_cache(

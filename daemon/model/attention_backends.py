@@ -16,10 +16,13 @@ which hands the step to `meta.backend`.
   host beyond static bounds, so decode steps can be captured in CUDA graphs (`cuda_graph_safe`).
 
 Per-layer options, passed on every call: `window` (sliding window in tokens: a query at position p sees keys at
-positions > p - window) and `softcap` (Gemma 2's logit soft-capping: scores -> softcap * tanh(scores / softcap)
-before the softmax). Every backend takes both: no path reads a block wholly before the window; the C kernels compute
-the softcap with a vectorised tanh (within ~1e-6 of torch's, keeping their batch, chunk and thread invariance), the
-Triton kernels with a compile-time switch (so the kernels of layers without it are unchanged) and a tanh built from exp.
+positions > p - window), `softcap` (Gemma 2's logit soft-capping: scores -> softcap * tanh(scores / softcap)
+before the softmax) and `sinks` (gpt-oss: fp32 [heads], each head's logit joining its softmax denominator). Every
+backend takes all three: no path reads a block wholly before the window; the C kernels compute the softcap with a
+vectorised tanh (within ~1e-6 of torch's, keeping their batch, chunk and thread invariance), the Triton kernels with a
+compile-time switch (so the kernels of layers without it are unchanged) and a tanh built from exp. The sink enters
+where each kernel merges its partial softmaxes (the C `combine`, the end of a Triton program or its split combine),
+so without sinks every kernel computes what it did before, bit for bit.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class AttentionBackend(Protocol):
         ...
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, *,
-               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of q [T, heads, d] (its K/V already written) over each sequence's context -> [T, heads, d]."""
         ...
 
@@ -74,15 +78,16 @@ class TorchBackend:
         write_kv(k, v, kv_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, *,
-               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         plan = decode_plan(meta)
+        options = dict(window=window, softcap=softcap, sinks=sinks)
         if plan.block_tables.shape[0] == 0:
-            return torch_paged_attention(q, kv_cache, meta, scale, window=window, softcap=softcap)
+            return torch_paged_attention(q, kv_cache, meta, scale, **options)
         if plan.rows is None:
-            return batched_decode_attention(q, kv_cache, plan, scale, window=window, softcap=softcap)
-        out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others, window=window, softcap=softcap)
-        out[plan.rows] = batched_decode_attention(q[plan.rows], kv_cache, plan, scale, window=window,
-                                                  softcap=softcap)
+            return batched_decode_attention(q, kv_cache, plan, scale, **options)
+        out = torch_paged_attention(q, kv_cache, meta, scale, only=plan.others, **options)
+        out[plan.rows] = batched_decode_attention(q[plan.rows], kv_cache, plan, scale, **options)
         return out
 
 
@@ -96,20 +101,22 @@ class CpuBackend(TorchBackend):
             write_kv(k, v, kv_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, *,
-               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
-        if self._c_attention(q, kv_cache, meta, decode_plan(meta), scale, out, window, softcap):
+        if self._c_attention(q, kv_cache, meta, decode_plan(meta), scale, out, window, softcap, sinks):
             return out
-        return super().attend(q, kv_cache, meta, scale, window=window, softcap=softcap)
+        return super().attend(q, kv_cache, meta, scale, window=window, softcap=softcap, sinks=sinks)
 
     @staticmethod
     def _c_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, plan: DecodePlan, scale: float,
-                     out: torch.Tensor, window: int | None = None, softcap: float | None = None) -> bool:
+                     out: torch.Tensor, window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> bool:
         """All decodes in one call, then each prefill chunk or speculative verify in one call, into `out`. False
         where the C code does not apply (`out` may then be partly written)."""
         if plan.block_tables.shape[0] and not cpu_ops.decode_attention(q, kv_cache, plan.block_tables,
                                                                         plan.seq_lens, plan.rows, scale, out, window,
-                                                                        softcap):
+                                                                        softcap, sinks):
             return False
         starts = [0]
         for n in meta.query_lens_list:
@@ -117,7 +124,7 @@ class CpuBackend(TorchBackend):
         for i in plan.others:
             rows = slice(starts[i], starts[i + 1])
             if not cpu_ops.prefill_attention(q[rows], kv_cache, meta.block_tables[i], meta.seq_lens_list[i], scale,
-                                             out[rows], window, softcap):
+                                             out[rows], window, softcap, sinks):
                 return False
         return True
 
@@ -135,13 +142,15 @@ class TritonBackend:
         write_kv(k, v, kv_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float, *,
-               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-        return triton_paged_attention(q, kv_cache, meta, scale, window=window, softcap=softcap)
+               window: int | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return triton_paged_attention(q, kv_cache, meta, scale, window=window, softcap=softcap, sinks=sinks)
 
 
 def triton_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
-                           window: int | None = None, softcap: float | None = None) -> torch.Tensor:
-    """The Triton kernels on one step (see TritonBackend); window, softcap: the layer's options."""
+                           window: int | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton kernels on one step (see TritonBackend); window, softcap, sinks: the layer's options."""
     from ..kernels import paged_attention, prefill_attention
 
     k_cache, v_cache, k_scale, v_scale = kv_parts(kv_cache)
@@ -149,10 +158,10 @@ def triton_paged_attention(q: torch.Tensor, kv_cache: KVCache, meta: AttentionMe
         return prefill_attention.paged_prefill_attention(
             q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale,
             max_query_len=max(meta.query_lens_list), k_scale=k_scale, v_scale=v_scale, window=window,
-            softcap=softcap)
+            softcap=softcap, sinks=sinks)
     return paged_attention.paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale,
                                                   max_seq_len=max(meta.seq_lens_list), k_scale=k_scale,
-                                                  v_scale=v_scale, window=window, softcap=softcap)
+                                                  v_scale=v_scale, window=window, softcap=softcap, sinks=sinks)
 
 
 TORCH = TorchBackend()
@@ -171,12 +180,12 @@ def default_backend(device: torch.device | str) -> AttentionBackend:
 def check_attention_backend(backend: AttentionBackend, num_heads: int, num_kv_heads: int, head_dim: int,
                             dtype: torch.dtype, kv_cache_dtype: str = "auto",
                             device: str | torch.device = "cuda", windows: tuple[int, ...] = (),
-                            softcap: float | None = None) -> str | None:
+                            softcap: float | None = None, sinks: bool = False) -> str | None:
     """Run `backend` once on a small paged batch of the model's head shape (a prefill chunk over a cached prefix
     beside decodes, then a decode-only step), with full attention and with each of the model's sliding `windows`,
-    against the torch reference; soft-capped when the model's attention has a `softcap`. Returns None when it
-    agrees, else why not: a kernel that fails to compile or computes wrong values on this GPU is caught at startup,
-    before it serves a request."""
+    against the torch reference; soft-capped when the model's attention has a `softcap`, with random sink logits
+    when it has `sinks`. Returns None when it agrees, else why not: a kernel that fails to compile or computes wrong
+    values on this GPU is caught at startup, before it serves a request."""
     # The check's scores are about unit-sized: the model's cap (Gemma 2: 50) would leave them almost as they are and
     # a kernel that ignored it would pass. A cap they reach runs the same compiled kernel (the value is not compiled
     # in) through both branches of its tanh.
@@ -187,6 +196,8 @@ def check_attention_backend(backend: AttentionBackend, num_heads: int, num_kv_he
     slots = torch.arange(num_blocks * block_size, device=device)
     kv = torch.randn(2, len(slots), num_kv_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
     write_kv(kv[0], kv[1], cache, slots)
+    # sink logits about as large as the scores: each takes a sizeable share of its head's softmax
+    head_sinks = torch.randn(num_heads, generator=gen).to(device) if sinks else None
     tables = [[3, 7, 1], [0, 5, 9, 2], [11]]
     steps = [([17, 1, 1], [45, 61, 9]), ([1, 1, 1], [46, 62, 10])]  # (query lens, context lens)
     tol = 1e-4 if dtype == torch.float32 and str(device) == "cpu" else 3e-2  # bf16/fp16 rounding, TF32 dots
@@ -195,14 +206,15 @@ def check_attention_backend(backend: AttentionBackend, num_heads: int, num_kv_he
             meta = AttentionMetadata.build(query_lens, seq_lens, tables, block_size, device=device, backend=backend)
             q = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
             try:
-                got = backend.attend(q, cache, meta, head_dim ** -0.5, window=window, softcap=cap)
+                got = backend.attend(q, cache, meta, head_dim ** -0.5, window=window, softcap=cap, sinks=head_sinks)
             except Exception as e:  # a compile or launch failure on this GPU
                 return f"{type(e).__name__}: {e}"
-            want = torch_paged_attention(q, cache, meta, head_dim ** -0.5, window=window, softcap=cap)
+            want = torch_paged_attention(q, cache, meta, head_dim ** -0.5, window=window, softcap=cap,
+                                         sinks=head_sinks)
             err = (got.float() - want.float()).abs().max().item()
             if not err <= tol:  # also catches NaN
                 return (f"max |difference| from the torch reference {err:.3g} > {tol:g} (query lens {query_lens}, "
-                        f"window {window}, softcap {cap})")
+                        f"window {window}, softcap {cap}, sinks {sinks})")
     return None
 
 
@@ -222,7 +234,8 @@ def choose_backend(device: torch.device, model_config=None, dtype: torch.dtype =
         windows = tuple(sorted({w for w in getattr(c, "layer_windows", ()) if w is not None}))
         problem = check_attention_backend(TRITON, c.num_attention_heads, c.num_key_value_heads, c.head_dim, dtype,
                                           kv_cache_dtype, device=device, windows=windows,
-                                          softcap=getattr(c, "attn_logit_softcapping", None))
+                                          softcap=getattr(c, "attn_logit_softcapping", None),
+                                          sinks=getattr(c, "attention_sinks", False))
         if problem is not None:
             log.warning("Triton attention disabled, the torch path serves instead: %s", problem)
             return TORCH

@@ -10,10 +10,11 @@ Gemma 2's soft-capped attention, `Layer.softcap`; Gemma 2's final logit soft-cap
 layers) whose fused qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type, or a
 GGUFConcat of several) with a prepared CPU kernel (on either matmul path, as LLMD_CPU_GEMM_ACT chose it), with fp32
 activations and a KV cache the C attention reads (fp32, fp16, bf16 or int8). Everything else (fp32 or bitsandbytes
-weights, Qwen3, CUDA, LLMD_CPU_GEMM=0) keeps the module path. A step with two KV groups (a model mixing window and
-global layers: `meta.window_group`) runs too: each window layer writes and reads its own group's pool through its slots
-and tables (`Step.window`), as paged_attention picks them, and the two pools may differ in size. The engine's runner
-builds a `CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of the model.
+weights, Qwen3, attention sinks, CUDA, LLMD_CPU_GEMM=0) keeps the module path. A step with two KV groups (a model
+mixing window and global layers: `meta.window_group`) runs too: each window layer writes and reads its own group's pool
+through its slots and tables (`Step.window`), as paged_attention picks them, and the two pools may differ in size. The
+engine's runner builds a `CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of
+the model.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class CpuLayerStack:
         linears, norms = [], []
         for layer, c_layer in zip(model.model.layers, layers):
             attn = layer.self_attn
-            if not _bind_projections(layer, c_layer, linears):
+            if getattr(attn, "sinks", None) is not None or not _bind_projections(layer, c_layer, linears):
                 return None
             c_layer.window = attn.window or 0  # each layer's sliding window (0: none)
             c_layer.softcap = attn.softcap or 0.0  # its attention logit soft-cap (0: none)

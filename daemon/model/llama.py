@@ -170,6 +170,8 @@ class Attention(nn.Module):
         # per-layer attention options (see paged_attention): Mistral's (or Qwen2's use_sliding_window) window
         self.window: int | None = config.layer_window(layer_idx)
         self.softcap: float | None = None
+        # gpt-oss: each head's learned sink logit (checkpoint `model.layers.N.self_attn.sinks`), passed in fp32
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if config.attention_sinks else None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
@@ -191,7 +193,9 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, : heads * d].view(t, heads, d)).view(t, -1)
             k = self.k_norm(qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)).view(t, -1)
             q, k = self.ops.rope(q, cos, sin, heads, d), self.ops.rope(k, cos, sin, kv_heads, d)
-        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
+        sinks = None if self.sinks is None else self.sinks.float()
+        out = paged_attention(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap,
+                              sinks=sinks)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
