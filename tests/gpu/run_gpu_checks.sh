@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in stages, each under its own time
-# limit. A session has 15 minutes of device time and one command at most 10: the default limits sum to 500 s (tests
-# 150 + 35, bench 125, shapes 85, gguf 70, long 35), within one command with room for the start. To spend a second
+# limit. A session has 15 minutes of device time and one command at most 10: the default limits sum to 530 s (tests
+# 150 + 65, bench 125, shapes 85, gguf 70, long 35), within one command with room for the start. To spend a second
 # call on what the first cut short, run a subset: STAGES="shapes gguf long" tests/gpu/run_gpu_checks.sh
 # (stages: tests, bench, shapes, gguf, long; default all five, in that order). summary.txt gets each stage's
 # seconds, to size the limits from.
@@ -40,8 +40,9 @@ timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${PARALLEL[@]+"${PARAL
   tests/test_kernels_quant_matmul.py tests/test_kernels_paged_attention.py tests/test_kernels_prefill_attention.py tests/test_kv_int8.py \
   tests/test_cuda_graphs.py tests/test_kernels_gguf_matmul.py \
   2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5 | tee -a "$OUT/summary.txt" || status=1
-# the sliding-window Triton kernels: every test of the file (they run on the GPU when there is one)
-timeout 35 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_sliding_window.py \
+# the sliding-window and attention-sink Triton kernels: every test of the files (on the GPU when there is one)
+timeout 65 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_sliding_window.py \
+  tests/test_kernels_attention_sinks.py \
   2>&1 | tee "$OUT/pytest_window.txt" | tail -2 | tee -a "$OUT/summary.txt" || status=1
 took tests "$t0"
 fi
