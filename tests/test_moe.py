@@ -22,7 +22,7 @@ from test_engine import GREEDY, random_prompts, run_alone, run_staggered
 from test_families import TOLERANCE, _rewrite, our_logits, prompt_ids, reference_logits
 from tiny_models import MOE_KINDS, write_tiny_gguf, write_tiny_model
 
-GGUF_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")
+GGUF_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,8 @@ def test_hf_folder_matches_transformers(kind, moe_models, expected):
 def test_gguf_matches_transformers(kind, quant, moe_ggufs, expected):
     lm = load_model(moe_ggufs[kind, "F32"], dtype=torch.float32, device="cpu", quant=quant)
     assert lm.config.architecture == {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                                      "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}[kind]
+                                      "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                                      "gpt_oss": "GptOssForCausalLM"}[kind]
     diff = (logits_of(lm) - expected[kind]).abs().max().item()
     assert diff < TOLERANCE, f"{kind} ({quant}): max |logit difference| {diff:.2e}"
 
@@ -115,7 +116,7 @@ def packed_qwen3_moe(moe_ggufs):
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("kind", ["packed_qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("kind", ["packed_qwen3_moe", "glm4_moe", "gpt_oss"])
 def test_engine_batched_and_prefix_hits_equal_alone(kind, request, moe_models):
     lm = request.getfixturevalue(kind) if kind.startswith("packed") else \
         load_model(moe_models[kind], dtype=torch.float32, device="cpu")
@@ -221,3 +222,82 @@ def test_served_by_a_real_daemon(moe_ggufs, tmp_path):
         assert len(hits) == 1 and sum(hits[0]) >= 2 * 2 * 12  # layer 0: top-2 of each prompt and decoded token
     finally:
         assert daemon.stop() == 0, daemon.log()
+
+
+# ---- gpt-oss: sinks, windows, YaRN, biased router and experts; its HF layouts (fp and MXFP4) and GGUF MXFP4 -----
+
+
+def _mxfp4_rows(w: torch.Tensor) -> np.ndarray:
+    """[E, out, in] -> GGUF MXFP4 rows [E, out, in / 32 * 17] (gguf's quantizer)."""
+    return gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType.MXFP4)
+
+
+def _hf_blocks(rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF MXFP4 rows -> transformers' `_blocks` [..., in/32, 16] (element 2i in byte i's low nibble) and `_scales`."""
+    blocks = rows.reshape(*rows.shape[:-1], -1, 17)
+    codes = np.concatenate((blocks[..., 1:] & 0x0F, blocks[..., 1:] >> 4), axis=-1)  # elements 0..31
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(np.uint8)
+    return torch.from_numpy(packed), torch.from_numpy(np.ascontiguousarray(blocks[..., 0]))
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_forms(moe_models, tmp_path_factory) -> dict:
+    """The tiny gpt-oss with MXFP4-representable experts, as an fp HF folder (transformers' reference), as the HF
+    MXFP4 checkpoint form (`*_blocks` / `*_scales`) and as a GGUF with MXFP4 experts."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = moe_models["gpt_oss"]
+    root = tmp_path_factory.mktemp("gpt_oss_forms")
+    fp_dir, mx_dir = root / "fp", root / "mxfp4"
+    shutil.copytree(src, fp_dir)
+    shutil.copytree(src, mx_dir)
+    state = load_file(src / "model.safetensors")
+    fp, mx = dict(state), {}
+    for name, t in state.items():
+        if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            mx[name] = t
+            continue
+        rows = _mxfp4_rows(t.transpose(1, 2))  # the checkpoint holds [E, in, out]; MXFP4 blocks run along in
+        values = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType.MXFP4)
+        fp[name] = torch.from_numpy(np.ascontiguousarray(values)).transpose(1, 2).contiguous()
+        mx[name + "_blocks"], mx[name + "_scales"] = _hf_blocks(rows)
+    save_file(fp, fp_dir / "model.safetensors")
+    save_file(mx, mx_dir / "model.safetensors")
+    cfg = json.loads((mx_dir / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "attn", "lm_head"]}
+    (mx_dir / "config.json").write_text(json.dumps(cfg))
+    return {"fp": fp_dir, "mxfp4": mx_dir, "gguf": write_tiny_gguf(fp_dir, root / "gpt-oss.gguf", "MXFP4")}
+
+
+def test_gpt_oss_forms_match_transformers(gpt_oss_forms, monkeypatch):
+    """Past the window (8) and past YaRN's original context (64) with decode; the MXFP4 experts stay packed."""
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(gpt_oss_forms["fp"], dtype=torch.float32).eval()
+    prompt, decode = prompt_ids(70), prompt_ids(24, seed=1)
+    expected = reference_logits(ref, prompt, decode)
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")  # the exact-weights path: equal to the reference's values
+    for form in ("fp", "mxfp4", "gguf"):
+        lm = load_model(gpt_oss_forms[form], dtype=torch.float32, device="cpu")
+        packed = [m for m in lm.model.modules() if isinstance(m, GGUFExpertLinear)]
+        assert (form != "fp") == bool(packed) and all(p.type_name == "MXFP4" for m in packed for p in m.parts)
+        diff = (our_logits(lm, prompt, decode) - expected).abs().max().item()
+        assert diff < TOLERANCE, f"gpt-oss {form}: max |logit difference| {diff:.2e}"
+
+
+def test_gpt_oss_bad_mxfp4_scales_are_named(gpt_oss_forms, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bad"
+    shutil.copytree(gpt_oss_forms["mxfp4"], folder)
+    state = load_file(folder / "model.safetensors")
+    name = "model.layers.1.mlp.experts.down_proj_scales"
+    state[name] = torch.full_like(state[name], 255)  # E8M0 255 is NaN
+    save_file(state, folder / "model.safetensors")
+    with pytest.raises(ModelFileError, match="down_proj_scales"):
+        load_model(folder, dtype=torch.float32, device="cpu")

@@ -217,7 +217,7 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
 
 
 TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope")
-MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe")  # gpt_oss: when sinks and YaRN land  # written by tests/test_moe.py's own fixture
+MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")  # written by tests/test_moe.py's own fixture
 YARN_KINDS = ("qwen2_yarn", "qwen3_yarn")  # written by the tests that use them (tests/test_families.py)
 
 
@@ -228,7 +228,8 @@ YARN_KINDS = ("qwen2_yarn", "qwen3_yarn")  # written by the tests that use them 
 # tokenizer model.
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
-             "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe"}
+             "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe",
+             "gpt_oss": "gpt-oss"}
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -251,7 +252,9 @@ def gguf_tensor_name(hf_name: str, arch: str = "") -> str:
         return _GGUF_GLOBAL[hf_name]
     if hf_name.endswith("mlp.gate.e_score_correction_bias"):
         return f"blk.{hf_name.split('.')[2]}.exp_probs_b.bias"
-    if arch == "glm4moe" and ".post_attention_layernorm." in hf_name:
+    if hf_name.endswith(".self_attn.sinks"):
+        return f"blk.{hf_name.split('.')[2]}.attn_sinks.weight"
+    if arch in ("glm4moe", "gpt-oss") and ".post_attention_layernorm." in hf_name:
         return f"blk.{hf_name.split('.')[2]}.post_attention_norm.weight"
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, suffix = rest.rpartition(".")
@@ -305,6 +308,10 @@ def _stacked_experts(w, state: dict[str, torch.Tensor], cfg: dict, experts: int)
         mtp = f"blk.{cfg['num_hidden_layers']}"
         w.add_tensor(f"{mtp}.nextn.eh_proj.weight", np.zeros((cfg["hidden_size"], 2 * cfg["hidden_size"]), np.float32))
         w.add_tensor(f"{mtp}.nextn.enorm.weight", np.ones(cfg["hidden_size"], np.float32))
+    if cfg["model_type"] == "gpt_oss":
+        w.add_expert_feed_forward_length(cfg["intermediate_size"])
+        w.add_sliding_window(cfg["sliding_window"])
+        return _gpt_oss_experts(state)
     out: dict[str, torch.Tensor] = {}
     stacks: dict[str, dict[int, torch.Tensor]] = {}
     for name, tensor in state.items():
@@ -318,6 +325,30 @@ def _stacked_experts(w, state: dict[str, torch.Tensor], cfg: dict, experts: int)
         stacks.setdefault(f"{head}.experts.{proj}", {})[int(index)] = tensor
     for name, parts in stacks.items():
         out[name] = torch.stack([parts[e] for e in range(experts)])
+    return out
+
+
+def _gpt_oss_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's experts as llama.cpp's converter writes them: gate_up_proj [E, hidden, 2I] (gate and up interleaved)
+    split into ffn_gate_exps / ffn_up_exps [E, I, hidden], down_proj [E, I, hidden] as [E, hidden, I]; the router is
+    ffn_gate_inp."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        head, sep, proj = name.partition(".mlp.experts.")
+        if name.endswith(".mlp.router.weight") or name.endswith(".mlp.router.bias"):
+            out[name.replace(".router.", ".gate.")] = t
+        elif not sep:
+            out[name] = t
+        elif proj == "gate_up_proj":
+            out[f"{head}.mlp.experts.gate_proj.weight"] = t[..., 0::2].transpose(1, 2).contiguous()
+            out[f"{head}.mlp.experts.up_proj.weight"] = t[..., 1::2].transpose(1, 2).contiguous()
+        elif proj == "gate_up_proj_bias":
+            out[f"{head}.mlp.experts.gate_proj.bias"] = t[:, 0::2].contiguous()
+            out[f"{head}.mlp.experts.up_proj.bias"] = t[:, 1::2].contiguous()
+        elif proj == "down_proj":
+            out[f"{head}.mlp.experts.down_proj.weight"] = t.transpose(1, 2).contiguous()
+        else:  # down_proj_bias
+            out[f"{head}.mlp.experts.down_proj.bias"] = t
     return out
 
 
@@ -419,6 +450,8 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
             w.add_tensor(gguf_tensor_name(name, arch), data)
         elif data.ndim >= 2 and matrix_type == "F16":
             w.add_tensor(gguf_tensor_name(name, arch), data.astype(np.float16))
+        elif data.ndim == 2 and matrix_type == "MXFP4":  # (the experts only, as gpt-oss's files have it)
+            w.add_tensor(gguf_tensor_name(name, arch), data)
         elif data.ndim >= 2 and matrix_type != "F32":
             w.add_tensor(gguf_tensor_name(name, arch), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:

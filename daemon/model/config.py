@@ -371,7 +371,7 @@ def moe_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                         swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
         layers_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                                   for i in range(layers)]
-        return {"moe": moe, "attention_out_bias": True, "layer_types": list(layers_types),
+        return {"moe": moe, "attention_out_bias": True, "attention_sinks": True, "layer_types": list(layers_types),
                 "sliding_window": int(cfg.get("sliding_window") or 128)}
     else:  # Glm4MoeForCausalLM: sigmoid scores with a selection bias, shared experts, the first layers dense
         inter = int(cfg.get("moe_intermediate_size", 1408))

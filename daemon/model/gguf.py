@@ -396,6 +396,7 @@ _MOE_NAMES = {
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+_BARE_PARAMETERS = {"self_attn.sinks"}  # blk.N.attn_sinks.weight is model.layers.N.self_attn.sinks
 
 _REQUIRED = object()
 # "<arch>.<suffix>" -> (config.json key, conversion, default): the keys every architecture here shares
@@ -460,7 +461,7 @@ def _moe_config(cfg: dict, meta: dict, p: str, tensor_names: set[str]) -> None:
     expert_ffn = meta.get(p + "expert_feed_forward_length")
     if expert_ffn:
         cfg["moe_intermediate_size"] = int(expert_ffn)
-        if cfg["architectures"] == ["MixtralForCausalLM"]:
+        if cfg["architectures"][0] in ("MixtralForCausalLM", "GptOssForCausalLM"):  # their experts' width
             cfg["intermediate_size"] = int(expert_ffn)
     shared = meta.get(p + "expert_shared_feed_forward_length")
     if shared:
@@ -474,6 +475,17 @@ def _moe_config(cfg: dict, meta: dict, p: str, tensor_names: set[str]) -> None:
                                  ("expert_group_used_count", "topk_group", int)):
         if meta.get(p + key) is not None:
             cfg[hf_key] = convert(meta[p + key])
+
+
+def _gpt_oss_quirks(cfg: dict, meta: dict, p: str) -> None:
+    """Every other layer (the even ones) attends within the window, as llama.cpp and transformers lay them out; the
+    YaRN of the released models does not truncate its correction range (their config.json's `truncate: false`,
+    which a GGUF file has no key for)."""
+    cfg["sliding_window"] = int(_meta(meta, p + "attention.sliding_window", 128))
+    cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                          for i in range(cfg["num_hidden_layers"])]
+    if meta.get(p + "rope.scaling.type") == "yarn":
+        cfg["rope_scaling"] = {**yarn_scaling(cfg, meta, p), "truncate": False}
 
 
 def _glm4moe_quirks(cfg: dict, meta: dict, p: str) -> None:
@@ -602,6 +614,10 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     "qwen3moe": GGUFArch("Qwen3MoeForCausalLM", {**_MOE_NAMES, "attn_q_norm": "self_attn.q_norm",
                                                  "attn_k_norm": "self_attn.k_norm"},
                          config_tensors=("rope_freqs.weight",), quirks=_qwen_quirks),
+    # gpt-oss: attention sinks, window and full layers alternating, YaRN, biased router and experts (MXFP4)
+    "gpt-oss": GGUFArch("GptOssForCausalLM", {**_MOE_NAMES, "post_attention_norm": "post_attention_layernorm",
+                                              "attn_sinks": "self_attn.sinks"},
+                        quirks=lambda cfg, meta, p, factors: _gpt_oss_quirks(cfg, meta, p)),
     # GLM-4.5 / 4.5-Air: sigmoid routing with a selection bias, a shared expert, dense leading layers, partial
     # rotary; the multi-token-prediction layers after the decoder (nextn) are not run
     "glm4moe": GGUFArch("Glm4MoeForCausalLM", {**_MOE_NAMES, "post_attention_norm": "post_attention_layernorm",
@@ -614,7 +630,7 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
 # Architectures llama.cpp knows that our decoder does not run, with what they are, for the refusal message.
 _REFUSED_KINDS = {
     "deepseek2": "a mixture-of-experts model",
-    "llama4": "a mixture-of-experts model", "gpt-oss": "a mixture-of-experts model",
+    "llama4": "a mixture-of-experts model",
     "phimoe": "a mixture-of-experts model", "granitemoe": "a mixture-of-experts model",
     "mamba": "a state-space (Mamba) model", "mamba2": "a state-space (Mamba) model",
     "jamba": "a hybrid Mamba model", "rwkv6": "a recurrent (RWKV) model", "rwkv7": "a recurrent (RWKV) model",
@@ -643,6 +659,8 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     if m:
         names = {**_LAYER_NAMES, **entry.layer_names}
         hf = names.get(m.group(2))
+        if hf in _BARE_PARAMETERS:  # a parameter of its own, not a module's weight
+            return f"model.layers.{m.group(1)}.{hf}"
         return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}" if hf else None
     if gguf_name in entry.config_tensors:
         return None

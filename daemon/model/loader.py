@@ -101,7 +101,7 @@ class LoadPipeline:
         stream = source.stream(spec.method)
         adapt = getattr(model, "adapt_checkpoint", None)  # a family whose checkpoint layout is not the model's
         if adapt is not None:
-            stream = adapt(stream)
+            stream = adapt(stream, source.path)
         report = load_tensors(model, quantizing_stream(stream, model, swapped, spec, source.path), source.path)
         if spec.calibrate:  # the stream left the int4 layers empty: GPTQ fills them, a layer at a time
             quantize_calibrated(model, source.files, spec)
@@ -112,7 +112,8 @@ class LoadPipeline:
     def empty(self) -> nn.Module:
         """run()'s model, its tensors allocated (once) but not filled: the layers, tied head and layout are settled
         on the meta device, where quantizing or transposing a weight costs nothing."""
-        model, _ = build_empty_quantized(self.source.config, self.dtype, "meta", self.spec, self.quantize_head)
+        model, _ = build_empty_quantized(self.source.config, self.dtype, "meta", self.spec, self.quantize_head,
+                                         self.source.raw_types(self.spec.method))
         self._final_form(model)
         model = model.to_empty(device=self.device)
         model.init_buffers(self.device)

@@ -31,8 +31,15 @@ class WeightSource:
         return Tokenizer.from_hf_folder(self.path)
 
     def raw_types(self, method: str) -> dict[str, str] | None:
-        """For --quant gguf: every tensor's GGML type as it will arrive (the layers follow it); else None."""
-        if self.kind != "gguf" or method != "gguf":
+        """For --quant gguf: every tensor's GGML type as it will arrive (the layers follow it); from an HF folder,
+        the weights its family keeps packed (gpt-oss's MXFP4 experts: the model class's `packed_types`); else None."""
+        if self.kind == "hf":
+            from .registry import model_class
+            from .weights import safetensors_readers
+
+            packed_types = getattr(model_class(self.config), "packed_types", None)
+            return packed_types(safetensors_readers(self.files)) or None if packed_types is not None else None
+        if method != "gguf":
             return None
         from .gguf import raw_tensor_types
 

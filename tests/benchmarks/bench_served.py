@@ -53,7 +53,9 @@ class Model:
     path: Path
     words: list[str]  # vocabulary entries that are a space and letters: one token each
     eos: int
-    weight_bytes_per_token: int  # every tensor once, the embedding table only when it is also the output matrix
+    # every tensor once, the embedding table only when it is also the output matrix; of a mixture of experts' stacked
+    # tensors (ffn_*_exps) the share a token reads: top-k of the experts
+    weight_bytes_per_token: int
     kv_bytes_per_position: int  # K and V of all layers at 2 bytes an element (both servers' default on CPU: f16)
 
     @classmethod
@@ -63,11 +65,15 @@ class Model:
         tokens = r.fields["tokenizer.ggml.tokens"].contents()
         words = [t[1:] for t in tokens if t.startswith("\u0120") and t[1:].isascii() and t[1:].isalpha() and len(t) > 3]
         sizes = {t.name: int(t.n_bytes) for t in r.tensors}
-        weights = sum(sizes.values()) - (sizes["token_embd.weight"] if "output.weight" in sizes else 0)
-        hidden = r.fields[f"{arch}.embedding_length"].contents()
-        heads = r.fields[f"{arch}.attention.head_count"].contents()
-        kv = (r.fields[f"{arch}.block_count"].contents() * 2 * r.fields[f"{arch}.attention.head_count_kv"].contents()
-              * (hidden // heads) * 2)
+        def field(key: str, default=None):
+            return r.fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in r.fields else default
+
+        experts, used = field("expert_count", 0), field("expert_used_count", 0)
+        share = {name: used / experts if experts and "_exps." in name else 1.0 for name in sizes}
+        weights = int(sum(n * share[name] for name, n in sizes.items()))
+        weights -= sizes["token_embd.weight"] if "output.weight" in sizes else 0
+        head_dim = field("attention.key_length") or field("embedding_length") // field("attention.head_count")
+        kv = field("block_count") * 2 * field("attention.head_count_kv") * head_dim * 2
         return cls(path, words, int(r.fields["tokenizer.ggml.eos_token_id"].contents()), weights, kv)
 
     def prompt(self, n: int, seed: int) -> str:

@@ -62,7 +62,7 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, layer)
         swapped[name] = layer
-    if spec.method == "gguf":
+    if spec.method == "gguf" or gguf_types:  # (an HF folder's packed experts: gpt-oss's MXFP4, whatever the mode)
         swapped.update(_swap_in_packed_experts(model, gguf_types or {}, dtype, device))
     return swapped
 
@@ -127,6 +127,7 @@ def quantizing_stream(
     A calibrated spec leaves the swapped layers empty (their weights are only checked to be present): they are
     filled afterwards, layer by layer, by llmd.model.calibrate.quantize_calibrated."""
     from ..gguf import RawTensor, dequantize
+    from .gguf_experts import GGUFExpertLinear
 
     parts = {f"{name}.weight": model.checkpoint_parts(name) for name in swapped}
     pending = {f"{part}.weight" for p in parts.values() for part, _ in p}  # checkpoint weights still to come
@@ -144,7 +145,8 @@ def quantizing_stream(
         if spec.calibrate:
             continue  # read again, by name, during calibration
         if isinstance(item, RawTensor):
-            if spec.method == "gguf" and _fill_packed(layer, item, source, rows):
+            if (spec.method == "gguf" or isinstance(layer, GGUFExpertLinear)) and _fill_packed(layer, item, source,
+                                                                                                 rows):
                 continue
             tensor = dequantize(item.data, item.type_name, item.shape)
         else:
