@@ -83,6 +83,7 @@ class Engine:
         self.eos_token_ids = set(loaded.config.eos_token_ids)
         if self.tokenizer is not None:
             self.eos_token_ids |= set(self.tokenizer.eos_token_ids)
+            self.eos_token_ids -= self.tokenizer.message_end_ids  # harmony's <|end|>, whatever the config says
         # grammar-constrained output (engine/grammar.py): compiled on first use, cached
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.requests: dict[str, Sequence] = {}

@@ -57,7 +57,7 @@ class IncrementalDetokenizer:
             # A byte-fallback decoder read the emitted character's bytes and an invalid new byte as one broken run
             # (all U+FFFD): the new tokens' own bytes give their text without touching what was already shown.
             new = [i for i in self._ids[self._read :]
-                   if not (self.skip_special_tokens and i in self.tokenizer.special_ids)]
+                   if not (self.skip_special_tokens and i in self.tokenizer.hidden_ids)]
             delta = b"".join(self.tokenizer.token_bytes(i) for i in new).decode("utf-8", errors="replace")
         self._advance()
         return delta

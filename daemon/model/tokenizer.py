@@ -8,6 +8,13 @@ Two sources:
 
 A model without a chat template (a base model) has `has_chat_template` False: its prompts are raw text, and
 apply_chat_template refuses with an InvalidRequest saying so.
+
+Decoding skips special tokens, except those an output parser reads: in a harmony vocabulary (gpt-oss's o200k_harmony,
+known by its <|channel|> and <|message|> tokens) the message frame markers are special tokens, and text decoded for
+the output keeps them (`shown_special_ids`), as llama.cpp renders them; tools/parsers.py takes them out of the
+content. There <|end|> ends a message, not the generation: in a vocabulary with <|return|> and <|call|> (the
+generation's real ends) it is no end-of-generation token whatever the files say (`message_end_ids`), as in
+llama.cpp.
 """
 
 from __future__ import annotations
@@ -28,6 +35,10 @@ _END_OF_TURN = frozenset({
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
     "<EOT>", "_<EOT>", "[EOT]", "<|return|>", "<|call|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
 })
+
+# harmony's message frame markers, decoded like text (see the module docstring); the vocabulary is harmony's when it
+# has the first two
+HARMONY_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>")
 
 # (prefix, suffix, middle) spellings of fill-in-the-middle tokens, StarCoder/SmolLM style then Qwen style
 _FIM_SPELLINGS = (
@@ -79,7 +90,11 @@ class Tokenizer:
         eos_ids = set(eos_token_ids or ())
         if eos_token and backend.token_to_id(eos_token) is not None:
             eos_ids.add(backend.token_to_id(eos_token))
-        self.eos_token_ids: set[int] = eos_ids
+        # harmony's <|end|> ends a message, not the generation (<|return|> and <|call|> do): never an EOS here, nor
+        # in the engine, whatever a file's metadata says
+        ends = [backend.token_to_id(t) for t in ("<|return|>", "<|call|>", "<|end|>")]
+        self.message_end_ids = frozenset(ends[2:] if None not in ends else ())
+        self.eos_token_ids: set[int] = eos_ids - self.message_end_ids
         self.chat_template = chat_template
         # other templates by name; "tool_use" renders requests that carry tools, as in transformers
         self.named_templates: dict[str, str] = dict(named_templates or {})
@@ -87,6 +102,11 @@ class Tokenizer:
         self.special_tokens = {"bos_token": bos_token, "eos_token": eos_token, **(special_tokens or {})}
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        shown: set[int] = set()
+        if all(backend.token_to_id(t) in self.special_ids for t in HARMONY_SHOWN[:2]):
+            shown = {i for i in map(backend.token_to_id, HARMONY_SHOWN) if i in self.special_ids}
+        self.shown_special_ids = frozenset(shown)  # special tokens that decoding keeps
+        self.hidden_ids = frozenset(self.special_ids - shown)  # those it skips
         self._byte_level = '"ByteLevel"' in (backend.decoder.__getstate__().decode() if backend.decoder else "")
 
     # ---- construction
@@ -163,6 +183,8 @@ class Tokenizer:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self.shown_special_ids:
+            return self.backend.decode([i for i in ids if i not in self.hidden_ids], skip_special_tokens=False)
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def id_to_piece(self, token_id: int) -> str | None:
