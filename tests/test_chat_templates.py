@@ -25,8 +25,10 @@ FAMILIES = {
     "gemma-3-it": ("<bos>", "<eos>"),
     "mistral-7b-instruct-v0.3": ("<s>", "</s>"),
     "phi-3.5-mini-instruct": ("<s>", "<|endoftext|>"),
+    "gpt-oss": ("<|startoftext|>", "<|return|>"),
 }
-TOOL_FAMILIES = {"llama-3.1-instruct", "llama-3.2-instruct", "qwen2.5-instruct", "qwen3", "mistral-7b-instruct-v0.3"}
+TOOL_FAMILIES = {"llama-3.1-instruct", "llama-3.2-instruct", "qwen2.5-instruct", "qwen3", "mistral-7b-instruct-v0.3",
+                 "gpt-oss"}
 NO_SYSTEM_ROLE = {"gemma-2-it"}
 
 WEATHER_TOOL = {
@@ -138,6 +140,19 @@ def test_qwen3_thinking_switch():
                {"role": "user", "content": "3+3?"}]
     text = _same(ours, ref, history)
     assert "add" not in text and "<|im_start|>assistant\n4<|im_end|>" in text
+
+
+def test_gpt_oss_effort_and_a_calls_reasoning():
+    ours, ref = _pair("gpt-oss")
+    assert "\nReasoning: high\n" in _same(ours, ref, CHATS["user"], reasoning_effort="high")
+    assert "\nReasoning: medium\n" in _same(ours, ref, CHATS["user"])
+    # a call's reasoning is shown with it (as `thinking`), a final answer's is not
+    calls = [*TOOL_ROUND[:2], {**TOOL_ROUND[2], "thinking": "Look it up."}, TOOL_ROUND[3]]
+    text = _same(ours, ref, calls, tools=[WEATHER_TOOL])
+    assert "<|channel|>analysis<|message|>Look it up.<|end|><|start|>assistant to=functions.get_weather" in text
+    answered = [*calls, {"role": "assistant", "content": "Sunny.", "thinking": "Say it."}, CHATS["user"][0]]
+    text = _same(ours, ref, answered, tools=[WEATHER_TOOL])
+    assert "Say it." not in text and "Look it up." not in text and "final<|message|>Sunny.<|end|>" in text
 
 
 def test_gemma_system_role():

@@ -1,14 +1,33 @@
-"""gpt-oss's chat format (harmony) without a model: a vocabulary with o200k_harmony's special tokens (a GGUF written
-here, trained on inline text). The frame markers survive decoding; <|end|> ends no generation."""
+"""gpt-oss's chat format (harmony) without a model: its real chat template (tests/chat_templates/gpt-oss.jinja) and a
+vocabulary with o200k_harmony's special tokens (a GGUF written here, trained on inline text). The frame markers
+reach the parser through the real detokenizer, the channels become reasoning, content and calls (streamed any way),
+and the grammar forces a call or an answer format on the channels."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
+
+from llmd.tools.families import ToolFormat, model_traits
+from llmd.tools.parsers import OutputParser, Piece
+from llmd.tools.plan import plan_chat
+from llmd.tools.spec import ToolSpec, parse_tools
 from vocab_fixtures import write_byte_level_gguf
 
+TEMPLATE = (Path(__file__).parent / "chat_templates" / "gpt-oss.jinja").read_text(encoding="utf-8")
 # o200k_harmony's special tokens (the real ids differ; the names are what the template, parser and grammar use)
 SPECIALS = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>", "<|end|>",
             "<|message|>", "<|call|>"]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+FUNCTIONS = parse_tools([WEATHER, ADD])
+NAMES = {f.name: f.parameters for f in FUNCTIONS}
+HARMONY = model_traits("GptOssForCausalLM", TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +36,7 @@ def tok(tmp_path_factory):
     from llmd.model.tokenizer import Tokenizer
 
     path = write_byte_level_gguf(tmp_path_factory.mktemp("harmony") / "harmony.gguf", "gpt-4o", SPECIALS, [],
-                                 bos="<|startoftext|>", eos="<|return|>", add_bos=False)
+                                 bos="<|startoftext|>", eos="<|return|>", add_bos=False, template=TEMPLATE)
     return Tokenizer.from_gguf(read_gguf_metadata(path), path)
 
 
@@ -25,7 +44,14 @@ def ids_of(tok, *names: str) -> set[int]:
     return {tok.backend.token_to_id(n) for n in names}
 
 
-# --- the vocabulary ------------------------------------------------------------------------------
+# --- recognition and the vocabulary ------------------------------------------------------------------------------
+
+def test_the_template_is_recognised_as_harmony():
+    assert HARMONY.tools == ToolFormat("harmony", native=True)
+    assert HARMONY.thinks and HARMONY.has_tools and HARMONY.effort
+    qwen3 = model_traits("Qwen3ForCausalLM", (Path(__file__).parent / "chat_templates" / "qwen3.jinja").read_text())
+    assert qwen3.tools.name == "hermes" and not qwen3.effort
+
 
 def test_markers_are_decoded_and_end_is_no_eos(tok, smollm2_gguf):
     from llmd.model.gguf import read_gguf_metadata
@@ -44,3 +70,211 @@ def test_markers_are_decoded_and_end_is_no_eos(tok, smollm2_gguf):
     assert "".join(detok.push(i) for i in ids) + detok.flush() == shown
     smol = Tokenizer.from_gguf(read_gguf_metadata(smollm2_gguf), smollm2_gguf)  # other vocabularies: as before
     assert not smol.shown_special_ids and not smol.message_end_ids and smol.hidden_ids == smol.special_ids
+
+
+# --- the parser, on what the engine's detokenizer gives ----------------------------------------------------------
+
+def engine_pieces(tok, ignore_eos: bool = False):
+    """The text deltas the engine produces for a scripted output: its tokens detokenized one by one (special ones
+    skipped unless shown), up to an end-of-generation token, whose text is never emitted (with ignore_eos it is
+    decoded like the others)."""
+    from llmd.model.tokenizer import IncrementalDetokenizer
+
+    def split(text: str) -> list[str]:
+        detok, out = IncrementalDetokenizer(tok), []
+        for i in tok.encode(text):
+            if i in tok.eos_token_ids and not ignore_eos:
+                break
+            out.append(detok.push(i))
+        return out + [detok.flush()]
+    return split
+
+
+def by_chars(text: str) -> list[str]:
+    return list(text)
+
+
+def whole(text: str) -> list[str]:
+    return [text]
+
+
+def parse(pieces: list[str], names=NAMES, stream_args: bool = False, cut: bool = False) -> Piece:
+    parser = OutputParser(None, ToolFormat("harmony", True).parser(names, stream_args=stream_args))
+    out = Piece()
+    for p in pieces:
+        out.add(parser.feed(p))
+    return out.add(parser.finish(cut))
+
+
+def summary(piece: Piece) -> tuple:
+    return piece.content, piece.reasoning, [(c.name, c.arguments) for c in piece.calls]
+
+
+CALL_PARIS = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>'
+CASES = [
+    # (scripted output after the prompt's `<|start|>assistant`, expected (content, reasoning, calls))
+    ("<|channel|>analysis<|message|>Two plus two is four.<|end|><|start|>assistant<|channel|>final<|message|>"
+     "It is **4**.<|return|>", ("It is **4**.", "Two plus two is four.", [])),
+    ("<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant" + CALL_PARIS,
+     ("", "Need the weather tool.", [("get_weather", {"city": "Paris"})])),
+    # two calls (an output that goes on past <|call|>: ignore_eos), the recipient before the channel, as the template
+    # writes past calls, then after it
+    ('<|channel|>analysis<|message|>Both.<|end|><|start|>assistant to=functions.add<|channel|>commentary json'
+     '<|message|>{"a": 1, "b": 2}<|call|><|start|>assistant' + CALL_PARIS,
+     ("", "Both.", [("add", {"a": 1, "b": 2}), ("get_weather", {"city": "Paris"})])),
+    # a preamble the user may see (commentary without a recipient), then a call
+    ("<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant" + CALL_PARIS,
+     ("Let me check.", "", [("get_weather", {"city": "Paris"})])),
+    ("A model that ignores the format.", ("A model that ignores the format.", "", [])),
+    # a call to a tool the request does not have, or whose body is no JSON object, is given back as text
+    ('<|channel|>commentary to=functions.rm_rf <|constrain|>json<|message|>{"path":"/"}<|call|>',
+     ('{"path":"/"}', "", [])),
+    ("<|channel|>commentary to=functions.add <|constrain|>json<|message|>not json<|call|>", ("not json", "", [])),
+]
+
+
+@pytest.mark.parametrize("text, expected", CASES)
+def test_channels_become_reasoning_content_and_calls_streamed_any_way(tok, text, expected):
+    for pieces in (whole, by_chars, engine_pieces(tok, ignore_eos=True)):
+        assert summary(parse(pieces(text))) == expected, pieces
+    # the engine stops at the first <|call|> or <|return|>: the calls after it are the next turn's
+    first_end = min(text.find(m) % (len(text) + 1) for m in ("<|call|>", "<|return|>"))
+    stopped = summary(parse(engine_pieces(tok)(text)))
+    assert stopped == (summary(parse([text[:first_end]])) if first_end < len(text) else expected)
+    assert stopped[2] == expected[2][:1]
+
+
+def test_a_cut_call_is_dropped_and_a_repeated_call_ends_the_answer():
+    cut = "<|channel|>commentary to=functions.add <|constrain|>json<|message|>{\"a\": 1, \"b"
+    assert summary(parse(by_chars(cut), cut=True)) == ("", "", [])
+    add = '<|start|>assistant<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a":1,"b":2}<|call|>'
+    other = add.replace('"a":1', '"a":5')
+    parser = OutputParser(None, ToolFormat("harmony", True).parser(NAMES))
+    out = Piece()
+    for p in by_chars(add[len("<|start|>assistant"):] + other + add + "<|start|>assistant<|channel|>final"):
+        out.add(parser.feed(p))
+        if parser.ended:
+            break
+    assert parser.ended and [c.arguments for c in out.add(parser.finish()).calls] == [{"a": 1, "b": 2},
+                                                                                      {"a": 5, "b": 2}]
+
+
+def test_a_grammar_kept_call_streams_its_arguments_as_written():
+    text = "<|channel|>analysis<|message|>x<|end|><|start|>assistant" + CALL_PARIS.removesuffix("<|call|>")
+    pieces = by_chars(text)
+    out = parse(pieces, stream_args=True)
+    call = out.calls[0]
+    assert call.streamed and out.deltas[0].name == "get_weather" and out.deltas[0].id == call.id
+    assert "".join(d.arguments for d in out.deltas) == '{"city":"Paris"}' and len(out.deltas) > 10
+    assert not out.content
+
+
+# --- the renderers: whole and streamed answers agree ---------------------------------------------------------------
+
+def test_openai_and_ollama_answers_whole_and_streamed(tok):
+    from types import SimpleNamespace
+
+    from llmd.engine.types import FinishReason, RequestOutput, SamplingParams
+    from llmd.server import ollama, openai
+    from llmd.server.core import Generation, GenerationResult, ServerState
+    from llmd.server.intake import Intake
+
+    script = CASES[1][0]
+
+    def generation():
+        gen = Generation(ServerState(), None, SimpleNamespace(tokenizer=tok), [1, 2], SamplingParams())
+        gen.output = OutputParser(None, ToolFormat("harmony", True).parser(NAMES))
+        gen.finished, gen.finish_reason = True, "stop"
+        return gen
+
+    intake = Intake("m", None, SamplingParams(), True)
+    gen = generation()
+    res = GenerationResult(script, [7], "stop", None, [], gen.output.parse(script.removesuffix("<|call|>")))
+    whole_ = openai.ChatAnswer(intake, "m").whole(gen, res)["choices"][0]
+    assert whole_["message"]["reasoning_content"] == "Need the weather tool." and whole_["message"]["content"] is None
+    assert json.loads(whole_["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris"}
+    assert whole_["finish_reason"] == "tool_calls"
+    for answer in (openai.ChatAnswer(intake, "m"), ollama.ChatAnswer("m")):
+        gen = generation()
+        events, pieces = [], engine_pieces(tok)(script)
+        for i, text in enumerate(pieces):
+            last = i == len(pieces) - 1
+            piece = gen.output.feed(text)
+            if last:
+                piece.add(gen.output.finish())
+            out = RequestOutput("r", [7], text, finished=last, finish_reason=FinishReason.STOP if last else None)
+            events += answer.events(gen, out, piece)
+        if isinstance(answer, openai.ChatAnswer):
+            deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+            assert "".join(d.get("reasoning_content", "") for d in deltas) == "Need the weather tool."
+            assert not "".join(d.get("content") or "" for d in deltas)
+            args = "".join(c["function"]["arguments"] for d in deltas for c in d.get("tool_calls", []))
+            assert json.loads(args) == {"city": "Paris"}
+            assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        else:
+            messages = [e["message"] for e in events]
+            assert "".join(m.get("thinking", "") for m in messages) == "Need the weather tool."
+            assert [c["function"] for m in messages for c in m.get("tool_calls", [])] == [
+                {"name": "get_weather", "arguments": {"city": "Paris"}}]
+            assert not "".join(m["content"] for m in messages) and events[-1]["done"]
+
+
+# --- grammars, run through llguidance with the harmony vocabulary -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def accepts(tok):
+    import llguidance
+
+    from llmd.engine.grammar import grammar_source, lltokenizer
+
+    ll = lltokenizer(tok, tok.vocab_size, sorted(tok.eos_token_ids))
+
+    def check(constraint, text: str, then_eos: bool = False) -> bool:
+        m = llguidance.LLMatcher(ll, grammar_source(constraint), log_level=0)
+        assert not m.is_error(), m.get_error()
+        ids = tok.encode(text) + ([tok.backend.token_to_id("<|call|>")] if then_eos else [])
+        return m.consume_tokens(ids) and m.is_accepting()
+    return check
+
+
+def plan_output(tok, choice: str, answer=None, think=None):
+    plan = plan_chat([{"role": "user", "content": "hi"}], ToolSpec(FUNCTIONS, choice), answer, think, {}, HARMONY)
+    return plan.output(tok.apply_chat_template(plan.messages, tools=plan.tools, **plan.template_kwargs))
+
+
+THOUGHT = "<|channel|>analysis<|message|>The user wants {any} thing.\nOK.<|end|><|start|>assistant"
+CALL_ADD = '<|channel|>commentary to=functions.add <|constrain|>json<|message|>{"a":1,"b":2}'
+
+
+def test_required_and_named_choices_force_one_commentary_call(tok, accepts):
+    required, parser = plan_output(tok, "required")
+    assert required.kind == "lark" and parser.tools.stream_args
+    assert accepts(required, THOUGHT + CALL_ADD) and accepts(required, CALL_ADD)
+    assert accepts(required, THOUGHT + CALL_ADD, then_eos=True)  # <|call|> ends it
+    assert not accepts(required, THOUGHT + "<|channel|>final<|message|>3")
+    assert not accepts(required, CALL_ADD.replace('"b":2', '"b":"two"'))
+    assert not accepts(required, CALL_ADD + "<|end|><|start|>assistant" + CALL_ADD)  # one call: <|call|> ends a turn
+    named, _ = plan_output(tok, "get_weather")
+    paris = '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}'
+    assert accepts(named, THOUGHT + paris) and not accepts(named, THOUGHT + CALL_ADD)
+    # what the grammar writes, the parser reads as the call (streamed: the grammar keeps it valid)
+    assert summary(parse(engine_pieces(tok)(THOUGHT + paris), stream_args=True)) == (
+        "", "The user wants {any} thing.\nOK.", [("get_weather", {"city": "Paris"})])
+    auto, parser = plan_output(tok, "auto")  # the model chooses: no grammar, calls come whole
+    assert auto is None and not parser.tools.stream_args
+
+
+def test_an_answer_format_constrains_the_final_channel_only(tok, accepts):
+    from llmd.tools.spec import AnswerFormat
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+              "additionalProperties": False}
+    fmt = AnswerFormat("json_schema", json.dumps(schema), "response_format")
+    constraint, _ = plan_output(tok, "none", fmt)
+    final = '<|channel|>final<|message|>{"city":"Oslo"}'
+    assert accepts(constraint, THOUGHT + final) and accepts(constraint, final)
+    assert not accepts(constraint, THOUGHT + "<|channel|>final<|message|>Oslo")
+    # with tools under auto the answer format shuts free text out: a call or the formatted answer
+    either, _ = plan_output(tok, "auto", fmt)
+    assert accepts(either, THOUGHT + final) and accepts(either, THOUGHT + CALL_ADD)
+    assert not accepts(either, THOUGHT + "<|channel|>final<|message|>hello")

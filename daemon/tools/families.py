@@ -3,6 +3,10 @@
 A template that uses the `tools` variable renders the tools itself (native); its call format is recognised by the
 markers it writes. A template without tools gets the generic fallback: the tools are described in the system turn
 (see plan.py) and calls are asked for in the tagged format, which the grammar then enforces.
+
+Harmony (gpt-oss): a template that writes `<|channel|>` and `<|message|>` frames every turn as messages on channels;
+the model always thinks (its `analysis` channel) and calls tools natively (`commentary` to `functions.NAME`). A
+template that reads `reasoning_effort` takes the request's reasoning effort (low, medium, high) as that variable.
 """
 
 from __future__ import annotations
@@ -12,9 +16,9 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .parsers import LeadingJsonParser, TaggedParser, ToolCallParser
+from .parsers import HarmonyParser, LeadingJsonParser, TaggedParser, ToolCallParser
 
-FORMATS = ("hermes", "qwen3_coder", "llama3", "mistral", "generic")
+FORMATS = ("hermes", "qwen3_coder", "llama3", "mistral", "harmony", "generic")
 
 
 @dataclass(frozen=True)
@@ -35,28 +39,35 @@ class ToolFormat:
             return LeadingJsonParser(names, ("<|python_tag|>",))
         if self.name == "mistral":
             return LeadingJsonParser(names, ("[TOOL_CALLS]",), name_args=True)
+        if self.name == "harmony":
+            return HarmonyParser(names, stream_args=stream_args)
         return TaggedParser(names, stream_args=stream_args)
 
 
 @dataclass(frozen=True)
 class ModelTraits:
     tools: ToolFormat
-    thinks: bool  # the template knows a <think> block (Qwen3, DeepSeek-R1 style)
+    thinks: bool  # the template knows a <think> block (Qwen3, DeepSeek-R1 style) or an analysis channel (harmony)
     # the model itself does tools (Ollama's "tools" capability): its template takes `tools`, or writes a known call
     # format; the generic fallback serves tools on any model, but is no capability of it
     has_tools: bool = False
+    effort: bool = False  # the template reads `reasoning_effort` (gpt-oss: low, medium, high)
 
 
 _USES_TOOLS = re.compile(r"\btools\b")
 CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
+HARMONY_MARKERS = ("<|channel|>", "<|message|>")
 
 
 @lru_cache(maxsize=32)
 def model_traits(architecture: str, template: str | None) -> ModelTraits:
     text = template or ""
+    effort = "reasoning_effort" in text
+    if all(m in text for m in HARMONY_MARKERS):
+        return ModelTraits(ToolFormat("harmony", native=True), thinks=True, has_tools=True, effort=effort)
     thinks = "<think>" in text or "enable_thinking" in text
     if not _USES_TOOLS.search(text):
-        return ModelTraits(ToolFormat("generic", native=False), thinks, any(m in text for m in CALL_MARKERS))
+        return ModelTraits(ToolFormat("generic", native=False), thinks, any(m in text for m in CALL_MARKERS), effort)
     if "<tool_call>" in text:
         name = "qwen3_coder" if "<function=" in text else "hermes"
     elif "[TOOL_CALLS]" in text:
@@ -64,5 +75,5 @@ def model_traits(architecture: str, template: str | None) -> ModelTraits:
     elif "<|python_tag|>" in text or ("<|start_header_id|>" in text and "parameters" in text):
         name = "llama3"
     else:  # a template that takes tools in a format not known here: describe them ourselves
-        return ModelTraits(ToolFormat("generic", native=False), thinks, has_tools=True)
-    return ModelTraits(ToolFormat(name, native=True), thinks, has_tools=True)
+        return ModelTraits(ToolFormat("generic", native=False), thinks, has_tools=True, effort=effort)
+    return ModelTraits(ToolFormat(name, native=True), thinks, has_tools=True, effort=effort)

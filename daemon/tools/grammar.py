@@ -8,6 +8,10 @@
   the engine stops there. `auto` and `required` with parallel calls allow call after call; the output parser ends
   the answer at a call that repeats an earlier one (tools/parsers.py), and the server stops the request there.
 - A reasoning model's thought stays free: a lazy `<think> ... </think>` rule comes first, the answer rule after it.
+- Harmony (gpt-oss) writes messages framed by special tokens, which the grammar names as tokens (`<|channel|>`):
+  an optional free `analysis` message, then the answer: a `final` message (its text, or the answer format), or one
+  call, `commentary to=functions.NAME <|constrain|>json` with the arguments' JSON as its body. One call: its
+  <|call|> ends the generation (the next call comes in the next turn, after the result).
 
 JSON inside the grammars is compact (llguidance's `whitespace_flexible: false`): small models otherwise tend to
 emit whitespace until max_tokens, and compact JSON is still JSON to every client. Schemas compile leniently, after
@@ -142,4 +146,29 @@ def lark_grammar(fmt: ToolFormat | None, spec: ToolSpec | None, answer: AnswerFo
         return Constraint("lark", "\n".join([f"start: {body}", *rules]))
     opener = '"<think>" ' if thought == "open" else ""
     head = ["start: think answer", f'think[lazy]: {opener}/(.|\\n)*/ "</think>"', f'answer: /[ \\n]*/ ({body})']
+    return Constraint("lark", "\n".join(head + rules))
+
+
+def harmony_grammar(spec: ToolSpec | None, answer: AnswerFormat | None) -> Constraint | None:
+    """gpt-oss's output under the request's tools and answer format, or None when nothing constrains it (see the
+    module docstring). The prompt ends with `<|start|>assistant`: the output opens with a message's channel."""
+    calls = spec is not None and grammar_has_calls(ToolFormat("harmony", True), spec, answer)
+    rules: list[str] = []
+    body: list[str] = []
+    if answer is not None and answer.kind != "gbnf":
+        rules.append(f'final: <|channel|> "final" <|message|> {_json(answer_schema(answer))}')
+        body.append("final")
+    if calls:
+        fns = spec.allowed()  # type: ignore[union-attr]
+        for i, fn in enumerate(fns):
+            head = json.dumps(f"commentary to=functions.{fn.name} ")
+            args = {"$id": f"urn:llmd:tool:{fn.name}", **prepared(fn.parameters)}
+            rules.append(f'fn_{i}: <|channel|> {head} <|constrain|> "json" <|message|> {_json(args)}')
+        rules.append("calls: " + " | ".join(f"fn_{i}" for i in range(len(fns))))
+        body = ["calls"] if spec.forced else [*body, "calls"]  # type: ignore[union-attr]
+    if not body:
+        return None
+    head = ["start: analysis? (" + " | ".join(body) + ")",
+            'analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> "assistant"',
+            "THOUGHT: /(.|\\n)*/"]
     return Constraint("lark", "\n".join(head + rules))

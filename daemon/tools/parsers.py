@@ -21,6 +21,12 @@ Formats (what the model writes; the engine's text keeps non-special marker token
   several separated by `;`.
 - mistral: `[TOOL_CALLS]` (a special token, so often dropped) then a JSON array of `{"name", "arguments"}`, or
   `NAME[ARGS]{..}` in newer tokenizers.
+- harmony (gpt-oss): the answer is messages, each a header and a body: `<|channel|>analysis<|message|>...<|end|>`
+  (a thought), `<|start|>assistant<|channel|>final<|message|>...` (the answer), `<|channel|>commentary
+  to=functions.NAME <|constrain|>json<|message|>{..}` (a call; the recipient may also stand before the channel, as
+  the template writes past calls). Its markers are special tokens the tokenizer shows (model/tokenizer.py); the end
+  tokens <|return|> and <|call|> end the generation, so the last message usually ends with the output. See
+  HarmonyParser.
 Reasoning (Qwen3, DeepSeek-R1 style): `<think>...</think>` before the answer; see ReasoningSplit.
 """
 
@@ -382,6 +388,143 @@ class LeadingJsonParser(ToolCallParser):
             for call in calls:
                 call.id = uuid.uuid4().hex[:9]
         return Piece(calls=calls)
+
+
+HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|constrain|>", *HARMONY_ENDS)
+_HARMONY_OPENINGS = ("<|channel|>", "to=", "<|constrain|>", "assistant")  # what the first header may start with
+_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+_CHANNEL = re.compile(r"<\|channel\|>\s*([A-Za-z0-9_]+)")
+MAX_HARMONY_HEADER = 512  # characters before <|message|>; a longer "header" is no harmony frame
+
+
+def _held_marker(text: str) -> int:
+    return max(_held_prefix(text, m) for m in HARMONY_MARKERS)
+
+
+class HarmonyParser(ToolCallParser):
+    """gpt-oss's messages, by channel: `analysis` -> reasoning, `final` (and `commentary` without a recipient: a
+    preamble the user may see) -> content, a message to `functions.NAME` -> a call whose body is its arguments'
+    JSON. The prompt ends with `<|start|>assistant`, so the output opens with the first message's header; an output
+    that does not (a model that ignores the format) is content as written. Bodies stream as they come; a call comes
+    whole at its end marker or the output's end (the <|call|> that ends it is an end-of-generation token), and with
+    stream_args (a grammar keeps it valid) the first call streams its arguments as they are written. A body to an
+    unknown recipient, or one that is no JSON object, is given back as content (dropped when max_tokens cut it)."""
+
+    def __init__(self, names: Collection[str], stream_args: bool = False):
+        super().__init__(names)
+        self.stream_args = stream_args
+        self.buf = ""
+        self.state = "header"  # header -> body -> between -> header ...; "text": no harmony frames, all content
+        self.first = True  # the first header (its `<|start|>assistant` is the prompt's)
+        self.route = "content"  # where the body goes: reasoning, content or call
+        self.call_name = ""
+        self.body = ""  # a call's body so far
+        self.seen_call = False
+        self.head: CallDelta | None = None  # the streaming call's start
+        self.sent = 0  # characters of its body sent
+
+    def _header_possible(self) -> bool:
+        head = self.buf.lstrip()
+        return not head or any(o.startswith(head) or head.startswith(o) for o in _HARMONY_OPENINGS)
+
+    def _open(self, header: str, out: Piece) -> None:
+        recipient, channel = _RECIPIENT.search(header), _CHANNEL.search(header)
+        self.body, self.head, self.sent = "", None, 0
+        if recipient:
+            target = recipient.group(1)
+            self.route = "call"
+            self.call_name = target[len("functions."):] if target.startswith("functions.") else target
+            if self.stream_args and not self.seen_call and target.startswith("functions.") \
+                    and self.call_name in self.names:
+                self.head = CallDelta(_call_id(), self.call_name)
+                out.deltas.append(self.head)
+        else:
+            self.route = "reasoning" if channel and channel.group(1) == "analysis" else "content"
+
+    def _write(self, text: str, out: Piece) -> None:
+        if self.route == "reasoning":
+            out.reasoning += text
+        elif self.route == "content":
+            out.content += text
+        else:
+            self.body += text
+            if self.head is not None and len(self.body) > self.sent:
+                out.deltas.append(CallDelta(self.head.id, arguments=self.body[self.sent:]))
+                self.sent = len(self.body)
+
+    def _close(self, out: Piece, cut: bool = False) -> None:
+        """The end of a message's body (its end marker, or the output's end)."""
+        if self.route != "call":
+            return
+        call = None
+        try:
+            args = json.loads(self.body)
+        except ValueError:
+            args = None
+        if isinstance(args, dict) and self.call_name in self.names:
+            call = ToolCall(self.call_name, args)
+        if call is None:
+            if not cut:
+                out.content += self.body
+            return
+        if self.head is not None:
+            call.id, call.streamed = self.head.id, True
+        if self._new(call):
+            out.calls.append(call)
+            self.seen_call = True
+
+    def feed(self, text: str) -> Piece:
+        self.buf += text
+        out = Piece()
+        while not self.ended:
+            if self.state == "text":
+                out.content, self.buf = out.content + self.buf, ""
+                break
+            if self.state == "between":  # after a message: nothing but the next one's <|start|>
+                at = self.buf.find("<|start|>")
+                if at < 0:
+                    self.buf = self.buf[len(self.buf) - _held_prefix(self.buf, "<|start|>"):]
+                    break
+                self.buf, self.state = self.buf[at + len("<|start|>"):], "header"
+            if self.state == "header":
+                at = self.buf.find("<|message|>")
+                if at < 0:
+                    if len(self.buf) > MAX_HARMONY_HEADER or (self.first and not self._header_possible()):
+                        self.state = "text"
+                        continue
+                    break
+                self._open(self.buf[:at], out)
+                self.buf, self.state, self.first = self.buf[at + len("<|message|>"):], "body", False
+            if self.state == "body":
+                ends = [(at, m) for m in (*HARMONY_ENDS, "<|start|>") if (at := self.buf.find(m)) >= 0]
+                if not ends:
+                    keep = _held_marker(self.buf)
+                    self._write(self.buf[:len(self.buf) - keep], out)
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    break
+                at, marker = min(ends)
+                self._write(self.buf[:at], out)
+                self._close(out)
+                # a <|start|> without an end marker before it opens the next message all the same
+                self.buf = self.buf[at:] if marker == "<|start|>" else self.buf[at + len(marker):]
+                self.state = "between"
+        if self.ended:
+            self.buf = ""
+        return out
+
+    def finish(self, cut: bool = False) -> Piece:
+        out = Piece()
+        if self.ended:
+            pass
+        elif self.state == "text":
+            out.content = self.buf
+        elif self.state == "body":  # the usual end: <|return|> or <|call|> ended the generation, unseen
+            self._write(self.buf, out)
+            self._close(out, cut)
+        # an unfinished header, or what follows a message's end, is markup
+        self.buf, self.state = "", "between"
+        return out
 
 
 class ReasoningSplit:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..engine.types import Constraint
 from .families import ModelTraits
-from .grammar import answer_constraint, grammar_has_calls, lark_grammar
+from .grammar import answer_constraint, grammar_has_calls, harmony_grammar, lark_grammar
 from .parsers import OutputParser, ReasoningSplit
 from .spec import AnswerFormat, ToolSpec
 
@@ -99,12 +99,16 @@ class ChatPlan:
 
     def output(self, prompt_text: str) -> tuple[Constraint | None, OutputParser]:
         """The constraint and the parser, once the prompt's text is known."""
+        fmt = self.traits.tools
+        spec = self.spec if self.calls_possible else None
+        if fmt.name == "harmony":  # the channels say what is thought, answer and call; there is always a parser
+            names = {f.name: f.parameters for f in spec.allowed()} if spec is not None else {}
+            stream = spec is not None and grammar_has_calls(fmt, spec, self.answer)
+            return harmony_grammar(spec, self.answer), OutputParser(None, fmt.parser(names, stream_args=stream))
         thinking = self.traits.thinks and self.think is not False
         opened = thinking and prompt_text.rstrip().endswith("<think>")
         # a template that closes an empty thought itself when thinking is off (Qwen3) leaves nothing to split
         reasoning = ReasoningSplit(started=opened) if thinking else None
-        fmt = self.traits.tools
-        spec = self.spec if self.calls_possible else None
         parser_tools = None
         if spec is not None:  # calls the grammar writes are valid, so they may stream before they are complete
             parser_tools = fmt.parser({f.name: f.parameters for f in spec.allowed()},
