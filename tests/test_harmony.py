@@ -1,7 +1,8 @@
 """gpt-oss's chat format (harmony) without a model: its real chat template (tests/chat_templates/gpt-oss.jinja) and a
 vocabulary with o200k_harmony's special tokens (a GGUF written here, trained on inline text). The frame markers
 reach the parser through the real detokenizer, the channels become reasoning, content and calls (streamed any way),
-and the grammar forces a call or an answer format on the channels."""
+each dialect's reasoning effort reaches the template, and the grammar forces a call or an answer format on the
+channels."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from llmd.server.validation import ApiError
 from llmd.tools.families import ToolFormat, model_traits
 from llmd.tools.parsers import OutputParser, Piece
 from llmd.tools.plan import plan_chat
@@ -217,6 +219,74 @@ def test_openai_and_ollama_answers_whole_and_streamed(tok):
             assert [c["function"] for m in messages for c in m.get("tool_calls", [])] == [
                 {"name": "get_weather", "arguments": {"city": "Paris"}}]
             assert not "".join(m["content"] for m in messages) and events[-1]["done"]
+
+
+# --- prompts: the effort from every dialect ------------------------------------------------------------
+
+def render(tok, prompt, answer=None) -> str:
+    plan = plan_chat(prompt.messages, prompt.tools, answer, prompt.think, prompt.template_kwargs, HARMONY,
+                     prompt.effort)
+    return tok.apply_chat_template(plan.messages, tools=plan.tools, **plan.template_kwargs)
+
+
+def intake_of(route: str, extra: dict):
+    from llmd.server import anthropic, ollama, openai, responses_api
+    from llmd.server.core import ServerState
+    from llmd.server.response_store import ResponseStore
+
+    state = ServerState(model_name="gpt-oss")
+    msgs = [{"role": "user", "content": "hi"}]
+    if route == "openai":
+        return openai.parse_chat({"model": "gpt-oss", "messages": msgs, **extra}, state)
+    if route == "responses":
+        return responses_api.parse({"model": "gpt-oss", "input": "hi", **extra}, state, ResponseStore())[0]
+    if route == "anthropic":
+        return anthropic.parse({"model": "gpt-oss", "messages": msgs, "max_tokens": 64, **extra}, state)[0]
+    if route == "ollama-generate":
+        return ollama.parse_generate({"model": "gpt-oss", "prompt": "hi", **extra}, state)
+    return ollama.parse_chat({"model": "gpt-oss", "messages": msgs, **extra}, state)
+
+
+EFFORTS = [
+    ("openai", {}, "medium"),  # none asked: the template's default
+    ("openai", {"reasoning_effort": "high"}, "high"),
+    ("openai", {"reasoning_effort": "none"}, "low"),  # gpt-oss cannot stop thinking: its least
+    ("openai", {"reasoning_effort": "xhigh"}, "high"),
+    ("openai", {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}, "high"),
+    ("responses", {"reasoning": {"effort": "low"}}, "low"),
+    ("responses", {"reasoning": {"effort": "minimal", "summary": "auto"}}, "low"),
+    ("ollama", {"think": "high"}, "high"),
+    ("ollama-generate", {"think": "low"}, "low"),
+    ("ollama", {"think": True}, "medium"),  # Ollama: true and false change nothing for gpt-oss
+    ("ollama", {"think": False}, "medium"),
+    ("anthropic", {"thinking": {"type": "enabled", "budget_tokens": 1024}}, "low"),
+    ("anthropic", {"thinking": {"type": "enabled", "budget_tokens": 10000}}, "medium"),
+    ("anthropic", {"thinking": {"type": "enabled", "budget_tokens": 31999}}, "high"),
+    ("anthropic", {"thinking": {"type": "disabled"}}, "low"),
+    ("anthropic", {"thinking": {"type": "adaptive"}, "output_config": {"effort": "max"}}, "high"),
+]
+
+
+@pytest.mark.parametrize("route, extra, level", EFFORTS)
+def test_each_dialects_effort_reaches_the_template(tok, route, extra, level):
+    text = render(tok, intake_of(route, extra).prompt)
+    assert f"\nReasoning: {level}\n" in text and text.count("Reasoning:") == 1
+    assert text.endswith("<|start|>user<|message|>hi<|end|><|start|>assistant")
+
+
+@pytest.mark.parametrize("route, extra, field", [
+    ("openai", {"reasoning_effort": "extreme"}, "reasoning_effort"),
+    ("openai", {"chat_template_kwargs": {"reasoning_effort": "max"}}, "chat_template_kwargs.reasoning_effort"),
+    ("responses", {"reasoning": {"effort": "huge"}}, "reasoning.effort"),
+    ("ollama", {"think": "max"}, "think"),
+    ("ollama-generate", {"think": 3}, "think"),
+    ("anthropic", {"thinking": {"type": "enabled", "budget_tokens": 0}}, "thinking.budget_tokens"),
+    ("anthropic", {"output_config": {"effort": "extreme"}}, "output_config.effort"),
+])
+def test_a_bad_effort_is_a_400_naming_the_field(route, extra, field):
+    with pytest.raises(ApiError) as err:
+        intake_of(route, extra)
+    assert err.value.status == 400 and err.value.param == field
 
 
 # --- grammars, run through llguidance with the harmony vocabulary -------------------------------------------------

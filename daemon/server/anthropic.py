@@ -18,13 +18,16 @@ line); only what would silently change the answer is refused. For each field the
   stop_sequences, stream, temperature (0..1), top_p, top_k, tools (client tools: `custom` or no type), tool_choice
   (auto, any, tool, none; `disable_parallel_tool_use`), thinking (enabled: on, disabled: off, adaptive /
   between_tools: the template's default; `display: omitted` sends the thinking blocks empty; thinking tokens count
-  toward max_tokens, `budget_tokens` is checked but is no separate cap), output_config.format (and the older
+  toward max_tokens, `budget_tokens` is checked but is no separate cap), a reasoning effort for a template that
+  reads one (gpt-oss's, which cannot stop thinking): output_config.effort, else thinking's budget_tokens (below
+  4096: low, below 16384: medium, else high; disabled: low), output_config.format (and the older
   top-level output_format): a JSON schema the answer follows, through the grammar (leniently: tools.schema; a
   tool's `strict: true` refuses what the grammar cannot enforce).
 - accepted with no effect, since they steer Anthropic's hosted service and a local daemon has one of each:
-  metadata, service_tier, speed, inference_geo, workspace_id, user_profile_id, diagnostics, output_config.effort,
-  context_management (its edits trim old thinking and tool results server-side; past thoughts are never shown to
-  the model here, and a conversation too long for the context is a 400), container and mcp_servers when empty,
+  metadata, service_tier, speed, inference_geo, workspace_id, user_profile_id, diagnostics, output_config.effort
+  (but for a template that reads an effort, above), context_management (its edits trim old thinking and tool
+  results server-side; past thoughts are never shown to the model here, and a conversation too long for the
+  context is a 400), container and mcp_servers when empty,
   any field this list does not name, and cache_control, at the top level and on system, message, tool and
   tool_result blocks (the prefix cache reuses every shared prefix on its own; usage reports what it read).
 - refused with a 400 naming the field: a container or MCP servers (hosted code execution, server-side MCP), hosted
@@ -225,6 +228,24 @@ def thinking(f: dict) -> tuple[bool | None, bool]:
     return (True if kind == "enabled" else None), display != "omitted"
 
 
+BUDGET_EFFORTS = ((4096, "low"), (16384, "medium"))  # budget_tokens below each bound -> that effort, else high
+
+
+def effort(f: dict) -> str | None:
+    """The reasoning effort (OpenAI's names, tools.plan) for a template that reads one: output_config.effort, else
+    what thinking's budget_tokens buys (disabled: none, which gpt-oss reads as low)."""
+    config_effort = (f.get("output_config") or {}).get("effort")
+    if config_effort is not None:
+        return config_effort  # checked by answer_format
+    value = f.get("thinking") or {}
+    if value.get("type") == "disabled":
+        return "none"
+    budget = value.get("budget_tokens") if value.get("type") == "enabled" else None
+    if budget is None:
+        return None
+    return next((level for bound, level in BUDGET_EFFORTS if budget < bound), "high")
+
+
 def answer_format(f: dict) -> AnswerFormat | None:
     config = f.get("output_config") or {}
     if config.get("effort") is not None and config["effort"] not in EFFORTS:
@@ -256,14 +277,15 @@ def parse(body: dict, state: ServerState, count_only: bool = False) -> tuple[Int
         require(body, "max_tokens")
     f = _checked(body, state)
     think, show = thinking(f)
-    prompt = ChatPrompt(history(body), tool_spec(body, f), think=think)
+    answer = answer_format(f)
+    prompt = ChatPrompt(history(body), tool_spec(body, f), think=think, effort=effort(f))
     params = checked_params(SamplingParams(
         max_tokens=f.get("max_tokens", 1), temperature=float(f.get("temperature", 1.0)),
         top_p=float(f.get("top_p", 1.0)) or 1e-6, top_k=f.get("top_k", 0), stop=f.get("stop_sequences", [])))
     given = given_fields(f, {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p",
                              "top_k": "top_k", "stop_sequences": "stop"})
     return Intake(f.get("model"), prompt, params, bool(f.get("stream")), length_field="messages",
-                  answer=answer_format(f), given=given), show
+                  answer=answer, given=given), show
 
 
 def _dialect(exc: ApiError) -> ApiError:

@@ -209,7 +209,8 @@ async def encode_prompt(engine: AsyncEngine, intake: Intake, model_name: str,
                 raise ApiError(400, f"think: model {model_name!r} does not support thinking", param="think")
             log.debug("a reasoning effort for model %r, which does not think: ignored", model_name)
             think = None
-        plan = plan_chat(prompt.messages, prompt.tools, intake.answer, think, prompt.template_kwargs, traits)
+        plan = plan_chat(prompt.messages, prompt.tools, intake.answer, think, prompt.template_kwargs, traits,
+                         prompt.effort)
         text = await render_chat(tok, plan)
         constraint, parser = plan.output(text)
         return await encode_text(tok, text, False), constraint, parser

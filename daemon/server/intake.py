@@ -36,6 +36,9 @@ class ChatPrompt:
     tools: ToolSpec | None = None
     think: bool | None = None  # None: the template's default
     think_hint: bool = False  # `think` is a reasoning effort: a model that does not think ignores it
+    # the reasoning effort asked for, in OpenAI's names (none, minimal, low, medium, high, xhigh, max): a template that
+    # reads `reasoning_effort` gets the nearest of low, medium and high (tools.plan); others ignore it
+    effort: str | None = None
     template_kwargs: dict = field(default_factory=dict)
     # Ollama's /api/generate: a model without a chat template (a base model) reads the prompt as it is, as Ollama's
     # default template does; the chat routes answer 400 there instead

@@ -72,12 +72,14 @@ def answer_format(value) -> AnswerFormat | None:
     return AnswerFormat("json_schema", json.dumps(check_schema(value, "format"), ensure_ascii=False), "format")
 
 
-def _think(value) -> bool | None:
-    """think: true / false, or a level ("low", "medium", "high") which means true here."""
+def _think(value) -> tuple[bool | None, str | None]:
+    """think: true / false, or a level ("low", "medium", "high"), which means true and is the reasoning effort of a
+    template that reads one (gpt-oss's: Ollama documents that true and false change nothing there, and so it is
+    here: the template's default effort, medium)."""
     if value is None or isinstance(value, bool):
-        return value
+        return value, None
     if value in ("low", "medium", "high"):
-        return True
+        return True, value
     raise bad_field("think", "must be true, false, or one of low, medium, high")
 
 
@@ -137,7 +139,8 @@ def parse_chat(body: dict, state: ServerState) -> Intake:
                            param=f"messages[{i}].images")
     messages = normalise_history(body["messages"], messages)
     tools = parse_tools(body["tools"]) if body.get("tools") else ()
-    prompt = ChatPrompt(messages, ToolSpec(tools) if tools else None, think=_think(body.get("think")))
+    think, effort = _think(body.get("think"))
+    prompt = ChatPrompt(messages, ToolSpec(tools) if tools else None, think=think, effort=effort)
     return _intake(body, f, opts, prompt, "messages")
 
 
@@ -150,8 +153,9 @@ def parse_generate(body: dict, state: ServerState) -> Intake:
     elif f.get("raw"):
         kind = TextPrompt(prompt)
     else:
+        think, effort = _think(body.get("think"))
         kind = ChatPrompt(([{"role": "system", "content": system}] if system else [])
-                          + [{"role": "user", "content": prompt}], think=_think(body.get("think")),
+                          + [{"role": "user", "content": prompt}], think=think, effort=effort,
                           raw_without_template=True)
     return _intake(body, f, opts, kind, "prompt")
 

@@ -7,7 +7,8 @@ line; only what would silently change the answer is refused):
   frequency_penalty, n (1), logprobs, top_logprobs, tools (function tools; a `strict: true` one refuses a schema
   the grammar cannot enforce, others compile leniently: tools.schema), tool_choice, parallel_tool_calls,
   response_format (text, json_object, json_schema with the same `strict` rule), reasoning_effort (none: thinking
-  off, any other: on; a hint, so a model without thinking ignores it), chat_template_kwargs, and the vLLM-style
+  off, any other: on; a hint, so a model without thinking ignores it; a template that reads `reasoning_effort`,
+  gpt-oss's, gets it as low, medium or high: tools.plan), chat_template_kwargs, and the vLLM-style
   top_k, min_p, repetition_penalty, ignore_eos; for completions also suffix (FIM) and echo.
 - accepted with no effect: user, store, metadata, service_tier, prompt_cache_key, safety_identifier, prediction
   (a speed hint), verbosity, modalities ["text"], logit_bias and best_of at their neutral values (empty, 1), and
@@ -171,6 +172,7 @@ def tool_spec(body: dict, f: dict) -> ToolSpec | None:
 
 
 RESERVED_TEMPLATE_NAMES = {"messages", "tools", "documents", "add_generation_prompt"}
+TEMPLATE_EFFORTS = ("low", "medium", "high")  # the reasoning_effort a template (gpt-oss's) is written for
 
 
 def _template_kwargs(kwargs: dict) -> dict:
@@ -182,6 +184,8 @@ def _template_kwargs(kwargs: dict) -> dict:
             raise bad_field(f"chat_template_kwargs.{name}", "is not a template variable a request may set")
     if "enable_thinking" in kwargs and not isinstance(kwargs["enable_thinking"], bool):
         raise bad_field("chat_template_kwargs.enable_thinking", "must be true or false")
+    if "reasoning_effort" in kwargs and kwargs["reasoning_effort"] not in TEMPLATE_EFFORTS:
+        raise bad_field("chat_template_kwargs.reasoning_effort", "must be " + ", ".join(TEMPLATE_EFFORTS))
     return dict(kwargs)
 
 
@@ -195,7 +199,8 @@ def parse_chat(body: dict, state: ServerState) -> Intake:
     params = checked_params(_params(f, f.get("max_completion_tokens", f.get("max_tokens")), logprobs))
     kwargs = _template_kwargs(f.get("chat_template_kwargs") or {})
     think = f["reasoning_effort"] != "none" if "reasoning_effort" in f else None
-    prompt = ChatPrompt(messages, tool_spec(body, f), think=think, think_hint=True, template_kwargs=kwargs)
+    prompt = ChatPrompt(messages, tool_spec(body, f), think=think, think_hint=True, template_kwargs=kwargs,
+                        effort=f.get("reasoning_effort"))
     return Intake(f.get("model"), prompt, params, bool(f.get("stream")), length_field="messages",
                   answer=response_format(body.get("response_format")), include_usage=_include_usage(f),
                   given=given_fields(f, GIVEN))

@@ -27,7 +27,8 @@ line; only what would silently change the answer is refused):
   ends at the context's end), temperature, top_p, text.format (text, json_object, json_schema; schemas compile
   leniently, `strict: true` refuses what the grammar cannot enforce: tools.schema; the same for a tool's
   `strict`), reasoning.effort (none: thinking off; minimal..max: on; absent: the template's default; a hint, so a
-  model without thinking ignores it), stream, metadata (echoed back).
+  model without thinking ignores it; a template that reads `reasoning_effort`, gpt-oss's, gets it as low, medium
+  or high: tools.plan), stream, metadata (echoed back).
 - accepted with no effect, since they steer OpenAI's hosted service: user, safety_identifier, prompt_cache_key,
   prompt_cache_retention, service_tier, client_metadata, include (nothing is encrypted, so there is nothing to
   include), truncation "disabled", text.verbosity, reasoning.summary / generate_summary (the thought is returned
@@ -333,7 +334,8 @@ def parse(body: dict, state: ServerState, store: ResponseStore) -> tuple[Intake,
     log_ignored(body, HONOURED, "/v1/responses")
     conv = conversation(body, previous_conversation(body, store))
     tools, namespaced = tool_spec(body, f)
-    prompt = ChatPrompt(instructions(body) + conv, tools, think=reasoning(f), think_hint=True)
+    prompt = ChatPrompt(instructions(body) + conv, tools, think=reasoning(f), think_hint=True,
+                        effort=(f.get("reasoning") or {}).get("effort"))
     params = checked_params(SamplingParams(
         max_tokens=f.get("max_output_tokens", DEFAULT_MAX_TOKENS), temperature=float(f.get("temperature", 1.0)),
         top_p=float(f.get("top_p", 1.0)) or 1e-6))

@@ -4,7 +4,9 @@
 - a native template gets the tools as its `tools` variable and the history as it is;
 - the generic fallback describes the tools in the system turn, writes past calls as tagged text in the assistant
   turns and tool results as a user turn, so any template (SmolLM2's, Gemma's) can render them;
-- `think` becomes the template's `enable_thinking`.
+- `think` becomes the template's `enable_thinking`; a reasoning effort (OpenAI's names, none..max) becomes the
+  `reasoning_effort` of a template that reads it, as the nearest of low, medium and high (gpt-oss knows those three
+  and cannot stop thinking: none and minimal are low, xhigh and max high);
 After rendering, `ChatPlan.output(prompt_text)` knows whether the prompt already opened a thought and builds the
 constraint and the parser.
 """
@@ -76,6 +78,10 @@ def generic_messages(messages: list[dict], spec: ToolSpec | None) -> list[dict]:
     return out
 
 
+EFFORT_LEVELS = {"none": "low", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high",
+                 "max": "high"}
+
+
 def fold_system(messages: list[dict]) -> list[dict] | None:
     """The system turn moved to the start of the first user turn, for templates that refuse a system role
     (Gemma 2); None when there is nothing to fold."""
@@ -122,10 +128,13 @@ class ChatPlan:
 
 
 def plan_chat(messages: list[dict], spec: ToolSpec | None, answer: AnswerFormat | None, think: bool | None,
-              template_kwargs: dict, traits: ModelTraits) -> ChatPlan:
+              template_kwargs: dict, traits: ModelTraits, effort: str | None = None) -> ChatPlan:
+    """effort: the request's reasoning effort in OpenAI's names (none, minimal, low, medium, high, xhigh, max)."""
     kwargs = dict(template_kwargs)
     if think is not None:
         kwargs.setdefault("enable_thinking", think)
+    if effort is not None and traits.effort:
+        kwargs.setdefault("reasoning_effort", EFFORT_LEVELS[effort])
     if "enable_thinking" in kwargs:
         think = bool(kwargs["enable_thinking"])
     calls = spec is not None and spec.choice != "none" and bool(spec.functions)
