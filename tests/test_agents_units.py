@@ -356,7 +356,7 @@ def test_responses_continue_a_stored_conversation():
         {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "hm"}]},
         {"type": "message", "content": [{"type": "output_text", "text": "It is sunny."}]},
         {"type": "function_call", "call_id": "c2", "name": "weather", "arguments": "{\"city\": \"Oslo\"}"}])
-    assert turns == [{"role": "assistant", "content": "It is sunny.", "tool_calls": [
+    assert turns == [{"role": "assistant", "content": "It is sunny.", "thinking": "hm", "tool_calls": [
         {"id": "c2", "type": "function", "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]}]
 
 

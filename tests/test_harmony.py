@@ -1,8 +1,8 @@
 """gpt-oss's chat format (harmony) without a model: its real chat template (tests/chat_templates/gpt-oss.jinja) and a
 vocabulary with o200k_harmony's special tokens (a GGUF written here, trained on inline text). The frame markers
 reach the parser through the real detokenizer, the channels become reasoning, content and calls (streamed any way),
-each dialect's reasoning effort reaches the template, and the grammar forces a call or an answer format on the
-channels."""
+each dialect's reasoning effort reaches the template, past calls and thoughts render back, and the grammar forces a
+call or an answer format on the channels."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from llmd.server.validation import ApiError
 from llmd.tools.families import ToolFormat, model_traits
 from llmd.tools.parsers import OutputParser, Piece
 from llmd.tools.plan import plan_chat
-from llmd.tools.spec import ToolSpec, parse_tools
+from llmd.tools.spec import ToolSpec, normalise_history, parse_tools
 from vocab_fixtures import write_byte_level_gguf
 
 TEMPLATE = (Path(__file__).parent / "chat_templates" / "gpt-oss.jinja").read_text(encoding="utf-8")
@@ -221,7 +221,7 @@ def test_openai_and_ollama_answers_whole_and_streamed(tok):
             assert not "".join(m["content"] for m in messages) and events[-1]["done"]
 
 
-# --- prompts: the effort from every dialect ------------------------------------------------------------
+# --- prompts: effort from every dialect, and the history ------------------------------------------------------------
 
 def render(tok, prompt, answer=None) -> str:
     plan = plan_chat(prompt.messages, prompt.tools, answer, prompt.think, prompt.template_kwargs, HARMONY,
@@ -287,6 +287,65 @@ def test_a_bad_effort_is_a_400_naming_the_field(route, extra, field):
     with pytest.raises(ApiError) as err:
         intake_of(route, extra)
     assert err.value.status == 400 and err.value.param == field
+
+
+def test_history_with_thoughts_calls_and_results_renders_back(tok):
+    """Two calls in one turn (OpenAI's shape, results in the other order) become one call per turn, each followed
+    by its result; the turn's reasoning goes with the first call; after a later answer the template drops it."""
+    raw = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris, and 1+2?"},
+           {"role": "assistant", "content": None, "reasoning_content": "Two tools.", "tool_calls": [
+               {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+               {"id": "c2", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+           {"role": "tool", "tool_call_id": "c2", "content": "3"},
+           {"role": "tool", "tool_call_id": "c1", "content": "22 C"}]
+    msgs = normalise_history(raw, [{"role": m["role"], "content": m["content"] or ""} for m in raw])
+    assert msgs[2]["thinking"] == "Two tools."
+    plan = plan_chat(msgs, ToolSpec(FUNCTIONS), None, None, {}, HARMONY)
+    text = tok.apply_chat_template(plan.messages, tools=plan.tools, **plan.template_kwargs)
+    turns = text.split("<|start|>")
+    assert turns[-6:] == [
+        "assistant<|channel|>analysis<|message|>Two tools.<|end|>",
+        'assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>',
+        'functions.get_weather to=assistant<|channel|>commentary<|message|>"22 C"<|end|>',
+        'assistant to=functions.add<|channel|>commentary json<|message|>{"a": 1, "b": 2}<|call|>',
+        'functions.add to=assistant<|channel|>commentary<|message|>"3"<|end|>',
+        "assistant"]
+    assert "# Instructions\n\nBe brief." in text and "type get_weather = (_: {" in text
+    # Ollama's shape: no ids, the thought as `thinking`; a later answer drops the thought, as the template does
+    ollama_raw = [raw[1], {"role": "assistant", "content": "", "thinking": "One tool.", "tool_calls": [
+        {"function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]}, {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "It is 3."}, {"role": "user", "content": "Thanks"}]
+    msgs = normalise_history(ollama_raw, [{"role": m["role"], "content": m["content"]} for m in ollama_raw])
+    plan = plan_chat(msgs, ToolSpec(FUNCTIONS), None, None, {}, HARMONY)
+    text = tok.apply_chat_template(plan.messages, tools=plan.tools, **plan.template_kwargs)
+    assert "One tool." not in text and '<|message|>"3"<|end|>' in text
+    assert "<|start|>assistant<|channel|>final<|message|>It is 3.<|end|>" in text
+
+
+def test_thoughts_of_anthropic_and_responses_histories_go_with_their_calls(tok):
+    from llmd.server import anthropic, responses_api
+
+    body = {"messages": [{"role": "user", "content": "1+2?"},
+                         {"role": "assistant", "content": [
+                             {"type": "thinking", "thinking": "Use add.", "signature": "s"},
+                             {"type": "redacted_thinking", "data": "x"},
+                             {"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 1, "b": 2}}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "3"}]}]}
+    conv = responses_api.history({"input": [
+        {"role": "user", "content": "1+2?"},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Use add."}]},
+        {"type": "function_call", "call_id": "t1", "name": "add", "arguments": '{"a": 1, "b": 2}'},
+        {"type": "function_call_output", "call_id": "t1", "output": "3"}]})
+    for msgs in (anthropic.history(body), conv):
+        assert msgs[1]["thinking"] == "Use add."
+        plan = plan_chat(msgs, ToolSpec(FUNCTIONS), None, None, {}, HARMONY)
+        text = tok.apply_chat_template(plan.messages, tools=plan.tools, **plan.template_kwargs)
+        assert ("<|start|>assistant<|channel|>analysis<|message|>Use add.<|end|><|start|>assistant to=functions.add"
+                in text)
+    stored = responses_api.answer_turns([
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "Use add."}]},
+        {"type": "function_call", "call_id": "t1", "name": "add", "arguments": '{"a":1,"b":2}'}])
+    assert stored[0]["thinking"] == "Use add." and stored[0]["tool_calls"][0]["function"]["name"] == "add"
 
 
 # --- grammars, run through llguidance with the harmony vocabulary -------------------------------------------------

@@ -26,10 +26,11 @@ line); only what would silently change the answer is refused. For each field the
 - accepted with no effect, since they steer Anthropic's hosted service and a local daemon has one of each:
   metadata, service_tier, speed, inference_geo, workspace_id, user_profile_id, diagnostics, output_config.effort
   (but for a template that reads an effort, above), context_management (its edits trim old thinking and tool
-  results server-side; past thoughts are never shown to the model here, and a conversation too long for the
-  context is a 400), container and mcp_servers when empty,
+  results server-side; a conversation too long for the context is a 400), container and mcp_servers when empty,
   any field this list does not name, and cache_control, at the top level and on system, message, tool and
   tool_result blocks (the prefix cache reuses every shared prefix on its own; usage reports what it read).
+- an assistant turn's thinking blocks go with it as `thinking` (gpt-oss's template shows a call's reasoning to
+  the model; other templates ignore it); redacted_thinking blocks are dropped.
 - refused with a 400 naming the field: a container or MCP servers (hosted code execution, server-side MCP), hosted
   tools (web search, code execution, bash, text editor, ...), content blocks other than text / tool_use /
   tool_result / thinking (images, documents, search results, server tool blocks), a tool_result naming no tool_use
@@ -150,13 +151,15 @@ def history(body: dict) -> list[dict]:
         role = msg.get("role")
         if role not in SUPPORTED:
             raise bad_field(f"{where}.role", "must be user, assistant or system")
-        texts, calls, results = [], [], []
+        texts, calls, results, thoughts = [], [], [], []
         for j, block in enumerate(_blocks(msg.get("content"), f"{where}.content")):
             bw, kind = f"{where}.content[{j}]", block["type"]
             if kind == "text":
                 texts.append(text_of(block.get("text"), f"{bw}.text"))
-            elif role == "assistant" and kind in ("thinking", "redacted_thinking"):
-                continue  # past thoughts are not shown to the model again (as chat templates do)
+            elif role == "assistant" and kind == "thinking":
+                thoughts.append(text_of(block.get("thinking", ""), f"{bw}.thinking"))
+            elif role == "assistant" and kind == "redacted_thinking":
+                continue
             elif role == "assistant" and kind == "tool_use":
                 calls.append(call_entry(block.get("id"), block.get("name"), block.get("input", {}), bw, "id", "input"))
             elif role == "user" and kind == "tool_result":
@@ -170,6 +173,8 @@ def history(body: dict) -> list[dict]:
                                               f"(supported: {SUPPORTED[role]})")
         if role == "assistant":
             turn: dict = {"role": "assistant", "content": "\n".join(texts)}
+            if any(thoughts):
+                turn["thinking"] = "\n".join(t for t in thoughts if t)
             if calls:
                 turn["tool_calls"] = calls
             out.append(turn)

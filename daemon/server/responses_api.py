@@ -38,7 +38,8 @@ line; only what would silently change the answer is refused):
   calls are items other than function calls (local_shell, shell, apply_patch, custom), in a namespace too.
 - refused with a 400 naming the field: conversation, background, prompt (stored prompt templates), truncation
   "auto", top_logprobs, max_tool_calls, a tool_choice naming a hosted tool, input items other than messages,
-  function calls and their outputs (reasoning items are accepted and dropped: templates do not show past thoughts),
+  function calls and their outputs (a reasoning item's reasoning_text goes with the assistant turn after it as
+  `thinking`, which gpt-oss's template shows with a call and others ignore; so does a stored response's),
   content parts other than text, and a function_call_output whose call_id names no function_call before it (in the
   input or the continued response).
 """
@@ -139,6 +140,7 @@ def conversation(body: dict, previous: list[dict] | None = None) -> list[dict]:
     if len(items) > MAX_BLOCKS:
         raise bad_field("input", f"may hold at most {MAX_BLOCKS} items")
     calls = {c["id"]: c["function"]["name"] for m in out for c in m.get("tool_calls", [])}  # call_id -> name
+    thought = ""  # reasoning items' text, for the assistant turn after them
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -149,6 +151,9 @@ def conversation(body: dict, previous: list[dict] | None = None) -> list[dict]:
             if role is None:
                 raise bad_field(f"{where}.role", "must be user, assistant, system or developer")
             out.append({"role": role, "content": _content_text(item.get("content"), f"{where}.content")})
+            if role == "assistant" and thought:
+                out[-1]["thinking"] = thought
+            thought = ""
         elif kind == "function_call":
             call = call_entry(item.get("call_id"), _call_name(item, where), item.get("arguments"), where,
                               "call_id", "arguments")
@@ -156,6 +161,8 @@ def conversation(body: dict, previous: list[dict] | None = None) -> list[dict]:
                 out.append({"role": "assistant", "content": ""})
             # a new dict: a stored turn this call continues stays as it was stored
             out[-1] = {**out[-1], "tool_calls": [*out[-1].get("tool_calls", []), call]}
+            if thought:
+                out[-1]["thinking"], thought = thought, ""
             calls[call["id"]] = call["function"]["name"]
         elif kind == "function_call_output":
             cid = item.get("call_id")
@@ -164,11 +171,22 @@ def conversation(body: dict, previous: list[dict] | None = None) -> list[dict]:
             out.append({"role": "tool", "content": _content_text(item.get("output"), f"{where}.output"),
                         "tool_call_id": cid, "name": calls[cid]})
         elif kind == "reasoning":
-            continue  # past thoughts are not shown to the model again (as chat templates do)
+            thought += _reasoning_text(item, where)
         else:
             raise bad_field(f"{where}.type", f"{kind!r} is not supported (message, function_call, "
                                              "function_call_output, reasoning)")
     return out
+
+
+def _reasoning_text(item: dict, where: str) -> str:
+    """A reasoning item's reasoning_text parts (its summary and encrypted content mean nothing here)."""
+    parts = item.get("content")
+    if not isinstance(parts, list):
+        return ""
+    if len(parts) > MAX_BLOCKS:
+        raise bad_field(f"{where}.content", f"may hold at most {MAX_BLOCKS} parts")
+    return "".join(text_of(p.get("text"), f"{where}.content[{j}].text") for j, p in enumerate(parts)
+                   if isinstance(p, dict) and p.get("type") == "reasoning_text")
 
 
 def instructions(body: dict) -> list[dict]:
@@ -356,13 +374,16 @@ def _id(prefix: str) -> str:
 
 
 def answer_turns(items: list[dict]) -> list[dict]:
-    """A response's output items as the assistant turn of the normalised history (thoughts left out)."""
+    """A response's output items as the assistant turn of the normalised history (its thought as `thinking`)."""
     text = "".join(c["text"] for i in items if i["type"] == "message" for c in i["content"])
+    thought = "".join(c["text"] for i in items if i["type"] == "reasoning" for c in i["content"])
     calls = [{"id": i["call_id"], "type": "function",
               "function": {"name": joined(i["namespace"], i["name"]) if i.get("namespace") else i["name"],
                            "arguments": json.loads(i["arguments"] or "{}")}}
              for i in items if i["type"] == "function_call"]
     turn: dict = {"role": "assistant", "content": text}
+    if thought:
+        turn["thinking"] = thought
     if calls:
         turn["tool_calls"] = calls
     return [turn]

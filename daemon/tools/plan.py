@@ -7,6 +7,10 @@
 - `think` becomes the template's `enable_thinking`; a reasoning effort (OpenAI's names, none..max) becomes the
   `reasoning_effort` of a template that reads it, as the nearest of low, medium and high (gpt-oss knows those three
   and cannot stop thinking: none and minimal are low, xhigh and max high);
+- harmony (gpt-oss): the template names a tool result after the call before it and renders one call per assistant
+  turn, so a turn with several calls becomes one turn per call, each followed by its result; a turn's reasoning
+  goes with its first call as `thinking` (the template shows a call's reasoning until a later answer), and a call
+  turn with both text and reasoning keeps the reasoning (the template refuses both).
 After rendering, `ChatPlan.output(prompt_text)` knows whether the prompt already opened a thought and builds the
 constraint and the parser.
 """
@@ -82,6 +86,37 @@ EFFORT_LEVELS = {"none": "low", "minimal": "low", "low": "low", "medium": "mediu
                  "max": "high"}
 
 
+def harmony_messages(messages: list[dict]) -> list[dict]:
+    """The history as gpt-oss's template takes it (see the module docstring)."""
+    out: list[dict] = []
+    i = 0
+    while i < len(messages):
+        msg = messages[i]
+        i += 1
+        if msg["role"] != "assistant" or not msg.get("tool_calls"):
+            out.append(msg)
+            continue
+        results = []
+        while i < len(messages) and messages[i]["role"] == "tool":
+            results.append(messages[i])
+            i += 1
+        for k, call in enumerate(msg["tool_calls"]):
+            turn: dict = {"role": "assistant", "content": "", "tool_calls": [call]}
+            if k == 0 and msg.get("thinking"):
+                turn["thinking"] = msg["thinking"]
+            elif k == 0:
+                turn["content"] = msg.get("content") or ""  # the template shows it as the call's reasoning
+            out.append(turn)
+            mine = next((r for r in results if r.get("tool_call_id") == call.get("id")), None)
+            if mine is None and results and results[0].get("tool_call_id") is None:
+                mine = results[0]  # results without ids come in the calls' order
+            if mine is not None:
+                results.remove(mine)
+                out.append(mine)
+        out.extend(results)
+    return out
+
+
 def fold_system(messages: list[dict]) -> list[dict] | None:
     """The system turn moved to the start of the first user turn, for templates that refuse a system role
     (Gemma 2); None when there is nothing to fold."""
@@ -135,6 +170,8 @@ def plan_chat(messages: list[dict], spec: ToolSpec | None, answer: AnswerFormat 
         kwargs.setdefault("enable_thinking", think)
     if effort is not None and traits.effort:
         kwargs.setdefault("reasoning_effort", EFFORT_LEVELS[effort])
+    if traits.tools.name == "harmony":
+        messages = harmony_messages(messages)
     if "enable_thinking" in kwargs:
         think = bool(kwargs["enable_thinking"])
     calls = spec is not None and spec.choice != "none" and bool(spec.functions)

@@ -5,6 +5,8 @@ parameters}}`, which Ollama copied); they differ in the history: OpenAI's assist
 as a JSON string and an `id`, Ollama's an object and no id, and Ollama's tool results name the tool in `tool_name`.
 Both are normalised to what chat templates expect (transformers' convention): `tool_calls: [{"id", "type":
 "function", "function": {"name", "arguments": <object>}}]` and `{"role": "tool", "content", "tool_call_id", "name"}`.
+An assistant turn's reasoning (`reasoning_content`, as llmd and vLLM answer it, `reasoning`, or Ollama's `thinking`)
+becomes `thinking`, the key gpt-oss's template reads (others ignore it).
 
 Every check raises ApiError (400) naming the field; bounds keep a request's grammar small.
 """
@@ -16,7 +18,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from ..server.validation import bad_field
+from ..server.validation import MAX_TEXT_CHARS, bad_field
 from .schema import check_keywords
 
 MAX_TOOLS = 128
@@ -189,6 +191,21 @@ def _arguments(value: Any, where: str) -> dict:
     return value
 
 
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")
+
+
+def _add_reasoning(src: dict, msg: dict, where: str) -> None:
+    """The first reasoning text the turn carries, as `thinking` (another shape under those keys means nothing here)."""
+    for key in REASONING_KEYS:
+        value = src.get(key)
+        if not isinstance(value, str) or not value:
+            continue
+        if len(value) > MAX_TEXT_CHARS:
+            raise bad_field(f"{where}.{key}", f"must be at most {MAX_TEXT_CHARS} characters")
+        msg["thinking"] = value
+        return
+
+
 def normalise_history(raw: list, messages: list[dict], name: str = "messages") -> list[dict]:
     """Add the assistant calls and the tool results of `raw` (the request's messages) to `messages` (their text,
     already checked by validation.parse_messages). A tool message must follow a call."""
@@ -198,6 +215,8 @@ def normalise_history(raw: list, messages: list[dict], name: str = "messages") -
     for i, (src, msg) in enumerate(zip(raw, messages)):
         where = f"{name}[{i}]"
         msg = dict(msg)
+        if msg["role"] == "assistant":
+            _add_reasoning(src, msg, where)
         if msg["role"] == "assistant" and src.get("tool_calls") is not None:
             calls = src["tool_calls"]
             if not isinstance(calls, list):
