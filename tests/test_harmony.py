@@ -407,3 +407,70 @@ def test_an_answer_format_constrains_the_final_channel_only(tok, accepts):
     either, _ = plan_output(tok, "auto", fmt)
     assert accepts(either, THOUGHT + final) and accepts(either, THOUGHT + CALL_ADD)
     assert not accepts(either, THOUGHT + "<|channel|>final<|message|>hello")
+
+
+# --- a real daemon: a tiny random-weight Qwen3 with the harmony vocabulary and gpt-oss's template -----------------
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    from tokenizers import AddedToken, Tokenizer
+
+    from llmd_daemon_proc import start_daemon
+    from tiny_models import write_tiny_model
+
+    base = tmp_path_factory.mktemp("llmd_harmony")
+    folder = write_tiny_model(base / "tiny-harmony", "qwen3", seed=3)
+    backend = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    backend.save(str(folder / "tokenizer.json"))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE,
+                                                              "eos_token": "<|return|>"}))
+    ends = [backend.token_to_id(t) for t in ("<|return|>", "<|call|>")]
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    d = start_daemon(base, "--model", str(folder))
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+@pytest.mark.slow
+def test_a_forced_call_opens_with_the_markers_and_they_never_reach_the_answer(daemon):
+    """The grammar makes the model open a message with <|channel|> (a special token); the engine's text keeps it, so
+    the parser routes the thought (random weights write it to max_tokens) to each dialect's reasoning field, and no
+    marker reaches any answer, whole or streamed. Ollama and /api/show see a thinking, tool-calling model."""
+    import urllib.request
+
+    import anthropic
+    import openai
+
+    model = daemon.stats()["model"]
+    ask = [{"role": "user", "content": "Weather in Paris?"}]
+    oai = openai.OpenAI(base_url=daemon.url + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model=model, messages=ask, tools=[WEATHER], tool_choice="required", max_tokens=12, temperature=0,
+                  reasoning_effort="low")
+    whole_ = oai.chat.completions.create(**kwargs)
+    message = whole_.choices[0].message
+    assert message.reasoning_content and not message.content and not message.tool_calls
+    chunks = list(oai.chat.completions.create(**kwargs, stream=True))
+    streamed = "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices)
+    assert streamed == message.reasoning_content
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    def post(path: str, body: dict) -> dict:
+        req = urllib.request.Request(daemon.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return json.loads(resp.read())
+
+    ollama_ = post("/api/chat", {"model": model, "messages": ask, "tools": [WEATHER], "stream": False, "think": "high",
+                                 "format": {"type": "object", "properties": {"ok": {"type": "boolean"}}},
+                                 "options": {"temperature": 0, "num_predict": 12}})
+    assert ollama_["message"]["thinking"] and not ollama_["message"]["content"]
+    claude = anthropic.Anthropic(base_url=daemon.url, api_key="unused", max_retries=0)
+    tool = {"name": "get_weather", "input_schema": WEATHER["function"]["parameters"]}
+    msg = claude.messages.create(model=model, max_tokens=12, messages=ask, tools=[tool], tool_choice={"type": "any"},
+                                 thinking={"type": "enabled", "budget_tokens": 2048}, extra_body={"temperature": 0})
+    assert [b.type for b in msg.content] == ["thinking"] and msg.content[0].thinking
+    for answer in (whole_.model_dump_json(), json.dumps(ollama_), msg.model_dump_json()):
+        assert "<|" not in answer
+    caps = post("/api/show", {"model": model})["capabilities"]
+    assert "thinking" in caps and "tools" in caps
