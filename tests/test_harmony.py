@@ -128,6 +128,7 @@ CASES = [
     ("<|channel|>commentary<|message|>Let me check.<|end|><|start|>assistant" + CALL_PARIS,
      ("Let me check.", "", [("get_weather", {"city": "Paris"})])),
     ("A model that ignores the format.", ("A model that ignores the format.", "", [])),
+    ("as", ("as", "", [])),  # which might have begun "assistant<|channel|>..."
     # a call to a tool the request does not have, or whose body is no JSON object, is given back as text
     ('<|channel|>commentary to=functions.rm_rf <|constrain|>json<|message|>{"path":"/"}<|call|>',
      ('{"path":"/"}', "", [])),

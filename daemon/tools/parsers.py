@@ -517,7 +517,7 @@ class HarmonyParser(ToolCallParser):
         out = Piece()
         if self.ended:
             pass
-        elif self.state == "text":
+        elif self.state == "text" or (self.first and "<|" not in self.buf):  # no frame at all: text as written
             out.content = self.buf
         elif self.state == "body":  # the usual end: <|return|> or <|call|> ended the generation, unseen
             self._write(self.buf, out)
