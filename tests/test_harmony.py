@@ -16,6 +16,7 @@ from llmd.tools.families import ToolFormat, model_traits
 from llmd.tools.parsers import OutputParser, Piece
 from llmd.tools.plan import plan_chat
 from llmd.tools.spec import ToolSpec, normalise_history, parse_tools
+from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
 from vocab_fixtures import write_byte_level_gguf
 
 TEMPLATE = (Path(__file__).parent / "chat_templates" / "gpt-oss.jinja").read_text(encoding="utf-8")
@@ -72,6 +73,26 @@ def test_markers_are_decoded_and_end_is_no_eos(tok, smollm2_gguf):
     assert "".join(detok.push(i) for i in ids) + detok.flush() == shown
     smol = Tokenizer.from_gguf(read_gguf_metadata(smollm2_gguf), smollm2_gguf)  # other vocabularies: as before
     assert not smol.shown_special_ids and not smol.message_end_ids and smol.hidden_ids == smol.special_ids
+
+
+def test_the_engine_shows_the_markers_and_goes_on_past_end(tok, tiny_llama_loaded):
+    """The tiny Llama's weights with the harmony vocabulary, its config naming <|end|> as its end: a grammar makes it
+    write two messages; the engine's text keeps every marker and does not stop at <|end|>."""
+    from dataclasses import replace
+
+    from llmd.engine import FinishReason, SamplingParams, generate
+    from llmd.engine.types import Constraint
+
+    end = tok.backend.token_to_id("<|end|>")
+    loaded = replace(tiny_llama_loaded, tokenizer=tok, config=replace(tiny_llama_loaded.config, eos_token_ids=[end]))
+    engine = make_engine(loaded)
+    assert end not in engine.eos_token_ids and ids_of(tok, "<|return|>", "<|call|>") <= engine.eos_token_ids
+    two = Constraint("lark", 'start: <|channel|> "analysis" <|message|> "ok" <|end|> <|start|> "assistant" '
+                             '<|channel|> "final" <|message|> "4"')
+    prompt = tok.encode("<|start|>user<|message|>2+2?<|end|><|start|>assistant")
+    [result] = generate(engine, [prompt], SamplingParams(max_tokens=40, temperature=0.0, constraint=two))
+    assert result.finish_reason is FinishReason.STOP
+    assert result.text == "<|channel|>analysis<|message|>ok<|end|><|start|>assistant<|channel|>final<|message|>4"
 
 
 # --- the parser, on what the engine's detokenizer gives ----------------------------------------------------------
