@@ -162,10 +162,9 @@ def test_channels_become_reasoning_content_and_calls_streamed_any_way(tok, text,
     for pieces in (whole, by_chars, engine_pieces(tok, ignore_eos=True)):
         assert summary(parse(pieces(text))) == expected, pieces
     # the engine stops at the first <|call|> or <|return|>: the calls after it are the next turn's
-    first_end = min(text.find(m) % (len(text) + 1) for m in ("<|call|>", "<|return|>"))
+    first_end = min((at for m in ("<|call|>", "<|return|>") if (at := text.find(m)) >= 0), default=len(text))
     stopped = summary(parse(engine_pieces(tok)(text)))
-    assert stopped == (summary(parse([text[:first_end]])) if first_end < len(text) else expected)
-    assert stopped[2] == expected[2][:1]
+    assert stopped == summary(parse([text[:first_end]])) and stopped[2] == expected[2][:1]
 
 
 def test_a_cut_call_is_dropped_and_a_repeated_call_ends_the_answer():
