@@ -818,8 +818,27 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> list[_Checked]:
             raise ModelFileError(gf.path, f"tensor {info.name!r} shape {info.shape} does not fit {heads} heads")
         if name.endswith("shared_expert_gate.weight") and len(info.dims) == 1:  # one output: [hidden] is [1, hidden]
             info = dataclasses.replace(info, dims=(info.dims[0], 1))
+        _check_experts(gf.path, info, name, hf_cfg)
         out.append(_Checked(info, name, heads))
     return out
+
+
+def _check_experts(path: Path, info: TensorInfo, name: str, hf_cfg: dict) -> None:
+    """A mixture of experts' router and stacked expert tensors against the metadata's expert count and widths, from
+    the header (before any weight is read)."""
+    experts = hf_cfg.get("num_experts")
+    if not experts:
+        return
+    hidden = hf_cfg["hidden_size"]
+    inter = hf_cfg.get("moe_intermediate_size") or hf_cfg["intermediate_size"]
+    expected = {".mlp.gate.weight": (experts, hidden), ".mlp.experts.gate_proj.weight": (experts, inter, hidden),
+                ".mlp.experts.up_proj.weight": (experts, inter, hidden),
+                ".mlp.experts.down_proj.weight": (experts, hidden, inter)}
+    for suffix, shape in expected.items():
+        if name.endswith(suffix) and tuple(info.shape) != shape:
+            raise ModelFileError(path, f"tensor {info.name!r} has shape {list(info.shape)}, expected {list(shape)} "
+                                       f"for {experts} experts of width {inter} (hidden {hidden}) as the metadata "
+                                       "says")
 
 
 def _rows(x, checked: _Checked):
