@@ -78,35 +78,29 @@ def test_gguf_matches_transformers(kind, quant, moe_ggufs, expected):
     assert diff < TOLERANCE, f"{kind} ({quant}): max |logit difference| {diff:.2e}"
 
 
-@pytest.mark.parametrize("kind", GGUF_KINDS)
-def test_packed_experts_match_their_dequantized_weights(kind, moe_ggufs, monkeypatch):
-    """Q8_0 experts stay the file's blocks (resident bytes are the file's) and compute what the dequantized
-    weights compute (the exact-weights activation path)."""
-    path = moe_ggufs[kind, "Q8_0"]
+def assert_packed_matches_dequantized(path, type_name: str, monkeypatch) -> None:
+    """The file's experts stay its blocks (resident bytes are the file's) and compute what the dequantized weights
+    compute (the exact-weights activation path)."""
     dequantized = load_model(path, dtype=torch.float32, device="cpu", quant="none")
     monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")
     packed = load_model(path, dtype=torch.float32, device="cpu", quant="gguf")
     experts = [m for m in packed.model.modules() if isinstance(m, GGUFExpertLinear)]
-    assert experts and all(p.type_name == "Q8_0" for m in experts for p in m.parts)
+    assert experts and all(p.type_name == type_name for m in experts for p in m.parts)
     fp = next(m for m in dequantized.model.modules() if isinstance(m, Experts)).gate_up_proj.weight
     assert torch.equal(experts[0].dequantized_weight(), fp)
     diff = (logits_of(packed) - logits_of(dequantized)).abs().max().item()
-    assert diff < TOLERANCE, f"{kind}: packed vs dequantized max |logit difference| {diff:.2e}"
+    assert diff < TOLERANCE, f"{path.name}: packed vs dequantized max |logit difference| {diff:.2e}"
+
+
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+def test_packed_experts_match_their_dequantized_weights(kind, moe_ggufs, monkeypatch):
+    assert_packed_matches_dequantized(moe_ggufs[kind, "Q8_0"], "Q8_0", monkeypatch)
 
 
 def test_mxfp4_experts_stay_packed_and_match_their_dequantized_weights(moe_models, tmp_path, monkeypatch):
-    """gpt-oss's expert type, written by gguf's own MXFP4 quantizer (every matrix here): the experts keep the blocks
-    and compute what the dequantized weights compute."""
+    """gpt-oss's expert type, written by gguf's own MXFP4 quantizer."""
     path = write_tiny_gguf(moe_models["qwen3_moe"], tmp_path / "qwen3_moe-MXFP4.gguf", "MXFP4")
-    dequantized = load_model(path, dtype=torch.float32, device="cpu", quant="none")
-    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")
-    packed = load_model(path, dtype=torch.float32, device="cpu", quant="gguf")
-    experts = [m for m in packed.model.modules() if isinstance(m, GGUFExpertLinear)]
-    assert experts and all(p.type_name == "MXFP4" for m in experts for p in m.parts)
-    fp = next(m for m in dequantized.model.modules() if isinstance(m, Experts)).gate_up_proj.weight
-    assert torch.equal(experts[0].dequantized_weight(), fp)
-    diff = (logits_of(packed) - logits_of(dequantized)).abs().max().item()
-    assert diff < TOLERANCE, f"MXFP4 experts: packed vs dequantized max |logit difference| {diff:.2e}"
+    assert_packed_matches_dequantized(path, "MXFP4", monkeypatch)
 
 
 @pytest.fixture(scope="module")
