@@ -22,6 +22,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_gguf.h"
 #include "cpu_kernels.h"
 
 #ifdef _OPENMP
@@ -79,6 +80,8 @@ static int64_t row_chunk(int64_t k) {
     return rows < 8 ? 8 : rows;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+
 /* In a parallel region: this thread's columns [n0, n1) and a panel of `floats` floats for them; NULL, with *rc set
  * to -2, when out of memory. */
 static float *thread_panel(int64_t n, size_t floats, int64_t *n0, int64_t *n1, int *rc) {
@@ -92,8 +95,6 @@ static float *thread_panel(int64_t n, size_t floats, int64_t *n0, int64_t *n1, i
     }
     return wp;
 }
-
-#if defined(__AVX2__) && defined(__FMA__)
 
 /* Horizontal sum in a fixed order. */
 INLINE float hsum(__m256 v) {
@@ -335,16 +336,10 @@ static const int4_tile_fn INT4_TILES[8][4] = {
 #define RP_COLS 5 /* columns per tile: 10 accumulators, 2 activations and a weight fit the 16 registers */
 #define RP_MIN_ROWS 16
 
-/* Rows [0, m) of x, transposed per block of 16 rows into xt [block][kp][16] (k order; zero past K and past m), with
- * `extra_floats` more after them; int4: each value scaled as INT4_TILE scales it (2^-4j for nibble j = k % 8 < 7,
- * its masked weights carrying 2^4j). */
-static float *transpose_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, int int4,
-                             size_t extra_floats) {
-    const int64_t blocks = (m + 15) / 16;
-    const size_t floats = (size_t)(blocks * kp * 16) + extra_floats;
-    float *xt = (float *)aligned_alloc(32, floats * 4);
-    if (!xt) return NULL;
-    memset(xt, 0, floats * 4);
+/* Rows [0, m) of x, transposed per block of 16 rows into xt [block][kp][16] (k order; zero past K and past m); int4:
+ * each value scaled as INT4_TILE scales it (2^-4j for nibble j = k % 8 < 7, its masked weights carrying 2^4j). */
+static void transpose_into(float *xt, const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, int int4) {
+    memset(xt, 0, (size_t)((m + 15) / 16 * kp * 16) * 4);
     for (int64_t r = 0; r < m; r++) {
         float *xb = xt + (r / 16) * kp * 16 + r % 16;
         for (int64_t kk = 0; kk < k; kk++) {
@@ -352,6 +347,16 @@ static float *transpose_rows(const float *x, int64_t ldx, int64_t m, int64_t k, 
             xb[kk * 16] = int4 && j < 7 ? x[r * ldx + kk] * (1.0f / (float)(1 << (4 * j))) : x[r * ldx + kk];
         }
     }
+}
+
+/* transpose_into a new buffer (32-byte aligned; NULL when out of memory) */
+static float *transpose_rows(const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, int int4,
+                             size_t extra_floats) {
+    const size_t floats = (size_t)((m + 15) / 16 * kp * 16);
+    float *xt = (float *)aligned_alloc(32, ((floats + extra_floats) * 4 + 31) / 32 * 32);
+    if (!xt) return NULL;
+    memset(xt + floats, 0, extra_floats * 4);
+    transpose_into(xt, x, ldx, m, k, kp, int4);
     return xt;
 }
 
@@ -1918,130 +1923,79 @@ INLINE void gg_rows_tile(const float *xt, const float *xst, const float *P, int6
         for (int v = 0; v < RP_VECS; v++) store_rows(lane_sum(out[v][c]), y + 8 * v * ldy + c, ldy, rows - 8 * v);
 }
 
-static int gg_rows(const gguf_type *t, const float *xp, const float *xs, int64_t lds, const uint8_t *q, float *y,
-                   int64_t ldy, int64_t m, int64_t n, int64_t k, int nthreads) {
+/* The rows-in-lanes path's panel of RP_COLS columns (32-byte aligned floats). */
+static int64_t gg_panel_floats(const gguf_type *t, int64_t k) {
+    return RP_COLS * (2 * gg_padded(t, k) + (k + GG_CHUNK - 1) / GG_CHUNK * GG_XS);
+}
+
+/* Columns [n0, n1) of y for rows [0, m) in the vector lanes (from RP_MIN_ROWS rows): xt / xst the rows' activations
+ * and sums transposed per block of 16 rows (transpose_into), wp a panel of gg_panel_floats. */
+static void gg_rows_cols(const gguf_type *t, const float *xt, const float *xst, const uint8_t *q, float *y,
+                         int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1, float *wp) {
     const int64_t rb = k / t->elems * t->bytes, nb = k / t->elems, blocks = (m + 15) / 16;
-    const int64_t kp = gg_padded(t, k), pst = 2 * kp + lds; /* panel floats per column */
-    float *xt = transpose_rows(xp, kp, m, kp, kp, 0, 0);
-    float *xst = transpose_rows(xs, lds, m, lds, lds, 0, 0);
-    int rc = xt && xst ? 0 : -2;
+    const int64_t lds = (k + GG_CHUNK - 1) / GG_CHUNK * GG_XS, kp = gg_padded(t, k);
+    const int64_t pst = 2 * kp + lds; /* panel floats per column */
     const int64_t chunk_blocks = (row_chunk(k) + 15) / 16;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1 && rc == 0)
-    {
-        int64_t n0, n1;
-        float *wp = rc ? NULL : thread_panel(n, (size_t)(RP_COLS * pst), &n0, &n1, &rc);
-        for (int64_t b0 = 0; wp && b0 < blocks; b0 += chunk_blocks) {
-            const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
-            for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
-                const int cc = (int)(n1 - c0 < RP_COLS ? n1 - c0 : RP_COLS);
-                for (int c = 0; c < cc; c++) t->fill(q + (c0 + c) * rb, nb, wp + c * pst, kp);
-                for (int64_t b = b0; b < b1; b++) {
-                    const int rows = (int)(m - b * 16 < 16 ? m - b * 16 : 16);
-                    const float *xb = xt + b * kp * 16, *sb = xst + b * lds * 16;
-                    float *yb = y + b * 16 * ldy + c0;
-                    const int s16 = t->sub == 16;
+    for (int64_t b0 = 0; b0 < blocks; b0 += chunk_blocks) {
+        const int64_t b1 = b0 + chunk_blocks < blocks ? b0 + chunk_blocks : blocks;
+        for (int64_t c0 = n0; c0 < n1; c0 += RP_COLS) {
+            const int cc = (int)(n1 - c0 < RP_COLS ? n1 - c0 : RP_COLS);
+            for (int c = 0; c < cc; c++) t->fill(q + (c0 + c) * rb, nb, wp + c * pst, kp);
+            for (int64_t b = b0; b < b1; b++) {
+                const int rows = (int)(m - b * 16 < 16 ? m - b * 16 : 16);
+                const float *xb = xt + b * kp * 16, *sb = xst + b * lds * 16;
+                float *yb = y + b * 16 * ldy + c0;
+                const int s16 = t->sub == 16;
 #define ROWS_TILE(C)                                                                                               \
     (t->unit == 64 ? gg_rows_tile(xb, sb, wp, pst, kp, s16, yb, ldy, rows, C, 64)                                 \
                    : gg_rows_tile(xb, sb, wp, pst, kp, s16, yb, ldy, rows, C, 32))
-                    switch (cc) {
-                    case 1: ROWS_TILE(1); break;
-                    case 2: ROWS_TILE(2); break;
-                    case 3: ROWS_TILE(3); break;
-                    case 4: ROWS_TILE(4); break;
-                    default: ROWS_TILE(RP_COLS); break;
-                    }
+                switch (cc) {
+                case 1: ROWS_TILE(1); break;
+                case 2: ROWS_TILE(2); break;
+                case 3: ROWS_TILE(3); break;
+                case 4: ROWS_TILE(4); break;
+                default: ROWS_TILE(RP_COLS); break;
                 }
-            }
-        }
-        free(wp);
-    }
-    free(xt);
-    free(xst);
-    return rc;
-}
-
-static int gg_matmul(const gguf_type *t, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy,
-                     int64_t m, int64_t n, int64_t k, int nthreads) {
-    const int64_t rb = k / t->elems * t->bytes, nb = k / t->elems, nc = (k + GG_CHUNK - 1) / GG_CHUNK;
-    const int64_t lds = nc * GG_XS;
-    const int64_t kp = gg_padded(t, k);
-    float *xp = (float *)aligned_alloc(32, ((size_t)(m * (kp + lds)) * 4 + 31) / 32 * 32);
-    if (!xp) return -2;
-    float *xs = xp + m * kp;
-    gg_prepare(t, x, ldx, m, k, xp, xs);
-    if (m >= RP_MIN_ROWS) {
-        const int rc = gg_rows(t, xp, xs, lds, q, y, ldy, m, n, k, nthreads);
-        free(xp);
-        return rc;
-    }
-    const int64_t chunk = row_chunk(k);
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        int tid, nth;
-        thread_id(&tid, &nth);
-        int64_t n0, n1;
-        column_range(n, tid, nth, &n0, &n1);
-        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-            for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' weights stay in cache over the rows */
-                const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
-                for (int64_t r0 = m0; r0 < m1; r0 += 4) {
-                    const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
-                    for (int64_t c = c0; c < c1; c += tc)
-                        t->tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xp + r0 * kp, kp,
-                                         xs + r0 * lds, lds, nb, y + r0 * ldy + c, ldy);
-                }
+#undef ROWS_TILE
             }
         }
     }
-    free(xp);
-    return 0;
 }
-#endif
 
-/* y [M, N] = x [M, K] @ dequant(q).T for GGUF blocks of `type` (a GGML type id), q [N, K / elems * bytes]. */
-int llmd_gguf_matmul(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
-                     int64_t n, int64_t k, int nthreads) {
-    const gguf_type *t = gguf_type_of(type, k);
-    if (!t || m < 0 || n < 0) return -1;
-    if (nthreads < 1) nthreads = 1;
-#if defined(__AVX2__) && defined(__FMA__)
-    return m == 0 ? 0 : gg_matmul(t, x, ldx, q, y, ldy, m, n, k, nthreads);
+/* Columns [n0, n1) of y for rows [0, m) (fewer than RP_MIN_ROWS) in the tiles, from gg_prepare's xp and xs. */
+static void gg_tile_cols(const gguf_type *t, const float *xp, const float *xs, const uint8_t *q, float *y,
+                         int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
+    const int64_t rb = k / t->elems * t->bytes, nb = k / t->elems, lds = (k + GG_CHUNK - 1) / GG_CHUNK * GG_XS;
+    const int64_t kp = gg_padded(t, k), chunk = row_chunk(k);
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+        for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' weights stay in cache over the rows */
+            const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
+            for (int64_t r0 = m0; r0 < m1; r0 += 4) {
+                const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
+                for (int64_t c = c0; c < c1; c += tc)
+                    t->tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xp + r0 * kp, kp,
+                                     xs + r0 * lds, lds, nb, y + r0 * ldy + c, ldy);
+            }
+        }
+    }
+}
 #else
-    /* portable: each column dequantized (the reference's values), then one plain dot product per row */
+/* portable: columns [n0, n1) of y for rows x [m, k], each column dequantized into w [k] (the reference's values), then
+ * one plain dot product per row */
+static void gg_plain_cols(const gguf_type *t, const float *x, const uint8_t *q, float *y, int64_t ldy, int64_t m,
+                          int64_t k, int64_t n0, int64_t n1, float *w) {
     const int64_t rb = k / t->elems * t->bytes;
-    int rc = 0;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        int64_t n0, n1;
-        float *w = thread_panel(n, (size_t)k, &n0, &n1, &rc);
-        for (int64_t c = n0; w && c < n1; c++) {
-            t->fn(q + c * rb, k / t->elems, w);
-            for (int64_t r = 0; r < m; r++) {
-                float s = 0.0f;
-                for (int64_t i = 0; i < k; i++) s += x[r * ldx + i] * w[i];
-                y[r * ldy + c] = s;
-            }
+    for (int64_t c = n0; c < n1; c++) {
+        t->fn(q + c * rb, k / t->elems, w);
+        for (int64_t r = 0; r < m; r++) {
+            float s = 0.0f;
+            for (int64_t i = 0; i < k; i++) s += x[r * k + i] * w[i];
+            y[r * ldy + c] = s;
         }
-        free(w);
     }
-    return rc;
+}
 #endif
-}
-
-/* Parts of different GGUF types side by side on one input (a fused q/k/v or gate/up whose projections differ in type):
- * part i fills columns [col_i, col_i + n_i) of y, each with llmd_gguf_matmul's very results. */
-int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
-                           int64_t ldy, int64_t m, int64_t k, int nthreads) {
-    int64_t col = 0;
-    for (int64_t i = 0; i < nparts; i++) {
-        const int rc = llmd_gguf_matmul((int)parts[i].type, x, ldx, parts[i].q, y + col, ldy, m, parts[i].n, k,
-                                        nthreads);
-        if (rc) return rc;
-        col += parts[i].n;
-    }
-    return 0;
-}
 
 /* ==== GGUF blocks with int8-quantized activations (the integer path) ==========================================
  *
@@ -2075,7 +2029,7 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
 static int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 16; }
 /* the signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4): their own order, the lane layout */
 static int gq_signed_type(int type) { return type == 2 || type == 6 || type == 8 || type == 20 || type == 39; }
-#define GQS_MIN_ROWS 4 /* with VNNI, from 4 rows the signed blocks take the rows-in-lanes paths (see gq_part) */
+#define GQS_MIN_ROWS 4 /* with VNNI, from 4 rows the signed blocks take the rows-in-lanes paths (see gq_cols) */
 /* rows per group of the lane layout: 8, or under 8 rows 4, lanes 4-7 then holding the next block's (block pairs) */
 static int64_t gq_group_rows(int64_t m) { return m >= 8 ? 8 : 4; }
 static int64_t gq_groups(int64_t m) { return m >= GQS_MIN_ROWS ? (m + gq_group_rows(m) - 1) / gq_group_rows(m) : 0; }
@@ -2088,41 +2042,41 @@ typedef struct {
     const float *dt;
 } gq_lanes;
 
-/* the lane layout of row group g (rows 8g .. 8g + 7, or under 8 rows 4g .. 4g + 3) */
-static gq_lanes gq_lanes_at(const void *work, int64_t m, int64_t k, int64_t g) {
-    const int64_t nb = k / QB, mg = gq_groups(m), xl = gq_xt_len(m, k), cl = gq_cb_len(m, k);
-    const int32_t *xt = (const int32_t *)((const int8_t *)((const float *)work + m * (nb + gq_sums(k))) + 2 * m * k);
-    const int32_t *cb = xt + mg * xl;
+/* the lane layout of row group g (rows 8g .. 8g + 7, or under 8 rows 4g .. 4g + 3) of m rows, in `lanes` */
+static gq_lanes gq_lanes_in(const void *lanes, int64_t m, int64_t k, int64_t g) {
+    const int64_t mg = gq_groups(m), xl = gq_xt_len(m, k), cl = gq_cb_len(m, k);
+    const int32_t *xt = (const int32_t *)lanes, *cb = xt + mg * xl;
     const gq_lanes ln = {xt + g * xl, cb + g * cl, (const float *)(cb + mg * cl) + g * cl};
     return ln;
 }
 
-/* with_c: compute C (the signed blocks of 32 and IQ4_XS read it); with_lanes: the lane layout (the signed blocks) */
-static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k, int with_c, int with_lanes) {
-    const int64_t nb = k / QB, lds = gq_sums(k), mg = gq_groups(m);
-    const size_t bytes = (size_t)(m * (nb + lds) * 4 + 2 * m * k + mg * 4 * (gq_xt_len(m, k) + 2 * gq_cb_len(m, k)));
-    float *d = (float *)aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (!d) return NULL;
-    float *S = d + m * nb;
-    int8_t *xq = (int8_t *)(S + m * lds);
-    int32_t *C = (int32_t *)(xq + m * k);
-    for (int64_t r = 0; r < m; r++) {
-        float D; /* the whole row's sum (quantize_row's group sum), unused */
-        quantize_row(x + r * ldx, k, k, 0, xq + r * k, d + r * nb, &D);
-        float *sr = S + r * lds;
-        memset(sr, 0, (size_t)lds * 4);
-        for (int64_t s = 0; s < k / 16; s++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++) sum += xq[r * k + 16 * s + i];
-            sr[s] = d[r * nb + s / 2] * (float)sum;
-        }
-        for (int64_t i = 0; with_c && i < k / 4; i++) {
-            const int8_t *v = xq + r * k + 4 * i;
-            C[r * (k / 4) + i] = -128 * (v[0] + v[1] + v[2] + v[3]);
-        }
+/* bytes of the lane layout of m rows */
+static size_t gq_lanes_bytes(int64_t m, int64_t k) {
+    return (size_t)(gq_groups(m) * 4 * (gq_xt_len(m, k) + 2 * gq_cb_len(m, k)));
+}
+
+/* One row's data (plain C: the same bits in every build): d [K/32], S [gq_sums(K)], the bytes q [K] and, with_c (the
+ * signed blocks of 32 and IQ4_XS read it), C [K/4]. */
+static void gq_quantize_row(const float *x, int64_t k, int with_c, float *d, float *S, int8_t *xq, int32_t *C) {
+    float D; /* the whole row's sum (quantize_row's group sum), unused */
+    quantize_row(x, k, k, 0, xq, d, &D);
+    memset(S, 0, (size_t)gq_sums(k) * 4);
+    for (int64_t s = 0; s < k / 16; s++) {
+        int sum = 0;
+        for (int i = 0; i < 16; i++) sum += xq[16 * s + i];
+        S[s] = d[s / 2] * (float)sum;
     }
-    for (int64_t g = 0; with_lanes && g < mg; g++) {
-        const gq_lanes ln = gq_lanes_at(d, m, k, g);
+    for (int64_t i = 0; with_c && i < k / 4; i++) {
+        const int8_t *v = xq + 4 * i;
+        C[i] = -128 * (v[0] + v[1] + v[2] + v[3]);
+    }
+}
+
+/* The lane layout (gq_lanes_bytes) of rows [0, m) from their d, q and C (the signed blocks read it). */
+static void gq_fill_lanes(void *lanes, const float *d, const int8_t *xq, const int32_t *C, int64_t m, int64_t k) {
+    const int64_t nb = k / QB;
+    for (int64_t g = 0; g < gq_groups(m); g++) {
+        const gq_lanes ln = gq_lanes_in(lanes, m, k, g);
         int32_t *xt = (int32_t *)ln.xt, *cb = (int32_t *)ln.cb;
         float *dt = (float *)ln.dt;
         /* lane l, at step s (8 groups of 8 rows: the block; 4 rows: the block pair): row and block */
@@ -2141,7 +2095,6 @@ static void *gq_quantize(const float *x, int64_t ldx, int64_t m, int64_t k, int 
                 dt[s * 8 + l] = real ? d[r * nb + b] : 0.0f;
             }
     }
-    return d;
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -2750,22 +2703,22 @@ static const struct {
                 GQS_ROW(39, mxfp4)};
 #endif
 
-/* One part: y [m, n] from the quantized rows (gq_quantize's) and blocks q of type t. */
-static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float *y, int64_t ldy, int64_t m,
-                   int64_t n, int64_t k, int nthreads) {
-    const int64_t nb = k / t->elems, rb = nb * t->bytes, nbx = k / QB, lds = gq_sums(k);
-    const float *xd = (const float *)work, *xs = xd + m * nbx;
-    const int8_t *xq = (const int8_t *)(xs + m * lds);
-    const int32_t *xc = (const int32_t *)(xq + m * k);
-    int rc = 0;
+/* Columns [n0, n1) of y for rows [0, m) of the integer path's row data (xd, xs, xq, xc: gq_quantize_row's, row r at
+ * r times each one's length) and blocks q of type t; lanes: the rows' lane layout (gq_fill_lanes) where t is a signed
+ * block of 32 and m >= GQS_MIN_ROWS, else unused; w: k floats of scratch (the portable build's dequantized column). */
+static void gq_cols(const gguf_type *t, const float *xd, const float *xs, const int8_t *xq, const int32_t *xc,
+                    const void *lanes, const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0,
+                    int64_t n1, float *w) {
+    const int64_t nb = k / t->elems, rb = nb * t->bytes, nbx = k / QB;
 #if defined(__AVX2__) && defined(__FMA__)
+    const int64_t lds = gq_sums(k);
+    (void)w;
     const gq_tile_fn *tiles = NULL;
     gq_rows_fn rows_fn = NULL;
     gq_pairs_fn pairs_fn = NULL;
     for (size_t i = 0; i < sizeof GQ_TYPES / sizeof GQ_TYPES[0]; i++)
         if (GQ_TYPES[i].type == t->type)
             tiles = GQ_TYPES[i].tiles, rows_fn = GQ_TYPES[i].rows, pairs_fn = GQ_TYPES[i].pairs;
-    if (!tiles) return -1;
     /* the signed blocks of 32 (measured fastest so): with VNNI, up to 3 rows in the tiles, 4-7 in block pairs (gqf),
      * more in groups of 8 (gqm); without, the tiles up to 15 rows, then groups of 8 */
     const int is_signed = pairs_fn != NULL;
@@ -2773,44 +2726,37 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
     const int64_t many = is_signed ? (signed_lanes ? 1 : m + 1) : GQ_ROWS / 2; /* rows from which gqm runs */
     /* rows whose bytes stay within ~256 KiB, a multiple of GQ_ROWS (the many-rows path starts at whole groups of 8) */
     const int64_t chunk = ((256 * 1024) / k / GQ_ROWS < 1 ? 1 : (256 * 1024) / k / GQ_ROWS) * GQ_ROWS;
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        int tid, nth;
-        thread_id(&tid, &nth);
-        int64_t n0, n1;
-        column_range(n, tid, nth, &n0, &n1);
-        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-            for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' blocks stay in cache over the rows */
-                const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
-                int64_t r0 = m0;
-                for (; signed_lanes && m < 8 && r0 < m1; r0 += 4) { /* the signed blocks, 4-7 rows: block pairs */
-                    const gq_lanes ln = gq_lanes_at(work, m, k, r0 / 4);
-                    for (int64_t c = c0; c < c1; c++)
-                        pairs_fn(q + c * rb, &ln, nb, y + r0 * ldy + c, ldy, (int)(m1 - r0 < 4 ? m1 - r0 : 4));
-                }
-                /* many rows: each column decoded once per GQ_ROWS (the signed blocks: 8 rows in the lanes) */
-                for (; m1 - r0 >= many; r0 += GQ_ROWS) {
-                    const int rr = (int)(m1 - r0 < GQ_ROWS ? m1 - r0 : GQ_ROWS);
-                    const gq_lanes ln = gq_lanes_at(work, m, k, r0 / 8);
-                    for (int64_t c = c0; c < c1; c++)
-                        rows_fn(q + c * rb, xq + r0 * k, xd + r0 * nbx, xs + r0 * lds, xc + r0 * (k / 4), &ln, k, nb,
-                                y + r0 * ldy + c, ldy, rr);
-                }
-                for (; r0 < m1; r0 += 4) {
-                    const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = is_signed ? 8 : GG_COLS[rr - 1];
-                    for (int64_t c = c0; c < c1; c += tc)
-                        tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xq + r0 * k, xd + r0 * nbx,
-                                      xs + r0 * lds, xc + r0 * (k / 4), k, nb, y + r0 * ldy + c, ldy);
-                }
+    const gq_lanes none = {NULL, NULL, NULL};
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+        for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' blocks stay in cache over the rows */
+            const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
+            int64_t r0 = m0;
+            for (; signed_lanes && m < 8 && r0 < m1; r0 += 4) { /* the signed blocks, 4-7 rows: block pairs */
+                const gq_lanes ln = gq_lanes_in(lanes, m, k, r0 / 4);
+                for (int64_t c = c0; c < c1; c++)
+                    pairs_fn(q + c * rb, &ln, nb, y + r0 * ldy + c, ldy, (int)(m1 - r0 < 4 ? m1 - r0 : 4));
+            }
+            /* many rows: each column decoded once per GQ_ROWS (the signed blocks: 8 rows in the lanes) */
+            for (; m1 - r0 >= many; r0 += GQ_ROWS) {
+                const int rr = (int)(m1 - r0 < GQ_ROWS ? m1 - r0 : GQ_ROWS);
+                const gq_lanes ln = is_signed ? gq_lanes_in(lanes, m, k, r0 / 8) : none;
+                for (int64_t c = c0; c < c1; c++)
+                    rows_fn(q + c * rb, xq + r0 * k, xd + r0 * nbx, xs + r0 * lds, xc + r0 * (k / 4), &ln, k, nb,
+                            y + r0 * ldy + c, ldy, rr);
+            }
+            for (; r0 < m1; r0 += 4) {
+                const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = is_signed ? 8 : GG_COLS[rr - 1];
+                for (int64_t c = c0; c < c1; c += tc)
+                    tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xq + r0 * k, xd + r0 * nbx,
+                                  xs + r0 * lds, xc + r0 * (k / 4), k, nb, y + r0 * ldy + c, ldy);
             }
         }
     }
 #else
-    (void)xs, (void)xc;
+    (void)xs, (void)xc, (void)lanes;
     if (gq_signed_type(t->type)) { /* the signed blocks' order (GQS_TILE) */
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1)
-        for (int64_t c = 0; c < n; c++)
+        for (int64_t c = n0; c < n1; c++)
             for (int64_t r = 0; r < m; r++) {
                 float acc[2] = {0.0f, 0.0f};
                 for (int64_t b = 0; b < nb; b++) {
@@ -2819,75 +2765,34 @@ static int gq_part(const gguf_type *t, const void *work, const uint8_t *q, float
                     int32_t D = 0;
                     for (int i = 0; i < QB; i++) {
                         const int nib = i < 16 ? qb[at + i] & 15 : qb[at + i - 16] >> 4;
-                        const int w = t->type == 2    ? nib - 8
+                        const int v = t->type == 2    ? nib - 8
                                       : t->type == 6  ? (nib | (int)(gguf_u32(qb + 2) >> i & 1) << 4) - 16
                                       : t->type == 8  ? (int8_t)qb[2 + i]
                                       : t->type == 39 ? (int)MXFP4_KV[nib]
                                                       : (int)IQ4_KV[nib];
-                        D += w * xq[r * k + b * QB + i];
+                        D += v * xq[r * k + b * QB + i];
                     }
                     const float d = t->type == 39 ? gguf_e8m0_half(qb[0]) : gguf_f16(qb);
                     acc[b & 1] = fmaf((float)D, d * xd[r * nbx + b], acc[b & 1]);
                 }
                 y[r * ldy + c] = acc[0] + acc[1];
             }
-        return 0;
+        return;
     }
     /* portable: each column dequantized (the reference's values), then per row sum_b d_b * (sum of q * w in block b) */
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        int64_t n0, n1;
-        float *w = thread_panel(n, (size_t)k, &n0, &n1, &rc);
-        for (int64_t c = n0; w && c < n1; c++) {
-            t->fn(q + c * rb, nb, w);
-            for (int64_t r = 0; r < m; r++) {
-                float acc = 0.0f;
-                for (int64_t b = 0; b < nbx; b++) {
-                    float s = 0.0f;
-                    for (int i = 0; i < QB; i++) s += (float)xq[r * k + b * QB + i] * w[b * QB + i];
-                    acc += xd[r * nbx + b] * s;
-                }
-                y[r * ldy + c] = acc;
+    for (int64_t c = n0; c < n1; c++) {
+        t->fn(q + c * rb, nb, w);
+        for (int64_t r = 0; r < m; r++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nbx; b++) {
+                float s = 0.0f;
+                for (int i = 0; i < QB; i++) s += (float)xq[r * k + b * QB + i] * w[b * QB + i];
+                acc += xd[r * nbx + b] * s;
             }
+            y[r * ldy + c] = acc;
         }
-        free(w);
     }
 #endif
-    return rc;
-}
-
-/* llmd_gguf_parts_matmul with int8-quantized activations (quantized once for all parts); -1 for an unknown type or a
- * K the blocks do not divide, -2 out of memory. */
-int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
-                              int64_t ldy, int64_t m, int64_t k, int nthreads) {
-    if (m < 0 || k <= 0 || k % QB) return -1;
-    for (int64_t i = 0; i < nparts; i++)
-        if (!gguf_type_of((int)parts[i].type, k) || parts[i].n < 0) return -1;
-    if (m == 0) return 0;
-    if (nthreads < 1) nthreads = 1;
-    int with_c = 0, with_lanes = 0;
-    for (int64_t i = 0; i < nparts; i++) {
-        const int64_t t = parts[i].type;
-        with_lanes |= gq_signed_type((int)t);
-        with_c |= with_lanes || t == 23;
-    }
-    void *work = gq_quantize(x, ldx, m, k, with_c, with_lanes);
-    if (!work) return -2;
-    int64_t col = 0;
-    int rc = 0;
-    for (int64_t i = 0; i < nparts && rc == 0; i++) {
-        rc = gq_part(gguf_type_of((int)parts[i].type, k), work, parts[i].q, y + col, ldy, m, parts[i].n, k, nthreads);
-        col += parts[i].n;
-    }
-    free(work);
-    return rc;
-}
-
-/* y [M, N] = q8(x) [M, K] @ dequant(q).T for GGUF blocks of `type`: the integer path of one part. */
-int llmd_gguf_matmul_q8(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
-                        int64_t n, int64_t k, int nthreads) {
-    const llmd_gguf_part part = {type, n, q};
-    return llmd_gguf_parts_matmul_q8(&part, 1, x, ldx, y, ldy, m, k, nthreads);
 }
 
 /* ==== Packed output heads with int16-quantized activations ====================================================
@@ -2904,20 +2809,14 @@ int llmd_gguf_matmul_q8(int type, const float *x, int64_t ldx, const uint8_t *q,
  *   y = hsum(out).
  * The portable build computes the same lanes in plain C, so its results are the vector build's bits. */
 
-/* Row data: d [m][K/32], then the codes q [m][K] (int16). */
-static void *gh_quantize(const float *x, int64_t ldx, int64_t m, int64_t k) {
-    const int64_t nb = k / QB;
-    float *d = (float *)aligned_alloc(64, ((size_t)(m * nb * 4 + m * k * 2) + 63) / 64 * 64);
-    if (!d) return NULL;
-    int16_t *xq = (int16_t *)(d + m * nb);
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            const float *xb = x + r * ldx + b * QB, amax = block_amax(xb);
-            const float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
-            for (int i = 0; i < QB; i++) xq[r * k + b * QB + i] = (int16_t)__builtin_nearbyintf(xb[i] * id);
-            d[r * nb + b] = amax / 32767.0f;
-        }
-    return d;
+/* One row's data (plain C): d [K/32], the codes q [K] (int16). */
+static void gh_quantize_row(const float *x, int64_t k, float *d, int16_t *xq) {
+    for (int64_t b = 0; b < k / QB; b++) {
+        const float *xb = x + b * QB, amax = block_amax(xb);
+        const float id = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        for (int i = 0; i < QB; i++) xq[b * QB + i] = (int16_t)__builtin_nearbyintf(xb[i] * id);
+        d[b] = amax / 32767.0f;
+    }
 }
 
 /* Blocks of 32 per unit and bytes per unit of each head type. */
@@ -3026,38 +2925,29 @@ static float gh_block_scalar(int type, const uint8_t *q, int j, int32_t *w) {
 
 #endif
 
-/* One part: y [m, n] from the quantized rows (gh_quantize's) and blocks q of GGML type `type`. */
-static int gh_part(int type, const void *work, const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t n,
-                   int64_t k, int nthreads) {
+/* Columns [n0, n1) of y for rows [0, m) of the head path's row data (xd, xq: gh_quantize_row's) and blocks q of GGML
+ * type `type`. */
+static void gh_cols(int type, const float *xd, const int16_t *xq, const uint8_t *q, float *y, int64_t ldy, int64_t m,
+                    int64_t k, int64_t n0, int64_t n1) {
     const int unit_blocks = type == 8 ? GH_Q8_0_BLOCKS : GH_Q6_K_BLOCKS;
     const int64_t nbx = k / QB, nu = nbx / unit_blocks, rb = nu * (type == 8 ? GH_Q8_0_BYTES : GH_Q6_K_BYTES);
-    const float *xd = (const float *)work;
-    const int16_t *xq = (const int16_t *)(xd + m * nbx);
 #if defined(__AVX2__) && defined(__FMA__)
     const gh_tile_fn *tiles = type == 8 ? GH_Q8_0_TILES : GH_Q6_K_TILES;
     const int64_t chunk = (256 * 1024) / (2 * k) < 4 ? 4 : (256 * 1024) / (2 * k);
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-    {
-        int tid, nth;
-        thread_id(&tid, &nth);
-        int64_t n0, n1;
-        column_range(n, tid, nth, &n0, &n1);
-        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-            for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' blocks stay in cache over the rows */
-                const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
-                for (int64_t r0 = m0; r0 < m1; r0 += 4) {
-                    const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
-                    for (int64_t c = c0; c < c1; c += tc)
-                        tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xq + r0 * k, xd + r0 * nbx, k,
-                                      nu, y + r0 * ldy + c, ldy);
-                }
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+        for (int64_t c0 = n0; c0 < n1; c0 += 8) { /* 8 columns' blocks stay in cache over the rows */
+            const int64_t c1 = c0 + 8 < n1 ? c0 + 8 : n1;
+            for (int64_t r0 = m0; r0 < m1; r0 += 4) {
+                const int rr = (int)(m1 - r0 < 4 ? m1 - r0 : 4), tc = GG_COLS[rr - 1];
+                for (int64_t c = c0; c < c1; c += tc)
+                    tiles[rr - 1](q + c * rb, rb, (int)(c1 - c < tc ? c1 - c : tc), xq + r0 * k, xd + r0 * nbx, k, nu,
+                                  y + r0 * ldy + c, ldy);
             }
         }
     }
 #else
-#pragma omp parallel for num_threads(nthreads) if (nthreads > 1)
-    for (int64_t c = 0; c < n; c++) {
+    for (int64_t c = n0; c < n1; c++) {
         int32_t w[QB];
         for (int64_t r = 0; r < m; r++) {
             float out[8] = {0};
@@ -3078,36 +2968,298 @@ static int gh_part(int type, const void *work, const uint8_t *q, float *y, int64
         }
     }
 #endif
-    return 0;
 }
 
 /* 1 where the head path takes GGUF blocks of `type` (a GGML type id). */
 int llmd_gguf_q16_type(int type) { return gh_supported(type); }
 
+/* ==== The GGUF matmuls in steps (cpu_gguf.h) ====================================================================
+ *
+ * Each path's activation rows are prepared once (plain C, row by row: a row's data never depends on the other rows),
+ * a group of consecutive rows adds what a matmul over exactly those rows reads (the int8 lane layout, the fp32 rows
+ * transposed), and each thread computes ranges of output columns with the functions above, which choose their tiles
+ * by the group's row count as the whole-matrix entries always did. The entries below are these steps in one parallel
+ * region; cpu_moe.c runs a layer's experts with them. The arrays of a rows set, per path:
+ *   fp32: a[0] gg_prepare's activations [kp], a[1] its sums [chunks * GG_XS] (portable: a[0] the row as given [K]);
+ *   int8: a[0] d [K/32], a[1] S [gq_sums], a[2] the bytes q [K], a[3] C [K/4] (where LLMD_GX_C);
+ *   int16: a[0] d [K/32], a[2] the codes q [K] (int16). */
+
+static size_t gx_align(size_t bytes) { return (bytes + 63) / 64 * 64; }
+
+void llmd_thread_id(int *tid, int *nth) { thread_id(tid, nth); }
+
+int llmd_gx_takes(int act, int type, int64_t k) {
+    if (!gguf_type_of(type, k)) return 0;
+    if (act == LLMD_ACT_F32) return 1;
+    return k % QB == 0 && (act == LLMD_ACT_I8 || (act == LLMD_ACT_I16 && gh_supported(type)));
+}
+
+int llmd_gx_flags(int act, int type) {
+    if (act != LLMD_ACT_I8) return 0;
+    return gq_signed_type(type) ? LLMD_GX_C | LLMD_GX_LANES : type == 23 ? LLMD_GX_C : 0;
+}
+
+int llmd_gx_same_rows(int act, int a, int b) { return act != LLMD_ACT_F32 || a == b; }
+
+int64_t llmd_gx_layout_of(int act, const llmd_gguf_part *parts, int64_t i) {
+    for (int64_t j = 0; j < i; j++)
+        if (llmd_gx_same_rows(act, (int)parts[j].type, (int)parts[i].type)) return j;
+    return i;
+}
+
+/* the rows' fields and row lengths, no arrays yet */
+static void gx_init(llmd_gx_rows *r, int act, int type, int flags, int64_t k) {
+    memset(r, 0, sizeof *r);
+    r->act = act, r->type = type, r->flags = flags, r->k = k;
+    const int64_t nbx = k / QB;
+    if (act == LLMD_ACT_F32) {
+#if defined(__AVX2__) && defined(__FMA__)
+        const gguf_type *t = gguf_type_of(type, k);
+        r->row[0] = (size_t)gg_padded(t, k) * 4;
+        r->row[1] = (size_t)((k + GG_CHUNK - 1) / GG_CHUNK * GG_XS) * 4;
+#else
+        r->row[0] = (size_t)k * 4;
+#endif
+    } else if (act == LLMD_ACT_I8) {
+        r->row[0] = (size_t)nbx * 4, r->row[1] = (size_t)gq_sums(k) * 4, r->row[2] = (size_t)k;
+        r->row[3] = flags & LLMD_GX_C ? (size_t)k : 0; /* k / 4 int32 */
+    } else {
+        r->row[0] = (size_t)nbx * 4, r->row[2] = (size_t)k * 2;
+    }
+}
+
+size_t llmd_gx_bytes(int act, int type, int flags, int64_t k, int64_t rows) {
+    llmd_gx_rows r;
+    gx_init(&r, act, type, flags, k);
+    size_t bytes = 0;
+    for (int i = 0; i < 4; i++) bytes += gx_align(r.row[i] * (size_t)rows);
+    return bytes;
+}
+
+void llmd_gx_place(llmd_gx_rows *r, int act, int type, int flags, int64_t k, int64_t rows, void *buf) {
+    gx_init(r, act, type, flags, k);
+    char *at = (char *)buf;
+    for (int i = 0; i < 4; i++) {
+        r->a[i] = at;
+        at += gx_align(r->row[i] * (size_t)rows);
+    }
+    if (!r->row[3]) r->a[3] = r->a[2]; /* int8 without C: a pointer the tiles pass along and never read */
+}
+
+void llmd_gx_prepare(const llmd_gx_rows *r, int64_t row, const float *x) {
+    char *a0 = r->a[0] + row * r->row[0], *a1 = r->a[1] + row * r->row[1], *a2 = r->a[2] + row * r->row[2];
+    if (r->act == LLMD_ACT_F32) {
+#if defined(__AVX2__) && defined(__FMA__)
+        gg_prepare(gguf_type_of(r->type, r->k), x, r->k, 1, r->k, (float *)a0, (float *)a1);
+#else
+        (void)a1, (void)a2;
+        memcpy(a0, x, r->row[0]);
+#endif
+    } else if (r->act == LLMD_ACT_I8) {
+        gq_quantize_row(x, r->k, r->flags & LLMD_GX_C, (float *)a0, (float *)a1, (int8_t *)a2,
+                        (int32_t *)(r->a[3] + row * r->row[3]));
+    } else {
+        gh_quantize_row(x, r->k, (float *)a0, (int16_t *)a2);
+    }
+}
+
+void llmd_gx_copy(const llmd_gx_rows *dst, int64_t to, const llmd_gx_rows *src, int64_t from) {
+    for (int i = 0; i < 4; i++)
+        if (dst->row[i]) memcpy(dst->a[i] + to * dst->row[i], src->a[i] + from * src->row[i], dst->row[i]);
+}
+
+size_t llmd_gx_group_bytes(const llmd_gx_rows *r, int64_t m) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (r->act == LLMD_ACT_F32 && m >= RP_MIN_ROWS) /* the rows and their sums transposed */
+        return gx_align((size_t)((m + 15) / 16 * 16) * (r->row[0] + r->row[1]));
+#endif
+    if (r->act == LLMD_ACT_I8 && (r->flags & LLMD_GX_LANES)) return gx_align(gq_lanes_bytes(m, r->k));
+    return 0;
+}
+
+void llmd_gx_make_group(llmd_gx_group *g, const llmd_gx_rows *r, int64_t r0, int64_t m, void *extra) {
+    g->x = *r;
+    for (int i = 0; i < 4; i++) g->x.a[i] += r0 * r->row[i];
+    g->m = m;
+    g->extra = llmd_gx_group_bytes(r, m) ? extra : NULL;
+    if (!g->extra) return;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (r->act == LLMD_ACT_F32) {
+        const int64_t kp = (int64_t)(r->row[0] / 4), lds = (int64_t)(r->row[1] / 4);
+        float *xt = (float *)extra;
+        transpose_into(xt, (const float *)g->x.a[0], kp, m, kp, kp, 0);
+        transpose_into(xt + (m + 15) / 16 * 16 * kp, (const float *)g->x.a[1], lds, m, lds, lds, 0);
+        return;
+    }
+#endif
+    gq_fill_lanes(extra, (const float *)g->x.a[0], (const int8_t *)g->x.a[2], (const int32_t *)g->x.a[3], m, g->x.k);
+}
+
+size_t llmd_gx_scratch_bytes(int act, int type, int64_t k, int64_t m) {
+#if defined(__AVX2__) && defined(__FMA__)
+    if (act == LLMD_ACT_F32 && m >= RP_MIN_ROWS) return gx_align((size_t)gg_panel_floats(gguf_type_of(type, k), k) * 4);
+    return 0;
+#else
+    (void)type, (void)m;
+    return act == LLMD_ACT_I16 ? 0 : gx_align((size_t)k * 4);
+#endif
+}
+
+void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch) {
+    const llmd_gx_group *g = job->g;
+    const llmd_gx_rows *x = &g->x;
+    const int64_t k = x->k, m = g->m;
+    const gguf_type *t = gguf_type_of((int)job->type, k);
+    if (x->act == LLMD_ACT_F32) {
+#if defined(__AVX2__) && defined(__FMA__)
+        if (m >= RP_MIN_ROWS) {
+            const float *xt = (const float *)g->extra;
+            gg_rows_cols(t, xt, xt + (m + 15) / 16 * 16 * (int64_t)(x->row[0] / 4), job->q, job->y, job->ldy, m, k,
+                         n0, n1, (float *)scratch);
+        } else {
+            gg_tile_cols(t, (const float *)x->a[0], (const float *)x->a[1], job->q, job->y, job->ldy, m, k, n0, n1);
+        }
+#else
+        gg_plain_cols(t, (const float *)x->a[0], job->q, job->y, job->ldy, m, k, n0, n1, (float *)scratch);
+#endif
+    } else if (x->act == LLMD_ACT_I8) {
+        gq_cols(t, (const float *)x->a[0], (const float *)x->a[1], (const int8_t *)x->a[2], (const int32_t *)x->a[3],
+                g->extra, job->q, job->y, job->ldy, m, k, n0, n1, (float *)scratch);
+    } else {
+        gh_cols((int)job->type, (const float *)x->a[0], (const int16_t *)x->a[2], job->q, job->y, job->ldy, m, k, n0,
+                n1);
+    }
+}
+
+void llmd_gx_run(const llmd_gx_job *jobs, int64_t njobs, int tid, int nth, void *scratch) {
+    /* a unit of 8 columns costs its rows plus a few for decoding the weights */
+    int64_t total = 0;
+    for (int64_t j = 0; j < njobs; j++) total += (jobs[j].n + 7) / 8 * (jobs[j].g->m + 4);
+    const int64_t lo = total * tid / nth, hi = total * (tid + 1) / nth;
+    int64_t at = 0;
+    for (int64_t j = 0; j < njobs && at < hi; j++) {
+        const int64_t units = (jobs[j].n + 7) / 8, w = jobs[j].g->m + 4;
+        if (at + units * w > lo) { /* unit u is this thread's where its cost starts in [lo, hi) */
+            const int64_t u0 = lo > at ? (lo - at + w - 1) / w : 0;
+            const int64_t u1 = (hi - at + w - 1) / w < units ? (hi - at + w - 1) / w : units;
+            if (u0 < u1) llmd_gx_cols(&jobs[j], 8 * u0, 8 * u1 < jobs[j].n ? 8 * u1 : jobs[j].n, scratch);
+        }
+        at += units * w;
+    }
+}
+
+/* Parts side by side on one input through path `act`: part i fills columns [col_i, col_i + n_i) of y. The rows are
+ * prepared once per layout (int8 and int16: once for every part), then every part's columns are shared out in one
+ * parallel region. -1 for a type the path does not take or a K the blocks do not divide, -2 out of memory. */
+static int gx_parts_matmul(int act, const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
+                           int64_t ldy, int64_t m, int64_t k, int nthreads) {
+    if (m < 0 || nparts < 0) return -1;
+    int flags = 0;
+    for (int64_t i = 0; i < nparts; i++) {
+        if (!llmd_gx_takes(act, (int)parts[i].type, k) || parts[i].n < 0) return -1;
+        flags |= llmd_gx_flags(act, (int)parts[i].type);
+    }
+    if (m == 0 || nparts == 0) return 0;
+    if (nthreads < 1) nthreads = 1;
+    typedef struct {
+        llmd_gx_rows rows;
+        llmd_gx_group group;
+        llmd_gx_job job;
+        int64_t layout;
+        size_t at; /* the rows', then the group's extra offset in buf */
+    } part_plan;
+    part_plan *plan = (part_plan *)calloc((size_t)nparts, sizeof *plan);
+    if (!plan) return -2;
+    size_t bytes = 0, sb = 0;
+    for (int64_t i = 0; i < nparts; i++) {
+        plan[i].layout = llmd_gx_layout_of(act, parts, i);
+        const size_t s = llmd_gx_scratch_bytes(act, (int)parts[i].type, k, m);
+        sb = s > sb ? s : sb;
+        if (plan[i].layout != i) continue;
+        plan[i].at = bytes;
+        bytes += llmd_gx_bytes(act, (int)parts[i].type, flags, k, m);
+    }
+    char *buf = (char *)aligned_alloc(64, bytes + gx_align(sb) * (size_t)nthreads + 64);
+    if (!buf) {
+        free(plan);
+        return -2;
+    }
+    for (int64_t i = 0; i < nparts; i++)
+        if (plan[i].layout == i) llmd_gx_place(&plan[i].rows, act, (int)parts[i].type, flags, k, m, buf + plan[i].at);
+    size_t extras = 0;
+    for (int64_t i = 0; i < nparts; i++)
+        if (plan[i].layout == i) plan[i].at = extras, extras += llmd_gx_group_bytes(&plan[i].rows, m);
+    char *extra = (char *)aligned_alloc(64, extras + 64), *scratch = buf + bytes;
+    if (!extra) {
+        free(buf), free(plan);
+        return -2;
+    }
+    llmd_gx_job *jobs = (llmd_gx_job *)calloc((size_t)nparts, sizeof *jobs);
+    if (!jobs) {
+        free(extra), free(buf), free(plan);
+        return -2;
+    }
+    int64_t col = 0;
+    for (int64_t i = 0; i < nparts; i++) {
+        const llmd_gx_job job = {&plan[plan[i].layout].group, parts[i].type, parts[i].n, ldy, parts[i].q, y + col};
+        jobs[i] = job;
+        col += parts[i].n;
+    }
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+        int tid, nth;
+        thread_id(&tid, &nth);
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < nparts; i++)
+                if (plan[i].layout == i) llmd_gx_prepare(&plan[i].rows, r, x + r * ldx);
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < nparts; i++)
+            if (plan[i].layout == i) llmd_gx_make_group(&plan[i].group, &plan[i].rows, 0, m, extra + plan[i].at);
+        llmd_gx_run(jobs, nparts, tid, nth, scratch + gx_align(sb) * (size_t)tid);
+    }
+    free(jobs), free(extra), free(buf), free(plan);
+    return 0;
+}
+
+/* y [M, N] = x [M, K] @ dequant(q).T for GGUF blocks of `type` (a GGML type id), q [N, K / elems * bytes]. */
+int llmd_gguf_matmul(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
+                     int64_t n, int64_t k, int nthreads) {
+    const llmd_gguf_part part = {type, n, q};
+    return gx_parts_matmul(LLMD_ACT_F32, &part, 1, x, ldx, y, ldy, m, k, nthreads);
+}
+
+/* Parts of different GGUF types side by side on one input (a fused q/k/v or gate/up whose projections differ in type):
+ * part i fills columns [col_i, col_i + n_i) of y, each with llmd_gguf_matmul's very results. */
+int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
+                           int64_t ldy, int64_t m, int64_t k, int nthreads) {
+    return gx_parts_matmul(LLMD_ACT_F32, parts, nparts, x, ldx, y, ldy, m, k, nthreads);
+}
+
+/* llmd_gguf_parts_matmul with int8-quantized activations (quantized once for all parts); -1 for an unknown type or a
+ * K the blocks do not divide, -2 out of memory. */
+int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
+                              int64_t ldy, int64_t m, int64_t k, int nthreads) {
+    return gx_parts_matmul(LLMD_ACT_I8, parts, nparts, x, ldx, y, ldy, m, k, nthreads);
+}
+
+/* y [M, N] = q8(x) [M, K] @ dequant(q).T for GGUF blocks of `type`: the integer path of one part. */
+int llmd_gguf_matmul_q8(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
+                        int64_t n, int64_t k, int nthreads) {
+    const llmd_gguf_part part = {type, n, q};
+    return gx_parts_matmul(LLMD_ACT_I8, &part, 1, x, ldx, y, ldy, m, k, nthreads);
+}
+
 /* llmd_gguf_parts_matmul with int16-quantized activations (the output head's path); -1 for a type it does not take
  * or a K the blocks do not divide, -2 out of memory. */
 int llmd_gguf_parts_matmul_q16(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
                                int64_t ldy, int64_t m, int64_t k, int nthreads) {
-    if (m < 0 || k <= 0 || k % QB) return -1;
-    for (int64_t i = 0; i < nparts; i++)
-        if (!gh_supported((int)parts[i].type) || !gguf_type_of((int)parts[i].type, k) || parts[i].n < 0) return -1;
-    if (m == 0) return 0;
-    if (nthreads < 1) nthreads = 1;
-    void *work = gh_quantize(x, ldx, m, k);
-    if (!work) return -2;
-    int64_t col = 0;
-    int rc = 0;
-    for (int64_t i = 0; i < nparts && rc == 0; i++) {
-        rc = gh_part((int)parts[i].type, work, parts[i].q, y + col, ldy, m, parts[i].n, k, nthreads);
-        col += parts[i].n;
-    }
-    free(work);
-    return rc;
+    return gx_parts_matmul(LLMD_ACT_I16, parts, nparts, x, ldx, y, ldy, m, k, nthreads);
 }
 
 /* y [M, N] = q16(x) [M, K] @ dequant(q).T for Q8_0 or Q6_K blocks: the head path of one part. */
 int llmd_gguf_matmul_q16(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
                          int64_t n, int64_t k, int nthreads) {
     const llmd_gguf_part part = {type, n, q};
-    return llmd_gguf_parts_matmul_q16(&part, 1, x, ldx, y, ldy, m, k, nthreads);
+    return gx_parts_matmul(LLMD_ACT_I16, &part, 1, x, ldx, y, ldy, m, k, nthreads);
 }

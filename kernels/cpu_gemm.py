@@ -42,7 +42,7 @@ log = logging.getLogger("llmd.kernels.cpu_gemm")
 # one library: the matmuls, the fp32 glue ops of a decoder layer (bound by llmd.kernels.cpu_ops) and a whole stack of
 # layers built from both (llmd.kernels.cpu_stack); the header declares what they share
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_ops.c", "cpu_stack.c")]
-HEADERS = [Path(__file__).with_name("cpu_kernels.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_gguf.h")]
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off"]
 
 _lock = threading.Lock()

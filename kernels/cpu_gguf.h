@@ -1,0 +1,70 @@
+/* The GGUF matmuls of cpu_gemm.c in their steps, for a kernel that runs many weights' matmuls in one parallel region
+ * (cpu_moe.c: a mixture-of-experts layer): activation rows prepared once for an activation path, a group of consecutive
+ * rows taken as one matmul's input, and a range of one weight's output columns computed for a group. Every output
+ * gets the very operations of llmd_gguf_parts_matmul(_q8, _q16), whatever the rows' grouping, the column range or the
+ * thread: those entries are these steps. Internal to the library (hidden symbols). */
+#ifndef LLMD_CPU_GGUF_H
+#define LLMD_CPU_GGUF_H
+#include <stddef.h>
+#include <stdint.h>
+
+#include "cpu_kernels.h"
+
+#define LLMD_HIDDEN __attribute__((visibility("hidden")))
+
+/* activation paths: fp32 (the weights' exact values), int8 and int16 per block of 32 (cpu_gemm.c) */
+enum { LLMD_ACT_F32 = 0, LLMD_ACT_I8 = 1, LLMD_ACT_I16 = 2 };
+/* what the row data must hold for a type (llmd_gx_flags): int8's C, int8's lane layout per group */
+enum { LLMD_GX_C = 1, LLMD_GX_LANES = 2 };
+
+/* Prepared activation rows of one path, as arrays of rows: row r of array i at a[i] + r * row[i] (cpu_gemm.c names
+ * the arrays per path). fp32 rows are laid out for one GGML type (`type`); int8 and int16 rows serve every type. */
+typedef struct {
+    int act, type, flags;
+    int64_t k;
+    char *a[4];
+    size_t row[4];
+} llmd_gx_rows;
+
+/* m consecutive rows as one matmul's input, with what such a matmul adds (`extra`: int8's lane layout, fp32's rows
+ * transposed into the vector lanes) */
+typedef struct {
+    llmd_gx_rows x; /* moved to the group's first row */
+    int64_t m;
+    void *extra;
+} llmd_gx_group;
+
+/* one weight's columns for a group: y [m, n] (row stride ldy) = group @ dequant(q [n, row bytes] of `type`).T */
+typedef struct {
+    const llmd_gx_group *g;
+    int64_t type, n, ldy;
+    const uint8_t *q;
+    float *y;
+} llmd_gx_job;
+
+/* 1 where path `act` takes blocks of `type` for this K */
+LLMD_HIDDEN int llmd_gx_takes(int act, int type, int64_t k);
+/* LLMD_GX_* that rows for blocks of `type` need on path `act` */
+LLMD_HIDDEN int llmd_gx_flags(int act, int type);
+/* 1 where rows prepared for type a serve type b on path `act` */
+LLMD_HIDDEN int llmd_gx_same_rows(int act, int a, int b);
+/* bytes of `rows` rows, and laying them out in buf (64-byte aligned) */
+LLMD_HIDDEN size_t llmd_gx_bytes(int act, int type, int flags, int64_t k, int64_t rows);
+LLMD_HIDDEN void llmd_gx_place(llmd_gx_rows *r, int act, int type, int flags, int64_t k, int64_t rows, void *buf);
+/* row `row` from x [k] (plain C: the same bits in every build), or copied from another set's row */
+LLMD_HIDDEN void llmd_gx_prepare(const llmd_gx_rows *r, int64_t row, const float *x);
+LLMD_HIDDEN void llmd_gx_copy(const llmd_gx_rows *dst, int64_t to, const llmd_gx_rows *src, int64_t from);
+/* the group of rows [r0, r0 + m), its extra (llmd_gx_group_bytes, 64-byte aligned) filled */
+LLMD_HIDDEN size_t llmd_gx_group_bytes(const llmd_gx_rows *r, int64_t m);
+LLMD_HIDDEN void llmd_gx_make_group(llmd_gx_group *g, const llmd_gx_rows *r, int64_t r0, int64_t m, void *extra);
+/* scratch bytes a thread needs for a job of `type` over m rows (64-byte aligned) */
+LLMD_HIDDEN size_t llmd_gx_scratch_bytes(int act, int type, int64_t k, int64_t m);
+/* columns [n0, n1) of one job (n0 a multiple of 8) */
+LLMD_HIDDEN void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch);
+/* this thread's share (tid of nth) of the jobs' columns: units of 8 columns, weighted by their rows */
+LLMD_HIDDEN void llmd_gx_run(const llmd_gx_job *jobs, int64_t njobs, int tid, int nth, void *scratch);
+/* the first of parts [0, i] whose rows serve part i on path `act` */
+LLMD_HIDDEN int64_t llmd_gx_layout_of(int act, const llmd_gguf_part *parts, int64_t i);
+/* this thread's number and the team's size (0 and 1 outside a parallel region) */
+LLMD_HIDDEN void llmd_thread_id(int *tid, int *nth);
+#endif
