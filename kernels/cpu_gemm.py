@@ -39,9 +39,10 @@ from . import quant_matmul as qmm
 
 log = logging.getLogger("llmd.kernels.cpu_gemm")
 
-# one library: the matmuls, the fp32 glue ops of a decoder layer (bound by llmd.kernels.cpu_ops) and a whole stack of
-# layers built from both (llmd.kernels.cpu_stack); the header declares what they share
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_ops.c", "cpu_stack.c")]
+# one library: the matmuls, a mixture-of-experts layer's experts (llmd.kernels.cpu_moe), the fp32 glue ops of a decoder
+# layer (bound by llmd.kernels.cpu_ops) and a whole stack of layers built from them (llmd.kernels.cpu_stack); the
+# headers declare what they share
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemm.c", "cpu_moe.c", "cpu_ops.c", "cpu_stack.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_gguf.h")]
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off"]
 
@@ -458,6 +459,18 @@ class GGUFPart(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int64), ("n", ctypes.c_int64), ("q", ctypes.c_void_p)]
 
 
+def gguf_act(lib, types: list[str], k: int, act: str | None = None) -> str:
+    """The activation path a GGUF kernel over blocks of `types` takes for K: `act` (None: as LLMD_CPU_GEMM_ACT says for
+    a packed layer), int16 only where every type takes it, a quantized one only where K is a multiple of 32; else
+    fp32."""
+    act = activations("gguf") if act is None else act
+    if act not in ("fp32", "int8", "int16"):
+        raise ValueError(f"activation path {act!r} is not fp32, int8 or int16")
+    if act == "int16" and not all(lib.llmd_gguf_q16_type(GGUF_TYPE_IDS[t]) for t in types):
+        act = "fp32"
+    return act if k % Q8_BLOCK == 0 else "fp32"
+
+
 class GGUFKernel:
     """A packed GGUF layer's CPU matmul: the kernel multiplies the blocks' integer codes with the activations per
     sub-block and applies each sub-block's scale and offset once (the int4 kernel's arithmetic), in one fixed
@@ -471,12 +484,7 @@ class GGUFKernel:
 
     def __init__(self, lib, parts: list[tuple[torch.Tensor, str]], k: int, act: str | None = None):
         self.k = k
-        act = activations("gguf") if act is None else act
-        if act not in ("fp32", "int8", "int16"):
-            raise ValueError(f"activation path {act!r} is not fp32, int8 or int16")
-        if act == "int16" and not all(lib.llmd_gguf_q16_type(GGUF_TYPE_IDS[t]) for _, t in parts):
-            act = "fp32"
-        self.act = act if k % Q8_BLOCK == 0 else "fp32"
+        self.act = gguf_act(lib, [t for _, t in parts], k, act)
         self._keep = []
         self.parts = (GGUFPart * len(parts))()
         for c_part, (qweight, type_name) in zip(self.parts, parts):

@@ -1,4 +1,4 @@
-/* The functions that cpu_gemm.c and cpu_ops.c export, for cpu_stack.c to call within the same library. */
+/* The functions that cpu_gemm.c, cpu_moe.c and cpu_ops.c export, for cpu_stack.c to call within the same library. */
 #ifndef LLMD_CPU_KERNELS_H
 #define LLMD_CPU_KERNELS_H
 #include <stdint.h>
@@ -27,6 +27,17 @@ int llmd_gguf_matmul_q8(int type, const float *x, int64_t ldx, const uint8_t *q,
                         int64_t n, int64_t k, int nthreads);
 int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
                               int64_t ldy, int64_t m, int64_t k, int nthreads);
+
+/* A mixture-of-experts layer's packed experts (cpu_moe.c): gate_up [experts][gate_up_parts] (each expert's gate rows
+ * then up rows, 2 * inter columns over K = hidden) and down [experts][down_parts] (hidden columns over K = inter), the
+ * same types and row counts in every expert; act: LLMD_ACT_* of cpu_gguf.h (0 fp32, 1 int8, 2 int16). */
+typedef struct {
+    int64_t experts, hidden, inter, gate_up_parts, down_parts;
+    const llmd_gguf_part *gate_up, *down;
+    int64_t gate_up_act, down_act;
+} llmd_moe;
+int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T, int64_t k, const int64_t *ids,
+                     const float *weights, float *out, int64_t ldo, int64_t *hits, int nthreads);
 
 int llmd_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t ldy, int64_t rows, int64_t n,
                   float eps);
