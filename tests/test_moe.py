@@ -14,6 +14,7 @@ import torch
 from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
 from llmd.engine import SamplingParams, generate
 from llmd.errors import ModelFileError
+from llmd.kernels import cpu_gemm, cpu_moe
 from llmd.model.config import ModelConfig
 from llmd.model.loader import load_model
 from llmd.model.moe import Experts, expert_hits
@@ -107,6 +108,27 @@ def test_mxfp4_experts_stay_packed_and_match_their_dequantized_weights(moe_model
 def packed_qwen3_moe(moe_ggufs):
     """Q8_0 experts on the default (integer activation) path, as a user runs a GGUF."""
     return load_model(moe_ggufs["qwen3_moe", "Q8_0"], dtype=torch.float32, device="cpu")
+
+
+def test_packed_experts_run_as_one_c_call_with_the_python_groupings_bits(packed_qwen3_moe):
+    """Loaded on the CPU, each MoE layer's packed experts are chosen to run as one C call per step
+    (llmd.kernels.cpu_moe); the logits are the Python grouping's (Experts.grouped) bit for bit."""
+    layers = [m for m in packed_qwen3_moe.model.modules() if isinstance(m, Experts)]
+    if not cpu_gemm.available():
+        assert all(m.kernel is None for m in layers)
+        return
+    assert layers and all(isinstance(m.kernel, cpu_moe.MoEKernel) and m.kernel.acts == ("int8", "int8")
+                          for m in layers)
+    compiled = logits_of(packed_qwen3_moe)
+    kernels = [m.kernel for m in layers]
+    try:
+        for m in layers:
+            m.kernel = None  # prepared: forward takes the Python grouping
+        grouped = logits_of(packed_qwen3_moe)
+    finally:
+        for m, kernel in zip(layers, kernels):
+            m.kernel = kernel
+    assert torch.equal(compiled, grouped)
 
 
 @pytest.mark.usefixtures("one_torch_thread")

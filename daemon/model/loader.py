@@ -16,6 +16,7 @@ from ..errors import ModelFileError
 from .calibrate import quantize_calibrated
 from .config import ModelConfig
 from .linear import transposed_tied_head, use_transposed_weights
+from .moe import Experts
 from .ops import bind_ops, choose_ops
 from .quant import (GGUFLinear, QuantizedLinear, QuantSpec, build_empty_quantized, parse_quant, quantize_tied_head, quantized_weight_bytes,
                     quantizing_stream, tie_gguf_head)
@@ -121,10 +122,11 @@ class LoadPipeline:
 
     def prepare(self, model: nn.Module) -> None:
         """The last step, once the tensors are in (by run() or from a cache entry): bind the model's ops to the device
-        (llmd.model.ops: the C glue on the CPU) and choose each quantized layer's kernel (QuantizedLinear.prepare)."""
+        (llmd.model.ops: the C glue on the CPU) and choose each quantized layer's kernel (QuantizedLinear.prepare) and
+        how each MoE layer runs its experts (Experts.prepare)."""
         bind_ops(model, choose_ops(self.device, self.dtype))
         for module in model.modules():
-            if isinstance(module, QuantizedLinear):
+            if isinstance(module, (QuantizedLinear, Experts)):
                 module.prepare(self.device, self.dtype)
 
     def _final_form(self, model: nn.Module) -> None:

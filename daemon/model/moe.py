@@ -20,13 +20,14 @@ is. The per-expert names are the canonical parts (`expert_parts`), a stacked ten
 from __future__ import annotations
 
 import re
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, MoEConfig
-from .ops import TORCH_OPS, Ops
+from .ops import CPU_OPS, TORCH_OPS, Ops
 
 # checkpoint spellings of the MoE parts -> ours
 _ALIASES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
@@ -107,7 +108,12 @@ class ExpertLinear(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU MLPs: down(silu(gate(x)) * up(x)), gate and up as one projection."""
+    """E SwiGLU MLPs: down(silu(gate(x)) * up(x)), gate and up as one projection.
+
+    `prepare` chooses once how `forward` runs them: one compiled C call per step (llmd.kernels.cpu_moe, through
+    quant.gguf_experts.cpu_experts_kernel) where both projections are packed GGUF experts without bias, on the CPU
+    with fp32 activations, the C ops bound (the call's SiLU * up is theirs) and the library loads; else `grouped`, the
+    grouping in Python, which is the reference the C call equals bit for bit."""
 
     ops: Ops = TORCH_OPS
 
@@ -119,6 +125,21 @@ class Experts(nn.Module):
         self.down_proj = ExpertLinear(moe.num_experts, moe.intermediate_size, hidden, bias)
         # tokens routed to each expert (stats); on the CPU even while the model is built on the meta device
         self.hits = torch.zeros(moe.num_experts, dtype=torch.int64, device="cpu")
+        self.kernel: Callable[..., torch.Tensor] | None = None  # the compiled path, set by prepare
+        self.prepared = False
+
+    def _apply(self, fn, recurse=True):
+        self.kernel, self.prepared = None, False  # a move drops the kernel (it holds the blocks' addresses)
+        return super()._apply(fn, recurse)
+
+    def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Choose the compiled path or the Python grouping for activations of `dtype` on `device` (see the class)."""
+        from .quant.gguf_experts import cpu_experts_kernel
+
+        self.kernel = None
+        if self.ops is CPU_OPS:
+            self.kernel = cpu_experts_kernel(self.gate_up_proj, self.down_proj, torch.device(device), dtype)
+        self.prepared = True
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.moe.activation == "silu":
@@ -131,6 +152,15 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], each token's experts ids [T, k] and weights [T, k] -> [T, hidden]."""
+        if not self.prepared:
+            self.prepare(x.device, x.dtype)
+        if self.kernel is not None and x.dtype is torch.float32 and x.is_cpu:
+            return self.kernel(x, ids, weights, self.hits)
+        return self.grouped(x, ids, weights)
+
+    def grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """forward with the (token, slot) pairs grouped by expert in Python, each expert hit run as its projections'
+        own kernels: the reference of the compiled path, and the path everywhere else."""
         t, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert

@@ -5,7 +5,9 @@ and up side by side, which Q4_K_M files may store in different types; or down al
 [E, out, row bytes] of its GGML type, so resident bytes are the file's. Expert e's matmul is a GGUFLinear (or a
 GGUFConcat of its parts) viewing the e-th slice of the blocks: the kernel each device has for a packed layer (the
 compiled CPU kernel, Triton on CUDA, the torch dequantizer otherwise) serves the experts too, and a row's result never
-depends on the other rows (llmd.kernels.cpu_gemm.GGUFKernel).
+depends on the other rows (llmd.kernels.cpu_gemm.GGUFKernel). On the CPU with fp32 activations a layer's experts
+instead run as one C call per step (`cpu_experts_kernel`, llmd.kernels.cpu_moe: llama.cpp's mul_mat_id), chosen by
+llmd.model.moe.Experts.prepare, with the per-expert layers' very bits.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from llmd.kernels import cpu_moe
 from llmd.kernels import gguf_blocks as gb
 
 from ...errors import ModelFileError
@@ -90,3 +93,16 @@ class GGUFExpertLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, in={self.in_features}, types={[p.type_name for p in self.parts]}"
+
+
+def cpu_experts_kernel(gate_up: nn.Module, down: nn.Module, device: torch.device,
+                       dtype: torch.dtype) -> cpu_moe.MoEKernel | None:
+    """The compiled kernel running a layer's experts in one C call (llmd.kernels.cpu_moe), on the activation path
+    their own GGUFKernels take, where both projections are GGUFExpertLinear without bias on the CPU, for fp32
+    activations where the library loads; else None (the experts run one packed layer each)."""
+    if device.type != "cpu" or not isinstance(gate_up, GGUFExpertLinear) or not isinstance(down, GGUFExpertLinear):
+        return None
+    if dtype != torch.float32 or gate_up.bias is not None or down.bias is not None:
+        return None
+    return cpu_moe.moe_kernel([(p.qweight, p.type_name) for p in gate_up.parts],
+                              [(p.qweight, p.type_name) for p in down.parts])  # None where the library is off
