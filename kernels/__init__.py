@@ -10,6 +10,8 @@ The kernels run on CUDA; under TRITON_INTERPRET=1 they also run on CPU tensors (
 The CPU has its own C kernels, compiled on first use (each falls back to torch where it cannot be built):
 - cpu_gemm: int8/int4 weight-only matmul reading the same packed layouts.
 - cpu_ops: the fp32 glue of a decoder layer (RMSNorm, RoPE, SiLU * up, the paged KV write, attention).
+- cpu_moe: a mixture-of-experts layer's packed GGUF experts for one step in one call (llama.cpp's mul_mat_id), built
+  from the steps of cpu_gemm's GGUF matmul (cpu_gguf.h).
 - cpu_stack: a quantized model's whole stack of decoder layers, built from the two above, in one call.
 - openmp: a thread that stops computing hands its OpenMP worker threads back (libgomp throttles spinning otherwise).
 """

@@ -5,7 +5,9 @@ run, and their outputs are summed by weight; an optional shared expert runs on e
 Experts are one [E, out, in] tensor per projection (`experts.gate_up_proj`, gate rows then up rows, and
 `experts.down_proj`), fp here or packed GGUF blocks (llmd.model.quant.gguf_experts.GGUFExpertLinear): either way a
 projection answers `expert(e, x)`, x holding only the rows routed to expert e. The step's (token, slot) pairs are
-grouped by expert, so each expert reads its weights once per step whatever the number of tokens.
+grouped by expert, so each expert reads its weights once per step whatever the number of tokens. Packed GGUF experts on
+the CPU in fp32 run the whole layer's experts as one C call per step instead (llmd.kernels.cpu_moe, chosen once by
+Experts.prepare), with the Python grouping's very bits; the grouping stays the reference and the path elsewhere.
 
 Exactness: a token's k expert outputs land in their slots and are summed in slot order (the router's order), never in
 the order experts happen to run, and every expert kernel computes a row independently of the other rows; so a
