@@ -10,6 +10,7 @@ Where no C compiler exists no kernel is made; the tests then check that branch i
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
@@ -23,8 +24,9 @@ from llmd.model.quant.gguf_experts import GGUFExpertLinear
 
 HAVE_KERNEL = cpu_gemm.available()
 NUM_EXPERTS = 16
-# (gate, up, down): one type throughout, and Q4_K_M's mixes (down in Q6_K; a gate and an up of different types)
-TYPES = [("Q8_0",) * 3, ("Q4_0",) * 3, ("Q4_K",) * 3, ("Q6_K",) * 3, ("Q4_K", "Q4_K", "Q6_K"),
+# (gate, up, down): one type throughout (MXFP4: gpt-oss's experts), and Q4_K_M's mixes (down in Q6_K; a gate and an
+# up of different types)
+TYPES = [("Q8_0",) * 3, ("Q4_0",) * 3, ("Q4_K",) * 3, ("Q6_K",) * 3, ("MXFP4",) * 3, ("Q4_K", "Q4_K", "Q6_K"),
          ("Q4_K", "Q6_K", "Q8_0")]
 
 
@@ -135,6 +137,10 @@ def test_the_compiled_path_is_chosen_only_where_it_applies(monkeypatch):
     experts.ops = CPU_OPS
     experts.prepare(torch.device("cpu"), torch.bfloat16)
     assert experts.kernel is None
+    experts.moe = dataclasses.replace(experts.moe, activation="swiglu_clamped")  # gpt-oss
+    experts.prepare(torch.device("cpu"), torch.float32)
+    assert experts.kernel is None
+    experts.moe = dataclasses.replace(experts.moe, activation="silu")
     monkeypatch.setenv("LLMD_CPU_GEMM", "0")
     experts.prepare(torch.device("cpu"), torch.float32)
     assert experts.kernel is None
