@@ -2999,11 +2999,12 @@ int llmd_gx_flags(int act, int type) {
     return gq_signed_type(type) ? LLMD_GX_C | LLMD_GX_LANES : type == 23 ? LLMD_GX_C : 0;
 }
 
-int llmd_gx_same_rows(int act, int a, int b) { return act != LLMD_ACT_F32 || a == b; }
+/* 1 where rows prepared for type a serve type b on path `act` */
+static int gx_same_rows(int act, int a, int b) { return act != LLMD_ACT_F32 || a == b; }
 
 int64_t llmd_gx_layout_of(int act, const llmd_gguf_part *parts, int64_t i) {
     for (int64_t j = 0; j < i; j++)
-        if (llmd_gx_same_rows(act, (int)parts[j].type, (int)parts[i].type)) return j;
+        if (gx_same_rows(act, (int)parts[j].type, (int)parts[i].type)) return j;
     return i;
 }
 

@@ -46,8 +46,6 @@ typedef struct {
 LLMD_HIDDEN int llmd_gx_takes(int act, int type, int64_t k);
 /* LLMD_GX_* that rows for blocks of `type` need on path `act` */
 LLMD_HIDDEN int llmd_gx_flags(int act, int type);
-/* 1 where rows prepared for type a serve type b on path `act` */
-LLMD_HIDDEN int llmd_gx_same_rows(int act, int a, int b);
 /* bytes of `rows` rows, and laying them out in buf (64-byte aligned) */
 LLMD_HIDDEN size_t llmd_gx_bytes(int act, int type, int flags, int64_t k, int64_t rows);
 LLMD_HIDDEN void llmd_gx_place(llmd_gx_rows *r, int act, int type, int flags, int64_t k, int64_t rows, void *buf);

@@ -63,8 +63,9 @@ typedef struct {
     llmd_gx_rows *tok, *pair; /* [np], where layout[i] == i */
     llmd_gx_group *groups;   /* [active][np] */
     llmd_gx_job *jobs;       /* [active][np] */
-    char *extra;
-    size_t *extra_at, scratch; /* [active][np] */
+    char *extra;             /* the groups' extras, group [x][i] at extra_at[x * np + i] */
+    size_t *extra_at;
+    size_t scratch;          /* bytes a thread needs for any of the jobs */
 } proj;
 
 static void plan_proj(proj *p, arena *a, const llmd_moe *moe, int gate_up, int64_t T, int64_t P, int64_t A,

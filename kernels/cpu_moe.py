@@ -29,20 +29,6 @@ class Moe(ctypes.Structure):
                 ("gate_up", _ptr), ("down", _ptr), ("gate_up_act", _i64), ("down_act", _i64)]
 
 
-_bound: dict[int, ctypes.CDLL] = {}
-
-
-def load() -> ctypes.CDLL | None:
-    """The library with llmd_moe_experts bound; None where the compiled kernels are off or unavailable."""
-    lib = cpu_gemm.load()
-    if lib is None:
-        return None
-    if id(lib) not in _bound:
-        _bind(lib)
-        _bound[id(lib)] = lib
-    return lib
-
-
 def _bind(lib: ctypes.CDLL) -> None:
     fn = lib.llmd_moe_experts
     fn.argtypes = [ctypes.POINTER(Moe), _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _ptr, ctypes.c_int]
@@ -117,6 +103,6 @@ def moe_kernel(gate_up: list[tuple[torch.Tensor, str]], down: list[tuple[torch.T
                act: str | None = None) -> MoEKernel | None:
     """The MoEKernel of a layer's packed experts, for the caller to keep; None where the compiled kernels are off or
     unavailable or do not know a type (then the experts run one GGUFKernel each)."""
-    lib = load()
+    lib = cpu_gemm.load()
     ok = lib is not None and all(t in cpu_gemm.GGUF_TYPE_IDS for _, t in gate_up + down)
     return MoEKernel(lib, gate_up, down, act) if ok else None
