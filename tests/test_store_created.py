@@ -131,6 +131,8 @@ def test_digests_content_stand_in_cache_and_created(tmp_path):
     assert digests.of(hf) == hashlib.sha256(lines.encode()).hexdigest()
     # a store's own digest wins; a created name: the base's when it adds nothing (a copy), else its own
     assert digests.of(ModelFiles("o", "gguf", one, digest="e" * 64)) == "e" * 64
+    digests.of(gguf)  # (the changed file: this instance hashes it again, then answers with its content)
+    assert digests.settle(30)
     base = digests.of(gguf)
     assert digests.of(ModelFiles("c", "gguf", one, created=Created("c:latest", "one"))) == base
     pirate = Created("p:latest", "one", system="You are a pirate.")
