@@ -44,6 +44,7 @@ class Shape:
     head_size: int | None = None  # None: hidden / heads
     experts: int = 0  # a mixture of experts (ffn: one expert's width), top_k of them per token; q/k norm
     top_k: int = 0
+    oss: bool = False  # gpt-oss: biases, sinks, window 128 on every other layer, YaRN; experts quantized to MXFP4
 
     @property
     def head_dim(self) -> int:
@@ -59,7 +60,11 @@ SHAPES = {
     # per-token figures scale with the layers, and the ratio to llama.cpp on the same file holds
     "30b-a3b": Shape("qwen3moe", 2048, 8, 32, 4, 768, 1000000.0, tied=False, eps=1e-6, head_size=128, experts=128,
                      top_k=8),
+    # gpt-oss-20b with 8 of its 24 layers (the 24-layer F16 would be 38 GB on the way); its experts become MXFP4
+    "20b-oss": Shape("gpt-oss", 2880, 8, 64, 8, 2880, 150000.0, tied=False, head_size=64, experts=32, top_k=4,
+                     oss=True),
 }
+FTYPE_OF = {"MXFP4": "MXFP4_MOE"}  # llama.cpp's file type for a --types name
 DEFAULT_SHAPES = ("1b", "3b")  # the 7B / 8B files (~15 GB of F16 on the way) only when asked for by name
 CONTEXT = 32768
 
@@ -74,7 +79,18 @@ def tensors(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
                 (b + "attn_k.weight", (kv, s.hidden)), (b + "attn_v.weight", (kv, s.hidden))]
         if s.qkv_bias:
             out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,))]
-        out += [(b + "attn_output.weight", (s.hidden, q)), (b + "ffn_norm.weight", (s.hidden,))]
+        out += [(b + "attn_output.weight", (s.hidden, q))]
+        if s.oss:
+            e = s.experts
+            out += [(b + "attn_q.bias", (q,)), (b + "attn_k.bias", (kv,)), (b + "attn_v.bias", (kv,)),
+                    (b + "attn_output.bias", (s.hidden,)), (b + "attn_sinks.weight", (s.heads,)),
+                    (b + "post_attention_norm.weight", (s.hidden,)), (b + "ffn_gate_inp.weight", (e, s.hidden)),
+                    (b + "ffn_gate_inp.bias", (e,))]
+            for proj, shape in (("gate", (e, s.ffn, s.hidden)), ("up", (e, s.ffn, s.hidden)),
+                                ("down", (e, s.hidden, s.ffn))):
+                out += [(b + f"ffn_{proj}_exps.weight", shape), (b + f"ffn_{proj}_exps.bias", shape[:2])]
+            continue
+        out.append((b + "ffn_norm.weight", (s.hidden,)))
         if s.experts:
             e = s.experts
             out += [(b + "attn_q_norm.weight", (s.head_dim,)), (b + "attn_k_norm.weight", (s.head_dim,)),
@@ -113,13 +129,18 @@ def write_f16(name: str, path: Path, tokenizer_source: Path) -> None:
         w.add_expert_count(s.experts)
         w.add_expert_used_count(s.top_k)
         w.add_expert_feed_forward_length(s.ffn)
+    if s.oss:
+        w.add_sliding_window(128)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
     for key, field in src.fields.items():
         if key.startswith("tokenizer."):
             sub = field.types[1] if len(field.types) > 1 else None
             w.add_key_value(key, field.contents(), field.types[0], sub)
     layout = tensors(s, vocab)
-    def is_f16(tname: str, shape: tuple[int, ...]) -> bool:  # llama.cpp keeps the router in F32
-        return len(shape) > 1 and "ffn_gate_inp" not in tname
+    def is_f16(tname: str, shape: tuple[int, ...]) -> bool:  # llama.cpp keeps the router and biases in F32
+        return len(shape) > 1 and "ffn_gate_inp" not in tname and not tname.endswith(".bias")
 
     for tname, shape in layout:
         dtype = np.float16 if is_f16(tname, shape) else np.float32
@@ -145,7 +166,7 @@ def quantize(src: Path, dst: Path, ftype: str) -> None:
 
     set_verbose(False)  # llama.cpp's per-tensor log: errors only
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{FTYPE_OF.get(ftype, ftype)}")
     params.nthread = os.cpu_count() or 1
     tmp = dst.with_suffix(".tmp")
     if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
