@@ -195,6 +195,37 @@ int llmd_silu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t ro
     return 0;
 }
 
+/* gpt-oss's clamped SwiGLU: y[t, i] = (clamp(u, -limit, limit) + 1) * (a * sigmoid(a * alpha)), a = min(gate, limit),
+ * u = up, with transformers' operations in its order (clamp, multiply, sigmoid = 1 / (1 + exp(-z)), multiply, add,
+ * multiply), each rounded once, and silu_mul's exp. A NaN stays a NaN through the clamps, as in torch.clamp. */
+int llmd_swiglu_clamped_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t rows, int64_t n, float alpha,
+                            float limit) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *gate = g + t * ldg, *up = gate + n;
+        float *yr = y + t * ldy;
+        int64_t i = 0;
+#if SIMD
+        const __m256 one = _mm256_set1_ps(1.0f), va = _mm256_set1_ps(alpha), hi = _mm256_set1_ps(limit),
+                     lo = _mm256_set1_ps(-limit);
+        for (; i + 8 <= n; i += 8) {
+            /* min/max return their second operand when either is a NaN: the value, so it propagates */
+            const __m256 a = _mm256_min_ps(hi, _mm256_loadu_ps(gate + i));
+            const __m256 u = _mm256_max_ps(lo, _mm256_min_ps(hi, _mm256_loadu_ps(up + i)));
+            const __m256 z = _mm256_mul_ps(a, va);
+            const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+            _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_add_ps(u, one), _mm256_mul_ps(a, s)));
+        }
+#endif
+        for (; i < n; i++) {
+            const float a = gate[i] > limit ? limit : gate[i];
+            const float u = up[i] > limit ? limit : up[i] < -limit ? -limit : up[i];
+            const float s = 1.0f / (1.0f + expf(-(a * alpha)));
+            yr[i] = (u + 1.0f) * (a * s);
+        }
+    }
+    return 0;
+}
+
 /* out[t] = the index of the largest x[t, i], the first of equal ones, a NaN counting as the largest (torch.argmax's
  * answer). The vector pass keeps each lane's first maximum; a row holding a NaN is scanned again in plain C. */
 static int64_t argmax_scalar(const float *x, int64_t n) {

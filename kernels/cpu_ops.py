@@ -1,7 +1,7 @@
 """The fp32 glue of a decoder layer on the CPU, from cpu_ops.c (compiled into llmd.kernels.cpu_gemm's library):
-RMSNorm, RoPE in place, SiLU(gate) * up and GELU-tanh(gate) * up, the paged KV write, and attention: decode tokens,
-and causal chunks of new tokens (prefill, speculative verify), with an optional sliding window, logit soft-cap and
-per-head sink logits.
+RMSNorm, RoPE in place, SiLU(gate) * up, GELU-tanh(gate) * up and gpt-oss's clamped SwiGLU, the paged KV write, and
+attention: decode tokens, and causal chunks of new tokens (prefill, speculative verify), with an optional sliding
+window, logit soft-cap and per-head sink logits.
 
 A layer's KV cache is the pair (k_cache, v_cache) [num_blocks, block_size, kv_heads, d] in fp32, fp16 or bf16, or
 the 4-tuple (k, v, k_scale, v_scale) of llmd.model.kv_int8 (int8 values, fp32 scales [num_blocks, block_size,
@@ -72,14 +72,15 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llmd_rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
     lib.llmd_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
     lib.llmd_gelu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    lib.llmd_swiglu_clamped_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, f32, f32]
     lib.llmd_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, kv]
     lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, i64, kv, ptr, i64, ptr, i64, f32, i64, f32, ptr, ptr,
                                           i64, cint]
     lib.llmd_prefill_attention.argtypes = [ptr, i64, i64, i64, kv, ptr, i64, i64, f32, i64, f32, ptr, ptr, i64,
                                            cint]
     lib.llmd_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
-    for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_gelu_mul, lib.llmd_write_kv, lib.llmd_decode_attention,
-               lib.llmd_prefill_attention, lib.llmd_argmax_rows):
+    for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_gelu_mul, lib.llmd_swiglu_clamped_mul,
+               lib.llmd_write_kv, lib.llmd_decode_attention, lib.llmd_prefill_attention, lib.llmd_argmax_rows):
         fn.restype = cint
     return lib
 
@@ -174,15 +175,22 @@ def gelu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
     return _gated(gate_up, n, "llmd_gelu_mul")
 
 
-def _gated(gate_up: torch.Tensor, n: int, fn: str) -> torch.Tensor | None:
-    """One C gated-activation call (`fn`: llmd_silu_mul or llmd_gelu_mul) into a new [T, n], or None."""
+def swiglu_clamped_mul(gate_up: torch.Tensor, n: int, alpha: float, limit: float) -> torch.Tensor | None:
+    """gpt-oss's clamped SwiGLU for the fused gate/up output [T, 2n]: gate clamped above at limit, up to [-limit,
+    limit], (up + 1) * (gate * sigmoid(gate * alpha)) in transformers' order of operations (alpha and limit as fp32)."""
+    return _gated(gate_up, n, "llmd_swiglu_clamped_mul", alpha, limit)
+
+
+def _gated(gate_up: torch.Tensor, n: int, fn: str, *params: float) -> torch.Tensor | None:
+    """One C gated-activation call (`fn`: llmd_silu_mul, llmd_gelu_mul, llmd_swiglu_clamped_mul with its params) into
+    a new [T, n], or None."""
     ok = gate_up.dim() == 2 and gate_up.shape[1] == 2 * n and _plain(gate_up)
     lib = load() if ok else None
     if lib is None:
         return None
     t = gate_up.shape[0]
     y = gate_up.new_empty((t, n))
-    getattr(lib, fn)(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), n, t, n)
+    getattr(lib, fn)(gate_up.data_ptr(), gate_up.stride(0), y.data_ptr(), n, t, n, *params)
     return y
 
 
@@ -308,6 +316,9 @@ def _self_check() -> None:
     gu = torch.randn(3, 2 * 20, generator=g)
     checks.append(("silu_mul", silu_mul(gu, 20), F.silu(gu[:, :20]) * gu[:, 20:]))
     checks.append(("gelu_mul", gelu_mul(gu * 3, 20), F.gelu(gu[:, :20] * 3, approximate="tanh") * gu[:, 20:] * 3))
+    gate, up = gu[:, :20].clamp(max=1.5) * 4, gu[:, 20:].clamp(min=-1.5, max=1.5) * 4  # beyond the limit (6) too
+    checks.append(("swiglu_clamped_mul", swiglu_clamped_mul(gu * 4, 20, 1.702, 6.0),
+                   (up + 1) * (gate * torch.sigmoid(gate * 1.702))))
     cos, sin = torch.randn(3, 1, 8, generator=g), torch.randn(3, 1, 8, generator=g)
     qk = torch.randn(3, 4 * 8, generator=g)
     want = qk.view(3, 4, 8) * cos + qk.view(3, 4, 8).roll(4, dims=-1) * sin

@@ -1,6 +1,6 @@
-"""The compiled fp32 glue ops (llmd.kernels.cpu_ops) against their torch forms: RMSNorm, RoPE, SiLU * up, the paged
-KV write and decode attention (GQA ratios 1/3/8, partial blocks, a subset of rows, sliding windows, soft-caps), and
-decode attention's batch and thread invariance. Where no C compiler exists every op returns None/False; the tests then
+"""The compiled fp32 glue ops (llmd.kernels.cpu_ops) against their torch forms: RMSNorm, RoPE, SiLU * up, gpt-oss's
+clamped SwiGLU, the paged KV write and decode attention (GQA ratios 1/3/8, partial blocks, a subset of rows, sliding
+windows, soft-caps), and decode attention's batch and thread invariance. Where no C compiler exists every op returns None/False; the tests then
 check that instead."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from llmd.kernels import cpu_ops
 from llmd.model.attention import AttentionMetadata, torch_paged_attention
-from llmd.model.ops import apply_rope, greedy_tokens
+from llmd.model.ops import apply_rope, greedy_tokens, torch_swiglu_clamped_mul
 
 HAVE_OPS = cpu_ops.load() is not None
 
@@ -59,6 +59,23 @@ def test_silu_mul(rows, n):
         return
     torch.testing.assert_close(got, F.silu(gate_up[:, :n]) * gate_up[:, n:], rtol=2e-6, atol=1e-6)
     assert torch.equal(cpu_ops.silu_mul(gate_up[-1:], n), got[-1:])
+
+
+@pytest.mark.parametrize("rows,n", [(1, 2880), (9, 13)])
+def test_swiglu_clamped_mul(rows, n):
+    """gpt-oss's clamped SwiGLU against transformers' torch ops: values past the limit on both sides, exp's clamps,
+    and a NaN (kept, as torch.clamp keeps it) in the vector part and in the scalar tail."""
+    gate_up = torch.randn(rows, 2 * n, generator=_gen()) * 6
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    gate_up[-1, [1, n - 2, n + 2, 2 * n - 1]] = float("nan")
+    got = cpu_ops.swiglu_clamped_mul(gate_up, n, 1.702, 7.0)
+    if not HAVE_OPS:
+        assert got is None
+        return
+    torch.testing.assert_close(got, torch_swiglu_clamped_mul(gate_up, n, 1.702, 7.0), rtol=2e-6, atol=1e-6,
+                               equal_nan=True)
+    assert got[-1].isnan().sum() == 4
+    assert torch.equal(cpu_ops.swiglu_clamped_mul(gate_up[-1:], n, 1.702, 7.0).nan_to_num(), got[-1:].nan_to_num())
 
 
 def test_write_kv_and_a_bad_slot():

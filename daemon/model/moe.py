@@ -110,7 +110,8 @@ class ExpertLinear(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU MLPs: down(silu(gate(x)) * up(x)), gate and up as one projection.
+    """E SwiGLU MLPs: down(act(gate(x), up(x))), gate and up as one projection, act SiLU(gate) * up or gpt-oss's
+    clamped SwiGLU (MoEConfig.activation; both are ops of the bound table), each projection with or without biases.
 
     `prepare` chooses once how `forward` runs them: one compiled C call per step (llmd.kernels.cpu_moe, through
     quant.gguf_experts.cpu_experts_kernel) where both projections are packed GGUF experts without bias, the activation
@@ -147,11 +148,8 @@ class Experts(nn.Module):
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.moe.activation == "silu":
             return self.ops.silu_mul(gate_up, self.intermediate_size)
-        # gpt-oss, in transformers' order of operations
-        limit = self.moe.swiglu_limit
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * self.moe.swiglu_alpha))
+        return self.ops.swiglu_clamped_mul(gate_up, self.intermediate_size, self.moe.swiglu_alpha,
+                                           self.moe.swiglu_limit)  # gpt-oss
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, hidden], each token's experts ids [T, k] and weights [T, k] -> [T, hidden]."""

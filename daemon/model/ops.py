@@ -1,5 +1,6 @@
-"""The per-token glue ops of a decoder layer (RMSNorm, RoPE, SiLU * up, GELU-tanh * up), bound once per model to the C library or to
-torch, so each `forward` in llmd.model.llama has one line per op and no device branch.
+"""The per-token glue ops of a decoder layer (RMSNorm, RoPE, SiLU * up, GELU-tanh * up, gpt-oss's clamped SwiGLU),
+bound once per model to the C library or to torch, so each `forward` in llmd.model.llama (and llmd.model.moe) has one
+line per op and no device branch.
 
 `choose_ops(device, dtype)` picks the table when the model is prepared for its device (llmd.model.loader): `CPU_OPS`
 on the CPU with fp32 weights where the compiled ops (llmd.kernels.cpu_ops) load, else `TORCH_OPS`. A C op still
@@ -50,6 +51,12 @@ def torch_gelu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def torch_swiglu_clamped_mul(gate_up: torch.Tensor, n: int, alpha: float, limit: float) -> torch.Tensor:
+    gate, up = gate_up.split(n, dim=-1)  # transformers' order of operations (gpt-oss)
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def c_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     y = cpu_ops.rms_norm(x, weight, eps)
     return y if y is not None else torch_rms_norm(x, weight, eps)
@@ -71,6 +78,11 @@ def c_gelu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
     return y if y is not None else torch_gelu_mul(gate_up, n)
 
 
+def c_swiglu_clamped_mul(gate_up: torch.Tensor, n: int, alpha: float, limit: float) -> torch.Tensor:
+    y = cpu_ops.swiglu_clamped_mul(gate_up, n, alpha, limit)
+    return y if y is not None else torch_swiglu_clamped_mul(gate_up, n, alpha, limit)
+
+
 @dataclass(frozen=True)
 class Ops:
     """One implementation of each op."""
@@ -85,10 +97,14 @@ class Ops:
     silu_mul: Callable[[torch.Tensor, int], torch.Tensor]
     # (gate_up [T, 2n], n) -> gelu_tanh(gate) * up [T, n] (GeGLU: Gemma)
     gelu_mul: Callable[[torch.Tensor, int], torch.Tensor]
+    # (gate_up [T, 2n], n, alpha, limit) -> (clamp(up, -limit, limit) + 1) * (g * sigmoid(g * alpha)) [T, n],
+    # g = min(gate, limit): gpt-oss's clamped SwiGLU
+    swiglu_clamped_mul: Callable[[torch.Tensor, int, float, float], torch.Tensor]
 
 
-TORCH_OPS = Ops("torch", torch_rms_norm, torch_rope, torch_silu_mul, torch_gelu_mul)
-CPU_OPS = Ops("cpu", c_rms_norm, c_rope, c_silu_mul, c_gelu_mul)
+TORCH_OPS = Ops("torch", torch_rms_norm, torch_rope, torch_silu_mul, torch_gelu_mul,
+                torch_swiglu_clamped_mul)
+CPU_OPS = Ops("cpu", c_rms_norm, c_rope, c_silu_mul, c_gelu_mul, c_swiglu_clamped_mul)
 
 
 def choose_ops(device: torch.device, dtype: torch.dtype) -> Ops:
