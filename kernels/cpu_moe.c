@@ -1,6 +1,7 @@
 /* A mixture-of-experts layer's experts for one step in one call (llama.cpp's mul_mat_id), on packed GGUF experts:
- *   out[t] = sum over the slots j of token t, in slot order, of weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)),
- *   e = ids[t, j].
+ *   out[t] = sum over the slots j of token t, in slot order, of weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t))),
+ *   e = ids[t, j], act silu(gate) * up or gpt-oss's clamped SwiGLU (llmd_swiglu_clamped_mul), each projection
+ *   optionally biased per expert (its output row + bias[e], as the Python path adds it).
  * The step's (token, slot) pairs are sorted by expert (a stable counting sort), so expert e's pairs are consecutive
  * rows and its weights are read once for all of them: at decode only the chosen experts' rows are read, at prefill each
  * expert's tokens are one matmul over its rows (cpu_gemm.c's tiles, chosen by that expert's row count). One parallel
@@ -8,11 +9,13 @@
  *   1. each token's activations prepared once for the gate_up path (quantized on the int8 / int16 paths), copied to
  *      its pairs, and each expert's group of rows made;
  *   2. every (expert, part)'s gate_up columns shared out among the threads (llmd_gx_run);
- *   3. per pair, silu(gate) * up (llmd_silu_mul), prepared for the down path; the groups made;
+ *   3. per pair, its expert's gate_up bias added, the activation (llmd_silu_mul or llmd_swiglu_clamped_mul, cpu_ops.c),
+ *      prepared for the down path; the groups made;
  *   4. down, as 2;
- *   5. per token, its k outputs times their weights, summed in slot order.
- * Exactness: a row's output is llmd_gguf_parts_matmul(_q8, _q16)'s for that row alone (cpu_gguf.h), silu_mul goes row
- * by row, and the sum takes the slots in order with one rounding per product and per addition (-ffp-contract=off), as
+ *   5. per token, its k outputs plus their experts' down biases, times their weights, summed in slot order.
+ * Exactness: a row's output is llmd_gguf_parts_matmul(_q8, _q16)'s for that row alone (cpu_gguf.h), a bias is one
+ * rounded addition per value, the activations go row by row (the ops the Python path calls), and the sum takes the
+ * slots in order with one rounding per product and per addition (-ffp-contract=off), as
  * torch's `out = out + slots[:, j] * w[:, j]` does: the Python grouping's very bits (llmd.model.moe.Experts), whatever
  * the step's other tokens, the thread count or the order the experts run in. */
 #include <stdlib.h>
@@ -129,6 +132,7 @@ int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T
                      const float *weights, float *out, int64_t ldo, int64_t *hits, int nthreads) {
     const int64_t E = moe->experts, H = moe->hidden, I = moe->inter;
     if (E <= 0 || H <= 0 || I <= 0 || T < 0 || k <= 0 || k > E) return -1;
+    if (moe->activation != LLMD_MOE_SILU && moe->activation != LLMD_MOE_SWIGLU_CLAMPED) return -1;
     if (check_parts(moe->gate_up, E, moe->gate_up_parts, (int)moe->gate_up_act, H, 2 * I) ||
         check_parts(moe->down, E, moe->down_parts, (int)moe->down_act, I, H))
         return -1;
@@ -147,7 +151,7 @@ int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T
     float *gu_out = (float *)take(&a, (size_t)(P * 2 * I) * sizeof(float));
     float *down_out = (float *)take(&a, (size_t)(P * H) * sizeof(float));
     const int64_t ldh = (I + 15) / 16 * 16;
-    float *hidden = (float *)take(&a, (size_t)(nthreads * ldh) * sizeof(float)); /* a thread's silu(gate) * up */
+    float *hidden = (float *)take(&a, (size_t)(nthreads * ldh) * sizeof(float)); /* a thread's activation row */
     if (a.failed) {
         release(&a);
         return -2;
@@ -194,11 +198,17 @@ int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T
         /* 2. gate_up */
         llmd_gx_run(gu.jobs, A * gu.np, tid, nth, scratch + sb * (size_t)tid);
 #pragma omp barrier
-        /* 3. silu(gate) * up, prepared for down */
+        /* 3. the bias, the activation, prepared for down */
         float *h = hidden + ldh * tid;
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < P; s++) {
-            llmd_silu_mul(gu_out + s * 2 * I, 2 * I, h, I, 1, I);
+            float *g = gu_out + s * 2 * I;
+            if (moe->gate_up_bias) {
+                const float *b = moe->gate_up_bias + ids[order[s]] * 2 * I;
+                for (int64_t c = 0; c < 2 * I; c++) g[c] = g[c] + b[c];
+            }
+            if (moe->activation == LLMD_MOE_SILU) llmd_silu_mul(g, 2 * I, h, I, 1, I);
+            else llmd_swiglu_clamped_mul(g, 2 * I, h, I, 1, I, moe->alpha, moe->limit);
             for (int64_t i = 0; i < dn.np; i++)
                 if (dn.layout[i] == i) llmd_gx_prepare(&dn.pair[i], s, h);
         }
@@ -207,10 +217,15 @@ int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T
         /* 4. down */
         llmd_gx_run(dn.jobs, A * dn.np, tid, nth, scratch + sb * (size_t)tid);
 #pragma omp barrier
-        /* 5. the weighted sum in slot order */
+        /* 5. the biases, then the weighted sum in slot order */
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < T; t++) {
             float *o = out + t * ldo;
+            for (int64_t j = 0; moe->down_bias && j < k; j++) {
+                float *y = down_out + pos[t * k + j] * H;
+                const float *b = moe->down_bias + ids[t * k + j] * H;
+                for (int64_t c = 0; c < H; c++) y[c] = y[c] + b[c];
+            }
             const float *y0 = down_out + pos[t * k] * H;
             const float w0 = weights[t * k];
             for (int64_t c = 0; c < H; c++) o[c] = y0[c] * w0;

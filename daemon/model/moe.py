@@ -114,10 +114,9 @@ class Experts(nn.Module):
     clamped SwiGLU (MoEConfig.activation; both are ops of the bound table), each projection with or without biases.
 
     `prepare` chooses once how `forward` runs them: one compiled C call per step (llmd.kernels.cpu_moe, through
-    quant.gguf_experts.cpu_experts_kernel) where both projections are packed GGUF experts without bias, the activation
-    is SiLU (not gpt-oss's clamped one), on the CPU with fp32 activations, the C ops bound (the call's SiLU * up is
-    theirs) and the library loads; else `grouped`, the grouping in Python, which is the reference the C call equals
-    bit for bit."""
+    quant.gguf_experts.cpu_experts_kernel) where both projections are packed GGUF experts, on the CPU with fp32
+    activations, the C ops bound (the call's activation is theirs) and the library loads; else `grouped`, the grouping
+    in Python, which is the reference the C call equals bit for bit."""
 
     ops: Ops = TORCH_OPS
 
@@ -141,8 +140,8 @@ class Experts(nn.Module):
         from .quant.gguf_experts import cpu_experts_kernel
 
         self.kernel = None
-        if self.ops is CPU_OPS and self.moe.activation == "silu":
-            self.kernel = cpu_experts_kernel(self.gate_up_proj, self.down_proj, torch.device(device), dtype)
+        if self.ops is CPU_OPS:
+            self.kernel = cpu_experts_kernel(self.gate_up_proj, self.down_proj, torch.device(device), dtype, self.moe)
         self.prepared = True
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,8 @@ llmd.model.moe.Experts.prepare, with the per-expert layers' very bits.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch import nn
@@ -21,6 +23,9 @@ from llmd.kernels import gguf_blocks as gb
 
 from ...errors import ModelFileError
 from .gguf_layers import GGUFConcat, GGUFLinear
+
+if TYPE_CHECKING:
+    from ..config import MoEConfig
 
 
 class ExpertBlocks(nn.Module):
@@ -95,14 +100,17 @@ class GGUFExpertLinear(nn.Module):
         return f"experts={self.num_experts}, in={self.in_features}, types={[p.type_name for p in self.parts]}"
 
 
-def cpu_experts_kernel(gate_up: nn.Module, down: nn.Module, device: torch.device,
-                       dtype: torch.dtype) -> cpu_moe.MoEKernel | None:
+def cpu_experts_kernel(gate_up: nn.Module, down: nn.Module, device: torch.device, dtype: torch.dtype,
+                       moe: MoEConfig) -> cpu_moe.MoEKernel | None:
     """The compiled kernel running a layer's experts in one C call (llmd.kernels.cpu_moe), on the activation path
-    their own GGUFKernels take, where both projections are GGUFExpertLinear without bias on the CPU, for fp32
-    activations where the library loads; else None (the experts run one packed layer each)."""
+    their own GGUFKernels take, with their biases and the layer's activation, where both projections are
+    GGUFExpertLinear on the CPU, for fp32 activations where the library loads; else None (the experts run one packed
+    layer each)."""
     if device.type != "cpu" or not isinstance(gate_up, GGUFExpertLinear) or not isinstance(down, GGUFExpertLinear):
         return None
-    if dtype != torch.float32 or gate_up.bias is not None or down.bias is not None:
+    if dtype != torch.float32:
         return None
     return cpu_moe.moe_kernel([(p.qweight, p.type_name) for p in gate_up.parts],
-                              [(p.qweight, p.type_name) for p in down.parts])  # None where the library is off
+                              [(p.qweight, p.type_name) for p in down.parts], biases=(gate_up.bias, down.bias),
+                              activation=moe.activation, alpha=moe.swiglu_alpha,
+                              limit=moe.swiglu_limit)  # None where the library is off
