@@ -110,21 +110,45 @@ def packed_qwen3_moe(moe_ggufs):
     return load_model(moe_ggufs["qwen3_moe", "Q8_0"], dtype=torch.float32, device="cpu")
 
 
-def test_packed_experts_run_as_one_c_call_with_the_python_groupings_bits(packed_qwen3_moe):
-    """Loaded on the CPU, each MoE layer's packed experts are chosen to run as one C call per step
-    (llmd.kernels.cpu_moe); the logits are the Python grouping's (Experts.grouped) bit for bit."""
-    layers = [m for m in packed_qwen3_moe.model.modules() if isinstance(m, Experts)]
+@pytest.fixture(scope="module")
+def packed_gpt_oss(moe_ggufs):
+    """gpt-oss's Q8_0 experts (biased, the clamped SwiGLU) on the default path."""
+    return load_model(moe_ggufs["gpt_oss", "Q8_0"], dtype=torch.float32, device="cpu")
+
+
+def assert_compiled_experts(lm, acts: tuple[str, str] | None = None) -> bool:
+    """Every MoE layer of `lm` chose the one C call (of the layer's activation, with its biases) where the library
+    builds, else the Python grouping; True where compiled."""
+    layers = [m for m in lm.model.modules() if isinstance(m, Experts)]
+    assert layers
     if not cpu_gemm.available():
         assert all(m.kernel is None for m in layers)
+        return False
+    for m in layers:
+        assert isinstance(m.kernel, cpu_moe.MoEKernel) and m.kernel.activation == m.moe.activation
+        assert (m.kernel.moe.gate_up_bias is not None) == (m.gate_up_proj.bias is not None)
+        assert (m.kernel.moe.down_bias is not None) == (m.down_proj.bias is not None)
+        assert acts is None or m.kernel.acts == acts
+    return True
+
+
+@pytest.mark.parametrize("kind", ["packed_qwen3_moe", "packed_gpt_oss"])
+def test_packed_experts_run_as_one_c_call_with_the_python_groupings_bits(kind, request):
+    """Loaded on the CPU, each MoE layer's packed experts are chosen to run as one C call per step
+    (llmd.kernels.cpu_moe), gpt-oss's biased experts with the clamped SwiGLU too; the logits are the Python grouping's
+    (Experts.grouped) bit for bit."""
+    lm = request.getfixturevalue(kind)
+    if not assert_compiled_experts(lm, ("int8", "int8")):
         return
-    assert layers and all(isinstance(m.kernel, cpu_moe.MoEKernel) and m.kernel.acts == ("int8", "int8")
-                          for m in layers)
-    compiled = logits_of(packed_qwen3_moe)
+    layers = [m for m in lm.model.modules() if isinstance(m, Experts)]
+    assert kind != "packed_gpt_oss" or all(m.moe.activation == "swiglu_clamped" and m.down_proj.bias is not None
+                                           for m in layers)
+    compiled = logits_of(lm)
     kernels = [m.kernel for m in layers]
     try:
         for m in layers:
             m.kernel = None  # prepared: forward takes the Python grouping
-        grouped = logits_of(packed_qwen3_moe)
+        grouped = logits_of(lm)
     finally:
         for m, kernel in zip(layers, kernels):
             m.kernel = kernel
@@ -132,7 +156,7 @@ def test_packed_experts_run_as_one_c_call_with_the_python_groupings_bits(packed_
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-@pytest.mark.parametrize("kind", ["packed_qwen3_moe", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["packed_qwen3_moe", "glm4_moe", "gpt_oss", "packed_gpt_oss"])
 def test_engine_batched_and_prefix_hits_equal_alone(kind, request, moe_models):
     lm = request.getfixturevalue(kind) if kind.startswith("packed") else \
         load_model(moe_models[kind], dtype=torch.float32, device="cpu")
@@ -300,6 +324,8 @@ def test_gpt_oss_forms_match_transformers(gpt_oss_forms, monkeypatch):
         lm = load_model(gpt_oss_forms[form], dtype=torch.float32, device="cpu")
         packed = [m for m in lm.model.modules() if isinstance(m, GGUFExpertLinear)]
         assert (form != "fp") == bool(packed) and all(p.type_name == "MXFP4" for m in packed for p in m.parts)
+        if packed:  # the MXFP4 experts run as one C call per layer and step
+            assert_compiled_experts(lm, ("fp32", "fp32"))
         diff = (our_logits(lm, prompt, decode) - expected).abs().max().item()
         assert diff < TOLERANCE, f"gpt-oss {form}: max |logit difference| {diff:.2e}"
 
