@@ -3,8 +3,9 @@ llmd.model.moe.Experts.prepare) against the Python grouping it replaces (Experts
 hit, the C SiLU * up, the weighted sum in slot order), bit for bit: several types (gate, up and down of one type, and
 Q4_K_M's mixes), 1, 3 and 64 tokens, 1, 2 and 8 experts per token, experts hit by no token, one and many, on each
 activation path (fp32, int8, int16 where the types take it), with several thread counts; and gpt-oss's experts
-(biases on both projections, the clamped SwiGLU of the C ops) in MXFP4 and Q8_0, with 1, 2 and 4 experts per token. A row's output does not
-depend on its step; the expert counts add up; bad ids are refused; the compiled path is chosen only where it applies.
+(biases on both projections, the clamped SwiGLU of the C ops) in MXFP4 and Q8_0, with 1, 2 and 4 experts per token.
+A row's output does not depend on its step; the expert counts add up; bad ids are refused; the compiled path is chosen
+only where it applies.
 
 Where no C compiler exists no kernel is made; the tests then check that branch instead of skipping."""
 

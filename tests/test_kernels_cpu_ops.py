@@ -1,7 +1,7 @@
 """The compiled fp32 glue ops (llmd.kernels.cpu_ops) against their torch forms: RMSNorm, RoPE, SiLU * up, gpt-oss's
 clamped SwiGLU, the paged KV write and decode attention (GQA ratios 1/3/8, partial blocks, a subset of rows, sliding
-windows, soft-caps), and decode attention's batch and thread invariance. Where no C compiler exists every op returns None/False; the tests then
-check that instead."""
+windows, soft-caps), and decode attention's batch and thread invariance. Where no C compiler exists every op returns
+None/False; the tests then check that instead."""
 
 from __future__ import annotations
 
