@@ -5,8 +5,8 @@ mul_mat_id; compiled into llmd.kernels.cpu_gemm's library).
 token's chosen experts' SwiGLU MLPs (gate/up, its bias, the C activation: SiLU * up or gpt-oss's clamped SwiGLU of
 cpu_ops, down, its bias) with each expert's GGUFKernel arithmetic on the activation path a packed layer takes
 (cpu_gemm.gguf_act: fp32, int8 or int16, chosen once per projection), then the outputs times their weights summed in
-slot order. The pairs are grouped by expert in C, each token's activations are
-quantized once (not once per expert), and the phases run in one OpenMP region instead of a few C calls per expert.
+slot order. The pairs are grouped by expert in C, each token's activations are quantized once (not once per expert),
+and the phases run in one OpenMP region instead of a few C calls per expert.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from llmd.model.moe import Experts  # noqa: E402
 from llmd.model.ops import CPU_OPS  # noqa: E402
 from llmd.model.quant.gguf_experts import GGUFExpertLinear  # noqa: E402
 
+
 @dataclass(frozen=True)
 class Shape:
     hidden: int
