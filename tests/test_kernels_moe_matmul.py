@@ -181,6 +181,55 @@ def test_empty_step_and_bad_weights_are_refused_by_name():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# llmd.model.moe.Experts: the kernel over its own weights (fp and packed), against its Python grouping path
+# ---------------------------------------------------------------------------------------------------------------
+
+def experts_block(packed: bool, activation: str = "silu", device: str = DEVICE):
+    from llmd.model.config import MoEConfig
+    from llmd.model.moe import Experts
+    from llmd.model.quant.gguf_experts import GGUFExpertLinear
+
+    hidden, inter = 64, 32
+    moe = MoEConfig(num_experts=E, top_k=2, intermediate_size=inter, activation=activation, swiglu_limit=1.5)
+    block = Experts(hidden, moe, bias=activation != "silu")
+    g = torch.Generator().manual_seed(0)
+    for proj in (block.gate_up_proj, block.down_proj):
+        proj.weight.data = torch.randn(proj.weight.shape, generator=g) / proj.in_features ** 0.5
+        if proj.bias is not None:
+            proj.bias.data = torch.randn(proj.bias.shape, generator=g) * 0.1
+    if packed:  # gate and up as two Q8_0 parts, as a GGUF file's ffn_gate_exps / ffn_up_exps load
+        block.gate_up_proj = GGUFExpertLinear(E, hidden, [(inter, "Q8_0"), (inter, "Q8_0")])
+        block.down_proj = GGUFExpertLinear(E, inter, [(hidden, "Q8_0")])
+        for i, p in enumerate([*block.gate_up_proj.parts, *block.down_proj.parts]):
+            p.qweight.copy_(part("Q8_0", E, p.out_features, p.in_features, torch.float32, i)[0].cpu())
+    return block.to(device)
+
+
+@pytest.mark.parametrize("packed,activation", [(False, "swiglu_clamped"), (True, "silu")])
+def test_experts_block_through_the_kernel_equals_its_python_path(packed, activation, monkeypatch):
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")  # the CPU's packed kernel on the exact weights, not int8 inputs
+    block = experts_block(packed, activation, device="cpu")
+    t = 9
+    x = torch.randn(t, 64, generator=torch.Generator().manual_seed(1))
+    ids, weights = (v.cpu() for v in routing(t, 2, E, seed=4))
+    python = block(x, ids, weights)
+    assert block.prepared and block.kernel is None  # the CPU's choice for unbound ops: the Python grouping
+    block = block.to(DEVICE)
+    kernel = block.triton_kernel(torch.device(DEVICE), torch.float32)
+    assert kernel is not None
+    _close(kernel(x.to(DEVICE), ids.to(DEVICE), weights.to(DEVICE)).cpu(), python, torch.float32)
+    counted = torch.bincount(ids.reshape(-1).cpu(), minlength=E)
+    assert block.hit_counts() == (2 * counted).tolist()  # the Python path's and the kernel's (on its device)
+
+
+def test_experts_block_keeps_its_python_path_for_weights_the_kernel_cannot_take(caplog):
+    block = experts_block(False)
+    with caplog.at_level("INFO", logger="llmd.model.moe"):
+        assert block.triton_kernel(torch.device(DEVICE), torch.float16) is None  # fp32 weights, fp16 activations
+    assert "keeps the per-expert path: fp expert weights must be" in caplog.text
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # GPU (run by tests/gpu/run_gpu_checks.sh, moe stage): autotuned, bf16, and Experts choosing the kernel on CUDA
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -193,3 +242,25 @@ def test_autotuned_kernel_on_gpu(name):
         ids, weights = routing(t, k, 32, seed=t)
         _close(mm.moe_matmul(x, ids, weights, gate_up, down, act), mm.moe_matmul_ref(x, ids, weights, gate_up,
                                                                                      down, act), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_experts_on_cuda_choose_the_kernel(packed):
+    """Prepared on CUDA, Experts runs the fused kernel (no host sync in its step: it runs while the stream captures
+    a CUDA graph) and computes its Python path's result; hits are counted on the device."""
+    block = experts_block(packed).to("cuda")
+    x = torch.randn(5, 64, device="cuda")
+    ids, weights = routing(5, 2, E, seed=1)
+    block.prepare(torch.device("cuda"), torch.float32)
+    assert block.kernel is not None
+    out = block(x, ids, weights)
+    python = experts_block(packed, device="cpu")(x.cpu(), ids.cpu(), weights.cpu())
+    _close(out.cpu(), python, torch.float32)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = block(x, ids, weights)
+    graph.replay()
+    torch.cuda.synchronize()
+    _close(captured, out, torch.float32)
+    assert sum(block.hit_counts()) == 3 * ids.numel()  # the call, the capture, the replay

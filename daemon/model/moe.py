@@ -7,7 +7,10 @@ Experts are one [E, out, in] tensor per projection (`experts.gate_up_proj`, gate
 projection answers `expert(e, x)`, x holding only the rows routed to expert e. The step's (token, slot) pairs are
 grouped by expert, so each expert reads its weights once per step whatever the number of tokens. Packed GGUF experts on
 the CPU in fp32 run the whole layer's experts as one C call per step instead (llmd.kernels.cpu_moe, chosen once by
-Experts.prepare), with the Python grouping's very bits; the grouping stays the reference and the path elsewhere.
+Experts.prepare), with the Python grouping's very bits. On CUDA where the Triton kernels load, they run as the fused
+kernel of llmd.kernels.moe_matmul (pairs sorted by expert on the device, one grouped launch per projection, no host
+sync, so decode steps are captured in CUDA graphs; equal to the grouping within rounding). The grouping stays the
+reference and the path elsewhere.
 
 Exactness: a token's k expert outputs land in their slots and are summed in slot order (the router's order), never in
 the order experts happen to run, and every expert kernel computes a row independently of the other rows; so a
@@ -21,6 +24,7 @@ is. The per-expert names are the canonical parts (`expert_parts`), a stacked ten
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Callable
 
@@ -30,6 +34,8 @@ from torch import nn
 
 from .config import ModelConfig, MoEConfig
 from .ops import CPU_OPS, TORCH_OPS, Ops
+
+log = logging.getLogger(__name__)
 
 # checkpoint spellings of the MoE parts -> ours
 _ALIASES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
@@ -105,6 +111,13 @@ class ExpertLinear(nn.Module):
         """x [m, in] -> [m, out] through expert e."""
         return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
 
+    def kernel_weights(self):
+        """Every expert's weight as the fused kernel takes it (llmd.kernels.moe_matmul.ExpertWeights)."""
+        from llmd.kernels.moe_matmul import ExpertWeights
+
+        return ExpertWeights(((self.weight.detach(), None),), self.in_features,
+                             None if self.bias is None else self.bias.detach())
+
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, in={self.in_features}, out={self.out_features}"
 
@@ -113,10 +126,11 @@ class Experts(nn.Module):
     """E SwiGLU MLPs: down(act(gate(x), up(x))), gate and up as one projection, act SiLU(gate) * up or gpt-oss's
     clamped SwiGLU (MoEConfig.activation; both are ops of the bound table), each projection with or without biases.
 
-    `prepare` chooses once how `forward` runs them: one compiled C call per step (llmd.kernels.cpu_moe, through
-    quant.gguf_experts.cpu_experts_kernel) where both projections are packed GGUF experts, on the CPU with fp32
-    activations, the C ops bound (the call's activation is theirs) and the library loads; else `grouped`, the grouping
-    in Python, which is the reference the C call equals bit for bit."""
+    `prepare` chooses once how `forward` runs them: on CUDA where the Triton kernels load, the fused kernel
+    (`triton_kernel`: fp or packed experts, either activation, biases) for the weights it takes; one compiled C call per
+    step (llmd.kernels.cpu_moe, through quant.gguf_experts.cpu_experts_kernel) where both projections are packed GGUF
+    experts, on the CPU with fp32 activations, the C ops bound (the call's activation is theirs) and the library loads;
+    else `grouped`, the grouping in Python, which is the reference the C call equals bit for bit."""
 
     ops: Ops = TORCH_OPS
 
@@ -128,21 +142,54 @@ class Experts(nn.Module):
         self.down_proj = ExpertLinear(moe.num_experts, moe.intermediate_size, hidden, bias)
         # tokens routed to each expert (stats); on the CPU even while the model is built on the meta device
         self.hits = torch.zeros(moe.num_experts, dtype=torch.int64, device="cpu")
-        self.kernel: Callable[..., torch.Tensor] | None = None  # the compiled path, set by prepare
+        self.kernel: Callable[..., torch.Tensor] | None = None  # (x, ids, weights, hits) -> out, set by prepare
+        self.kernel_for: tuple[str, torch.dtype] | None = None  # the (device type, dtype) it serves
+        self.device_hits: torch.Tensor | None = None  # the Triton kernel's counts, kept on its device (no sync)
         self.prepared = False
 
     def _apply(self, fn, recurse=True):
-        self.kernel, self.prepared = None, False  # a move drops the kernel (it holds the blocks' addresses)
+        self.kernel, self.kernel_for, self.prepared = None, None, False  # a move drops the kernel (its weights)
         return super()._apply(fn, recurse)
 
     def prepare(self, device: torch.device, dtype: torch.dtype) -> None:
         """Choose the compiled path or the Python grouping for activations of `dtype` on `device` (see the class)."""
+        import llmd.kernels as kernels
+
         from .quant.gguf_experts import cpu_experts_kernel
 
+        device = torch.device(device)
         self.kernel = None
-        if self.ops is CPU_OPS:
-            self.kernel = cpu_experts_kernel(self.gate_up_proj, self.down_proj, torch.device(device), dtype, self.moe)
+        if device.type == "cuda" and kernels.available():
+            self.kernel = self.triton_kernel(device, dtype)
+        elif self.ops is CPU_OPS:
+            self.kernel = cpu_experts_kernel(self.gate_up_proj, self.down_proj, device, dtype, self.moe)
+        self.kernel_for = (device.type, dtype) if self.kernel is not None else None
         self.prepared = True
+
+    def triton_kernel(self, device: torch.device, dtype: torch.dtype) -> Callable[..., torch.Tensor] | None:
+        """The fused Triton kernel over this block's weights (llmd.kernels.moe_matmul), or None, logged, where it
+        cannot take them (a GGUF type it has no dequantizer for, fp weights of another dtype)."""
+        from llmd.kernels import moe_matmul as mm
+
+        gate_up, down = self.gate_up_proj.kernel_weights(), self.down_proj.kernel_weights()
+        act = mm.Activation(self.moe.activation, self.moe.swiglu_alpha, self.moe.swiglu_limit)
+        try:
+            mm.check(gate_up, down, act, dtype, device)
+        except ValueError as exc:
+            log.info("mixture of experts on %s keeps the per-expert path: %s", device, exc)
+            return None
+        if self.device_hits is not None and self.device_hits.device != device:
+            self.hits += self.device_hits.cpu()
+            self.device_hits = None
+        if self.device_hits is None:
+            self.device_hits = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
+        hits = self.device_hits
+        return lambda x, ids, weights, _hits=None: mm.moe_matmul(x, ids, weights, gate_up, down, act, hits)
+
+    def hit_counts(self) -> list[int]:
+        """Tokens routed to each expert so far (the Triton kernel's counts are read from its device here)."""
+        hits = self.hits if self.device_hits is None else self.hits + self.device_hits.cpu()
+        return hits.tolist()
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.moe.activation == "silu":
@@ -154,7 +201,7 @@ class Experts(nn.Module):
         """x [T, hidden], each token's experts ids [T, k] and weights [T, k] -> [T, hidden]."""
         if not self.prepared:
             self.prepare(x.device, x.dtype)
-        if self.kernel is not None and x.dtype is torch.float32 and x.is_cpu:
+        if self.kernel is not None and (x.device.type, x.dtype) == self.kernel_for:
             return self.kernel(x, ids, weights, self.hits)
         return self.grouped(x, ids, weights)
 
@@ -247,4 +294,4 @@ def stacked_covers(name: str, moe: MoEConfig) -> set[str] | None:
 
 def expert_hits(model: nn.Module) -> list[list[int]]:
     """Tokens routed to each expert, per MoE layer, since the model loaded (for placement decisions and stats)."""
-    return [m.hits.tolist() for m in model.modules() if isinstance(m, Experts)]
+    return [m.hit_counts() for m in model.modules() if isinstance(m, Experts)]

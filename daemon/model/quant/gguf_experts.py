@@ -76,6 +76,13 @@ class GGUFExpertLinear(nn.Module):
         y = self._experts[e](x)
         return y if self.bias is None else y + self.bias[e].to(y.dtype)
 
+    def kernel_weights(self):
+        """Every expert's blocks as the fused kernel takes them (llmd.kernels.moe_matmul.ExpertWeights)."""
+        from llmd.kernels.moe_matmul import ExpertWeights
+
+        return ExpertWeights(tuple((p.qweight, p.type_name) for p in self.parts), self.in_features,
+                             None if self.bias is None else self.bias.detach())
+
     def fill(self, raw, source, rows: object) -> None:
         """Copy a stacked GGUF tensor's blocks into the part its rows name (None: the only part)."""
         start = rows[1].start if isinstance(rows, tuple) else None
