@@ -425,14 +425,16 @@ def _launch(x: torch.Tensor, proj: ExpertWeights, out: torch.Tensor, pairs: torc
     bias = proj.bias
     tg, tu = _type_args(kind_g, step), _type_args(kind_u, step)
     kernel = _moe_dot_kernel if cfg["USE_DOT"] else _moe_gemv_kernel
-    grid = (block_expert.numel(), triton.cdiv(inter, cfg["BLOCK_N"]))
+    # a gated program holds a gate and an up tile: BLOCK_N / 2 columns of each, the registers of BLOCK_N ungated
+    block_n = max(16, cfg["BLOCK_N"] // 2) if gated else cfg["BLOCK_N"]
+    grid = (block_expert.numel(), triton.cdiv(inter, block_n))
     kernel[grid](
         x, wg, wu_view, bias if bias is not None else out, out, pairs, block_expert,
         num_pairs, x_div, inter, proj.in_features, x.stride(0), out.stride(0), wg.stride(0), wu.stride(0), row_g,
         row_u, bias.stride(0) if bias is not None else 0, inter if gated else 0, act.alpha, act.limit,
         TYPE_G=tg[0], QK_G=tg[1], BYTES_G=tg[2], G_G=tg[3], TYPE_U=tu[0], QK_U=tu[1], BYTES_U=tu[2], G_U=tu[3],
         GATED=gated, ACT=ACTIVATIONS.index(act.kind), HAS_BIAS=bias is not None,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], T=step, **launch)
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, T=step, **launch)
 
 
 def _run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights,
@@ -465,7 +467,9 @@ def _step(gate_up: ExpertWeights, down: ExpertWeights, least: int) -> int:
 def candidates(tokens: int, gate_up: ExpertWeights, down: ExpertWeights) -> list[tuple[dict, dict]]:
     """The (tiling, launch options) pairs that autotuning times for a step of `tokens` tokens, for sm_80..sm_90.
     Kept few: each tiling is two Triton compiles (gated and not) per combination of types. Few tokens: the GEMV
-    tilings (1, 2 or 4 pairs of an expert a program); from 8: the dot tiling of 16 rows; past 32, larger blocks."""
+    tilings (1, 2 or 4 pairs of an expert a program); from 8: the dot tiling of 16 rows; past 32, blocks of 64 and
+    128 rows. None spills on sm_90 at gpt-oss-20b's and Qwen3-30B-A3B's shapes (tests/gpu/compile_offline.py --moe;
+    a 32-row block did, for MXFP4's gate_up)."""
     step = _step(gate_up, down, 64)
     out = []
     if tokens <= 16:
@@ -475,7 +479,7 @@ def candidates(tokens: int, gate_up: ExpertWeights, down: ExpertWeights) -> list
         out.append((dict(BLOCK_M=16, BLOCK_N=64, T=step, USE_DOT=True), dict(num_warps=4, num_stages=3)))
     if tokens > 32:
         out += [(dict(BLOCK_M=bm, BLOCK_N=bn, T=step, USE_DOT=True), dict(num_warps=w, num_stages=3))
-                for bm, bn, w in ((32, 64, 4), (64, 64, 8), (64, 128, 8))]
+                for bm, bn, w in ((64, 64, 8), (128, 64, 8))]
     return out
 
 
@@ -483,8 +487,8 @@ def _interp_config(tokens: int, gate_up: ExpertWeights, down: ExpertWeights) -> 
     """One small, fixed tiling for the interpreter (tests): GEMV up to 8 tokens, else the dot tiling of 16 rows."""
     step = _step(gate_up, down, 64)
     if tokens <= 8:
-        return dict(BLOCK_M=1 if tokens == 1 else 2, BLOCK_N=64, T=step, USE_DOT=False)
-    return dict(BLOCK_M=16, BLOCK_N=64, T=step, USE_DOT=True)
+        return dict(BLOCK_M=1 if tokens == 1 else 2, BLOCK_N=128, T=step, USE_DOT=False)
+    return dict(BLOCK_M=16, BLOCK_N=128, T=step, USE_DOT=True)
 
 
 def _bucket(tokens: int) -> int:

@@ -3,6 +3,7 @@ each tiling's resources: shared memory, registers, spills (cuobjdump), and the g
 
     python tests/gpu/compile_offline.py [--arch 90] [--types Q4_K,Q6_K] [--jobs 2]
     python tests/gpu/compile_offline.py --attention [--arch 90]
+    python tests/gpu/compile_offline.py --moe [--arch 90]
 
 Every (type, tiling) that `gguf_matmul.candidates` can pick for M = 1, 2, 4, 16 and 512 with bf16 activations is
 compiled once (the binary does not depend on M or SPLIT_K). Exits non-zero if any compile fails or spills.
@@ -12,6 +13,11 @@ bench_gpu.py's models (Llama-3-8B, and the shapes stage's Gemma 3 4B and Qwen2.5
 (SOFTCAP) and with attention sinks at gpt-oss-20b's (SINKS), with the tiles their launchers
 pick for a 2k-token prompt and its decode steps. Exits non-zero if any compile fails; spills are printed, not
 failed (they cost speed, which the GPU stage measures).
+
+--moe: the fused mixture-of-experts kernels (llmd.kernels.moe_matmul) with bf16 activations, every tiling
+`moe_matmul.candidates` picks for 1, 4, 16 and 512 tokens, gate_up (gated) and down, at gpt-oss-20b's experts (MXFP4,
+biases, clamped SwiGLU), Qwen3-30B-A3B's (Q4_K, a Q4_K_M file's Q6_K down) and bf16 fp experts; and the slot sum.
+Exits non-zero if any compile fails or spills.
 """
 
 from __future__ import annotations
@@ -157,6 +163,107 @@ def attention_main(arch: int, jobs: int) -> int:
     return 1 if failed else 0
 
 
+# (model, gate/up type, down type, hidden, expert intermediate size, top k, activation, biases)
+MOE_SHAPES = [("gpt-oss-20b", "MXFP4", "MXFP4", 2880, 2880, 4, "swiglu_clamped", True),
+              ("qwen3-30b-a3b", "Q4_K", "Q4_K", 2048, 768, 8, "silu", False),
+              ("qwen3-30b-a3b", "Q4_K", "Q6_K", 2048, 768, 8, "silu", False),
+              ("qwen3-30b-a3b", None, None, 2048, 768, 8, "silu", False)]
+
+
+def _moe_variants() -> list[tuple[str, dict, dict, dict]]:
+    """(what, constexprs, launch options, runtime values) per compile of the two grouped kernels."""
+    import torch
+
+    from llmd.kernels import moe_matmul as mm
+
+    seen, out = set(), []
+    for model, up_kind, down_kind, hidden, inter, _, act, bias in MOE_SHAPES:
+        def weights(kind, rows, k):
+            if kind is None:
+                return mm.ExpertWeights(((torch.empty(1, rows, k, dtype=torch.bfloat16, device="meta"), None),), k)
+            row = mm.gguf_type(kind)
+            blocks = torch.empty(1, rows, k // row.block_elems * row.block_bytes, dtype=torch.uint8, device="meta")
+            return mm.ExpertWeights(((blocks, kind),), k)
+
+        gate_up, down = weights(up_kind, 2 * inter, hidden), weights(down_kind, hidden, inter)
+        for tokens in (1, 4, 16, 512):
+            for cfg, launch in mm.candidates(tokens, gate_up, down):
+                for gated, proj in ((True, gate_up), (False, down)):
+                    kind = proj.parts[0][1]
+                    key = (kind, gated, act if gated else "", bias, tuple(sorted(cfg.items())), launch["num_warps"])
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    t = mm._type_args(kind, cfg["T"])
+                    block_n = max(16, cfg["BLOCK_N"] // 2) if gated else cfg["BLOCK_N"]  # as _launch halves it
+                    consts = dict(TYPE_G=t[0], QK_G=t[1], BYTES_G=t[2], G_G=t[3], TYPE_U=t[0], QK_U=t[1],
+                                  BYTES_U=t[2], G_U=t[3], GATED=gated, ACT=mm.ACTIVATIONS.index(act),
+                                  HAS_BIAS=bias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, T=cfg["T"])
+                    what = (f"{model:13} {'gate_up' if gated else 'down':7} {kind or 'bf16':5} BM={cfg['BLOCK_M']:3} "
+                            f"BN={block_n:3} T={cfg['T']:3} dot={int(cfg['USE_DOT'])}")
+                    w = proj.parts[0][0]
+                    n, k = (inter, hidden) if gated else (hidden, inter)
+                    ints = dict(N=n, K=k, stride_xm=k if gated else inter, stride_om=n, row_g=w.stride(1),
+                                row_u=w.stride(1), expert_g=w.stride(0), expert_u=w.stride(0),
+                                bias_stride=proj.out_features if bias else 0, up_bias=inter if gated else 0)
+                    out.append((what, consts, launch, dict(dot=cfg["USE_DOT"], fp=kind is None, ints=ints)))
+    for top_k in (4, 8):
+        out.append((f"slot sum top {top_k}", dict(TOP_K=top_k, BLOCK=256), dict(num_warps=4, num_stages=3),
+                    dict(sum=True)))
+    return out
+
+
+def _compile_moe(arch: int, what: str, consts: dict, launch: dict, extra: dict) -> dict:
+    import triton
+    from llmd.kernels import moe_matmul as mm
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if extra.get("sum"):
+        kernel = mm._moe_sum_kernel
+    else:
+        kernel = mm._moe_dot_kernel if extra["dot"] else mm._moe_gemv_kernel
+    weight = "*bf16" if extra.get("fp") else "*u8"
+    types = {"x_ptr": "*bf16", "wg_ptr": weight, "wu_ptr": weight, "b_ptr": "*bf16", "out_ptr": "*bf16",
+             "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "slots_ptr": "*bf16", "w_ptr": "*fp32",
+             "alpha": "fp32", "limit": "fp32"}
+    params = [p.name for p in kernel.params]
+    signature = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+    constexprs = {(i,): consts[p] for i, p in enumerate(params) if p in consts}
+    # as the launcher specializes them at these shapes: pointers, and the ints that are multiples of 16 there (the
+    # row bytes of 2880 MXFP4 elements, 1530, are not)
+    ints = extra.get("ints", dict(H=2048))
+    aligned = {"x_ptr", "wg_ptr", "wu_ptr", "b_ptr", "out_ptr", "pairs_ptr", "block_expert_ptr", "slots_ptr",
+               "w_ptr"} | {name for name, value in ints.items() if value % 16 == 0}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in aligned}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    row: dict = dict(what=what, **launch)
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
+    except Exception as e:  # report and go on
+        return dict(row, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    row["shared"] = compiled.metadata.shared
+    row.update(_resources(compiled.asm["cubin"]))
+    return row
+
+
+def moe_main(arch: int, jobs: int) -> int:
+    variants = _moe_variants()
+    print(f"sm_{arch}: {len(variants)} MoE compiles", flush=True)
+    bad = 0
+    with ProcessPoolExecutor(jobs) as pool:
+        for r in [f.result() for f in [pool.submit(_compile_moe, arch, *v) for v in variants]]:
+            if "error" in r:
+                bad += 1
+                print(f"{r['what']:62} FAILED {r['error']}", flush=True)
+                continue
+            spill = r["stack"] > 0 or r["local"] > 0
+            bad += spill
+            print(f"{r['what']:62} warps={r['num_warps']}  shared {r['shared']:6} B  regs {r['regs']:3}  "
+                  f"stack {r['stack']:4}  local {r['local']}{'  SPILLS' if spill else ''}", flush=True)
+    return 1 if bad else 0
+
+
 def _resources(cubin: bytes) -> dict:
     import triton
 
@@ -176,9 +283,13 @@ def main() -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--attention", action="store_true",
                         help="the attention kernels at bench_gpu's head shapes instead of the GGUF matmul")
+    parser.add_argument("--moe", action="store_true",
+                        help="the fused mixture-of-experts kernels at gpt-oss-20b's and Qwen3-30B-A3B's shapes")
     args = parser.parse_args()
     if args.attention:
         return attention_main(args.arch, args.jobs)
+    if args.moe:
+        return moe_main(args.arch, args.jobs)
     from llmd.kernels import gguf_matmul as gm
 
     types = args.types.split(",") if args.types else list(gm.TYPES)
