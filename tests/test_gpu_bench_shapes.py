@@ -1,7 +1,8 @@
 """The GPU check's `shapes` stage (tests/gpu/bench_gpu.py, section shapes) run on the CPU at its tiny scale: the
 models it builds have the declared families' features, at full scale the configs have the real checkpoints' shapes,
 and its table's figures are positive, with the bytes read per decode step equal to the model's weight bytes plus
-the K/V the step attends over. No speed is asserted (the figures are for reading)."""
+the K/V the step attends over. The `moe` stage (section moe) likewise, under the Triton interpreter. No speed is
+asserted (the figures are for reading)."""
 
 from __future__ import annotations
 
@@ -130,3 +131,20 @@ def test_shapes_stage_on_cpu_prints_a_table_of_positive_figures(tmp_path, capsys
 def test_device_cpu_is_refused_for_the_cuda_only_sections(tmp_path):
     with pytest.raises(SystemExit):
         bench_gpu.main(["--out", str(tmp_path), "--device", "cpu"])
+
+
+def test_moe_stage_at_tiny_scale():
+    """The moe stage's code at gpt-oss-20b's tiny shape (MXFP4, biases, clamped SwiGLU): decode and a dot-tiling
+    batch, under the interpreter without CUDA; each row checked against the reference, its GB/s the hit experts'
+    bytes (blocks and biases) over its time."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = bench_gpu.moe_bandwidth(4800.0, device=device, scale="tiny", batches=(1, 9), models=("gpt-oss-20b",))
+    hidden, inter, experts, top_k, kind, _, _ = bench_gpu.MOE_SHAPES["tiny"]["gpt-oss-20b"]
+    assert kind == "MXFP4"
+    blocks = (2 * inter * hidden + hidden * inter) // 32 * 17  # 17 bytes per 32 weights
+    biases = (2 * inter + hidden) * (2 if device == "cuda" else 4)
+    assert [r["batch"] for r in rows] == [1, 9]
+    for row in rows:
+        assert "error" not in row and row["rel_err"] < 2e-2
+        assert 0 < row["experts_hit"] <= min(experts, row["batch"] * top_k)
+        assert row["gbs"] == pytest.approx(row["experts_hit"] * (blocks + biases) / (row["us"] / 1e3) / 1e6)

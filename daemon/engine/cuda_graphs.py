@@ -62,6 +62,8 @@ def graph_blocker(model: torch.nn.Module, attention: AttentionBackend) -> str | 
     for module in model.modules():
         if type(module).__module__.startswith("bitsandbytes"):
             return "bitsandbytes layers choose kernels from the data (outliers) on the host"
+        if (why := getattr(module, "graph_blocker", None)) is not None:  # a layer that needs the host (Experts)
+            return why
     return None
 
 

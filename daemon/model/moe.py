@@ -186,6 +186,12 @@ class Experts(nn.Module):
         hits = self.device_hits
         return lambda x, ids, weights, _hits=None: mm.moe_matmul(x, ids, weights, gate_up, down, act, hits)
 
+    @property
+    def graph_blocker(self) -> str | None:
+        """Why a CUDA graph cannot capture this block (llmd.engine.cuda_graphs), None when it can."""
+        return None if self.kernel is not None else \
+            "a mixture of experts on its per-expert path reads its tokens' experts on the host"
+
     def hit_counts(self) -> list[int]:
         """Tokens routed to each expert so far (the Triton kernel's counts are read from its device here)."""
         hits = self.hits if self.device_hits is None else self.hits + self.device_hits.cpu()

@@ -20,12 +20,17 @@
    and int8: prefill tok/s of a 2k prompt, decode tok/s at batch 1 and 16 after it, GB/s of weights + KV read per
    decode step and % of the roofline, weight and peak GPU memory, as a table. `--device cpu --scale tiny` runs the
    same code on the CPU at a tiny size of the same families (tests/test_gpu_bench_shapes.py).
+8. Fused mixture-of-experts kernel (llmd.kernels.moe_matmul; section moe, run apart as --sections moe --name
+   moe_bench) at gpt-oss-20b's experts (MXFP4, biases, clamped SwiGLU) and Qwen3-30B-A3B's (Q4_K), random weights,
+   bf16, batch 1, 4 and 16, autotuned: GB/s of the bytes of the experts the batch hit, checked against the torch
+   reference. `--device cpu --scale tiny` runs it under the Triton interpreter (tests/test_gpu_bench_shapes.py).
 Writes JSON and a text table to --out. Imports nothing outside torch/triton/llmd.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import sys
@@ -544,12 +549,94 @@ def real_shapes(peak_gbs: float, device: str = "cuda", scale: str = "full") -> l
     return rows
 
 
+# name: (hidden, expert intermediate size, experts, top k, GGUF type of the experts, activation, expert biases)
+MOE_SHAPES = {"full": {"gpt-oss-20b": (2880, 2880, 32, 4, "MXFP4", "swiglu_clamped", True),
+                       "qwen3-30b-a3b": (2048, 768, 128, 8, "Q4_K", "silu", False)},
+              "tiny": {"gpt-oss-20b": (64, 64, 8, 4, "MXFP4", "swiglu_clamped", True),
+                       "qwen3-30b-a3b": (256, 256, 8, 4, "Q4_K", "silu", False)}}
+
+
+def _random_expert_blocks(type_name: str, experts: int, rows: int, k: int, device: str) -> torch.Tensor:
+    """uint8 [experts, rows, row bytes]: random quants, fp16 scales of ~0.01, E8M0 exponents 2^-10..2^-7 (the kernel
+    tests' recipe, made on the device)."""
+    from llmd.kernels.gguf_matmul import TYPES
+
+    t = TYPES[type_name]
+    nb = experts * rows * k // t.block_elems
+    b = torch.randint(0, 256, (nb, t.block_bytes), dtype=torch.uint8, device=device)
+    for off in t.f16_at:
+        b[:, off:off + 2] = (torch.randn(nb, device=device) * 0.01).half().view(torch.uint8).view(nb, 2)
+    for off in t.e8m0_at:
+        b[:, off] = torch.randint(118, 122, (nb,), dtype=torch.uint8, device=device)
+    return b.view(experts, rows, -1)
+
+
+def moe_bandwidth(peak_gbs: float, device: str = "cuda", scale: str = "full", batches=(1, 4, 16),
+                  models: tuple[str, ...] = ()) -> list[dict]:
+    """Per model shape and batch: the fused kernel's time (autotuned on CUDA; its first call, compiles and autotuning
+    included, reported apart), GB/s of the hit experts' bytes (weights and biases), and its largest error relative
+    to the torch reference's largest output (a row fails the run past 2e-2)."""
+    import os
+
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+    from llmd.kernels import moe_matmul as mm
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    rows = []
+    for model, (hidden, inter, experts, top_k, kind, act, bias) in MOE_SHAPES[scale].items():
+        if models and model not in models:
+            continue
+        gen = torch.Generator(device).manual_seed(0)
+        up_bias, down_bias = ((torch.randn(experts, n, device=device, generator=gen) * 0.1).to(dtype) if bias
+                              else None for n in (2 * inter, hidden))
+        gate_up = mm.ExpertWeights(((_random_expert_blocks(kind, experts, 2 * inter, hidden, device), kind),),
+                                   hidden, up_bias)
+        down = mm.ExpertWeights(((_random_expert_blocks(kind, experts, hidden, inter, device), kind),), inter,
+                                down_bias)
+        activation = mm.Activation(act)
+        per_expert = sum(w[0].numel() for proj in (gate_up, down) for w, _ in proj.parts) + \
+            (sum(p.bias[0].numel() * p.bias.element_size() for p in (gate_up, down)) if bias else 0)
+        for batch in batches:
+            x = torch.randn(batch, hidden, device=device, generator=gen).to(dtype)
+            top, ids = torch.topk(torch.randn(batch, experts, device=device, generator=gen), top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+            fn = functools.partial(mm.moe_matmul, x, ids, weights, gate_up, down, activation)
+            start = time.perf_counter()
+            out = fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            first_s = time.perf_counter() - start
+            ref = mm.moe_matmul_ref(x, ids, weights, gate_up, down, activation)
+            err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+            if device == "cuda":
+                from triton.testing import do_bench
+
+                ms = do_bench(fn, warmup=10, rep=30)
+            else:  # the interpreter has nothing to compile: its first call is its time
+                ms = first_s * 1e3
+            hit = torch.unique(ids).numel()
+            gbs = hit * per_expert / ms / 1e6
+            row = dict(model=model, type=kind, batch=batch, experts_hit=hit, us=ms * 1e3, gbs=gbs,
+                       pct_peak=100 * gbs / peak_gbs, first_call_s=first_s, rel_err=err,
+                       tiling=mm._best.get(mm._key(x, ids, gate_up, down, activation)))
+            if not err < 2e-2:
+                row["error"] = f"{model} batch {batch}: relative error {err:.2e} against the reference"
+            rows.append(row)
+            print(f"moe {model:13} {kind:5} batch {batch:2}: {hit:3} experts hit  {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s "
+                  f"{100 * gbs / peak_gbs:5.1f}% of peak  (first call {first_s:5.1f} s)  rel err {err:.1e}",
+                  flush=True)
+    return rows
+
+
 SECTIONS = {"decode_cuda_graphs": decode_cuda_graphs, "kernels": kernel_bandwidth,
             "prefill_attention": prefill_attention_speed, "decode": decode_roofline, "spec_verify": verify_cost,
-            "gguf_kernels": gguf_kernel_bandwidth, "long_context": long_context_decode, "shapes": real_shapes}
+            "gguf_kernels": gguf_kernel_bandwidth, "long_context": long_context_decode, "shapes": real_shapes,
+            "moe": moe_bandwidth}
 # run_gpu_checks.sh runs these on their own, with their own time limits
-APART = ("gguf_kernels", "long_context", "shapes")
-SCALED = ("shapes",)  # the sections that take --device and --scale (the others need CUDA at full size)
+APART = ("gguf_kernels", "long_context", "shapes", "moe")
+SCALED = ("shapes", "moe")  # the sections that take --device and --scale (the others need CUDA at full size)
 
 
 def main(argv: list[str] | None = None) -> int:

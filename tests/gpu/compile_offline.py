@@ -173,7 +173,6 @@ MOE_SHAPES = [("gpt-oss-20b", "MXFP4", "MXFP4", 2880, 2880, 4, "swiglu_clamped",
 def _moe_variants() -> list[tuple[str, dict, dict, dict]]:
     """(what, constexprs, launch options, runtime values) per compile of the two grouped kernels."""
     import torch
-
     from llmd.kernels import moe_matmul as mm
 
     seen, out = set(), []

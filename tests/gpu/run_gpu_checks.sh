@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in stages, each under its own time
-# limit. A session has 15 minutes of device time and one command at most 10: the default limits sum to 530 s (tests
-# 150 + 65, bench 125, shapes 85, gguf 70, long 35), within one command with room for the start. To spend a second
-# call on what the first cut short, run a subset: STAGES="shapes gguf long" tests/gpu/run_gpu_checks.sh
-# (stages: tests, bench, shapes, gguf, long; default all five, in that order). summary.txt gets each stage's
+# limit. A session has 15 minutes of device time and one command at most 10: the default limits sum to 570 s (tests
+# 150 + 65, bench 125, shapes 85, gguf 70, long 35, moe 40), within one command with room for the start. To spend a
+# second call on what the first cut short, run a subset: STAGES="shapes gguf long moe" tests/gpu/run_gpu_checks.sh
+# (stages: tests, bench, shapes, gguf, long, moe; default all six, in that order). summary.txt gets each stage's
 # seconds, to size the limits from.
 # Writes under $OUT (default ./gpu-results): summary.txt, pytest logs, gpu_bench.json/.txt, gpu_shapes.json/.txt,
-# gguf_bench.json/.txt and gpu_long_context.json/.txt.
+# gguf_bench.json/.txt, gpu_long_context.json/.txt and moe_bench.json/.txt.
 set -u -o pipefail  # a failing pytest or benchmark, not tee, decides each step's status
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu-results}"
@@ -25,20 +25,20 @@ if ! "$PY" -c "import llmd" 2>/dev/null; then
   export PYTHONPATH="$SHIM:$PYTHONPATH"
 fi
 status=0
-STAGES=" ${STAGES:-tests bench shapes gguf long} "
+STAGES=" ${STAGES:-tests bench shapes gguf long moe} "
 wants() { [[ "$STAGES" == *" $1 "* ]]; }
 took() { echo "   ($1: $((SECONDS - $2)) s)" | tee -a "$OUT/summary.txt"; }  # a stage's wall time
 # Most of the tests' time is Triton compiling kernels (hundreds of variants, about a second each on one core). With
-# pytest-xdist the six files run side by side, one per worker, so the wall time is the slowest file's, not the sum.
+# pytest-xdist the seven files run side by side, one per worker, so the wall time is the slowest file's, not the sum.
 PARALLEL=()
-if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 6 --dist loadfile); fi
+if "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 7 --dist loadfile); fi
 : > "$OUT/summary.txt"
 if wants tests; then
 echo "== GPU tests" | tee -a "$OUT/summary.txt"
 t0=$SECONDS
 timeout 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider ${PARALLEL[@]+"${PARALLEL[@]}"} --durations=15 \
   tests/test_kernels_quant_matmul.py tests/test_kernels_paged_attention.py tests/test_kernels_prefill_attention.py tests/test_kv_int8.py \
-  tests/test_cuda_graphs.py tests/test_kernels_gguf_matmul.py \
+  tests/test_cuda_graphs.py tests/test_kernels_gguf_matmul.py tests/test_kernels_moe_matmul.py \
   2>&1 | tee "$OUT/pytest_gpu.txt" | tail -5 | tee -a "$OUT/summary.txt" || status=1
 # the sliding-window and attention-sink Triton kernels: every test of the files (on the GPU when there is one)
 timeout 65 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_sliding_window.py \
@@ -76,5 +76,15 @@ t0=$SECONDS
 timeout 35 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections long_context --name gpu_long_context 2>&1 \
   | tee "$OUT/gpu_long_context.txt" | tail -4 | tee -a "$OUT/summary.txt" || status=1
 took long "$t0"
+fi
+# the fused MoE kernel at gpt-oss-20b's (MXFP4) and Qwen3-30B-A3B's (Q4_K) expert shapes, batch 1, 4, 16: GB/s of
+# the hit experts' bytes, each result checked against the torch reference. About 18 compiles (a second or less
+# each) and its autotuning: an estimate not yet run; summary.txt gets its seconds.
+if wants moe; then
+echo "== fused MoE kernel (gpt-oss-20b MXFP4, Qwen3-30B-A3B Q4_K)" | tee -a "$OUT/summary.txt"
+t0=$SECONDS
+timeout 40 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections moe --name moe_bench 2>&1 \
+  | tee "$OUT/moe_bench.txt" | grep "^moe " | tee -a "$OUT/summary.txt" || status=1
+took moe "$t0"
 fi
 exit $status
