@@ -225,6 +225,14 @@ if HAVE_TRITON:
         return k0 + (c // G) * (2 * G) + c % G
 
     @triton.jit
+    def _dot(x, w, IEEE: tl.constexpr):
+        """x [M, T] @ w [BN, T].T in fp32; fp32 inputs exactly (IEEE), as torch's matmul (tl.dot would take TF32)."""
+        if IEEE:
+            return tl.dot(x, tl.trans(w.to(x.dtype)), input_precision="ieee", out_dtype=tl.float32)
+        else:
+            return tl.dot(x, tl.trans(w.to(x.dtype)), out_dtype=tl.float32)
+
+    @triton.jit
     def _epilogue(acc_g, acc_u, b_ptr, e, offs_n, mask_n, bias_stride, up_bias, alpha, limit,
                   GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr):
         """Biases added, then (gated) the activation, in fp32; acc_* are [rows, BN] or [BN]."""
@@ -251,7 +259,7 @@ if HAVE_TRITON:
         TYPE_G: tl.constexpr, QK_G: tl.constexpr, BYTES_G: tl.constexpr, G_G: tl.constexpr,
         TYPE_U: tl.constexpr, QK_U: tl.constexpr, BYTES_U: tl.constexpr, G_U: tl.constexpr,
         GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr, IEEE: tl.constexpr,
     ):
         """The GEMM tiling: program (block, N tile) -> out[pair, N tile] for the block's BLOCK_M pairs (x's row of a
         pair is pair // x_div), two tl.dot per K step and weight (lo and hi tiles)."""
@@ -274,8 +282,7 @@ if HAVE_TRITON:
             x_lo = tl.load(x_rows + kx[None, :], mask=valid[:, None] & (kx < K)[None, :], other=0.0)
             x_hi = tl.load(x_rows + (kx + G_G)[None, :], mask=valid[:, None] & (kx + G_G < K)[None, :], other=0.0)
             w_lo, w_hi = _weight_tiles(wg, offs_n * row_g, mask_n, k0, K, TYPE_G, QK_G, BYTES_G, G_G, BLOCK_N, T)
-            acc_g += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), out_dtype=tl.float32)
-            acc_g += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), out_dtype=tl.float32)
+            acc_g += _dot(x_lo, w_lo, IEEE) + _dot(x_hi, w_hi, IEEE)
             if GATED:
                 if G_U != G_G:  # the up part's type groups its elements otherwise
                     kx = _x_cols(k0, T, G_U)
@@ -283,8 +290,7 @@ if HAVE_TRITON:
                     x_hi = tl.load(x_rows + (kx + G_U)[None, :], mask=valid[:, None] & (kx + G_U < K)[None, :],
                                    other=0.0)
                 w_lo, w_hi = _weight_tiles(wu, offs_n * row_u, mask_n, k0, K, TYPE_U, QK_U, BYTES_U, G_U, BLOCK_N, T)
-                acc_u += tl.dot(x_lo, tl.trans(w_lo.to(x_lo.dtype)), out_dtype=tl.float32)
-                acc_u += tl.dot(x_hi, tl.trans(w_hi.to(x_hi.dtype)), out_dtype=tl.float32)
+                acc_u += _dot(x_lo, w_lo, IEEE) + _dot(x_hi, w_hi, IEEE)
         y = _epilogue(acc_g, acc_u, b_ptr, e, offs_n[None, :], mask_n[None, :], bias_stride, up_bias, alpha, limit,
                       GATED, ACT, HAS_BIAS)
         out = out_ptr + pair.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -324,7 +330,7 @@ if HAVE_TRITON:
         TYPE_G: tl.constexpr, QK_G: tl.constexpr, BYTES_G: tl.constexpr, G_G: tl.constexpr,
         TYPE_U: tl.constexpr, QK_U: tl.constexpr, BYTES_U: tl.constexpr, G_U: tl.constexpr,
         GATED: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, T: tl.constexpr, IEEE: tl.constexpr,
     ):
         """The GEMV tiling (BLOCK_M = 1, 2 or 4 pairs of one expert, no tl.dot): as _moe_dot_kernel, each pair's
         products summed per column in an accumulator laid out as the weight tile, reduced once after the loop."""
@@ -434,7 +440,7 @@ def _launch(x: torch.Tensor, proj: ExpertWeights, out: torch.Tensor, pairs: torc
         row_u, bias.stride(0) if bias is not None else 0, inter if gated else 0, act.alpha, act.limit,
         TYPE_G=tg[0], QK_G=tg[1], BYTES_G=tg[2], G_G=tg[3], TYPE_U=tu[0], QK_U=tu[1], BYTES_U=tu[2], G_U=tu[3],
         GATED=gated, ACT=ACTIVATIONS.index(act.kind), HAS_BIAS=bias is not None,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, T=step, **launch)
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, T=step, IEEE=x.dtype == torch.float32, **launch)
 
 
 def _run(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: ExpertWeights, down: ExpertWeights,

@@ -117,6 +117,20 @@ def test_kernel_matches_reference(name):
         assert hits.tolist() == torch.bincount(ids.reshape(-1).cpu(), minlength=E).tolist()
 
 
+def test_every_other_packed_type():
+    """The rest of gguf_matmul's types (their dequantizers are gguf_matmul's, tested there), one small step each."""
+    others = [kind for kind in gm.TYPES if kind not in ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "MXFP4")]
+    assert len(others) == 8
+    for kind in others:
+        h = inter = 64 if gm.TYPES[kind].block_elems == 32 else 256
+        gate_up = projection([kind], 4, 2 * inter, h, torch.float32, seed=1)
+        down = projection([kind], 4, h, inter, torch.float32, seed=2)
+        x = torch.randn(3, h, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        ids, weights = routing(3, 2, 4, seed=1)
+        _close(mm.moe_matmul(x, ids, weights, gate_up, down, SILU),
+               mm.moe_matmul_ref(x, ids, weights, gate_up, down, SILU), torch.float32)
+
+
 @pytest.mark.parametrize("name,tokens,cfg", [
     ("Q8_0", 6, dict(BLOCK_M=4, BLOCK_N=32, T=32, USE_DOT=False)),  # GEMV of 4 pairs, partial blocks
     ("Q8_0", 40, dict(BLOCK_M=32, BLOCK_N=64, T=16, USE_DOT=True)),  # H = 96: a partial N tile of down

@@ -197,7 +197,7 @@ def _moe_variants() -> list[tuple[str, dict, dict, dict]]:
                     block_n = max(16, cfg["BLOCK_N"] // 2) if gated else cfg["BLOCK_N"]  # as _launch halves it
                     consts = dict(TYPE_G=t[0], QK_G=t[1], BYTES_G=t[2], G_G=t[3], TYPE_U=t[0], QK_U=t[1],
                                   BYTES_U=t[2], G_U=t[3], GATED=gated, ACT=mm.ACTIVATIONS.index(act),
-                                  HAS_BIAS=bias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, T=cfg["T"])
+                                  HAS_BIAS=bias, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, T=cfg["T"], IEEE=False)
                     what = (f"{model:13} {'gate_up' if gated else 'down':7} {kind or 'bf16':5} BM={cfg['BLOCK_M']:3} "
                             f"BN={block_n:3} T={cfg['T']:3} dot={int(cfg['USE_DOT'])}")
                     w = proj.parts[0][0]
