@@ -4,6 +4,8 @@
 - paged_attention: decode attention over the paged KV cache (GQA-grouped, optional split-KV); the model's
   TritonBackend (llmd.model.attention_backends) routes steps with prefill chunks to prefill_attention.
 - prefill_attention: varlen causal attention of a step's new tokens over cached prefix blocks plus their own chunk.
+- gguf_matmul: fused dequantize + matmul for GGUF blocks kept packed (every type in gguf_matmul.TYPES).
+- moe_matmul: a mixture of experts' experts (fp or packed GGUF) in three launches, the pairs grouped on the device.
 
 The kernels run on CUDA; under TRITON_INTERPRET=1 they also run on CPU tensors (slowly, for tests).
 
