@@ -18,8 +18,9 @@ The steps, all on the device, with no host sync (so a decode step can be capture
 3. down: the same kernel, ungated, over act's rows: each pair's [H] output row written to its slot.
 4. `_moe_sum_kernel`: y[t] = sum over the k slots, in slot order, of w[t, j] * slot[t, j], in fp32.
 
-Tilings: a GEMM (tl.dot, BLOCK_M 16..64 rows of one expert) for batches, and a GEMV for decode (BLOCK_M 1, 2 or 4
-rows, no tl.dot: products summed on the CUDA cores, reduced once after the K loop). On CUDA the tiling is autotuned
+Tilings: a GEMM (tl.dot, BLOCK_M 16 to 128 rows of one expert; fp32 activations take exact dots, as torch's matmul,
+not TF32) for batches, and a GEMV for decode (BLOCK_M 1, 2 or 4 rows, no tl.dot: products summed on the CUDA cores,
+reduced once after the K loop). On CUDA the tiling is autotuned
 once per (weights' types, shapes, token-count bucket, dtype); under the interpreter one small fixed tiling is used.
 A row's result never depends on the other rows (no split-K, no atomics), so a token's output is the same whatever
 shares its step, up to the tiling the step's size picks.
