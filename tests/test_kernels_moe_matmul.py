@@ -69,7 +69,7 @@ SETUPS = {
 E = 8
 
 
-def setup(name: str, e: int = E) -> tuple[mm.ExpertWeights, mm.ExpertWeights, torch.dtype, mm.Activation]:
+def experts_of(name: str, e: int = E) -> tuple[mm.ExpertWeights, mm.ExpertWeights, torch.dtype, mm.Activation]:
     gate_kinds, down_kind, h, inter, dtype, act, bias = SETUPS[name]
     rows = 2 * inter // len(gate_kinds)
     gate_up = projection(gate_kinds, e, rows, h, dtype, bias, seed=1)
@@ -106,7 +106,7 @@ def test_align_groups_pairs_into_blocks_of_one_expert():
 def test_kernel_matches_reference(name):
     """T = 1 (GEMV, one pair a program), 5 (GEMV, two pairs a program), 33 (tl.dot, 16-row blocks); experts with no
     token, one token and many; the hits counted per expert."""
-    gate_up, down, dtype, act = setup(name)
+    gate_up, down, dtype, act = experts_of(name)
     h = gate_up.in_features
     for t, k in ((1, 1), (5, 2), (33, 4)):
         x = torch.randn(t, h, generator=torch.Generator().manual_seed(t)).to(dtype).to(DEVICE)
@@ -137,7 +137,7 @@ def test_every_other_packed_type():
     ("fp16", 40, dict(BLOCK_M=16, BLOCK_N=32, T=32, USE_DOT=True)),  # fp K = 64 / 48 over 64-element steps
 ])
 def test_explicit_tilings(name, tokens, cfg):
-    gate_up, down, dtype, act = setup(name)
+    gate_up, down, dtype, act = experts_of(name)
     x = torch.randn(tokens, gate_up.in_features, generator=torch.Generator().manual_seed(3)).to(dtype).to(DEVICE)
     ids, weights = routing(tokens, 2, E, seed=5)
     out = mm._run(x, ids, weights, gate_up, down, act, cfg, {})
@@ -147,7 +147,7 @@ def test_explicit_tilings(name, tokens, cfg):
 def test_every_autotune_candidate_computes_the_block():
     """Autotuning on the GPU keeps the fastest tiling without looking at its output: each candidate must be right
     (fp16 here: the interpreter's bf16 tl.dot is wrong; the GPU test runs bf16)."""
-    gate_up, down, _, act = setup("Q4_0")
+    gate_up, down, _, act = experts_of("Q4_0")
     for tokens in (1, 16, 40):
         x = torch.randn(tokens, gate_up.in_features, generator=torch.Generator().manual_seed(tokens))
         x = x.to(torch.float16).to(DEVICE)
@@ -160,7 +160,7 @@ def test_every_autotune_candidate_computes_the_block():
 
 def test_a_tokens_output_does_not_depend_on_the_others():
     """33 tokens in one step (tl.dot blocks), each of a few alone (GEMV), and five together: the same rows."""
-    gate_up, down, dtype, act = setup("MXFP4")
+    gate_up, down, dtype, act = experts_of("MXFP4")
     t, k = 33, 4
     x = torch.randn(t, gate_up.in_features, generator=torch.Generator().manual_seed(0)).to(DEVICE)
     ids, weights = routing(t, k, E, seed=2)
@@ -172,7 +172,7 @@ def test_a_tokens_output_does_not_depend_on_the_others():
 
 
 def test_empty_step_and_bad_weights_are_refused_by_name():
-    gate_up, down, dtype, act = setup("Q8_0")
+    gate_up, down, dtype, act = experts_of("Q8_0")
     x = torch.zeros(0, 96, device=DEVICE)
     out = mm.moe_matmul(x, torch.zeros(0, 2, dtype=torch.int64, device=DEVICE), torch.zeros(0, 2, device=DEVICE),
                         gate_up, down, act)
@@ -181,7 +181,7 @@ def test_empty_step_and_bad_weights_are_refused_by_name():
         mm.moe_matmul(torch.zeros(2, 64, device=DEVICE), *routing(2, 2, E), gate_up, down, act)
     with pytest.raises(ValueError, match="activation 'gelu'"):
         mm.check(gate_up, down, mm.Activation("gelu"), torch.float32, torch.device(DEVICE))
-    fp_gate, fp_down, _, _ = setup("fp16")
+    fp_gate, fp_down, _, _ = experts_of("fp16")
     with pytest.raises(ValueError, match="fp expert weights must be .*float32"):
         mm.check(fp_gate, fp_down, act, torch.float32, torch.device(DEVICE))
     uneven = mm.ExpertWeights((part("Q8_0", E, 48, 96, torch.float32, 0), part("Q8_0", E, 80, 96, torch.float32, 1)),
@@ -263,7 +263,7 @@ def test_cuda_graphs_wait_for_the_fused_kernel():
 def test_autotuned_kernel_on_gpu(name):
     """Every tiling autotuning tries (1 to 100 tokens); bf16 activations for the packed experts (fp32 ones would
     take tl.dot's TF32)."""
-    gate_up, down, dtype, act = setup(name, e=32)
+    gate_up, down, dtype, act = experts_of(name, e=32)
     dtype = torch.float16 if name == "fp16" else torch.bfloat16
     for t, k in ((1, 4), (4, 4), (16, 4), (100, 4)):
         x = torch.randn(t, gate_up.in_features, device="cuda").to(dtype)
