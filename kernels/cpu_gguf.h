@@ -1,4 +1,4 @@
-/* The GGUF matmuls of cpu_gemm.c in their steps, for a kernel that runs many weights' matmuls in one parallel region
+/* The GGUF matmuls of cpu_gguf.c in their steps, for a kernel that runs many weights' matmuls in one parallel region
  * (cpu_moe.c: a mixture-of-experts layer): activation rows prepared once for an activation path, a group of consecutive
  * rows taken as one matmul's input, and a range of one weight's output columns computed for a group. Every output
  * gets the very operations of llmd_gguf_parts_matmul(_q8, _q16), whatever the rows' grouping, the column range or the
@@ -12,12 +12,12 @@
 
 #define LLMD_HIDDEN __attribute__((visibility("hidden")))
 
-/* activation paths: fp32 (the weights' exact values), int8 and int16 per block of 32 (cpu_gemm.c) */
+/* activation paths: fp32 (the weights' exact values), int8 and int16 per block of 32 (cpu_act.c) */
 enum { LLMD_ACT_F32 = 0, LLMD_ACT_I8 = 1, LLMD_ACT_I16 = 2 };
 /* what the row data must hold for a type (llmd_gx_flags): int8's C, int8's lane layout per group */
 enum { LLMD_GX_C = 1, LLMD_GX_LANES = 2 };
 
-/* Prepared activation rows of one path, as arrays of rows: row r of array i at a[i] + r * row[i] (cpu_gemm.c names
+/* Prepared activation rows of one path, as arrays of rows: row r of array i at a[i] + r * row[i] (cpu_gguf.c names
  * the arrays per path). fp32 rows are laid out for one GGML type (`type`); int8 and int16 rows serve every type. */
 typedef struct {
     int act, type, flags;

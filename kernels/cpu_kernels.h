@@ -1,4 +1,5 @@
-/* The functions that cpu_gemm.c, cpu_moe.c and cpu_ops.c export, for cpu_stack.c to call within the same library. */
+/* The functions that the matmul files (cpu_tiles.h lists them), cpu_moe.c and cpu_ops.c export, for cpu_stack.c to
+ * call within the same library. */
 #ifndef LLMD_CPU_KERNELS_H
 #define LLMD_CPU_KERNELS_H
 #include <stdint.h>
@@ -13,7 +14,7 @@ int llmd_int8_matmul_q8(const float *x, int64_t ldx, const int8_t *q, const floa
 int llmd_int4_matmul_q8(const float *x, int64_t ldx, const uint8_t *q, const float *s, const float *z, float *y,
                         int64_t ldy, int64_t m, int64_t n, int64_t k, int64_t g, void *work, int nthreads);
 
-/* GGUF blocks (cpu_gemm.c): `type` is the GGML type id; a part is one projection's blocks [n, K / elems * bytes]. */
+/* GGUF blocks (cpu_gguf.c): `type` is the GGML type id; a part is one projection's blocks [n, K / elems * bytes]. */
 typedef struct {
     int64_t type, n;
     const uint8_t *q;
@@ -22,7 +23,7 @@ int llmd_gguf_matmul(int type, const float *x, int64_t ldx, const uint8_t *q, fl
                      int64_t n, int64_t k, int nthreads);
 int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
                            int64_t ldy, int64_t m, int64_t k, int nthreads);
-/* the same with int8-quantized activations and integer dot products (cpu_gemm.c: the integer path) */
+/* the same with int8-quantized activations and integer dot products (cpu_gguf.c: the integer path) */
 int llmd_gguf_matmul_q8(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
                         int64_t n, int64_t k, int nthreads);
 int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,

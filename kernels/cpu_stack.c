@@ -1,6 +1,7 @@
 /* A model's whole stack of decoder layers on the CPU in one call, for Llama-shaped layers whose projections are the
- * quantized layers of cpu_gemm.c (fused qkv and gate/up, optional biases), and Gemma 2's and 3's (sandwich norms,
- * GELU-tanh; Gemma 3's q/k norms and local and global RoPE tables; Gemma 2's soft-capped attention; llmd.model.gemma).
+ * quantized layers of cpu_gemm.c and cpu_gguf.c (fused qkv and gate/up, optional biases), and Gemma 2's and 3's
+ * (sandwich norms, GELU-tanh; Gemma 3's q/k norms and local and global RoPE tables; Gemma 2's soft-capped attention;
+ * llmd.model.gemma).
  *
  * A layer is the same sequence of calls that llmd.model.llama makes one by one from Python (RMSNorm, qkv matmul,
  * RoPE, K/V write, attention, o matmul, residual add, RMSNorm, gate/up matmul, SiLU * up, down matmul, residual add),

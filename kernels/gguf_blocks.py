@@ -2,7 +2,7 @@
 
 Layout: a packed GGUF weight stays the file's own bytes, a uint8 tensor [N, (K / block_elems) * block_bytes], one
 output row per line (row-major, as in the file), plus its GGML type name. Nothing is widened or repacked, so the
-resident bytes are the file's. Every kernel (the C CPU kernels in cpu_gemm.c, the Triton kernels) reads this layout
+resident bytes are the file's. Every kernel (the C CPU kernels in cpu_gguf.c, the Triton kernels) reads this layout
 and must dequantize to exactly `dequantize_blocks`' values, which equal `gguf.quants.dequantize` bit for bit (the same
 fp32 operations in the same order: scale products first, then `scale * q`, then the offset; no fused multiply-add).
 
