@@ -108,10 +108,16 @@ def cache_dir() -> Path:
     return Path(base) / "llmd" / "kernels"
 
 
-def _build(cc: str, flags: list[str]) -> Path:
+def library_path(cc: str, flags: list[str]) -> Path:
+    """Where the build with this compiler and these flags is cached: named by a hash of every source and header and
+    of the command, so a change to any of them builds anew."""
     source = b"\0".join(path.read_bytes() for path in SOURCES + HEADERS)
     digest = hashlib.sha256(source + "\0".join([cc, *flags]).encode()).hexdigest()[:16]
-    out = cache_dir() / f"cpu_gemm-{digest}.so"
+    return cache_dir() / f"cpu_gemm-{digest}.so"
+
+
+def _build(cc: str, flags: list[str]) -> Path:
+    out = library_path(cc, flags)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@ to torch) instead of skipping."""
 from __future__ import annotations
 
 import logging
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,6 +268,31 @@ def test_build_goes_to_the_user_cache(monkeypatch, tmp_path):
     # a second load finds the file instead of compiling again
     mtime = built[0].stat().st_mtime_ns
     assert cpu_gemm.build_and_load() is not None and built[0].stat().st_mtime_ns == mtime
+
+
+def test_every_kernel_file_is_built_and_keys_the_cached_build(monkeypatch, tmp_path):
+    """The library is compiled from SOURCES and cached under a hash of SOURCES and HEADERS: every C file beside the
+    binding is a source, every header one includes is listed, and a change to any one file names another build."""
+    folder = Path(cpu_gemm.__file__).parent
+    assert set(cpu_gemm.SOURCES) == set(folder.glob("*.c")) and set(cpu_gemm.HEADERS) == set(folder.glob("*.h"))
+    files = cpu_gemm.SOURCES + cpu_gemm.HEADERS
+    included = {name for path in files for name in re.findall(r'^#include "(.+)"', path.read_text(), re.M)}
+    assert included == {path.name for path in cpu_gemm.HEADERS}
+    copies = [tmp_path / path.name for path in files]
+    for path, copy in zip(files, copies):
+        copy.write_bytes(path.read_bytes())
+    monkeypatch.setattr(cpu_gemm, "SOURCES", copies[:len(cpu_gemm.SOURCES)])
+    monkeypatch.setattr(cpu_gemm, "HEADERS", copies[len(cpu_gemm.SOURCES):])
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    flags = cpu_gemm._BASE_FLAGS + ["-fopenmp"]
+    names = {cpu_gemm.library_path("cc", flags)}
+    for copy in copies:
+        text = copy.read_bytes()
+        copy.write_bytes(text + b"\n")
+        names.add(cpu_gemm.library_path("cc", flags))
+        copy.write_bytes(text)
+    assert len(names) == len(copies) + 1 and cpu_gemm.library_path("cc", flags) in names
+    assert cpu_gemm.library_path("cc", flags[:-1]) not in names  # the flags too
 
 
 def test_simd_flags_follow_the_cpu(monkeypatch, caplog):
