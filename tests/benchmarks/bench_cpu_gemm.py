@@ -1,6 +1,6 @@
 """CPU weight-only matmul at SmolLM2-135M shapes: fp32 vs llmd's compiled int8/int4 kernel vs torch's own kernels.
 
-    python tests/benchmarks/bench_cpu_gemm.py [--threads 1,2] [--rows 1,4,16,64] [--budget 0.3] [--baseline FILE]
+    python tests/benchmarks/bench_cpu_gemm.py [--threads 1,2] [--rows 1,4,16,64] [--budget 0.3] [--baseline DIR]
     python tests/benchmarks/bench_cpu_gemm.py --gguf [Q4_K,Q6_K,...] [--threads 1] [--rows 1,4,16,64,256,512]
 
 For each layer shape (hidden 576, intermediate 1536, vocab 49152), row count M and thread count it prints ms per
@@ -12,9 +12,9 @@ call (best of repeated calls) and the weight bytes streamed per second (GB/s) fo
               called as the layers call it (a prepared per-layer kernel)
   int8 torch  torch._weight_int8pack_mm (per channel)
   int4 torch  torch._weight_int4pack_mm_for_cpu (group 32)
-  int8 base / int4 base   with --baseline FILE: the fp32-activation kernels of another cpu_gemm.c (e.g. the last
-              commit's: git show HEAD:kernels/cpu_gemm.c > /tmp/old.c), built the same way, to compare a kernel
-              change side by side in one run
+  int8 base / int4 base   with --baseline DIR: the fp32-activation kernels of another tree's kernel sources (every
+              .c in DIR, e.g. the last commit's: git archive HEAD kernels | tar -x -C /tmp/old, DIR /tmp/old/kernels),
+              built the same way, to compare a kernel change side by side in one run
 With --gguf (all packed types, or a list), instead: llmd's matmul straight from GGUF blocks of each type
 (llmd.kernels.cpu_gemm.GGUFKernel) at shapes whose rows are whole 256-element super-blocks, in ms and in weights per
 second (Gw/s), GB/s of the type's bytes and GFLOP/s, then the same blocks on the integer path (GGUFKernel(act="int8"):
@@ -54,12 +54,12 @@ def best_ms(fn, budget_s: float) -> float:
             return best * 1e3
 
 
-def build_baseline(source: str):
-    """Another version of cpu_gemm.c compiled with the kernel's own flags, bound like the kernel."""
+def build_baseline(folder: str):
+    """Another tree's kernel sources (every .c in `folder`) compiled with the kernel's own flags, bound like it."""
     out = Path(tempfile.mkdtemp(prefix="bench_cpu_gemm_")) / "baseline.so"
     flags = cpu_gemm._BASE_FLAGS + cpu_gemm.simd_flags() + ["-fopenmp"]
-    include = f"-I{Path(cpu_gemm.__file__).parent}"  # cpu_kernels.h
-    subprocess.run([cpu_gemm._compiler(), *flags, include, source, "-o", str(out)], check=True)
+    sources = sorted(map(str, Path(folder).glob("*.c")))
+    subprocess.run([cpu_gemm._compiler(), *flags, f"-I{folder}", *sources, "-o", str(out), "-lm"], check=True)
     return cpu_gemm._bind(out)
 
 
@@ -120,7 +120,8 @@ def main(argv=None):
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rows", default="1,4,16,64")
     parser.add_argument("--budget", type=float, default=0.3, help="seconds of repeated calls per figure")
-    parser.add_argument("--baseline", help="another cpu_gemm.c whose fp32-activation kernels run side by side")
+    parser.add_argument("--baseline", help="another tree's kernels folder whose fp32-activation kernels run side by "
+                        "side")
     parser.add_argument("--gguf", nargs="?", const="all", help="the GGUF block kernels instead (types, or all)")
     args = parser.parse_args(argv)
     if args.gguf:
