@@ -248,14 +248,12 @@ typedef void (*int4_tile_fn)(const float *, int64_t, const float *, const int4_c
                              const float *, const float *, float *, int64_t, int64_t, int64_t);
 
 #define ROW_OF(T, C) {T##_1_##C, T##_2_##C, T##_3_##C, T##_4_##C}
-/* [C - 1][R - 1]; C > 4 only for one row */
-static const int8_tile_fn INT8_TILES[8][4] = {
-    ROW_OF(int8_tile, 1), ROW_OF(int8_tile, 2), ROW_OF(int8_tile, 3), ROW_OF(int8_tile, 4),
-    {int8_tile_1_5}, {int8_tile_1_6}, {int8_tile_1_7}, {int8_tile_1_8}};
+/* ALL_TILES' functions as a table [C - 1][R - 1] (C > 4 only for one row) */
+#define ALL_TILES_TABLE(T)                                                                                         \
+    {ROW_OF(T, 1), ROW_OF(T, 2), ROW_OF(T, 3), ROW_OF(T, 4), {T##_1_5}, {T##_1_6}, {T##_1_7}, {T##_1_8}}
+static const int8_tile_fn INT8_TILES[8][4] = ALL_TILES_TABLE(int8_tile);
 static const panel_tile_fn PANEL_TILES[PANEL_C][4] = {ROW_OF(panel_tile, 1), ROW_OF(panel_tile, 2)};
-static const int4_tile_fn INT4_TILES[8][4] = {
-    ROW_OF(int4_tile, 1), ROW_OF(int4_tile, 2), ROW_OF(int4_tile, 3), ROW_OF(int4_tile, 4),
-    {int4_tile_1_5}, {int4_tile_1_6}, {int4_tile_1_7}, {int4_tile_1_8}};
+static const int4_tile_fn INT4_TILES[8][4] = ALL_TILES_TABLE(int4_tile);
 
 /* ---- many rows: vector lanes over rows (int8 and int4) --------------------------------------------------------
  * The tiles above put k in the vector lanes. From RP_MIN_ROWS rows a register instead holds one lane's running sum
@@ -293,7 +291,7 @@ INLINE void int8_rows_tile(const float *xt, const float *wp, int64_t K, float *y
         }
 }
 
-/* The rows-in-lanes loop of int8_rows and gguf_rows: x transposed in chunks of 16-row blocks, each thread's columns
+/* The rows-in-lanes loop of int8_rows: x transposed in chunks of 16-row blocks, each thread's columns
  * widened RP_COLS at a time into an fp32 panel by `fill(ctx, c0, cols, panel)`, then int8_rows_tile on every block. */
 typedef void (*panel_fill)(const void *ctx, int64_t c0, int cols, float *w);
 
@@ -660,53 +658,26 @@ int64_t llmd_q8_work_bytes(int64_t m, int64_t k, int64_t g) {
 #define Q8_BLOCK_FMA(acc, u, s, dv, sv)                                                                            \
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT_U8S8(u, s)), _mm256_mul_ps(dv, sv), acc)
 
-/* R rows (quantized: bytes xq with stride K, block scales xd stride nb, group sums xD stride ng) x C columns. */
-#define Q4_TILE(R, C)                                                                                              \
-    static void q4_tile_##R##_##C(const int8_t *xq, const float *xd, const float *xD, const uint8_t *q,          \
-                                  const float *s, const float *z, float *y, int64_t ldy, int64_t K, int64_t G) {  \
-        const int64_t nb = K / QB, ng = K / G, bpg = G / QB, kh = K / 2;                                          \
-        const __m256i mask = _mm256_set1_epi8(0x0F);                                                             \
-        __m256 acc[R][C];                                                                                          \
-        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
-        _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                      \
-        int64_t g = 0, gb = 0;                                                                                     \
-        for (int64_t b = 0; b < nb; b++) {                                                                         \
-            PREFETCH_TILE(q, C, 16, b);                                                                            \
-            __m256i xv[R];                                                                                         \
-            __m256 dv[R];                                                                                          \
-            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                 \
-                xv[r] = _mm256_loadu_si256((const __m256i *)(xq + r * K + b * QB));                               \
-                dv[r] = _mm256_broadcast_ss(xd + r * nb + b);                                                      \
-            }                                                                                                      \
-            _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                 \
-                const __m128i p = _mm_loadu_si128((const __m128i *)(q + c * kh + b * 16));                        \
-                const __m256i w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), mask);              \
-                const __m256 sv = _mm256_broadcast_ss(s + c * ng + g);                                             \
-                _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                               \
-                    Q8_BLOCK_FMA(acc[r][c], w, xv[r], dv[r], sv);                                                      \
-            }                                                                                                      \
-            if (++gb == bpg) {                                                                                     \
-                gb = 0;                                                                                            \
-                g++;                                                                                               \
-            }                                                                                                      \
-        }                                                                                                          \
-        for (int c = 0; c < C; c++) add_zero_terms(&acc[0][c], R, C, s + c * ng, z + c * ng, xD, ng);          \
-        for (int r = 0; r < R; r++)                                                                                \
-            for (int c = 0; c < C; c++) y[r * ldy + c] = hsum(acc[r][c]);                                          \
-    }
+/* A block's 16 bytes of int4 nibbles as 32 codes 0..15 in the work buffer's order: low nibbles, then high ones */
+INLINE __m256i q4_codes(const uint8_t *qb) {
+    const __m128i p = _mm_loadu_si128((const __m128i *)qb);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(p, 4), p), _mm256_set1_epi8(0x0F));
+}
 
-#define Q8W_TILE(R, C)                                                                                             \
-    static void q8w_tile_##R##_##C(const int8_t *xq, const float *xd, const float *xD, const int8_t *q,          \
+/* R rows (quantized: bytes xq with stride K, block scales xd stride nb, group sums xD stride ng) x C columns of int4
+ * weights (INT4: a block's nibbles the unsigned operand as they are, then the zero terms) or int8 ones (their absolute
+ * value the unsigned operand, their sign moved onto the activation bytes). */
+#define Q8_TILE(T, INT4, R, C)                                                                                     \
+    static void T##_tile_##R##_##C(const int8_t *xq, const float *xd, const float *xD, const void *qv,             \
                                    const float *s, const float *z, float *y, int64_t ldy, int64_t K, int64_t G) { \
-        (void)xD;                                                                                                  \
-        (void)z;                                                                                                   \
-        const int64_t nb = K / QB, ng = K / G, bpg = G / QB;                                                      \
+        const int64_t nb = K / QB, ng = K / G, bpg = G / QB, wb = INT4 ? QB / 2 : QB, ldq = INT4 ? K / 2 : K;      \
+        const uint8_t *q = (const uint8_t *)qv;                                                                    \
         __m256 acc[R][C];                                                                                          \
         _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                                       \
         _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();                      \
         int64_t g = 0, gb = 0;                                                                                     \
         for (int64_t b = 0; b < nb; b++) {                                                                         \
-            PREFETCH_TILE(q, C, 32, b);                                                                            \
+            PREFETCH_TILE(q, C, wb, b);                                                                            \
             __m256i xv[R];                                                                                         \
             __m256 dv[R];                                                                                          \
             _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                                 \
@@ -714,20 +685,25 @@ int64_t llmd_q8_work_bytes(int64_t m, int64_t k, int64_t g) {
                 dv[r] = _mm256_broadcast_ss(xd + r * nb + b);                                                      \
             }                                                                                                      \
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) {                                                 \
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(q + c * K + b * QB));                      \
-                const __m256i aw = _mm256_abs_epi8(w);                                                             \
+                const uint8_t *qb = q + c * ldq + b * wb;                                                          \
+                const __m256i w = INT4 ? q4_codes(qb) : _mm256_loadu_si256((const __m256i *)qb);                   \
+                const __m256i u = INT4 ? w : _mm256_abs_epi8(w); /* the unsigned operand */                        \
                 const __m256 sv = _mm256_broadcast_ss(s + c * ng + g);                                             \
                 _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                                               \
-                    Q8_BLOCK_FMA(acc[r][c], aw, _mm256_sign_epi8(xv[r], w), dv[r], sv);                                \
+                    Q8_BLOCK_FMA(acc[r][c], u, INT4 ? xv[r] : _mm256_sign_epi8(xv[r], w), dv[r], sv);              \
             }                                                                                                      \
             if (++gb == bpg) {                                                                                     \
                 gb = 0;                                                                                            \
                 g++;                                                                                               \
             }                                                                                                      \
         }                                                                                                          \
+        if (INT4)                                                                                                  \
+            for (int c = 0; c < C; c++) add_zero_terms(&acc[0][c], R, C, s + c * ng, z + c * ng, xD, ng);          \
         for (int r = 0; r < R; r++)                                                                                \
             for (int c = 0; c < C; c++) y[r * ldy + c] = hsum(acc[r][c]);                                          \
     }
+#define Q4_TILE(R, C) Q8_TILE(q4, 1, R, C)
+#define Q8W_TILE(R, C) Q8_TILE(q8w, 0, R, C)
 
 #ifndef Q8_TILE_R
 #define Q8_TILE_R 4
@@ -743,13 +719,8 @@ ALL_TILES(Q8W_TILE)
 /* One signature for both weight kinds (int8 ignores z and D). */
 typedef void (*q8_tile_fn)(const int8_t *, const float *, const float *, const void *, const float *, const float *,
                            float *, int64_t, int64_t, int64_t);
-#define Q_ROW(T, C) {(q8_tile_fn)T##_1_##C, (q8_tile_fn)T##_2_##C, (q8_tile_fn)T##_3_##C, (q8_tile_fn)T##_4_##C}
-static const q8_tile_fn Q4_TILES[8][4] = {
-    Q_ROW(q4_tile, 1), Q_ROW(q4_tile, 2), Q_ROW(q4_tile, 3), Q_ROW(q4_tile, 4),
-    {(q8_tile_fn)q4_tile_1_5}, {(q8_tile_fn)q4_tile_1_6}, {(q8_tile_fn)q4_tile_1_7}, {(q8_tile_fn)q4_tile_1_8}};
-static const q8_tile_fn Q8W_TILES[8][4] = {
-    Q_ROW(q8w_tile, 1), Q_ROW(q8w_tile, 2), Q_ROW(q8w_tile, 3), Q_ROW(q8w_tile, 4),
-    {(q8_tile_fn)q8w_tile_1_5}, {(q8_tile_fn)q8w_tile_1_6}, {(q8_tile_fn)q8w_tile_1_7}, {(q8_tile_fn)q8w_tile_1_8}};
+static const q8_tile_fn Q4_TILES[8][4] = ALL_TILES_TABLE(q4_tile);
+static const q8_tile_fn Q8W_TILES[8][4] = ALL_TILES_TABLE(q8w_tile);
 
 #else /* scalar: the same sums, one output at a time */
 
