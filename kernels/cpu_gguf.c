@@ -490,11 +490,17 @@ static int gx_parts_matmul(int act, const llmd_gguf_part *parts, int64_t nparts,
     return 0;
 }
 
-/* y [M, N] = x [M, K] @ dequant(q).T for GGUF blocks of `type` (a GGML type id), q [N, K / elems * bytes]. */
+/* one part: y [M, N] = x [M, K] @ dequant(q).T for GGUF blocks of `type` (a GGML type id), q [N, K / elems * bytes] */
+static int gx_one_part(int act, int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy,
+                       int64_t m, int64_t n, int64_t k, int nthreads) {
+    const llmd_gguf_part part = {type, n, q};
+    return gx_parts_matmul(act, &part, 1, x, ldx, y, ldy, m, k, nthreads);
+}
+
+/* y [M, N] = x [M, K] @ dequant(q).T for GGUF blocks of `type`: the fp32 path, the weights' exact values. */
 int llmd_gguf_matmul(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
                      int64_t n, int64_t k, int nthreads) {
-    const llmd_gguf_part part = {type, n, q};
-    return gx_parts_matmul(LLMD_ACT_F32, &part, 1, x, ldx, y, ldy, m, k, nthreads);
+    return gx_one_part(LLMD_ACT_F32, type, x, ldx, q, y, ldy, m, n, k, nthreads);
 }
 
 /* Parts of different GGUF types side by side on one input (a fused q/k/v or gate/up whose projections differ in type):
@@ -504,6 +510,12 @@ int llmd_gguf_parts_matmul(const llmd_gguf_part *parts, int64_t nparts, const fl
     return gx_parts_matmul(LLMD_ACT_F32, parts, nparts, x, ldx, y, ldy, m, k, nthreads);
 }
 
+/* y [M, N] = q8(x) [M, K] @ dequant(q).T for GGUF blocks of `type`: the integer path of one part. */
+int llmd_gguf_matmul_q8(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
+                        int64_t n, int64_t k, int nthreads) {
+    return gx_one_part(LLMD_ACT_I8, type, x, ldx, q, y, ldy, m, n, k, nthreads);
+}
+
 /* llmd_gguf_parts_matmul with int8-quantized activations (quantized once for all parts); -1 for an unknown type or a
  * K the blocks do not divide, -2 out of memory. */
 int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
@@ -511,11 +523,10 @@ int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const
     return gx_parts_matmul(LLMD_ACT_I8, parts, nparts, x, ldx, y, ldy, m, k, nthreads);
 }
 
-/* y [M, N] = q8(x) [M, K] @ dequant(q).T for GGUF blocks of `type`: the integer path of one part. */
-int llmd_gguf_matmul_q8(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
-                        int64_t n, int64_t k, int nthreads) {
-    const llmd_gguf_part part = {type, n, q};
-    return gx_parts_matmul(LLMD_ACT_I8, &part, 1, x, ldx, y, ldy, m, k, nthreads);
+/* y [M, N] = q16(x) [M, K] @ dequant(q).T for Q8_0 or Q6_K blocks: the head path of one part. */
+int llmd_gguf_matmul_q16(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
+                         int64_t n, int64_t k, int nthreads) {
+    return gx_one_part(LLMD_ACT_I16, type, x, ldx, q, y, ldy, m, n, k, nthreads);
 }
 
 /* llmd_gguf_parts_matmul with int16-quantized activations (the output head's path); -1 for a type it does not take
@@ -523,11 +534,4 @@ int llmd_gguf_matmul_q8(int type, const float *x, int64_t ldx, const uint8_t *q,
 int llmd_gguf_parts_matmul_q16(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
                                int64_t ldy, int64_t m, int64_t k, int nthreads) {
     return gx_parts_matmul(LLMD_ACT_I16, parts, nparts, x, ldx, y, ldy, m, k, nthreads);
-}
-
-/* y [M, N] = q16(x) [M, K] @ dequant(q).T for Q8_0 or Q6_K blocks: the head path of one part. */
-int llmd_gguf_matmul_q16(int type, const float *x, int64_t ldx, const uint8_t *q, float *y, int64_t ldy, int64_t m,
-                         int64_t n, int64_t k, int nthreads) {
-    const llmd_gguf_part part = {type, n, q};
-    return gx_parts_matmul(LLMD_ACT_I16, &part, 1, x, ldx, y, ldy, m, k, nthreads);
 }
