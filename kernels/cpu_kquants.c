@@ -25,15 +25,22 @@ __attribute__((unused)) static void dq_q2_k(const uint8_t *q, int64_t nb, float 
     }
 }
 
+/* Q3_K: the 16 sub-block scales d (sc - 32) of a super-block, sc's low 4 bits from the nibbles of bytes 96..103 (low
+ * nibbles for s < 8), its high 2 from bits 2 (s / 4) of byte 104 + s % 4 */
+static inline void q3k_sub_scales(const uint8_t *q, float *dl) {
+    const uint8_t *sb = q + 96;
+    const float d = gguf_f16(q + 108);
+    for (int s = 0; s < 16; s++) {
+        const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
+        dl[s] = d * (float)((int8_t)(low | high << 4) - 32);
+    }
+}
+
 __attribute__((unused)) static void dq_q3_k(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 110, w += 256) {
-        const uint8_t *hm = q, *qs = q + 32, *sb = q + 96;
-        const float d = gguf_f16(q + 108);
+        const uint8_t *hm = q, *qs = q + 32;
         float dl[16];
-        for (int s = 0; s < 16; s++) {
-            const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
-            dl[s] = d * (float)((int8_t)(low | high << 4) - 32);
-        }
+        q3k_sub_scales(q, dl);
         for (int h = 0; h < 2; h++)
             for (int t = 0; t < 4; t++) {
                 const int bit = 4 * h + t; /* element j = 128h + 32t + l: hmask bit j / 32 */
@@ -112,14 +119,19 @@ __attribute__((unused)) static void dq_q6_k(const uint8_t *q, int64_t nb, float 
     }
 }
 
+/* IQ4_XS: sub-block s's scale sc - 32, sc's low 4 bits from nibble s of bytes 4..7, its high 2 from bits 2s of the
+ * 16-bit word at byte 2 */
+static inline int iq4xs_scale(const uint8_t *q, int s) {
+    const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
+    return (int)(((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
+}
+
 __attribute__((unused)) static void dq_iq4_xs(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 136, w += 256) {
         const float d = gguf_f16(q);
-        const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
-        const uint8_t *sl = q + 4, *qs = q + 8;
+        const uint8_t *qs = q + 8;
         for (int s = 0; s < 8; s++) {
-            const int sc = (int)(((sl[s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
-            const float a = d * (float)sc;
+            const float a = d * (float)iq4xs_scale(q, s);
             float *o = w + 32 * s;
             for (int t = 0; t < 16; t++) o[t] = a * IQ4_KV[qs[16 * s + t] & 0xF];
             for (int t = 0; t < 16; t++) o[16 + t] = a * IQ4_KV[qs[16 * s + t] >> 4];
@@ -131,10 +143,8 @@ __attribute__((unused)) static void dq_iq4_xs(const uint8_t *q, int64_t nb, floa
 
 INLINE void blk_iq4_xs(const uint8_t *q, float *w) {
     const float d = gguf_f16(q);
-    const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
     for (int s = 0; s < 8; s++) {
-        const int sc = (int)(((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
-        const float a = d * (float)sc;
+        const float a = d * (float)iq4xs_scale(q, s);
         emit32(iq4_lookup(nibbles32(q + 8 + 16 * s)), a, a, 0, OFF_NONE, w + 32 * s);
     }
 }
@@ -174,22 +184,13 @@ INLINE void blk_q5_k(const uint8_t *q, float *w) {
 }
 
 INLINE void blk_q6_k(const uint8_t *q, float *w) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
     const int8_t *sc = (const int8_t *)(q + 192);
     const float d = gguf_f16(q + 208);
-    for (int h = 0; h < 2; h++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
-        for (int t = 0; t < 4; t++) {
-            const __m256i lo = t & 1 ? l1 : l0;
-            const __m256i low = _mm256_and_si256(t >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4);
-            const __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t)), m2);
-            const __m256i codes = _mm256_sub_epi8(_mm256_or_si256(low, _mm256_slli_epi16(high, 4)), off);
-            const int s = 8 * h + 2 * t;
-            emit32(codes, d * (float)sc[s], d * (float)sc[s + 1], 0, OFF_NONE, w + 128 * h + 32 * t);
-        }
-    }
+    __m256i u[8];
+    q6k_codes(q, u);
+    for (int j = 0; j < 8; j++) /* elements 32j..: sub-blocks 2j and 2j + 1 */
+        emit32(_mm256_sub_epi8(u[j], _mm256_set1_epi8(32)), d * (float)sc[2 * j], d * (float)sc[2 * j + 1], 0,
+               OFF_NONE, w + 32 * j);
 }
 
 INLINE void blk_q2_k(const uint8_t *q, float *w) {
@@ -209,13 +210,8 @@ INLINE void blk_q2_k(const uint8_t *q, float *w) {
 
 INLINE void blk_q3_k(const uint8_t *q, float *w) {
     const __m256i m2 = _mm256_set1_epi8(3), one = _mm256_set1_epi8(1);
-    const uint8_t *sb = q + 96;
-    const float d = gguf_f16(q + 108);
     float dl[16];
-    for (int s = 0; s < 16; s++) {
-        const int low = s < 8 ? sb[s] & 0xF : sb[s - 8] >> 4, high = (sb[8 + s % 4] >> (2 * (s / 4))) & 3;
-        dl[s] = d * (float)((int8_t)(low | high << 4) - 32);
-    }
+    q3k_sub_scales(q, dl);
     const __m256i hm = _mm256_loadu_si256((const __m256i *)q);
     for (int h = 0; h < 2; h++) {
         const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 + 32 * h));
@@ -291,18 +287,9 @@ INLINE void gc_q6_k(GG_ARGS) {
         _mm256_store_ps(a + 8 * i, ai);
         _mm256_store_ps(z + 8 * i, _mm256_mul_ps(ai, m32));
     }
-    const __m256i m4 = GG_M4, b45 = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; h++) {
-        const __m256i l0 = _mm256_loadu_si256((const __m256i *)(q + 64 * h));
-        const __m256i l1 = _mm256_loadu_si256((const __m256i *)(q + 64 * h + 32));
-        const __m256i qh = _mm256_loadu_si256((const __m256i *)(q + 128 + 32 * h));
-        for (int t = 0; t < 4; t++) { /* elements 128h + 32t + l: low bits from l0/l1, bits 2t, 2t + 1 of qh on top */
-            const __m256i lo = t & 1 ? l1 : l0;
-            const __m256i codes = _mm256_or_si256(_mm256_and_si256(t >> 1 ? _mm256_srli_epi16(lo, 4) : lo, m4),
-                                                  _mm256_and_si256(gg_shift(qh, 4 - 2 * t), b45));
-            gg_unit(codes, 0x3F, gg_pair(a + 8 * h + 2 * t), xu + 128 * h + 32 * t, ldp, out, os, R);
-        }
-    }
+    __m256i u[8];
+    q6k_codes(q, u);
+    for (int j = 0; j < 8; j++) gg_unit(u[j], 0x3F, gg_pair(a + 2 * j), xu + 32 * j, ldp, out, os, R);
     gg_zero(z, xs, lds, out, os, R, 1);
 }
 
@@ -362,10 +349,8 @@ INLINE void gc_iq4_xs(GG_ARGS) {
     (void)nu;
     float z[8] __attribute__((aligned(32)));
     const float d = gguf_f16(q);
-    const uint32_t sh = (uint32_t)q[2] | (uint32_t)q[3] << 8;
     for (int s = 0; s < 8; s++) {
-        const int sc = (int)(((q[4 + s / 2] >> (4 * (s % 2))) & 0xF) | ((sh >> (2 * s)) & 3) << 4) - 32;
-        const float a = d * (float)sc;
+        const float a = d * (float)iq4xs_scale(q, s);
         z[s] = -128.0f * a;
         gg_unit(gg_iq4(q + 8 + 16 * s), 0xFF, _mm256_set1_ps(a), xu + 32 * s, ldp, out, os, R);
     }

@@ -357,7 +357,7 @@ INLINE __m256i gg_shift(__m256i v, int s) {
     (OFFSET ? DOT_U8S8_ACC(_mm256_loadu_si256((const __m256i *)(c)), w, xv) : DOT_U8S8(w, _mm256_sign_epi8(xv, u)))
 
 /* Q6_K's codes u = q + 32 (0..63) of one super-block, 8 vectors of 32 in element order: the low 4 bits from ql, bits
- * 2t and 2t + 1 of qh on top (the int8 path's and the head's decoders) */
+ * 2t and 2t + 1 of qh on top (every path's Q6_K decoder: cpu_kquants.c's, the head's) */
 INLINE void q6k_codes(const uint8_t *q, __m256i *u) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), b45 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; h++) {
