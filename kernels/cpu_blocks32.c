@@ -197,7 +197,7 @@ INLINE void gg_unit64(__m256i cv, __m256 sv, const float *xu, int64_t ldp, __m25
             const __m128i lo = _mm_loadu_si128((const __m128i *)(q + b * (BYTES) + (QS)));                         \
             const __m128i hi = b + 1 < nu ? _mm_loadu_si128((const __m128i *)(q + (b + 1) * (BYTES) + (QS)))        \
                                           : _mm_setzero_si128();                                                   \
-            gg_unit64(_mm256_set_m128i(hi, lo), gg_pair4(a + b), xu + 32 * b, ldp, out, os, R);                   \
+            gg_unit64(_mm256_set_m128i(hi, lo), gg_pair(a + b), xu + 32 * b, ldp, out, os, R);                    \
         }                                                                                                          \
         gg_zero(z, xs, lds, out, os, R, 0);                                                                        \
     }
@@ -232,10 +232,6 @@ GG_FILL(mxfp4, 8, 17)
 /* Per type, one chunk of one column: the codes u [8] of its units (element order), the units' scale vectors sv [8]
  * and the offsets z [16] of its 16-element sub-blocks (zeroed by the caller; nu blocks of 32, or one super-block). */
 #define GQ_DEC(T) INLINE void gqd_##T(const uint8_t *q, int nu, __m256i *u, __m256 *sv, float *z)
-
-INLINE __m256 gq_pair(float a0, float a1) {
-    return _mm256_blend_ps(_mm256_set1_ps(a0), _mm256_set1_ps(a1), 0xF0);
-}
 
 /* One block of 32: its codes u, scale d and offset z. */
 #define GQ_SMALL(T, BYTES, CODES, ZERO)                                                                            \
@@ -292,21 +288,15 @@ GQ_SMALL(q5_1, 24, _mm256_or_si256(nibbles32(qb + 8), fifth_bits(gguf_u32(qb + 4
             _Pragma("GCC unroll 8") for (int c = 0; c < C; c++) if (c < cols) {                                   \
                 for (int j = 2 * nu; j < 16; j++) z[c][j] = 0.0f;                                                  \
                 const __m256 zl = _mm256_load_ps(z[c]), zh = _mm256_load_ps(z[c] + 8);                             \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
-                    const float *sr = xs + r * lds + 16 * i;                                                       \
-                    out[r][c] = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), out[r][c]);                              \
-                    out[r][c] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), out[r][c]);                          \
-                }                                                                                                  \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                               \
+                    out[r][c] = gq_offsets(out[r][c], zl, zh, xs + r * lds + 16 * i);                              \
             }                                                                                                      \
         }                                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
             for (int c = 0; c < C && c < cols; c++) y[r * ldy + c] = hsum(out[r][c]);                             \
     }
-#define GQ_TILES(T, BPC, BYTES)                                                                                    \
-    GQ_TILE(T, BPC, BYTES, 1, GG_C1) GQ_TILE(T, BPC, BYTES, 2, GG_C2)                                              \
-    GQ_TILE(T, BPC, BYTES, 3, GG_C3) GQ_TILE(T, BPC, BYTES, 4, GG_C4)
-GQ_TILES(q4_1, 8, 20)
-GQ_TILES(q5_1, 8, 24)
+TILES_BY_ROWS(GQ_TILE, q4_1, 8, 20)
+TILES_BY_ROWS(GQ_TILE, q5_1, 8, 24)
 
 /* Many rows: one column at a time over up to GQ_ROWS rows, each chunk of the column decoded once for all of them (the
  * tiles above decode it once per 4 rows); the rows' running sums wait in memory between chunks. Each output gets the
@@ -332,10 +322,7 @@ GQ_TILES(q5_1, 8, 24)
                     const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * i + j);                              \
                     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sv[j], dv), acc);                 \
                 }                                                                                                  \
-                const float *sr = xs + r * lds + 16 * i;                                                           \
-                acc = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), acc);                                               \
-                acc = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), acc);                                           \
-                out[r] = acc;                                                                                      \
+                out[r] = gq_offsets(acc, zl, zh, xs + r * lds + 16 * i);                                           \
             }                                                                                                      \
         }                                                                                                          \
         for (int r = 0; r < rows; r++) y[r * ldy] = hsum(out[r]);                                                  \

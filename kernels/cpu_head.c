@@ -91,10 +91,8 @@ INLINE float gh_q6_k_block(const gh_unit *s, int j, __m256i *w0, __m256i *w1) {
         for (int r = 0; r < R; r++)                                                                                \
             for (int c = 0; c < C && c < cols; c++) y[r * ldy + c] = hsum(out[r][c]);                             \
     }
-#define GH_TILES(T, TU)                                                                                            \
-    GH_TILE(T, TU, 1, GG_C1) GH_TILE(T, TU, 2, GG_C2) GH_TILE(T, TU, 3, GG_C3) GH_TILE(T, TU, 4, GG_C4)
-GH_TILES(q8_0, Q8_0)
-GH_TILES(q6_k, Q6_K)
+TILES_BY_ROWS(GH_TILE, q8_0, Q8_0)
+TILES_BY_ROWS(GH_TILE, q6_k, Q6_K)
 
 typedef void (*gh_tile_fn)(const uint8_t *, int64_t, int, const int16_t *, const float *, int64_t, int64_t, float *,
                            int64_t);

@@ -529,20 +529,14 @@ GQK_DEC(iq4_xs) { /* signed table codes, a = d (sc - 32), no offsets */
                     }                                                                                              \
                 }                                                                                                  \
                 const __m256 dd = _mm256_set1_ps(d);                                                               \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                             \
-                    const float *sr = xs + r * lds + 16 * b;                                                       \
-                    out[r][c] = _mm256_fmadd_ps(acc[r], dd, out[r][c]);                                            \
-                    out[r][c] = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), out[r][c]);                              \
-                    out[r][c] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), out[r][c]);                          \
-                }                                                                                                  \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                               \
+                    out[r][c] = gq_offsets(_mm256_fmadd_ps(acc[r], dd, out[r][c]), zl, zh, xs + r * lds + 16 * b); \
             }                                                                                                      \
         }                                                                                                          \
         for (int r = 0; r < R; r++)                                                                                \
             for (int c = 0; c < C && c < cols; c++) y[r * ldy + c] = hsum(out[r][c]);                             \
     }
-#define GQK_TILES(T, BYTES, SIGNED)                                                                                \
-    GQK_TILE(T, BYTES, SIGNED, 1, GG_C1) GQK_TILE(T, BYTES, SIGNED, 2, GG_C2)                                      \
-    GQK_TILE(T, BYTES, SIGNED, 3, GG_C3) GQK_TILE(T, BYTES, SIGNED, 4, GG_C4)
+#define GQK_TILES(T, BYTES, SIGNED) TILES_BY_ROWS(GQK_TILE, T, BYTES, SIGNED)
 #if GQ_OFFSET_ROWS
 /* IQ4_XS, one row, with VNNI: the codes + 128 against the activations, the accumulator starting at the row data C
  * (GQ_SIGNED_DOT), times the sub-block scale in int32: the integers GQK_TILE's madd makes */
@@ -568,9 +562,7 @@ static void gqt_iq4_xs_1(const uint8_t *q, int64_t rb, int cols, const int8_t *x
                 acc = j ? _mm256_fmadd_ps(t, dv, acc) : _mm256_mul_ps(t, dv);
             }
             const __m256 zero = _mm256_setzero_ps(); /* GQK_TILE's (zero) offset terms, for its very bits */
-            out[c] = _mm256_fmadd_ps(acc, _mm256_set1_ps(gguf_f16(qc)), out[c]);
-            out[c] = _mm256_fmadd_ps(zero, _mm256_loadu_ps(xs + 16 * b), out[c]);
-            out[c] = _mm256_fmadd_ps(zero, _mm256_loadu_ps(xs + 16 * b + 8), out[c]);
+            out[c] = gq_offsets(_mm256_fmadd_ps(acc, _mm256_set1_ps(gguf_f16(qc)), out[c]), zero, zero, xs + 16 * b);
         }
     }
     for (int c = 0; c < GG_C1 && c < cols; c++) y[c] = hsum(out[c]);
@@ -612,10 +604,7 @@ GQK_TILES(q3_k, 110, 0)
                     const __m256 dv = _mm256_broadcast_ss(xd + r * nbx + 8 * b + j);                              \
                     acc = j ? _mm256_fmadd_ps(t, dv, acc) : _mm256_mul_ps(t, dv);                                  \
                 }                                                                                                  \
-                const float *sr = xs + r * lds + 16 * b;                                                           \
-                __m256 o = _mm256_fmadd_ps(acc, dd, out[r]);                                                       \
-                o = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), o);                                                   \
-                out[r] = _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), o);                                          \
+                out[r] = gq_offsets(_mm256_fmadd_ps(acc, dd, out[r]), zl, zh, xs + r * lds + 16 * b);              \
             }                                                                                                      \
         }                                                                                                          \
         for (int r = 0; r < rows; r++) y[r * ldy] = hsum(out[r]);                                                  \

@@ -279,7 +279,6 @@ INLINE void gg_zero(const float *z, const float *xs, int64_t lds, __m256 *out, c
 INLINE __m256 gg_pair(const float *a) {
     return _mm256_blend_ps(_mm256_broadcast_ss(a), _mm256_broadcast_ss(a + 1), 0xF0);
 }
-#define gg_pair4 gg_pair
 
 /* 16 bytes of nibbles in element order: low nibbles in bytes 0..15, high ones in 16..31 (each still needs its mask) */
 INLINE __m256i gg_nib16(const uint8_t *qs) {
@@ -330,9 +329,10 @@ INLINE __m256i gg_shift(__m256i v, int s) {
 #define GG_C2 4
 #define GG_C3 2
 #define GG_C4 2
-#define GG_TILES(T, BPC, BYTES)                                                                                    \
-    GG_TILE(T, BPC, BYTES, 1, GG_C1) GG_TILE(T, BPC, BYTES, 2, GG_C2) GG_TILE(T, BPC, BYTES, 3, GG_C3)            \
-    GG_TILE(T, BPC, BYTES, 4, GG_C4)
+/* TILE(args, R, C): the tiles of 1 to 4 rows of a GGUF path, each with its columns per tile */
+#define TILES_BY_ROWS(TILE, ...)                                                                                   \
+    TILE(__VA_ARGS__, 1, GG_C1) TILE(__VA_ARGS__, 2, GG_C2) TILE(__VA_ARGS__, 3, GG_C3) TILE(__VA_ARGS__, 4, GG_C4)
+#define GG_TILES(T, BPC, BYTES) TILES_BY_ROWS(GG_TILE, T, BPC, BYTES)
 /* One column's panel for the rows-in-lanes path: P [kp] converted codes, P + kp [kp] lane scales (8 per unit),
  * P + 2 kp [chunks * GG_XS] offsets (kp: k, or k rounded up to a whole unit of 64 for the block pairs). */
 #define GG_FILL(T, BPC, BYTES)                                                                                     \
@@ -355,6 +355,13 @@ INLINE __m256i gg_shift(__m256i v, int s) {
 #define GQ_SIGNED_W(u, OFFSET) (OFFSET ? _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)) : _mm256_abs_epi8(u))
 #define GQ_SIGNED_DOT(w, u, xv, c, OFFSET)                                                                         \
     (OFFSET ? DOT_U8S8_ACC(_mm256_loadu_si256((const __m256i *)(c)), w, xv) : DOT_U8S8(w, _mm256_sign_epi8(xv, u)))
+
+/* The integer path's offset terms of a chunk: out + zl * S[0..8) + zh * S[8..16), the offsets of its 16-element
+ * sub-blocks times a row's sums of them (sr: gq_sums' chunk) */
+INLINE __m256 gq_offsets(__m256 out, __m256 zl, __m256 zh, const float *sr) {
+    out = _mm256_fmadd_ps(zl, _mm256_loadu_ps(sr), out);
+    return _mm256_fmadd_ps(zh, _mm256_loadu_ps(sr + 8), out);
+}
 
 /* Q6_K's codes u = q + 32 (0..63) of one super-block, 8 vectors of 32 in element order: the low 4 bits from ql, bits
  * 2t and 2t + 1 of qh on top (every path's Q6_K decoder: cpu_kquants.c's, the head's) */
