@@ -9,6 +9,8 @@
  * and their rows of the type table (llmd_blocks32_types). */
 #include "cpu_tiles.h"
 
+/* ---- Dequantize (the reference's values; the vector forms in AVX2 builds) ---------------------------------------- */
+
 /* MXFP4's E2M1 codes as ggml keeps them: the values doubled (the scale halved, gguf_e8m0_half) */
 static const float MXFP4_KV[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 

@@ -11,6 +11,7 @@
 
 #include "cpu_tiles.h"
 
+/* the type table: the rows of cpu_blocks32.c and cpu_kquants.c */
 const gguf_type *gguf_type_of(int type, int64_t k) {
     const gguf_type *t = NULL;
     for (int i = 0; i < LLMD_BLOCKS32_TYPES; i++)
@@ -27,6 +28,8 @@ int llmd_gguf_dequant(int type, const uint8_t *q, int64_t ldq, int64_t rows, int
     for (int64_t r = 0; r < rows; r++) t->fn(q + r * ldq, k / t->elems, w + r * ldw);
     return 0;
 }
+
+/* ==== The fp32 path: a thread's columns in the types' tiles (cpu_tiles.h: "The GGUF matmul") ==================== */
 
 #if defined(__AVX2__) && defined(__FMA__)
 /* Rows in the vector lanes (16 rows per block, RP_VECS vectors): output (r, c) lane l gets the very operations of the
@@ -150,17 +153,16 @@ static void gg_plain_cols(const gguf_type *t, const float *x, const uint8_t *q, 
 
 /* ==== GGUF blocks with int8-quantized activations (the integer path) ==========================================
  *
- * The activations are quantized as for int8/int4 (quantize_row: per block of 32, d_b = amax / 127, q = round(x / d_b)),
- * and every weight is again w = a_s * u + z_s (see "The GGUF matmul" above), now with u a byte code that meets the
- * activation bytes in an integer dot product per 32-element unit (DOT_U8S8: unsigned x signed bytes -> 8 int32 lanes of
- * 4 elements each, exact). Per output y[r, c], in this order
- * whatever M, the row's position, the part, the tile or the thread count:
+ * The activations are quantized as for int8/int4 (cpu_act.c: per block of 32, d_b = amax / 127, q = round(x / d_b)),
+ * and every weight is again w = a_s * u + z_s (see "The GGUF matmul", cpu_tiles.h), now with u a byte code that meets
+ * the activation bytes in an integer dot product per 32-element unit (DOT_U8S8: unsigned x signed bytes -> 8 int32
+ * lanes of 4 elements each, exact). Per output y[r, c], in this order whatever M, the row's position, the part, the
+ * tile or the thread count:
  *   blocks of 32 with a minimum (Q4_1, Q5_1): for each block j, out = fma(float(dot_j), a_j * d_j, out);
  *   signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4): one accumulator per output over the blocks' whole dot
- *       products
- *       (see GQS_TILE);
+ *       products (see GQS_TILE, cpu_blocks32.c);
  *   super-blocks of 256 (the K-quants, IQ4_XS): the sub-block scales in integer arithmetic, d once per super-block
- *       (see GQK_TILE below);
+ *       (see GQK_TILE, cpu_kquants.c);
  *   after each chunk of 256 elements: out = fma(z[0..8), S[0..8), out), then fma(z[8..16), S[8..16), out), with z the
  *       offsets of the chunk's 16-element sub-blocks (a 32-element sub-block's offset twice) and S = d_b * sum(q) over
  *       each 16 activations (row data, computed once per call); IQ4_XS (no offsets) skips this;
@@ -244,7 +246,7 @@ static void gq_cols(const gguf_type *t, const float *xd, const float *xs, const 
  *
  * Each path's activation rows are prepared once (plain C, row by row: a row's data never depends on the other rows),
  * a group of consecutive rows adds what a matmul over exactly those rows reads (the int8 lane layout, the fp32 rows
- * transposed), and each thread computes ranges of output columns with the functions above, which choose their tiles
+ * transposed), and each thread computes ranges of output columns with the column loops above, which choose tiles
  * by the group's row count as the whole-matrix entries always did. The entries below are these steps in one parallel
  * region; cpu_moe.c runs a layer's experts with them. The arrays of a rows set, per path:
  *   fp32: a[0] gg_prepare's activations [kp], a[1] its sums [chunks * GG_XS] (portable: a[0] the row as given [K]);

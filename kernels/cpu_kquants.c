@@ -9,6 +9,8 @@
  * them too). */
 #include "cpu_tiles.h"
 
+/* ---- Dequantize (the reference's values; the vector forms in AVX2 builds) ---------------------------------------- */
+
 __attribute__((unused)) static void dq_q2_k(const uint8_t *q, int64_t nb, float *w) {
     for (int64_t b = 0; b < nb; b++, q += 84, w += 256) {
         const uint8_t *sc = q, *qs = q + 16;

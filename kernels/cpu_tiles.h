@@ -33,6 +33,8 @@
 
 #define INLINE static inline __attribute__((always_inline))
 
+/* ---- Work sharing and integer dot products ----------------------------------------------------------------------- */
+
 /* u8 x s8 dot product of 32 bytes -> 8 int32 lanes of 4 products each: one vpdpbusd where VNNI is built in, else
  * maddubs (int16 pairs) + madd. The same integers either way: no operand pair here reaches int16 saturation. */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -71,6 +73,8 @@ static inline int64_t row_chunk(int64_t k) {
 }
 
 #define QB 32 /* activations are quantized per block of QB values (cpu_act.c) */
+
+/* ---- GGUF block fields and the integer path's rows --------------------------------------------------------------- */
 
 /* fp16 at p -> fp32, exactly (subnormals, infinities and NaNs included). */
 static inline float gguf_f16(const uint8_t *p) {
@@ -129,6 +133,8 @@ typedef struct {
 } gq_lanes;
 
 #if defined(__AVX2__) && defined(__FMA__)
+
+/* ---- Tiles (AVX2 + FMA builds) ----------------------------------------------------------------------------------- */
 
 /* Horizontal sum in a fixed order. */
 INLINE float hsum(__m256 v) {
@@ -329,6 +335,7 @@ INLINE __m256i gg_shift(__m256i v, int s) {
 #define GG_C2 4
 #define GG_C3 2
 #define GG_C4 2
+__attribute__((unused)) static const int GG_COLS[4] = {GG_C1, GG_C2, GG_C3, GG_C4};
 /* TILE(args, R, C): the tiles of 1 to 4 rows of a GGUF path, each with its columns per tile */
 #define TILES_BY_ROWS(TILE, ...)                                                                                   \
     TILE(__VA_ARGS__, 1, GG_C1) TILE(__VA_ARGS__, 2, GG_C2) TILE(__VA_ARGS__, 3, GG_C3) TILE(__VA_ARGS__, 4, GG_C4)
@@ -341,6 +348,8 @@ INLINE __m256i gg_shift(__m256i v, int s) {
             gc_##T(q + b * (BYTES), (int)(nb - b < BPC ? nb - b : BPC), P + i * GG_CHUNK, kp,                      \
                    P + 2 * kp + i * GG_XS, 0, NULL, 0, 0);                                                         \
     }
+
+/* ---- The GGUF integer path's tiles ------------------------------------------------------------------------------- */
 
 /* Signed codes u (the signed blocks of 32: |u| <= 128) against activation bytes xv: with VNNI (OFFSET) u + 128 as the
  * unsigned operand and the accumulator starting at -128 times each lane's 4 activation bytes (row data C at c), one
@@ -379,10 +388,11 @@ INLINE void q6k_codes(const uint8_t *q, __m256i *u) {
     }
 }
 
+/* ---- The GGUF type table ----------------------------------------------------------------------------------------- */
+
 typedef void (*gg_tile_fn)(const uint8_t *, int64_t, int, const float *, int64_t, const float *, int64_t, int64_t,
                            float *, int64_t);
 typedef void (*gg_fill_fn)(const uint8_t *, int64_t, float *, int64_t);
-__attribute__((unused)) static const int GG_COLS[4] = {GG_C1, GG_C2, GG_C3, GG_C4};
 #define GG_FNS(T) {ggt_##T##_1, ggt_##T##_2, ggt_##T##_3, ggt_##T##_4}, ggf_##T
 #define DQ(scalar, vector) vector
 #define GG(T, wide, sub, unit) GG_FNS(T), wide, sub, unit
@@ -428,7 +438,7 @@ LLMD_HIDDEN const gguf_type *gguf_type_of(int type, int64_t k);
 /* K padded to whole units (the fp32 path's activation rows) */
 static inline int64_t gg_padded(const gguf_type *t, int64_t k) { return (k + t->unit - 1) / t->unit * t->unit; }
 
-/* ---- cpu_act.c: activation rows -------------------------------------------------------------------------------- */
+/* ---- cpu_act.c: activation rows ---------------------------------------------------------------------------------- */
 /* rows [r0, r1) of x quantized to int8 per block of 32 into the int8 / int4 layers' work buffer (llmd_q8_work_bytes of
  * m rows; interleave: each block's bytes as [even k | odd k], for int4's nibbles) */
 LLMD_HIDDEN void quantize_rows(const float *x, int64_t ldx, int64_t r0, int64_t r1, int64_t k, int64_t g,
@@ -454,7 +464,7 @@ LLMD_HIDDEN void gq_signed_cols(const gguf_type *t, const float *xd, const int8_
                                 int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
 #endif
 
-/* ---- cpu_head.c: the int16 path -------------------------------------------------------------------------------- */
+/* ---- cpu_head.c: the int16 path ---------------------------------------------------------------------------------- */
 LLMD_HIDDEN int gh_supported(int type);
 LLMD_HIDDEN void gh_cols(int type, const float *xd, const int16_t *xq, const uint8_t *q, float *y, int64_t ldy,
                          int64_t m, int64_t k, int64_t n0, int64_t n1);
