@@ -1,10 +1,11 @@
-"""Weight-only int8/int4 matmul for fp32 activations on the CPU, compiled from cpu_gemm.c on first use.
+"""Weight-only int8/int4 matmul for fp32 activations on the CPU, compiled from cpu_gemm.c (and the other C files of
+SOURCES: the GGUF block types' matmuls, cpu_gguf.c) on first use.
 
 torch's CPU int8/int4 weight kernels are only fast with AVX-512; on AVX2 machines they are many times slower than
 fp32, and decoding with dequantized fp32 weights is bound by streaming 4 bytes per weight. This kernel reads the
 packed weights of llmd.kernels.quant_matmul in place (no repacking), widens them in registers and uses AVX2/FMA.
 
-The shared library is built with the system C compiler into <cache>/llmd/kernels/<hash of source + flags>.so
+The shared library is built with the system C compiler into <cache>/llmd/kernels/<hash of sources + flags>.so
 ($XDG_CACHE_HOME or ~/.cache), written under a temporary name and renamed, so concurrent processes are safe. SIMD
 flags are used only for features /proc/cpuinfo lists (never -march=native: some VMs advertise features that fault).
 Without a compiler, or when the build or a self-check against the torch reference fails, `load()` logs one line and
@@ -438,7 +439,7 @@ def layer_kernel(kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
 
 # ---- GGUF blocks (llmd.kernels.gguf_blocks), read in place ---------------------------------------------------------
 
-# GGML type ids (gguf.GGMLQuantizationType) of the types cpu_gemm.c dequantizes
+# GGML type ids (gguf.GGMLQuantizationType) of the types the C kernels take (cpu_gguf.c's type table)
 GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
                  "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "MXFP4": 39}
 

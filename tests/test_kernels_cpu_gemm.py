@@ -279,7 +279,7 @@ def test_every_kernel_file_is_built_and_keys_the_cached_build(monkeypatch, tmp_p
     included = {name for path in files for name in re.findall(r'^#include "(.+)"', path.read_text(), re.M)}
     assert included == {path.name for path in cpu_gemm.HEADERS}
     copies = [tmp_path / path.name for path in files]
-    for path, copy in zip(files, copies):
+    for path, copy in zip(files, copies, strict=True):
         copy.write_bytes(path.read_bytes())
     monkeypatch.setattr(cpu_gemm, "SOURCES", copies[:len(cpu_gemm.SOURCES)])
     monkeypatch.setattr(cpu_gemm, "HEADERS", copies[len(cpu_gemm.SOURCES):])

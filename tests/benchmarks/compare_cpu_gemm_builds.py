@@ -161,7 +161,7 @@ class Cases:
             blocks = [torch.from_numpy(random_blocks(t, 13 + 4 * i, k, seed=i, scale=0.002))
                       for i, t in enumerate(types)]
             parts = (cpu_gemm.GGUFPart * len(types))()
-            for p, b, t in zip(parts, blocks, types):
+            for p, b, t in zip(parts, blocks, types, strict=True):
                 p.type, p.n, p.q = cpu_gemm.GGUF_TYPE_IDS[t], b.shape[0], b.data_ptr()
             n = sum(b.shape[0] for b in blocks)
             for m in ROWS:
