@@ -4,8 +4,8 @@
  *   optionally biased per expert (its output row + bias[e], as the Python path adds it).
  * The step's (token, slot) pairs are sorted by expert (a stable counting sort), so expert e's pairs are consecutive
  * rows and its weights are read once for all of them: at decode only the chosen experts' rows are read, at prefill each
- * expert's tokens are one matmul over its rows (cpu_gemm.c's tiles, chosen by that expert's row count). One parallel
- * region runs the phases, separated by barriers:
+ * expert's tokens are one matmul over its rows (the GGUF tiles of cpu_gguf.c and the type files, chosen by that
+ * expert's row count). One parallel region runs the phases, separated by barriers:
  *   1. each token's activations prepared once for the gate_up path (quantized on the int8 / int16 paths), copied to
  *      its pairs, and each expert's group of rows made;
  *   2. every (expert, part)'s gate_up columns shared out among the threads (llmd_gx_run);
