@@ -38,7 +38,8 @@ from .ops import CPU_OPS, TORCH_OPS, Ops
 log = logging.getLogger(__name__)
 
 # checkpoint spellings of the MoE parts -> ours
-_ALIASES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."), (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
+_ALIASES = ((re.compile(r"\.block_sparse_moe\."), ".mlp."),
+            (re.compile(r"\.experts\.(\d+)\.w1\."), r".experts.\1.gate_proj."),
             (re.compile(r"\.experts\.(\d+)\.w3\."), r".experts.\1.up_proj."),
             (re.compile(r"\.experts\.(\d+)\.w2\."), r".experts.\1.down_proj."),
             (re.compile(r"\.mlp\.router\."), ".mlp.gate."),
