@@ -343,3 +343,17 @@ def test_gpt_oss_bad_mxfp4_scales_are_named(gpt_oss_forms, tmp_path):
     save_file(state, folder / "model.safetensors")
     with pytest.raises(ModelFileError, match="down_proj_scales"):
         load_model(folder, dtype=torch.float32, device="cpu")
+
+
+def test_gpt_oss_mxfp4_without_its_scales_is_named(gpt_oss_forms, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "half"
+    shutil.copytree(gpt_oss_forms["mxfp4"], folder)
+    state = load_file(folder / "model.safetensors")
+    del state["model.layers.0.mlp.experts.gate_up_proj_scales"]
+    save_file(state, folder / "model.safetensors")
+    with pytest.raises(ModelFileError, match="gate_up_proj_scales.*missing"):
+        load_model(folder, dtype=torch.float32, device="cpu")

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 
 import torch
 
+from ..errors import ModelFileError
 from .llama import CausalLM
 from .quant.mxfp4 import mxfp4_blocks_from_hf
 
@@ -68,6 +69,9 @@ class GptOssCausalLM(CausalLM):
                 yield name, t.transpose(1, 2).contiguous()
             else:
                 yield item
+        for weight, pair in halves.items():  # a weight whose other half never came
+            missing = next(s for s in _MXFP4_SUFFIXES if s not in pair)
+            raise ModelFileError(source, f"tensor {weight + missing!r} is missing (MXFP4 needs blocks and scales)")
 
     def _mxfp4(self, weight: str, blocks: torch.Tensor, scales: torch.Tensor, source: object) -> Iterator:
         """An expert weight's MXFP4 halves -> packed GGUF rows under the block's stacked names (RawTensor)."""
