@@ -357,3 +357,12 @@ def test_gpt_oss_mxfp4_without_its_scales_is_named(gpt_oss_forms, tmp_path):
     save_file(state, folder / "model.safetensors")
     with pytest.raises(ModelFileError, match="gate_up_proj_scales.*missing"):
         load_model(folder, dtype=torch.float32, device="cpu")
+
+
+def test_gpt_oss_mxfp4_experts_filled_under_calibrated_int4(gpt_oss_forms):
+    """--quant int4 calibrates the linear layers layer by layer; the packed experts are filled as they stream in."""
+    fp = load_model(gpt_oss_forms["fp"], dtype=torch.float32, device="cpu", quant="none")
+    int4 = load_model(gpt_oss_forms["mxfp4"], dtype=torch.float32, device="cpu", quant="int4")
+    want = [m.gate_up_proj.weight for m in fp.model.modules() if isinstance(m, Experts)]
+    got = [m.gate_up_proj.dequantized_weight() for m in int4.model.modules() if isinstance(m, Experts)]
+    assert len(got) == len(want) == 2 and all(torch.equal(g, w) for g, w in zip(got, want, strict=True))

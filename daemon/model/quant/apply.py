@@ -142,8 +142,8 @@ def quantizing_stream(
                                                                                  item.shape))
             continue
         pending -= {f"{p}.weight" for p, _ in parts[target]} if rows is None else covered
-        if spec.calibrate:
-            continue  # read again, by name, during calibration
+        if spec.calibrate and not isinstance(layer, GGUFExpertLinear):
+            continue  # read again, by name, during calibration (packed experts are filled now: never calibrated)
         if isinstance(item, RawTensor):
             if (spec.method == "gguf" or isinstance(layer, GGUFExpertLinear)) and _fill_packed(layer, item, source,
                                                                                                  rows):
