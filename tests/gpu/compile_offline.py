@@ -115,9 +115,7 @@ def _attention_variants() -> list[tuple[str, dict, dict, dict]]:
 
 
 def _compile_attention(arch: int, what: str, consts: dict, launch: dict, extra: dict) -> dict:
-    import triton
     from llmd.kernels import paged_attention, prefill_attention
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     decode = what.startswith("decode")
@@ -136,15 +134,8 @@ def _compile_attention(arch: int, what: str, consts: dict, launch: dict, extra: 
     # block size (16), window (1024 or 0) and min split (256) is a multiple of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
              if p not in consts and p not in floats and p not in unspecialized}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    row: dict = dict(what=what, **launch)
-    try:
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
-    except Exception as e:  # report and go on
-        return dict(row, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    row["shared"] = compiled.metadata.shared
-    row.update(_resources(compiled.asm["cubin"]))
-    return row
+    return _compiled_row(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), arch,
+                         dict(what=what, **launch), launch)
 
 
 def attention_main(arch: int, jobs: int) -> int:
@@ -213,9 +204,7 @@ def _moe_variants() -> list[tuple[str, dict, dict, dict]]:
 
 
 def _compile_moe(arch: int, what: str, consts: dict, launch: dict, extra: dict) -> dict:
-    import triton
     from llmd.kernels import moe_matmul as mm
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     if extra.get("sum"):
@@ -235,15 +224,8 @@ def _compile_moe(arch: int, what: str, consts: dict, launch: dict, extra: dict) 
     aligned = {"x_ptr", "wg_ptr", "wu_ptr", "b_ptr", "out_ptr", "pairs_ptr", "block_expert_ptr", "slots_ptr",
                "w_ptr"} | {name for name, value in ints.items() if value % 16 == 0}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p in aligned}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    row: dict = dict(what=what, **launch)
-    try:
-        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
-    except Exception as e:  # report and go on
-        return dict(row, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-    row["shared"] = compiled.metadata.shared
-    row.update(_resources(compiled.asm["cubin"]))
-    return row
+    return _compiled_row(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), arch,
+                         dict(what=what, **launch), launch)
 
 
 def moe_main(arch: int, jobs: int) -> int:
@@ -261,6 +243,20 @@ def moe_main(arch: int, jobs: int) -> int:
             print(f"{r['what']:62} warps={r['num_warps']}  shared {r['shared']:6} B  regs {r['regs']:3}  "
                   f"stack {r['stack']:4}  local {r['local']}{'  SPILLS' if spill else ''}", flush=True)
     return 1 if bad else 0
+
+
+def _compiled_row(src, arch: int, row: dict, launch: dict) -> dict:
+    """`row` with the compiled kernel's shared memory and resources, or the error (reported, the others go on)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    try:
+        compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
+    except Exception as e:  # report and go on
+        return dict(row, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    row["shared"] = compiled.metadata.shared
+    row.update(_resources(compiled.asm["cubin"]))
+    return row
 
 
 def _resources(cubin: bytes) -> dict:
