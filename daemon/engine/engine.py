@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidRequest, QueueFull
-from ..model.moe import expert_hits
+from ..model.moe import moe_layers
 from ..model.ops import release_cpu_threads
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -60,6 +60,7 @@ class _TextState:
 class Engine:
     def __init__(self, loaded, config: EngineConfig | None = None):
         self.loaded = loaded
+        self._moe_layers = moe_layers(loaded.model)  # found once: stats() is read every second by some clients
         self.tokenizer = loaded.tokenizer
         device = next(loaded.model.parameters()).device
         self.config = (config or EngineConfig()).resolved(device.type, loaded.config.max_position_embeddings)
@@ -405,7 +406,7 @@ class Engine:
             generation_tokens_total=self.generation_tokens_total, num_preemptions=self.scheduler.num_preemptions,
             steps_total=self.steps_total, last_batch_size=self.last_batch_size, last_step_tokens=self.last_step_tokens,
             tokens_per_second=tps, kv=kv, spec=self.speculator.stats() if self.speculator is not None else None,
-            latency=latency, threads=self.threads, expert_hits=expert_hits(self.loaded.model) or None)
+            latency=latency, threads=self.threads, expert_hits=[m.hit_counts() for m in self._moe_layers] or None)
 
     def check_no_leaks(self) -> None:
         """With no live requests, every block must be free or evictable cached (raises AssertionError if not)."""

@@ -299,6 +299,11 @@ def stacked_covers(name: str, moe: MoEConfig) -> set[str] | None:
     return {f"{parent}.{e}.{proj}.{leaf}" for e in range(moe.num_experts)}
 
 
+def moe_layers(model: nn.Module) -> list[Experts]:
+    """The model's MoE layers' experts, in layer order (none for a dense model)."""
+    return [m for m in model.modules() if isinstance(m, Experts)]
+
+
 def expert_hits(model: nn.Module) -> list[list[int]]:
     """Tokens routed to each expert, per MoE layer, since the model loaded (for placement decisions and stats)."""
-    return [m.hit_counts() for m in model.modules() if isinstance(m, Experts)]
+    return [m.hit_counts() for m in moe_layers(model)]
