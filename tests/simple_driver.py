@@ -19,6 +19,7 @@ import torch
 
 from llmd.model.attention import AttentionMetadata, allocate_kv_cache
 from llmd.model.cpu_stack import CompiledCpuForward
+from llmd.model.recurrent import StateMetadata, allocate_states, layer_caches
 
 
 def _model_of(model_or_loaded: Any) -> torch.nn.Module:
@@ -38,10 +39,12 @@ class SingleSequence:
         self.block_size = block_size
         self.max_tokens = num_blocks * block_size
         self.block_table = list(reversed(range(num_blocks)))
-        self.kv_caches = allocate_kv_cache(
-            cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
+        kv_caches = allocate_kv_cache(
+            cfg.num_kv_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
             dtype=param.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype,
         )
+        # a hybrid's recurrent layers: slot 0 is this sequence's state (llmd.model.recurrent)
+        self.kv_caches = layer_caches(cfg, kv_caches, allocate_states(cfg, 1, param.dtype, self.device))
         self.length = 0  # tokens already in the cache
         # as the engine's runner does: on the CPU, the layers in one C call where that applies
         self.forward = CompiledCpuForward.try_build(self.model) if self.device.type == "cpu" else None
@@ -57,6 +60,7 @@ class SingleSequence:
             raise ValueError(f"sequence would exceed its cache of {self.max_tokens} tokens")
         new_len = self.length + n
         meta = AttentionMetadata.build([n], [new_len], [self.block_table], self.block_size, device=self.device)
+        meta.state = StateMetadata.build([0], [self.length == 0], [n], self.device)
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=self.device)
         positions = torch.arange(self.length, new_len, dtype=torch.long, device=self.device)
         hidden = self.forward(ids, positions, self.kv_caches, meta)

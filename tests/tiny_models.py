@@ -192,12 +192,22 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
                                  num_experts_per_tok=2, sliding_window=8, rope_parameters=rope,
                                  tie_word_embeddings=False)
         cls = tf.GptOssForCausalLM
+    elif kind == "qwen3_5":  # Gated DeltaNet layers 0-2 (2 q/k heads serving 4 value heads), gated attention on 3
+        config = tf.Qwen3_5TextConfig(**common | {"num_hidden_layers": 4}, head_dim=16, linear_num_key_heads=2,
+                                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                      tie_word_embeddings=False)
+        cls = tf.Qwen3_5ForCausalLM
     else:
         raise ValueError(kind)
 
     torch.manual_seed(seed)
     model = cls(config).eval()
     _randomise(model)
+    if kind == "qwen3_5":  # its RMSNorms scale by 1 + weight (but the gated norm by weight): keep them near 1
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight") and ".linear_attn." not in name:
+                    p.normal_(0.0, 0.1)
     # qwen3 is written sharded (with model.safetensors.index.json) to cover that loading path.
     model.save_pretrained(folder, max_shard_size="200KB" if kind == "qwen3" else "50GB")
 
@@ -218,6 +228,7 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
 
 TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope")
 MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")  # written by tests/test_moe.py's own fixture
+HYBRID_KINDS = ("qwen3_5",)  # written by tests/test_hybrid.py's own fixture
 YARN_KINDS = ("qwen2_yarn", "qwen3_yarn")  # written by the tests that use them (tests/test_families.py)
 
 

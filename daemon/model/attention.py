@@ -37,6 +37,7 @@ from .kv_int8 import KV_CACHE_DTYPES, Int8KVCache, allocate_int8, cache_dtype, g
 
 if TYPE_CHECKING:
     from .attention_backends import AttentionBackend
+    from .recurrent import StateMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor] | Int8KVCache
 
@@ -63,6 +64,8 @@ class AttentionMetadata:
     # In a model that mixes sliding-window and global layers, the window layers keep their K/V in a pool of their
     # own (llmd.engine.runner): the same step over their block tables. paged_attention picks it for window layers.
     window_group: "AttentionMetadata | None" = field(default=None, repr=False, compare=False)
+    # In a hybrid model (llmd.model.recurrent): each sequence's state slot, for the recurrent layers
+    state: "StateMetadata | None" = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

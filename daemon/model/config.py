@@ -38,7 +38,12 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     # gpt-oss: biases on q/k/v/o, attention sinks, alternating window (128) and full layers, YaRN; experts with
     # biases and a clamped SwiGLU (llmd.model.gpt_oss)
     "GptOssForCausalLM": {"attention_bias": True, "qk_norm": False},
+    # hybrids: recurrent layers (a state per sequence, llmd.model.recurrent) between full-attention layers. Qwen3.5 /
+    # Qwen3.6: Gated DeltaNet and gated attention (llmd.model.qwen3_5); its image-text checkpoints load as text
+    "Qwen3_5ForCausalLM": {"attention_bias": None, "qk_norm": True},
 }
+# image-text architectures whose text model is served (the tower is left unread) -> that text architecture
+TEXT_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
 # architectures whose config.json sliding_window applies unless use_sliding_window says otherwise
 _WINDOW_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 
@@ -98,6 +103,53 @@ class MoEConfig:
         return layer_idx not in self.dense_layers
 
 
+RECURRENT_KINDS = ("gated_delta", "mamba2")
+# layer_types entries that are recurrent layers (every other layer attends)
+RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")
+
+
+@dataclass(frozen=True)
+class RecurrentConfig:
+    """The recurrent layers of a hybrid model (llmd.model.recurrent): their kind and sizes.
+
+    gated_delta (Qwen3.5 / Qwen3-Next): q/k heads `num_key_heads` of `key_head_dim`, value heads `num_heads` of
+    `head_dim`; the state is [num_heads, key_head_dim, head_dim] per layer. mamba2 (Granite 4, Nemotron-H): `num_heads`
+    heads of `head_dim`, B/C of `state_size` in `n_groups` groups; the state is [num_heads, head_dim, state_size]."""
+
+    kind: str
+    conv_kernel: int
+    num_heads: int
+    head_dim: int
+    num_key_heads: int = 0
+    key_head_dim: int = 0
+    state_size: int = 0
+    n_groups: int = 1
+
+    def __post_init__(self):
+        if self.kind not in RECURRENT_KINDS:
+            raise ModelFileError("config", f"recurrent kind {self.kind!r} is not one of {RECURRENT_KINDS}")
+        sizes = [self.conv_kernel, self.num_heads, self.head_dim]
+        sizes += [self.num_key_heads, self.key_head_dim] if self.kind == "gated_delta" else [self.state_size]
+        if any(int(n) < 1 for n in sizes):
+            raise ModelFileError("config", f"recurrent layer sizes must be positive: {self}")
+        if self.kind == "gated_delta" and self.num_heads % self.num_key_heads:
+            raise ModelFileError("config", f"{self.num_heads} value heads are not a multiple of "
+                                           f"{self.num_key_heads} key heads")
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the short convolution: q, k, v (gated delta) or x, B, C (Mamba2)."""
+        if self.kind == "gated_delta":
+            return 2 * self.num_key_heads * self.key_head_dim + self.num_heads * self.head_dim
+        return self.num_heads * self.head_dim + 2 * self.n_groups * self.state_size
+
+    @property
+    def state_shape(self) -> tuple[int, int, int]:
+        if self.kind == "gated_delta":
+            return (self.num_heads, self.key_head_dim, self.head_dim)
+        return (self.num_heads, self.head_dim, self.state_size)
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -138,6 +190,9 @@ class ModelConfig:
     attention_out_bias: bool = False  # a bias on o_proj too (gpt-oss)
     # gpt-oss: a learned logit per attention head that joins each query's softmax denominator (llama.Attention.sinks)
     attention_sinks: bool = False
+    # hybrids: layer_types names the recurrent layers ("linear_attention", "mamba"); they hold no KV cache
+    recurrent: RecurrentConfig | None = None
+    attention_output_gate: bool = False  # Qwen3.5: q_proj also yields a per-head gate, sigmoid(gate) * attention
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -204,20 +259,35 @@ class ModelConfig:
         assert self.head_dim is not None
         return int(self.head_dim * self.partial_rotary_factor)
 
+    def is_recurrent(self, layer_idx: int) -> bool:
+        """Whether layer layer_idx is a recurrent layer (a state per sequence, no KV cache)."""
+        return self.recurrent is not None and self.layer_types is not None \
+            and self.layer_types[layer_idx] in RECURRENT_LAYER_TYPES
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The layers that keep K/V in the paged cache (all but a hybrid's recurrent layers)."""
+        return sum(not self.is_recurrent(i) for i in range(self.num_hidden_layers))
+
     @property
     def kv_bytes_per_token(self) -> int:
-        """K+V elements per token over all layers (multiply by the cache dtype's size)."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+        """K+V elements per token over the layers with a KV cache (multiply by the cache dtype's size)."""
+        return 2 * self.num_kv_layers * self.num_key_value_heads * self.head_dim
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
         """Build from a parsed config.json (and optionally generation_config.json, whose eos ids are merged in)."""
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
+        if arch in TEXT_ARCHITECTURES and isinstance(cfg.get("text_config"), dict):
+            # an image-text checkpoint: its text model, whose settings are text_config's
+            top = {k: cfg[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id") if k in cfg}
+            cfg, arch = {**top, **cfg["text_config"], "architectures": [TEXT_ARCHITECTURES[arch]],
+                         "llmd_pooling": cfg.get("llmd_pooling", "mean")}, TEXT_ARCHITECTURES[arch]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitecture(unsupported_message(arch))
         family = FAMILY_FIELDS.get(arch)
-        if family in (None, moe_fields) and cfg.get("hidden_act", "silu") != "silu":
+        if family in (None, moe_fields, qwen3_5_fields) and cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitecture(f"{arch} with hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
 
         rope_params = dict(cfg.get("rope_parameters") or {})
@@ -394,8 +464,35 @@ def _first(cfg: dict[str, Any], *keys: str, default: int) -> int:
     return int(next((cfg[k] for k in keys if cfg.get(k) is not None), default))
 
 
+def qwen3_5_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3.5 / Qwen3.6 text: Gated DeltaNet layers (three to one) between gated full-attention layers with partial
+    rotary (a quarter of head_dim), with transformers' defaults for absent keys."""
+    layers = int(cfg["num_hidden_layers"])
+    layer_types = cfg.get("layer_types")
+    if not layer_types:
+        interval = int(cfg.get("full_attention_interval", 4))
+        layer_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+    if len(layer_types) != layers or any(t not in ("linear_attention", "full_attention") for t in layer_types):
+        raise ModelFileError("config", f"layer_types {layer_types!r} is not one of linear_attention / "
+                                       f"full_attention per layer ({layers} layers)")
+    params = cfg.get("rope_parameters") or {}
+    partial = cfg.get("partial_rotary_factor") or params.get("partial_rotary_factor") or 0.25
+    recurrent = RecurrentConfig("gated_delta", int(cfg.get("linear_conv_kernel_dim", 4)),
+                                num_heads=int(cfg.get("linear_num_value_heads", 32)),
+                                head_dim=int(cfg.get("linear_value_head_dim", 128)),
+                                num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+                                key_head_dim=int(cfg.get("linear_key_head_dim", 128)))
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor", "mrope_section",
+                                                             "mrope_interleaved")} or None
+    if scaling is not None and rope_type_of(scaling) == "default":
+        scaling = None
+    return {"layer_types": list(layer_types), "recurrent": recurrent, "attention_output_gate": True,
+            "partial_rotary_factor": float(partial), "head_dim": int(cfg.get("head_dim") or 256),
+            "rope_scaling": scaling}
+
+
 # HF architecture -> its extra ModelConfig fields from config.json (families whose layers differ from Llama's)
-FAMILY_FIELDS = {"Gemma2ForCausalLM": gemma_fields, "Gemma3ForCausalLM": gemma_fields,
+FAMILY_FIELDS = {"Qwen3_5ForCausalLM": qwen3_5_fields, "Gemma2ForCausalLM": gemma_fields, "Gemma3ForCausalLM": gemma_fields,
                  "MixtralForCausalLM": moe_fields, "Qwen2MoeForCausalLM": moe_fields,
                  "Qwen3MoeForCausalLM": moe_fields, "Glm4MoeForCausalLM": moe_fields, "GptOssForCausalLM": moe_fields}
 
@@ -475,7 +572,8 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
     by_type = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-               "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
+               "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
+               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
     return by_type.get(model_type or "", model_type)
 
 

@@ -19,6 +19,7 @@ MODEL_CLASSES = {
     "Gemma2ForCausalLM": "gemma:GemmaCausalLM",
     "Gemma3ForCausalLM": "gemma:GemmaCausalLM",
     "GptOssForCausalLM": "gpt_oss:GptOssCausalLM",
+    "Qwen3_5ForCausalLM": "qwen3_5:Qwen35CausalLM",
 }
 DEFAULT_CLASS = "llama:CausalLM"
 

@@ -1,0 +1,148 @@
+"""Recurrent layers' state: the second cache beside the paged KV (Qwen3.5's Gated DeltaNet, Mamba2 hybrids).
+
+A recurrent layer keeps a fixed-size state per sequence instead of a growing KV cache: the last K-1 inputs of its
+short causal convolution (`conv`, [slots, channels, K-1] in the model's dtype) and its recurrent state (`ssm`, fp32:
+[slots, heads, key_dim, value_dim] for the gated delta rule, [slots, heads, head_dim, state_size] for Mamba2). The
+engine gives every running sequence one slot of a pool (llmd.engine.state_pool) and every step's metadata says which
+slot each sequence of the flattened batch reads and writes (`StateMetadata.slots`) and which sequences start from a
+zero state (their first chunk: `fresh`). A layer's forward is then `mixer(x, state, meta)`: it reads the slot's
+state, runs the sequence's new tokens (a prefill chunk, a decode token, or a verified proposal), and writes the state
+after the last of them back into the slot. The last slot of every pool is scratch: padding rows write there.
+
+The functions here are the torch reference: one sequence at a time for a chunk, every decode of the step at once.
+The CPU's C kernels and the Triton kernels compute the same functions (tests hold them to these).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class RecurrentState:
+    """One recurrent layer's cache: the conv inputs and the recurrent state of every slot."""
+
+    conv: torch.Tensor  # [slots, channels, K - 1]
+    ssm: torch.Tensor  # [slots, heads, ...] fp32
+
+
+@dataclass
+class StateMetadata:
+    """Which state slot each of the step's B sequences uses (the order of AttentionMetadata's sequences)."""
+
+    slots: torch.Tensor  # [B] long
+    slots_list: list[int]
+    fresh_list: list[bool]  # True: the sequence's first chunk, it starts from a zero state
+    query_start_list: list[int]  # [B + 1] offsets of each sequence's new tokens in the flat batch
+
+    @classmethod
+    def build(cls, slots: list[int], fresh: list[bool], query_lens: list[int],
+              device: torch.device | str = "cpu") -> "StateMetadata":
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return cls(torch.tensor(slots, dtype=torch.long, device=device), list(slots), list(fresh), starts)
+
+    @property
+    def is_decode_only(self) -> bool:
+        q = self.query_start_list
+        return all(q[i + 1] - q[i] == 1 for i in range(len(q) - 1))
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension (the gated delta rule's q/k normalisation)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _initial(state: torch.Tensor, slot: int, fresh: bool) -> torch.Tensor:
+    return torch.zeros_like(state[slot]) if fresh else state[slot]
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                  meta: StateMetadata, silu: bool = True) -> torch.Tensor:
+    """Depthwise causal convolution of x [T, C] with weight [C, K] over each sequence's tokens, the K-1 inputs
+    before them read from (and the last K-1 written back to) conv_state [slots, C, K-1]; then SiLU."""
+    k = weight.shape[1]
+    out = torch.empty_like(x)
+    q = meta.query_start_list
+    for b, (slot, fresh) in enumerate(zip(meta.slots_list, meta.fresh_list)):
+        xs = x[q[b] : q[b + 1]].t()  # [C, n]
+        window = torch.cat((_initial(conv_state, slot, fresh).to(xs.dtype), xs), dim=1)  # [C, K - 1 + n]
+        y = F.conv1d(window.unsqueeze(0), weight.unsqueeze(1).to(xs.dtype), bias, groups=weight.shape[0])[0]
+        conv_state[slot] = window[:, window.shape[1] - (k - 1) :]
+        out[q[b] : q[b + 1]] = y.t()
+    return F.silu(out) if silu else out
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+    """The gated delta rule over each sequence's new tokens, token by token in fp32, as Qwen3.5 / Qwen3-Next define
+    it: with q, k L2-normalised and q scaled by key_dim^-0.5, for each token
+        S <- S * exp(g);  S <- S + k (beta * (v - S^T k))^T;  o = S^T q
+    q, k: [T, Hk, Dk]; v: [T, Hv, Dv] (each q/k head serves Hv / Hk consecutive value heads); g (log decay, <= 0) and
+    beta: [T, Hv]; state: [slots, Hv, Dk, Dv] fp32, read and written at each sequence's slot. Returns [T, Hv, Dv] in
+    v's dtype."""
+    hv, dk = v.shape[1], q.shape[2]
+    rep = hv // q.shape[1]
+    qf = l2norm(q.float()).repeat_interleave(rep, dim=1) * dk ** -0.5
+    kf = l2norm(k.float()).repeat_interleave(rep, dim=1)
+    vf, gf, bf = v.float(), g.float().exp(), beta.float()
+    out = torch.empty_like(vf)
+    if meta.is_decode_only:  # one token per sequence: every sequence at once
+        s = torch.where(torch.tensor(meta.fresh_list, device=state.device)[:, None, None, None],
+                        torch.zeros((), device=state.device), state[meta.slots])
+        out = _delta_step(s, qf, kf, vf, gf, bf)
+        state[meta.slots] = s
+        return out.to(v.dtype)
+    qs = meta.query_start_list
+    for b, (slot, fresh) in enumerate(zip(meta.slots_list, meta.fresh_list)):
+        s = _initial(state, slot, fresh).clone()
+        for t in range(qs[b], qs[b + 1]):
+            rows = slice(t, t + 1)
+            out[rows] = _delta_step(s.unsqueeze(0), qf[rows], kf[rows], vf[rows], gf[rows], bf[rows])
+        state[slot] = s
+    return out.to(v.dtype)
+
+
+def _delta_step(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                beta: torch.Tensor) -> torch.Tensor:
+    """One token for each of the N rows of s [N, H, Dk, Dv], updated in place. Returns o [N, H, Dv]."""
+    s.mul_(decay[:, :, None, None])
+    memory = (s * k.unsqueeze(-1)).sum(dim=-2)  # S^T k: [N, H, Dv]
+    delta = (v - memory) * beta.unsqueeze(-1)
+    s.add_(k.unsqueeze(-1) * delta.unsqueeze(-2))
+    return (s * q.unsqueeze(-1)).sum(dim=-2)
+
+
+def state_bytes_per_sequence(config, dtype: torch.dtype) -> int:
+    """One sequence's state over every recurrent layer: its conv inputs (model dtype) and recurrent state (fp32)."""
+    r = config.recurrent
+    if r is None:
+        return 0
+    layers = config.num_hidden_layers - config.num_kv_layers
+    conv = r.conv_channels * (r.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
+    ssm = 4
+    for n in r.state_shape:
+        ssm *= n
+    return layers * (conv + ssm)
+
+
+def allocate_states(config, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> dict[int, RecurrentState]:
+    """Zeroed state for `num_slots` slots of every recurrent layer, by layer index."""
+    r = config.recurrent
+    out = {}
+    for i in range(config.num_hidden_layers):
+        if config.is_recurrent(i):
+            out[i] = RecurrentState(
+                torch.zeros(num_slots, r.conv_channels, r.conv_kernel - 1, dtype=dtype, device=device),
+                torch.zeros(num_slots, *r.state_shape, dtype=torch.float32, device=device))
+    return out
+
+
+def layer_caches(config, kv_caches: list, states: dict[int, RecurrentState]) -> list:
+    """Per layer, what its forward reads: the next KV cache for an attention layer, its state for a recurrent one."""
+    kv = iter(kv_caches)
+    return [states[i] if i in states else next(kv) for i in range(config.num_hidden_layers)]
