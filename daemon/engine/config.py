@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields
 from .types import KvCacheDtype, SpecMode, choices
 
 CPU_KV_CACHE_BYTES = 512 * 1024**2
+DEFAULT_SPEC_MAX_BATCH = 8
 # Chosen by measurement (README, "KV cache dtype"): on SmolLM2 up to 8k tokens fp16 K/V keep the fp32 cache's
 # next-token distributions (mean KL ~5e-7) at half the bytes, so decode reads half as much.
 CPU_KV_CACHE_DTYPE = KvCacheDtype.FP16.value
@@ -59,7 +60,8 @@ class EngineConfig:
     speculative_mode: str = SpecMode.OFF.value
     num_speculative_tokens: int = 4
     draft_model: object = None  # a model name/path, "self:N" (the target's first N layers) or a LoadedModel
-    spec_max_batch: int | None = None  # auto mode: no speculation above this many sequences per step (default 8)
+    spec_max_batch: int | None = None  # auto mode: no speculation above this many sequences per step (default 8;
+    # a hybrid model verifies at most this many proposals per step in every mode)
     # CPU threads of each step: torch's intra-op pool and the C kernels' OpenMP teams in the thread that steps
     # (Engine.use_threads); None: that thread's count as it is
     threads: int | None = None

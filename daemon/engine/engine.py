@@ -7,6 +7,7 @@ lock).
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 import time
@@ -26,12 +27,17 @@ from .pooling import pool
 from .runner import ModelRunner, kv_bytes_per_block, sequences_that_fit
 from .scheduler import Scheduler, ScheduledSeq
 from .sequence import Sequence
+from .state_pool import StatePool
 from .stop import StopStringMatcher
 from .types import (SHORT_DTYPE_NAMES, EmbedParams, EngineStats, FinishReason, KvStats, LatencyStats, Percentiles,
                     Priority, PromptProgress, RequestOutput, RequestTimings, SamplingParams, TokenLogprob)
 
 LATENCY_WINDOW = 1000  # finished requests kept for percentiles
 THROUGHPUT_WINDOW_S = 10.0
+# a hybrid model's prompts checkpoint their recurrent state every this many tokens (and at their last full block)
+CHECKPOINT_INTERVAL = 1024
+
+log = logging.getLogger("llmd.engine")
 
 
 class _TextState:
@@ -103,12 +109,17 @@ class Engine:
         self._latencies: deque[dict] = deque(maxlen=LATENCY_WINDOW)
         self._throughput: deque[tuple[float, int]] = deque(maxlen=4096)
         self.speculator = None
+        # a hybrid model's recurrent states (llmd.engine.state_pool), in slots the runner allocated
+        self.state_pool = StatePool(self.runner.num_state_slots, self.runner.num_state_checkpoints) \
+            if self.runner.num_state_slots else None
         if self.config.speculative_mode != "off":
             from .speculative import Speculator
 
             self.speculator = Speculator(loaded, self.config, self.runner.num_blocks, self.runner.dtype, self.device)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   proposer=self.speculator, window_bm=self.window_block_manager)
+                                   proposer=self.speculator, window_bm=self.window_block_manager,
+                                   state_pool=self.state_pool, checkpoint_interval=CHECKPOINT_INTERVAL,
+                                   max_verifies=len(self.runner.state_backups) if self.state_pool else None)
 
     def use_threads(self) -> None:
         """Compute the steps that the calling thread runs with config.threads CPU threads. torch's intra-op count,
@@ -259,6 +270,8 @@ class Engine:
                 w = seq.window_blocks
                 self.window_block_manager.register_full_blocks(w.ids, w.hashes, kv, seq.num_computed_tokens)
             self.scheduler.drop_out_of_window(seq)
+            if self.scheduler.is_state_boundary(seq):
+                self._checkpoint_state(seq)
         emitted = 0
         for s, run, lps in zip(sampled, runs, logprobs):
             before = s.seq.num_tokens
@@ -271,6 +284,14 @@ class Engine:
         with self._stats_lock:
             self._throughput.append((now, emitted))
         return outputs
+
+    def _checkpoint_state(self, seq: Sequence) -> None:
+        """Save seq's recurrent state at this prefix (its computed tokens, a block boundary) for later prefix hits."""
+        n = seq.num_computed_tokens // self.config.block_size
+        if len(seq.block_hashes) >= n:
+            slot = self.state_pool.slot_for_checkpoint(seq.block_hashes[n - 1])
+            if slot is not None:
+                self.runner.copy_state(seq.state_slot, slot)
 
     def _keep_hidden(self, s: ScheduledSeq, now: float) -> list[RequestOutput]:
         """Keep an embedding chunk's hidden states; after the last chunk, pool them and finish the request."""
@@ -293,6 +314,12 @@ class Engine:
         if self.window_block_manager is not None:
             w = seq.window_blocks
             self.window_block_manager.rollback(w.ids, w.hashes, seq.num_computed_tokens)
+        if s.state_backup is not None and num_accepted < k:
+            # a hybrid's recurrent state has taken in every proposed token: go back to the state before the step and
+            # recompute the accepted tokens next step, in one chunk with the new one (a decode step's cost on a
+            # memory-bound device; the K/V they rewrite are the same)
+            self.runner.copy_state(s.state_backup, seq.state_slot)
+            seq.num_computed_tokens -= 1 + num_accepted
         verified = seq.token_ids + s.spec[:num_accepted]
         self.speculator.verified(seq, verified, k, num_accepted)
         seq.timings.spec_proposed += k
@@ -398,6 +425,12 @@ class Engine:
         if wbm is not None:
             kv.window_blocks_total, kv.window_blocks_used = wbm.num_blocks, wbm.num_used_blocks
             kv.window_blocks_cached = wbm.num_cached_blocks
+        states = self.state_pool
+        if states is not None:
+            kv.state_bytes_per_seq, kv.state_cache_bytes = runner.state_bytes_per_seq, runner.state_cache_bytes
+            kv.state_slots, kv.state_slots_used = states.num_slots, states.num_slots - states.num_free
+            kv.state_checkpoints, kv.state_checkpoints_cached = states.num_checkpoints, states.num_cached
+            kv.state_checkpoint_hits = states.checkpoint_hits
         latency = LatencyStats(**{key: percentiles([r[key] for r in latencies if r[key] is not None])
                                   for key in ("queue_ms", "prefill_ms", "ttft_ms", "decode_ms", "tpot_ms", "e2e_ms")})
         return EngineStats(
@@ -414,6 +447,8 @@ class Engine:
         self.block_manager.check_idle()
         if self.window_block_manager is not None:
             self.window_block_manager.check_idle()
+        if self.state_pool is not None:
+            self.state_pool.check_idle()
         if self.speculator is not None:
             self.speculator.check_no_leaks()
 

@@ -24,7 +24,8 @@ from ..model.attention import AttentionMetadata, allocate_kv_cache
 from ..model.attention_backends import AttentionBackend, CpuBackend, choose_backend
 from ..model.cpu_stack import CompiledCpuForward
 from ..model.kv_int8 import bytes_per_token, cache_dtype
-from .config import EngineConfig
+from ..model.recurrent import StateMetadata, allocate_states, layer_caches, state_bytes_per_sequence
+from .config import DEFAULT_SPEC_MAX_BATCH, EngineConfig
 from .cuda_graphs import Capture, CudaGraphRunner, cuda_graph_capture, graph_blocker
 from .scheduler import ScheduledSeq
 
@@ -41,13 +42,14 @@ def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cac
     scales."""
     c = model_config
     per_token = bytes_per_token(c.num_key_value_heads, c.head_dim, dtype, kv_cache_dtype)
-    return (c.num_hidden_layers if num_layers is None else num_layers) * block_size * per_token
+    return (c.num_kv_layers if num_layers is None else num_layers) * block_size * per_token
 
 
 def layer_windows(model_config) -> list[int | None]:
     """Each layer's sliding window (None: global attention)."""
     windows = getattr(model_config, "layer_windows", None)
-    return list(windows) if windows is not None else [None] * model_config.num_hidden_layers
+    windows = list(windows) if windows is not None else [None] * model_config.num_hidden_layers
+    return [w for i, w in enumerate(windows) if not model_config.is_recurrent(i)]  # the layers with a KV cache
 
 
 def window_tokens_held(window: int, tokens: int, chunk: int, block_size: int) -> int:
@@ -96,19 +98,21 @@ def _kv_budget(model_config, config: EngineConfig, dtype: torch.dtype, device: t
     return int((free - activation_headroom_bytes(model_config, config, dtype)) * config.kv_cache_fraction)
 
 
-def plan_pools(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+def plan_pools(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device,
+               reserved: int = 0) -> tuple[int, int]:
     """(global pool blocks, window pool blocks): the second is 0 unless the model mixes window and global layers
-    (see the module docstring); num_kv_blocks, when set, is each pool's size."""
+    (see the module docstring); num_kv_blocks, when set, is each pool's size. reserved: bytes of the budget taken
+    by a hybrid's recurrent states."""
     windows = layer_windows(model_config)
     n_window = sum(w is not None for w in windows)
     if n_window in (0, len(windows)):
-        return plan_num_blocks(model_config, config, dtype, device), 0
+        return plan_num_blocks(model_config, config, dtype, device, reserved), 0
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks, config.num_kv_blocks
     n_global = len(windows) - n_window
     per_global = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype, n_global)
     per_window = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype, n_window)
-    budget = _kv_budget(model_config, config, dtype, device)
+    budget = _kv_budget(model_config, config, dtype, device) - reserved
     max_len = config.max_model_len or model_config.max_position_embeddings
     usable = config.max_num_seqs * window_tokens_held(max(w for w in windows if w is not None), max_len,
                                                       config.max_num_batched_tokens, config.block_size)
@@ -121,11 +125,30 @@ def plan_pools(model_config, config: EngineConfig, dtype: torch.dtype, device: t
     return int(num_global), int(num_window)
 
 
-def plan_num_blocks(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+def plan_states(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+    """(sequence slots, prefix checkpoints, speculation backups) of a hybrid model's state pool
+    (llmd.engine.state_pool); zeros for a model without recurrent layers. The states take at most half the cache
+    budget: with speculation on, a backup for each sequence that verifies a proposal in a step (spec_max_batch, at
+    most); as many sequence slots as max_num_seqs asks for and that half holds (at least one); then up to twice as
+    many checkpoints in what is left."""
+    per = state_bytes_per_sequence(model_config, dtype)
+    if per == 0:
+        return 0, 0, 0
+    share = _kv_budget(model_config, config, dtype, device) // 2 // per - 1  # states that fit, less the scratch slot
+    slots = max(1, min(config.max_num_seqs, share))
+    backups = min(slots, config.spec_max_batch or DEFAULT_SPEC_MAX_BATCH) if config.speculative_mode != "off" else 0
+    slots = max(1, min(slots, share - backups))
+    checkpoints = min(2 * slots, max(0, share - slots - backups)) if config.enable_prefix_caching else 0
+    return slots, checkpoints, backups
+
+
+def plan_num_blocks(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device,
+                    reserved: int = 0) -> int:
+    """Blocks of the KV pool: config.num_kv_blocks, else what the budget holds after `reserved` bytes (states)."""
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype)
-    budget = _kv_budget(model_config, config, dtype, device)
+    budget = _kv_budget(model_config, config, dtype, device) - reserved
     num = budget // per_block - 1  # the scratch block (see ModelRunner) is paid from the budget too
     if num < 1:
         raise ValueError(
@@ -151,11 +174,21 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_cache_dtype = config.kv_cache_dtype
         self.layer_windows = layer_windows(self.model_config)
+        # a hybrid's recurrent layers: a state per sequence slot and per prefix checkpoint, plus a scratch slot
+        # (slots: [sequences][checkpoints][speculation backups][scratch])
+        self.num_state_slots, self.num_state_checkpoints, backups = plan_states(self.model_config, config,
+                                                                                self.dtype, self.device)
+        self.state_backups = range(self.num_state_slots + self.num_state_checkpoints,
+                                   self.num_state_slots + self.num_state_checkpoints + backups)
+        self.state_bytes_per_seq = state_bytes_per_sequence(self.model_config, self.dtype)
+        self.state_scratch_slot = self.state_backups.stop
+        state_bytes = (self.state_scratch_slot + 1) * self.state_bytes_per_seq if self.num_state_slots else 0
         if kv_groups:
-            self.num_blocks, self.num_window_blocks = plan_pools(self.model_config, config, self.dtype, self.device)
+            self.num_blocks, self.num_window_blocks = plan_pools(self.model_config, config, self.dtype, self.device,
+                                                                 state_bytes)
         else:
             self.num_blocks, self.num_window_blocks = plan_num_blocks(self.model_config, config, self.dtype,
-                                                                      self.device), 0
+                                                                      self.device, state_bytes), 0
         self.attention = attention or choose_backend(self.device, self.model_config, self.dtype,
                                                      config.kv_cache_dtype)
         # what runs a step: the model, or on the CPU its layers as one C call where that applies (llmd.model.llama)
@@ -174,7 +207,7 @@ class ModelRunner:
         pool_blocks = self.num_blocks + 1
         c = self.model_config
         n_window = sum(w is not None for w in self.layer_windows) if self.num_window_blocks else 0
-        n_global = c.num_hidden_layers - n_window
+        n_global = len(self.layer_windows) - n_window
         global_caches = iter(allocate_kv_cache(
             n_global, pool_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
             dtype=self.dtype, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
@@ -185,8 +218,11 @@ class ModelRunner:
             dtype=self.dtype, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
         ) if n_window else [])
         # per layer, from its group's pool
-        self.kv_caches = [next(window_caches) if n_window and w is not None else next(global_caches)
-                          for w in self.layer_windows]
+        kv_caches = [next(window_caches) if n_window and w is not None else next(global_caches)
+                     for w in self.layer_windows]
+        self.states = allocate_states(c, self.state_scratch_slot + 1, self.dtype, self.device) \
+            if self.num_state_slots else {}
+        self.kv_caches = layer_caches(c, kv_caches, self.states)  # per layer: its KV cache, or its recurrent state
         self.kv_cache_bytes = pool_blocks * kv_bytes_per_block(c, self.block_size, self.dtype, self.kv_cache_dtype,
                                                                n_global)
         if n_window:
@@ -199,6 +235,11 @@ class ModelRunner:
         if n_window:
             log.info("KV groups: %d global layers over %d blocks, %d window layers over %d blocks", n_global,
                      self.num_blocks, n_window, self.num_window_blocks)
+        self.state_cache_bytes = state_bytes
+        if self.states:
+            log.info("recurrent state: %d layers, %d sequence slots and %d prefix checkpoints of %.1f MiB (%.0f MiB)",
+                     len(self.states), self.num_state_slots, self.num_state_checkpoints,
+                     self.state_bytes_per_seq / 2**20, state_bytes / 2**20)
         self.graphs: CudaGraphRunner | None = None
         if graph_capture is not None:
             self.graphs = CudaGraphRunner(
@@ -207,6 +248,19 @@ class ModelRunner:
                 scratch_block=self.num_blocks, capture=graph_capture, attention=self.attention)
             log.info("CUDA graphs: decode steps of up to %d sequences (batch sizes %s), captured on first use",
                      self.graphs.sizes[-1], ", ".join(map(str, self.graphs.sizes)))
+
+    def _restore_state(self, seq) -> None:
+        """A prefix hit's state: copy its checkpoint into the sequence's slot before the sequence's first step."""
+        if seq.restore_from is not None:
+            self.copy_state(seq.restore_from, seq.state_slot)
+            seq.restore_from = None
+
+    @torch.inference_mode()
+    def copy_state(self, src: int, dst: int) -> None:
+        """Copy one state slot to another in every recurrent layer (a checkpoint saved or restored)."""
+        for state in self.states.values():
+            state.conv[dst].copy_(state.conv[src])
+            state.ssm[dst].copy_(state.ssm[src])
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSeq]) -> torch.Tensor:
@@ -225,6 +279,8 @@ class ModelRunner:
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables, window_tables, sample_rows = [], [], [], [], []
+        state_slots: list[int] = []
+        fresh: list[bool] = []
         pooled: list[tuple[ScheduledSeq, int]] = []  # embedding chunks and their first row
         for s in scheduled:
             seq = s.seq
@@ -238,6 +294,13 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_ids)
+            if self.states:
+                self._restore_state(seq)
+                if s.spec:  # the state before a proposal, restored if some of it is rejected (Engine._keep_verified)
+                    s.state_backup = self.state_backups[sum(x.state_backup is not None for x in scheduled)]
+                    self.copy_state(seq.state_slot, s.state_backup)
+                state_slots.append(self.state_scratch_slot if seq.state_slot is None else seq.state_slot)
+                fresh.append(start == 0)
             if self.num_window_blocks:
                 window_tables.append(seq.window_blocks.ids)
             if s.samples:
@@ -251,11 +314,15 @@ class ModelRunner:
             seq_lens.append(pad)
             tables.append([self.scratch_block] * -(-pad // self.block_size))
             window_tables.append([self.window_scratch_block] * -(-pad // self.block_size))
+            state_slots.append(self.state_scratch_slot)
+            fresh.append(True)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size, device=self.device,
                                        backend=self.attention)
         if self.num_window_blocks:  # the window layers' own tables (their second KV group)
             meta.window_group = AttentionMetadata.build(query_lens, seq_lens, window_tables, self.block_size,
                                                         device=self.device, backend=self.attention)
+        if self.states:
+            meta.state = StateMetadata.build(state_slots, fresh, query_lens, self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.forward(ids, pos, self.kv_caches, meta)

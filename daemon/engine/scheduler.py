@@ -16,6 +16,11 @@ When a running sequence needs a new block and none is free, the lowest-priority,
 preempted by recompute: its blocks are freed (full ones stay in the prefix cache, which makes recompute cheap) and
 it goes back to the head of its waiting queue.
 
+A hybrid model's recurrent layers keep a state per sequence (`state_pool`, llmd.engine.state_pool): admission
+takes a slot, finishing or preemption gives it back, and at most the pool's slots run at once. A prefix hit must
+restore a state too: it is cut back to the newest checkpoint at or before its end (`_state_hit`), and a prompt's
+prefill chunks end at the checkpoint positions (`state_boundary`) so that the engine can save the state there.
+
 Speculation is part of the plan: after the decodes have their one slot each (and before prefill chunks spend the
 budget), a `Proposer` (engine/speculative.py) may guess k tokens for some of them. A guess gets KV slots only from
 free blocks or the ones its sequence already holds (`_reserve(..., may_preempt=False)`): nobody is preempted for a
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .block_manager import BlockManager, PrefixMatch
 from .sequence import BlockTable, Sequence, SeqStatus
+from .state_pool import StatePool
 from .types import Priority
 
 if TYPE_CHECKING:
@@ -57,6 +63,7 @@ class ScheduledSeq:
     spec: list[int] = field(default_factory=list)  # proposed tokens fed after them (a decode), verified this step
     draft_probs: "torch.Tensor | None" = None  # the proposal's draft distributions [k, V]; None = point mass
     hidden: "torch.Tensor | None" = None  # an embedding chunk's final hidden states [n, hidden], set by the runner
+    state_backup: int | None = None  # a hybrid's verify: the slot holding its state before the step (the runner's)
 
     @property
     def completes(self) -> bool:
@@ -100,10 +107,17 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 proposer: Proposer | None = None, window_bm: BlockManager | None = None):
+                 proposer: Proposer | None = None, window_bm: BlockManager | None = None,
+                 state_pool: StatePool | None = None, checkpoint_interval: int = 0, max_verifies: int | None = None):
         self.bm = block_manager
         self.wbm = window_bm  # the window layers' KV group, in a model that mixes window and global layers
         self.proposer = proposer
+        self.states = state_pool  # a hybrid model's recurrent state slots
+        # tokens between a prompt's state checkpoints (a multiple of the block size; 0: only the prompt's last block)
+        self.checkpoint_interval = checkpoint_interval
+        self.max_verifies = max_verifies  # proposals verified per step at most (a hybrid's state backups); None: any
+        if state_pool is not None:
+            max_num_seqs = min(max_num_seqs, state_pool.num_slots)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: dict[Priority, deque[Sequence]] = {p: deque() for p in Priority}
@@ -151,6 +165,9 @@ class Scheduler:
         if self.wbm is not None and seq.window_blocks.ids:
             self.wbm.free(seq.window_blocks.held)
         seq.window_blocks = BlockTable()
+        if seq.state_slot is not None:
+            self.states.free(seq.state_slot)
+            seq.state_slot = None
 
     def drop_out_of_window(self, seq: Sequence) -> None:
         """Release the blocks of seq that its sliding windows have passed (none without a window)."""
@@ -202,7 +219,7 @@ class Scheduler:
                 break
             if seq.status is not SeqStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = self._chunk(seq, budget)
             if not self._reserve(seq, seq.num_computed_tokens + n, out, scheduled):
                 continue  # seq itself was preempted
             out.scheduled.append(ScheduledSeq(seq, n))
@@ -216,9 +233,10 @@ class Scheduler:
         if not decodes:
             return budget
         proposals = self.proposer.propose([s.seq for s in decodes], budget, load)
+        verifies = 0
         for s in decodes:
             prop = proposals.get(s.seq.request_id)
-            if prop is None or budget <= 0:
+            if prop is None or budget <= 0 or verifies == self.max_verifies:
                 continue
             seq = s.seq
             k = min(len(prop.tokens), budget)
@@ -229,6 +247,7 @@ class Scheduler:
             s.spec = prop.tokens[:k]
             s.draft_probs = None if prop.draft_probs is None else prop.draft_probs[:k]
             budget -= k
+            verifies += 1
         return budget
 
     def _reserve(self, seq: Sequence, num_tokens: int, out: SchedulerOutput, scheduled: set[int],
@@ -273,10 +292,46 @@ class Scheduler:
                 queue.popleft()
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
-                n = min(seq.num_uncomputed, budget)
+                n = self._chunk(seq, budget)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
         return budget
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        """Tokens of seq to compute this step: what is left, within the budget, ending at a state checkpoint."""
+        n = min(seq.num_uncomputed, budget)
+        boundary = self.state_boundary(seq) if self.states is not None else None
+        return n if boundary is None else min(n, boundary - seq.num_computed_tokens)
+
+    def state_boundary(self, seq: Sequence) -> int | None:
+        """The next position after seq's computed tokens where its state is checkpointed for the prefix cache
+        (None: none left): every checkpoint_interval tokens of the prompt, and the last block boundary before its
+        last token (where a longer prompt sharing this one, such as the next turn of a chat, would hit)."""
+        if self.states is None or self.states.num_checkpoints == 0 or seq.embed is not None:
+            return None
+        bs, done = self.bm.block_size, seq.num_computed_tokens
+        last = (seq.num_prompt_tokens - 1) // bs * bs
+        if done >= last:
+            return None
+        step = self.checkpoint_interval
+        nxt = (done // step + 1) * step if step else last
+        return min(nxt, last)
+
+    def is_state_boundary(self, seq: Sequence) -> bool:
+        """Whether seq's computed tokens end at a checkpoint position (its state there is worth saving)."""
+        done, bs = seq.num_computed_tokens, self.bm.block_size
+        if self.states is None or self.states.num_checkpoints == 0 or seq.embed is not None or done == 0 \
+                or done % bs:
+            return False
+        last = (seq.num_prompt_tokens - 1) // bs * bs
+        return done == last or (done < last and self.checkpoint_interval > 0 and done % self.checkpoint_interval == 0)
+
+    def _state_hit(self, match: PrefixMatch) -> PrefixMatch:
+        """Cut a KV hit back to its longest prefix whose recurrent state is checkpointed. Changes nothing."""
+        for n in range(match.num_blocks, 0, -1):
+            if self.states.checkpoint(match.hashes[n - 1]) is not None:
+                return PrefixMatch(match.block_ids[:n], match.hashes[:n])
+        return PrefixMatch()
 
     def _allocate_for_admission(self, seq: Sequence, budget: int) -> bool:
         """Reuse cached prefix blocks and reserve blocks for every remaining token of seq (with a sliding window:
@@ -288,6 +343,8 @@ class Scheduler:
         window = BlockTable()
         if wbm is not None:
             match, window = self._window_hit(seq, match)
+        if self.states is not None and match.num_blocks:
+            match = self._state_hit(match)
         computed = match.num_blocks * bm.block_size
         windowed = bm.window is not None or wbm is not None
         reach = min(seq.num_tokens, computed + budget) if windowed else seq.num_tokens
@@ -304,6 +361,9 @@ class Scheduler:
             window.ids += wbm.allocate(wfresh)
             seq.window_blocks = window
         bm.claim(held)
+        if self.states is not None:
+            seq.state_slot = self.states.allocate()
+            seq.restore_from = self.states.use_checkpoint(match.hashes[-1]) if match.num_blocks else None
         seq.block_ids = match.block_ids + bm.allocate(fresh)
         seq.num_dropped_blocks = dropped
         seq.block_hashes = list(match.hashes)

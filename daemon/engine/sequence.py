@@ -71,6 +71,10 @@ class Sequence:
         # the window layers' own blocks in a model that mixes window and global layers (the second KV group,
         # llmd.engine.block_manager); empty otherwise
         self.window_blocks = BlockTable()
+        # a hybrid model's recurrent state (llmd.engine.state_pool): this sequence's slot while it runs, and the
+        # prefix checkpoint to copy into it before its next step (a prefix hit)
+        self.state_slot: int | None = None
+        self.restore_from: int | None = None
         self.params = params
         self.priority = Priority(priority)
         self.arrival_order = next(_arrival_counter)
@@ -125,6 +129,7 @@ class Sequence:
         self.num_dropped_blocks = 0
         self.block_hashes = []
         self.window_blocks = BlockTable()
+        self.restore_from = None
         self.status = SeqStatus.WAITING
 
     def __repr__(self) -> str:

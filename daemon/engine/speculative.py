@@ -24,7 +24,7 @@ import logging
 
 import torch
 
-from .config import EngineConfig
+from .config import DEFAULT_SPEC_MAX_BATCH, EngineConfig
 from .scheduler import Proposal
 from .sequence import Sequence
 from .spec_ngram import ngram_propose
@@ -70,6 +70,9 @@ class Speculator:
         if cfg.draft_model is not None and self.mode in ("draft", "auto"):
             draft_loaded = load_draft(loaded, cfg.draft_model, dtype, device)
             check_same_tokenizer(loaded, draft_loaded, loaded.name, draft_loaded.name)
+            if draft_loaded.config.recurrent is not None:
+                raise ValueError(f"draft model {draft_loaded.name!r} has recurrent layers, whose state a draft cannot "
+                                 "roll back yet: use a draft without them, or speculative mode ngram")
             self.draft = DraftModel(draft_loaded, cfg, num_blocks)
             log.info("speculative decoding: draft %s, k=%d", draft_loaded.name, cfg.num_speculative_tokens)
         if self.mode == "draft" and self.draft is None:
@@ -81,7 +84,7 @@ class Speculator:
             draft_cost = ratio + (0.02 if cuda else 0.05)  # plus the fixed cost of one more (small) forward
         self.policy = SpecPolicy(
             k_max=cfg.num_speculative_tokens, adaptive=self.mode == "auto",
-            max_batch=cfg.spec_max_batch if cfg.spec_max_batch is not None else 8,
+            max_batch=cfg.spec_max_batch if cfg.spec_max_batch is not None else DEFAULT_SPEC_MAX_BATCH,
             verify_cost=0.03 if cuda else 0.1, draft_cost=draft_cost)
         self.acceptance: dict[str, Acceptance] = {}
         self.num_drafts_total = 0  # verify runs

@@ -347,6 +347,15 @@ class KvStats:
     window_blocks_total: int | None = None
     window_blocks_used: int | None = None
     window_blocks_cached: int | None = None
+    # a hybrid model's recurrent layers keep a fixed-size state per sequence instead (llmd.engine.state_pool);
+    # 0 / None for other models
+    state_bytes_per_seq: int = 0  # one sequence's state over every recurrent layer
+    state_cache_bytes: int = 0  # the state pool's bytes (sequence slots, checkpoints, scratch)
+    state_slots: int | None = None  # sequences that can run at once
+    state_slots_used: int | None = None
+    state_checkpoints: int | None = None  # prefix checkpoints the pool holds at most ...
+    state_checkpoints_cached: int | None = None  # ... and holds now
+    state_checkpoint_hits: int | None = None  # prefix hits that restored a checkpoint
 
     @property
     def tokens_total(self) -> int:

@@ -133,6 +133,11 @@ def _engine_lines(s: EngineStats) -> list[str]:
             "bytes/token)",
             f"  8k fits   {n} sequence{'' if n == 1 else 's'} of 8,192 tokens (by KV dtype: {fits})",
         ]
+        if kv.state_slots is not None:  # a hybrid's recurrent layers: a fixed-size state per sequence
+            lines.append(
+                f"  states    {kv.state_slots_used}/{kv.state_slots} sequence slots of {kv.state_bytes_per_seq / 2**20:.1f}"
+                f" MiB, {kv.state_checkpoints_cached}/{kv.state_checkpoints} prefix checkpoints "
+                f"({kv.state_checkpoint_hits} hits), {kv.state_cache_bytes / 2**20:.0f} MiB")
     elif s.remote_url:
         lines.append(f"  remote    {s.remote_url} (its KV cache lives there)")
     hit = f", prefix-cache hit rate {100 * s.kv.prefix_hit_rate:.0f}%" if s.kv is not None else ""
