@@ -9,7 +9,7 @@
  *   1. each token's activations prepared once for the gate_up path (quantized on the int8 / int16 paths), copied to
  *      its pairs, and each expert's group of rows made;
  *   2. every (expert, part)'s gate_up columns shared out among the threads (llmd_gx_run);
- *   3. per pair, its expert's gate_up bias added, the activation (llmd_silu_mul or llmd_swiglu_clamped_mul, cpu_ops.c),
+ *   3. per pair, its expert's gate_up bias added, the activation (llmd_silu_mul, llmd_gelu_mul or llmd_swiglu_clamped_mul, cpu_ops.c),
  *      prepared for the down path; the groups made;
  *   4. down, as 2;
  *   5. per token, its k outputs plus their experts' down biases, times their weights, summed in slot order.
@@ -132,7 +132,8 @@ int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T
                      const float *weights, float *out, int64_t ldo, int64_t *hits, int nthreads) {
     const int64_t E = moe->experts, H = moe->hidden, I = moe->inter;
     if (E <= 0 || H <= 0 || I <= 0 || T < 0 || k <= 0 || k > E) return -1;
-    if (moe->activation != LLMD_MOE_SILU && moe->activation != LLMD_MOE_SWIGLU_CLAMPED) return -1;
+    if (moe->activation != LLMD_MOE_SILU && moe->activation != LLMD_MOE_SWIGLU_CLAMPED
+        && moe->activation != LLMD_MOE_GELU) return -1;
     if (check_parts(moe->gate_up, E, moe->gate_up_parts, (int)moe->gate_up_act, H, 2 * I) ||
         check_parts(moe->down, E, moe->down_parts, (int)moe->down_act, I, H))
         return -1;
@@ -208,6 +209,7 @@ int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T
                 for (int64_t c = 0; c < 2 * I; c++) g[c] = g[c] + b[c];
             }
             if (moe->activation == LLMD_MOE_SILU) llmd_silu_mul(g, 2 * I, h, I, 1, I);
+            else if (moe->activation == LLMD_MOE_GELU) llmd_gelu_mul(g, 2 * I, h, I, 1, I);
             else llmd_swiglu_clamped_mul(g, 2 * I, h, I, 1, I, moe->alpha, moe->limit);
             for (int64_t i = 0; i < dn.np; i++)
                 if (dn.layout[i] == i) llmd_gx_prepare(&dn.pair[i], s, h);

@@ -23,7 +23,7 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # llmd_moe.*_act (cpu_gguf.h)
 ACTS = {"fp32": 0, "int8": 1, "int16": 2}
 # llmd_moe.activation (LLMD_MOE_*, cpu_kernels.h): llmd.model.config.MoEConfig.activation
-ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1}
+ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1, "gelu_tanh": 2}
 
 
 class Moe(ctypes.Structure):

@@ -39,10 +39,9 @@ class SingleSequence:
         self.block_size = block_size
         self.max_tokens = num_blocks * block_size
         self.block_table = list(reversed(range(num_blocks)))
-        kv_caches = allocate_kv_cache(
-            cfg.num_kv_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim,
-            dtype=param.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype,
-        )
+        kv_caches = {i: allocate_kv_cache(1, num_blocks, block_size, cfg.layer_num_kv_heads(i), cfg.layer_head_dim(i),
+                                          dtype=param.dtype, device=self.device, kv_cache_dtype=kv_cache_dtype)[0]
+                     for i in cfg.kv_layers}
         # a hybrid's recurrent layers: slot 0 is this sequence's state (llmd.model.recurrent)
         self.kv_caches = layer_caches(cfg, kv_caches, allocate_states(cfg, 1, param.dtype, self.device))
         self.length = 0  # tokens already in the cache

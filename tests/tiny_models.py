@@ -56,6 +56,7 @@ LLAMA3_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
+FULL_ATTN = "full_attention"
 MODEL_VOCAB = 640  # >= the trained tokenizer's size, like real models whose embedding is padded
 
 
@@ -192,6 +193,10 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
                                  num_experts_per_tok=2, sliding_window=8, rope_parameters=rope,
                                  tie_word_embeddings=False)
         cls = tf.GptOssForCausalLM
+    elif kind.startswith("gemma4"):
+        config = tf.Gemma4TextConfig(**common | GEMMA4_VARIANTS[kind], head_dim=16, sliding_window=8,
+                                     global_head_dim=32)
+        cls = tf.Gemma4ForCausalLM
     elif kind == "qwen3_5":  # Gated DeltaNet layers 0-2 (2 q/k heads serving 4 value heads), gated attention on 3
         config = tf.Qwen3_5TextConfig(**common | {"num_hidden_layers": 4}, head_dim=16, linear_num_key_heads=2,
                                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
@@ -203,6 +208,11 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
     torch.manual_seed(seed)
     model = cls(config).eval()
     _randomise(model)
+    if kind.startswith("gemma4"):  # its learned scalars too
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
+                    p.normal_(1.0, 0.1)
     if kind == "qwen3_5":  # its RMSNorms scale by 1 + weight (but the gated norm by weight): keep them near 1
         with torch.no_grad():
             for name, p in model.named_parameters():
@@ -229,6 +239,19 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
 TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope")
 MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")  # written by tests/test_moe.py's own fixture
 HYBRID_KINDS = ("qwen3_5",)  # written by tests/test_hybrid.py's own fixture
+_G4_TYPES = ["sliding_attention", "full_attention"] * 2
+GEMMA4_VARIANTS = {  # written by tests/test_gemma4.py's own fixture
+    # E2B/E4B-like: per-layer embeddings, the last two layers sharing K/V (one of each kind), double-wide MLPs there
+    "gemma4_e": dict(num_hidden_layers=6, layer_types=(["sliding_attention"] * 2 + [FULL_ATTN]) * 2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=MODEL_VOCAB,
+                     num_kv_shared_layers=2, use_double_wide_mlp=True),
+    # 31B-like: global layers with V taken from K and one KV head, final logit soft-cap
+    "gemma4_dense": dict(num_hidden_layers=4, layer_types=_G4_TYPES, hidden_size_per_layer_input=0,
+                         attention_k_eq_v=True, num_global_key_value_heads=1, final_logit_softcapping=30.0),
+    # 26B-A4B-like: an MoE block beside every MLP
+    "gemma4_moe": dict(num_hidden_layers=4, layer_types=_G4_TYPES, hidden_size_per_layer_input=0,
+                       enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
+                       attention_k_eq_v=True, num_global_key_value_heads=1),
+}
 YARN_KINDS = ("qwen2_yarn", "qwen3_yarn")  # written by the tests that use them (tests/test_families.py)
 
 

@@ -413,10 +413,16 @@ class Engine:
             tps = sum(n for _, n in recent) / span
         queries = bm.queries_tokens
         runner = self.runner
+        c = self.loaded.config
+        unshared = None
+        if c.kv_sources is not None:
+            attending = [i for i in range(c.num_hidden_layers) if not c.is_recurrent(i)]
+            unshared = kv_bytes_per_block(c, 1, runner.dtype, runner.kv_cache_dtype, attending)
         kv = KvStats(
             dtype=SHORT_DTYPE_NAMES.get(str(runner.kv_element).removeprefix("torch."), str(runner.kv_element)),
             block_size=self.config.block_size,
-            bytes_per_token=kv_bytes_per_block(self.loaded.config, 1, runner.dtype, runner.kv_cache_dtype),
+            bytes_per_token=kv_bytes_per_block(c, 1, runner.dtype, runner.kv_cache_dtype),
+            bytes_per_token_unshared=unshared,
             cache_bytes=runner.kv_cache_bytes, blocks_total=bm.num_blocks, blocks_used=bm.num_used_blocks,
             blocks_cached=bm.num_cached_blocks, blocks_free=bm.num_free_blocks - bm.num_cached_blocks,
             seqs_8k_by_dtype=dict(self._seqs_8k), prefix_queries_tokens=queries, prefix_hits_tokens=bm.hits_tokens,

@@ -17,6 +17,7 @@ tokens would give it); the global pool takes the rest. (Such models run without 
 from __future__ import annotations
 
 import logging
+from typing import Iterable
 
 import torch
 
@@ -37,19 +38,25 @@ MIN_POOLING_ROWS = 16
 
 
 def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto",
-                       num_layers: int | None = None) -> int:
-    """Bytes of one block across all layers (or `num_layers` of them): K and V, plus the int8 cache's per-token
-    scales."""
+                       layers: Iterable[int] | None = None) -> int:
+    """Bytes of one block across the layers that keep K/V (or the given ones), each with its own head shape: K and V,
+    plus the int8 cache's per-token scales."""
     c = model_config
-    per_token = bytes_per_token(c.num_key_value_heads, c.head_dim, dtype, kv_cache_dtype)
-    return (c.num_kv_layers if num_layers is None else num_layers) * block_size * per_token
+    return block_size * sum(bytes_per_token(c.layer_num_kv_heads(i), c.layer_head_dim(i), dtype, kv_cache_dtype)
+                            for i in (c.kv_layers if layers is None else layers))
 
 
 def layer_windows(model_config) -> list[int | None]:
-    """Each layer's sliding window (None: global attention)."""
+    """Each KV-holding layer's sliding window (None: global attention), in the order of model_config.kv_layers."""
     windows = getattr(model_config, "layer_windows", None)
     windows = list(windows) if windows is not None else [None] * model_config.num_hidden_layers
-    return [w for i, w in enumerate(windows) if not model_config.is_recurrent(i)]  # the layers with a KV cache
+    return [windows[i] for i in model_config.kv_layers]
+
+
+def kv_group_layers(model_config) -> tuple[list[int], list[int]]:
+    """The KV-holding layers of the global group and of the window group (layer indices)."""
+    pairs = list(zip(model_config.kv_layers, layer_windows(model_config)))
+    return [i for i, w in pairs if w is None], [i for i, w in pairs if w is not None]
 
 
 def window_tokens_held(window: int, tokens: int, chunk: int, block_size: int) -> int:
@@ -63,12 +70,11 @@ def kv_bytes_per_sequence(model_config, tokens: int, block_size: int, dtype: tor
                           kv_cache_dtype: str = "auto", chunk: int | None = None) -> int:
     """KV bytes one sequence of `tokens` tokens holds: every layer the whole context, except that a window layer
     holds only its window (plus one chunk of `chunk` tokens, the prefill step; None: the saving is off)."""
-    per_layer_token = kv_bytes_per_block(model_config, 1, dtype, kv_cache_dtype, num_layers=1)
     full = -(-tokens // block_size) * block_size
     total = 0
-    for w in layer_windows(model_config):
+    for i, w in zip(model_config.kv_layers, layer_windows(model_config)):
         held = full if w is None or chunk is None else window_tokens_held(w, tokens, chunk, block_size)
-        total += held * per_layer_token
+        total += held * kv_bytes_per_block(model_config, 1, dtype, kv_cache_dtype, [i])
     return total
 
 
@@ -109,14 +115,14 @@ def plan_pools(model_config, config: EngineConfig, dtype: torch.dtype, device: t
         return plan_num_blocks(model_config, config, dtype, device, reserved), 0
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks, config.num_kv_blocks
-    n_global = len(windows) - n_window
-    per_global = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype, n_global)
-    per_window = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype, n_window)
+    global_layers, window_layers = kv_group_layers(model_config)
+    per_global = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype, global_layers)
+    per_window = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype, window_layers)
     budget = _kv_budget(model_config, config, dtype, device) - reserved
     max_len = config.max_model_len or model_config.max_position_embeddings
     usable = config.max_num_seqs * window_tokens_held(max(w for w in windows if w is not None), max_len,
                                                       config.max_num_batched_tokens, config.block_size)
-    window_bytes = min(usable // config.block_size * per_window, budget * n_window // len(windows))
+    window_bytes = min(usable // config.block_size * per_window, budget * per_window // (per_window + per_global))
     num_window = window_bytes // per_window - 1  # each pool pays for its own scratch block
     num_global = (budget - (num_window + 1) * per_window) // per_global - 1
     if num_window < 1 or num_global < 1:
@@ -125,7 +131,8 @@ def plan_pools(model_config, config: EngineConfig, dtype: torch.dtype, device: t
     return int(num_global), int(num_window)
 
 
-def plan_states(model_config, config: EngineConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, int]:
+def plan_states(model_config, config: EngineConfig, dtype: torch.dtype,
+                device: torch.device) -> tuple[int, int, int]:
     """(sequence slots, prefix checkpoints, speculation backups) of a hybrid model's state pool
     (llmd.engine.state_pool); zeros for a model without recurrent layers. The states take at most half the cache
     budget: with speculation on, a backup for each sequence that verifies a proposal in a step (spec_max_batch, at
@@ -206,28 +213,25 @@ class ModelRunner:
         self.scratch_block = self.num_blocks
         pool_blocks = self.num_blocks + 1
         c = self.model_config
-        n_window = sum(w is not None for w in self.layer_windows) if self.num_window_blocks else 0
-        n_global = len(self.layer_windows) - n_window
-        global_caches = iter(allocate_kv_cache(
-            n_global, pool_blocks, self.block_size, c.num_key_value_heads, c.head_dim,
-            dtype=self.dtype, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
-        ))
+        # per KV-holding layer, a cache of its own head shape in its group's pool (one group unless the model mixes
+        # window and global layers); a layer that shares another's K/V, or a recurrent one, reads that instead
+        global_layers, window_layers = kv_group_layers(c) if self.num_window_blocks else (c.kv_layers, [])
         self.window_scratch_block = self.num_window_blocks
-        window_caches = iter(allocate_kv_cache(
-            n_window, self.num_window_blocks + 1, self.block_size, c.num_key_value_heads, c.head_dim,
-            dtype=self.dtype, device=self.device, kv_cache_dtype=self.kv_cache_dtype,
-        ) if n_window else [])
-        # per layer, from its group's pool
-        kv_caches = [next(window_caches) if n_window and w is not None else next(global_caches)
-                     for w in self.layer_windows]
+        kv_caches = {}
+        for layers, blocks in ((global_layers, pool_blocks), (window_layers, self.num_window_blocks + 1)):
+            for i in layers:
+                kv_caches[i] = allocate_kv_cache(1, blocks, self.block_size, c.layer_num_kv_heads(i),
+                                                 c.layer_head_dim(i), dtype=self.dtype, device=self.device,
+                                                 kv_cache_dtype=self.kv_cache_dtype)[0]
         self.states = allocate_states(c, self.state_scratch_slot + 1, self.dtype, self.device) \
             if self.num_state_slots else {}
         self.kv_caches = layer_caches(c, kv_caches, self.states)  # per layer: its KV cache, or its recurrent state
         self.kv_cache_bytes = pool_blocks * kv_bytes_per_block(c, self.block_size, self.dtype, self.kv_cache_dtype,
-                                                               n_global)
+                                                               global_layers)
+        n_global, n_window = len(global_layers), len(window_layers)
         if n_window:
             self.kv_cache_bytes += (self.num_window_blocks + 1) * kv_bytes_per_block(
-                c, self.block_size, self.dtype, self.kv_cache_dtype, n_window)
+                c, self.block_size, self.dtype, self.kv_cache_dtype, window_layers)
         self.kv_element = cache_dtype(self.kv_cache_dtype, self.dtype)  # what the pool holds
         kind = "int8 + scales" if self.kv_cache_dtype == "int8" else str(self.kv_element).removeprefix("torch.")
         log.info("KV pool: %d blocks of %d tokens (%.0f MiB, %s)", self.num_blocks, self.block_size,

@@ -61,6 +61,8 @@ class _TruncatedLM(nn.Module):
         self.num_layers = num_layers
 
     def forward(self, input_ids, positions, kv_caches, meta):
+        if getattr(self.target, "runs_given_layers", False):  # its forward runs the first len(kv_caches) layers
+            return self.target(input_ids, positions, kv_caches, meta)
         inner = self.target.model
         x, cos, sin = self.target.embed(input_ids, positions)  # the model's own (Gemma scales its embeddings)
         for layer, kv_cache in zip(list(inner.layers)[: self.num_layers], kv_caches, strict=True):
@@ -74,9 +76,9 @@ class _TruncatedLM(nn.Module):
 def truncated_draft(loaded, num_layers: int):
     """A LoadedModel-like draft made of the first num_layers of `loaded` (shares its weights)."""
     n = max(1, min(num_layers, loaded.config.num_hidden_layers))
-    types = getattr(loaded.config, "layer_types", None)  # per layer: cut with the layers
-    config = dataclasses.replace(loaded.config, num_hidden_layers=n, **({} if types is None else
-                                                                       {"layer_types": types[:n]}))
+    per_layer = {key: value[:n] for key in ("layer_types", "layer_head_dims", "layer_kv_heads", "kv_sources")
+                 if (value := getattr(loaded.config, key, None)) is not None}  # cut with the layers
+    config = dataclasses.replace(loaded.config, num_hidden_layers=n, **per_layer)
     return dataclasses.replace(loaded, model=_TruncatedLM(loaded.model, n), config=config,
                                name=f"{loaded.name}[:{n} layers]")
 

@@ -347,6 +347,8 @@ class KvStats:
     window_blocks_total: int | None = None
     window_blocks_used: int | None = None
     window_blocks_cached: int | None = None
+    # where layers share K/V (Gemma 4): what bytes_per_token would be if every layer stored its own; else None
+    bytes_per_token_unshared: int | None = None
     # a hybrid model's recurrent layers keep a fixed-size state per sequence instead (llmd.engine.state_pool);
     # 0 / None for other models
     state_bytes_per_seq: int = 0  # one sequence's state over every recurrent layer

@@ -291,7 +291,8 @@ def batched_decode_attention(q: torch.Tensor, kv_cache: KVCache, plan: DecodePla
 
 
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
+    q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: KVCache, meta: AttentionMetadata,
+    scale: float,
     *, window: int | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The model-facing call: write the new tokens' K/V into the cache, then attend, through the step's backend
@@ -303,7 +304,8 @@ def paged_attention(
     if window is not None and meta.window_group is not None:  # the window layers' own KV group
         meta = meta.window_group
     backend = meta.backend
-    backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+    if k is not None:  # None: a layer attending over another layer's K/V (Gemma 4's KV sharing) writes nothing
+        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
     return backend.attend(q, kv_cache, meta, scale, window=window, softcap=softcap, sinks=sinks)
 
 

@@ -41,9 +41,13 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     # hybrids: recurrent layers (a state per sequence, llmd.model.recurrent) between full-attention layers. Qwen3.5 /
     # Qwen3.6: Gated DeltaNet and gated attention (llmd.model.qwen3_5); its image-text checkpoints load as text
     "Qwen3_5ForCausalLM": {"attention_bias": None, "qk_norm": True},
+    # Gemma 4 text (llmd.model.gemma4): per-layer embeddings, KV shared across layers, per-layer head shapes, an MoE
+    # block beside the MLP (26B-A4B); its fields come from gemma4_fields
+    "Gemma4ForCausalLM": {"attention_bias": None, "qk_norm": True},
 }
 # image-text architectures whose text model is served (the tower is left unread) -> that text architecture
-TEXT_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM"}
+TEXT_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                      "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
 # architectures whose config.json sliding_window applies unless use_sliding_window says otherwise
 _WINDOW_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 
@@ -53,7 +57,7 @@ _ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs named longrope 
 
 
 ROUTERS = ("softmax", "sigmoid", "softmax_topk")
-ACTIVATIONS = ("silu", "swiglu_clamped")
+ACTIVATIONS = ("silu", "swiglu_clamped", "gelu_tanh")
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,7 @@ class MoEConfig:
     router_bias: bool = False  # a bias on the router's logits (gpt-oss)
     expert_bias: bool = False  # biases on every expert's projections (gpt-oss)
     # silu: silu(gate) * up; swiglu_clamped (gpt-oss): gate clamped above, up clamped both ways at swiglu_limit,
-    # gate * sigmoid(swiglu_alpha * gate) * (up + 1)
+    # gate * sigmoid(swiglu_alpha * gate) * (up + 1); gelu_tanh (Gemma 4): gelu_tanh(gate) * up
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
@@ -150,6 +154,17 @@ class RecurrentConfig:
         return (self.num_heads, self.head_dim, self.state_size)
 
 
+@dataclass(frozen=True)
+class Gemma4Fields:
+    """What Gemma 4 text adds (llmd.model.gemma4)."""
+
+    per_layer_input_size: int = 0  # per-layer embeddings: each layer's slice of a second table (0: none)
+    per_layer_vocab: int = 0
+    k_eq_v: bool = False  # full-attention layers take V from the K projection (no v_proj)
+    double_wide_mlp: bool = False  # the KV-sharing layers' MLPs are twice as wide
+    rope_proportion: float = 1.0  # full-attention layers: the share of head_dim's frequencies that turn
+
+
 @dataclass
 class ModelConfig:
     architecture: str
@@ -193,6 +208,14 @@ class ModelConfig:
     # hybrids: layer_types names the recurrent layers ("linear_attention", "mamba"); they hold no KV cache
     recurrent: RecurrentConfig | None = None
     attention_output_gate: bool = False  # Qwen3.5: q_proj also yields a per-head gate, sigmoid(gate) * attention
+    # Per-layer attention shapes (Gemma 4's global layers: wider heads, fewer KV heads); None: head_dim and
+    # num_key_value_heads on every layer
+    layer_head_dims: list[int] | None = None
+    layer_kv_heads: list[int] | None = None
+    # KV sharing (Gemma 4): per layer, the layer whose cached K/V it attends over; a layer that reads another's
+    # stores none of its own. None: every layer reads its own.
+    kv_sources: list[int] | None = None
+    gemma4: Gemma4Fields | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -264,15 +287,32 @@ class ModelConfig:
         return self.recurrent is not None and self.layer_types is not None \
             and self.layer_types[layer_idx] in RECURRENT_LAYER_TYPES
 
+    def layer_head_dim(self, layer_idx: int) -> int:
+        assert self.head_dim is not None
+        return self.head_dim if self.layer_head_dims is None else self.layer_head_dims[layer_idx]
+
+    def layer_num_kv_heads(self, layer_idx: int) -> int:
+        assert self.num_key_value_heads is not None
+        return self.num_key_value_heads if self.layer_kv_heads is None else self.layer_kv_heads[layer_idx]
+
+    def kv_source(self, layer_idx: int) -> int:
+        """The layer whose cached K/V layer layer_idx attends over (itself unless it shares another's)."""
+        return layer_idx if self.kv_sources is None else self.kv_sources[layer_idx]
+
+    @property
+    def kv_layers(self) -> list[int]:
+        """The layers that keep K/V in the paged cache: all but a hybrid's recurrent layers and the layers that read
+        another layer's K/V."""
+        return [i for i in range(self.num_hidden_layers) if not self.is_recurrent(i) and self.kv_source(i) == i]
+
     @property
     def num_kv_layers(self) -> int:
-        """The layers that keep K/V in the paged cache (all but a hybrid's recurrent layers)."""
-        return sum(not self.is_recurrent(i) for i in range(self.num_hidden_layers))
+        return len(self.kv_layers)
 
     @property
     def kv_bytes_per_token(self) -> int:
         """K+V elements per token over the layers with a KV cache (multiply by the cache dtype's size)."""
-        return 2 * self.num_kv_layers * self.num_key_value_heads * self.head_dim
+        return sum(2 * self.layer_num_kv_heads(i) * self.layer_head_dim(i) for i in self.kv_layers)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
@@ -491,8 +531,78 @@ def qwen3_5_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "rope_scaling": scaling}
 
 
+def gemma4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 4 text: sliding (local) and full (global) layers, the global ones with their own head shape
+    (per_layer_config, or global_head_dim / num_global_key_value_heads) and proportional RoPE; the last
+    num_kv_shared_layers layers reading the K/V of the last earlier layer of their kind; per-layer embeddings; an MoE
+    block beside the MLP (enable_moe_block)."""
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise UnsupportedArchitecture(f"{arch} with hidden activation {act!r} is not supported (only gelu_pytorch_tanh)")
+    if cfg.get("use_bidirectional_attention"):
+        raise UnsupportedArchitecture(f"{arch} with use_bidirectional_attention is not supported")
+    layers = int(cfg["num_hidden_layers"])
+    types = list(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
+                                            for i in range(layers)])
+    if len(types) != layers or any(t not in ("sliding_attention", "full_attention") for t in types):
+        raise ModelFileError("config", f"layer_types {types!r} is not one of sliding_attention / full_attention per "
+                                       f"layer ({layers} layers)")
+    types[-1] = "full_attention"  # as transformers forces it
+    head_dim, kv_heads = int(cfg.get("head_dim") or 256), int(cfg.get("num_key_value_heads") or 1)
+    k_eq_v = bool(cfg.get("attention_k_eq_v", False))
+    overrides = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    if not overrides:
+        global_kv = cfg.get("num_global_key_value_heads") if k_eq_v else None
+        over = {"head_dim": int(cfg.get("global_head_dim") or 512)}
+        if global_kv:
+            over["num_key_value_heads"] = int(global_kv)
+        overrides = {i: over for i, t in enumerate(types) if t == "full_attention"}
+    head_dims = [int(overrides.get(i, {}).get("head_dim", head_dim)) for i in range(layers)]
+    kv = [int(overrides.get(i, {}).get("num_key_value_heads", kv_heads)) for i in range(layers)]
+    shared = int(cfg.get("num_kv_shared_layers") or 0)
+    first_shared = layers - shared
+    if not 0 <= shared < layers:
+        raise ModelFileError("config", f"num_kv_shared_layers {shared} must leave at least one of {layers} layers "
+                                       "computing its own K/V")
+    sources = list(range(layers))
+    for i in range(first_shared, layers):
+        earlier = [j for j in range(first_shared) if types[j] == types[i]]
+        if not earlier:
+            raise ModelFileError("config", f"layer {i} shares the K/V of an earlier {types[i]} layer, and there is "
+                                           "none")
+        sources[i] = earlier[-1]
+    params = cfg.get("rope_parameters") or {}
+    full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    for kind, p in (("full_attention", full), ("sliding_attention", local)):
+        if str(p.get("rope_type", "default")) not in ("default", "proportional") or float(p.get("factor", 1.0)) != 1:
+            raise UnsupportedArchitecture(f"{arch} with rope {p!r} on its {kind} layers is not supported")
+    moe = None
+    if cfg.get("enable_moe_block"):
+        moe = MoEConfig(int(cfg["num_experts"]), int(cfg["top_k_experts"]), int(cfg["moe_intermediate_size"]),
+                        activation="gelu_tanh")
+    per_layer = int(cfg.get("hidden_size_per_layer_input") or 0)
+    return {
+        "layer_types": types,
+        "sliding_window": int(cfg.get("sliding_window") or 512),
+        "final_logit_softcapping": _opt_float(cfg.get("final_logit_softcapping")),
+        "rope_theta": float(full.get("rope_theta", 1_000_000.0)),
+        "rope_scaling": None,
+        "rope_local_theta": float(local.get("rope_theta", 10_000.0)),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", True)),
+        "head_dim": head_dim,
+        "num_key_value_heads": kv_heads,
+        "layer_head_dims": head_dims if len(set(head_dims)) > 1 else None,
+        "layer_kv_heads": kv if len(set(kv)) > 1 else None,
+        "kv_sources": sources if shared else None,
+        "moe": moe,
+        "gemma4": Gemma4Fields(per_layer, int(cfg.get("vocab_size_per_layer_input") or 0) if per_layer else 0,
+                               k_eq_v, bool(cfg.get("use_double_wide_mlp", False)),
+                               float(full.get("partial_rotary_factor", 1.0))),
+    }
+
+
 # HF architecture -> its extra ModelConfig fields from config.json (families whose layers differ from Llama's)
-FAMILY_FIELDS = {"Qwen3_5ForCausalLM": qwen3_5_fields, "Gemma2ForCausalLM": gemma_fields, "Gemma3ForCausalLM": gemma_fields,
+FAMILY_FIELDS = {"Gemma4ForCausalLM": gemma4_fields, "Qwen3_5ForCausalLM": qwen3_5_fields, "Gemma2ForCausalLM": gemma_fields, "Gemma3ForCausalLM": gemma_fields,
                  "MixtralForCausalLM": moe_fields, "Qwen2MoeForCausalLM": moe_fields,
                  "Qwen3MoeForCausalLM": moe_fields, "Glm4MoeForCausalLM": moe_fields, "GptOssForCausalLM": moe_fields}
 
@@ -573,7 +683,8 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
                "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
-               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration"}
+               "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+               "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
     return by_type.get(model_type or "", model_type)
 
 

@@ -124,8 +124,8 @@ class ExpertLinear(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU MLPs: down(act(gate(x), up(x))), gate and up as one projection, act SiLU(gate) * up or gpt-oss's
-    clamped SwiGLU (MoEConfig.activation; both are ops of the bound table), each projection with or without biases.
+    """E gated MLPs: down(act(gate(x), up(x))), gate and up as one projection, act SiLU(gate) * up, GELU-tanh(gate) *
+    up (Gemma 4) or gpt-oss's clamped SwiGLU (MoEConfig.activation; all ops of the bound table), each projection with or without biases.
 
     `prepare` chooses once how `forward` runs them: on CUDA where the Triton kernels load, the fused kernel
     (`triton_kernel`: fp or packed experts, either activation, biases) for the weights it takes; one compiled C call per
@@ -201,6 +201,8 @@ class Experts(nn.Module):
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.moe.activation == "silu":
             return self.ops.silu_mul(gate_up, self.intermediate_size)
+        if self.moe.activation == "gelu_tanh":  # Gemma 4
+            return self.ops.gelu_mul(gate_up, self.intermediate_size)
         return self.ops.swiglu_clamped_mul(gate_up, self.intermediate_size, self.moe.swiglu_alpha,
                                            self.moe.swiglu_limit)  # gpt-oss
 

@@ -16,6 +16,7 @@ The CPU's C kernels and the Triton kernels compute the same functions (tests hol
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -142,7 +143,7 @@ def allocate_states(config, num_slots: int, dtype: torch.dtype, device: torch.de
     return out
 
 
-def layer_caches(config, kv_caches: list, states: dict[int, RecurrentState]) -> list:
-    """Per layer, what its forward reads: the next KV cache for an attention layer, its state for a recurrent one."""
-    kv = iter(kv_caches)
-    return [states[i] if i in states else next(kv) for i in range(config.num_hidden_layers)]
+def layer_caches(config, kv_caches: dict[int, Any], states: dict[int, RecurrentState]) -> list:
+    """Per layer, what its forward reads: its state for a recurrent layer, else the KV cache of the layer whose K/V
+    it attends over (its own, or the one it shares: config.kv_source); kv_caches by KV-holding layer index."""
+    return [states[i] if i in states else kv_caches[config.kv_source(i)] for i in range(config.num_hidden_layers)]

@@ -130,7 +130,8 @@ def _engine_lines(s: EngineStats) -> list[str]:
         lines += [
             f"  KV cache  {kv.dtype}, {kv.blocks_used}/{kv.blocks_total} blocks used ({kv.blocks_cached} cached for "
             f"reuse), {kv.tokens_total:,} tokens in {kv.cache_bytes / 2**20:.0f} MiB ({kv.bytes_per_token:,} "
-            "bytes/token)",
+            "bytes/token" + (f"; {kv.bytes_per_token_unshared:,} without KV sharing)"
+                             if kv.bytes_per_token_unshared else ")"),
             f"  8k fits   {n} sequence{'' if n == 1 else 's'} of 8,192 tokens (by KV dtype: {fits})",
         ]
         if kv.state_slots is not None:  # a hybrid's recurrent layers: a fixed-size state per sequence

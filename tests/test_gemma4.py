@@ -1,0 +1,106 @@
+"""Gemma 4 text against transformers on CPU fp32, from HF folders, in three variants: E-like (per-layer embeddings,
+the last layers sharing K/V, double-wide MLPs there), 31B-like (global layers with V from K and one KV head, logit
+soft-cap) and 26B-A4B-like (an MoE block beside every MLP); prompts past the sliding window. Then the engine's
+invariants with KV-shared layers and two KV groups of different head shapes: batched == alone, prefix hit == miss,
+preempted == not, speculation on == off; the cache holds no K/V for a shared layer; bad configs refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
+from llmd.engine import SamplingParams, generate
+from llmd.engine.runner import kv_bytes_per_block
+from llmd.errors import ModelFileError
+from llmd.model.loader import load_model
+from test_engine import GREEDY, random_prompts, run_alone, run_staggered
+from test_families import TOLERANCE, prompt_ids, reference_logits
+from test_hybrid import chunked_logits
+from tiny_models import GEMMA4_VARIANTS, write_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def gemma4_models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("gemma4_models")
+    return {kind: write_tiny_model(root / kind, kind) for kind in GEMMA4_VARIANTS}
+
+
+@pytest.fixture(scope="module")
+def gemma4_e(gemma4_models):
+    return load_model(gemma4_models["gemma4_e"], dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("kind", list(GEMMA4_VARIANTS))
+def test_hf_folder_matches_transformers(kind, gemma4_models):
+    from transformers import AutoModelForCausalLM
+
+    ref = AutoModelForCausalLM.from_pretrained(gemma4_models[kind], dtype=torch.float32).eval()
+    lm = load_model(gemma4_models[kind], dtype=torch.float32, device="cpu")
+    prompt, decode = prompt_ids(40), prompt_ids(24, seed=1)  # the window is 8 tokens
+    expected = reference_logits(ref, prompt, decode)
+    got = chunked_logits(lm, prompt, decode, (11,))
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() < TOLERANCE
+
+
+def test_shared_layers_hold_no_kv(gemma4_e):
+    """Layers 4 and 5 read layers 3's and 2's K/V: the pools hold the other four layers only, each in its shape."""
+    c = gemma4_e.config
+    assert c.kv_layers == [0, 1, 2, 3] and c.kv_source(4) == 3 and c.kv_source(5) == 2
+    engine = make_engine(gemma4_e, kv_cache_dtype="fp32")
+    runner = engine.runner
+    assert runner.kv_caches[4] is runner.kv_caches[3] and runner.kv_caches[5] is runner.kv_caches[2]
+    assert runner.kv_caches[2][0].shape[-2:] == (2, 32) and runner.kv_caches[0][0].shape[-2:] == (2, 16)
+    per_token = kv_bytes_per_block(c, 1, torch.float32, "fp32")
+    assert per_token == 2 * 4 * (3 * 2 * 16 + 2 * 32)  # K and V, fp32: three sliding layers and one global
+    kv = engine.stats().kv
+    assert kv.bytes_per_token == per_token
+    assert kv.bytes_per_token_unshared == per_token + 2 * 4 * (2 * 16 + 2 * 32)  # layers 4 and 5 if they stored theirs
+
+
+@pytest.mark.parametrize("kind", ["gemma4_e", "gemma4_moe"])
+def test_engine_batched_and_prefix_hits_equal_alone(kind, gemma4_models):
+    lm = load_model(gemma4_models[kind], dtype=torch.float32, device="cpu")
+    shared = prompt_ids(40, seed=9)
+    prompts = [shared + p for p in random_prompts(6, 2, 30, 570, seed=10)]
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    alone = run_alone(lm, prompts, params)
+    engine = make_engine(lm, max_num_batched_tokens=24)  # prompts are chunked too
+    batched = run_staggered(engine, prompts, params)
+    assert [batched[str(i)] for i in range(len(prompts))] == alone
+    assert engine.stats().kv.prefix_hits_tokens > 0
+
+
+def test_preempted_and_speculating_equal_plain(gemma4_e):
+    prompts = random_prompts(6, 10, 40, 570, seed=2)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    ample = [r.token_ids for r in generate(make_engine(gemma4_e), prompts, params)]
+    engine = make_engine(gemma4_e, num_kv_blocks=10)
+    assert [r.token_ids for r in generate(engine, prompts, params)] == ample
+    assert engine.stats().num_preemptions > 0
+    spec = make_engine(gemma4_e, speculative_mode="draft", draft_model="self:3", num_speculative_tokens=3)
+    assert [r.token_ids for r in generate(spec, prompts, params)] == ample
+    assert spec.stats().spec.accepted_total > 0
+
+
+def _with_config(src, dst, **changes):
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg.update(changes)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_bad_files_name_the_problem(gemma4_models, tmp_path):
+    src = gemma4_models["gemma4_e"]
+    with pytest.raises(ModelFileError, match="num_kv_shared_layers"):
+        load_model(_with_config(src, tmp_path / "shared", num_kv_shared_layers=6), dtype=torch.float32, device="cpu")
+    with pytest.raises(ModelFileError, match="embed_tokens_per_layer"):  # the table no longer fits the layers
+        load_model(_with_config(src, tmp_path / "ple", hidden_size_per_layer_input=4), dtype=torch.float32,
+                   device="cpu")
