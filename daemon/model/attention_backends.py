@@ -232,11 +232,14 @@ def choose_backend(device: torch.device, model_config=None, dtype: torch.dtype =
     if model_config is not None:
         c = model_config
         windows = tuple(sorted({w for w in getattr(c, "layer_windows", ()) if w is not None}))
-        problem = check_attention_backend(TRITON, c.num_attention_heads, c.num_key_value_heads, c.head_dim, dtype,
-                                          kv_cache_dtype, device=device, windows=windows,
-                                          softcap=getattr(c, "attn_logit_softcapping", None),
-                                          sinks=getattr(c, "attention_sinks", False))
-        if problem is not None:
-            log.warning("Triton attention disabled, the torch path serves instead: %s", problem)
-            return TORCH
+        # every head shape the model's layers have (Gemma 4's global layers are wider)
+        shapes = sorted({(c.layer_num_kv_heads(i), c.layer_head_dim(i)) for i in c.kv_layers})
+        for kv_heads, head_dim in shapes:
+            problem = check_attention_backend(TRITON, c.num_attention_heads, kv_heads, head_dim, dtype,
+                                              kv_cache_dtype, device=device, windows=windows,
+                                              softcap=getattr(c, "attn_logit_softcapping", None),
+                                              sinks=getattr(c, "attention_sinks", False))
+            if problem is not None:
+                log.warning("Triton attention disabled, the torch path serves instead: %s", problem)
+                return TORCH
     return TRITON

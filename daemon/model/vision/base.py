@@ -1,0 +1,41 @@
+"""The interface every family's vision encoder has (see the package docstring)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from PIL import Image
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image's placeholder tokens in a prompt: token positions [start, start + length) and its embeddings
+    [length, text hidden]; `digest` identifies the image's pixels (the prefix cache keys its tokens by it)."""
+
+    start: int
+    length: int
+    digest: bytes
+    embeds: torch.Tensor
+    bidirectional: bool = False  # Gemma: the image's tokens attend to each other both ways
+
+
+class VisionEncoder(Protocol):
+    image_token_id: int  # the placeholder token an image's embeddings replace
+    bidirectional: bool  # whether an image's tokens attend to each other both ways (Gemma 3 / 4)
+
+    def placeholder_text(self) -> str:
+        """What the chat template writes for an image part (Gemma 3: "<start_of_image>"), which `expand` widens."""
+
+    def expand(self, text: str, tokens_per_image: list[int]) -> str:
+        """The rendered prompt with each image's placeholder widened to its full token sequence."""
+
+    def preprocess(self, image: Image.Image) -> torch.Tensor:
+        """An RGB image -> pixel values [3, H, W] in fp32, as the family's image processor makes them."""
+
+    def tokens_for(self, pixel_values: torch.Tensor) -> int:
+        """Placeholder tokens the image takes (fixed for Gemma 3, by size for Qwen3.5)."""
+
+    def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Pixel values [3, H, W] -> embeddings [tokens, text hidden] in the language model's dtype."""
