@@ -31,8 +31,8 @@ from ..errors import EngineDead, InvalidRequest, QueueFull
 from .engine import Engine, EngineStats
 from .grammar import COMPILE_TIMEOUT_S, CompiledGrammar
 from .turns import turns_for
-from .types import (Constraint, ConstraintError, EmbedParams, FinishReason, Priority, PromptProgress, RequestOutput,
-                    SamplingParams)
+from .types import (Constraint, ConstraintError, EmbedParams, FinishReason, ImageSpan, Priority, PromptProgress,
+                    RequestOutput, SamplingParams)
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,9 @@ class AsyncEngine:
     # ---- requests (event loop thread) -------------------------------------------------------------------------
     def submit(self, prompt_token_ids: list[int], params: SamplingParams,
                priority: Priority = Priority.INTERACTIVE, request_id: str | None = None,
-               embed: EmbedParams | None = None) -> RequestStream:
-        """Queue a request; embed: an embedding request instead (see embed())."""
+               embed: EmbedParams | None = None, images: list[ImageSpan] | None = None) -> RequestStream:
+        """Queue a request; embed: an embedding request instead (see embed()); images: the prompt's images, each at
+        its placeholder tokens (llmd.model.vision)."""
         if self.error is not None:
             raise EngineDead(f"the engine stopped after an internal error: {self.error}")
         if self._thread is None:
@@ -166,7 +167,7 @@ class AsyncEngine:
             stream = RequestStream(request_id, self, self.stream_buffer)
             self._streams[request_id] = stream
             self._commands.append(("add", request_id, list(prompt_token_ids), params, priority, time.monotonic(),
-                                   grammar, embed))
+                                   grammar, embed, images))
         if grammar is not None and not grammar.done():
             grammar.add_done_callback(lambda _f: self._wake.set())
         self._wake.set()
@@ -251,7 +252,7 @@ class AsyncEngine:
         now = time.monotonic()
         for cmd in commands:
             if cmd[0] == "add":
-                _, rid, prompt, params, priority, arrival, grammar, embed = cmd
+                _, rid, prompt, params, priority, arrival, grammar, embed, images = cmd
                 if grammar is not None and not grammar.done():
                     if now - arrival < COMPILE_TIMEOUT_S:
                         self._grammar_wait.append(cmd)  # not ready: the step loop goes on without it
@@ -262,7 +263,7 @@ class AsyncEngine:
                 try:
                     compiled = _compiled(grammar)
                     self.engine.add_request(rid, prompt, params, priority, arrival=arrival, grammar=compiled,
-                                            embed=embed)
+                                            embed=embed, images=images)
                 except (InvalidRequest, QueueFull) as e:
                     failed.append(RequestOutput(rid, [], "", finished=True, finish_reason=FinishReason.ABORT,
                                                 error=str(e)))

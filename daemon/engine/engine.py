@@ -29,8 +29,9 @@ from .scheduler import Scheduler, ScheduledSeq
 from .sequence import Sequence
 from .state_pool import StatePool
 from .stop import StopStringMatcher
-from .types import (SHORT_DTYPE_NAMES, EmbedParams, EngineStats, FinishReason, KvStats, LatencyStats, Percentiles,
-                    Priority, PromptProgress, RequestOutput, RequestTimings, SamplingParams, TokenLogprob)
+from .types import (SHORT_DTYPE_NAMES, EmbedParams, EngineStats, FinishReason, ImageSpan, KvStats, LatencyStats,
+                    Percentiles, Priority, PromptProgress, RequestOutput, RequestTimings, SamplingParams,
+                    TokenLogprob)
 
 LATENCY_WINDOW = 1000  # finished requests kept for percentiles
 THROUGHPUT_WINDOW_S = 10.0
@@ -176,6 +177,15 @@ class Engine:
         if embed.dimensions is not None and embed.dimensions > self.loaded.config.hidden_size:
             raise InvalidRequest(f"dimensions must be at most {self.loaded.config.hidden_size}", field="dimensions")
 
+    def _check_images(self, prompt_token_ids: list[int], images: list[ImageSpan]) -> None:
+        hidden, end = self.loaded.config.hidden_size, 0
+        for i, image in enumerate(images):
+            shape = tuple(getattr(image.embeds, "shape", ()))
+            if image.start < end or image.end > len(prompt_token_ids) or shape != (image.length, hidden):
+                raise InvalidRequest(f"image {i} does not fit the prompt (tokens {image.start}..{image.end}, "
+                                     f"embeddings {shape})", field="images")
+            end = image.end
+
     def _check_tokens(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
             raise InvalidRequest("the prompt is empty", field="prompt")
@@ -186,9 +196,11 @@ class Engine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: Priority = Priority.INTERACTIVE, arrival: float | None = None,
-                    grammar: CompiledGrammar | None = None, embed: EmbedParams | None = None) -> None:
+                    grammar: CompiledGrammar | None = None, embed: EmbedParams | None = None,
+                    images: list[ImageSpan] | None = None) -> None:
         """grammar: params.constraint compiled already (AsyncEngine does it off this thread); None compiles here.
-        embed: an embedding request (params are then unused): its one output carries the pooled vector."""
+        embed: an embedding request (params are then unused): its one output carries the pooled vector.
+        images: the prompt's images (llmd.model.vision), each at its placeholder tokens."""
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use", field="request_id")
         self.check_request(prompt_token_ids, params, embed)
@@ -204,7 +216,8 @@ class Engine:
         if not params.greedy and embed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        seq = Sequence(request_id, prompt_token_ids, params, priority, timings, generator, matcher, embed)
+        self._check_images(prompt_token_ids, images or [])
+        seq = Sequence(request_id, prompt_token_ids, params, priority, timings, generator, matcher, embed, images)
         self.requests[request_id] = seq
         self._text[request_id] = _TextState(self.tokenizer, params.stop)
         self.prompt_tokens_total += len(prompt_token_ids)
@@ -264,7 +277,7 @@ class Engine:
             if s.pools:
                 outputs += self._keep_hidden(s, now)
                 continue  # an embedding's KV is dropped when it finishes: never registered in the prefix cache
-            kv = kv_tokens.get(id(seq), seq.token_ids)
+            kv = seq.cache_keys(kv_tokens.get(id(seq), seq.token_ids))  # an image's tokens keyed by its pixels
             bm.register_full_blocks(seq.block_ids, seq.block_hashes, kv, seq.num_computed_tokens)
             if self.window_block_manager is not None:
                 w = seq.window_blocks

@@ -285,12 +285,22 @@ class ModelRunner:
         query_lens, seq_lens, tables, window_tables, sample_rows = [], [], [], [], []
         state_slots: list[int] = []
         fresh: list[bool] = []
+        image_rows: list[int] = []  # flat rows whose embeddings an image gives (llmd.model.vision)
+        image_embeds: list[torch.Tensor] = []
+        both_ways: dict[int, list[tuple[int, int]]] = {}  # sequence index -> its chunk's images seeing each other
         pooled: list[tuple[ScheduledSeq, int]] = []  # embedding chunks and their first row
         for s in scheduled:
             seq = s.seq
             start = seq.num_computed_tokens
             if s.pools:
                 pooled.append((s, len(input_ids)))
+            for image in seq.images:  # the chunk's image positions read the image's embeddings
+                lo, hi = max(image.start, start), min(image.end, start + s.num_new_tokens)
+                if lo < hi:
+                    image_rows.extend(range(len(input_ids) + lo - start, len(input_ids) + hi - start))
+                    image_embeds.append(image.embeds[lo - image.start : hi - image.start])
+                    if image.bidirectional:
+                        both_ways.setdefault(len(query_lens), []).append((image.start, image.end))
             input_ids.extend(seq.token_ids[start : start + s.num_new_tokens])
             input_ids.extend(s.spec)  # a speculative proposal runs right after its decode token
             n = s.num_tokens
@@ -327,6 +337,12 @@ class ModelRunner:
                                                         device=self.device, backend=self.attention)
         if self.states:
             meta.state = StateMetadata.build(state_slots, fresh, query_lens, self.device)
+        if image_rows:
+            meta.input_embeds = (torch.tensor(image_rows, dtype=torch.long, device=self.device),
+                                 torch.cat(image_embeds).to(device=self.device, dtype=self.dtype))
+            meta.bidirectional = both_ways or None
+            if meta.window_group is not None:
+                meta.window_group.bidirectional = meta.bidirectional
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         hidden = self.forward(ids, pos, self.kv_caches, meta)

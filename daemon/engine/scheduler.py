@@ -299,9 +299,15 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """Tokens of seq to compute this step: what is left, within the budget, ending at a state checkpoint."""
+        done = seq.num_computed_tokens
         n = min(seq.num_uncomputed, budget)
         boundary = self.state_boundary(seq) if self.states is not None else None
-        return n if boundary is None else min(n, boundary - seq.num_computed_tokens)
+        if boundary is not None:
+            n = min(n, boundary - done)
+        image = seq.bidirectional_span(done + n) if seq.images else None
+        if image is not None and image.start < done + n:  # never split an image whose tokens see each other
+            n = image.start - done if image.start > done else image.end - done
+        return n
 
     def state_boundary(self, seq: Sequence) -> int | None:
         """The next position after seq's computed tokens where its state is checkpointed for the prefix cache
@@ -339,7 +345,7 @@ class Scheduler:
         bm, wbm = self.bm, self.wbm
         # Leave at least one token to compute: its forward yields the logits of the next token. An embedding
         # request computes every position (mean pooling needs them all), so it takes nothing from the cache.
-        match = bm.match_prefix(seq.token_ids, seq.num_tokens - 1) if seq.embed is None else PrefixMatch()
+        match = bm.match_prefix(seq.key_ids, seq.num_tokens - 1) if seq.embed is None else PrefixMatch()
         window = BlockTable()
         if wbm is not None:
             match, window = self._window_hit(seq, match)
@@ -382,7 +388,7 @@ class Scheduler:
         wbm = self.wbm
         for n in range(match.num_blocks, 0, -1):
             first = wbm.first_needed_block(n * wbm.block_size)
-            ids = wbm.lookup_blocks(seq.token_ids, match.hashes[first:n], first)
+            ids = wbm.lookup_blocks(seq.key_ids, match.hashes[first:n], first)
             if ids is not None:
                 hit = PrefixMatch(match.block_ids[:n], match.hashes[:n])
                 return hit, BlockTable([0] * first + ids, first, list(match.hashes[:n]))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .types import EmbedParams, FinishReason, Priority, RequestTimings, SamplingParams, TokenLogprob
+from .types import EmbedParams, FinishReason, ImageSpan, Priority, RequestTimings, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from .grammar import GrammarMatcher
@@ -58,8 +58,10 @@ class Sequence:
         generator: torch.Generator | None = None,
         grammar: "GrammarMatcher | None" = None,
         embed: EmbedParams | None = None,
+        images: list[ImageSpan] | None = None,
     ):
         self.request_id = request_id
+        self.images = images or []  # the prompt's images, in order (their embeddings replace their tokens')
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
@@ -92,6 +94,27 @@ class Sequence:
         self.pending_token_ids: list[int] = []
         self.pending_logprobs: list[TokenLogprob] = []
         self.pending_text = ""
+
+    def cache_keys(self, token_ids: list[int]) -> list[int]:
+        """token_ids as the prefix cache keys them: an image's placeholder positions by its pixels' digest (negative
+        ids that no real token has), so two requests with the same image share blocks and two different images never
+        do."""
+        if not self.images:
+            return token_ids
+        keys = list(token_ids)
+        for image in self.images:
+            seed = int.from_bytes(image.digest[:8], "little")
+            for j in range(image.start, min(image.end, len(keys))):
+                keys[j] = -1 - ((seed + j - image.start) & 0x3FFFFFFFFFFFFFFF)
+        return keys
+
+    @property
+    def key_ids(self) -> list[int]:
+        return self.cache_keys(self.token_ids)
+
+    def bidirectional_span(self, position: int) -> ImageSpan | None:
+        """The image whose tokens attend both ways and that holds `position` (None: none does)."""
+        return next((im for im in self.images if im.bidirectional and im.start <= position < im.end), None)
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import InvalidRequest
 
@@ -416,3 +417,21 @@ class EngineStats:
             values["spec"] = SpecStats(**_known(SpecStats, values["spec"]))
         values["latency"] = LatencyStats.from_dict(values.get("latency") or {})
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """One image in a prompt (llmd.model.vision): its placeholder tokens at positions [start, start + length), the
+    embeddings [length, hidden] the model reads there instead of the tokens' own, and `digest`, a hash of its pixels
+    that keys those positions in the prefix cache (two different images never share blocks). `bidirectional`: the
+    image's tokens attend to each other both ways (Gemma), so a prefill chunk never splits them."""
+
+    start: int
+    length: int
+    digest: bytes
+    embeds: "Any" = dataclasses.field(repr=False, compare=False)  # torch.Tensor [length, hidden]
+    bidirectional: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length

@@ -66,6 +66,10 @@ class AttentionMetadata:
     window_group: "AttentionMetadata | None" = field(default=None, repr=False, compare=False)
     # In a hybrid model (llmd.model.recurrent): each sequence's state slot, for the recurrent layers
     state: "StateMetadata | None" = field(default=None, repr=False, compare=False)
+    # Images (llmd.model.vision): the flat rows whose input embeddings an image gives, and those embeddings; and, for
+    # Gemma's images whose tokens attend to each other both ways, each such sequence's spans (positions [start, end))
+    input_embeds: "tuple[torch.Tensor, torch.Tensor] | None" = field(default=None, repr=False, compare=False)
+    bidirectional: "dict[int, list[tuple[int, int]]] | None" = field(default=None, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -169,11 +173,13 @@ def torch_paged_attention(
     num_heads = q.shape[1]
     start = 0
     wanted = None if only is None else set(only)
+    spans = meta.bidirectional or {}
     for i, (q_len, s_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
         if q_len == 0 or (wanted is not None and i not in wanted):
             start += q_len
             continue
-        lo = window_start(s_len, q_len, window) // meta.block_size * meta.block_size
+        lo = min([window_start(s_len, q_len, window)] + [a for a, _ in spans.get(i, ())])
+        lo = lo // meta.block_size * meta.block_size
         k, v = gather_context(kv_cache, meta.block_tables[i], s_len, q.dtype, lo)
         group = num_heads // k.shape[1]
         if group > 1:
@@ -181,7 +187,7 @@ def torch_paged_attention(
             v = v.repeat_interleave(group, dim=1)
         qs = q[start : start + q_len].transpose(0, 1)  # [heads, q_len, d]
         ks, vs = k.transpose(0, 1), v.transpose(0, 1)
-        if q_len == 1 and window is None and softcap is None and sinks is None:
+        if q_len == 1 and window is None and softcap is None and sinks is None and i not in spans:
             o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
         else:
             q_pos = torch.arange(s_len - q_len, s_len, device=q.device).unsqueeze(1)
@@ -189,6 +195,9 @@ def torch_paged_attention(
             mask = k_pos <= q_pos
             if window is not None:
                 mask &= k_pos > q_pos - window
+            for lo_pos, hi_pos in spans.get(i, ()):  # an image's tokens see each other both ways (as transformers
+                # overlays it, past a window too)
+                mask |= (q_pos >= lo_pos) & (q_pos < hi_pos) & (k_pos >= lo_pos) & (k_pos < hi_pos)
             if softcap is None and sinks is None:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
             else:
@@ -306,7 +315,16 @@ def paged_attention(
     backend = meta.backend
     if k is not None:  # None: a layer attending over another layer's K/V (Gemma 4's KV sharing) writes nothing
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
-    return backend.attend(q, kv_cache, meta, scale, window=window, softcap=softcap, sinks=sinks)
+    out = backend.attend(q, kv_cache, meta, scale, window=window, softcap=softcap, sinks=sinks)
+    if meta.bidirectional:  # the chunks holding images whose tokens see each other: the torch reference redoes them
+        only = list(meta.bidirectional)
+        redone = torch_paged_attention(q, kv_cache, meta, scale, only, window=window, softcap=softcap, sinks=sinks)
+        starts = [0]
+        for n in meta.query_lens_list:
+            starts.append(starts[-1] + n)
+        for i in only:
+            out[starts[i] : starts[i + 1]] = redone[starts[i] : starts[i + 1]]
+    return out
 
 
 def allocate_kv_cache(
@@ -325,3 +343,12 @@ def allocate_kv_cache(
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)
     ]
+
+
+def with_image_embeds(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The step's input embeddings x [T, hidden] with the rows an image gives replaced by its embeddings (a model
+    calls this right after embedding its tokens, scaling included)."""
+    if meta is None or meta.input_embeds is None:
+        return x
+    rows, embeds = meta.input_embeds
+    return x.index_copy(0, rows, embeds.to(x.dtype))

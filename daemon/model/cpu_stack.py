@@ -260,8 +260,9 @@ class CompiledCpuForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                  meta: AttentionMetadata) -> torch.Tensor:
         model = self.model
-        x, cos, sin = model.embed(input_ids, positions)
-        if not (x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous() and not x.requires_grad
-                and self.stack.forward(x, cos, sin, kv_caches, meta)):  # in place, one C call
+        x, cos, sin = model.embed(input_ids, positions, meta)
+        if meta.bidirectional or not (x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous()
+                                      and not x.requires_grad and self.stack.forward(x, cos, sin, kv_caches, meta)):
+            # in place, one C call; a chunk with an image whose tokens see each other runs the modules
             x = model.run_layers(x, cos, sin, kv_caches, meta)
         return model.model.norm(x)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, KVCache, paged_attention
+from .attention import AttentionMetadata, KVCache, paged_attention, with_image_embeds
 from .config import ModelConfig
 from .linear import make_linear
 from .llama import CausalLM, RotaryEmbedding, packed_modules
@@ -209,10 +209,11 @@ class GemmaCausalLM(nn.Module):
                 module.scale = None  # a move or cast: recomputed from the weight on next use
         return result
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, dict, dict]:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None
+              ) -> tuple[torch.Tensor, dict, dict]:
         """The scaled token embeddings [T, hidden] and the RoPE tables per layer type (GemmaRotaryEmbedding)."""
         x = self.model.embed_tokens(input_ids)
-        x = x * self.embed_scale.to(device=x.device, dtype=x.dtype)
+        x = with_image_embeds(x * self.embed_scale.to(device=x.device, dtype=x.dtype), meta)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         return x, cos, sin
 
@@ -224,7 +225,7 @@ class GemmaCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x, cos, sin = self.embed(input_ids, positions)
+        x, cos, sin = self.embed(input_ids, positions, meta)
         return self.model.norm(self.run_layers(x, cos, sin, kv_caches, meta))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, KVCache, paged_attention
+from .attention import AttentionMetadata, KVCache, paged_attention, with_image_embeds
 from .config import ModelConfig
 from .gemma import soft_cap
 from .linear import make_linear
@@ -249,7 +249,7 @@ class Gemma4CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        x = x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype)
+        x = with_image_embeds(x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype), meta)
         per_layer = self.per_layer_inputs(input_ids, x)
         rope = self.model.rotary_emb(positions, x.dtype)
         for i, (layer, cache) in enumerate(zip(self.model.layers[: len(kv_caches)], kv_caches, strict=True)):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, KVCache, paged_attention
+from .attention import AttentionMetadata, KVCache, paged_attention, with_image_embeds
 from .config import ModelConfig
 from .linear import make_linear
 from .moe import SparseMoE, canonical_name, expert_parts, expert_route, stacked_covers
@@ -294,13 +294,13 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata
     ) -> torch.Tensor:
-        x, cos, sin = self.embed(input_ids, positions)
+        x, cos, sin = self.embed(input_ids, positions, meta)
         return self.model.norm(self.run_layers(x, cos, sin, kv_caches, meta))
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The token embeddings [T, hidden] and the RoPE tables (cos, signed sin) of the positions."""
-        x = self.model.embed_tokens(input_ids)
+        x = with_image_embeds(self.model.embed_tokens(input_ids), meta)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         return x, cos, sin
 

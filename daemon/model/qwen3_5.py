@@ -196,7 +196,7 @@ class Qwen35CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x, cos, sin = self.embed(input_ids, positions)
+        x, cos, sin = self.embed(input_ids, positions, meta)
         return self.model.norm(self.run_layers(x, cos, sin, kv_caches, meta))
 
 

@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from PIL import Image
 
-
-@dataclass(frozen=True)
-class ImageSpan:
-    """One image's placeholder tokens in a prompt: token positions [start, start + length) and its embeddings
-    [length, text hidden]; `digest` identifies the image's pixels (the prefix cache keys its tokens by it)."""
-
-    start: int
-    length: int
-    digest: bytes
-    embeds: torch.Tensor
-    bidirectional: bool = False  # Gemma: the image's tokens attend to each other both ways
+from ...engine.types import ImageSpan  # noqa: F401  (an encoder's result, as the engine takes it)
 
 
 class VisionEncoder(Protocol):
