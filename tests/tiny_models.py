@@ -202,6 +202,13 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
                                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                                       tie_word_embeddings=False)
         cls = tf.Qwen3_5ForCausalLM
+    elif kind == "qwen3_5_moe":  # the same layers, each MLP 8 experts (top 2) and a gated shared expert
+        moe = {k: v for k, v in common.items() if k != "intermediate_size"} | {"num_hidden_layers": 4}
+        config = tf.Qwen3_5MoeTextConfig(**moe, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                         linear_key_head_dim=8, linear_value_head_dim=8, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32,
+                                         shared_expert_intermediate_size=64, tie_word_embeddings=False)
+        cls = tf.Qwen3_5MoeForCausalLM
     else:
         raise ValueError(kind)
 
@@ -213,7 +220,7 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
             for name, p in model.named_parameters():
                 if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
                     p.normal_(1.0, 0.1)
-    if kind == "qwen3_5":  # its RMSNorms scale by 1 + weight (but the gated norm by weight): keep them near 1
+    if kind.startswith("qwen3_5"):  # its RMSNorms scale by 1 + weight (but the gated norm by weight): keep them near 1
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight") and ".linear_attn." not in name:
@@ -238,7 +245,7 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
 
 TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope")
 MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")  # written by tests/test_moe.py's own fixture
-HYBRID_KINDS = ("qwen3_5",)  # written by tests/test_hybrid.py's own fixture
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe")  # written by the hybrid tests' own fixtures
 _G4_TYPES = ["sliding_attention", "full_attention"] * 2
 GEMMA4_VARIANTS = {  # written by tests/test_gemma4.py's own fixture
     # E2B/E4B-like: per-layer embeddings, the last two layers sharing K/V (one of each kind), double-wide MLPs there

@@ -39,14 +39,17 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     # biases and a clamped SwiGLU (llmd.model.gpt_oss)
     "GptOssForCausalLM": {"attention_bias": True, "qk_norm": False},
     # hybrids: recurrent layers (a state per sequence, llmd.model.recurrent) between full-attention layers. Qwen3.5 /
-    # Qwen3.6: Gated DeltaNet and gated attention (llmd.model.qwen3_5); its image-text checkpoints load as text
+    # Qwen3.6: Gated DeltaNet and gated attention (llmd.model.qwen3_5); its image-text checkpoints load as text.
+    # Qwen3.5-MoE: the same layers with the MoE block (routed experts and a gated shared expert) as every MLP
     "Qwen3_5ForCausalLM": {"attention_bias": None, "qk_norm": True},
+    "Qwen3_5MoeForCausalLM": {"attention_bias": None, "qk_norm": True},
     # Gemma 4 text (llmd.model.gemma4): per-layer embeddings, KV shared across layers, per-layer head shapes, an MoE
     # block beside the MLP (26B-A4B); its fields come from gemma4_fields
     "Gemma4ForCausalLM": {"attention_bias": None, "qk_norm": True},
 }
 # image-text architectures whose text model is served (the tower is left unread) -> that text architecture
 TEXT_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+                      "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
                       "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
 # architectures whose config.json sliding_window applies unless use_sliding_window says otherwise
 _WINDOW_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
@@ -362,7 +365,8 @@ class ModelConfig:
             architecture=arch,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(extra["intermediate_size"] if "intermediate_size" in extra else
+                                  cfg["intermediate_size"]),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=int(cfg["num_attention_heads"]),
             num_key_value_heads=cfg.get("num_key_value_heads"),
@@ -506,7 +510,8 @@ def _first(cfg: dict[str, Any], *keys: str, default: int) -> int:
 
 def qwen3_5_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5 / Qwen3.6 text: Gated DeltaNet layers (three to one) between gated full-attention layers with partial
-    rotary (a quarter of head_dim), with transformers' defaults for absent keys."""
+    rotary (a quarter of head_dim), with transformers' defaults for absent keys. Qwen3.5-MoE: every MLP is the MoE
+    block (softmax top-k renormalised, a shared expert behind a sigmoid gate), whose settings have no dense MLP width."""
     layers = int(cfg["num_hidden_layers"])
     layer_types = cfg.get("layer_types")
     if not layer_types:
@@ -526,9 +531,16 @@ def qwen3_5_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                                                              "mrope_interleaved")} or None
     if scaling is not None and rope_type_of(scaling) == "default":
         scaling = None
-    return {"layer_types": list(layer_types), "recurrent": recurrent, "attention_output_gate": True,
-            "partial_rotary_factor": float(partial), "head_dim": int(cfg.get("head_dim") or 256),
-            "rope_scaling": scaling}
+    out = {"layer_types": list(layer_types), "recurrent": recurrent, "attention_output_gate": True,
+           "partial_rotary_factor": float(partial), "head_dim": int(cfg.get("head_dim") or 256),
+           "rope_scaling": scaling}
+    if arch == "Qwen3_5MoeForCausalLM":
+        shared = int(cfg.get("shared_expert_intermediate_size", 512))
+        out["moe"] = MoEConfig(int(cfg.get("num_experts", 256)), int(cfg.get("num_experts_per_tok", 8)),
+                               int(cfg.get("moe_intermediate_size", 512)), shared_intermediate_size=shared,
+                               shared_gate=True)
+        out["intermediate_size"] = shared  # no dense MLP: the shared expert's width stands in
+    return out
 
 
 def gemma4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -602,7 +614,9 @@ def gemma4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # HF architecture -> its extra ModelConfig fields from config.json (families whose layers differ from Llama's)
-FAMILY_FIELDS = {"Gemma4ForCausalLM": gemma4_fields, "Qwen3_5ForCausalLM": qwen3_5_fields, "Gemma2ForCausalLM": gemma_fields, "Gemma3ForCausalLM": gemma_fields,
+FAMILY_FIELDS = {"Gemma4ForCausalLM": gemma4_fields, "Qwen3_5ForCausalLM": qwen3_5_fields,
+                 "Qwen3_5MoeForCausalLM": qwen3_5_fields, "Gemma2ForCausalLM": gemma_fields,
+                 "Gemma3ForCausalLM": gemma_fields,
                  "MixtralForCausalLM": moe_fields, "Qwen2MoeForCausalLM": moe_fields,
                  "Qwen3MoeForCausalLM": moe_fields, "Glm4MoeForCausalLM": moe_fields, "GptOssForCausalLM": moe_fields}
 
@@ -684,6 +698,7 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
                "gemma3_text": "Gemma3ForCausalLM", "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+               "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
     return by_type.get(model_type or "", model_type)
 

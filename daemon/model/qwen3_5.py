@@ -1,5 +1,6 @@
-"""Qwen3.5 / Qwen3.6 text (Qwen3_5ForCausalLM, and the text model of Qwen3_5ForConditionalGeneration), written for
-the engine like llmd.model.llama, whose pieces it reuses (linear layers, RoPE, the MLP, the paged-attention seam).
+"""Qwen3.5 / Qwen3.6 text (Qwen3_5ForCausalLM, and the text model of Qwen3_5ForConditionalGeneration) and
+Qwen3.5-MoE (Qwen3_5MoeForCausalLM), written for the engine like llmd.model.llama, whose pieces it reuses (linear
+layers, RoPE, the MLP, the MoE block, the paged-attention seam).
 
 A hybrid: most layers are Gated DeltaNet layers (`linear_attention`: a recurrent state per sequence, held in the
 engine's state pool, llmd.model.recurrent), every fourth one a gated full-attention layer (`full_attention`: paged KV
@@ -9,7 +10,9 @@ like any model). Following transformers' modeling_qwen3_5 (the reference the tes
   the first quarter of head_dim (partial rotary; the text model's multimodal RoPE reduces to plain RoPE);
 - Gated DeltaNet: in_proj_qkv -> short causal conv (SiLU) -> q, k, v; beta = sigmoid(in_proj_b), the log decay
   g = -exp(A_log) * softplus(in_proj_a + dt_bias); the gated delta rule (llmd.model.recurrent.gated_delta_rule); a
-  gated RMSNorm (norm(o) * weight * silu(z), z = in_proj_z) per value head; out_proj.
+  gated RMSNorm (norm(o) * weight * silu(z), z = in_proj_z) per value head; out_proj;
+- Qwen3.5-MoE: config.moe set, every layer's MLP is llmd.model.moe.SparseMoE (softmax top-k renormalised, a shared
+  expert scaled by sigmoid(shared_expert_gate)), as Qwen2-MoE's.
 An image-text checkpoint's names (`model.language_model.*`) are read as the text model's, and its vision tower
 (`model.visual.*`) and multi-token-prediction head (`mtp.*`) are left unread (`adapt_checkpoint`).
 """
@@ -27,6 +30,8 @@ from .config import ModelConfig
 from .gemma import GemmaRMSNorm
 from .linear import make_linear
 from .llama import MLP, CausalLM, RotaryEmbedding, partial_rope
+from .llama import packed_modules as llama_packed_modules
+from .moe import SparseMoE
 from .recurrent import RecurrentState, StateMetadata, causal_conv1d, gated_delta_rule
 
 _UNREAD_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
@@ -122,7 +127,12 @@ class DecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(config)
         else:
             self.self_attn = GatedAttention(config, layer_idx)
-        self.mlp = MLP(config)
+        moe = config.moe
+        if moe is not None:  # Qwen3.5-MoE: every layer (llmd.model.moe)
+            shared = MLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+            self.mlp: nn.Module = SparseMoE(config, shared)
+        else:
+            self.mlp = MLP(config)
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -201,13 +211,10 @@ class Qwen35CausalLM(nn.Module):
 
 
 def packed_modules(config: ModelConfig) -> dict[str, tuple[str, slice]]:
-    """q_proj (queries and gates), k_proj, v_proj into qkv_proj; gate_proj, up_proj into gate_up_proj."""
-    q, kv, inter = 2 * config.num_attention_heads * config.head_dim, \
-        config.num_key_value_heads * config.head_dim, config.intermediate_size
-    return {
-        "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
-        "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
-        "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv)),
-        "mlp.gate_proj": ("mlp.gate_up_proj", slice(0, inter)),
-        "mlp.up_proj": ("mlp.gate_up_proj", slice(inter, 2 * inter)),
-    }
+    """Llama's (gate_proj, up_proj into gate_up_proj, a shared expert's likewise), but q_proj holds queries and
+    gates: q_proj, k_proj, v_proj into qkv_proj at twice the query rows."""
+    q, kv = 2 * config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return {**llama_packed_modules(config),
+            "self_attn.q_proj": ("self_attn.qkv_proj", slice(0, q)),
+            "self_attn.k_proj": ("self_attn.qkv_proj", slice(q, q + kv)),
+            "self_attn.v_proj": ("self_attn.qkv_proj", slice(q + kv, q + 2 * kv))}

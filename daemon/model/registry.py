@@ -20,6 +20,7 @@ MODEL_CLASSES = {
     "Gemma3ForCausalLM": "gemma:GemmaCausalLM",
     "GptOssForCausalLM": "gpt_oss:GptOssCausalLM",
     "Qwen3_5ForCausalLM": "qwen3_5:Qwen35CausalLM",
+    "Qwen3_5MoeForCausalLM": "qwen3_5:Qwen35CausalLM",
     "Gemma4ForCausalLM": "gemma4:Gemma4CausalLM",
 }
 DEFAULT_CLASS = "llama:CausalLM"
