@@ -265,12 +265,14 @@ YARN_KINDS = ("qwen2_yarn", "qwen3_yarn")  # written by the tests that use them 
 # ----------------------------------------------------------------------------------------------------------------
 # The same models as llama.cpp GGUF files, converted as llama.cpp's convert_hf_to_gguf.py converts them (tensor
 # names and metadata keys from the gguf package's constants; the llama q/k row permutation; Llama 3's rope_freqs and
-# Phi-3's rope factor tensors; YaRN's rope.scaling keys). The vocabulary is the folder's byte-level BPE as a "gpt2"
-# tokenizer model.
+# Phi-3's rope factor tensors; YaRN's rope.scaling keys; Qwen3.5's Gated DeltaNet tensors, transformed and named as
+# its Qwen3_5TextModel converter does, names from the gguf package's own tensor map). The vocabulary is the folder's
+# byte-level BPE as a "gpt2" tokenizer model.
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe",
-             "gpt_oss": "gpt-oss"}
+             "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
+QWEN35_ARCHS = ("qwen35", "qwen35moe")
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -300,6 +302,68 @@ def gguf_tensor_name(hf_name: str, arch: str = "") -> str:
     _, _, layer, rest = hf_name.split(".", 3)
     module, _, suffix = rest.rpartition(".")
     return f"blk.{layer}.{_GGUF_LAYER[module]}.{suffix}"
+
+
+def _tiled(t: torch.Tensor, dim: int, width: int, cfg: dict, back: bool = False) -> torch.Tensor:
+    """Value heads (each `width` wide along `dim`) from grouped by key head (Hugging Face's order) to tiled (value
+    head j serving key head j % Hk, llama.cpp's), or `back`."""
+    shape, hk = list(t.shape), cfg["linear_num_key_heads"]
+    groups = (cfg["linear_num_value_heads"] // hk, hk) if back else (hk, cfg["linear_num_value_heads"] // hk)
+    return t.reshape(*shape[:dim], *groups, width, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
+
+
+def _qwen35_tensors(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """convert_hf_to_gguf's Qwen3.5 transforms, names left as Hugging Face's: where value heads outnumber key heads,
+    the value heads reordered from grouped by key head to tiled (attn_qkv's value rows, z, a, b, A_log, dt_bias, the
+    conv's value channels, out_proj's columns); A_log stored as A = -exp(A_log); the conv weight squeezed to
+    [channels, kernel]; every norm but the gated one (linear_attn.norm) stored as 1 + weight."""
+    qk, dv = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    out = {}
+    for name, t in state.items():
+        if ".linear_attn." in name:
+            if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
+                t = torch.cat([t[:qk], _tiled(t[qk:], 0, dv, cfg)])
+            elif name.endswith(".in_proj_z.weight"):
+                t = _tiled(t, 0, dv, cfg)
+            elif name.endswith((".in_proj_a.weight", ".in_proj_b.weight", ".A_log", ".dt_bias")):
+                t = _tiled(t, 0, 1, cfg)
+            elif name.endswith(".out_proj.weight"):
+                t = _tiled(t, 1, dv, cfg)
+        if name.endswith(".A_log"):
+            t = -torch.exp(t.float())
+        elif name.endswith(".conv1d.weight"):
+            t = t.squeeze(1)
+        elif name.endswith("norm.weight") and not name.endswith(".linear_attn.norm.weight"):
+            t = t.float() + 1
+        out[name] = t
+    return out
+
+
+def _qwen35_name(cfg: dict):
+    """HF name -> the GGUF name llama.cpp's converter gives it: the gguf package's tensor map for the architecture,
+    after the converter's rename of dt_bias to dt_proj.bias."""
+    import gguf
+
+    arch = gguf.MODEL_ARCH.QWEN35MOE if cfg["model_type"] == "qwen3_5_moe_text" else gguf.MODEL_ARCH.QWEN35
+    names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
+
+    def name(hf: str) -> str:
+        hf = hf.replace(".linear_attn.dt_bias", ".linear_attn.dt_proj.bias")
+        out = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert out is not None, hf
+        return out
+    return name
+
+
+def _qwen35_metadata(w, cfg: dict) -> None:
+    """What Qwen3NextModel and the Qwen3.5 mixins add to the common keys."""
+    w.add_ssm_conv_kernel(cfg["linear_conv_kernel_dim"])
+    w.add_ssm_state_size(cfg["linear_key_head_dim"])
+    w.add_ssm_group_count(cfg["linear_num_key_heads"])
+    w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
+    w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
+    w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    w.add_rope_dimension_sections((cfg.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10, 0])
 
 
 def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -420,6 +484,37 @@ def _gguf_vocabulary(w, folder: Path, cfg: dict, arch: str) -> None:
     w.add_add_bos_token(cfg.get("bos_token_id") is not None)
 
 
+def _quantized_matrix(name: str, t: torch.Tensor) -> bool:
+    """Whether write_tiny_gguf stores this tensor in its matrix type (else F32: vectors, routers, conv kernels)."""
+    return t.ndim >= 2 and not name.endswith(("mlp.gate.weight", "conv1d.weight", "shared_expert_gate.weight"))
+
+
+def round_to_gguf(folder: Path, out: Path, matrix_type: str) -> Path:
+    """A copy of the HF folder whose matrices hold what a `matrix_type` GGUF file written from it holds (each rounded
+    through the type as laid out in the file: Qwen3.5's out_proj with its value heads tiled), so transformers on the
+    copy is the reference for the logits of the `matrix_type` file written from the folder."""
+    import shutil
+
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    hybrid = GGUF_ARCH.get(cfg["model_type"]) in QWEN35_ARCHS
+    shutil.copytree(folder, out, dirs_exist_ok=True)
+    for file in sorted(out.glob("*.safetensors")):
+        state = load_file(file)
+        for name, t in state.items():
+            if not _quantized_matrix(name, t):
+                continue
+            cols = hybrid and name.endswith(".linear_attn.out_proj.weight")  # its value heads tiled in the file
+            data = (_tiled(t, 1, cfg["linear_value_head_dim"], cfg) if cols else t).float().numpy()
+            w = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype).reshape(data.shape))
+            state[name] = (_tiled(w, 1, cfg["linear_value_head_dim"], cfg, back=True) if cols else w).to(t.dtype)
+        save_file(state, file, metadata={"format": "pt"})
+    return out
+
+
 def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
     """The HF folder's model as a GGUF file, as llama.cpp's converter writes it; matrices (2-D weights) as
     `matrix_type` (F32, F16, or a block type the gguf package quantizes: Q8_0, Q4_0, ...), the rest F32."""
@@ -440,14 +535,15 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
     w.add_block_count(cfg["num_hidden_layers"] + (arch == "glm4moe"))  # GLM counts its nextn layer
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
+    if "intermediate_size" in cfg:  # (Qwen3.5-MoE has none)
+        w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_rope_dimension_count(int(head_dim * partial))
-    if arch == "qwen3" or head_dim != cfg["hidden_size"] // heads:
+    if arch in ("qwen3", *QWEN35_ARCHS) or head_dim != cfg["hidden_size"] // heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     qtype = gguf.GGMLQuantizationType[matrix_type]
@@ -478,8 +574,12 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    if arch in QWEN35_ARCHS:
+        _qwen35_metadata(w, cfg)
+        state = _qwen35_tensors(state, cfg)
     if experts:
         state = _stacked_experts(w, state, cfg, experts)
+    gguf_name = _qwen35_name(cfg) if arch in QWEN35_ARCHS else (lambda name: gguf_tensor_name(name, arch))
     for name, tensor in state.items():
         t = tensor.float()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
@@ -487,16 +587,16 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
         if name.endswith("shared_expert_gate.weight"):
             t = t.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is [hidden]
         data = t.numpy()
-        if data.ndim >= 2 and name.endswith("mlp.gate.weight"):  # llama.cpp keeps the router in F32
-            w.add_tensor(gguf_tensor_name(name, arch), data)
+        if data.ndim >= 2 and not _quantized_matrix(name, t):  # llama.cpp keeps routers and conv kernels F32
+            w.add_tensor(gguf_name(name), data)
         elif data.ndim >= 2 and matrix_type == "F16":
-            w.add_tensor(gguf_tensor_name(name, arch), data.astype(np.float16))
+            w.add_tensor(gguf_name(name), data.astype(np.float16))
         elif data.ndim == 2 and matrix_type == "MXFP4":  # (the experts only, as gpt-oss's files have it)
-            w.add_tensor(gguf_tensor_name(name, arch), data)
+            w.add_tensor(gguf_name(name), data)
         elif data.ndim >= 2 and matrix_type != "F32":
-            w.add_tensor(gguf_tensor_name(name, arch), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_tensor_name(name, arch), data)
+            w.add_tensor(gguf_name(name), data)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

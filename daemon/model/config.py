@@ -120,8 +120,11 @@ class RecurrentConfig:
     """The recurrent layers of a hybrid model (llmd.model.recurrent): their kind and sizes.
 
     gated_delta (Qwen3.5 / Qwen3-Next): q/k heads `num_key_heads` of `key_head_dim`, value heads `num_heads` of
-    `head_dim`; the state is [num_heads, key_head_dim, head_dim] per layer. mamba2 (Granite 4, Nemotron-H): `num_heads`
-    heads of `head_dim`, B/C of `state_size` in `n_groups` groups; the state is [num_heads, head_dim, state_size]."""
+    `head_dim`; the state is [num_heads, key_head_dim, head_dim] per layer. Each q/k head serves num_heads /
+    num_key_heads value heads: consecutive ones as Hugging Face orders them (value head j reads key head j // ratio),
+    or, `tiled_value_heads`, every num_key_heads-th one as llama.cpp's GGUF files reorder them (j reads j % Hk).
+    mamba2 (Granite 4, Nemotron-H): `num_heads` heads of `head_dim`, B/C of `state_size` in `n_groups` groups; the
+    state is [num_heads, head_dim, state_size]."""
 
     kind: str
     conv_kernel: int
@@ -131,6 +134,7 @@ class RecurrentConfig:
     key_head_dim: int = 0
     state_size: int = 0
     n_groups: int = 1
+    tiled_value_heads: bool = False
 
     def __post_init__(self):
         if self.kind not in RECURRENT_KINDS:
@@ -511,7 +515,8 @@ def _first(cfg: dict[str, Any], *keys: str, default: int) -> int:
 def qwen3_5_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5 / Qwen3.6 text: Gated DeltaNet layers (three to one) between gated full-attention layers with partial
     rotary (a quarter of head_dim), with transformers' defaults for absent keys. Qwen3.5-MoE: every MLP is the MoE
-    block (softmax top-k renormalised, a shared expert behind a sigmoid gate), whose settings have no dense MLP width."""
+    block (softmax top-k renormalised, a shared expert behind a sigmoid gate), whose settings have no dense MLP width.
+    `llmd_tiled_value_heads` (not a config.json key): a GGUF file's value-head order (RecurrentConfig)."""
     layers = int(cfg["num_hidden_layers"])
     layer_types = cfg.get("layer_types")
     if not layer_types:
@@ -526,9 +531,10 @@ def qwen3_5_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                                 num_heads=int(cfg.get("linear_num_value_heads", 32)),
                                 head_dim=int(cfg.get("linear_value_head_dim", 128)),
                                 num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
-                                key_head_dim=int(cfg.get("linear_key_head_dim", 128)))
-    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "partial_rotary_factor", "mrope_section",
-                                                             "mrope_interleaved")} or None
+                                key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+                                tiled_value_heads=bool(cfg.get("llmd_tiled_value_heads", False)))
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in params.items() if k not in (
+        "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")} or None
     if scaling is not None and rope_type_of(scaling) == "default":
         scaling = None
     out = {"layer_types": list(layer_types), "recurrent": recurrent, "attention_output_gate": True,

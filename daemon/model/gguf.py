@@ -30,6 +30,7 @@ import torch
 from llmd.kernels import gguf_blocks as gb
 
 from ..errors import ModelFileError, UnsupportedArchitecture
+from . import gguf_hybrid
 from .pooling import gguf_pooling
 
 log = logging.getLogger(__name__)
@@ -364,8 +365,15 @@ class GGUFArch:
     # last word on the config dict: quirks(cfg, meta, "<arch>.", {config tensor present: its values})
     quirks: Callable[[dict, dict, str, dict[str, list[float]]], None] | None = None
     # what llama.cpp's converter added to every `*norm.weight` (Gemma: 1, its RMSNorm multiplier is 1 + weight);
-    # subtracted again as the tensors load, in fp32 as transformers' GGUF loader does
+    # subtracted again as the tensors load, in fp32 as transformers' GGUF loader does; but not from the norms whose
+    # Hugging Face name ends with one of `unshifted_norms`
     norm_shift: float = 0.0
+    unshifted_norms: tuple[str, ...] = ()
+    # other value transforms of the converter, undone as the (small) tensors load in fp32: HF name suffix -> the
+    # undoing function (a ValueError it raises is the file's fault, named with the tensor)
+    undo: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
+    # the tensors' layout against the metadata, from the header: check(path, {gguf name: shape}, config dict)
+    check: Callable[[Path, dict[str, tuple[int, ...]], dict], None] | None = None
 
 
 # blk.N.<gguf name> -> model.layers.N.<hf name>: the names every architecture here shares
@@ -394,9 +402,10 @@ _MOE_NAMES = {
     "exp_probs_b": "mlp.gate.e_score_correction",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)(?:\.(weight|bias))?$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
-_BARE_PARAMETERS = {"self_attn.sinks"}  # blk.N.attn_sinks.weight is model.layers.N.self_attn.sinks
+# parameters of their own, not a module's weight: blk.N.attn_sinks.weight is model.layers.N.self_attn.sinks
+_BARE_PARAMETERS = {"self_attn.sinks", *gguf_hybrid.BARE_PARAMETERS}
 
 _REQUIRED = object()
 # "<arch>.<suffix>" -> (config.json key, conversion, default): the keys every architecture here shares
@@ -496,6 +505,11 @@ def _glm4moe_quirks(cfg: dict, meta: dict, p: str) -> None:
     gating = meta.get(p + "expert_gating_func")
     if gating is not None and int(gating) != 2:  # llama.cpp: 1 softmax, 2 sigmoid
         raise ValueError(f"{p}expert_gating_func {gating} (GLM-4.5 routes by sigmoid, 2)")
+
+
+def _qwen35_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
+    _qwen_quirks(cfg, meta, p, factors)
+    gguf_hybrid.qwen35_quirks(cfg, meta, p)
 
 
 def _qwen_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
@@ -625,6 +639,15 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
                         quirks=lambda cfg, meta, p, factors: _glm4moe_quirks(cfg, meta, p)),
     "gemma2": GGUFArch("Gemma2ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
     "gemma3": GGUFArch("Gemma3ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
+    # Qwen3.5 / Qwen3.6 and Qwen3.5-MoE: Gated DeltaNet layers between gated attention layers (llmd.model.gguf_hybrid)
+    "qwen35": GGUFArch("Qwen3_5ForCausalLM", gguf_hybrid.QWEN35_LAYER_NAMES, config_tensors=("rope_freqs.weight",),
+                       quirks=_qwen35_quirks, norm_shift=1.0, unshifted_norms=gguf_hybrid.UNSHIFTED_NORMS,
+                       undo=gguf_hybrid.UNDO, check=gguf_hybrid.check_layers),
+    "qwen35moe": GGUFArch("Qwen3_5MoeForCausalLM", {**_MOE_NAMES, **gguf_hybrid.QWEN35_LAYER_NAMES},
+                          config_keys={"feed_forward_length": ("intermediate_size", int)},
+                          config_tensors=("rope_freqs.weight",), quirks=_qwen35_quirks, norm_shift=1.0,
+                          unshifted_norms=gguf_hybrid.UNSHIFTED_NORMS, undo=gguf_hybrid.UNDO,
+                          check=gguf_hybrid.check_layers),
 }
 
 # Architectures llama.cpp knows that our decoder does not run, with what they are, for the refusal message.
@@ -633,6 +656,7 @@ _REFUSED_KINDS = {
     "llama4": "a mixture-of-experts model",
     "phimoe": "a mixture-of-experts model", "granitemoe": "a mixture-of-experts model",
     "mamba": "a state-space (Mamba) model", "mamba2": "a state-space (Mamba) model",
+    "qwen3next": "a Qwen3-Next hybrid: its fused ssm_ba layout is not read (Qwen3.5's qwen35 and qwen35moe are)",
     "jamba": "a hybrid Mamba model", "rwkv6": "a recurrent (RWKV) model", "rwkv7": "a recurrent (RWKV) model",
     "clip": "a vision encoder (mmproj)", "qwen2vl": "a vision-language model", "qwen25vl": "a vision-language model",
     "gemma3n": "a Gemma 3n (per-layer embeddings) model",
@@ -657,11 +681,12 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     entry = GGUF_ARCHITECTURES[arch]
     m = _LAYER_RE.match(gguf_name)
     if m:
+        layer, base, suffix = m.groups()
         names = {**_LAYER_NAMES, **entry.layer_names}
-        hf = names.get(m.group(2))
+        hf = names.get(f"{base}.{suffix}") or names.get(base)  # a name with its suffix first (ssm_dt.bias)
         if hf in _BARE_PARAMETERS:  # a parameter of its own, not a module's weight
-            return f"model.layers.{m.group(1)}.{hf}"
-        return f"model.layers.{m.group(1)}.{hf}.{m.group(3)}" if hf else None
+            return f"model.layers.{layer}.{hf}"
+        return f"model.layers.{layer}.{hf}.{suffix}" if hf and suffix else None
     if gguf_name in entry.config_tensors:
         return None
     base, _, suffix = gguf_name.rpartition(".")
@@ -818,6 +843,9 @@ def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> list[_Checked]:
             raise ModelFileError(gf.path, f"tensor {info.name!r} shape {info.shape} does not fit {heads} heads")
         if name.endswith("shared_expert_gate.weight") and len(info.dims) == 1:  # one output: [hidden] is [1, hidden]
             info = dataclasses.replace(info, dims=(info.dims[0], 1))
+        shape = gguf_hybrid.model_shape(info.shape, name)
+        if shape != info.shape:
+            info = dataclasses.replace(info, dims=tuple(reversed(shape)))
         _check_experts(gf.path, info, name, hf_cfg)
         out.append(_Checked(info, name, heads))
     return out
@@ -868,6 +896,8 @@ def _open(path) -> tuple[_GGUFFile, dict]:
             factors[info.name] = dequantize(gf.raw_bytes(info), info.type_name, info.shape).tolist()
     hf_cfg = hf_config_dict(gf.metadata, {t.name for t in gf.tensors}, gf.path, factors)
     _checked_config(hf_cfg, gf.path)
+    if entry.check is not None:
+        entry.check(gf.path, {t.name: t.shape for t in gf.tensors}, hf_cfg)
     return gf, hf_cfg
 
 
@@ -895,24 +925,36 @@ def raw_tensor_types(path) -> dict[str, str]:
             for c in _iter_checked(gf, hf_cfg)}
 
 
-def _shift_of(gf: _GGUFFile) -> float:
-    """The architecture's norm shift (GGUFArch.norm_shift); 0 for most."""
-    return GGUF_ARCHITECTURES[gf.metadata["general.architecture"]].norm_shift
+Undo = Callable[[torch.Tensor], torch.Tensor]
 
 
-def _unshifted(w: torch.Tensor, name: str, shift: float) -> torch.Tensor:
-    """A norm weight with the converter's shift taken off again (in fp32); any other tensor as it is."""
-    return w.float() - shift if shift and name.endswith("norm.weight") else w
+def _undo_of(gf: _GGUFFile, name: str) -> Undo | None:
+    """How the converter's change to the tensor of Hugging Face name `name` is undone (in fp32), or None where it
+    stored the tensor as it is: the architecture's norm shift (GGUFArch.norm_shift), its other transforms (undo)."""
+    entry = GGUF_ARCHITECTURES[gf.metadata["general.architecture"]]
+    if entry.norm_shift and name.endswith("norm.weight") and not name.endswith(entry.unshifted_norms):
+        shift = entry.norm_shift
+        return lambda w: w.float() - shift
+    return next((undo for suffix, undo in entry.undo.items() if name.endswith(suffix)), None)
+
+
+def _undone(gf: _GGUFFile, c: _Checked, w: torch.Tensor, undo: Undo | None) -> torch.Tensor:
+    if undo is None:
+        return w
+    try:
+        return undo(w)
+    except ValueError as e:
+        raise ModelFileError(gf.path, f"tensor {c.info.name!r} {e}") from None
 
 
 def _raw_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[RawTensor]:
     warned: set[str] = set()
-    shift = _shift_of(gf)
     for c in checked:
         info = c.info
-        if shift and c.name.endswith("norm.weight"):  # a small fp tensor: dequantized, unshifted, passed on as F32
-            w = _unshifted(dequantize(gf.raw_bytes(info), info.type_name, info.shape), c.name, shift)
-            yield RawTensor(c.name, "F32", info.shape, w.numpy().view(np.uint8).reshape(1, -1))
+        undo = _undo_of(gf, c.name)
+        if undo is not None:  # a small fp tensor: dequantized, undone, passed on as F32
+            w = _undone(gf, c, dequantize(gf.raw_bytes(info), info.type_name, info.shape), undo)
+            yield RawTensor(c.name, "F32", info.shape, w.contiguous().numpy().view(np.uint8).reshape(1, -1))
             continue
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         data = gf.raw_bytes(info).reshape(rows, -1)
@@ -927,25 +969,23 @@ def _raw_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[RawTensor
         yield RawTensor(c.name, type_name, info.shape, _rows(data, c))
 
 
-def _dequantized(gf: _GGUFFile, c: _Checked, shift: float) -> torch.Tensor:
+def _dequantized(gf: _GGUFFile, c: _Checked) -> torch.Tensor:
     w = dequantize(gf.raw_bytes(c.info), c.info.type_name, c.info.shape)
-    return _unshifted(w if c.heads is None else _rows(w, c).contiguous(), c.name, shift)
+    return _undone(gf, c, w if c.heads is None else _rows(w, c).contiguous(), _undo_of(gf, c.name))
 
 
 def _dequant_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[tuple[str, torch.Tensor]]:
-    shift = _shift_of(gf)
     for c in checked:
-        yield c.name, _dequantized(gf, c, shift)
+        yield c.name, _dequantized(gf, c)
 
 
 def tensor_readers(path) -> dict[str, Callable[[], torch.Tensor]]:
     """Hugging Face name -> a function that reads that one tensor dequantized to fp32 (q/k rows in HF order), for
     callers that need tensors in their own order (calibrated quantization reads a layer at a time)."""
     gf, hf_cfg = _open(path)
-    shift = _shift_of(gf)
 
     def reader(c: _Checked) -> Callable[[], torch.Tensor]:
-        return lambda: _dequantized(gf, c, shift)
+        return lambda: _dequantized(gf, c)
 
     return {c.name: reader(c) for c in _iter_checked(gf, hf_cfg)}
 

@@ -10,7 +10,9 @@ like any model). Following transformers' modeling_qwen3_5 (the reference the tes
   the first quarter of head_dim (partial rotary; the text model's multimodal RoPE reduces to plain RoPE);
 - Gated DeltaNet: in_proj_qkv -> short causal conv (SiLU) -> q, k, v; beta = sigmoid(in_proj_b), the log decay
   g = -exp(A_log) * softplus(in_proj_a + dt_bias); the gated delta rule (llmd.model.recurrent.gated_delta_rule); a
-  gated RMSNorm (norm(o) * weight * silu(z), z = in_proj_z) per value head; out_proj;
+  gated RMSNorm (norm(o) * weight * silu(z), z = in_proj_z) per value head; out_proj. Each q/k head serves
+  consecutive value heads, or every Hk-th one in a GGUF file (llama.cpp's converter reorders the value heads; the
+  model follows that order, RecurrentConfig.tiled_value_heads, so no packed weight is rearranged);
 - Qwen3.5-MoE: config.moe set, every layer's MLP is llmd.model.moe.SparseMoE (softmax top-k renormalised, a shared
   expert scaled by sigmoid(shared_expert_gate)), as Qwen2-MoE's.
 An image-text checkpoint's names (`model.language_model.*`) are read as the text model's, and its vision tower
@@ -95,6 +97,7 @@ class GatedDeltaNet(nn.Module):
         assert r is not None and r.kind == "gated_delta"
         self.num_k_heads, self.num_v_heads, self.k_dim, self.v_dim = r.num_key_heads, r.num_heads, r.key_head_dim, \
             r.head_dim
+        self.tiled = r.tiled_value_heads and r.num_heads != r.num_key_heads
         key, value = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
         self.in_proj_qkv = make_linear(config.hidden_size, 2 * key + value)
         self.in_proj_z = make_linear(config.hidden_size, value)
@@ -112,6 +115,9 @@ class GatedDeltaNet(nn.Module):
         q = qkv[:, :key].view(t, self.num_k_heads, self.k_dim)
         k = qkv[:, key : 2 * key].view(t, self.num_k_heads, self.k_dim)
         v = qkv[:, 2 * key :].reshape(t, self.num_v_heads, self.v_dim)
+        if self.tiled:  # value head j reads q/k head j % Hk: the q/k heads repeated whole, one per value head
+            rep = self.num_v_heads // self.num_k_heads
+            q, k = q.repeat(1, rep, 1), k.repeat(1, rep, 1)
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
         out = gated_delta_rule(q, k, v, g, beta, state.ssm, meta)
