@@ -209,6 +209,24 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
                                          num_experts_per_tok=2, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=64, tie_word_embeddings=False)
         cls = tf.Qwen3_5MoeForCausalLM
+    elif kind.startswith("granite_hybrid"):  # Mamba2 layers 0 and 2 (8 heads in 2 groups), attention on 1;
+        # granite_hybrid: Granite 4.0-H's shape, no positions and 4 experts (top 2) beside the shared MLP;
+        # granite_hybrid_dense: RoPE, one group, the shared MLP alone, tied embeddings
+        dense = kind == "granite_hybrid_dense"
+        config = tf.GraniteMoeHybridConfig(
+            **common | {"num_hidden_layers": 3}, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=8,
+            mamba_d_head=16, mamba_n_groups=1 if dense else 2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+            num_local_experts=0 if dense else 4, num_experts_per_tok=2, shared_intermediate_size=96,
+            embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=4.0,
+            position_embedding_type="rope" if dense else "nope", rope_parameters={"rope_type": "default",
+                                                                                  "rope_theta": 10000.0},
+            tie_word_embeddings=dense)
+        cls = tf.GraniteMoeHybridForCausalLM
+    elif kind == "nemotron_h":  # Mamba2 (8 heads in 2 groups), attention, a squared-ReLU MLP, Mamba2
+        config = tf.NemotronHConfig(**common, hybrid_override_pattern="M*-M", head_dim=16, mamba_num_heads=8,
+                                    mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4,
+                                    tie_word_embeddings=False)
+        cls = tf.NemotronHForCausalLM
     else:
         raise ValueError(kind)
 
@@ -225,6 +243,11 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight") and ".linear_attn." not in name:
                     p.normal_(0.0, 0.1)
+    if kind in MAMBA2_KINDS:  # A = -exp(A_log) and the D skip away from their init values, per head
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith((".A_log", ".D")):
+                    p.add_(torch.randn_like(p) * 0.3)
     # qwen3 is written sharded (with model.safetensors.index.json) to cover that loading path.
     model.save_pretrained(folder, max_shard_size="200KB" if kind == "qwen3" else "50GB")
 
@@ -245,7 +268,8 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
 
 TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope")
 MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")  # written by tests/test_moe.py's own fixture
-HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe")  # written by the hybrid tests' own fixtures
+MAMBA2_KINDS = ("granite_hybrid", "granite_hybrid_dense", "nemotron_h")  # written by tests/test_mamba2.py
+HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe") + MAMBA2_KINDS  # written by their tests' own fixtures
 _G4_TYPES = ["sliding_attention", "full_attention"] * 2
 GEMMA4_VARIANTS = {  # written by tests/test_gemma4.py's own fixture
     # E2B/E4B-like: per-layer embeddings, the last two layers sharing K/V (one of each kind), double-wide MLPs there

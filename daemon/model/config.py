@@ -46,6 +46,10 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     # Gemma 4 text (llmd.model.gemma4): per-layer embeddings, KV shared across layers, per-layer head shapes, an MoE
     # block beside the MLP (26B-A4B); its fields come from gemma4_fields
     "Gemma4ForCausalLM": {"attention_bias": None, "qk_norm": True},
+    # Mamba2 hybrids (llmd.model.mamba2): Granite 4 (Mamba2 and attention layers, each with an MLP or MoE after it,
+    # Granite's multipliers) and Nemotron-H (one mixer per layer: Mamba2, attention or a squared-ReLU MLP)
+    "GraniteMoeHybridForCausalLM": {"attention_bias": None, "qk_norm": False},
+    "NemotronHForCausalLM": {"attention_bias": False, "qk_norm": False},
 }
 # image-text architectures whose text model is served (the tower is left unread) -> that text architecture
 TEXT_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
@@ -111,8 +115,10 @@ class MoEConfig:
 
 
 RECURRENT_KINDS = ("gated_delta", "mamba2")
-# layer_types entries that are recurrent layers (every other layer attends)
+# layer_types entries that are recurrent layers (every other layer attends, but for the mixerless ones)
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")
+# layer_types entries whose layer keeps no cache at all (Nemotron-H's MLP-only layers)
+MIXERLESS_LAYER_TYPES = ("mlp",)
 
 
 @dataclass(frozen=True)
@@ -135,6 +141,10 @@ class RecurrentConfig:
     state_size: int = 0
     n_groups: int = 1
     tiled_value_heads: bool = False
+    # mamba2: biases on the conv and on in_proj / out_proj; dt clamped to dt_limit after its softplus
+    conv_bias: bool = False
+    proj_bias: bool = False
+    dt_limit: tuple[float, float] = (0.0, math.inf)
 
     def __post_init__(self):
         if self.kind not in RECURRENT_KINDS:
@@ -146,6 +156,8 @@ class RecurrentConfig:
         if self.kind == "gated_delta" and self.num_heads % self.num_key_heads:
             raise ModelFileError("config", f"{self.num_heads} value heads are not a multiple of "
                                            f"{self.num_key_heads} key heads")
+        if self.kind == "mamba2" and (self.n_groups < 1 or self.num_heads % self.n_groups):
+            raise ModelFileError("config", f"{self.num_heads} Mamba2 heads do not split into {self.n_groups} groups")
 
     @property
     def conv_channels(self) -> int:
@@ -223,6 +235,13 @@ class ModelConfig:
     # stores none of its own. None: every layer reads its own.
     kv_sources: list[int] | None = None
     gemma4: Gemma4Fields | None = None
+    uses_rope: bool = True  # False: attention without positions (Granite 4's "nope", Nemotron-H)
+    # Granite: embeddings times embedding_multiplier, each residual branch times residual_multiplier, attention
+    # scores scaled by attention_multiplier (None: head_dim ** -0.5), logits divided by logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -294,6 +313,10 @@ class ModelConfig:
         return self.recurrent is not None and self.layer_types is not None \
             and self.layer_types[layer_idx] in RECURRENT_LAYER_TYPES
 
+    def is_mixerless(self, layer_idx: int) -> bool:
+        """Whether layer layer_idx has no mixer that keeps a cache (Nemotron-H's MLP-only layers)."""
+        return self.layer_types is not None and self.layer_types[layer_idx] in MIXERLESS_LAYER_TYPES
+
     def layer_head_dim(self, layer_idx: int) -> int:
         assert self.head_dim is not None
         return self.head_dim if self.layer_head_dims is None else self.layer_head_dims[layer_idx]
@@ -308,9 +331,10 @@ class ModelConfig:
 
     @property
     def kv_layers(self) -> list[int]:
-        """The layers that keep K/V in the paged cache: all but a hybrid's recurrent layers and the layers that read
-        another layer's K/V."""
-        return [i for i in range(self.num_hidden_layers) if not self.is_recurrent(i) and self.kv_source(i) == i]
+        """The layers that keep K/V in the paged cache: all but a hybrid's recurrent and mixerless layers and the
+        layers that read another layer's K/V."""
+        return [i for i in range(self.num_hidden_layers)
+                if not self.is_recurrent(i) and not self.is_mixerless(i) and self.kv_source(i) == i]
 
     @property
     def num_kv_layers(self) -> int:
@@ -371,7 +395,7 @@ class ModelConfig:
             hidden_size=int(cfg["hidden_size"]),
             intermediate_size=int(extra["intermediate_size"] if "intermediate_size" in extra else
                                   cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            num_hidden_layers=int(extra.get("num_hidden_layers") or cfg["num_hidden_layers"]),
             num_attention_heads=int(cfg["num_attention_heads"]),
             num_key_value_heads=cfg.get("num_key_value_heads"),
             head_dim=cfg.get("head_dim"),
@@ -619,9 +643,104 @@ def gemma4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def granite_hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Granite 4 (GraniteMoeHybridForCausalLM): Mamba2 and attention layers (layer_types, or the older
+    layers_block_type: "mamba" / "attention", transformers 5's "linear_attention" / "full_attention"), each followed
+    by a shared MLP of shared_intermediate_size (our intermediate_size) and, with num_local_experts, a mixture of
+    experts of intermediate_size whose top-k logits are softmaxed; Granite's multipliers; RoPE only when
+    position_embedding_type is "rope". transformers' defaults for absent keys."""
+    layers = int(cfg["num_hidden_layers"])
+    names = {"mamba": "mamba", "linear_attention": "mamba", "attention": "full_attention",
+             "full_attention": "full_attention"}
+    given = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * layers
+    if not isinstance(given, list) or len(given) != layers or any(t not in names for t in given):
+        raise ModelFileError("config", f"layer_types {given!r} is not one of mamba / attention per layer "
+                                       f"({layers} layers)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise UnsupportedArchitecture(f"{arch} with hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+    hidden, expand = int(cfg["hidden_size"]), int(cfg.get("mamba_expand", 2))
+    heads = int(cfg.get("mamba_n_heads", 128))
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = expand * hidden // heads if head_dim in (None, "auto") else int(head_dim)
+    if heads * head_dim != expand * hidden:
+        raise ModelFileError("config", f"mamba_n_heads {heads} x mamba_d_head {head_dim} is not mamba_expand "
+                                       f"{expand} x hidden_size {hidden}")
+    recurrent = RecurrentConfig("mamba2", int(cfg.get("mamba_d_conv", 4)), num_heads=heads, head_dim=head_dim,
+                                state_size=int(cfg.get("mamba_d_state", 256)),
+                                n_groups=int(cfg.get("mamba_n_groups", 1)),
+                                conv_bias=bool(cfg.get("mamba_conv_bias", True)),
+                                proj_bias=bool(cfg.get("mamba_proj_bias", False)),
+                                dt_limit=_dt_limit(cfg.get("time_step_limit")))
+    experts = int(cfg.get("num_local_experts", 8) or 0)
+    moe = MoEConfig(experts, int(cfg.get("num_experts_per_tok", 2)), int(cfg["intermediate_size"]),
+                    router="softmax_topk") if experts else None
+    multiplier = cfg.get("attention_multiplier", 1.0)
+    return {"layer_types": [names[t] for t in given], "recurrent": recurrent, "moe": moe,
+            "intermediate_size": int(cfg.get("shared_intermediate_size", 1024)),
+            "uses_rope": cfg.get("position_embedding_type") == "rope",
+            "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+            "attention_multiplier": None if multiplier is None else float(multiplier),
+            "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
+
+
+# Nemotron-H's pattern characters (hybrid_override_pattern) and layer type names -> ours; "E" / "moe" is refused
+_NEMOTRON_LAYERS = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe", "mamba": "mamba",
+                    "linear_attention": "mamba", "attention": "full_attention", "full_attention": "full_attention",
+                    "mlp": "mlp", "moe": "moe"}
+
+
+def nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Nemotron-H: one mixer per layer, as its pattern says (hybrid_override_pattern "M-M*-...": M Mamba2, * attention
+    without positions, - a squared-ReLU MLP; or transformers 5's layers_block_type list), whose length is the layer
+    count (as transformers takes it). Mixture-of-experts layers (E) are not supported yet."""
+    pattern = cfg.get("hybrid_override_pattern") or cfg.get("layers_block_type") or cfg.get("layer_types")
+    if isinstance(pattern, str):
+        pattern = list(pattern)
+    if not isinstance(pattern, list) or not pattern or any(t not in _NEMOTRON_LAYERS for t in pattern):
+        raise ModelFileError("config", f"layer pattern {pattern!r} is not a list of M (mamba), * (attention), "
+                                       "- (mlp) layers")
+    types = [_NEMOTRON_LAYERS[t] for t in pattern]
+    if "moe" in types:
+        raise UnsupportedArchitecture(f"{arch} with mixture-of-experts layers (E in its pattern) is not supported")
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if cfg.get(key, want) != want:
+            raise UnsupportedArchitecture(f"{arch} with {key} {cfg.get(key)!r} is not supported (only {want})")
+
+    def first(*keys: str, default: Any) -> Any:  # the current key, then its older spelling
+        return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
+
+    recurrent = RecurrentConfig("mamba2", int(first("conv_kernel", "mamba_d_conv", default=4)),
+                                num_heads=int(cfg.get("mamba_num_heads", 128)),
+                                head_dim=int(cfg.get("mamba_head_dim", 64)),
+                                state_size=int(cfg.get("ssm_state_size", 128)),
+                                n_groups=int(first("n_groups", "mamba_n_groups", default=8)),
+                                conv_bias=bool(first("use_conv_bias", "mamba_conv_bias", default=True)),
+                                proj_bias=bool(cfg.get("use_bias", False)),
+                                dt_limit=_dt_limit(first("time_step_limit", "mamba_dt_limit", default=None)))
+    return {"layer_types": types, "num_hidden_layers": len(types), "recurrent": recurrent, "uses_rope": False,
+            "head_dim": int(cfg.get("head_dim") or 128), "rms_norm_eps": float(cfg.get("layer_norm_epsilon", 1e-5)),
+            "num_key_value_heads": int(cfg.get("num_key_value_heads") or 8)}
+
+
+def _dt_limit(value: Any) -> tuple[float, float]:
+    """time_step_limit as config.json holds it ([low, high], infinity as JSON's Infinity or transformers 5's
+    {"__float__": "Infinity"}; absent: no limit)."""
+    if value is None:
+        return (0.0, math.inf)
+    try:
+        low, high = (float(v["__float__"]) if isinstance(v, dict) else float(v) for v in value)
+    except (TypeError, ValueError, KeyError):
+        raise ModelFileError("config", f"time_step_limit {value!r} is not a pair of numbers") from None
+    if not low <= high:
+        raise ModelFileError("config", f"time_step_limit {value!r} is empty")
+    return (low, high)
+
+
 # HF architecture -> its extra ModelConfig fields from config.json (families whose layers differ from Llama's)
 FAMILY_FIELDS = {"Gemma4ForCausalLM": gemma4_fields, "Qwen3_5ForCausalLM": qwen3_5_fields,
-                 "Qwen3_5MoeForCausalLM": qwen3_5_fields, "Gemma2ForCausalLM": gemma_fields,
+                 "Qwen3_5MoeForCausalLM": qwen3_5_fields, "GraniteMoeHybridForCausalLM": granite_hybrid_fields,
+                 "NemotronHForCausalLM": nemotron_h_fields, "Gemma2ForCausalLM": gemma_fields,
                  "Gemma3ForCausalLM": gemma_fields,
                  "MixtralForCausalLM": moe_fields, "Qwen2MoeForCausalLM": moe_fields,
                  "Qwen3MoeForCausalLM": moe_fields, "Glm4MoeForCausalLM": moe_fields, "GptOssForCausalLM": moe_fields}
@@ -705,7 +824,8 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
                "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
-               "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
+               "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration",
+               "granitemoehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
     return by_type.get(model_type or "", model_type)
 
 

@@ -83,11 +83,12 @@ class GatedRMSNorm(nn.Module):
 
 
 class DepthwiseConv(nn.Module):
-    """The short causal convolution's weights, [channels, 1, K] as the checkpoint's conv1d.weight."""
+    """The short causal convolution's weights, [channels, 1, K] as the checkpoint's conv1d.weight (and its bias)."""
 
-    def __init__(self, channels: int, kernel: int):
+    def __init__(self, channels: int, kernel: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+        self.bias = nn.Parameter(torch.empty(channels)) if bias else None
 
 
 class GatedDeltaNet(nn.Module):

@@ -118,12 +118,67 @@ def _delta_step(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return (s * q.unsqueeze(-1)).sum(dim=-2)
 
 
+def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor, D: torch.Tensor, state: torch.Tensor, meta: StateMetadata,
+                dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    """The Mamba2 selective scan over each sequence's new tokens, token by token in fp32, as Granite 4 and Nemotron-H
+    define it: with dt = clamp(softplus(dt + dt_bias), *dt_limit), for each token and head h
+        S <- S * exp(dt A);  S <- S + dt x B^T;  y = S C + D x
+    x: [T, H, P]; dt: [T, H] (before the bias); dt_bias, A (negative, -exp(A_log)), D: [H]; B, C: [T, G, N], group g
+    serving the H / G consecutive heads g * H / G ...; state: [slots, H, P, N] fp32, read and written at each
+    sequence's slot. Returns y [T, H, P] in x's dtype (the gated norm after it is the caller's).
+
+    transformers clamps dt to time_step_limit in its chunked prefill only, not in its one-token decode; both
+    families' limit is (0, inf) by default, where the clamp changes nothing. Here it applies to every token."""
+    heads = x.shape[1]
+    rep = heads // B.shape[1]
+    xf = x.float()
+    dtf = F.softplus(dt.float() + dt_bias.float()).clamp(dt_limit[0], dt_limit[1])  # [T, H]
+    decay = (dtf * A.float()).exp()
+    bf = B.float().repeat_interleave(rep, dim=1)  # [T, H, N]
+    cf = C.float().repeat_interleave(rep, dim=1)
+    skip = D.float()[:, None] * xf  # [T, H, P]
+    if meta.is_decode_only:  # one token per sequence: every sequence at once
+        s = torch.where(torch.tensor(meta.fresh_list, device=state.device)[:, None, None, None],
+                        torch.zeros((), device=state.device), state[meta.slots])
+        out = _mamba2_step(s, xf, dtf, decay, bf, cf)
+        state[meta.slots] = s
+        return (out + skip).to(x.dtype)
+    out = torch.empty_like(xf)
+    qs = meta.query_start_list
+    for b, (slot, fresh) in enumerate(zip(meta.slots_list, meta.fresh_list)):
+        s = _initial(state, slot, fresh).clone().unsqueeze(0)
+        for t in range(qs[b], qs[b + 1]):
+            rows = slice(t, t + 1)
+            out[rows] = _mamba2_step(s, xf[rows], dtf[rows], decay[rows], bf[rows], cf[rows])
+        state[slot] = s[0]
+    return (out + skip).to(x.dtype)
+
+
+def _mamba2_step(s: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, decay: torch.Tensor, b: torch.Tensor,
+                 c: torch.Tensor) -> torch.Tensor:
+    """One token for each of the N rows of s [N, H, P, Ns], updated in place. Returns S C [N, H, P]."""
+    s.mul_(decay[:, :, None, None])
+    s.add_((dt[:, :, None] * x).unsqueeze(-1) * b.unsqueeze(-2))
+    return (s * c.unsqueeze(-2)).sum(dim=-1)
+
+
+def grouped_gated_rms_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, groups: int,
+                           eps: float) -> torch.Tensor:
+    """Mamba2's gated RMSNorm: h = y * silu(z) in fp32, each of `groups` equal slices of the channels normalised by
+    its own RMS, cast to y's dtype, times weight. y, z: [T, channels]; weight: [channels]."""
+    h = y.float() * F.silu(z.float())
+    g = h.view(h.shape[0], groups, -1)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * g.view_as(h).to(y.dtype)
+
+
 def state_bytes_per_sequence(config, dtype: torch.dtype) -> int:
     """One sequence's state over every recurrent layer: its conv inputs (model dtype) and recurrent state (fp32)."""
     r = config.recurrent
     if r is None:
         return 0
-    layers = config.num_hidden_layers - config.num_kv_layers
+    layers = sum(config.is_recurrent(i) for i in range(config.num_hidden_layers))
     conv = r.conv_channels * (r.conv_kernel - 1) * torch.empty((), dtype=dtype).element_size()
     ssm = 4
     for n in r.state_shape:
@@ -144,6 +199,8 @@ def allocate_states(config, num_slots: int, dtype: torch.dtype, device: torch.de
 
 
 def layer_caches(config, kv_caches: dict[int, Any], states: dict[int, RecurrentState]) -> list:
-    """Per layer, what its forward reads: its state for a recurrent layer, else the KV cache of the layer whose K/V
-    it attends over (its own, or the one it shares: config.kv_source); kv_caches by KV-holding layer index."""
-    return [states[i] if i in states else kv_caches[config.kv_source(i)] for i in range(config.num_hidden_layers)]
+    """Per layer, what its forward reads: its state for a recurrent layer, None for a layer that keeps nothing
+    (Nemotron-H's MLP-only layers), else the KV cache of the layer whose K/V it attends over (its own, or the one it
+    shares: config.kv_source); kv_caches by KV-holding layer index."""
+    return [states[i] if i in states else None if config.is_mixerless(i) else kv_caches[config.kv_source(i)]
+            for i in range(config.num_hidden_layers)]

@@ -22,6 +22,8 @@ MODEL_CLASSES = {
     "Qwen3_5ForCausalLM": "qwen3_5:Qwen35CausalLM",
     "Qwen3_5MoeForCausalLM": "qwen3_5:Qwen35CausalLM",
     "Gemma4ForCausalLM": "gemma4:Gemma4CausalLM",
+    "GraniteMoeHybridForCausalLM": "mamba2:GraniteHybridCausalLM",
+    "NemotronHForCausalLM": "mamba2:NemotronHCausalLM",
 }
 DEFAULT_CLASS = "llama:CausalLM"
 

@@ -1,0 +1,208 @@
+"""Mamba2 hybrids (llmd.model.mamba2) against transformers on CPU fp32: Granite 4 (Mamba2 and attention layers with
+a shared MLP and experts, no positions: Granite 4.0-H's shape; and with RoPE, dense, tied) and Nemotron-H (Mamba2,
+attention and MLP-only layers). A 40-token prompt fed in two chunks, then 24 decode steps, each step's logits
+within 1e-4 of transformers'. The scan (llmd.model.recurrent.mamba2_scan) against transformers' chunked scan, and
+its batched forms against one sequence at a time. Bad configs and checkpoints are refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from llmd.errors import ModelFileError, UnsupportedArchitecture
+from llmd.model.config import ModelConfig
+from llmd.model.loader import load_model
+from llmd.model.recurrent import StateMetadata, allocate_states, mamba2_scan, state_bytes_per_sequence
+from test_families import TOLERANCE, our_logits, prompt_ids, reference_logits
+from tiny_models import MAMBA2_KINDS, write_tiny_model
+
+
+@pytest.fixture(scope="module")
+def mamba2_models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("mamba2_models")
+    return {kind: write_tiny_model(root / kind, kind, seed=i) for i, kind in enumerate(MAMBA2_KINDS)}
+
+
+@pytest.fixture(scope="module")
+def expected(mamba2_models) -> dict:
+    """transformers' logits per family for one prompt and its decode."""
+    from transformers import AutoModelForCausalLM
+
+    prompt, decode = prompt_ids(40), prompt_ids(24, seed=1)
+    out = {}
+    for kind, folder in mamba2_models.items():
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        out[kind] = reference_logits(ref, prompt, decode)
+    return out
+
+
+def logits_of(lm) -> torch.Tensor:
+    return our_logits(lm, prompt_ids(40), prompt_ids(24, seed=1))
+
+
+@pytest.mark.parametrize("kind", MAMBA2_KINDS)
+def test_hf_folder_matches_transformers(kind, mamba2_models, expected):
+    lm = load_model(mamba2_models[kind], dtype=torch.float32, device="cpu")
+    c = lm.config
+    assert [c.is_recurrent(i) for i in range(c.num_hidden_layers)] == \
+        {"nemotron_h": [True, False, False, True]}.get(kind, [True, False, True])
+    assert c.num_kv_layers == 1  # Nemotron-H's MLP-only layer keeps nothing
+    diff = (logits_of(lm) - expected[kind]).abs().max().item()
+    assert diff < TOLERANCE, f"{kind}: max |logit difference| {diff:.2e}"
+
+
+def _hub_style(src, dst, change) -> None:
+    """A copy of the folder whose config.json is rewritten by `change` (a function of the parsed dict)."""
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    change(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def test_hub_configs_load_as_transformers_5s(mamba2_models, expected, tmp_path):
+    """The hub's config spellings: Granite's layers_block_type of mamba / attention, Nemotron-H's
+    hybrid_override_pattern with num_hidden_layers, its older mamba_* keys and a JSON Infinity time_step_limit."""
+    def granite(cfg):
+        cfg["layers_block_type"] = [{"linear_attention": "mamba", "full_attention": "attention"}[t]
+                                    for t in cfg.pop("layer_types")]
+
+    def nemotron(cfg):
+        del cfg["layers_block_type"]
+        cfg.update(hybrid_override_pattern="M*-M", num_hidden_layers=4, mamba_d_conv=cfg.pop("conv_kernel"),
+                   mamba_n_groups=cfg.pop("n_groups"), time_step_limit=[0.0, math.inf])
+
+    for kind, change in (("granite_hybrid", granite), ("nemotron_h", nemotron)):
+        _hub_style(mamba2_models[kind], tmp_path / kind, change)
+        lm = load_model(tmp_path / kind, dtype=torch.float32, device="cpu")
+        assert (logits_of(lm) - expected[kind]).abs().max().item() < TOLERANCE
+
+
+def _random_scan_inputs(t: int, heads=4, head_dim=3, groups=2, state=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    return dict(x=r(t, heads, head_dim), dt=r(t, heads), dt_bias=r(heads), A=-r(heads).exp(), B=r(t, groups, state),
+                C=r(t, groups, state), D=r(heads))
+
+
+def test_scan_equals_transformers_chunked_scan():
+    """Our token-by-token scan from a given state equals transformers' chunked (SSD) scan, output and final state,
+    over several of its chunks."""
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import mamba2_chunk_scan
+
+    t = 37
+    a = _random_scan_inputs(t)
+    initial = torch.randn(1, 4, 3, 5, generator=torch.Generator().manual_seed(1))
+    state = initial.clone()
+    meta = StateMetadata.build([0], [False], [t])
+    ours = mamba2_scan(a["x"], a["dt"], a["dt_bias"], a["A"], a["B"], a["C"], a["D"], state, meta)
+    ref, ref_state = mamba2_chunk_scan(a["x"][None], a["dt"][None], a["A"], a["B"][None], a["C"][None], chunk_size=8,
+                                       D=a["D"], dt_bias=a["dt_bias"], initial_states=initial, dt_softplus=True,
+                                       return_final_states=True)
+    assert (ours - ref[0]).abs().max().item() < 1e-5
+    assert (state - ref_state).abs().max().item() < 1e-5
+
+
+def test_scan_batched_forms_equal_one_sequence_at_a_time():
+    """A step of several sequences (their slots, fresh or continuing) computes what each alone computes, for prefill
+    chunks and for the all-decode form (within rounding: torch's vector and scalar exp differ in the last bit); a
+    fresh sequence ignores its slot's old state; time_step_limit clamps dt."""
+    lens = [5, 1, 3]
+    a = _random_scan_inputs(sum(lens))
+    start = torch.randn(4, 4, 3, 5, generator=torch.Generator().manual_seed(2))
+    slots, fresh = [2, 0, 3], [False, True, False]
+    for limit in ((0.0, math.inf), (0.2, 0.9)):
+        batched = start.clone()
+        out = mamba2_scan(*a.values(), batched, StateMetadata.build(slots, fresh, lens), dt_limit=limit)
+        alone, rows, q = start.clone(), [], 0
+        for slot, f, n in zip(slots, fresh, lens):
+            part = {k: v[q:q + n] if v.shape[0] == sum(lens) else v for k, v in a.items()}
+            rows.append(mamba2_scan(*part.values(), alone, StateMetadata.build([slot], [f], [n]), dt_limit=limit))
+            q += n
+        assert (out - torch.cat(rows)).abs().max().item() < 1e-6 and (batched - alone).abs().max().item() < 1e-6
+        zero = torch.zeros_like(start)  # the fresh sequence (slot 0, old state nonzero) starts from zeros
+        part = {k: v[5:6] if v.shape[0] == sum(lens) else v for k, v in a.items()}
+        assert torch.equal(rows[1], mamba2_scan(*part.values(), zero, StateMetadata.build([0], [False], [1]),
+                                                dt_limit=limit))
+    decode = _random_scan_inputs(3, seed=3)
+    batched, alone = start.clone(), start.clone()
+    out = mamba2_scan(*decode.values(), batched, StateMetadata.build(slots, fresh, [1, 1, 1]))  # the decode form
+    for i, (slot, f) in enumerate(zip(slots, fresh)):
+        part = {k: v[i:i + 1] if v.shape[0] == 3 else v for k, v in decode.items()}
+        one = mamba2_scan(*part.values(), alone, StateMetadata.build([slot], [f], [1]))
+        assert (out[i:i + 1] - one).abs().max().item() < 1e-6
+    assert (batched - alone).abs().max().item() < 1e-6
+    clamped = mamba2_scan(*decode.values(), start.clone(), StateMetadata.build(slots, fresh, [1, 1, 1]),
+                          dt_limit=(0.2, 0.9))
+    assert not torch.allclose(clamped, out)
+
+
+def _config(kind: str, **change) -> dict:
+    granite = {"architectures": ["GraniteMoeHybridForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+               "intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "layer_types": ["mamba", "attention", "mamba"], "mamba_n_heads": 4, "mamba_d_head": 16,
+               "mamba_d_state": 8, "mamba_n_groups": 2, "num_local_experts": 4, "shared_intermediate_size": 24}
+    nemotron = {"architectures": ["NemotronHForCausalLM"], "vocab_size": 64, "hidden_size": 32,
+                "intermediate_size": 48, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "head_dim": 8, "hybrid_override_pattern": "M*-M", "mamba_num_heads": 4, "mamba_head_dim": 16,
+                "ssm_state_size": 8, "n_groups": 2}
+    return {**(granite if kind == "granite" else nemotron), **change}
+
+
+def test_config_fields_and_the_cache_each_layer_keeps():
+    g = ModelConfig.from_hf_config(_config("granite"))
+    assert g.layer_types == ["mamba", "full_attention", "mamba"] and g.intermediate_size == 24
+    assert g.moe is not None and g.moe.intermediate_size == 16 and g.moe.router == "softmax_topk"
+    assert g.recurrent is not None and g.recurrent.state_shape == (4, 16, 8) and g.recurrent.conv_channels == 96
+    assert not g.uses_rope and g.recurrent.conv_bias
+    n = ModelConfig.from_hf_config(_config("nemotron", num_hidden_layers=None))  # the pattern gives the count
+    assert n.num_hidden_layers == 4 and n.layer_types == ["mamba", "full_attention", "mlp", "mamba"]
+    assert n.kv_layers == [1] and [n.is_mixerless(i) for i in range(4)] == [False, False, True, False]
+    assert n.recurrent is not None and n.recurrent.dt_limit == (0.0, math.inf)
+    # two Mamba2 layers' conv inputs (3 of 96 channels, fp32) and states (4 x 16 x 8, fp32); nothing for the MLP
+    assert state_bytes_per_sequence(n, torch.float32) == 2 * (96 * 3 * 4 + 4 * 16 * 8 * 4)
+    states = allocate_states(n, 2, torch.float32, "cpu")
+    assert sorted(states) == [0, 3] and states[0].ssm.shape == (2, 4, 16, 8)
+
+
+@pytest.mark.parametrize("kind, change, words", [
+    ("granite", {"mamba_d_head": 12}, "mamba_n_heads 4 x mamba_d_head 12"),
+    ("granite", {"mamba_n_groups": 3}, "4 Mamba2 heads do not split into 3 groups"),
+    ("granite", {"layer_types": ["mamba", "attention"]}, "layer_types"),
+    ("nemotron", {"hybrid_override_pattern": "M*X"}, "layer pattern"),
+    ("nemotron", {"time_step_limit": [0.0, "lots"]}, "time_step_limit"),
+])
+def test_bad_configs_are_named(kind, change, words):
+    with pytest.raises(ModelFileError, match=words):
+        ModelConfig.from_hf_config(_config(kind, **change))
+
+
+@pytest.mark.parametrize("kind, change, words", [
+    ("nemotron", {"hybrid_override_pattern": "ME*M"}, "mixture-of-experts"),
+    ("nemotron", {"mlp_hidden_act": "gelu"}, "mlp_hidden_act"),
+    ("granite", {"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_unsupported_variants_are_named(kind, change, words):
+    with pytest.raises(UnsupportedArchitecture, match=words):
+        ModelConfig.from_hf_config(_config(kind, **change))
+
+
+@pytest.mark.parametrize("kind, change, words", [
+    # the state is larger than the checkpoint's: its in_proj and conv have the wrong shape
+    ("granite_hybrid", lambda c: c.update(mamba_d_state=16), r"tensor 'model\.layers\.0\.mamba\..*' has shape"),
+    # the pattern swaps two layers' kinds
+    ("granite_hybrid", lambda c: c.update(layer_types=["full_attention", "linear_attention", "linear_attention"]),
+     r"'model\.layers\.0\.mamba\..*' belongs to a mamba layer, but the config's layer pattern makes layer 0 a "
+     r"full_attention layer"),
+    ("nemotron_h", lambda c: c.update(layers_block_type=["linear_attention", "mlp", "full_attention",
+                                                         "linear_attention"]),
+     r"'backbone\.layers\.1\.mixer\.[qkvo]_proj\.weight' belongs to a full_attention layer, but the config's layer "
+     r"pattern makes layer 1 a mlp layer"),
+])
+def test_checkpoints_that_do_not_match_the_config_are_named(kind, change, words, mamba2_models, tmp_path):
+    _hub_style(mamba2_models[kind], tmp_path / kind, change)
+    with pytest.raises(ModelFileError, match=words):
+        load_model(tmp_path / kind, dtype=torch.float32, device="cpu")
