@@ -1,7 +1,7 @@
 """Mamba2 hybrids (llmd.model.mamba2) against transformers on CPU fp32: Granite 4 (Mamba2 and attention layers with
 a shared MLP and experts, no positions: Granite 4.0-H's shape; and with RoPE, dense, tied) and Nemotron-H (Mamba2,
 attention and MLP-only layers). A 40-token prompt fed in two chunks, then 24 decode steps, each step's logits
-within 1e-4 of transformers'. The scan (llmd.model.recurrent.mamba2_scan) against transformers' chunked scan, and
+within 1e-4 of transformers'; through the engine, batched equals alone. The scan (llmd.model.recurrent.mamba2_scan) against transformers' chunked scan, and
 its batched forms against one sequence at a time. Bad configs and checkpoints are refused by name.
 """
 
@@ -13,10 +13,13 @@ import shutil
 
 import pytest
 import torch
+from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
+from llmd.engine import SamplingParams
 from llmd.errors import ModelFileError, UnsupportedArchitecture
 from llmd.model.config import ModelConfig
 from llmd.model.loader import load_model
 from llmd.model.recurrent import StateMetadata, allocate_states, mamba2_scan, state_bytes_per_sequence
+from test_engine import GREEDY, random_prompts, run_alone, run_staggered
 from test_families import TOLERANCE, our_logits, prompt_ids, reference_logits
 from tiny_models import MAMBA2_KINDS, write_tiny_model
 
@@ -53,6 +56,21 @@ def test_hf_folder_matches_transformers(kind, mamba2_models, expected):
     assert c.num_kv_layers == 1  # Nemotron-H's MLP-only layer keeps nothing
     diff = (logits_of(lm) - expected[kind]).abs().max().item()
     assert diff < TOLERANCE, f"{kind}: max |logit difference| {diff:.2e}"
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_engine_batched_and_chunked_equal_alone(mamba2_models):
+    """Through the engine's runner (a state slot per sequence, KV only for the attention layer, nothing for
+    Nemotron-H's MLP-only layer): staggered, chunked prompts with decodes riding along give each prompt's solo
+    greedy tokens."""
+    lm = load_model(mamba2_models["nemotron_h"], dtype=torch.float32, device="cpu")
+    prompts = random_prompts(6, 5, 60, 570, seed=3)
+    params = SamplingParams(max_tokens=10, **GREEDY)
+    alone = run_alone(lm, prompts, params)
+    engine = make_engine(lm, max_num_batched_tokens=24)
+    assert len(engine.runner.layer_windows) == 1 and sorted(engine.runner.states) == [0, 3]
+    batched = run_staggered(engine, prompts, params)
+    assert [batched[str(i)] for i in range(len(prompts))] == alone
 
 
 def _hub_style(src, dst, change) -> None:
