@@ -20,14 +20,24 @@ from llmd.model.config import ModelConfig
 from llmd.model.loader import load_model
 from llmd.model.recurrent import StateMetadata, allocate_states, mamba2_scan, state_bytes_per_sequence
 from test_engine import GREEDY, random_prompts, run_alone, run_staggered
-from test_families import TOLERANCE, our_logits, prompt_ids, reference_logits
-from tiny_models import MAMBA2_KINDS, write_tiny_model
+from test_families import TOLERANCE, _rewrite, our_logits, prompt_ids, reference_logits
+from test_moe import assert_packed_matches_dequantized
+from tiny_models import MAMBA2_KINDS, write_tiny_gguf, write_tiny_model
+
+GGUF_KINDS = ("granite_hybrid", "granite_hybrid_dense")  # llama.cpp's granitehybrid
 
 
 @pytest.fixture(scope="module")
 def mamba2_models(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("mamba2_models")
     return {kind: write_tiny_model(root / kind, kind, seed=i) for i, kind in enumerate(MAMBA2_KINDS)}
+
+
+@pytest.fixture(scope="module")
+def mamba2_ggufs(mamba2_models, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("mamba2_ggufs")
+    return {(kind, t): write_tiny_gguf(mamba2_models[kind], root / f"{kind}-{t}.gguf", t)
+            for kind in GGUF_KINDS for t in ("F32", "Q8_0")}
 
 
 @pytest.fixture(scope="module")
@@ -224,3 +234,37 @@ def test_checkpoints_that_do_not_match_the_config_are_named(kind, change, words,
     _hub_style(mamba2_models[kind], tmp_path / kind, change)
     with pytest.raises(ModelFileError, match=words):
         load_model(tmp_path / kind, dtype=torch.float32, device="cpu")
+
+
+@pytest.mark.parametrize("quant", ["none", "gguf"])
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+def test_gguf_matches_transformers(kind, quant, mamba2_ggufs, expected):
+    """Granite 4 as llama.cpp's converter writes it (A as -exp(A_log), the conv squeezed, the norm by group, gate and
+    up split, q/k permuted, the layer kinds as per-layer KV head counts), dequantized or kept packed."""
+    lm = load_model(mamba2_ggufs[kind, "F32"], dtype=torch.float32, device="cpu", quant=quant)
+    assert lm.config.architecture == "GraniteMoeHybridForCausalLM"
+    assert lm.config.layer_types == ["mamba", "full_attention", "mamba"]
+    diff = (logits_of(lm) - expected[kind]).abs().max().item()
+    assert diff < TOLERANCE, f"{kind} ({quant}): max |logit difference| {diff:.2e}"
+
+
+def test_gguf_q8_0_stays_packed_and_matches_its_dequantized_weights(mamba2_ggufs, monkeypatch):
+    from llmd.model.quant import GGUFLinear
+
+    path = mamba2_ggufs["granite_hybrid", "Q8_0"]
+    assert_packed_matches_dequantized(path, "Q8_0", monkeypatch)  # the experts, and the logits
+    packed = load_model(path, dtype=torch.float32, device="cpu", quant="gguf")
+    mixer = packed.model.model.layers[0].mamba
+    assert isinstance(mixer.in_proj, GGUFLinear) and mixer.in_proj.type_name == "Q8_0"
+
+
+@pytest.mark.parametrize("head_count_kv, words", [
+    ([2, 0, 0], r"'model\.layers\.0\.mamba\..*' belongs to a mamba layer, but the config's layer pattern makes "
+                r"layer 0 a full_attention layer"),
+    ([0, 2], "head_count_kv has 2 entries for 3 layers"),
+])
+def test_gguf_layer_pattern_that_does_not_match_the_tensors(head_count_kv, words, mamba2_ggufs, tmp_path):
+    path = _rewrite(mamba2_ggufs["granite_hybrid", "F32"], tmp_path / "bad.gguf",
+                    meta={"granitehybrid.attention.head_count_kv": head_count_kv})
+    with pytest.raises(ModelFileError, match=words):
+        load_model(path, dtype=torch.float32, device="cpu")

@@ -295,7 +295,8 @@ YARN_KINDS = ("qwen2_yarn", "qwen3_yarn")  # written by the tests that use them 
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe",
-             "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe"}
+             "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe",
+             "granitemoehybrid": "granitehybrid"}
 QWEN35_ARCHS = ("qwen35", "qwen35moe")
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -572,6 +573,8 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
         w.add_value_length(head_dim)
     qtype = gguf.GGMLQuantizationType[matrix_type]
     _gguf_vocabulary(w, folder, cfg, arch)
+    if arch == "granitehybrid":
+        return _write_granite_hybrid(w, folder, cfg, path, matrix_type)
 
     if rope_type == "llama3":
         w.add_tensor("rope_freqs.weight", np.asarray(_llama3_rope_factors(cfg, rope, theta, head_dim), np.float32))

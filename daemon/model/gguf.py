@@ -405,7 +405,8 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)(?:\.(weight|bias))?$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 # parameters of their own, not a module's weight: blk.N.attn_sinks.weight is model.layers.N.self_attn.sinks
-_BARE_PARAMETERS = {"self_attn.sinks", *gguf_hybrid.BARE_PARAMETERS}
+_BARE_PARAMETERS = {"self_attn.sinks", *gguf_hybrid.BARE_PARAMETERS, "mamba.dt_bias", "mamba.A_log",
+                     "mamba.D"}  # and Mamba2's blk.N.ssm_dt.bias, ssm_a, ssm_d
 
 _REQUIRED = object()
 # "<arch>.<suffix>" -> (config.json key, conversion, default): the keys every architecture here shares
@@ -608,6 +609,63 @@ def _gemma_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]
         cfg["rope_scaling"] = {"rope_type": str(scaling)}  # refused by name in ModelConfig
 
 
+# Granite 4 hybrids (llama.cpp's granitehybrid; llmd.model.mamba2). llama.cpp's converter (GraniteHybridModel, over
+# Mamba2Model) writes: a head_count_kv per layer, 0 on the Mamba2 layers; the Mamba2 sizes as ssm.* keys (inner size,
+# state size, group count, conv kernel, and the head count as time_step_rank); Granite's multipliers as
+# attention.scale, embedding_scale, residual_scale and logit_scale; whether the attention uses RoPE as
+# rope.scaling.finetuned (absent: it does, as llama.cpp reads it). Tensors: A_log as ssm_a = -exp(A_log) [heads, 1],
+# D as ssm_d [heads, 1], the conv squeezed to [channels, K], the gated norm as [groups, inner / groups], dt_bias as
+# ssm_dt.bias; the shared MLP's and experts' input_linear split into gate and up (ffn_gate/up_shexp, or ffn_gate/up
+# without experts), their output_linear as ffn_down(_shexp|_exps), the router as ffn_gate_inp; q/k rows permuted as
+# for llama.
+_GRANITE_HYBRID_NAMES = {
+    "ssm_in": "mamba.in_proj", "ssm_conv1d": "mamba.conv1d", "ssm_dt": "mamba.dt_bias", "ssm_a": "mamba.A_log",
+    "ssm_d": "mamba.D", "ssm_norm": "mamba.norm", "ssm_out": "mamba.out_proj",
+    "ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "shared_mlp.gate_proj", "ffn_up_shexp": "shared_mlp.up_proj",
+    "ffn_down_shexp": "shared_mlp.down_proj",
+    "ffn_gate": "shared_mlp.gate_proj", "ffn_up": "shared_mlp.up_proj", "ffn_down": "shared_mlp.down_proj",
+}
+_MAMBA2_TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    ".mamba.A_log": lambda a: torch.log(-a.reshape(-1)),
+    ".mamba.D": lambda d: d.reshape(-1),
+    ".mamba.norm.weight": lambda w: w.reshape(-1),
+    ".mamba.conv1d.weight": lambda w: w.reshape(w.shape[0], 1, -1),
+}
+
+
+def _most_kv_heads(value: Any) -> int:
+    """attention.head_count_kv, a number or one per layer (0 on recurrent layers): the attention layers' count."""
+    return max(int(v) for v in value) if isinstance(value, list) else int(value)
+
+
+def _granite_hybrid_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
+    """granitehybrid metadata in GraniteMoeHybridConfig's config.json keys (read by
+    llmd.model.config.granite_hybrid_fields)."""
+    layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
+    kv = meta.get(p + "attention.head_count_kv")
+    per_layer = kv if isinstance(kv, list) else [kv] * layers
+    if len(per_layer) != layers:
+        raise ValueError(f"{p}attention.head_count_kv has {len(per_layer)} entries for {layers} layers")
+    cfg["layer_types"] = ["attention" if v else "mamba" for v in per_layer]
+    heads, inner = int(meta[p + "ssm.time_step_rank"]), int(meta[p + "ssm.inner_size"])
+    if not heads or inner % heads or inner % hidden:
+        raise ValueError(f"{p}ssm.inner_size {inner} does not split into {heads} heads of a multiple of "
+                         f"hidden size {hidden}")
+    cfg.update(mamba_n_heads=heads, mamba_d_head=inner // heads, mamba_expand=inner // hidden,
+               mamba_d_state=int(meta[p + "ssm.state_size"]), mamba_n_groups=int(meta[p + "ssm.group_count"]),
+               mamba_d_conv=int(meta[p + "ssm.conv_kernel"]), num_local_experts=0,
+               position_embedding_type="rope" if meta.get(p + "rope.scaling.finetuned", True) else "nope",
+               shared_intermediate_size=int(meta.get(p + "expert_shared_feed_forward_length")
+                                            or cfg["intermediate_size"]))
+    for key, hf_key in (("attention.scale", "attention_multiplier"), ("embedding_scale", "embedding_multiplier"),
+                        ("residual_scale", "residual_multiplier"), ("logit_scale", "logits_scaling")):
+        if meta.get(p + key):  # llama.cpp reads 0 as unset
+            cfg[hf_key] = float(meta[p + key])
+    cfg.setdefault("attention_multiplier", cfg["head_dim"] ** -0.5)
+
+
 GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     # Llama 2/3.x, SmolLM2, Mistral 7B (llama.cpp writes Mistral as llama; its sliding window is not in the file)
     "llama": GGUFArch("LlamaForCausalLM", _MOE_NAMES, permuted_qk=True, config_tensors=("rope_freqs.weight",),
@@ -648,6 +706,10 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
                           config_tensors=("rope_freqs.weight",), quirks=_qwen35_quirks, norm_shift=1.0,
                           unshifted_norms=gguf_hybrid.UNSHIFTED_NORMS, undo=gguf_hybrid.UNDO,
                           check=gguf_hybrid.check_layers),
+    # Granite 4.0-H: Mamba2 and attention layers, a shared MLP and (tiny, small) experts (llmd.model.mamba2)
+    "granitehybrid": GGUFArch("GraniteMoeHybridForCausalLM", _GRANITE_HYBRID_NAMES, permuted_qk=True,
+                              config_keys={"attention.head_count_kv": ("num_key_value_heads", _most_kv_heads)},
+                              quirks=_granite_hybrid_quirks, undo=_MAMBA2_TRANSFORMS),
 }
 
 # Architectures llama.cpp knows that our decoder does not run, with what they are, for the refusal message.
@@ -954,7 +1016,7 @@ def _raw_generator(gf: _GGUFFile, checked: list[_Checked]) -> Iterator[RawTensor
         undo = _undo_of(gf, c.name)
         if undo is not None:  # a small fp tensor: dequantized, undone, passed on as F32
             w = _undone(gf, c, dequantize(gf.raw_bytes(info), info.type_name, info.shape), undo)
-            yield RawTensor(c.name, "F32", info.shape, w.contiguous().numpy().view(np.uint8).reshape(1, -1))
+            yield RawTensor(c.name, "F32", tuple(w.shape), w.contiguous().numpy().view(np.uint8).reshape(1, -1))
             continue
         rows = int(np.prod(info.shape[:-1])) if len(info.shape) > 1 else 1
         data = gf.raw_bytes(info).reshape(rows, -1)
