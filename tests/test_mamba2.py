@@ -1,7 +1,8 @@
 """Mamba2 hybrids (llmd.model.mamba2) against transformers on CPU fp32: Granite 4 (Mamba2 and attention layers with
 a shared MLP and experts, no positions: Granite 4.0-H's shape; and with RoPE, dense, tied) and Nemotron-H (Mamba2,
-attention and MLP-only layers). A 40-token prompt fed in two chunks, then 24 decode steps, each step's logits
-within 1e-4 of transformers'; through the engine, batched equals alone. The scan (llmd.model.recurrent.mamba2_scan) against transformers' chunked scan, and
+attention and MLP-only layers), from HF folders and (Granite) GGUF files written as llama.cpp's converter writes them.
+A 40-token prompt fed in two chunks, then 24 decode steps, each step's logits within 1e-4 of transformers'; through
+the engine, batched equals alone. The scan (llmd.model.recurrent.mamba2_scan) against transformers' chunked scan, and
 its batched forms against one sequence at a time. Bad configs and checkpoints are refused by name.
 """
 

@@ -218,9 +218,8 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
             mamba_d_head=16, mamba_n_groups=1 if dense else 2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
             num_local_experts=0 if dense else 4, num_experts_per_tok=2, shared_intermediate_size=96,
             embedding_multiplier=6.0, residual_multiplier=0.5, attention_multiplier=0.125, logits_scaling=4.0,
-            position_embedding_type="rope" if dense else "nope", rope_parameters={"rope_type": "default",
-                                                                                  "rope_theta": 10000.0},
-            tie_word_embeddings=dense)
+            position_embedding_type="rope" if dense else "nope", tie_word_embeddings=dense,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
         cls = tf.GraniteMoeHybridForCausalLM
     elif kind == "nemotron_h":  # Mamba2 (8 heads in 2 groups), attention, a squared-ReLU MLP, Mamba2
         config = tf.NemotronHConfig(**common, hybrid_override_pattern="M*-M", head_dim=16, mamba_num_heads=8,
@@ -538,6 +537,91 @@ def round_to_gguf(folder: Path, out: Path, matrix_type: str) -> Path:
             state[name] = (_tiled(w, 1, cfg["linear_value_head_dim"], cfg, back=True) if cols else w).to(t.dtype)
         save_file(state, file, metadata={"format": "pt"})
     return out
+
+
+def _granite_hybrid_tensors(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """Granite 4's tensors under llama.cpp's granitehybrid names, changed as its converter changes them: A_log as
+    ssm_a = -exp(A_log) [heads, 1], D as [heads, 1], the conv squeezed, the gated norm as [groups, inner / groups],
+    input_linear split into gate and up, q/k permuted as for llama."""
+    experts = bool(cfg.get("num_local_experts"))
+    shared = "shexp" if experts else ""
+    mlp = {"shared_mlp.output_linear": f"ffn_down{'_' + shared if shared else ''}",
+           "block_sparse_moe.output_linear": "ffn_down_exps", "block_sparse_moe.router.layer": "ffn_gate_inp",
+           "mamba.in_proj": "ssm_in", "mamba.out_proj": "ssm_out", "mamba.conv1d": "ssm_conv1d",
+           "mamba.norm": "ssm_norm", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+           **{f"self_attn.{p}_proj": f"attn_{p}" for p in "qkv"}, "self_attn.o_proj": "attn_output"}
+    groups = cfg["mamba_n_groups"]
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        if name in _GGUF_GLOBAL:
+            out[_GGUF_GLOBAL[name]] = t
+            continue
+        _, _, layer, rest = name.split(".", 3)
+        blk, (module, _, suffix) = f"blk.{layer}", rest.rpartition(".")
+        if rest.endswith("input_linear.weight"):  # gate rows, then up rows
+            gate, up = t.chunk(2, dim=-2)
+            kind = "exps" if module.startswith("block_sparse_moe") else shared
+            out[f"{blk}.ffn_gate{'_' + kind if kind else ''}.weight"] = gate
+            out[f"{blk}.ffn_up{'_' + kind if kind else ''}.weight"] = up
+        elif rest in ("mamba.A_log", "mamba.D", "mamba.dt_bias"):
+            gguf_name = {"mamba.A_log": "ssm_a", "mamba.D": "ssm_d", "mamba.dt_bias": "ssm_dt.bias"}[rest]
+            value = -t.exp() if rest == "mamba.A_log" else t
+            out[f"{blk}.{gguf_name}"] = value if rest == "mamba.dt_bias" else value.reshape(-1, 1)
+        else:
+            if module == "mamba.conv1d" and suffix == "weight":
+                t = t.squeeze(1)
+            elif module == "mamba.norm":
+                t = t.reshape(groups, -1)
+            elif module in ("self_attn.q_proj", "self_attn.k_proj"):
+                t = _llama_cpp_permute(t, cfg["num_attention_heads"] if "q_proj" in module
+                                       else cfg["num_key_value_heads"])
+            out[f"{blk}.{mlp[module]}.{suffix}"] = t
+    return out
+
+
+def _write_granite_hybrid(w, folder: Path, cfg: dict, path: Path, matrix_type: str) -> Path:
+    """The granitehybrid metadata and tensors (see _granite_hybrid_tensors); matrices as `matrix_type`, but the conv,
+    norms, router and the suffix-less ssm_a / ssm_d in F32, as llama.cpp's converter keeps them. rope.scaling.finetuned
+    says whether the attention turns by RoPE (llama.cpp's converter writes false for every hybrid, which is right for
+    the released Granite 4.0-H models: they have no positions)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    kv = cfg["num_key_value_heads"]  # (and 0 on the Mamba2 layers: the writer's key overwritten, as llama.cpp's)
+    w.add_head_count_kv([kv if t == "full_attention" else 0 for t in cfg["layer_types"]])
+    w.add_ssm_conv_kernel(cfg["mamba_d_conv"])
+    w.add_ssm_state_size(cfg["mamba_d_state"])
+    w.add_ssm_group_count(cfg["mamba_n_groups"])
+    w.add_ssm_inner_size(cfg["mamba_n_heads"] * cfg["mamba_d_head"])
+    w.add_ssm_time_step_rank(cfg["mamba_n_heads"])
+    w.add_attention_scale(cfg["attention_multiplier"])
+    w.add_embedding_scale(cfg["embedding_multiplier"])
+    w.add_residual_scale(cfg["residual_multiplier"])
+    w.add_logit_scale(cfg["logits_scaling"])
+    w.add_rope_scaling_finetuned(cfg["position_embedding_type"] == "rope")
+    w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
+    if cfg.get("num_local_experts"):
+        w.add_expert_count(cfg["num_local_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    state = load_file(folder / "model.safetensors")
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+    for name, t in _granite_hybrid_tensors(state, cfg).items():
+        data = t.float().numpy()
+        keep = data.ndim < 2 or not name.endswith(".weight") or name.endswith(("_norm.weight", "ssm_conv1d.weight",
+                                                                              "ffn_gate_inp.weight"))
+        if keep or matrix_type == "F32":
+            w.add_tensor(name, data)
+        elif matrix_type == "F16":
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
 
 
 def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
