@@ -92,6 +92,7 @@ class DraftSeq:
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []
         self.embed = None  # never an embedding request (ScheduledSeq reads it)
+        self.images: list = []  # the draft reads an image's placeholder tokens as text
 
     @property
     def num_tokens(self) -> int:
