@@ -23,6 +23,7 @@ from .quant import (GGUFLinear, QuantizedLinear, QuantSpec, build_empty_quantize
 from .quant_cache import cached  # second starts read packed weights from the XDG cache
 from .registry import model_class
 from .source import WeightSource, open_source
+from .vision.loading import load_vision
 from .weights import LoadReport, load_tensors
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,7 @@ class LoadedModel:
     device: torch.device
     load_seconds: float
     report: LoadReport | None = None  # weight bytes and process memory after loading
+    vision: Any = None  # an image-text checkpoint's tower and projector (llmd.model.vision.base.VisionEncoder)
 
 
 def default_device() -> str:
@@ -74,11 +76,12 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
 
     model, report = cached(LoadPipeline(source, spec, dtype, device_t, quantize_head))
     tokenizer = source.tokenizer()
+    vision = load_vision(path, dtype, device_t) if source.kind == "hf" else None
     report.weight_bytes = quantized_weight_bytes(model)
     seconds = time.perf_counter() - start
     report.seconds = seconds
     log.info("loaded %s (%s, %s on %s): %s", name, config.architecture, dtype, device_t, report.summary())
-    return LoadedModel(model, tokenizer, config, name, dtype, device_t, seconds, report)
+    return LoadedModel(model, tokenizer, config, name, dtype, device_t, seconds, report, vision)
 
 
 @dataclass

@@ -52,8 +52,8 @@ from ..tools.spec import AnswerFormat, Function, ToolSpec, check_schema
 from .agents import MAX_BLOCKS, call_entry, flat_tools, parts_in_order, renamed, text_of, token_counts
 from .core import Generation, GenerationResult, Renderer, ServerState, encode_prompt, output_reason, run, state_of
 from .intake import ChatPrompt, Intake, checked_params, given_fields
-from .validation import (MAX_MESSAGES, STOP, TOP_P, ApiError, Field, bad_field, check_fields, log_ignored, read_json,
-                         require)
+from .validation import (MAX_MESSAGES, STOP, TOP_P, ApiError, Field, bad_field, check_fields, image_part, log_ignored,
+                         read_json, require)
 
 FIELDS = {
     "model": Field("str", max_len=512),
@@ -125,7 +125,7 @@ def _result_text(block: dict, where: str) -> str:
     return f"Error: {text}" if is_error else text
 
 
-SUPPORTED = {"user": "text, tool_result", "assistant": "text, tool_use, thinking, redacted_thinking",
+SUPPORTED = {"user": "text, image, tool_result", "assistant": "text, tool_use, thinking, redacted_thinking",
              "system": "text"}
 
 
@@ -151,11 +151,14 @@ def history(body: dict) -> list[dict]:
         role = msg.get("role")
         if role not in SUPPORTED:
             raise bad_field(f"{where}.role", "must be user, assistant or system")
-        texts, calls, results, thoughts = [], [], [], []
+        texts, calls, results, thoughts, parts = [], [], [], [], []
         for j, block in enumerate(_blocks(msg.get("content"), f"{where}.content")):
             bw, kind = f"{where}.content[{j}]", block["type"]
             if kind == "text":
                 texts.append(text_of(block.get("text"), f"{bw}.text"))
+                parts.append({"type": "text", "text": texts[-1]})
+            elif role == "user" and kind == "image":
+                parts.append(image_part(block, bw))
             elif role == "assistant" and kind == "thinking":
                 thoughts.append(text_of(block.get("thinking", ""), f"{bw}.thinking"))
             elif role == "assistant" and kind == "redacted_thinking":
@@ -181,7 +184,9 @@ def history(body: dict) -> list[dict]:
             open_calls = {c["id"]: c["function"]["name"] for c in calls}
             continue
         out.extend(results)
-        if texts or not results:
+        if len(parts) > len(texts):  # with images: the blocks in order
+            out.append({"role": role, "content": parts})
+        elif texts or not results:
             out.append({"role": role, "content": "\n".join(texts)})
         open_calls = {}
     if raw[-1].get("role") == "assistant":
@@ -424,8 +429,8 @@ async def count_tokens(request: web.Request) -> web.Response:
     try:
         intake, _ = parse(await read_json(request, state.max_body_bytes), state, count_only=True)
         bound = await state.use_model(request, intake.model)
-        ids, _, _ = await encode_prompt(bound.require_engine(), bound.with_defaults(intake),
-                                        intake.model or state.model_name, bound.template)
+        ids = (await encode_prompt(bound.require_engine(), bound.with_defaults(intake),
+                                   intake.model or state.model_name, bound.template)).ids
     except ApiError as exc:
         raise _dialect(exc) from None
     return web.json_response({"input_tokens": len(ids)})

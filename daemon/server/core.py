@@ -11,12 +11,12 @@ import os
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from aiohttp import web
 
-from ..engine.types import (Constraint, ConstraintError, FinishReason, Priority, PromptProgress, RequestOutput,
-                            RequestTimings, SamplingParams)
+from ..engine.types import (Constraint, ConstraintError, FinishReason, ImageSpan, Priority, PromptProgress,
+                            RequestOutput, RequestTimings, SamplingParams)
 from ..errors import EngineDead, InvalidRequest, LlmdError, QueueFull
 from ..tools.families import ModelTraits, model_traits
 from ..tools.grammar import answer_constraint
@@ -25,7 +25,8 @@ from ..tools.plan import ChatPlan, plan_chat
 from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, with_model_defaults
 from .metrics import Metrics
 from .streaming import KEEP_ALIVE, KEEPALIVE_S, EventStream, pump
-from .validation import ApiError
+from .validation import ApiError, content_text
+from .vision import encode_images, image_spans, take_images
 
 if TYPE_CHECKING:
     from ..engine.async_engine import AsyncEngine
@@ -159,7 +160,7 @@ async def render_chat(tok, plan: ChatPlan) -> str:
             return tok.apply_chat_template(plan.fallback_messages, tools=plan.tools, **plan.template_kwargs)
 
     try:
-        if sum(len(m.get("content") or "") for m in plan.messages) > ENCODE_IN_THREAD_CHARS:
+        if sum(len(content_text(m.get("content") or "")) for m in plan.messages) > ENCODE_IN_THREAD_CHARS:
             return await asyncio.get_running_loop().run_in_executor(None, render)
         return render()
     except LlmdError as exc:
@@ -190,18 +191,32 @@ def traits_of(engine: AsyncEngine, template: str | None = None) -> ModelTraits:
     return model_traits(str(engine.loaded.config.architecture), "\n".join(t for t in templates if t) or None)
 
 
+class Encoded(NamedTuple):
+    ids: list[int]
+    constraint: Constraint | None
+    parser: OutputParser
+    images: list[ImageSpan] = []
+
+
 async def encode_prompt(engine: AsyncEngine, intake: Intake, model_name: str,
-                        template: str | None = None) -> tuple[list[int], Constraint | None, OutputParser]:
-    """The prompt's token ids, the answer's constraint and the parser its text goes through. `template`: a chat
-    template that replaces the model's (a created model's TEMPLATE)."""
+                        template: str | None = None) -> Encoded:
+    """The prompt's token ids, the answer's constraint, the parser its text goes through and its images' spans.
+    `template`: a chat template that replaces the model's (a created model's TEMPLATE)."""
     tok, prompt = engine.tokenizer, intake.prompt
     if getattr(engine, "url", None) is not None:  # a remote engine (llmd.server.remote): upstream renders
-        return remote_prompt(tok, intake, model_name), None, OutputParser()
+        return Encoded(remote_prompt(tok, intake, model_name), None, OutputParser())
     if template:
         tok = tok.with_chat_template(template)
     if isinstance(prompt, ChatPrompt) and prompt.raw_without_template and not tok.has_chat_template:
-        prompt = TextPrompt("\n\n".join(m["content"] for m in prompt.messages))
+        prompt = TextPrompt("\n\n".join(content_text(m["content"]) for m in prompt.messages))
     if isinstance(prompt, ChatPrompt):
+        messages, images = take_images(prompt.messages)
+        vision = getattr(engine.loaded, "vision", None)
+        if images and vision is None:
+            raise ApiError(400, f"{images[0][0]}: model {model_name!r} does not see images (it has no vision tower)",
+                           param=images[0][0])
+        encoded = await encode_images(vision, images) if images else []
+        prompt = replace(prompt, messages=messages)
         traits = traits_of(engine, template)
         think = prompt.think
         if think and not traits.thinks:
@@ -213,15 +228,18 @@ async def encode_prompt(engine: AsyncEngine, intake: Intake, model_name: str,
                          prompt.effort)
         text = await render_chat(tok, plan)
         constraint, parser = plan.output(text)
-        return await encode_text(tok, text, False), constraint, parser
+        if not encoded:
+            return Encoded(await encode_text(tok, text, False), constraint, parser)
+        ids = await encode_text(tok, vision.expand(text, [int(e.shape[0]) for _, e in encoded]), False)
+        return Encoded(ids, constraint, parser, image_spans(vision, ids, encoded))
     constraint = answer_constraint(intake.answer) if intake.answer is not None else None
     if isinstance(prompt, FimPrompt):
-        return await encode_fim(tok, prompt, model_name), constraint, OutputParser()
+        return Encoded(await encode_fim(tok, prompt, model_name), constraint, OutputParser())
     if isinstance(prompt, TextPrompt):
-        return await encode_text(tok, prompt.text, prompt.add_special_tokens), constraint, OutputParser()
+        return Encoded(await encode_text(tok, prompt.text, prompt.add_special_tokens), constraint, OutputParser())
     if any(not 0 <= t < tok.vocab_size for t in prompt.token_ids):
         raise ApiError(400, f"prompt token ids must be in [0, {tok.vocab_size})", param="prompt")
-    return list(prompt.token_ids), constraint, OutputParser()
+    return Encoded(list(prompt.token_ids), constraint, OutputParser())
 
 
 def remote_prompt(tok, intake: Intake, model_name: str) -> list[int]:
@@ -304,14 +322,14 @@ async def run(request: web.Request, state: ServerState, intake: Intake, renderer
     state = await state.use_model(request, intake.model, intake.keep_alive)  # the one place a request binds its model
     intake = state.with_defaults(intake)  # the model's default options and system message, under the request's own
     engine = state.require_engine()
-    prompt_ids, constraint, parser = await encode_prompt(engine, intake, state.model_name, state.template)
+    prompt_ids, constraint, parser, images = await encode_prompt(engine, intake, state.model_name, state.template)
     check_length(engine, prompt_ids, intake.params, intake.length_field, intake.num_ctx)
     params = intake.params
     field = intake.answer.field if intake.answer is not None else "tools"
     if constraint is not None:
         await compiled_constraint(engine, constraint, field)
         params = replace(params, constraint=constraint)
-    gen = Generation(state, request, engine, prompt_ids, params)
+    gen = Generation(state, request, engine, prompt_ids, params, images=images)
     gen.time_limit_s, gen.output = intake.time_limit_s, parser
     gen.constraint_field = field
     async with gen:
@@ -343,8 +361,10 @@ class Generation:
     block before the last output (disconnect, stall, error, shutdown) aborts the request in the engine."""
 
     def __init__(self, state: ServerState, request: web.Request, engine: AsyncEngine, prompt_ids: list[int],
-                 params: SamplingParams, priority: Priority = Priority.INTERACTIVE):
+                 params: SamplingParams, priority: Priority = Priority.INTERACTIVE,
+                 images: list[ImageSpan] | None = None):
         self.state = state
+        self.images = images or []
         self.engine = engine
         self.request = request
         self.prompt_ids = prompt_ids
@@ -363,7 +383,8 @@ class Generation:
 
     async def __aenter__(self) -> "Generation":
         try:
-            self.stream = self.engine.submit(self.prompt_ids, self.params, priority=self.priority)
+            self.stream = self.engine.submit(self.prompt_ids, self.params, priority=self.priority,
+                                             **({"images": self.images} if self.images else {}))
             started = getattr(self.stream, "started", None)
             if started is not None:  # a remote engine (llmd.server.remote): upstream's status, before ours is sent
                 await started()

@@ -20,6 +20,7 @@ from ..tools.parsers import Piece
 from ..tools.spec import AnswerFormat, ToolSpec, check_schema, normalise_history, parse_tools
 from .intake import (OPTION_PARAMS, ChatPrompt, FimPrompt, Intake, TextPrompt, checked_params, given_fields,
                      with_options)
+from ..model.vision.images import InvalidImage, image_bytes
 from .validation import (MAX_NEW_TOKENS, MIN_P, PENALTY, REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P, ApiError,
                          Field, bad_field, check_fields, parse_messages, read_json)
 
@@ -87,8 +88,6 @@ def _check_request(state: ServerState, body: dict) -> tuple[dict, dict]:
     if body.get("template"):
         raise ApiError(400, "template overrides are not supported; the model's own chat template is used",
                        param="template")
-    if body.get("images"):
-        raise ApiError(400, "images are not supported by this server", param="images")
     f = check_fields(body, REQUEST_FIELDS)
     state.check_model(body.get("model"), required=True)
     opts = check_fields(f.get("options") or {}, OPTION_FIELDS, prefix="options.")
@@ -133,10 +132,9 @@ def _intake(body: dict, f: dict, opts: dict, prompt, length_field: str) -> Intak
 def parse_chat(body: dict, state: ServerState) -> Intake:
     f, opts = _check_request(state, body)
     messages = parse_messages(body.get("messages"))
-    for i, msg in enumerate(body["messages"]):  # Ollama carries images per message; a text model must not drop them
-        if msg.get("images"):
-            raise ApiError(400, f"messages[{i}].images: images are not supported by this server",
-                           param=f"messages[{i}].images")
+    for i, msg in enumerate(body["messages"]):  # Ollama carries images per message, before its text
+        if msg.get("images") is not None:
+            messages[i]["content"] = _with_images(msg["images"], messages[i]["content"], f"messages[{i}].images")
     messages = normalise_history(body["messages"], messages)
     tools = parse_tools(body["tools"]) if body.get("tools") else ()
     think, effort = _think(body.get("think"))
@@ -148,6 +146,10 @@ def parse_generate(body: dict, state: ServerState) -> Intake:
     """A request with a prompt or a suffix (without either it is Ollama's load/unload request, see generate)."""
     f, opts = _check_request(state, body)
     prompt, suffix, system = f.get("prompt", ""), f.get("suffix", ""), f.get("system")
+    if body.get("images") is not None and (suffix or f.get("raw")):
+        raise ApiError(400, "images go through the model's template: not with raw or suffix", param="images")
+    if body.get("images") is not None:
+        prompt = _with_images(body["images"], prompt, "images")
     if suffix:
         kind = FimPrompt(prompt, suffix)
     elif f.get("raw"):
@@ -158,6 +160,19 @@ def parse_generate(body: dict, state: ServerState) -> Intake:
                           + [{"role": "user", "content": prompt}], think=think, effort=effort,
                           raw_without_template=True)
     return _intake(body, f, opts, kind, "prompt")
+
+
+def _with_images(images: object, text: str | list, where: str) -> list[dict]:
+    """Ollama's base64 `images` of a message (or of /api/generate) as image parts before its text."""
+    if not isinstance(images, list):
+        raise bad_field(where, "must be an array of base64 images")
+    parts = []
+    for k, data in enumerate(images):
+        try:
+            parts.append({"type": "image", "image": image_bytes(data)})
+        except InvalidImage as exc:
+            raise bad_field(f"{where}[{k}]", str(exc)) from None
+    return parts + (text if isinstance(text, list) else [{"type": "text", "text": text}])
 
 
 class _Answer(Renderer):
@@ -264,7 +279,7 @@ def _model_entry(state: ServerState) -> dict:
 def _capabilities(state: ServerState) -> list[str]:
     """What the model itself can do, as Ollama names it: an embedding model embeds only; another completes, with
     tools when its template handles them, thinking when it knows a thought, insert with fill-in-the-middle tokens
-    (the generic tool fallback serves any model, but is no capability of it). No vision yet."""
+    (the generic tool fallback serves any model, but is no capability of it), vision with a tower that sees images."""
     if getattr(state.model_info, "embedding", False):
         return ["embedding"]
     traits = traits_of(state.engine, state.template)
@@ -275,6 +290,8 @@ def _capabilities(state: ServerState) -> list[str]:
         caps.append("insert")
     if traits.thinks:
         caps.append("thinking")
+    if getattr(state.engine.loaded, "vision", None) is not None:
+        caps.append("vision")
     return caps
 
 

@@ -62,7 +62,8 @@ from .agents import MAX_BLOCKS, call_entry, flat_tool, parts_in_order, renamed, 
 from .core import Generation, GenerationResult, Renderer, ServerState, output_reason, run, state_of
 from .intake import ChatPrompt, Intake, checked_params, given_fields
 from .response_store import ResponseStore
-from .validation import TEXT, TOP_P, ApiError, Field, bad_field, check_fields, log_ignored, read_json, require
+from .validation import (TEXT, TOP_P, ApiError, Field, bad_field, check_fields, log_ignored, message_content,
+                         read_json, require)
 
 log = logging.getLogger("llmd.server")
 
@@ -150,7 +151,12 @@ def conversation(body: dict, previous: list[dict] | None = None) -> list[dict]:
             role = ROLES.get(item.get("role"))
             if role is None:
                 raise bad_field(f"{where}.role", "must be user, assistant, system or developer")
-            out.append({"role": role, "content": _content_text(item.get("content"), f"{where}.content")})
+            content = item.get("content")
+            if role == "user" and isinstance(content, list) and any(
+                    isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+                out.append({"role": role, "content": message_content(content, f"{where}.content")})  # with images
+            else:
+                out.append({"role": role, "content": _content_text(content, f"{where}.content")})
             if role == "assistant" and thought:
                 out[-1]["thinking"] = thought
             thought = ""

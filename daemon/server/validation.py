@@ -243,11 +243,62 @@ def message_text(content: Any, where: str) -> str:
     return text
 
 
+IMAGE_PART_TYPES = ("image_url", "input_image", "image")
+
+
+def image_part(part: dict, where: str) -> dict:
+    """An image content part in any dialect's form -> {"type": "image", "image": bytes} (what chat templates see as
+    an image part, its bytes kept for the encoder): OpenAI's image_url ({"url": data URI} or the URI itself),
+    Responses' input_image (image_url), Anthropic's image (a base64 source). Remote URLs are never fetched."""
+    from ..model.vision.images import InvalidImage, image_bytes
+
+    kind = part["type"]
+    if kind == "image":  # Anthropic
+        source, field = part.get("source"), f"{where}.source"
+        if not isinstance(source, dict) or source.get("type") != "base64":
+            raise bad_field(field, "must be a base64 source ({type: base64, media_type, data}); URLs are not fetched")
+        value, field = source.get("data"), f"{field}.data"
+    else:
+        value, field = part.get("image_url"), f"{where}.image_url"
+        if isinstance(value, dict):
+            value, field = value.get("url"), f"{field}.url"
+    try:
+        return {"type": "image", "image": image_bytes(value)}
+    except InvalidImage as exc:
+        raise bad_field(field, str(exc)) from None
+
+
+def message_content(content: Any, where: str) -> str | list[dict]:
+    """A user message's content: its text (as message_text), or, when it holds images, its parts in order, the
+    images as image_part gives them and the text parts as {"type": "text", "text": ...}."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in IMAGE_PART_TYPES
+                                                for p in content):
+        return message_text(content, where)
+    parts: list[dict] = []
+    for i, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+            parts.append(image_part(part, f"{where}[{i}]"))
+        elif isinstance(part, dict) and part.get("type") in ("text", "input_text") and isinstance(part.get("text"),
+                                                                                                   str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
+            raise bad_field(f"{where}[{i}]", "must be a text part or an image part")
+    return parts
+
+
+def content_text(content: str | list[dict]) -> str:
+    """A message's text, whether its content is a string or parts with images."""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+
+
 ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def parse_messages(value: Any, name: str = "messages") -> list[dict]:
-    """Validate a chat message list and return [{role, content}] with text content."""
+    """Validate a chat message list and return [{role, content}] with text content (a user message with images: its
+    parts, see message_content)."""
     if not isinstance(value, list):
         raise bad_field(name, "must be an array of messages")
     if not value:
@@ -264,5 +315,6 @@ def parse_messages(value: Any, name: str = "messages") -> list[dict]:
             raise bad_field(f"{where}.role", "must be one of " + ", ".join(ROLES))
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
-        out.append({"role": role, "content": message_text(msg.get("content"), f"{where}.content")})
+        read = message_content if role == "user" else message_text
+        out.append({"role": role, "content": read(msg.get("content"), f"{where}.content")})
     return out

@@ -122,7 +122,12 @@ def fold_system(messages: list[dict]) -> list[dict] | None:
     (Gemma 2); None when there is nothing to fold."""
     if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
         return None
-    first = {**messages[1], "content": messages[0]["content"] + "\n\n" + messages[1]["content"]}
+    user = messages[1]["content"]
+    if isinstance(user, list):  # parts with images: the system text opens them
+        content: str | list = [{"type": "text", "text": messages[0]["content"] + "\n\n"}, *user]
+    else:
+        content = messages[0]["content"] + "\n\n" + user
+    first = {**messages[1], "content": content}
     return [first, *messages[2:]]
 
 

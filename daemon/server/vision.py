@@ -1,0 +1,88 @@
+"""A chat's images, from the request's parts to the engine's ImageSpans (llmd.engine.types).
+
+Every dialect turns its image parts into {"type": "image", "image": bytes} in a user message's content
+(validation.image_part). Here, once the model is bound: a model without a tower answers 400; the images are decoded
+and bounded (llmd.model.vision.images) and encoded by the model's tower, both off the event loop, each encoding kept
+in a small LRU by the image's pixel digest (a multi-turn chat re-sends its images); the chat template sees plain
+{"type": "image"} parts, the rendered text is widened around each image as the family's processor does, and the
+image's placeholder tokens in the encoded prompt become its span.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import OrderedDict
+from typing import Any
+
+from ..engine.types import ImageSpan
+from ..model.vision.images import MAX_IMAGES, InvalidImage, decode_image
+from .validation import ApiError
+
+ENCODED_CACHE = 32  # images' embeddings kept per model
+_encoded: "weakref.WeakKeyDictionary[Any, OrderedDict[bytes, Any]]" = weakref.WeakKeyDictionary()
+
+
+def take_images(messages: list[dict]) -> tuple[list[dict], list[tuple[str, bytes]]]:
+    """The messages with each image part reduced to {"type": "image"}, and the images' bytes in order, each with the
+    request field it came from."""
+    out, images = [], []
+    for i, msg in enumerate(messages):
+        content = msg.get("content")
+        if isinstance(content, list) and any(p.get("type") == "image" for p in content):
+            parts = []
+            for j, part in enumerate(content):
+                if part.get("type") == "image":
+                    images.append((f"messages[{i}].content[{j}]", part["image"]))
+                    part = {"type": "image"}
+                parts.append(part)
+            msg = {**msg, "content": parts}
+        out.append(msg)
+    if len(images) > MAX_IMAGES:
+        raise ApiError(400, f"a request may hold at most {MAX_IMAGES} images ({len(images)} given)",
+                       param="messages")
+    return out, images
+
+
+def _encode(vision: Any, data: bytes, where: str) -> tuple[bytes, Any]:
+    """(digest, embeddings) of one image, from the cache or the tower; runs in a worker thread."""
+    try:
+        decoded = decode_image(data)
+    except InvalidImage as exc:
+        raise ApiError(400, f"{where}: the image {exc}", param=where) from None
+    cache = _encoded.setdefault(vision, OrderedDict())
+    embeds = cache.get(decoded.digest)
+    if embeds is None:
+        embeds = vision.encode(vision.preprocess(decoded.image))
+        cache[decoded.digest] = embeds
+        while len(cache) > ENCODED_CACHE:
+            cache.popitem(last=False)
+    else:
+        cache.move_to_end(decoded.digest)
+    return decoded.digest, embeds
+
+
+async def encode_images(vision: Any, images: list[tuple[str, bytes]]) -> list[tuple[bytes, Any]]:
+    loop = asyncio.get_running_loop()
+    return [await loop.run_in_executor(None, _encode, vision, data, where) for where, data in images]
+
+
+def image_spans(vision: Any, ids: list[int], encoded: list[tuple[bytes, Any]]) -> list[ImageSpan]:
+    """Each image's run of placeholder tokens in `ids`, in order, with its embeddings."""
+    runs, i = [], 0
+    while i < len(ids):
+        if ids[i] == vision.image_token_id:
+            j = i
+            while j < len(ids) and ids[j] == vision.image_token_id:
+                j += 1
+            runs.append((i, j - i))
+            i = j
+        else:
+            i += 1
+    lengths = [int(e.shape[0]) for _, e in encoded]
+    if [n for _, n in runs] != lengths:
+        raise ApiError(400, f"the chat template placed {len(runs)} images ({[n for _, n in runs]} tokens) for "
+                            f"{len(encoded)} sent ({lengths} tokens): send images in user messages",
+                       param="messages")
+    return [ImageSpan(start, n, digest, embeds, bool(vision.bidirectional))
+            for (start, n), (digest, embeds) in zip(runs, encoded)]
