@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import typer
 
@@ -134,12 +135,13 @@ def run(
     prompt: str = typer.Argument(None, help="Prompt; without it, read stdin or open a simple prompt loop."),
     temperature: float = typer.Option(None, "--temperature", "-t", help="0 for greedy (default: the server's)."),
     max_tokens: int = typer.Option(None, "--max-tokens", "-n", help="Cap on generated tokens."),
+    image: list[Path] = typer.Option(None, "--image", "-i", help="An image to ask about (repeatable)."),
 ) -> None:
     """One-shot generation through the daemon, starting it if none runs."""
     from .config import load_settings
     from .server.control import run as daemon_run
 
-    daemon_run(load_settings(), model, prompt, temperature=temperature, max_tokens=max_tokens)
+    daemon_run(load_settings(), model, prompt, images=image or [], temperature=temperature, max_tokens=max_tokens)
 
 
 service_app = typer.Typer(help="Install the daemon as a systemd user service.", no_args_is_help=True)

@@ -369,3 +369,26 @@ async def test_model_picker_loads_on_selection_with_progress_and_errors(fake, tm
         await pilot.press("escape")
         await wait_for(pilot, lambda: not isinstance(app.screen, ModelPicker))
         assert app.conversation.model == "other-model"
+
+
+async def test_image_attached_with_slash_image_goes_with_the_next_message(fake, tmp_path):
+    from PIL import Image
+
+    picture = tmp_path / "cat.png"
+    Image.new("RGB", (8, 8), (10, 20, 30)).save(picture)
+    app = make_app(fake, tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await connected(pilot)
+        await send(pilot, "/image /no/such/file.png")
+        await send(pilot, f"/image {picture}")
+        assert not fake.requests  # attaching sends nothing
+        await send(pilot, "what is this?")
+        await answered(pilot)
+        (image_part, text_part) = fake.requests[0]["messages"][0]["content"]
+        assert image_part["type"] == "image_url" and image_part["image_url"]["url"].startswith("data:image/")
+        assert text_part == {"type": "text", "text": "what is this?"}
+        await send(pilot, "and now?")  # the image stays with its own message only, also after a restart
+        await answered(pilot, 2)
+        second = fake.requests[1]["messages"]
+        assert isinstance(second[0]["content"], list) and second[2] == {"role": "user", "content": "and now?"}
+        assert app.store.get(app.conversation.id).messages[0].images == [str(picture.resolve())]

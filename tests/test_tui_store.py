@@ -70,11 +70,14 @@ def test_old_schema_is_upgraded_in_place(tmp_path):
     db.close()
 
     store = ChatStore(path)
-    assert store.schema_version == SCHEMA_VERSION == 2
+    assert store.schema_version == SCHEMA_VERSION == 3
     conv = store.get(1)
     assert conv.title == "old" and conv.messages[0].content == "hi" and conv.messages[0].timings is None
+    assert conv.messages[0].images is None
     store.add_message(1, Message("assistant", "hello", timings={"ttft_ms": 1.0}))
+    store.add_message(1, Message("user", "and this?", images=["/pictures/cat.png"]))
     assert store.get(1).messages[1].timings == {"ttft_ms": 1.0}
+    assert store.get(1).messages[2].images == ["/pictures/cat.png"]
 
 
 def test_newer_schema_is_refused(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import subprocess
 from contextlib import aclosing
 from collections.abc import Iterable
@@ -100,6 +101,7 @@ class ChatApp(App):
         self.models: list[str] = []
         self.daemon_process: subprocess.Popen | None = None
         self._generation: Worker | None = None
+        self._attached: list[str] = []  # image files `/image PATH` attached to the next message
 
     # --- layout -------------------------------------------------------------------------------------------------
 
@@ -312,11 +314,20 @@ class ChatApp(App):
             self.notify("Still answering: Esc stops it", severity="warning")
             return
         self.query_one("#prompt", PromptInput).clear()
+        if event.text.startswith("/image "):  # attach an image to the next message
+            path = Path(event.text[len("/image "):].strip()).expanduser()
+            if not path.is_file():
+                self.notify(f"no such image file: {path}", severity="error")
+                return
+            self._attached.append(str(path.resolve()))
+            self.notify(f"attached {path.name}: it goes with your next message")
+            return
         if self.conversation is None:
             self.conversation = self.store.create(title=_title_from(event.text), model=self.default_model)
         elif self.conversation.title == DEFAULT_TITLE and not self.conversation.messages:
             self.store.rename(self.conversation.id, _title_from(event.text))
-        self.store.add_message(self.conversation.id, Message("user", event.text))
+        images, self._attached = self._attached or None, []
+        self.store.add_message(self.conversation.id, Message("user", event.text, images=images))
         self.conversation = self.store.get(self.conversation.id)
         await self.messages_view.mount(MessageView("user", event.text))
         self.update_subtitle()
@@ -337,7 +348,7 @@ class ChatApp(App):
 
     async def _stream_answer(self, conv: Conversation, view: MessageView) -> None:
         messages = ([{"role": "system", "content": conv.system_prompt}] if conv.system_prompt else []) + [
-            {"role": m.role, "content": m.content} for m in conv.messages
+            {"role": m.role, "content": _content(m)} for m in conv.messages
         ]
         request = ChatRequest(messages, model=conv.model, temperature=conv.temperature, max_tokens=conv.max_tokens)
         timings: dict[str, Any] | None = None
@@ -427,3 +438,16 @@ class ChatApp(App):
 def _title_from(text: str) -> str:
     line = " ".join(text.split())
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1] + "…"
+
+
+def _content(message: Message) -> str | list[dict[str, Any]]:
+    """A stored message as the chat API takes it: its text, after its images (read from their files now; a file gone
+    since is left out)."""
+    parts: list[dict[str, Any]] = []
+    for path in message.images or []:
+        try:
+            data = base64.b64encode(Path(path).read_bytes()).decode()
+        except OSError:
+            continue
+        parts.append({"type": "image_url", "image_url": {"url": f"data:image/*;base64,{data}"}})
+    return parts + [{"type": "text", "text": message.content}] if parts else message.content

@@ -75,7 +75,7 @@ class ModelEntry:
 
 @dataclass
 class ChatRequest:
-    messages: list[dict[str, str]]
+    messages: list[dict[str, Any]]
     model: str | None = None
     temperature: float | None = None
     max_tokens: int | None = None

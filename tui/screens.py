@@ -30,6 +30,7 @@ KEYS_HELP = """\
 |---|---|
 | Enter | send the message |
 | Shift+Enter, Ctrl+J | new line in the message |
+| /image PATH (sent as a message) | attach an image to your next message (a model that sees images) |
 | Esc | stop the answer (aborts it on the daemon) |
 | Ctrl+R | regenerate the last answer (or retry after an error) |
 | Ctrl+N | new chat |

@@ -42,6 +42,10 @@ MIGRATIONS: list[str] = [
     ALTER TABLE messages ADD COLUMN timings TEXT;
     ALTER TABLE messages ADD COLUMN model TEXT;
     """,
+    # 2 -> 3: the image files a user message was sent with (a JSON list of paths).
+    """
+    ALTER TABLE messages ADD COLUMN images TEXT;
+    """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
 
@@ -61,6 +65,7 @@ class Message:
     id: int | None = None
     timings: dict[str, Any] | None = None
     model: str | None = None
+    images: list[str] | None = None  # paths of the images sent with a user message
 
 
 @dataclass
@@ -124,7 +129,8 @@ class ChatStore:
         conv = _conversation(row)
         conv.messages = [
             Message(role=m["role"], content=m["content"], id=m["id"], model=m["model"],
-                    timings=json.loads(m["timings"]) if m["timings"] else None)
+                    timings=json.loads(m["timings"]) if m["timings"] else None,
+                    images=json.loads(m["images"]) if m["images"] else None)
             for m in self.db.execute("SELECT * FROM messages WHERE conversation_id = ? ORDER BY id", (conversation_id,))
         ]
         return conv
@@ -165,10 +171,11 @@ class ChatStore:
         now = time.time()
         with self.db:
             cur = self.db.execute(
-                "INSERT INTO messages (conversation_id, role, content, created_at, timings, model)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
+                "INSERT INTO messages (conversation_id, role, content, created_at, timings, model, images)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
                 (conversation_id, message.role, message.content, now,
-                 json.dumps(message.timings) if message.timings else None, message.model),
+                 json.dumps(message.timings) if message.timings else None, message.model,
+                 json.dumps(message.images) if message.images else None),
             )
             self.db.execute("UPDATE conversations SET updated_at = ? WHERE id = ?", (now, conversation_id))
         message.id = cur.lastrowid

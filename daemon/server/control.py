@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
@@ -288,8 +289,24 @@ def _request_name(model: str | None, started: bool) -> str | None:
                         ) from None
 
 
-def run(settings: Settings, model: str | None, prompt: str | None, **options: float | int | None) -> None:
-    """`llmd run MODEL [PROMPT]`: one-shot, or a simple prompt loop on a terminal (stdin is read when piped)."""
+def user_message(text: str, images: list[Path]) -> dict:
+    """A user turn, with its images (files, sent as data URIs) before the text."""
+    if not images:
+        return {"role": "user", "content": text}
+    parts = []
+    for path in images:
+        try:
+            data = base64.b64encode(Path(path).read_bytes()).decode()
+        except OSError as exc:
+            raise LlmdError(f"cannot read image {path}: {exc.strerror}") from None
+        parts.append({"type": "image_url", "image_url": {"url": f"data:image/*;base64,{data}"}})
+    return {"role": "user", "content": parts + [{"type": "text", "text": text}]}
+
+
+def run(settings: Settings, model: str | None, prompt: str | None, images: list[Path] | None = None,
+        **options: float | int | None) -> None:
+    """`llmd run MODEL [PROMPT] [--image PATH]`: one-shot, or a simple prompt loop on a terminal (stdin is read when
+    piped); images go with the first prompt."""
     if prompt is None and not sys.stdin.isatty():
         prompt = sys.stdin.read()
         if not prompt.strip():
@@ -297,7 +314,7 @@ def run(settings: Settings, model: str | None, prompt: str | None, **options: fl
     client = ensure_daemon(settings, model)
     model = _request_name(model, started=client.started_pid is not None)
     if prompt is not None:
-        chat_once(client, model, [{"role": "user", "content": prompt}], **options)
+        chat_once(client, model, [user_message(prompt, images or [])], **options)
         if client.started_pid is not None:
             print(f"llmd keeps serving in the background (pid {client.started_pid}, {client.where()}); "
                   "`llmd ps` shows it, `llmd stop` stops it", file=sys.stderr)
@@ -313,5 +330,5 @@ def run(settings: Settings, model: str | None, prompt: str | None, **options: fl
             return
         if not line.strip():
             continue
-        history.append({"role": "user", "content": line})
+        history.append(user_message(line, [] if history else images or []))
         history.append({"role": "assistant", "content": chat_once(client, model, history, **options)})
