@@ -104,3 +104,16 @@ def test_decoding_bounds_and_digest():
     Image.new("1", (7000, 7000)).save(buf, format="PNG")  # 49 megapixels in a few kB
     with pytest.raises(InvalidImage, match="megapixels|bomb"):
         decode_image(buf.getvalue())
+
+
+def test_llamacpp_multimodal_prompts_are_read(daemon):
+    """llama.cpp's two forms reach the model check (a text model: 400 naming the prompt), a marker count that does
+    not match the images is a 400 of its own, and a dict prompt on OpenAI's route is refused."""
+    for body in ({"prompt": {"prompt_string": "What is <__media__>?", "multimodal_data": [IMAGE]}},
+                 {"prompt": "What is [img-3]?", "image_data": [{"data": IMAGE, "id": 3}]}):
+        status, answer = post(daemon, "/completion", {"n_predict": 4, **body})
+        assert status == 400 and "does not see images" in error_text(answer), answer
+    status, answer = post(daemon, "/completion", {"prompt": {"prompt_string": "no marker", "multimodal_data": [IMAGE]}})
+    assert status == 400 and "image markers" in error_text(answer)
+    status, answer = post(daemon, "/v1/completions", {"model": "qwen2", "prompt": {"prompt_string": "x"}})
+    assert status == 400 and "prompt" in error_text(answer)

@@ -22,7 +22,7 @@ from ..tools.families import ModelTraits, model_traits
 from ..tools.grammar import answer_constraint
 from ..tools.parsers import OutputParser, Piece
 from ..tools.plan import ChatPlan, plan_chat
-from .intake import ChatPrompt, FimPrompt, Intake, TextPrompt, with_model_defaults
+from .intake import MEDIA_MARKER, ChatPrompt, FimPrompt, Intake, TextPrompt, with_model_defaults
 from .metrics import Metrics
 from .streaming import KEEP_ALIVE, KEEPALIVE_S, EventStream, pump
 from .validation import ApiError, content_text
@@ -235,6 +235,16 @@ async def encode_prompt(engine: AsyncEngine, intake: Intake, model_name: str,
     constraint = answer_constraint(intake.answer) if intake.answer is not None else None
     if isinstance(prompt, FimPrompt):
         return Encoded(await encode_fim(tok, prompt, model_name), constraint, OutputParser())
+    if isinstance(prompt, TextPrompt) and prompt.images:  # llama.cpp's multimodal prompt
+        vision = getattr(engine.loaded, "vision", None)
+        if vision is None:
+            raise ApiError(400, f"prompt: model {model_name!r} does not see images (it has no vision tower)",
+                           param="prompt")
+        encoded = await encode_images(vision, [(f"multimodal_data[{i}]", data) for i, data in enumerate(prompt.images)])
+        text = vision.expand(prompt.text.replace(MEDIA_MARKER, vision.placeholder_text()),
+                             [int(e.shape[0]) for _, e in encoded])
+        ids = await encode_text(tok, text, prompt.add_special_tokens)
+        return Encoded(ids, constraint, OutputParser(), image_spans(vision, ids, encoded))
     if isinstance(prompt, TextPrompt):
         return Encoded(await encode_text(tok, prompt.text, prompt.add_special_tokens), constraint, OutputParser())
     if any(not 0 <= t < tok.vocab_size for t in prompt.token_ids):

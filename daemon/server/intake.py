@@ -49,6 +49,11 @@ class ChatPrompt:
 class TextPrompt:
     text: str
     add_special_tokens: bool = True
+    # llama.cpp's multimodal prompt: the text holds MEDIA_MARKER where each image goes, in order
+    images: tuple[bytes, ...] = ()
+
+
+MEDIA_MARKER = "<__media__>"  # llama.cpp's (mtmd) marker of an image's place in a text prompt
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from ..engine.types import PromptProgress, RequestOutput, SamplingParams
 from ..tools.parsers import Piece
 from ..tools.spec import MAX_GRAMMAR_CHARS, AnswerFormat, check_schema
 from .core import Generation, GenerationResult, Renderer, ServerState, encode_text, output_reason, run, state_of
-from .intake import FimPrompt, Intake, Prompt, TextPrompt, TokenPrompt, checked_params, given_fields
+from ..model.vision.images import InvalidImage, image_bytes
+from .intake import MEDIA_MARKER, FimPrompt, Intake, Prompt, TextPrompt, TokenPrompt, checked_params, given_fields
 from .responses import logprob_items, timings_dict
 from .validation import (LOGPROBS_TOP, MAX_INPUT_EXTRA, MAX_NEW_TOKENS, MAX_PROMPT_TOKEN_IDS, MIN_P, PENALTY,
                          REPEAT_PENALTY, SEED, STOP, TEXT, TOP_K, TOP_P, ApiError, Field, bad_field, check_fields,
@@ -165,11 +166,45 @@ def parse_completion(body: dict, state: ServerState) -> Intake:
     f = check_fields(body, COMPLETION_FIELDS)
     state.check_model(f.get("model"))
     prompt = f["prompt"]
+    if isinstance(prompt, dict):  # {"prompt_string": text with <__media__> markers, "multimodal_data": [base64]}
+        text, images = prompt.get("prompt_string"), prompt.get("multimodal_data") or []
+        if not isinstance(text, str) or not isinstance(images, list):
+            raise bad_field("prompt", "must be {prompt_string, multimodal_data}")
+        prompt = text
+    else:
+        prompt, images = _image_data(prompt, body.get("image_data"))
     if isinstance(prompt, list):
         return _intake(f, TokenPrompt(prompt), body)
     if len(prompt) > TEXT.max_len:
         raise bad_field("prompt", f"must be at most {TEXT.max_len} characters")
-    return _intake(f, TextPrompt(prompt), body)
+    if prompt.count(MEDIA_MARKER) != len(images):
+        raise bad_field("prompt", f"holds {prompt.count(MEDIA_MARKER)} image markers for {len(images)} images")
+    return _intake(f, TextPrompt(prompt, images=tuple(_image(v, f"multimodal_data[{i}]")
+                                                      for i, v in enumerate(images))), body)
+
+
+def _image_data(prompt: object, image_data: object) -> tuple[object, list]:
+    """llama.cpp's older form: image_data [{data: base64, id: N}] placed at "[img-N]" in the prompt, in the prompt's
+    order: the prompt with media markers instead, and the images in that order."""
+    if image_data is None:
+        return prompt, []
+    if not isinstance(image_data, list) or not isinstance(prompt, str) or not all(
+            isinstance(d, dict) and isinstance(d.get("id"), int) for d in image_data):
+        raise bad_field("image_data", "must be [{data, id}] with a text prompt holding [img-<id>]")
+    by_id = {d["id"]: d.get("data") for d in image_data}
+    found = [(prompt.find(f"[img-{i}]"), i) for i in by_id]
+    if any(pos < 0 for pos, _ in found):
+        raise bad_field("image_data", "every image's [img-<id>] must be in the prompt")
+    for _, i in found:
+        prompt = prompt.replace(f"[img-{i}]", MEDIA_MARKER, 1)
+    return prompt, [by_id[i] for _, i in sorted(found)]
+
+
+def _image(value: object, where: str) -> bytes:
+    try:
+        return image_bytes(value)
+    except InvalidImage as exc:
+        raise bad_field(where, str(exc)) from None
 
 
 async def _serve(request: web.Request, state: ServerState, body: dict, intake: Intake) -> web.StreamResponse:

@@ -50,7 +50,7 @@ def bad_field(name: str, why: str) -> ApiError:
 @dataclass(frozen=True)
 class Field:
     """One field's type and bounds. kind: "int", "number", "str", "bool", "list", "dict", "stop" (str or list of str),
-    "str|list" (a prompt: text or a list of token ids)."""
+    "str|list" (a prompt: text, a list of token ids, or llama.cpp's multimodal object)."""
 
     kind: str
     lo: float | None = None
@@ -104,9 +104,9 @@ def _check_one(name: str, value: Any, spec: Field) -> Any:
             if len(value) > MAX_PROMPT_TOKEN_IDS:
                 raise bad_field(name, f"may hold at most {MAX_PROMPT_TOKEN_IDS} token ids")
             value = [int(t) for t in value]
-        elif isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        elif isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, dict)):
             value = value[0]
-        else:
+        elif not isinstance(value, dict):  # a dict: llama.cpp's multimodal prompt, read by its route
             raise bad_field(name, "must be a string or an array of token ids")
     else:  # pragma: no cover - a typo in a table
         raise AssertionError(kind)
