@@ -713,3 +713,118 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gemma 3 image-text (Gemma3ForConditionalGeneration): a SigLIP tower and the multimodal projector beside the text
+# model, written by transformers; and the tower as llama.cpp's converter writes it into an mmproj GGUF.
+
+GEMMA3_VISION_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
+                          "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+GEMMA3_IMAGE_SIZE, GEMMA3_PATCH, GEMMA3_IMAGE_TOKENS = 64, 8, 16
+# not the processor's defaults (0.5), so that a loader that ignores preprocessor_config.json shows
+GEMMA3_IMAGE_MEAN, GEMMA3_IMAGE_STD = [0.48, 0.45, 0.41], [0.27, 0.26, 0.28]
+GEMMA3_TEMPLATE_FILE = Path(__file__).parent / "chat_templates" / "gemma-3-it.jinja"  # Gemma 3's own
+
+
+def write_tiny_gemma3_vision(folder: Path, seed: int = 0) -> Path:
+    """A Gemma3ForConditionalGeneration folder as transformers saves it: a 2-layer text model (one window layer,
+    one global), a 2-layer SigLIP tower of 64x64 pixels in patches of 8, pooled to 16 image tokens; a tokenizer with
+    Gemma 3's image specials and its chat template (an image part renders as <start_of_image>), the processor's
+    files (preprocessor_config.json, processor_config.json). Returns the folder."""
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(GEMMA3_VISION_SPECIALS, add_bos="<bos>")
+    ids = {t: tok.token_to_id(t) for t in GEMMA3_VISION_SPECIALS}
+    text = dict(vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+                max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1, sliding_window=16,
+                layer_types=["sliding_attention", FULL_ATTN], bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"],
+                pad_token_id=ids["<pad>"])
+    vision = dict(image_size=GEMMA3_IMAGE_SIZE, patch_size=GEMMA3_PATCH, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, layer_norm_eps=1e-6, vision_use_head=False)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_IMAGE_TOKENS,
+                             boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                             image_token_index=ids["<image_soft_token>"], initializer_range=0.1)
+    torch.manual_seed(seed)
+    model = tf.Gemma3ForConditionalGeneration(config).eval()
+    _randomise(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and "vision_tower" not in name:  # Gemma's RMSNorms multiply by 1 + weight
+                p.sub_(1.0)
+            if "mm_input_projection" in name:  # zeros as initialised
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(folder)
+
+    tok.save(str(folder / "tokenizer.json"))
+    _write_json(folder / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "clean_up_tokenization_spaces": False,
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "chat_template": GEMMA3_TEMPLATE_FILE.read_text(encoding="utf-8"),
+        "extra_special_tokens": {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                 "image_token": "<image_soft_token>"},
+    })
+    _write_json(folder / "generation_config.json", {"bos_token_id": ids["<bos>"],
+                                                    "eos_token_id": [ids["<eos>"], ids["<end_of_turn>"]]})
+    _write_json(folder / "preprocessor_config.json", {
+        "image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+        "size": {"height": GEMMA3_IMAGE_SIZE, "width": GEMMA3_IMAGE_SIZE}, "resample": 2, "rescale_factor": 1 / 255,
+        "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": None, "do_pan_and_scan": None,
+        "image_mean": GEMMA3_IMAGE_MEAN, "image_std": GEMMA3_IMAGE_STD,
+    })
+    _write_json(folder / "processor_config.json", {"processor_class": "Gemma3Processor",
+                                                   "image_seq_length": GEMMA3_IMAGE_TOKENS})
+    return folder
+
+
+def write_tiny_gemma3_mmproj(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
+    """The folder's vision tower and projector as llama.cpp's converter writes an mmproj GGUF (general.architecture
+    "clip", projector type gemma3, clip.vision.* keys, the soft-emb norm stored as 1 + weight); names from the gguf
+    package's own mapping. matrix_type F16 stores the 2-D and 4-D weights in half precision."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    pre = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
+    vision = cfg["vision_config"]
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+    w.add_vision_projection_dim(cfg["text_config"]["hidden_size"])
+    w.add_vision_image_size(vision["image_size"])
+    w.add_vision_patch_size(vision["patch_size"])
+    w.add_vision_embedding_length(vision["hidden_size"])
+    w.add_vision_feed_forward_length(vision["intermediate_size"])
+    w.add_vision_block_count(vision["num_hidden_layers"])
+    w.add_vision_head_count(vision["num_attention_heads"])
+    w.add_vision_image_mean(pre["image_mean"])
+    w.add_vision_image_std(pre["image_std"])
+    w.add_vision_attention_layernorm_eps(vision["layer_norm_eps"])
+    w.add_vision_use_gelu(True)
+    scale = (vision["image_size"] // vision["patch_size"]) // int(cfg["mm_tokens_per_image"] ** 0.5)
+    if scale != 4:  # as the converter: written only when not the default
+        w.add_vision_projector_scale_factor(scale)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    for name, tensor in state.items():
+        name = name.removeprefix("model.")
+        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+            name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)  # the hub's names
+        elif not name.startswith("multi_modal_projector."):
+            continue
+        name = name.replace("_weight", ".weight")
+        data = tensor.float() + (1.0 if "soft_emb_norm" in name else 0.0)
+        array = np.ascontiguousarray(data.numpy())
+        if matrix_type == "F16" and array.ndim >= 2 and "position_embedding" not in name:
+            array = array.astype(np.float16)
+        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -54,7 +54,12 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
 # image-text architectures whose text model is served (the tower is left unread) -> that text architecture
 TEXT_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                       "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-                      "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM"}
+                      "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
+                      "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# text_config keys an image-text config.json may leave out (the hub's Gemma 3 4B-27B do): transformers' defaults
+_TEXT_CONFIG_DEFAULTS = {"Gemma3ForConditionalGeneration": {
+    "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131_072}}
 # architectures whose config.json sliding_window applies unless use_sliding_window says otherwise
 _WINDOW_BY_DEFAULT = ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "GptOssForCausalLM")
 
@@ -353,7 +358,8 @@ class ModelConfig:
         if arch in TEXT_ARCHITECTURES and isinstance(cfg.get("text_config"), dict):
             # an image-text checkpoint: its text model, whose settings are text_config's
             top = {k: cfg[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id") if k in cfg}
-            cfg, arch = {**top, **cfg["text_config"], "architectures": [TEXT_ARCHITECTURES[arch]],
+            cfg, arch = {**_TEXT_CONFIG_DEFAULTS.get(arch, {}), **top, **cfg["text_config"],
+                         "architectures": [TEXT_ARCHITECTURES[arch]],
                          "llmd_pooling": cfg.get("llmd_pooling", "mean")}, TEXT_ARCHITECTURES[arch]
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitecture(unsupported_message(arch))
@@ -825,7 +831,8 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration",
-               "granitemoehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM"}
+               "granitemoehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
+               "gemma3": "Gemma3ForConditionalGeneration"}
     return by_type.get(model_type or "", model_type)
 
 

@@ -19,11 +19,16 @@ llmd.model.cpu_stack.CompiledCpuForward: the same kernel calls as these modules,
 tests/test_gemma.py and tests/test_cpu_stack.py hold it). fp weights and CUDA always run the modules.
 Attention goes through the step's backend with the layer's window and softcap (llmd.model.attention_backends: the C
 kernels on the CPU and the Triton kernels on CUDA take both).
+
+Gemma 3's image-text checkpoints (Gemma3ForConditionalGeneration) load as their text model: `language_model.model.X`
+(the hub's and transformers 5's names) or `model.language_model.X` (transformers 4's) is `model.X`; the vision tower
+and projector are left to llmd.model.vision.gemma3 (`adapt_checkpoint`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +41,10 @@ from .llama import CausalLM, RotaryEmbedding, packed_modules
 from .ops import TORCH_OPS, Ops
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+# an image-text checkpoint's names: its text model's prefixes -> ours; the vision encoder's, unread here
+_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
 
 
 class GemmaRMSNorm(nn.Module):
@@ -208,6 +217,21 @@ class GemmaCausalLM(nn.Module):
             if isinstance(module, GemmaRMSNorm):
                 module.scale = None  # a move or cast: recomputed from the weight on next use
         return result
+
+    def adapt_checkpoint(self, tensors: Iterable, source: object = None) -> Iterator:
+        """An image-text checkpoint read as its text model (see the module docstring); any other as it is."""
+        for item in tensors:
+            name = item.name if hasattr(item, "name") else item[0]
+            if name.startswith(_VISION_PREFIXES):
+                continue
+            prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+            if prefix is not None:
+                name = _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)
+                if hasattr(item, "name"):
+                    item.name = name
+                else:
+                    item = (name, item[1])
+            yield item
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None
               ) -> tuple[torch.Tensor, dict, dict]:
