@@ -200,7 +200,7 @@ def _transformers4_name(name: str) -> str:
 @pytest.mark.parametrize("layout", ["transformers5", "hub", "transformers4"])
 def test_text_model_loads_from_the_image_text_folder(layout, folder, reference, encoder, tmp_path):
     """Gemma3ForConditionalGeneration's text model is Gemma3ForCausalLM, its logits transformers' (no image); the
-    encoder reads the same tower under each layout's names."""
+    loader reads the same tower beside it under each layout's names."""
     rename = {"transformers5": None, "hub": _hub_name, "transformers4": _transformers4_name}[layout]
     path = folder if rename is None else _relabelled(folder, tmp_path / layout, rename)
     lm = load_model(path, dtype=torch.float32, device="cpu")
@@ -211,9 +211,9 @@ def test_text_model_loads_from_the_image_text_folder(layout, folder, reference, 
         expected = reference[0](torch.tensor([ids])).logits[0]
     got = prefill_logits(lm, ids, chunk_sizes=[7])
     assert (got - expected).abs().max().item() < EMBED_TOLERANCE
-    if rename is not None:
-        pixels = encoder.preprocess(_decode("png_64"))
-        assert torch.equal(load_gemma3_vision(path, torch.float32, "cpu").encode(pixels), encoder.encode(pixels))
+    assert isinstance(lm.vision, Gemma3Vision)  # llmd.model.vision.loading found the tower beside it
+    pixels = encoder.preprocess(_decode("png_64"))
+    assert torch.equal(lm.vision.encode(pixels), encoder.encode(pixels))
 
 
 def test_hub_config_without_text_sizes_takes_transformers_defaults():

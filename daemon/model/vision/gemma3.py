@@ -150,7 +150,7 @@ class Gemma3Vision(nn.Module):
     def tokens_for(self, pixel_values: torch.Tensor) -> int:
         return self.config.mm_tokens_per_image
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: the engine reads these tensors outside it
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         c, weight = self.config, self.mm_input_projection_weight
         if tuple(pixel_values.shape) != (3, c.image_size, c.image_size):
