@@ -262,6 +262,10 @@ def test_bad_vision_config_is_refused_by_name(folder, tmp_path):
     (bad / "config.json").write_text(json.dumps({**cfg, "vision_config": {**cfg["vision_config"], "patch_size": []}}))
     with pytest.raises(ModelFileError, match="patch_size"):
         load_gemma3_vision(bad, torch.float32, "cpu")
+    (bad / "config.json").write_text(json.dumps({**cfg, "vision_config": {**cfg["vision_config"],
+                                                                          "num_hidden_layers": 10**6}}))
+    with pytest.raises(ModelFileError, match="at most 256 layers"):  # refused before anything is built
+        load_gemma3_vision(bad, torch.float32, "cpu")
     text_only = {k: v for k, v in cfg.items() if k != "vision_config"}
     (bad / "config.json").write_text(json.dumps(text_only))
     with pytest.raises(ModelFileError, match="no vision_config"):

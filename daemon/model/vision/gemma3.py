@@ -36,6 +36,7 @@ from ...errors import ModelFileError
 BOI, IMAGE_TOKEN, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 PROJECTOR = "multi_modal_projector."
 _SCALE = "soft_emb_scale"  # our name for the soft-emb norm's multiplier, 1 + weight, kept in fp32
+MAX_LAYERS = 256  # a bound on what a config may ask to build (SigLIP towers have 12-27)
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,8 @@ class Gemma3VisionConfig:
     def __post_init__(self) -> None:
         sizes = (self.image_size, self.patch_size, self.hidden_size, self.intermediate_size, self.num_layers,
                  self.num_heads, self.text_hidden_size, self.mm_tokens_per_image)
-        if any(n < 1 for n in sizes):
-            raise ModelFileError("config", f"vision sizes must be positive: {self}")
+        if any(n < 1 for n in sizes) or self.num_layers > MAX_LAYERS:
+            raise ModelFileError("config", f"vision sizes must be positive, at most {MAX_LAYERS} layers: {self}")
         side, tokens_side = self.image_size // self.patch_size, round(self.mm_tokens_per_image ** 0.5)
         if self.image_size % self.patch_size or tokens_side ** 2 != self.mm_tokens_per_image or side % tokens_side:
             raise ModelFileError("config", f"{self.image_size} pixels in patches of {self.patch_size} do not pool to "
@@ -179,26 +180,28 @@ def rgb(image: Image.Image) -> Image.Image:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loading: `_build` asks a format's `locate` for each tensor the encoder needs (our name -> the file, the tensor's
-# name there and its reader) and reads exactly those.
+# name and shape there, its reader), checks every one against the model's shapes, and only then allocates and reads:
+# what a file can make llmd allocate is bounded by what it holds.
 
-Located = tuple[Path, str, Callable[[], torch.Tensor]]
+Located = tuple[Path, str, tuple[int, ...], Callable[[], torch.Tensor]]
 
 
 def _build(config: Gemma3VisionConfig, locate: Callable[[str], Located], dtype: torch.dtype,
            device: torch.device | str) -> Gemma3Vision:
     with torch.device("meta"):
         model = Gemma3Vision(config)
+    shapes = {name: tuple(t.shape) for name, t in [*model.named_parameters(), (_SCALE, getattr(model, _SCALE))]}
+    found = {name: locate(name) for name in shapes}
+    for name, (path, file_name, shape, _) in found.items():
+        if tuple(shape) != shapes[name]:
+            raise ModelFileError(path, f"tensor {file_name!r} has shape {tuple(shape)}, expected {shapes[name]}")
     model = model.to(dtype=dtype).to_empty(device=device).eval().requires_grad_(False)
-    for name, dest in [*model.named_parameters(), (_SCALE, getattr(model, _SCALE))]:
-        path, file_name, read = locate(name)
-        value = read()
-        if tuple(value.shape) != tuple(dest.shape):
-            raise ModelFileError(path, f"tensor {file_name!r} has shape {tuple(value.shape)}, expected "
-                                       f"{tuple(dest.shape)}")
+    params = dict(model.named_parameters())
+    for name, (_, _, _, read) in found.items():
         if name == _SCALE:  # fp32 whatever the model's dtype, as transformers computes the norm
-            setattr(model, _SCALE, value.to(device=device, dtype=torch.float32))
+            setattr(model, _SCALE, read().to(device=device, dtype=torch.float32))
         else:
-            dest.copy_(value)
+            params[name].copy_(read())
     return model
 
 
@@ -223,7 +226,7 @@ def load_gemma3_vision(folder: Path, dtype: torch.dtype, device: torch.device | 
     """The encoder of a Gemma3ForConditionalGeneration folder (config.json, preprocessor_config.json if present,
     the safetensors files; never pickle)."""
     from ..config import read_json
-    from ..weights import safetensors_files, safetensors_readers
+    from ..weights import read_safetensors_header, safetensors_files, safetensors_readers
 
     folder = Path(folder)
     cfg_path, pre_path = folder / "config.json", folder / "preprocessor_config.json"
@@ -250,11 +253,16 @@ def load_gemma3_vision(folder: Path, dtype: torch.dtype, device: torch.device | 
         resample=get(pre, "resample", int, 2, pre_path),
         rescale_factor=get(pre, "rescale_factor", float, 1 / 255, pre_path)), cfg_path)
 
-    found: dict[str, tuple[Path, Callable[[], torch.Tensor]]] = {}
-    for path in safetensors_files(folder):
-        for name, read in safetensors_readers([path]).items():  # headers only: tensors are read when used
+    found: dict[str, tuple[Path, tuple[int, ...], Callable[[], torch.Tensor]]] = {}
+    for path in safetensors_files(folder):  # headers only: tensors are read when used
+        try:
+            with open(path, "rb") as f:
+                _, header = read_safetensors_header(path, f)
+        except OSError as exc:
+            raise ModelFileError(path, f"cannot read ({exc.strerror or exc})") from None
+        for name, read in safetensors_readers([path]).items():
             if name.removeprefix("model.").startswith(("vision_tower.", PROJECTOR)):
-                found[name] = (path, read)
+                found[name] = (path, tuple(header[name]["shape"]), read)
     tower = _hf_prefix(found, "embeddings.patch_embedding.weight", ("vision_tower.vision_model.", "vision_tower."))
     projector = _hf_prefix(found, "mm_input_projection_weight", (PROJECTOR,))
 
@@ -263,12 +271,12 @@ def load_gemma3_vision(folder: Path, dtype: torch.dtype, device: torch.device | 
             if ours in (_SCALE, "mm_input_projection_weight") else tower + ours
         if file_name not in found:
             raise ModelFileError(folder, f"tensor {file_name!r} of the vision encoder is missing")
-        path, read = found[file_name]
+        path, shape, read = found[file_name]
 
         def plus_one() -> torch.Tensor:  # the checkpoint holds the norm's weight; we keep its multiplier
             return 1.0 + read().float()
 
-        return path, file_name, plus_one if ours == _SCALE else read
+        return path, file_name, shape, plus_one if ours == _SCALE else read
 
     return _build(config, locate, dtype, device)
 
@@ -336,6 +344,6 @@ def load_gemma3_mmproj(path: Path, dtype: torch.dtype, device: torch.device | st
             raise ModelFileError(where, f"tensor {name!r} of the vision encoder is missing")
         if info.type_name not in SUPPORTED_TYPES and not gguf_can_dequantize(info.type_name):
             raise ModelFileError(where, f"tensor {name!r} has type {info.type_name}, which llmd cannot read")
-        return where, name, lambda: dequantize(gf.raw_bytes(info), info.type_name, info.shape)
+        return where, name, info.shape, lambda: dequantize(gf.raw_bytes(info), info.type_name, info.shape)
 
     return _build(config, locate, dtype, device)
