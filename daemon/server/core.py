@@ -26,7 +26,7 @@ from .intake import MEDIA_MARKER, ChatPrompt, FimPrompt, Intake, TextPrompt, wit
 from .metrics import Metrics
 from .streaming import KEEP_ALIVE, KEEPALIVE_S, EventStream, pump
 from .validation import ApiError, content_text
-from .vision import encode_images, image_spans, take_images
+from .vision import encode_images, expand, image_spans, take_images
 
 if TYPE_CHECKING:
     from ..engine.async_engine import AsyncEngine
@@ -230,7 +230,7 @@ async def encode_prompt(engine: AsyncEngine, intake: Intake, model_name: str,
         constraint, parser = plan.output(text)
         if not encoded:
             return Encoded(await encode_text(tok, text, False), constraint, parser)
-        ids = await encode_text(tok, vision.expand(text, [int(e.shape[0]) for _, e in encoded]), False)
+        ids = await encode_text(tok, expand(vision, text, encoded), False)
         return Encoded(ids, constraint, parser, image_spans(vision, ids, encoded))
     constraint = answer_constraint(intake.answer) if intake.answer is not None else None
     if isinstance(prompt, FimPrompt):
@@ -241,8 +241,7 @@ async def encode_prompt(engine: AsyncEngine, intake: Intake, model_name: str,
             raise ApiError(400, f"prompt: model {model_name!r} does not see images (it has no vision tower)",
                            param="prompt")
         encoded = await encode_images(vision, [(f"multimodal_data[{i}]", data) for i, data in enumerate(prompt.images)])
-        text = vision.expand(prompt.text.replace(MEDIA_MARKER, vision.placeholder_text()),
-                             [int(e.shape[0]) for _, e in encoded])
+        text = expand(vision, prompt.text.replace(MEDIA_MARKER, vision.placeholder_text()), encoded)
         ids = await encode_text(tok, text, prompt.add_special_tokens)
         return Encoded(ids, constraint, OutputParser(), image_spans(vision, ids, encoded))
     if isinstance(prompt, TextPrompt):

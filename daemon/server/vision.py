@@ -67,6 +67,15 @@ async def encode_images(vision: Any, images: list[tuple[str, bytes]]) -> list[tu
     return [await loop.run_in_executor(None, _encode, vision, data, where) for where, data in images]
 
 
+def expand(vision: Any, text: str, encoded: list[tuple[bytes, Any]]) -> str:
+    """The rendered prompt widened around each image (a placeholder the user typed themselves: a 400)."""
+    try:
+        return vision.expand(text, [int(e.shape[0]) for _, e in encoded])
+    except ValueError as exc:
+        raise ApiError(400, f"the prompt's images do not match its image placeholders: {exc}",
+                       param="messages") from None
+
+
 def image_spans(vision: Any, ids: list[int], encoded: list[tuple[bytes, Any]]) -> list[ImageSpan]:
     """Each image's run of placeholder tokens in `ids`, in order, with its embeddings."""
     runs, i = [], 0

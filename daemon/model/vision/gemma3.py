@@ -32,6 +32,7 @@ from PIL import Image
 from torch import nn
 
 from ...errors import ModelFileError
+from .images import to_rgb
 
 BOI, IMAGE_TOKEN, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
 PROJECTOR = "multi_modal_projector."
@@ -142,7 +143,7 @@ class Gemma3Vision(nn.Module):
     def preprocess(self, image: Image.Image) -> torch.Tensor:
         c = self.config
         size = c.image_size
-        resized = rgb(image).resize((size, size), resample=Image.Resampling(c.resample))
+        resized = to_rgb(image).resize((size, size), resample=Image.Resampling(c.resample))
         x = torch.from_numpy(np.array(resized, dtype=np.uint8)).permute(2, 0, 1)
         x = (x.to(torch.float64) * c.rescale_factor).to(torch.float32)
         mean, std = (torch.tensor(v, dtype=torch.float32).view(3, 1, 1) for v in (c.image_mean, c.image_std))
@@ -168,14 +169,6 @@ class Gemma3Vision(nn.Module):
         p = pooled.float()
         normed = p * torch.rsqrt(p.pow(2).mean(-1, keepdim=True) + c.layer_norm_eps) * getattr(self, _SCALE)
         return normed.to(x.dtype) @ weight
-
-
-def rgb(image: Image.Image) -> Image.Image:
-    """The image as RGB, any transparency composited onto white (as transformers' convert_to_rgb)."""
-    if "A" in image.getbands() or image.info.get("transparency") is not None:
-        rgba = image.convert("RGBA")
-        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
-    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -57,6 +57,14 @@ def image_bytes(value: object) -> bytes:
         raise InvalidImage("is not valid base64") from None
 
 
+def to_rgb(image: Image.Image) -> Image.Image:
+    """The image as RGB, any transparency composited onto white (as transformers' image processors do)."""
+    if "A" in image.getbands() or image.info.get("transparency") is not None:
+        rgba = image.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
 def decode_image(data: bytes) -> DecodedImage:
     """Bytes -> an RGB image and its digest; InvalidImage for anything corrupt, truncated, unsupported or too big."""
     try:
@@ -77,6 +85,6 @@ def decode_image(data: bytes) -> DecodedImage:
         raise InvalidImage("is a decompression bomb (too many pixels)") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise InvalidImage(f"is corrupt or truncated ({exc})") from None
-    rgb = img.convert("RGB")
+    rgb = to_rgb(img)
     digest = hashlib.sha256(f"{rgb.width}x{rgb.height}:".encode() + rgb.tobytes()).digest()
     return DecodedImage(rgb, digest)
