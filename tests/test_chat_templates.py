@@ -26,9 +26,14 @@ FAMILIES = {
     "mistral-7b-instruct-v0.3": ("<s>", "</s>"),
     "phi-3.5-mini-instruct": ("<s>", "<|endoftext|>"),
     "gpt-oss": ("<|startoftext|>", "<|return|>"),
+    "gemma-4-it": ("<bos>", "<eos>"),
+    "qwen3.5": (None, "<|im_end|>"),
 }
 TOOL_FAMILIES = {"llama-3.1-instruct", "llama-3.2-instruct", "qwen2.5-instruct", "qwen3", "mistral-7b-instruct-v0.3",
-                 "gpt-oss"}
+                 "gpt-oss", "gemma-4-it", "qwen3.5"}
+# how each family writes the tool round's call
+CALL_TEXT = {"gemma-4-it": '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>',
+             "qwen3.5": "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>"}
 NO_SYSTEM_ROLE = {"gemma-2-it"}
 
 WEATHER_TOOL = {
@@ -102,7 +107,7 @@ def test_tool_call_round_matches_transformers(name):
     ours, ref = _pair(name)
     messages = TOOL_ROUND[1:] if name.startswith("llama") else TOOL_ROUND
     text = _same(ours, ref, messages, tools=[WEATHER_TOOL])
-    assert "22 C, sunny" in text and '"city": "Paris"' in text
+    assert "22 C, sunny" in text and CALL_TEXT.get(name, '"city": "Paris"') in text
 
 
 def test_llama3_date_and_tool_preamble():
@@ -140,6 +145,46 @@ def test_qwen3_thinking_switch():
                {"role": "user", "content": "3+3?"}]
     text = _same(ours, ref, history)
     assert "add" not in text and "<|im_start|>assistant\n4<|im_end|>" in text
+
+
+def test_gemma4_system_thinking_and_tool_results():
+    ours, ref = _pair("gemma-4-it")
+    # thinking is off unless asked: the template closes an empty thought channel itself
+    assert _same(ours, ref, CHATS["system"]) == (
+        "<bos><|turn>system\nBe terse.<turn|>\n<|turn>user\nHi 😀<turn|>\n<|turn>model\n<|channel>thought\n<channel|>")
+    assert _same(ours, ref, CHATS["system"], enable_thinking=True) == (
+        "<bos><|turn>system\n<|think|>\nBe terse.<turn|>\n<|turn>user\nHi 😀<turn|>\n<|turn>model\n")
+    # the tools are declared in the system turn in Gemma's syntax; a result goes back into the calling model turn,
+    # which the answer continues (no new turn; with thinking on, a thought channel is opened for it)
+    text = _same(ours, ref, TOOL_ROUND, tools=[WEATHER_TOOL])
+    assert ('<|tool>declaration:get_weather{description:<|"|>Current weather in a city<|"|>,parameters:{properties:'
+            '{city:{description:<|"|>City name, e.g. Paris<|"|>,type:<|"|>STRING<|"|>}},required:[<|"|>city<|"|>],'
+            'type:<|"|>OBJECT<|"|>}}<tool|><turn|>\n') in text
+    assert text.endswith('<|turn>model\n<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|>'
+                         '<|tool_response>response:get_weather{value:<|"|>22 C, sunny<|"|>}<tool_response|>')
+    thinking = _same(ours, ref, TOOL_ROUND, tools=[WEATHER_TOOL], enable_thinking=True)
+    assert thinking == text.replace("system\n", "system\n<|think|>\n", 1) + "<|channel>thought\n"
+    # a call's reasoning is shown with it while the tool loop goes on, not after the next user message
+    calls = [*TOOL_ROUND[:2], {**TOOL_ROUND[2], "reasoning_content": "Look it up."}, TOOL_ROUND[3]]
+    assert "<|turn>model\n<|channel>thought\nLook it up.\n<channel|><|tool_call>" in _same(
+        ours, ref, calls, tools=[WEATHER_TOOL])
+    later = _same(ours, ref, [*calls, {"role": "assistant", "content": "Sunny."}, CHATS["user"][0]],
+                  tools=[WEATHER_TOOL])
+    assert "Look it up." not in later and "<tool_response|>Sunny.<turn|>\n<|turn>user\n" in later
+
+
+def test_qwen35_thinking_switch_and_a_calls_reasoning():
+    ours, ref = _pair("qwen3.5")
+    assert _same(ours, ref, CHATS["user"]).endswith("<|im_start|>assistant\n<think>\n")  # it thinks unless told
+    assert _same(ours, ref, CHATS["user"], enable_thinking=False).endswith("assistant\n<think>\n\n</think>\n\n")
+    calls = [*TOOL_ROUND[:2], {**TOOL_ROUND[2], "reasoning_content": "Look it up."}, TOOL_ROUND[3]]
+    text = _same(ours, ref, calls, tools=[WEATHER_TOOL])
+    assert ("<|im_start|>assistant\n<think>\nLook it up.\n</think>\n\n<tool_call>\n<function=get_weather>\n"
+            "<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call><|im_end|>\n<|im_start|>user\n"
+            "<tool_response>\n22 C, sunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n") in text
+    later = _same(ours, ref, [*calls, {"role": "assistant", "content": "Sunny."}, CHATS["user"][0]],
+                  tools=[WEATHER_TOOL])
+    assert "Look it up." not in later
 
 
 def test_gpt_oss_effort_and_a_calls_reasoning():
