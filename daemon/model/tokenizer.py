@@ -14,7 +14,10 @@ known by its <|channel|> and <|message|> tokens) the message frame markers are s
 the output keeps them (`shown_special_ids`), as llama.cpp renders them; tools/parsers.py takes them out of the
 content. There <|end|> ends a message, not the generation: in a vocabulary with <|return|> and <|call|> (the
 generation's real ends) it is no end-of-generation token whatever the files say (`message_end_ids`), as in
-llama.cpp.
+llama.cpp. Gemma 4's vocabulary (known by its <|channel> and <|tool_call> tokens) shows its thought channel and
+call markers and the <|"|> string delimiter of its call syntax (tools/gemma4.py), as vLLM and llama.cpp decode them
+for their parsers; there <|tool_response>, which the model writes after its calls to wait for their results, ends
+the generation, as in llama.cpp.
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ from .gguf_vocab import backend_from_gguf, byte_decoder
 # the end-of-generation tokens llama.cpp recognises by their text in a GGUF vocabulary
 _END_OF_TURN = frozenset({
     "<|eot_id|>", "<|eom_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-    "<EOT>", "_<EOT>", "[EOT]", "<|return|>", "<|call|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>",
+    "<EOT>", "_<EOT>", "[EOT]", "<|return|>", "<|call|>", "<end_of_utterance>", "<｜end▁of▁sentence｜>", "<turn|>",
 })
 
 # harmony's message frame markers, decoded like text (see the module docstring); the vocabulary is harmony's when it
 # has the first two
 HARMONY_SHOWN = ("<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|constrain|>", "<|call|>", "<|return|>")
+# Gemma 4's, likewise (the vocabulary is Gemma 4's when it has the first two)
+GEMMA4_SHOWN = ("<|channel>", "<|tool_call>", "<channel|>", "<tool_call|>", '<|"|>')
+GEMMA4_AWAIT_RESULTS = "<|tool_response>"
 
 # (prefix, suffix, middle) spellings of fill-in-the-middle tokens, StarCoder/SmolLM style then Qwen style
 _FIM_SPELLINGS = (
@@ -94,6 +100,9 @@ class Tokenizer:
         # in the engine, whatever a file's metadata says
         ends = [backend.token_to_id(t) for t in ("<|return|>", "<|call|>", "<|end|>")]
         self.message_end_ids = frozenset(ends[2:] if None not in ends else ())
+        gemma4 = all(backend.token_to_id(t) is not None for t in GEMMA4_SHOWN[:2])
+        if gemma4 and backend.token_to_id(GEMMA4_AWAIT_RESULTS) is not None:
+            eos_ids.add(backend.token_to_id(GEMMA4_AWAIT_RESULTS))
         self.eos_token_ids: set[int] = eos_ids - self.message_end_ids
         self.chat_template = chat_template
         # other templates by name; "tool_use" renders requests that carry tools, as in transformers
@@ -103,8 +112,9 @@ class Tokenizer:
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
         self.special_ids = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
         shown: set[int] = set()
-        if all(backend.token_to_id(t) in self.special_ids for t in HARMONY_SHOWN[:2]):
-            shown = {i for i in map(backend.token_to_id, HARMONY_SHOWN) if i in self.special_ids}
+        for markers in (HARMONY_SHOWN, GEMMA4_SHOWN):
+            if all(backend.token_to_id(t) in self.special_ids for t in markers[:2]):
+                shown = {i for i in map(backend.token_to_id, markers) if i in self.special_ids}
         self.shown_special_ids = frozenset(shown)  # special tokens that decoding keeps
         self.hidden_ids = frozenset(self.special_ids - shown)  # those it skips
         self._byte_level = '"ByteLevel"' in (backend.decoder.__getstate__().decode() if backend.decoder else "")

@@ -7,6 +7,9 @@ markers it writes. A template without tools gets the generic fallback: the tools
 Harmony (gpt-oss): a template that writes `<|channel|>` and `<|message|>` frames every turn as messages on channels;
 the model always thinks (its `analysis` channel) and calls tools natively (`commentary` to `functions.NAME`). A
 template that reads `reasoning_effort` takes the request's reasoning effort (low, medium, high) as that variable.
+
+Gemma 4: a template that writes `<|tool_call>` and `<|channel>` calls tools in Gemma 4's own syntax and thinks in a
+`<|channel>thought` channel, only when asked (`enable_thinking`); see gemma4.py.
 """
 
 from __future__ import annotations
@@ -16,9 +19,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from functools import lru_cache
 
+from . import gemma4
 from .parsers import HarmonyParser, LeadingJsonParser, TaggedParser, ToolCallParser
 
-FORMATS = ("hermes", "qwen3_coder", "llama3", "mistral", "harmony", "generic")
+FORMATS = ("hermes", "qwen3_coder", "llama3", "mistral", "harmony", "gemma4", "generic")
+THINK_TAGS = ("<think>", "</think>")
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,8 @@ class ToolFormat:
             return LeadingJsonParser(names, ("[TOOL_CALLS]",), name_args=True)
         if self.name == "harmony":
             return HarmonyParser(names, stream_args=stream_args)
+        if self.name == "gemma4":  # its calls are no JSON: they come whole
+            return gemma4.Gemma4Parser(names)
         return TaggedParser(names, stream_args=stream_args)
 
 
@@ -52,10 +59,12 @@ class ModelTraits:
     # format; the generic fallback serves tools on any model, but is no capability of it
     has_tools: bool = False
     effort: bool = False  # the template reads `reasoning_effort` (gpt-oss: low, medium, high)
+    think_tags: tuple[str, str] = THINK_TAGS  # what opens and closes a thought in the output
+    thinks_unasked: bool = True  # thinks when the request says nothing (Qwen3); Gemma 4 only when asked
 
 
 _USES_TOOLS = re.compile(r"\btools\b")
-CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>")
+CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", gemma4.CALL_TAGS[0])
 HARMONY_MARKERS = ("<|channel|>", "<|message|>")
 
 
@@ -65,6 +74,9 @@ def model_traits(architecture: str, template: str | None) -> ModelTraits:
     effort = "reasoning_effort" in text
     if all(m in text for m in HARMONY_MARKERS):
         return ModelTraits(ToolFormat("harmony", native=True), thinks=True, has_tools=True, effort=effort)
+    if gemma4.CALL_TAGS[0] in text and "<|channel>" in text:
+        return ModelTraits(ToolFormat("gemma4", native=True), thinks=True, has_tools=True, effort=effort,
+                           think_tags=gemma4.THOUGHT_TAGS, thinks_unasked=False)
     thinks = "<think>" in text or "enable_thinking" in text
     if not _USES_TOOLS.search(text):
         return ModelTraits(ToolFormat("generic", native=False), thinks, any(m in text for m in CALL_MARKERS), effort)

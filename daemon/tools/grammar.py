@@ -8,6 +8,8 @@
   the engine stops there. `auto` and `required` with parallel calls allow call after call; the output parser ends
   the answer at a call that repeats an earlier one (tools/parsers.py), and the server stops the request there.
 - A reasoning model's thought stays free: a lazy `<think> ... </think>` rule comes first, the answer rule after it.
+- Gemma 4 writes calls in its own syntax, between special-token markers (gemma4.py), and its thought, in a
+  `<|channel>thought` channel, may be left out.
 - Harmony (gpt-oss) writes messages framed by special tokens, which the grammar names as tokens (`<|channel|>`):
   an optional free `analysis` message, then the answer: a `final` message (its text, or the answer format), or one
   call, `commentary to=functions.NAME <|constrain|>json` with the arguments' JSON as its body. One call: its
@@ -28,7 +30,8 @@ from __future__ import annotations
 import json
 
 from ..engine.types import Constraint
-from .families import ToolFormat
+from . import gemma4
+from .families import THINK_TAGS, ToolFormat
 from .schema import prepared
 from .spec import AnswerFormat, Function, ToolSpec
 
@@ -63,7 +66,8 @@ def _call_body(fn: Function, args_key: str) -> dict:
 
 def _xml_function(i: int, fn: Function) -> list[str]:
     """Qwen3-Coder's call body: <function=NAME>, then each parameter (required ones always, in the schema's order)
-    as <parameter=P> with a string as written (free up to its closing tag) or any other value as JSON."""
+    as <parameter=P> with a string as written (free up to its closing tag, or one of its enum's), any other value
+    as JSON."""
     params = prepared(fn.parameters)
     props = params.get("properties") or {}
     required = set(params.get("required") or [])
@@ -72,7 +76,11 @@ def _xml_function(i: int, fn: Function) -> list[str]:
     for k, (pname, schema) in enumerate(props.items()):
         schema = schema if isinstance(schema, dict) else {}
         head = json.dumps(f"<parameter={pname}>\n")
-        if schema.get("type") == "string" and len(schema) <= 2:  # a plain string (maybe with a description)
+        enum = schema.get("enum")
+        if schema.get("type") == "string" and isinstance(enum, list) and enum and all(isinstance(v, str) for v in enum):
+            choices = " | ".join(json.dumps(v) for v in enum)
+            rules.append(f'p_{i}_{k}: {head} ({choices}) "\\n</parameter>\\n"')
+        elif schema.get("type") == "string" and len(schema) <= 2:  # a plain string (maybe with a description)
             rules.append(f'p_{i}_{k}[lazy]: {head} /(.|\\n)*/ "\\n</parameter>\\n"')
         else:
             rules.append(f'p_{i}_{k}: {head} {_json({**defs, **schema})} "\\n</parameter>\\n"')
@@ -85,6 +93,8 @@ def _call_rules(fmt: ToolFormat, spec: ToolSpec) -> list[str]:
     """Rules defining `calls`: one call, or several when parallel calls are allowed and no function is named."""
     fns = spec.allowed()
     many = spec.parallel and spec.choice in ("auto", "required")
+    if fmt.name == "gemma4":
+        return gemma4.call_rules(fns, many)
     if fmt.name == "qwen3_coder":
         rules = [rule for i, fn in enumerate(fns) for rule in _xml_function(i, fn)]
     else:
@@ -126,9 +136,10 @@ def grammar_has_calls(fmt: ToolFormat, spec: ToolSpec, answer: AnswerFormat | No
 
 
 def lark_grammar(fmt: ToolFormat | None, spec: ToolSpec | None, answer: AnswerFormat | None,
-                 thought: str | None) -> Constraint | None:
+                 thought: str | None, tags: tuple[str, str] = THINK_TAGS) -> Constraint | None:
     """The whole answer's grammar, or None when nothing constrains it.
-    thought: None (no thought), "open" (the model opens `<think>` itself), "opened" (the prompt ends inside it)."""
+    thought: None (no thought), "open" (the model opens `<think>` itself), "opened" (the prompt ends inside it);
+    tags: what opens and closes the thought (Gemma 4's channel: its own rules)."""
     rules: list[str] = []
     forced = spec is not None and spec.forced
     calls = fmt is not None and spec is not None and grammar_has_calls(fmt, spec, answer)
@@ -144,8 +155,13 @@ def lark_grammar(fmt: ToolFormat | None, spec: ToolSpec | None, answer: AnswerFo
     body = "calls" if forced else "text | calls" if calls else "text"
     if thought is None:
         return Constraint("lark", "\n".join([f"start: {body}", *rules]))
-    opener = '"<think>" ' if thought == "open" else ""
-    head = ["start: think answer", f'think[lazy]: {opener}/(.|\\n)*/ "</think>"', f'answer: /[ \\n]*/ ({body})']
+    if tags == gemma4.THOUGHT_TAGS:
+        think = gemma4.thought_rules(thought == "opened")
+        head = ["start: think answer" if thought == "opened" else "start: think? answer", *think]
+    else:
+        opener = f"{json.dumps(tags[0])} " if thought == "open" else ""
+        head = ["start: think answer", f'think[lazy]: {opener}/(.|\\n)*/ {json.dumps(tags[1])}']
+    head.append(f'answer: /[ \\n]*/ ({body})')
     return Constraint("lark", "\n".join(head + rules))
 
 

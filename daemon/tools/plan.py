@@ -4,6 +4,8 @@
 - a native template gets the tools as its `tools` variable and the history as it is;
 - the generic fallback describes the tools in the system turn, writes past calls as tagged text in the assistant
   turns and tool results as a user turn, so any template (SmolLM2's, Gemma's) can render them;
+- an assistant turn's reasoning (`thinking`, tools.spec) goes to a native template as `reasoning_content` too, the
+  name Qwen's and Gemma 4's templates read (they show it in the turns after the last user message);
 - `think` becomes the template's `enable_thinking`; a reasoning effort (OpenAI's names, none..max) becomes the
   `reasoning_effort` of a template that reads it, as the nearest of low, medium and high (gpt-oss knows those three
   and cannot stop thinking: none and minimal are low, xhigh and max high);
@@ -11,8 +13,10 @@
   turn, so a turn with several calls becomes one turn per call, each followed by its result; a turn's reasoning
   goes with its first call as `thinking` (the template shows a call's reasoning until a later answer), and a call
   turn with both text and reasoning keeps the reasoning (the template refuses both).
-After rendering, `ChatPlan.output(prompt_text)` knows whether the prompt already opened a thought and builds the
-constraint and the parser.
+After rendering, `ChatPlan.output(prompt_text)` builds the constraint and the parser. The answer holds a thought
+when the prompt ends inside one (Qwen3.5 opens `<think>`, Gemma 4 its thought channel after tool results), or when
+thinking is on (asked, or the template's default) and the prompt does not end with a thought the template closed
+itself (thinking off: Qwen's empty `<think></think>`, Gemma 4's empty channel).
 """
 
 from __future__ import annotations
@@ -151,10 +155,12 @@ class ChatPlan:
             names = {f.name: f.parameters for f in spec.allowed()} if spec is not None else {}
             stream = spec is not None and grammar_has_calls(fmt, spec, self.answer)
             return harmony_grammar(spec, self.answer), OutputParser(None, fmt.parser(names, stream_args=stream))
-        thinking = self.traits.thinks and self.think is not False
-        opened = thinking and prompt_text.rstrip().endswith("<think>")
-        # a template that closes an empty thought itself when thinking is off (Qwen3) leaves nothing to split
-        reasoning = ReasoningSplit(started=opened) if thinking else None
+        open_tag, close_tag = self.traits.think_tags
+        end = prompt_text.rstrip()
+        opened = self.traits.thinks and end.endswith(open_tag.rstrip())
+        asked = self.traits.thinks_unasked if self.think is None else self.think
+        thinking = opened or (self.traits.thinks and asked and not end.endswith(close_tag))
+        reasoning = ReasoningSplit(opened, open_tag, close_tag) if thinking else None
         parser_tools = None
         if spec is not None:  # calls the grammar writes are valid, so they may stream before they are complete
             parser_tools = fmt.parser({f.name: f.parameters for f in spec.allowed()},
@@ -163,7 +169,7 @@ class ChatPlan:
         if spec is None and thought is None and self.answer is not None:
             constraint = answer_constraint(self.answer)
         else:
-            constraint = lark_grammar(fmt, spec, self.answer, thought)
+            constraint = lark_grammar(fmt, spec, self.answer, thought, self.traits.think_tags)
         return constraint, OutputParser(reasoning, parser_tools)
 
 
@@ -177,6 +183,8 @@ def plan_chat(messages: list[dict], spec: ToolSpec | None, answer: AnswerFormat 
         kwargs.setdefault("reasoning_effort", EFFORT_LEVELS[effort])
     if traits.tools.name == "harmony":
         messages = harmony_messages(messages)
+    elif traits.tools.native:
+        messages = [{**m, "reasoning_content": m["thinking"]} if m.get("thinking") else m for m in messages]
     if "enable_thinking" in kwargs:
         think = bool(kwargs["enable_thinking"])
     calls = spec is not None and spec.choice != "none" and bool(spec.functions)
