@@ -309,6 +309,20 @@ def test_each_dialects_thinking_switch_reaches_the_template(gemma_tok, qwen_tok,
                          "<|im_start|>assistant\n<think>\n")
 
 
+def test_a_thought_the_template_closes_unless_asked_is_no_thought(qwen_tok):
+    """Qwen3.5's small models (0.8B, 2B) think only when asked: their template closes an empty thought by default.
+    What the prompt ends with decides, not the family."""
+    small = QWEN_TEMPLATE.replace("enable_thinking is false %}\n        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+                                  "    {%- else %}\n        {{- '<think>\\n' }}",
+                                  "enable_thinking is true %}\n        {{- '<think>\\n' }}\n    {%- else %}\n"
+                                  "        {{- '<think>\\n\\n</think>\\n\\n' }}")
+    assert small != QWEN_TEMPLATE
+    tok = qwen_tok.with_chat_template(small)
+    for think, thought in ((None, False), (False, False), (True, True)):
+        text, _, parser = prompt_and_output(tok, QWEN, think=think)
+        assert text.endswith("<think>\n") == thought and (parser.reasoning is not None) == thought
+
+
 RAW_HISTORY = {  # one tool round with its reasoning, as each dialect sends it
     "openai": [ASK[0], {"role": "assistant", "content": None, "reasoning_content": "Use the tool.", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
