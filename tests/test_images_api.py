@@ -55,15 +55,15 @@ ROUTES = [
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{IMAGE}"}}]}]},
      "messages[0].content[1]"),
     ("/api/chat", {"model": "qwen2", "stream": False, "messages": [{"role": "user", "content": "What is this?",
-                                                                     "images": [IMAGE]}]}, "messages[0].content[0]"),
+                                                                     "images": [IMAGE]}]}, "messages[0].images[0]"),
     ("/api/generate", {"model": "qwen2", "stream": False, "prompt": "What is this?", "images": [IMAGE]},
-     "messages[0].content[0]"),
+     "images[0]"),
     ("/v1/messages", {"model": "qwen2", "max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": IMAGE}},
         {"type": "text", "text": "What is this?"}]}]}, "messages[0].content[0]"),
     ("/v1/responses", {"model": "qwen2", "input": [{"role": "user", "content": [
         {"type": "input_text", "text": "What is this?"},
-        {"type": "input_image", "image_url": f"data:image/png;base64,{IMAGE}"}]}]}, "messages[0].content[1]"),
+        {"type": "input_image", "image_url": f"data:image/png;base64,{IMAGE}"}]}]}, "input[0].content[1]"),
 ]
 
 

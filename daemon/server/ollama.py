@@ -131,6 +131,8 @@ def _intake(body: dict, f: dict, opts: dict, prompt, length_field: str) -> Intak
 
 def parse_chat(body: dict, state: ServerState) -> Intake:
     f, opts = _check_request(state, body)
+    if body.get("images") is not None:
+        raise ApiError(400, "images: on /api/chat they go with their message (messages[].images)", param="images")
     messages = parse_messages(body.get("messages"))
     for i, msg in enumerate(body["messages"]):  # Ollama carries images per message, before its text
         if msg.get("images") is not None:
@@ -169,7 +171,7 @@ def _with_images(images: object, text: str | list, where: str) -> list[dict]:
     parts = []
     for k, data in enumerate(images):
         try:
-            parts.append({"type": "image", "image": image_bytes(data)})
+            parts.append({"type": "image", "image": image_bytes(data), "field": f"{where}[{k}]"})
         except InvalidImage as exc:
             raise bad_field(f"{where}[{k}]", str(exc)) from None
     return parts + (text if isinstance(text, list) else [{"type": "text", "text": text}])

@@ -247,8 +247,8 @@ IMAGE_PART_TYPES = ("image_url", "input_image", "image")
 
 
 def image_part(part: dict, where: str) -> dict:
-    """An image content part in any dialect's form -> {"type": "image", "image": bytes} (what chat templates see as
-    an image part, its bytes kept for the encoder): OpenAI's image_url ({"url": data URI} or the URI itself),
+    """An image content part in any dialect's form -> {"type": "image", "image": bytes, "field": where} (what chat
+    templates see as an image part, its bytes kept for the encoder, and the request field it came from): OpenAI's image_url ({"url": data URI} or the URI itself),
     Responses' input_image (image_url), Anthropic's image (a base64 source). Remote URLs are never fetched."""
     from ..model.vision.images import InvalidImage, image_bytes
 
@@ -263,7 +263,7 @@ def image_part(part: dict, where: str) -> dict:
         if isinstance(value, dict):
             value, field = value.get("url"), f"{field}.url"
     try:
-        return {"type": "image", "image": image_bytes(value)}
+        return {"type": "image", "image": image_bytes(value), "field": where}
     except InvalidImage as exc:
         raise bad_field(field, str(exc)) from None
 

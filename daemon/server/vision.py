@@ -33,7 +33,7 @@ def take_images(messages: list[dict]) -> tuple[list[dict], list[tuple[str, bytes
             parts = []
             for j, part in enumerate(content):
                 if part.get("type") == "image":
-                    images.append((f"messages[{i}].content[{j}]", part["image"]))
+                    images.append((part.get("field") or f"messages[{i}].content[{j}]", part["image"]))
                     part = {"type": "image"}
                 parts.append(part)
             msg = {**msg, "content": parts}
