@@ -23,7 +23,7 @@ from .quant import (GGUFLinear, QuantizedLinear, QuantSpec, build_empty_quantize
 from .quant_cache import cached  # second starts read packed weights from the XDG cache
 from .registry import model_class
 from .source import WeightSource, open_source
-from .vision.loading import load_vision
+from .vision.loading import load_mmproj, load_vision, mmproj_beside
 from .weights import LoadReport, load_tensors
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,11 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
 
     model, report = cached(LoadPipeline(source, spec, dtype, device_t, quantize_head))
     tokenizer = source.tokenizer()
-    vision = load_vision(path, dtype, device_t) if source.kind == "hf" else None
+    if source.kind == "hf":
+        vision = load_vision(path, dtype, device_t)
+    else:  # a projector named with the files (an Ollama layer), else llama.cpp's mmproj file beside the model
+        projector = getattr(files, "projector", None) or mmproj_beside(path)
+        vision = load_mmproj(projector, tokenizer, dtype, device_t) if projector is not None else None
     report.weight_bytes = quantized_weight_bytes(model)
     seconds = time.perf_counter() - start
     report.seconds = seconds

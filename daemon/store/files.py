@@ -23,5 +23,8 @@ class ModelFiles:
     # default request options the model brings (an Ollama manifest's params layer: stop, num_ctx, temperature, ...)
     options: dict = field(default_factory=dict, compare=False, hash=False)
     digest: str | None = None  # the digest the store gives the model (an Ollama manifest's sha256), else None
+    # a GGUF model's vision projector (llama.cpp's mmproj file, an Ollama manifest's projector layer); None: found
+    # beside the file if there is one (llmd.model.vision.loading)
+    projector: Path | None = field(default=None, compare=False, hash=False)
     # a name made with /api/create or /api/copy (llmd.store.created): its own defaults over these files'
     created: "Created | None" = field(default=None, compare=False, hash=False)

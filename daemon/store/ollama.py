@@ -27,6 +27,7 @@ DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
 MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
 PARAMS_MEDIA_TYPE = "application/vnd.ollama.image.params"
+PROJECTOR_MEDIA_TYPE = "application/vnd.ollama.image.projector"  # a vision model's mmproj GGUF
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_PARAMS_BYTES = 1 << 16
 
@@ -94,6 +95,7 @@ class OllamaModel:
     digest: str  # the model blob's sha256 hex
     params: dict = field(default_factory=dict)  # checked default options from the params layer
     manifest_digest: str = ""  # the manifest's sha256 hex: the model's digest in `ollama list` and /api/tags
+    projector: Path | None = None  # a vision model's projector blob (an mmproj GGUF)
 
 
 class OllamaStore:
@@ -156,7 +158,9 @@ class OllamaStore:
         if PARAMS_MEDIA_TYPE in by_type:
             _, params_blob = self._blob(by_type[PARAMS_MEDIA_TYPE], manifest)
             params = check_params(_read_json(params_blob, MAX_PARAMS_BYTES, params_blob), params_blob)
-        return OllamaModel(name, blob, blob.stat().st_size, digest, params, hashlib.sha256(raw).hexdigest())
+        projector = self._blob(by_type[PROJECTOR_MEDIA_TYPE], manifest)[1] if PROJECTOR_MEDIA_TYPE in by_type else None
+        return OllamaModel(name, blob, blob.stat().st_size, digest, params, hashlib.sha256(raw).hexdigest(),
+                           projector)
 
     def _blob(self, layer: dict, manifest: Path) -> tuple[str, Path]:
         match = _DIGEST_RE.match(str(layer.get("digest", "")))

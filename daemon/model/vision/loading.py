@@ -15,6 +15,8 @@ log = logging.getLogger(__name__)
 
 # HF architecture of an image-text checkpoint -> "module:function" loading its VisionEncoder from the folder
 VISION_LOADERS = {"Gemma3ForConditionalGeneration": "gemma3:load_gemma3_vision"}
+# an mmproj GGUF's clip.projector_type -> ("module:function" loading it, the text vocabulary's image token)
+MMPROJ_LOADERS = {"gemma3": ("gemma3:load_gemma3_mmproj", "<image_soft_token>")}
 
 
 def load_vision(folder: Path, dtype: torch.dtype, device: torch.device) -> Any:
@@ -30,3 +32,39 @@ def load_vision(folder: Path, dtype: torch.dtype, device: torch.device) -> Any:
         return None
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(f"{__package__}.{module}"), name)(Path(folder), dtype, device)
+
+
+def mmproj_beside(gguf: Path) -> Path | None:
+    """llama.cpp's projector file next to a text GGUF (`mmproj*.gguf`, `*mmproj*.gguf`): the one there, or of several
+    the one whose name shares the longest start with the model's; None when there is none."""
+    found = sorted(p for p in gguf.parent.glob("*mmproj*.gguf") if p != gguf and p.is_file())
+    if len(found) > 1:
+        found.sort(key=lambda p: -len(_common_start(p.name, gguf.name)))
+    return found[0] if found else None
+
+
+def _common_start(a: str, b: str) -> str:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+def load_mmproj(path: Path, tokenizer: Any, dtype: torch.dtype, device: torch.device) -> Any:
+    """The vision encoder of an mmproj GGUF for the text model whose tokenizer is `tokenizer` (it holds the image
+    token), or None, logged, for a projector llmd does not serve yet."""
+    from ..gguf import read_gguf_metadata
+
+    meta = read_gguf_metadata(path)
+    kind = meta.get("clip.projector_type", meta.get("clip.vision.projector_type"))
+    entry = MMPROJ_LOADERS.get(kind) if isinstance(kind, str) else None
+    if entry is None:
+        log.warning("%s: the %r vision projector is not served yet; the model answers text only", path, kind)
+        return None
+    target, token = entry
+    token_id = tokenizer.backend.token_to_id(token) if tokenizer is not None else None
+    if token_id is None:
+        log.warning("%s: the text model has no %s token for its images; the model answers text only", path, token)
+        return None
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(f"{__package__}.{module}"), name)(path, dtype, device, token_id)
