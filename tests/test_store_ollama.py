@@ -130,3 +130,14 @@ def test_keep_alive_like_ollama(value, seconds):
 def test_bad_keep_alive(value):
     with pytest.raises(ValueError):
         parse_keep_alive(value)
+
+
+def test_a_vision_models_projector_layer_comes_with_its_files(store):
+    pdigest = "c" * 64
+    (store / "blobs" / f"sha256-{pdigest}").write_bytes(b"GGUF" + b"\0" * 60)
+    manifest(store, "gemma3", "4b", [model_layer(), {"mediaType": "application/vnd.ollama.image.projector",
+                                                     "digest": f"sha256:{pdigest}", "size": 64}])
+    files = resolve_name("gemma3:4b")
+    assert files.projector == (store / "blobs" / f"sha256-{pdigest}").resolve()
+    manifest(store, "text", "latest", [model_layer()])
+    assert resolve_name("text").projector is None

@@ -317,3 +317,22 @@ def test_bad_mmproj_files_are_refused_by_name(mmproj, tmp_path):
     truncated.write_bytes(src.read_bytes()[: src.stat().st_size - 100])
     with pytest.raises(ModelFileError, match="truncated"):
         load_gemma3_mmproj(truncated, torch.float32, "cpu")
+
+
+def test_an_mmproj_beside_a_gguf_is_found_and_loaded_for_its_text_model(folder, mmproj, tmp_path, encoder):
+    """llama.cpp's layout: the projector file next to the text GGUF, its image token from the text vocabulary."""
+    import shutil
+
+    from llmd.model.vision.loading import load_mmproj, mmproj_beside
+
+    text = tmp_path / "gemma-3-4b-it-Q4_K_M.gguf"
+    text.write_bytes(b"GGUF")
+    assert mmproj_beside(text) is None
+    shutil.copy(mmproj["F32"], tmp_path / "mmproj-other-f16.gguf")
+    shutil.copy(mmproj["F32"], tmp_path / "gemma-3-4b-it-mmproj-f16.gguf")
+    found = mmproj_beside(text)
+    assert found == tmp_path / "gemma-3-4b-it-mmproj-f16.gguf"  # of two, the one named like the model
+    loaded = load_mmproj(found, Tokenizer.from_hf_folder(folder), torch.float32, torch.device("cpu"))
+    pixels = encoder.preprocess(_decode("png_64"))
+    assert loaded.image_token_id == encoder.image_token_id
+    assert (loaded.encode(pixels) - encoder.encode(pixels)).abs().max().item() < 1e-4
