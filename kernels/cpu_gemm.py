@@ -42,12 +42,13 @@ log = logging.getLogger("llmd.kernels.cpu_gemm")
 
 # one library: the matmuls (llmd's int8 / int4 layers, the GGUF block types, their activation rows: cpu_tiles.h lists
 # the files), a mixture-of-experts layer's experts (llmd.kernels.cpu_moe), the fp32 glue ops of a decoder layer (bound
-# by llmd.kernels.cpu_ops) and a whole stack of layers built from them (llmd.kernels.cpu_stack); the headers declare
-# what they share. Every file is in the build's cache key.
+# by llmd.kernels.cpu_ops), a whole stack of layers built from them (llmd.kernels.cpu_stack) and the recurrent layers
+# of hybrid models (llmd.kernels.cpu_recurrent); the headers declare what they share. Every file is in the build's
+# cache key.
 SOURCES = [Path(__file__).with_name(name) for name in (
     "cpu_gemm.c", "cpu_act.c", "cpu_blocks32.c", "cpu_kquants.c", "cpu_head.c", "cpu_gguf.c", "cpu_moe.c", "cpu_ops.c",
-    "cpu_stack.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_gguf.h", "cpu_tiles.h")]
+    "cpu_stack.c", "cpu_recurrent.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_gguf.h", "cpu_tiles.h", "cpu_vec.h")]
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off"]
 
 _lock = threading.Lock()

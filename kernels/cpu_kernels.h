@@ -1,5 +1,5 @@
-/* The functions that the matmul files (cpu_tiles.h lists them), cpu_moe.c and cpu_ops.c export, for cpu_stack.c to
- * call within the same library. */
+/* The functions that the matmul files (cpu_tiles.h lists them), cpu_moe.c, cpu_ops.c and cpu_recurrent.c export, for
+ * cpu_stack.c to call within the same library and for the ctypes bindings. */
 #ifndef LLMD_CPU_KERNELS_H
 #define LLMD_CPU_KERNELS_H
 #include <stdint.h>
@@ -71,4 +71,25 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
 int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const llmd_kv *kv,
                            const int64_t *table, int64_t table_len, int64_t heads, float scale, int64_t window,
                            float softcap, const float *sinks, float *out, int64_t ldo, int threads);
+/* The recurrent layers of hybrid models (cpu_recurrent.c). A step's batch: `seqs` sequences over `tokens` rows,
+ * sequence b's rows starts[b] .. starts[b + 1] - 1, its state at slot slots[b] of num_slots, or zero where fresh[b]
+ * (its first chunk). */
+typedef struct {
+    int64_t seqs, num_slots, tokens;
+    const int64_t *slots, *starts;
+    const uint8_t *fresh;
+} llmd_state_batch;
+/* x [tokens, C] (row stride ldx), w [C, K], bias [C] or NULL, state [num_slots, C, K - 1]; out [tokens, C] */
+int llmd_causal_conv1d(const float *x, int64_t ldx, int64_t C, const float *w, int64_t K, const float *bias,
+                       float *state, const llmd_state_batch *sb, int silu, float *out, int64_t ldo, int nthreads);
+/* q, k [tokens][hk heads][dk], v [tokens][hv heads][dv] (each with its row stride), g (log decay) and beta
+ * [tokens][hv] (row strides ldg, ldb); state [num_slots, hv, dk, dv]; out [tokens][hv][dv] (row stride ldo) */
+typedef struct {
+    const float *q, *k, *v, *g, *beta;
+    int64_t ldq, ldk, ldv, ldg, ldb;
+    int64_t hk, hv, dk, dv;
+    float scale;
+} llmd_delta_rule;
+int llmd_gated_delta_rule(const llmd_delta_rule *r, float *state, const llmd_state_batch *sb, float *out,
+                          int64_t ldo, int nthreads);
 #endif

@@ -9,17 +9,24 @@ zero state (their first chunk: `fresh`). A layer's forward is then `mixer(x, sta
 state, runs the sequence's new tokens (a prefill chunk, a decode token, or a verified proposal), and writes the state
 after the last of them back into the slot. The last slot of every pool is scratch: padding rows write there.
 
-The functions here are the torch reference: one sequence at a time for a chunk, every decode of the step at once.
-The CPU's C kernels and the Triton kernels compute the same functions (tests hold them to these).
+`causal_conv1d` and `gated_delta_rule` run, by the device and dtype of their inputs: on the CPU in fp32, the C kernels
+of llmd.kernels.cpu_recurrent (where the compiled library loads, as llmd.model.ops picks the C ops); on CUDA, the
+Triton kernels of llmd.kernels.recurrent_triton; else, or where a kernel does not take the tensors' layout, the torch
+reference, kept under its own name (`causal_conv1d_ref`, `gated_delta_rule_ref`: one sequence at a time for a chunk,
+every decode of the step at once). The kernels compute the reference's function (tests/test_kernels_cpu_recurrent.py,
+tests/test_kernels_recurrent_triton.py), each sequence by itself: its results do not depend on the rest of the batch.
+`mamba2_scan` (and the gated norm) are the torch code only, so far.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from ..kernels import cpu_recurrent
 
 
 @dataclass
@@ -38,6 +45,10 @@ class StateMetadata:
     slots_list: list[int]
     fresh_list: list[bool]  # True: the sequence's first chunk, it starts from a zero state
     query_start_list: list[int]  # [B + 1] offsets of each sequence's new tokens in the flat batch
+    # the kernels' copies of fresh_list (bool) and query_start_list (long), on the slots' device (made on first use
+    # when not given)
+    fresh: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    query_start: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def build(cls, slots: list[int], fresh: list[bool], query_lens: list[int],
@@ -45,7 +56,17 @@ class StateMetadata:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        return cls(torch.tensor(slots, dtype=torch.long, device=device), list(slots), list(fresh), starts)
+        meta = cls(torch.tensor(slots, dtype=torch.long, device=device), list(slots), list(fresh), starts)
+        meta.kernel_tensors()
+        return meta
+
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slots, fresh, query_start) as tensors on the slots' device, for the kernels."""
+        if self.fresh is None or self.query_start is None:
+            device = self.slots.device
+            self.fresh = torch.tensor(self.fresh_list, dtype=torch.bool, device=device)
+            self.query_start = torch.tensor(self.query_start_list, dtype=torch.long, device=device)
+        return self.slots, self.fresh, self.query_start
 
     @property
     def is_decode_only(self) -> bool:
@@ -64,6 +85,32 @@ def _initial(state: torch.Tensor, slot: int, fresh: bool) -> torch.Tensor:
 
 def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
                   meta: StateMetadata, silu: bool = True) -> torch.Tensor:
+    """causal_conv1d_ref's function, by the kernel for x's device and dtype where one takes the tensors."""
+    out = None
+    if x.is_cuda:
+        from ..kernels import recurrent_triton
+        if recurrent_triton.available():
+            out = recurrent_triton.causal_conv1d(x, weight, bias, conv_state, *meta.kernel_tensors(), silu=silu)
+    elif x.dtype is torch.float32:
+        out = cpu_recurrent.causal_conv1d(x, weight, bias, conv_state, *meta.kernel_tensors(), silu=silu)
+    return out if out is not None else causal_conv1d_ref(x, weight, bias, conv_state, meta, silu)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+    """gated_delta_rule_ref's function, by the kernel for the inputs' device and dtype where one takes the tensors."""
+    out = None
+    if v.is_cuda:
+        from ..kernels import recurrent_triton
+        if recurrent_triton.available():
+            out = recurrent_triton.gated_delta_rule(q, k, v, g, beta, state, *meta.kernel_tensors())
+    elif v.dtype is torch.float32:
+        out = cpu_recurrent.gated_delta_rule(q, k, v, g, beta, state, *meta.kernel_tensors())
+    return out if out is not None else gated_delta_rule_ref(q, k, v, g, beta, state, meta)
+
+
+def causal_conv1d_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                      meta: StateMetadata, silu: bool = True) -> torch.Tensor:
     """Depthwise causal convolution of x [T, C] with weight [C, K] over each sequence's tokens, the K-1 inputs
     before them read from (and the last K-1 written back to) conv_state [slots, C, K-1]; then SiLU."""
     k = weight.shape[1]
@@ -78,8 +125,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.silu(out) if silu else out
 
 
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+def gated_delta_rule_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
     """The gated delta rule over each sequence's new tokens, token by token in fp32, as Qwen3.5 / Qwen3-Next define
     it: with q, k L2-normalised and q scaled by key_dim^-0.5, for each token
         S <- S * exp(g);  S <- S + k (beta * (v - S^T k))^T;  o = S^T q

@@ -1,0 +1,211 @@
+"""Triton kernels for the recurrent layers of hybrid models on CUDA (under TRITON_INTERPRET=1 also on CPU tensors, for
+the tests): the two functions of llmd.model.recurrent (whose *_ref are their torch references) over a step's
+flattened batch, varlen: sequence b's tokens are rows query_start[b] .. query_start[b + 1] - 1, its state is at
+slots[b], and a sequence with fresh[b] starts from a zero state.
+
+- `causal_conv1d`: two launches. The first computes the outputs, one program per (sequence, block of channels, block
+  of tokens): tap j of token t reads the input K-1-j rows before it, or the sequence's conv state where that falls
+  before its first token; then the bias and SiLU in fp32, one rounding to x's dtype. The second writes each
+  sequence's last K-1 inputs (or, for a sequence of fewer than K-1 tokens, the shifted old state and its inputs) back
+  to its slot, after the first has read the old state (launch order on the stream).
+- `gated_delta_rule`: one program per (sequence, value head, tile of value columns) holds its [Dk, BV] slice of the
+  fp32 state in registers and runs the sequence's tokens in order (a decode step is a sequence of one token; a
+  prefill chunk, its tokens one after the other): q, k L2-normalised and q scaled by Dk^-0.5 in fp32, then
+  S <- S exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q. A column of the state depends only on its own column,
+  so the tiles are independent; the state is written back after the last token.
+
+A sequence's results depend only on its own tokens and state, never on the rest of the batch. Each function returns
+None where Triton is missing or the tensors are not the layouts it takes (then the caller runs the torch reference).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAVE_TRITON, tl, triton
+
+CONV_BLOCK_C = 128  # channels per program of the convolution
+CONV_BLOCK_T = 16   # tokens per program of the convolution
+DELTA_BLOCK_V = 32  # value columns per program of the delta rule
+
+
+def available() -> bool:
+    return HAVE_TRITON
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _conv_kernel(x_ptr, w_ptr, bias_ptr, state_ptr, out_ptr, slots_ptr, fresh_ptr, start_ptr, C, stride_x,
+                     stride_o, K: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+        b = tl.program_id(0)
+        start = tl.load(start_ptr + b)
+        end = tl.load(start_ptr + b + 1)
+        t0 = start + tl.program_id(2) * BLOCK_T
+        if t0 < end:
+            slot = tl.load(slots_ptr + b)
+            keep = tl.load(fresh_ptr + b) == 0  # a continuing sequence reads its state; a fresh one zeros
+            offs_t = t0 + tl.arange(0, BLOCK_T)
+            offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+            mt = offs_t < end
+            mc = offs_c < C
+            state = state_ptr + slot * C * (K - 1)
+            acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+            for j in tl.static_range(K):
+                p = offs_t + (j - (K - 1))  # the flat row tap j reads
+                in_x = p >= start
+                xv = tl.load(x_ptr + p[:, None] * stride_x + offs_c[None, :],
+                             mask=(mt & in_x)[:, None] & mc[None, :], other=0.0).to(tl.float32)
+                col = p - start + (K - 1)  # before the sequence: column `col` of its conv state
+                sv = tl.load(state + offs_c[None, :] * (K - 1) + col[:, None],
+                             mask=(mt & (p < start))[:, None] & mc[None, :], other=0.0).to(tl.float32)
+                sv = tl.where(keep, sv, 0.0)
+                w = tl.load(w_ptr + offs_c * K + j, mask=mc, other=0.0).to(tl.float32)
+                acc += (xv + sv) * w[None, :]
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_c, mask=mc, other=0.0).to(tl.float32)[None, :]
+            if SILU:
+                acc = acc / (1.0 + tl.exp(-acc))
+            tl.store(out_ptr + offs_t[:, None] * stride_o + offs_c[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=mt[:, None] & mc[None, :])
+
+    @triton.jit
+    def _conv_state_kernel(x_ptr, state_ptr, slots_ptr, fresh_ptr, start_ptr, C, stride_x, K: tl.constexpr,
+                           KP: tl.constexpr, BLOCK_C: tl.constexpr):
+        b = tl.program_id(0)
+        start = tl.load(start_ptr + b)
+        n = tl.load(start_ptr + b + 1) - start
+        slot = tl.load(slots_ptr + b)
+        keep = tl.load(fresh_ptr + b) == 0
+        offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        i = tl.arange(0, KP)
+        mc = offs_c < C
+        mi = i < K - 1
+        p = n + i - (K - 1)  # new column i is window[n + i]: input p of the sequence, or old column n + i
+        state = state_ptr + slot * C * (K - 1) + offs_c[:, None] * (K - 1)
+        xv = tl.load(x_ptr + (start + p)[None, :] * stride_x + offs_c[:, None],
+                     mask=mc[:, None] & (mi & (p >= 0))[None, :], other=0.0)
+        sv = tl.load(state + (n + i)[None, :], mask=mc[:, None] & (mi & (p < 0))[None, :], other=0.0)
+        new = tl.where((p >= 0)[None, :], xv.to(state_ptr.dtype.element_ty), tl.where(keep, sv, 0.0))
+        tl.debug_barrier()  # every old column read before any is overwritten
+        tl.store(state + i[None, :], new, mask=mc[:, None] & mi[None, :])
+
+    @triton.jit
+    def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slots_ptr, fresh_ptr, start_ptr,
+                           stride_q, stride_k, stride_v, stride_g, stride_b, stride_o, scale, HV: tl.constexpr,
+                           REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                           BV: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        start = tl.load(start_ptr + b)
+        end = tl.load(start_ptr + b + 1)
+        slot = tl.load(slots_ptr + b)
+        keep = tl.load(fresh_ptr + b) == 0
+        hk = h // REP
+        offs_k = tl.arange(0, BK)
+        offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+        mk = offs_k < DK
+        mv = offs_v < DV
+        m = mk[:, None] & mv[None, :]
+        s_ptrs = state_ptr + (slot * HV + h) * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :]
+        s = tl.where(keep, tl.load(s_ptrs, mask=m, other=0.0), 0.0)
+        for t in range(start, end):
+            q = tl.load(q_ptr + t * stride_q + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + t * stride_k + hk * DK + offs_k, mask=mk, other=0.0).to(tl.float32)
+            q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)) * scale
+            k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6))
+            v = tl.load(v_ptr + t * stride_v + h * DV + offs_v, mask=mv, other=0.0).to(tl.float32)
+            decay = tl.exp(tl.load(g_ptr + t * stride_g + h).to(tl.float32))
+            beta = tl.load(beta_ptr + t * stride_b + h).to(tl.float32)
+            s = s * decay
+            delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+            s = s + k[:, None] * delta[None, :]
+            o = tl.sum(s * q[:, None], axis=0)
+            tl.store(out_ptr + t * stride_o + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
+        tl.store(s_ptrs, s, mask=m)
+
+
+def _rows(t: torch.Tensor, dim: int) -> bool:
+    """`dim` dimensions, each row's values (all but the first dimension) laid out contiguously."""
+    if t.dim() != dim:
+        return False
+    inner = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if stride != inner and size > 1:
+            return False
+        inner *= size
+    return True
+
+
+def _batch_ok(device: torch.device, slots: torch.Tensor, fresh: torch.Tensor, query_start: torch.Tensor) -> bool:
+    return all(t.device == device and t.is_contiguous() for t in (slots, fresh, query_start)) \
+        and slots.dtype == query_start.dtype == torch.int64 and fresh.dtype == torch.bool \
+        and fresh.numel() == slots.numel() == query_start.numel() - 1
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_state: torch.Tensor,
+                  slots: torch.Tensor, fresh: torch.Tensor, query_start: torch.Tensor, silu: bool = True,
+                  max_len: int | None = None) -> torch.Tensor | None:
+    """Depthwise causal convolution of x [T, C] with weight [C, K] (and bias [C]) over each sequence's tokens, the
+    K-1 inputs before them read from conv_state [slots, C, K-1] (zero where fresh) and the last K-1 written back
+    (in conv_state's dtype); then SiLU. max_len: the longest sequence's token count (None: read from query_start, a
+    host sync). Returns [T, C] in x's dtype, or None where the kernel does not take the tensors."""
+    dev = x.device
+    ok = HAVE_TRITON and _rows(x, 2) and x.shape[0] > 0 and weight.dim() == 2 and weight.is_contiguous() \
+        and weight.shape[0] == x.shape[1] and weight.shape[1] >= 2 and conv_state.is_contiguous() \
+        and tuple(conv_state.shape[1:]) == (x.shape[1], weight.shape[1] - 1) \
+        and weight.device == conv_state.device == dev and (bias is None or (bias.is_contiguous() and bias.device == dev
+                                                                             and bias.numel() == x.shape[1])) \
+        and _batch_ok(dev, slots, fresh, query_start)
+    if not ok:
+        return None
+    t, c = x.shape
+    k = weight.shape[1]
+    b = slots.numel()
+    if max_len is None:
+        max_len = int((query_start[1:] - query_start[:-1]).max()) if b else 0
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if b == 0 or max_len == 0:
+        return out
+    blocks_c = triton.cdiv(c, CONV_BLOCK_C)
+    _conv_kernel[(b, blocks_c, triton.cdiv(max_len, CONV_BLOCK_T))](
+        x, weight, bias if bias is not None else weight, conv_state, out, slots, fresh, query_start, c, x.stride(0),
+        out.stride(0), K=k, HAS_BIAS=bias is not None, SILU=silu, BLOCK_T=CONV_BLOCK_T, BLOCK_C=CONV_BLOCK_C)
+    _conv_state_kernel[(b, blocks_c)](x, conv_state, slots, fresh, query_start, c, x.stride(0), K=k,
+                                      KP=_pow2(k - 1), BLOCK_C=CONV_BLOCK_C)
+    return out
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                     query_start: torch.Tensor) -> torch.Tensor | None:
+    """The gated delta rule over each sequence's tokens (llmd.model.recurrent.gated_delta_rule_ref's function): q, k
+    [T, Hk, Dk], v [T, Hv, Dv] (any float dtype, rows contiguous), g (log decay) and beta [T, Hv], state [slots, Hv,
+    Dk, Dv] fp32 read (zero where fresh) and written at each sequence's slot. Returns [T, Hv, Dv] in v's dtype, or
+    None where the kernel does not take the tensors."""
+    dev = v.device
+    ok = HAVE_TRITON and all(_rows(t, 3) for t in (q, k, v)) and _rows(g, 2) and _rows(beta, 2) \
+        and state.dtype == torch.float32 and state.is_contiguous() and state.dim() == 4 \
+        and all(t.device == dev for t in (q, k, g, beta, state)) and q.shape == k.shape \
+        and q.shape[0] == v.shape[0] == g.shape[0] == beta.shape[0] > 0 and v.shape[1] % q.shape[1] == 0 \
+        and tuple(g.shape[1:]) == tuple(beta.shape[1:]) == (v.shape[1],) \
+        and tuple(state.shape[1:]) == (v.shape[1], q.shape[2], v.shape[2]) and _batch_ok(dev, slots, fresh, query_start)
+    if not ok:
+        return None
+    t, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    out = torch.empty(t, hv, dv, dtype=v.dtype, device=dev)
+    b = slots.numel()
+    if b == 0:
+        return out
+    bv = min(DELTA_BLOCK_V, _pow2(dv))
+    _delta_rule_kernel[(b, hv, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, state, out, slots, fresh, query_start, q.stride(0), k.stride(0), v.stride(0), g.stride(0),
+        beta.stride(0), out.stride(0), dk ** -0.5, HV=hv, REP=hv // hk, DK=dk, DV=dv, BK=_pow2(dk), BV=bv,
+        num_warps=4)
+    return out

@@ -1,0 +1,113 @@
+"""One Gated DeltaNet layer's recurrent ops on the CPU at Qwen3.5-4B's (and 9B's) shape: the torch reference
+(llmd.model.recurrent's *_ref) vs the C kernels (llmd.kernels.cpu_recurrent), for a prefill chunk of one sequence and
+a decode step of a batch, each sequence continuing from a state it already has.
+
+    python tests/benchmarks/bench_cpu_recurrent.py [--threads 2] [--chunk 512] [--batch 4] [--repeat 3]
+
+Shape: 16 q/k heads and 32 value heads of 128 (Dk = Dv = 128), a 4-tap convolution over 2 * 16 * 128 + 32 * 128 = 8192
+channels (Qwen3.5-4B and 9B alike). Prints the best of --repeat runs, in ms, of causal_conv1d and gated_delta_rule on
+each path, the C recurrence's GFLOP/s (7 Dk Dv flops per token and value head: the decay, S^T k, the update and S^T q),
+and, for the prefill chunk, transformers' torch form of the chunked (matmul) algorithm
+(`torch_chunk_gated_delta_rule`, chunks of 64, torch's matmuls) where transformers is installed: the figure behind
+keeping the recurrence in C. The paths' outputs are compared as they run (largest difference printed). No asserts on
+speed: the figures are for reading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from llmd.kernels import cpu_recurrent
+from llmd.model import recurrent as rec
+
+HK, HV, DK, DV, TAPS = 16, 32, 128, 128, 4
+CHANNELS = 2 * HK * DK + HV * DV
+
+
+def inputs(tokens: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, CHANNELS, generator=g)
+    q = qkv[:, : HK * DK].view(tokens, HK, DK)  # views of the conv's output, as the model passes them
+    k = qkv[:, HK * DK : 2 * HK * DK].view(tokens, HK, DK)
+    v = qkv[:, 2 * HK * DK :].view(tokens, HV, DV)
+    return dict(x=torch.randn(tokens, CHANNELS, generator=g), weight=torch.randn(CHANNELS, TAPS, generator=g) * 0.3,
+                q=q, k=k, v=v, g=-torch.rand(tokens, HV, generator=g) * 0.2,
+                beta=torch.rand(tokens, HV, generator=g))
+
+
+def best_ms(fn, repeat: int) -> tuple[float, torch.Tensor]:
+    best, out = float("inf"), None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        out = fn()
+        best = min(best, (time.perf_counter() - start) * 1e3)
+    return best, out
+
+
+def run(name: str, lens: list[int], repeat: int) -> None:
+    batch = len(lens)
+    meta = rec.StateMetadata.build(list(range(batch)), [False] * batch, lens)
+    a = inputs(sum(lens))
+    gen = torch.Generator().manual_seed(1)
+    conv0 = torch.randn(batch + 1, CHANNELS, TAPS - 1, generator=gen)
+    ssm0 = torch.randn(batch + 1, HV, DK, DV, generator=gen) * 0.05
+    conv_args = (a["x"], a["weight"], None)
+    rule_args = (a["q"], a["k"], a["v"], a["g"], a["beta"])
+    figures = {}
+    for path, conv, rule in (("torch", rec.causal_conv1d_ref, rec.gated_delta_rule_ref),
+                             ("C", rec.causal_conv1d, rec.gated_delta_rule)):
+        # each run starts from the same states (copied outside the timing)
+        states = [(conv0.clone(), ssm0.clone()) for _ in range(repeat)]
+        it = iter(states)
+        ms_conv, y_conv = best_ms(lambda: conv(*conv_args, next(it)[0], meta), repeat)
+        it = iter(states)
+        ms_rule, y_rule = best_ms(lambda: rule(*rule_args, next(it)[1], meta), repeat)
+        figures[path] = (ms_conv, ms_rule, y_conv, y_rule)
+    t = sum(lens)
+    gflop = 7 * DK * DV * HV * t / 1e9
+    (tc, tr, tyc, tyr), (cc, cr, cyc, cyr) = figures["torch"], figures["C"]
+    print(f"{name}: {t} tokens")
+    print(f"  causal_conv1d     torch {tc:9.2f} ms   C {cc:8.2f} ms   x{tc / cc:6.1f}   "
+          f"max diff {(tyc - cyc).abs().max().item():.1e}")
+    print(f"  gated_delta_rule  torch {tr:9.2f} ms   C {cr:8.2f} ms   x{tr / cr:6.1f}   "
+          f"max diff {(tyr - cyr).abs().max().item():.1e}   C {gflop / cr * 1e3:5.1f} GFLOP/s")
+    if batch == 1 and t > 1:
+        chunked(rule_args, ssm0[0], repeat, cyr)
+
+
+def chunked(rule_args: tuple, state: torch.Tensor, repeat: int, want: torch.Tensor) -> None:
+    """transformers' torch form of the chunked algorithm on the same chunk, for comparison."""
+    try:
+        from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+    except ImportError:
+        print("  (transformers not installed: no chunked-form figure)")
+        return
+    q, k, v, g, beta = rule_args
+    fn = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
+    ms, (out, _) = best_ms(lambda: fn(q[None], k[None], v[None], g[None], beta[None], initial_state=state[None],
+                                      output_final_state=True, use_qk_l2norm_in_kernel=True), repeat)
+    print(f"  chunked form (torch matmuls, chunks of 64) {ms:8.2f} ms   "
+          f"max diff to C {(out[0] - want).abs().max().item():.1e}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--chunk", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if cpu_recurrent.load() is None:
+        raise SystemExit("the C kernels are unavailable here (no compiler, or LLMD_CPU_GEMM=0)")
+    print(f"Qwen3.5-4B Gated DeltaNet layer (Hk {HK}, Hv {HV}, Dk {DK}, Dv {DV}, conv {CHANNELS} x {TAPS}), "
+          f"{args.threads} threads, best of {args.repeat}")
+    run(f"prefill chunk of {args.chunk}", [args.chunk], args.repeat)
+    run(f"decode step, batch {args.batch}", [1] * args.batch, max(args.repeat, 10))
+
+
+if __name__ == "__main__":
+    main()
