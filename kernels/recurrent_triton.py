@@ -9,10 +9,18 @@ slots[b], and a sequence with fresh[b] starts from a zero state.
   sequence's last K-1 inputs (or, for a sequence of fewer than K-1 tokens, the shifted old state and its inputs) back
   to its slot, after the first has read the old state (launch order on the stream).
 - `gated_delta_rule`: one program per (sequence, value head, tile of value columns) holds its [Dk, BV] slice of the
-  fp32 state in registers and runs the sequence's tokens in order (a decode step is a sequence of one token; a
-  prefill chunk, its tokens one after the other): q, k L2-normalised and q scaled by Dk^-0.5 in fp32, then
-  S <- S exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q. A column of the state depends only on its own column,
-  so the tiles are independent; the state is written back after the last token.
+  fp32 state in registers (a column of the state depends only on its own column, so the tiles are independent), q and
+  k L2-normalised and q scaled by Dk^-0.5 in fp32, and writes the state back after the sequence's last token. Two
+  kernels, each sequence taking one by its own length (`chunk_from`), so its values do not depend on the others':
+  * token by token (decode tokens, short verify chunks): S <- S exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q;
+  * by chunks of DELTA_CHUNK tokens (prefill chunks), the chunked form of the same recurrence, its products on the
+    tensor cores (`dot_precision`): with gc the within-chunk cumulative sum of g, D[t, s] = exp(gc_t - gc_s)
+    (s <= t), L = strictly lower (beta_t D[t, s] k_t . k_s) and A = (I + L)^-1 (forward substitution, row by row):
+        u = A (beta (V - exp(gc) K S));  O = exp(gc) Q S + ((Q K^T) * D) u;
+        S <- exp(gc_last) S + (K * exp(gc_last - gc))^T u
+    (u holds each token's beta (v - S^T k) as the recurrence would compute it). A chunk's rows past its sequence
+    have zero k, v, beta and g, so they change nothing. Its rounding differs from the recurrence's (within fp32's),
+    and depends on where the sequence's prefill chunks begin, as the scheduler cuts them.
 
 A sequence's results depend only on its own tokens and state, never on the rest of the batch. Each function returns
 None where Triton is missing or the tensors are not the layouts it takes (then the caller runs the torch reference).
@@ -27,6 +35,7 @@ from ._triton import HAVE_TRITON, tl, triton
 CONV_BLOCK_C = 128  # channels per program of the convolution
 CONV_BLOCK_T = 16   # tokens per program of the convolution
 DELTA_BLOCK_V = 32  # value columns per program of the delta rule
+DELTA_CHUNK = 16    # tokens per chunk of the chunked delta rule, and the fewest a sequence runs it with
 
 
 def available() -> bool:
@@ -97,13 +106,15 @@ if HAVE_TRITON:
 
     @triton.jit
     def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slots_ptr, fresh_ptr, start_ptr,
-                           stride_q, stride_k, stride_v, stride_g, stride_b, stride_o, scale, HV: tl.constexpr,
-                           REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                           BV: tl.constexpr):
+                           stride_q, stride_k, stride_v, stride_g, stride_b, stride_o, scale, chunk_from,
+                           HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                           BK: tl.constexpr, BV: tl.constexpr):
         b = tl.program_id(0)
         h = tl.program_id(1)
         start = tl.load(start_ptr + b)
         end = tl.load(start_ptr + b + 1)
+        if end - start >= chunk_from:  # the chunked kernel's
+            return
         slot = tl.load(slots_ptr + b)
         keep = tl.load(fresh_ptr + b) == 0
         hk = h // REP
@@ -128,6 +139,70 @@ if HAVE_TRITON:
             o = tl.sum(s * q[:, None], axis=0)
             tl.store(out_ptr + t * stride_o + h * DV + offs_v, o.to(out_ptr.dtype.element_ty), mask=mv)
         tl.store(s_ptrs, s, mask=m)
+
+    @triton.jit
+    def _delta_rule_chunk_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, slots_ptr, fresh_ptr,
+                                 start_ptr, stride_q, stride_k, stride_v, stride_g, stride_b, stride_o, scale,
+                                 chunk_from, HV: tl.constexpr, REP: tl.constexpr, DK: tl.constexpr,
+                                 DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                                 PREC: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        start = tl.load(start_ptr + b)
+        end = tl.load(start_ptr + b + 1)
+        if end - start < chunk_from:  # the token-by-token kernel's
+            return
+        slot = tl.load(slots_ptr + b)
+        keep = tl.load(fresh_ptr + b) == 0
+        hk = h // REP
+        offs_k = tl.arange(0, BK)
+        offs_v = tl.program_id(2) * BV + tl.arange(0, BV)
+        mk = offs_k < DK
+        mv = offs_v < DV
+        s_ptrs = state_ptr + (slot * HV + h) * (DK * DV) + offs_k[:, None] * DV + offs_v[None, :]
+        s = tl.where(keep, tl.load(s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0), 0.0)
+        rows = tl.arange(0, BT)
+        causal = rows[:, None] >= rows[None, :]  # [t, s]: s <= t
+        strict = rows[:, None] > rows[None, :]
+        eye = tl.where(rows[:, None] == rows[None, :], 1.0, 0.0)
+        for c0 in range(start, end, BT):
+            t = c0 + rows
+            mt = t < end
+            q = tl.load(q_ptr + t[:, None] * stride_q + hk * DK + offs_k[None, :], mask=mt[:, None] & mk[None, :],
+                        other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + t[:, None] * stride_k + hk * DK + offs_k[None, :], mask=mt[:, None] & mk[None, :],
+                        other=0.0).to(tl.float32)
+            q = q * (1.0 / tl.sqrt(tl.sum(q * q, axis=1) + 1e-6))[:, None] * scale
+            k = k * (1.0 / tl.sqrt(tl.sum(k * k, axis=1) + 1e-6))[:, None]
+            v = tl.load(v_ptr + t[:, None] * stride_v + h * DV + offs_v[None, :], mask=mt[:, None] & mv[None, :],
+                        other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + t * stride_g + h, mask=mt, other=0.0).to(tl.float32)
+            beta = tl.load(beta_ptr + t * stride_b + h, mask=mt, other=0.0).to(tl.float32)
+            gc = tl.sum(tl.where(causal, g[None, :], 0.0), axis=1)  # cumulative log decay within the chunk
+            decay = tl.where(causal, tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+            kk = tl.dot(k, tl.trans(k), input_precision=PREC)
+            lower = tl.where(strict, beta[:, None] * decay * kk, 0.0)
+            a = eye  # (I + lower)^-1, row i from the rows before it
+            for i in range(1, BT):
+                li = tl.sum(tl.where(rows[:, None] == i, lower, 0.0), axis=0)
+                a = tl.where(rows[:, None] == i, a - tl.sum(li[:, None] * a, axis=0)[None, :], a)
+            gamma = tl.exp(gc)
+            ks = tl.dot(k, s, input_precision=PREC)
+            u = tl.dot(a, beta[:, None] * (v - gamma[:, None] * ks), input_precision=PREC)
+            qk = tl.dot(q, tl.trans(k), input_precision=PREC) * decay
+            o = gamma[:, None] * tl.dot(q, s, input_precision=PREC) + tl.dot(qk, u, input_precision=PREC)
+            tl.store(out_ptr + t[:, None] * stride_o + h * DV + offs_v[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=mt[:, None] & mv[None, :])
+            g_last = tl.sum(tl.where(rows == BT - 1, gc, 0.0), axis=0)  # the masked rows' g are 0: the last token's
+            kw = k * tl.exp(g_last - gc)[:, None]
+            s = tl.exp(g_last) * s + tl.dot(tl.trans(kw), u, input_precision=PREC)
+        tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """The chunked delta rule's tensor-core products: tf32 for bf16 / fp16 activations (finer than their own
+    rounding), three tf32 passes (about fp32's precision) for fp32 ones."""
+    return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
 def _rows(t: torch.Tensor, dim: int) -> bool:
@@ -182,12 +257,14 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
-                     query_start: torch.Tensor) -> torch.Tensor | None:
+                     state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, query_start: torch.Tensor,
+                     max_len: int | None = None, chunk_from: int = DELTA_CHUNK) -> torch.Tensor | None:
     """The gated delta rule over each sequence's tokens (llmd.model.recurrent.gated_delta_rule_ref's function): q, k
     [T, Hk, Dk], v [T, Hv, Dv] (any float dtype, rows contiguous), g (log decay) and beta [T, Hv], state [slots, Hv,
-    Dk, Dv] fp32 read (zero where fresh) and written at each sequence's slot. Returns [T, Hv, Dv] in v's dtype, or
-    None where the kernel does not take the tensors."""
+    Dk, Dv] fp32 read (zero where fresh) and written at each sequence's slot. A sequence of chunk_from tokens or more
+    runs by the chunked kernel, a shorter one token by token, whatever the other sequences: a decode token's values
+    do not depend on its step. max_len: the longest sequence's token count (None: read from query_start, a host
+    sync). Returns [T, Hv, Dv] in v's dtype, or None where the kernel does not take the tensors."""
     dev = v.device
     ok = HAVE_TRITON and all(_rows(t, 3) for t in (q, k, v)) and _rows(g, 2) and _rows(beta, 2) \
         and state.dtype == torch.float32 and state.is_contiguous() and state.dim() == 4 \
@@ -203,9 +280,16 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     b = slots.numel()
     if b == 0:
         return out
+    if max_len is None:
+        max_len = int((query_start[1:] - query_start[:-1]).max())
+    args = (q, k, v, g, beta, state, out, slots, fresh, query_start, q.stride(0), k.stride(0), v.stride(0),
+            g.stride(0), beta.stride(0), out.stride(0), dk ** -0.5, max(1, chunk_from))
+    shape = dict(HV=hv, REP=hv // hk, DK=dk, DV=dv)
     bv = min(DELTA_BLOCK_V, _pow2(dv))
-    _delta_rule_kernel[(b, hv, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, state, out, slots, fresh, query_start, q.stride(0), k.stride(0), v.stride(0), g.stride(0),
-        beta.stride(0), out.stride(0), dk ** -0.5, HV=hv, REP=hv // hk, DK=dk, DV=dv, BK=_pow2(dk), BV=bv,
-        num_warps=4)
+    _delta_rule_kernel[(b, hv, triton.cdiv(dv, bv))](*args, **shape, BK=_pow2(dk), BV=bv, num_warps=4)
+    if max_len >= chunk_from:
+        bv = max(16, bv)  # tl.dot takes no dimension under 16
+        _delta_rule_chunk_kernel[(b, hv, triton.cdiv(dv, bv))](*args, **shape, BK=max(16, _pow2(dk)), BV=bv,
+                                                                BT=DELTA_CHUNK, PREC=dot_precision(v.dtype),
+                                                                num_warps=4)
     return out

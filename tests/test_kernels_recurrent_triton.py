@@ -20,9 +20,9 @@ pytest.importorskip("triton", reason="the kernels need triton")
 rt = load_kernel_module("recurrent_triton")
 
 NUM_SLOTS = 7
-# channels 150: a block of 128 and a partial one; Dk 20 and Dv 44: partial key and value tiles; 2 q/k heads for 6
+# channels 150: a block of 128 and a partial one; Dk 20 and Dv 44: partial key and value tiles; 2 q/k heads for 4
 # value heads
-C, TAPS, HK, HV, DK, DV = 150, 4, 2, 6, 20, 44
+C, TAPS, HK, HV, DK, DV = 150, 4, 2, 4, 20, 44
 BATCHES = {  # (query lengths, fresh, slots)
     "mixed": ([19, 1, 5, 1, 2], [True, False, False, True, False], [3, 0, 5, 6, 1]),  # 19: two token blocks
     "decodes": ([1, 1, 1], [False, True, False], [4, 2, 0]),
@@ -51,9 +51,11 @@ def _meta(lens, fresh, slots) -> rec.StateMetadata:
     return rec.StateMetadata.build(slots, fresh, lens, DEVICE)
 
 
-def _kernel(a: dict, meta: rec.StateMetadata, states, bias: bool = True, silu: bool = True):
+def _kernel(a: dict, meta: rec.StateMetadata, states, bias: bool = True, silu: bool = True,
+            chunk_from: int = rt.DELTA_CHUNK):
     y = rt.causal_conv1d(a["x"], a["weight"], a["bias"] if bias else None, states[0], *meta.kernel_tensors(), silu=silu)
-    o = rt.gated_delta_rule(a["q"], a["k"], a["v"], a["g"], a["beta"], states[1], *meta.kernel_tensors())
+    o = rt.gated_delta_rule(a["q"], a["k"], a["v"], a["g"], a["beta"], states[1], *meta.kernel_tensors(),
+                            chunk_from=chunk_from)
     return y, o
 
 
@@ -67,13 +69,19 @@ def _rows(a: dict, lo: int, hi: int) -> dict:
     return {key: value if key in ("weight", "bias") else value[lo:hi] for key, value in a.items()}
 
 
+# which sequences the delta rule runs by chunks: those of DELTA_CHUNK tokens or more (the default), all, none
+CHUNK_FROM = {"by length": rt.DELTA_CHUNK, "all chunked": 1, "all by token": 10 ** 9}
+
+
 @pytest.mark.parametrize("name", BATCHES)
-@pytest.mark.parametrize("bias,silu", [(True, True), (False, False)])
-def test_kernels_compute_the_reference(name, bias, silu):
+@pytest.mark.parametrize("bias,silu,chunks", [(True, True, "by length"), (False, False, "all chunked"),
+                                              (True, True, "all by token")])
+def test_kernels_compute_the_reference(name, bias, silu, chunks):
     lens, fresh, slots = BATCHES[name]
     a, meta = _batch(lens), _meta(lens, fresh, slots)
     states, ref_states = _states(), _states()
-    for got, want in zip(_kernel(a, meta, states, bias, silu), _ref(a, meta, ref_states, bias, silu)):
+    got = _kernel(a, meta, states, bias, silu, CHUNK_FROM[chunks])
+    for got, want in zip(got, _ref(a, meta, ref_states, bias, silu)):
         assert got.shape == want.shape and got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(states[0], ref_states[0])  # the conv state holds copied inputs: every slot exactly
@@ -82,7 +90,8 @@ def test_kernels_compute_the_reference(name, bias, silu):
     assert all(torch.equal(s[untouched], old[untouched]) for s, old in zip(states, _states()))
 
 
-def test_a_sequence_alone_and_in_a_batch_and_one_chunk_or_several_bit_for_bit():
+def test_a_sequence_alone_and_in_a_batch_bit_for_bit():
+    """Each sequence alone, with its own kernel by its length (sequence 0: chunked; the others: token by token)."""
     lens, fresh, slots = BATCHES["mixed"]
     a, meta = _batch(lens), _meta(lens, fresh, slots)
     states = _states()
@@ -93,12 +102,23 @@ def test_a_sequence_alone_and_in_a_batch_and_one_chunk_or_several_bit_for_bit():
         y1, o1 = _kernel(_rows(a, starts[b], starts[b + 1]), _meta([n], [new], [slot]), alone)
         assert torch.equal(y1, y[starts[b] : starts[b + 1]]) and torch.equal(o1, o[starts[b] : starts[b + 1]])
         assert torch.equal(alone[0][slot], states[0][slot]) and torch.equal(alone[1][slot], states[1][slot])
-    # sequence 0 (fresh, 19 tokens) in chunks of 2 (fewer than K - 1 inputs), 1 and 16
-    parts, got = _states(seed=5), []
-    for lo, hi in ((0, 2), (2, 3), (3, 19)):
-        got.append(_kernel(_rows(a, lo, hi), _meta([hi - lo], [lo == 0], [3]), parts))
-    assert torch.equal(torch.cat([g[0] for g in got]), y[:19]) and torch.equal(torch.cat([g[1] for g in got]), o[:19])
-    assert torch.equal(parts[0][3], states[0][3]) and torch.equal(parts[1][3], states[1][3])
+
+
+def test_a_prefill_in_chunks_carries_its_state():
+    """Sequence 0 (fresh, 19 tokens) in chunks of 2 (fewer than K - 1 inputs), 1 and 16: the conv (and the
+    token-by-token delta rule) the bits of one chunk; the chunked delta rule, whose chunks then begin elsewhere, within
+    fp32's rounding."""
+    a = _rows(_batch(BATCHES["mixed"][0]), 0, 19)
+    for chunk_from in (10 ** 9, 1):
+        states = _states()
+        y, o = _kernel(a, _meta([19], [True], [3]), states, chunk_from=chunk_from)
+        parts, got = _states(seed=5), []
+        for lo, hi in ((0, 2), (2, 3), (3, 19)):
+            got.append(_kernel(_rows(a, lo, hi), _meta([hi - lo], [lo == 0], [3]), parts, chunk_from=chunk_from))
+        assert torch.equal(torch.cat([g[0] for g in got]), y[:19]) and torch.equal(parts[0][3], states[0][3])
+        tol = dict(rtol=0, atol=0) if chunk_from > 1 else dict(rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.cat([g[1] for g in got]), o[:19], **tol)
+        torch.testing.assert_close(parts[1][3], states[1][3], **tol)
 
 
 def test_bf16_activations_within_their_rounding():

@@ -73,6 +73,11 @@ class StateMetadata:
         q = self.query_start_list
         return all(q[i + 1] - q[i] == 1 for i in range(len(q) - 1))
 
+    @property
+    def max_query_len(self) -> int:
+        q = self.query_start_list
+        return max((q[i + 1] - q[i] for i in range(len(q) - 1)), default=0)
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension (the gated delta rule's q/k normalisation)."""
@@ -90,7 +95,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if x.is_cuda:
         from ..kernels import recurrent_triton
         if recurrent_triton.available():
-            out = recurrent_triton.causal_conv1d(x, weight, bias, conv_state, *meta.kernel_tensors(), silu=silu)
+            out = recurrent_triton.causal_conv1d(x, weight, bias, conv_state, *meta.kernel_tensors(), silu=silu,
+                                                 max_len=meta.max_query_len)
     elif x.dtype is torch.float32:
         out = cpu_recurrent.causal_conv1d(x, weight, bias, conv_state, *meta.kernel_tensors(), silu=silu)
     return out if out is not None else causal_conv1d_ref(x, weight, bias, conv_state, meta, silu)
@@ -103,7 +109,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     if v.is_cuda:
         from ..kernels import recurrent_triton
         if recurrent_triton.available():
-            out = recurrent_triton.gated_delta_rule(q, k, v, g, beta, state, *meta.kernel_tensors())
+            out = recurrent_triton.gated_delta_rule(q, k, v, g, beta, state, *meta.kernel_tensors(),
+                                                    max_len=meta.max_query_len)
     elif v.dtype is torch.float32:
         out = cpu_recurrent.gated_delta_rule(q, k, v, g, beta, state, *meta.kernel_tensors())
     return out if out is not None else gated_delta_rule_ref(q, k, v, g, beta, state, meta)
