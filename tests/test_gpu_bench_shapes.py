@@ -1,8 +1,8 @@
 """The GPU check's `shapes` stage (tests/gpu/bench_gpu.py, section shapes) run on the CPU at its tiny scale: the
 models it builds have the declared families' features, at full scale the configs have the real checkpoints' shapes,
 and its table's figures are positive, with the bytes read per decode step equal to the model's weight bytes plus
-the K/V the step attends over. The `moe` stage (section moe) likewise, under the Triton interpreter. No speed is
-asserted (the figures are for reading)."""
+the K/V the step attends over. The `moe` and `hybrid` stages (sections moe, hybrid) likewise, under the Triton
+interpreter. No speed is asserted (the figures are for reading)."""
 
 from __future__ import annotations
 
@@ -148,3 +148,19 @@ def test_moe_stage_at_tiny_scale():
         assert "error" not in row and row["rel_err"] < 2e-2
         assert 0 < row["experts_hit"] <= min(experts, row["batch"] * top_k)
         assert row["gbs"] == pytest.approx(row["experts_hit"] * (blocks + biases) / (row["us"] / 1e3) / 1e6)
+
+
+def test_hybrid_stage_at_tiny_scale():
+    """The hybrid stage's code at Qwen3.5-9B's tiny shape: decode steps, the prefill chunk by each delta-rule kernel
+    (the reference timed once, beside the chunked one), every result and state checked against the reference; GB/s
+    the fp32 states read and written over the delta rule's time."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = bench_gpu.hybrid_recurrent(4800.0, device=device, scale="tiny")
+    hk, hv, d, taps, batches, chunk = bench_gpu.HYBRID_SHAPES["tiny"]["qwen3.5-9b"]
+    assert [r["case"] for r in rows] == [f"decode batch {b}" for b in batches] + \
+        [f"prefill {chunk} chunked", f"prefill {chunk} by token"]
+    for row in rows:
+        assert "error" not in row and max(row["rel_err"].values()) < (2e-2 if device == "cuda" else 1e-5)
+        assert row["state_gbs"] == pytest.approx(row["batch"] * hv * d * d * 8 / (row["rule_us"] / 1e3) / 1e6)
+        assert row["conv_us"] > 0 and row["tok_s"] > 0
+    assert ("reference_ms" in rows[-2]) and ("reference_ms" not in rows[-1])

@@ -24,6 +24,12 @@
    moe_bench) at gpt-oss-20b's experts (MXFP4, biases, clamped SwiGLU) and Qwen3-30B-A3B's (Q4_K), random weights,
    bf16, batch 1, 4 and 16, autotuned: GB/s of the bytes of the experts the batch hit, checked against the torch
    reference. `--device cpu --scale tiny` runs it under the Triton interpreter (tests/test_gpu_bench_shapes.py).
+9. The recurrent layers of hybrid models (llmd.kernels.recurrent_triton; section hybrid, run apart as --sections hybrid
+   --name hybrid_bench) at one Qwen3.5-9B Gated DeltaNet layer (16 q/k and 32 value heads of 128, a 4-tap conv over
+   8192 channels), bf16 activations, fp32 state: the conv and the gated delta rule for a decode step at batch 1 and 16
+   (us, GB/s of the state read and written) and for a 2k-token prefill chunk (ms: the chunked kernel, the
+   token-by-token one, and the torch reference run once), each result checked against the torch reference.
+   `--device cpu --scale tiny` runs it under the Triton interpreter (tests/test_gpu_bench_shapes.py).
 Writes JSON and a text table to --out. Imports nothing outside torch/triton/llmd.
 """
 
@@ -630,13 +636,126 @@ def moe_bandwidth(peak_gbs: float, device: str = "cuda", scale: str = "full", ba
     return rows
 
 
+# (q/k heads, value heads, head dim, conv taps, decode batches, prefill chunk)
+HYBRID_SHAPES = {"full": {"qwen3.5-9b": (16, 32, 128, 4, (1, 16), 2048)},
+                 "tiny": {"qwen3.5-9b": (2, 4, 32, 4, (1, 3), 40)}}
+
+
+def _hybrid_step(lens: list[int], shape: tuple, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
+    """One layer's step inputs: the conv's input and weights, its states (slot b for sequence b, continuing), and
+    q/k/v as views of the conv's output (the model's layout), g and beta."""
+    from llmd.model import recurrent as rec
+
+    hk, hv, d, taps = shape[:4]
+    channels, t, b = 2 * hk * d + hv * d, sum(lens), len(lens)
+    gen = torch.Generator(device).manual_seed(seed)
+    qkv = torch.randn(t, channels, device=device, generator=gen).to(dtype)
+    return dict(meta=rec.StateMetadata.build(list(range(b)), [False] * b, lens, device),
+                x=torch.randn(t, channels, device=device, generator=gen).to(dtype),
+                weight=(torch.randn(channels, taps, device=device, generator=gen) * 0.3).to(dtype),
+                conv=torch.randn(b + 1, channels, taps - 1, device=device, generator=gen).to(dtype),
+                ssm=torch.randn(b + 1, hv, d, d, device=device, generator=gen) * 0.05,
+                q=qkv[:, : hk * d].view(t, hk, d), k=qkv[:, hk * d : 2 * hk * d].view(t, hk, d),
+                v=qkv[:, 2 * hk * d :].view(t, hv, d), g=-torch.rand(t, hv, device=device, generator=gen) * 0.3,
+                beta=torch.rand(t, hv, device=device, generator=gen).to(dtype))
+
+
+def _hybrid_case(name: str, lens: list[int], shape: tuple, device: str, peak_gbs: float,
+                 chunk_from: int | None = None, reference: bool = False) -> dict:
+    """The conv and the delta rule on one step (each from the step's initial states), timed, checked against the
+    reference (largest error relative to its largest output; the state against the reference's state)."""
+    from llmd.kernels import recurrent_triton as rt
+    from llmd.model import recurrent as rec
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    a = _hybrid_step(lens, shape, device, dtype)
+    meta = a["meta"]
+    kernel_args = (*meta.kernel_tensors(),)
+    options = dict(max_len=meta.max_query_len) | ({} if chunk_from is None else dict(chunk_from=chunk_from))
+
+    def conv(state):
+        return rt.causal_conv1d(a["x"], a["weight"], None, state, *kernel_args, max_len=meta.max_query_len)
+
+    def rule(state):
+        return rt.gated_delta_rule(a["q"], a["k"], a["v"], a["g"], a["beta"], state, *kernel_args, **options)
+
+    def timed(fn, state) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+        """(ms, first call's s, output, state after one call)"""
+        once = state.clone()
+        start = time.perf_counter()
+        out = fn(once)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        first = time.perf_counter() - start
+        if device == "cuda":
+            from triton.testing import do_bench
+
+            scratch = state.clone()  # the timed calls run on from the state they leave
+            return do_bench(lambda: fn(scratch), warmup=5, rep=20), first, out, once
+        return first * 1e3, first, out, once
+
+    conv_ms, conv_first, y, conv_state = timed(conv, a["conv"])
+    rule_ms, rule_first, o, ssm_state = timed(rule, a["ssm"])
+    exact = {key: a[key].float() for key in ("x", "weight", "q", "k", "v", "beta")}
+    ref_conv, ref_ssm = a["conv"].float(), a["ssm"].clone()
+    start = time.perf_counter()
+    want_y = rec.causal_conv1d_ref(exact["x"], exact["weight"], None, ref_conv, meta)
+    want_o = rec.gated_delta_rule_ref(exact["q"], exact["k"], exact["v"], a["g"], exact["beta"], ref_ssm, meta)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    ref_ms = (time.perf_counter() - start) * 1e3
+
+    def rel(got, want):
+        return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+    errors = dict(conv=rel(y, want_y), conv_state=rel(conv_state, ref_conv), rule=rel(o, want_o),
+                  state=rel(ssm_state, ref_ssm))
+    hk, hv, d = shape[:3]
+    state_bytes = len(lens) * hv * d * d * 4 * 2  # each sequence's fp32 state, read and written
+    row = dict(case=name, tokens=sum(lens), batch=len(lens), conv_us=conv_ms * 1e3, rule_us=rule_ms * 1e3,
+               first_call_s=conv_first + rule_first, state_gbs=state_bytes / rule_ms / 1e6,
+               pct_peak=100 * state_bytes / rule_ms / 1e6 / peak_gbs, tok_s=sum(lens) / rule_ms * 1e3,
+               rel_err=errors)
+    if reference:
+        row["reference_ms"] = ref_ms
+    bad = {k: v for k, v in errors.items() if not v < 2e-2}
+    if bad:
+        row["error"] = f"{name}: relative error {bad} against the reference"
+    return row
+
+
+def hybrid_recurrent(peak_gbs: float, device: str = "cuda", scale: str = "full") -> list[dict]:
+    """Per model shape: decode steps at each batch (token by token), the prefill chunk by the chunked kernel and by
+    the token-by-token one (and the torch reference's time, one run)."""
+    import os
+
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
+    rows = []
+    for model, shape in HYBRID_SHAPES[scale].items():
+        batches, chunk = shape[4], shape[5]
+        cases = [(f"decode batch {b}", [1] * b, None, False) for b in batches]
+        cases += [(f"prefill {chunk} chunked", [chunk], None, True),
+                  (f"prefill {chunk} by token", [chunk], chunk + 1, False)]
+        for name, lens, chunk_from, reference in cases:
+            row = dict(model=model) | _hybrid_case(name, lens, shape, device, peak_gbs, chunk_from, reference)
+            rows.append(row)
+            speed = f"{row['tok_s']:9.0f} tok/s" if len(lens) == 1 and lens[0] > 1 else \
+                f"state {row['state_gbs']:5.0f} GB/s ({row['pct_peak']:4.1f}% of peak)"
+            extra = f"  torch reference {row['reference_ms']:9.1f} ms" if reference else ""
+            print(f"hybrid {model} {name:22}: conv {row['conv_us']:9.1f} us  delta rule {row['rule_us']:10.1f} us  "
+                  f"{speed}  max rel err {max(row['rel_err'].values()):.1e}  "
+                  f"(first calls {row['first_call_s']:4.1f} s){extra}", flush=True)
+    return rows
+
+
 SECTIONS = {"decode_cuda_graphs": decode_cuda_graphs, "kernels": kernel_bandwidth,
             "prefill_attention": prefill_attention_speed, "decode": decode_roofline, "spec_verify": verify_cost,
             "gguf_kernels": gguf_kernel_bandwidth, "long_context": long_context_decode, "shapes": real_shapes,
-            "moe": moe_bandwidth}
+            "moe": moe_bandwidth, "hybrid": hybrid_recurrent}
 # run_gpu_checks.sh runs these on their own, with their own time limits
-APART = ("gguf_kernels", "long_context", "shapes", "moe")
-SCALED = ("shapes", "moe")  # the sections that take --device and --scale (the others need CUDA at full size)
+APART = ("gguf_kernels", "long_context", "shapes", "moe", "hybrid")
+SCALED = ("shapes", "moe", "hybrid")  # the sections that take --device and --scale (the others need CUDA at full size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ each tiling's resources: shared memory, registers, spills (cuobjdump), and the g
     python tests/gpu/compile_offline.py [--arch 90] [--types Q4_K,Q6_K] [--jobs 2]
     python tests/gpu/compile_offline.py --attention [--arch 90]
     python tests/gpu/compile_offline.py --moe [--arch 90]
+    python tests/gpu/compile_offline.py --recurrent [--arch 90]
 
 Every (type, tiling) that `gguf_matmul.candidates` can pick for M = 1, 2, 4, 16 and 512 with bf16 activations is
 compiled once (the binary does not depend on M or SPLIT_K). Exits non-zero if any compile fails or spills.
@@ -18,6 +19,11 @@ failed (they cost speed, which the GPU stage measures).
 `moe_matmul.candidates` picks for 1, 4, 16 and 512 tokens, gate_up (gated) and down, at gpt-oss-20b's experts (MXFP4,
 biases, clamped SwiGLU), Qwen3-30B-A3B's (Q4_K, a Q4_K_M file's Q6_K down) and bf16 fp experts; and the slot sum.
 Exits non-zero if any compile fails or spills.
+
+--recurrent: the recurrent layers' kernels (llmd.kernels.recurrent_triton) at Qwen3.5-9B's Gated DeltaNet layer (16 q/k
+and 32 value heads of 128, a 4-tap conv over 8192 channels) with bf16 activations, as the launchers pick their
+constexprs: the conv and its state write, the delta rule token by token and by chunks. Exits non-zero if any compile
+fails; spills are printed, not failed.
 """
 
 from __future__ import annotations
@@ -245,6 +251,58 @@ def moe_main(arch: int, jobs: int) -> int:
     return 1 if bad else 0
 
 
+def _recurrent_variants() -> list[tuple[str, dict, dict]]:
+    """(kernel name, constexprs, launch options) per compile, at Qwen3.5-9B's layer shape (the chunked delta rule
+    with bf16's and with fp32's product precision)."""
+    import torch
+    from llmd.kernels import recurrent_triton as rt
+
+    hk, hv, d, taps = 16, 32, 128, 4
+    delta = dict(HV=hv, REP=hv // hk, DK=d, DV=d, BK=d, BV=rt.DELTA_BLOCK_V)
+    return [("_conv_kernel", dict(K=taps, HAS_BIAS=False, SILU=True, BLOCK_T=rt.CONV_BLOCK_T,
+                                  BLOCK_C=rt.CONV_BLOCK_C), dict(num_warps=4)),
+            ("_conv_state_kernel", dict(K=taps, KP=rt._pow2(taps - 1), BLOCK_C=rt.CONV_BLOCK_C), dict(num_warps=4)),
+            ("_delta_rule_kernel", delta, dict(num_warps=4)),
+            ("_delta_rule_chunk_kernel", delta | dict(BT=rt.DELTA_CHUNK, PREC=rt.dot_precision(torch.bfloat16)),
+             dict(num_warps=4)),
+            ("_delta_rule_chunk_kernel", delta | dict(BT=rt.DELTA_CHUNK, PREC=rt.dot_precision(torch.float32)),
+             dict(num_warps=4))]
+
+
+def _compile_recurrent(arch: int, name: str, consts: dict, launch: dict) -> dict:
+    from llmd.kernels import recurrent_triton as rt
+    from triton.compiler import ASTSource
+
+    kernel = getattr(rt, name)
+    delta = "delta" in name  # the delta rule's state is fp32; the conv's, the activations' dtype
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "state_ptr": "*fp32" if delta else "*bf16",
+             "out_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32",
+             "beta_ptr": "*bf16", "slots_ptr": "*i64", "fresh_ptr": "*i1", "start_ptr": "*i64", "scale": "fp32"}
+    params = [p.name for p in kernel.params]
+    signature = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+    constexprs = {(i,): consts[p] for i, p in enumerate(params) if p in consts}
+    # pointers, channel counts and row strides are multiples of 16 at this shape (chunk_from, 16, too)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts and p != "scale"}
+    return _compiled_row(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), arch,
+                         dict(what=f"{name} {consts.get('PREC', '')}", **launch), launch)
+
+
+def recurrent_main(arch: int, jobs: int) -> int:
+    variants = _recurrent_variants()
+    print(f"sm_{arch}: {len(variants)} recurrent-layer compiles", flush=True)
+    failed = 0
+    with ProcessPoolExecutor(jobs) as pool:
+        for r in [f.result() for f in [pool.submit(_compile_recurrent, arch, *v) for v in variants]]:
+            if "error" in r:
+                failed += 1
+                print(f"{r['what']:34} FAILED {r['error']}", flush=True)
+                continue
+            spill = r["stack"] > 0 or r["local"] > 0
+            print(f"{r['what']:34} warps={r['num_warps']}  shared {r['shared']:6} B  regs {r['regs']:3}  "
+                  f"stack {r['stack']:4}  local {r['local']}{'  SPILLS' if spill else ''}", flush=True)
+    return 1 if failed else 0
+
+
 def _compiled_row(src, arch: int, row: dict, launch: dict) -> dict:
     """`row` with the compiled kernel's shared memory and resources, or the error (reported, the others go on)."""
     import triton
@@ -280,7 +338,11 @@ def main() -> int:
                         help="the attention kernels at bench_gpu's head shapes instead of the GGUF matmul")
     parser.add_argument("--moe", action="store_true",
                         help="the fused mixture-of-experts kernels at gpt-oss-20b's and Qwen3-30B-A3B's shapes")
+    parser.add_argument("--recurrent", action="store_true",
+                        help="the recurrent layers' kernels (conv, gated delta rule) at Qwen3.5-9B's shape")
     args = parser.parse_args()
+    if args.recurrent:
+        return recurrent_main(args.arch, args.jobs)
     if args.attention:
         return attention_main(args.arch, args.jobs)
     if args.moe:

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in stages, each under its own time
-# limit. A session has 15 minutes of device time and one command at most 10: the default limits sum to 570 s (tests
-# 150 + 65, bench 125, shapes 85, gguf 70, long 35, moe 40), within one command with room for the start. To spend a
-# second call on what the first cut short, run a subset: STAGES="shapes gguf long moe" tests/gpu/run_gpu_checks.sh
-# (stages: tests, bench, shapes, gguf, long, moe; default all six, in that order). summary.txt gets each stage's
-# seconds, to size the limits from.
+# limit. A session has 15 minutes of device time and one command at most 10: the default limits sum to 675 s (tests
+# 150 + 65, bench 125, shapes 85, gguf 70, long 35, moe 40, hybrid 60 + 45), more than one command: run them in two
+# calls, STAGES="tests bench shapes" tests/gpu/run_gpu_checks.sh, then STAGES="gguf long moe hybrid" (stages: tests,
+# bench, shapes, gguf, long, moe, hybrid; default all seven, in that order). summary.txt gets each stage's seconds, to
+# size the limits from.
 # Writes under $OUT (default ./gpu-results): summary.txt, pytest logs, gpu_bench.json/.txt, gpu_shapes.json/.txt,
-# gguf_bench.json/.txt, gpu_long_context.json/.txt and moe_bench.json/.txt.
+# gguf_bench.json/.txt, gpu_long_context.json/.txt, moe_bench.json/.txt and hybrid_bench.json/.txt.
 set -u -o pipefail  # a failing pytest or benchmark, not tee, decides each step's status
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu-results}"
@@ -25,7 +25,7 @@ if ! "$PY" -c "import llmd" 2>/dev/null; then
   export PYTHONPATH="$SHIM:$PYTHONPATH"
 fi
 status=0
-STAGES=" ${STAGES:-tests bench shapes gguf long moe} "
+STAGES=" ${STAGES:-tests bench shapes gguf long moe hybrid} "
 wants() { [[ "$STAGES" == *" $1 "* ]]; }
 took() { echo "   ($1: $((SECONDS - $2)) s)" | tee -a "$OUT/summary.txt"; }  # a stage's wall time
 # Most of the tests' time is Triton compiling kernels (hundreds of variants, about a second each on one core). With
@@ -86,5 +86,19 @@ t0=$SECONDS
 timeout 40 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections moe --name moe_bench 2>&1 \
   | tee "$OUT/moe_bench.txt" | grep "^moe " | tee -a "$OUT/summary.txt" || status=1
 took moe "$t0"
+fi
+# the recurrent layers of hybrid models (Qwen3.5's Gated DeltaNet, llmd.kernels.recurrent_triton): every test of the
+# kernels' file on the GPU (its Qwen3.5-9B layer-shape test and the model's functions choosing the kernels among
+# them), then one Qwen3.5-9B layer's conv and delta rule at decode batch 1 and 16 and for a 2k-token prefill chunk
+# (chunked, token by token, the torch reference once), each checked against the reference. About 15 compiles of 4
+# kernels in the tests, 5 in the benchmark: limits estimated, not yet run.
+if wants hybrid; then
+echo "== recurrent layers (Qwen3.5-9B Gated DeltaNet: conv, gated delta rule)" | tee -a "$OUT/summary.txt"
+t0=$SECONDS
+timeout 60 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_recurrent_triton.py \
+  2>&1 | tee "$OUT/pytest_hybrid.txt" | tail -2 | tee -a "$OUT/summary.txt" || status=1
+timeout 45 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections hybrid --name hybrid_bench 2>&1 \
+  | tee "$OUT/hybrid_bench.txt" | grep "^hybrid " | tee -a "$OUT/summary.txt" || status=1
+took hybrid "$t0"
 fi
 exit $status
