@@ -180,8 +180,9 @@ static void delta_tile(const llmd_delta_rule *r, float *state, const llmd_state_
 #endif
     _Alignas(32) float S[MAX_DK * TILE], qn[MAX_DK], kn[MAX_DK], v[TILE], o[TILE];
     float *st = state + ((sb->slots[b] * r->hv + h) * dk) * dv + j0;
-    for (int64_t i = 0; i < dk; i++)
-        for (int64_t j = 0; j < W; j++) S[i * W + j] = j < nj && !sb->fresh[b] ? st[i * dv + j] : 0.0f;
+    if (sb->fresh[b] || nj < W) memset(S, 0, (size_t)(dk * W) * sizeof(float));
+    if (!sb->fresh[b])
+        for (int64_t i = 0; i < dk; i++) memcpy(S + i * W, st + i * dv, (size_t)nj * sizeof(float));
     for (int64_t j = nj; j < W; j++) v[j] = 0.0f;
     for (int64_t t = sb->starts[b]; t < sb->starts[b + 1]; t++) {
         l2norm(r->q + t * r->ldq + hk * dk, dk, r->scale, qn);

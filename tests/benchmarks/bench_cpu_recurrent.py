@@ -8,8 +8,8 @@ Shape: 16 q/k heads and 32 value heads of 128 (Dk = Dv = 128), a 4-tap convoluti
 channels (Qwen3.5-4B and 9B alike). Prints the best of --repeat runs, in ms, of causal_conv1d and gated_delta_rule on
 each path, the C recurrence's GFLOP/s (7 Dk Dv flops per token and value head: the decay, S^T k, the update and S^T q),
 and, for the prefill chunk, transformers' torch form of the chunked (matmul) algorithm
-(`torch_chunk_gated_delta_rule`, chunks of 64, torch's matmuls) where transformers is installed: the figure behind
-keeping the recurrence in C. The paths' outputs are compared as they run (largest difference printed). No asserts on
+(`torch_chunk_gated_delta_rule`, chunks of 64, torch's matmuls) where transformers is installed, and the chunked form's
+bound (its flops at the rate torch's matmul reaches on its products): the figures behind keeping the recurrence in C. The paths' outputs are compared as they run (largest difference printed). No asserts on
 speed: the figures are for reading.
 """
 
@@ -75,21 +75,36 @@ def run(name: str, lens: list[int], repeat: int) -> None:
     print(f"  gated_delta_rule  torch {tr:9.2f} ms   C {cr:8.2f} ms   x{tr / cr:6.1f}   "
           f"max diff {(tyr - cyr).abs().max().item():.1e}   C {gflop / cr * 1e3:5.1f} GFLOP/s")
     if batch == 1 and t > 1:
-        chunked(rule_args, ssm0[0], repeat, cyr)
+        chunked(rule_args, ssm0[0], repeat, cyr, cr)
 
 
-def chunked(rule_args: tuple, state: torch.Tensor, repeat: int, want: torch.Tensor) -> None:
-    """transformers' torch form of the chunked algorithm on the same chunk, for comparison."""
+# the chunked form's multiply-adds per token and value head, as full products, chunks of CHUNK: K K^T, Q K^T, the
+# two products by the inverse (W and U), W S, Q S, the masked Q K^T by u, K^T u (the chunk's triangular inverse,
+# ~CHUNK^2 / 3 more, left out)
+CHUNK = 64
+CHUNKED_FLOP = 2 * (CHUNK * DK * 2 + CHUNK * DK + CHUNK * DV * 2 + DK * DV * 3)
+
+
+def chunked(rule_args: tuple, state: torch.Tensor, repeat: int, want: torch.Tensor, c_ms: float) -> None:
+    """The chunked (matmul) form on the same chunk: transformers' torch code, and its bound at the rate torch's matmul
+    reaches on its largest products (a batch of [64, 128] x [128, 128], one per value head)."""
+    t = rule_args[0].shape[0]
+    a, b = torch.randn(HV, CHUNK, DK), torch.randn(HV, DK, DV)
+    ms, _ = best_ms(lambda: torch.bmm(a, b), 20)
+    rate = 2 * HV * CHUNK * DK * DV / ms / 1e6  # GFLOP/s
+    bound = CHUNKED_FLOP * HV * t / rate / 1e6
+    print(f"  chunked form: {CHUNKED_FLOP / (7 * DK * DV):.2f}x the recurrence's flops; at torch's matmul rate on its "
+          f"products ({rate:.0f} GFLOP/s) at least {bound:.2f} ms (C recurrence {c_ms:.2f} ms)")
     try:
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
     except ImportError:
-        print("  (transformers not installed: no chunked-form figure)")
+        print("  (transformers not installed: no figure of its torch chunked form)")
         return
     q, k, v, g, beta = rule_args
     fn = getattr(torch_chunk_gated_delta_rule, "__wrapped__", torch_chunk_gated_delta_rule)
     ms, (out, _) = best_ms(lambda: fn(q[None], k[None], v[None], g[None], beta[None], initial_state=state[None],
                                       output_final_state=True, use_qk_l2norm_in_kernel=True), repeat)
-    print(f"  chunked form (torch matmuls, chunks of 64) {ms:8.2f} ms   "
+    print(f"  chunked form as transformers writes it in torch: {ms:8.2f} ms   "
           f"max diff to C {(out[0] - want).abs().max().item():.1e}")
 
 
