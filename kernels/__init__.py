@@ -6,6 +6,8 @@
 - prefill_attention: varlen causal attention of a step's new tokens over cached prefix blocks plus their own chunk.
 - gguf_matmul: fused dequantize + matmul for GGUF blocks kept packed (every type in gguf_matmul.TYPES).
 - moe_matmul: a mixture of experts' experts (fp or packed GGUF) in three launches, the pairs grouped on the device.
+- recurrent_triton: the recurrent layers of hybrid models (the short causal conv, the gated delta rule: token by token
+  and by chunks), varlen over a step's sequences through their state slots.
 
 The kernels run on CUDA; under TRITON_INTERPRET=1 they also run on CPU tensors (slowly, for tests).
 
@@ -15,6 +17,8 @@ The CPU has its own C kernels, compiled on first use (each falls back to torch w
 - cpu_moe: a mixture-of-experts layer's packed GGUF experts for one step in one call (llama.cpp's mul_mat_id), built
   from the steps of cpu_gemm's GGUF matmul (cpu_gguf.h).
 - cpu_stack: a quantized model's whole stack of decoder layers, built from the two above, in one call.
+- cpu_recurrent: the recurrent layers of hybrid models (the short causal conv, the gated delta rule) over a step's
+  sequences, each at its state slot.
 - openmp: a thread that stops computing hands its OpenMP worker threads back (libgomp throttles spinning otherwise).
 """
 
