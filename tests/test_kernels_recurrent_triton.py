@@ -123,7 +123,7 @@ def test_a_prefill_in_chunks_carries_its_state():
 
 def test_bf16_activations_within_their_rounding():
     """bf16 activations and conv state (the model's dtype on CUDA), fp32 recurrent state: the kernels compute in fp32
-    and round once, the reference rounds its conv output before SiLU; both against the fp32 reference of the same
+    and round once (the chunked delta rule's products in tf32 on the GPU), against the fp32 reference of the same
     values."""
     lens, fresh, slots = BATCHES["mixed"]
     a, meta = _batch(lens, torch.bfloat16), _meta(lens, fresh, slots)
@@ -135,7 +135,7 @@ def test_bf16_activations_within_their_rounding():
         assert g.dtype == torch.bfloat16
         torch.testing.assert_close(g.float(), w, rtol=1e-2, atol=1e-2)
     assert torch.equal(states[0].float(), ref_states[0])
-    torch.testing.assert_close(states[1], ref_states[1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(states[1], ref_states[1], rtol=1e-2, atol=2e-3)
 
 
 def test_layouts_the_kernels_do_not_take_are_left_to_the_reference():
@@ -180,4 +180,4 @@ def test_qwen35_9b_layer_shape_on_gpu():
     want = rec.gated_delta_rule_ref(q.float(), k.float(), v.float(), gate, beta.float(), ref_ssm, meta)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(ssm, ref_ssm, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ssm, ref_ssm, rtol=1e-2, atol=2e-3)  # the chunked kernel's products in tf32
