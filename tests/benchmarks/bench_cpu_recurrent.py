@@ -75,7 +75,7 @@ def run(name: str, lens: list[int], repeat: int) -> None:
     print(f"  gated_delta_rule  torch {tr:9.2f} ms   C {cr:8.2f} ms   x{tr / cr:6.1f}   "
           f"max diff {(tyr - cyr).abs().max().item():.1e}   C {gflop / cr * 1e3:5.1f} GFLOP/s")
     if batch == 1 and t > 1:
-        chunked(rule_args, ssm0[0], repeat, cyr, cr)
+        chunked(rule_args, ssm0[0], repeat, cyr)
 
 
 # the chunked form's multiply-adds per token and value head, as full products, chunks of CHUNK: K K^T, Q K^T, the
@@ -85,16 +85,22 @@ CHUNK = 64
 CHUNKED_FLOP = 2 * (CHUNK * DK * 2 + CHUNK * DK + CHUNK * DV * 2 + DK * DV * 3)
 
 
-def chunked(rule_args: tuple, state: torch.Tensor, repeat: int, want: torch.Tensor, c_ms: float) -> None:
-    """The chunked (matmul) form on the same chunk: transformers' torch code, and its bound at the rate torch's matmul
-    reaches on its largest products (a batch of [64, 128] x [128, 128], one per value head)."""
+def chunked(rule_args: tuple, state: torch.Tensor, repeat: int, want: torch.Tensor) -> None:
+    """The chunked (matmul) form on the same chunk: its bound at the rate torch's matmul reaches on its largest
+    products (a batch of [64, 128] x [128, 128], one per value head) next to the C recurrence's rate, both the best
+    of 20 short calls (a 64-token piece of the chunk for the recurrence, continuing a state), so that a busy machine
+    slows both alike; and transformers' torch code of the chunked form on the whole chunk."""
     t = rule_args[0].shape[0]
     a, b = torch.randn(HV, CHUNK, DK), torch.randn(HV, DK, DV)
     ms, _ = best_ms(lambda: torch.bmm(a, b), 20)
     rate = 2 * HV * CHUNK * DK * DV / ms / 1e6  # GFLOP/s
-    bound = CHUNKED_FLOP * HV * t / rate / 1e6
+    piece = [x[:CHUNK] for x in rule_args]
+    meta, ssm = rec.StateMetadata.build([0], [False], [CHUNK]), state[None].clone()
+    c_ms, _ = best_ms(lambda: rec.gated_delta_rule(*piece, ssm, meta), 20)
+    c_rate = 7 * DK * DV * HV * CHUNK / c_ms / 1e6
     print(f"  chunked form: {CHUNKED_FLOP / (7 * DK * DV):.2f}x the recurrence's flops; at torch's matmul rate on its "
-          f"products ({rate:.0f} GFLOP/s) at least {bound:.2f} ms (C recurrence {c_ms:.2f} ms)")
+          f"products ({rate:.0f} GFLOP/s) at least {CHUNKED_FLOP * HV * t / rate / 1e6:.2f} ms for the chunk; the C "
+          f"recurrence at its rate ({c_rate:.0f} GFLOP/s) {7 * DK * DV * HV * t / c_rate / 1e6:.2f} ms")
     try:
         from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
     except ImportError:
