@@ -336,7 +336,7 @@ def _tiled(t: torch.Tensor, dim: int, width: int, cfg: dict, back: bool = False)
     return t.reshape(*shape[:dim], *groups, width, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
 
 
-def _qwen35_tensors(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+def qwen35_tensors(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
     """convert_hf_to_gguf's Qwen3.5 transforms, names left as Hugging Face's: where value heads outnumber key heads,
     the value heads reordered from grouped by key head to tiled (attn_qkv's value rows, z, a, b, A_log, dt_bias, the
     conv's value channels, out_proj's columns); A_log stored as A = -exp(A_log); the conv weight squeezed to
@@ -363,7 +363,7 @@ def _qwen35_tensors(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torc
     return out
 
 
-def _qwen35_name(cfg: dict):
+def qwen35_name(cfg: dict):
     """HF name -> the GGUF name llama.cpp's converter gives it: the gguf package's tensor map for the architecture,
     after the converter's rename of dt_bias to dt_proj.bias."""
     import gguf
@@ -387,7 +387,8 @@ def _qwen35_metadata(w, cfg: dict) -> None:
     w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
     w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
     w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
-    w.add_rope_dimension_sections((cfg.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10, 0])
+    sections = list((cfg.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10])
+    w.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))  # padded to 4, as llama.cpp reads it
 
 
 def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -508,7 +509,7 @@ def _gguf_vocabulary(w, folder: Path, cfg: dict, arch: str) -> None:
     w.add_add_bos_token(cfg.get("bos_token_id") is not None)
 
 
-def _quantized_matrix(name: str, t: torch.Tensor) -> bool:
+def gguf_matrix(name: str, t: torch.Tensor) -> bool:
     """Whether write_tiny_gguf stores this tensor in its matrix type (else F32: vectors, routers, conv kernels)."""
     return t.ndim >= 2 and not name.endswith(("mlp.gate.weight", "conv1d.weight", "shared_expert_gate.weight"))
 
@@ -529,7 +530,7 @@ def round_to_gguf(folder: Path, out: Path, matrix_type: str) -> Path:
     for file in sorted(out.glob("*.safetensors")):
         state = load_file(file)
         for name, t in state.items():
-            if not _quantized_matrix(name, t):
+            if not gguf_matrix(name, t):
                 continue
             cols = hybrid and name.endswith(".linear_attn.out_proj.weight")  # its value heads tiled in the file
             data = (_tiled(t, 1, cfg["linear_value_head_dim"], cfg) if cols else t).float().numpy()
@@ -624,6 +625,31 @@ def _write_granite_hybrid(w, folder: Path, cfg: dict, path: Path, matrix_type: s
     return path
 
 
+def gguf_hparams(w, cfg: dict, arch: str) -> None:
+    """The hyperparameter keys convert_hf_to_gguf writes from a config.json (`cfg`) for `arch` (Qwen3.5's ssm keys
+    included); the vocabulary, rope scaling and tensors are the caller's."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    w.add_block_count(cfg["num_hidden_layers"] + (arch == "glm4moe"))  # GLM counts its nextn layer
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    if "intermediate_size" in cfg:  # (Qwen3.5-MoE has none)
+        w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0))
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_vocab_size(cfg["vocab_size"])
+    w.add_rope_dimension_count(int(head_dim * partial))
+    if arch in ("qwen3", *QWEN35_ARCHS) or head_dim != cfg["hidden_size"] // heads:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch in QWEN35_ARCHS:
+        _qwen35_metadata(w, cfg)
+
+
 def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
     """The HF folder's model as a GGUF file, as llama.cpp's converter writes it; matrices (2-D weights) as
     `matrix_type` (F32, F16, or a block type the gguf package quantizes: Q8_0, Q4_0, ...), the rest F32."""
@@ -636,25 +662,11 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
     theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    partial = float(cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
     rope_type = rope.get("rope_type") or rope.get("type") or "default"
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny {cfg['model_type']}")
-    w.add_block_count(cfg["num_hidden_layers"] + (arch == "glm4moe"))  # GLM counts its nextn layer
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    if "intermediate_size" in cfg:  # (Qwen3.5-MoE has none)
-        w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(theta)
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_vocab_size(cfg["vocab_size"])
-    w.add_rope_dimension_count(int(head_dim * partial))
-    if arch in ("qwen3", *QWEN35_ARCHS) or head_dim != cfg["hidden_size"] // heads:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
+    gguf_hparams(w, cfg, arch)
     qtype = gguf.GGMLQuantizationType[matrix_type]
     _gguf_vocabulary(w, folder, cfg, arch)
     if arch == "granitehybrid":
@@ -686,11 +698,10 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
         state.pop("lm_head.weight", None)
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
     if arch in QWEN35_ARCHS:
-        _qwen35_metadata(w, cfg)
-        state = _qwen35_tensors(state, cfg)
+        state = qwen35_tensors(state, cfg)
     if experts:
         state = _stacked_experts(w, state, cfg, experts)
-    gguf_name = _qwen35_name(cfg) if arch in QWEN35_ARCHS else (lambda name: gguf_tensor_name(name, arch))
+    gguf_name = qwen35_name(cfg) if arch in QWEN35_ARCHS else (lambda name: gguf_tensor_name(name, arch))
     for name, tensor in state.items():
         t = tensor.float()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
@@ -698,7 +709,7 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
         if name.endswith("shared_expert_gate.weight"):
             t = t.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is [hidden]
         data = t.numpy()
-        if data.ndim >= 2 and not _quantized_matrix(name, t):  # llama.cpp keeps routers and conv kernels F32
+        if data.ndim >= 2 and not gguf_matrix(name, t):  # llama.cpp keeps routers and conv kernels F32
             w.add_tensor(gguf_name(name), data)
         elif data.ndim >= 2 and matrix_type == "F16":
             w.add_tensor(gguf_name(name), data.astype(np.float16))
