@@ -12,8 +12,8 @@ streamed /v1/completions (temperature 0; llmd ignores EOS, llama.cpp gets a -100
   at a time, so its streams queue, as its users' do (with --interrupt_requests False: by default a new request
   ends the stream in progress);
 - bandwidth: a STREAM-like triad (a = b + s*c, 3 x 1 GiB of float32, torch on --threads threads) and a pure read,
-  and for batch-1 decode the GB/s achieved = (weight bytes read per token + KV bytes read) x tok/s, and its % of
-  the triad.
+  and for batch-1 decode the GB/s achieved = (weight bytes read per token + KV bytes read + a hybrid's recurrent
+  state read and written back) x tok/s, and its % of the triad (which counts its write too).
 Prompts are text: words that are one token each in the model's vocabulary, so both servers see about --sizes
 tokens. --shape/--type take a random-weight file of a real model's shape from real_shapes.py. Without
 llama-cpp-python llmd runs alone and the table says the anchor is missing.
@@ -53,10 +53,16 @@ class Model:
     path: Path
     words: list[str]  # vocabulary entries that are a space and letters: one token each
     eos: int
-    # every tensor once, the embedding table only when it is also the output matrix; of a mixture of experts' stacked
-    # tensors (ffn_*_exps) the share a token reads: top-k of the experts
+    # every tensor once (a hybrid's conv and ssm tensors too), the embedding table only when it is also the output
+    # matrix, no multi-token-prediction block (neither server runs it); of a mixture of experts' stacked tensors
+    # (ffn_*_exps) the share a token reads: top-k of the experts
     weight_bytes_per_token: int
-    kv_bytes_per_position: int  # K and V of all layers at 2 bytes an element (both servers' default on CPU: f16)
+    # K and V of the layers that keep them (a hybrid's attention layers only) at 2 bytes an element (both servers'
+    # default on CPU: f16)
+    kv_bytes_per_position: int
+    # a hybrid's recurrent layers (Qwen3.5's Gated DeltaNet): each decode step reads its whole state and writes it
+    # back, the conv's last K-1 inputs and the delta rule's [value heads, key dim, value dim], fp32 in both servers
+    state_bytes_per_token: int = 0
 
     @classmethod
     def read(cls, path: Path) -> Model:
@@ -64,21 +70,36 @@ class Model:
         arch = r.fields["general.architecture"].contents()
         tokens = r.fields["tokenizer.ggml.tokens"].contents()
         words = [t[1:] for t in tokens if t.startswith("\u0120") and t[1:].isascii() and t[1:].isalpha() and len(t) > 3]
-        sizes = {t.name: int(t.n_bytes) for t in r.tensors}
-        def field(key: str, default=None):
-            return r.fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in r.fields else default
-
-        experts, used = field("expert_count", 0), field("expert_used_count", 0)
-        share = {name: used / experts if experts and "_exps." in name else 1.0 for name in sizes}
-        weights = int(sum(n * share[name] for name, n in sizes.items()))
-        weights -= sizes["token_embd.weight"] if "output.weight" in sizes else 0
-        head_dim = field("attention.key_length") or field("embedding_length") // field("attention.head_count")
-        kv = field("block_count") * 2 * field("attention.head_count_kv") * head_dim * 2
-        return cls(path, words, int(r.fields["tokenizer.ggml.eos_token_id"].contents()), weights, kv)
+        return cls(path, words, int(r.fields["tokenizer.ggml.eos_token_id"].contents()), *decode_bytes(r, arch))
 
     def prompt(self, n: int, seed: int) -> str:
         rng = random.Random(seed)
         return " " + " ".join(rng.choice(self.words) for _ in range(n))
+
+
+def decode_bytes(r: gguf.GGUFReader, arch: str) -> tuple[int, int, int]:
+    """(weight bytes a decode step reads per token, KV bytes per position attended, recurrent state bytes read and
+    written per token) from a GGUF file's header, as llama.cpp lays the model out."""
+    def field(key: str, default=None):
+        return r.fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in r.fields else default
+
+    layers = field("block_count") - field("nextn_predict_layers", 0)  # MTP blocks come last, counted in block_count
+    run = {t.name: int(t.n_bytes) for t in r.tensors
+           if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < layers}
+    experts, used = field("expert_count", 0), field("expert_used_count", 0)
+    weights = int(sum(n * (used / experts if experts and "_exps." in name else 1.0) for name, n in run.items()))
+    weights -= run["token_embd.weight"] if "output.weight" in run else 0
+    interval = field("full_attention_interval")  # a hybrid: layer i is recurrent unless (i + 1) % interval == 0
+    recurrent = [i for i in range(layers) if interval and (i + 1) % interval != 0]
+    head_dim = field("embedding_length") // field("attention.head_count")
+    k, v = field("attention.key_length") or head_dim, field("attention.value_length") or head_dim
+    kv = (layers - len(recurrent)) * field("attention.head_count_kv") * (k + v) * 2
+    state = 0
+    if recurrent:
+        inner, key_dim = field("ssm.inner_size"), field("ssm.state_size")
+        conv = (field("ssm.conv_kernel") - 1) * (inner + 2 * field("ssm.group_count") * key_dim)
+        state = len(recurrent) * (conv + key_dim * inner) * 4 * 2  # fp32, read and written back
+    return weights, kv, state
 
 
 @dataclass
@@ -168,7 +189,7 @@ async def measure(server: Server, model: Model, sections: set[str], sizes: list[
                 print(f"  {server.name} decode x{c}: {out[f'decode_{c}_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
     if "decode_1_tok_s" in out:
         context = DECODE_PROMPT_WORDS + tokens / 2  # mean positions read per step
-        per_token = model.weight_bytes_per_token + model.kv_bytes_per_position * context
+        per_token = model.weight_bytes_per_token + model.state_bytes_per_token + model.kv_bytes_per_position * context
         out["decode_1_gb_s"] = per_token * out["decode_1_tok_s"] / 1e9
     return out
 
@@ -213,7 +234,7 @@ def table(results: dict, bw: dict | None) -> str:
         unit = "s" if k.startswith("ttft") else "GB/s" if k.endswith("gb_s") else "tok/s"
         label = k.replace("_s", "").replace("_tok", "").replace("_gb", "")
         label = f"TTFT {label[5:]} tok ({unit})" if k.startswith("ttft") else (
-            f"decode x{label.split('_')[1]} ({unit})" if "gb" not in k else "batch-1 read (GB/s)")
+            f"decode x{label.split('_')[1]} ({unit})" if "gb" not in k else "batch-1 moved (GB/s)")
         a = anchor.get(k) if anchor else None
         ratio = f"{llmd[k] / a:>10.2f}" if a else f"{'-':>10}"
         lines.append(f"{label:<22} {llmd[k]:>10.2f} {(f'{a:.2f}' if a else '-'):>10} {ratio}")
@@ -230,7 +251,7 @@ def table(results: dict, bw: dict | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="a GGUF file")
-    ap.add_argument("--shape", default="1b", help="real_shapes.py shape, when no --model: 1b, 3b, 7b, 8b, 30b-a3b")
+    ap.add_argument("--shape", default="1b", help="real_shapes.py shape, when no --model: 1b, 3b, 7b, 8b, 30b-a3b, qwen35-4b, ...")
     ap.add_argument("--type", default="Q4_K_M", help="with --shape: Q4_K_M, Q8_0, IQ4_XS, ...")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sections", default=",".join(SECTIONS))
@@ -254,8 +275,9 @@ def main() -> None:
     anchor = run_server(start_llamacpp, model, args, sections)
     if anchor is not None:
         results["llama.cpp"] = anchor
+    state = f", recurrent state {model.state_bytes_per_token / 2**20:.0f} MiB" if model.state_bytes_per_token else ""
     print(f"{args.model.name}: {args.threads} threads, weights read per token {model.weight_bytes_per_token / GiB:.2f}"
-          f" GiB (ratios: TTFT lower is better for llmd, the rest higher)")
+          f" GiB{state} (ratios: TTFT lower is better for llmd, the rest higher)")
     print(table(results, bw))
     if args.out:
         args.out.write_text(json.dumps({"model": str(args.model), "threads": args.threads, "bandwidth": bw,
