@@ -417,15 +417,10 @@ def _llama3_rope_factors(cfg: dict, scaling: dict, theta: float, head_dim: int) 
 
 
 def _stacked_experts(w, state: dict[str, torch.Tensor], cfg: dict, experts: int) -> dict[str, torch.Tensor]:
-    """The MoE metadata, and each layer's per-expert projections stacked [E, out, in] as llama.cpp's ffn_*_exps."""
+    """The family's own MoE metadata (gguf_hparams writes the common keys), and each layer's per-expert projections
+    stacked [E, out, in] as llama.cpp's ffn_*_exps."""
     import gguf
 
-    w.add_expert_count(experts)
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    if cfg.get("moe_intermediate_size"):
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
-    if cfg.get("shared_expert_intermediate_size"):
-        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if cfg["model_type"] == "glm4_moe":  # and one multi-token-prediction layer after the decoder, as GLM files have
         w.add_expert_shared_count(cfg["n_shared_experts"])
         w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
@@ -626,8 +621,9 @@ def _write_granite_hybrid(w, folder: Path, cfg: dict, path: Path, matrix_type: s
 
 
 def gguf_hparams(w, cfg: dict, arch: str) -> None:
-    """The hyperparameter keys convert_hf_to_gguf writes from a config.json (`cfg`) for `arch` (Qwen3.5's ssm keys
-    included); the vocabulary, rope scaling and tensors are the caller's."""
+    """The hyperparameter keys convert_hf_to_gguf writes from a config.json (`cfg`) for `arch` (Qwen3.5's ssm keys and
+    the common MoE keys included); the vocabulary, rope scaling, family-specific MoE keys and tensors are the
+    caller's."""
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -648,6 +644,20 @@ def gguf_hparams(w, cfg: dict, arch: str) -> None:
         w.add_value_length(head_dim)
     if arch in QWEN35_ARCHS:
         _qwen35_metadata(w, cfg)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        if cfg.get("moe_intermediate_size"):
+            w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def llama_cpp_shape(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A tensor as the converter shapes it: a shared expert's gate [1, hidden] as llama.cpp's ffn_gate_inp_shexp
+    [hidden]; any other as it is."""
+    return t.reshape(-1) if name.endswith("shared_expert_gate.weight") else t
 
 
 def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
@@ -706,9 +716,7 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
         t = tensor.float()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
             t = _llama_cpp_permute(t, heads if ".q_proj." in name else kv_heads)
-        if name.endswith("shared_expert_gate.weight"):
-            t = t.reshape(-1)  # llama.cpp's ffn_gate_inp_shexp is [hidden]
-        data = t.numpy()
+        data = llama_cpp_shape(name, t).numpy()
         if data.ndim >= 2 and not gguf_matrix(name, t):  # llama.cpp keeps routers and conv kernels F32
             w.add_tensor(gguf_name(name), data)
         elif data.ndim >= 2 and matrix_type == "F16":

@@ -6,15 +6,15 @@
 
 Shapes are those of the configs (hidden size, layers, heads, KV heads, FFN width, rope base, tied or not, Qwen2's
 q/k/v biases); the vocabulary and tokenizer are SmolLM2's (49152 tokens, from the bundled GGUF), so the embedding and
-output matrices are smaller than the real ones (128256 / 152064 / 248320 rows). The Qwen3.5 shapes (`qwen35-*`,
-llama.cpp's `qwen35`: Gated DeltaNet layers, every fourth one gated attention) are their config.json's values, the
-tensors and metadata written as llama.cpp's converter writes them by tests/tiny_models.py's own functions (names,
-keys, value transforms), the tensor list taken from transformers' model built on the meta device. The source file
-(F16, or with `--via Q8_0` its matrices Q8_0, requantized by llama.cpp: half the disk) is written one tensor at a
-time (never a whole model in RAM), quantized by `llama_model_quantize` (the types llama.cpp users download) and
-deleted. Speed, not text, is what these files are for: the weights are N(0, 0.02) noise (norms 1, Qwen3.5's decays
-A = -exp(log U(1, 16)) and dt biases 1, as transformers initialises them). Needs llama-cpp-python (`make
-bench-anchor`) to quantize.
+output matrices are smaller than the real ones (128256 / 152064 / 248320 rows). The Qwen3.5 shapes (`qwen35-*`:
+llama.cpp's `qwen35` and `qwen35moe`, Gated DeltaNet layers with every fourth one gated attention) take their
+config.json's values (the 35B-A3B keeps 4 of its 40 layers), the tensor list from transformers' model built on the
+meta device, and are written as llama.cpp's converter writes them by tests/tiny_models.py's own functions (names,
+keys, value transforms). The source file (F16, or with `--via Q8_0` its matrices Q8_0, requantized by llama.cpp: half
+the disk) is written one tensor at a time (never a whole model in RAM), quantized by `llama_model_quantize` (the
+types llama.cpp users download) and deleted. Speed, not text, is what these files are for: the weights are
+N(0, 0.02) noise (norms 1; Qwen3.5's decays A = -exp(log U(1, 16)) and dt biases 1, as transformers initialises
+them). Needs llama-cpp-python (`make bench-anchor`) to quantize.
 """
 
 from __future__ import annotations
@@ -85,6 +85,13 @@ HYBRID_SHAPES = {
                                 tie_word_embeddings=True),
     "qwen35-9b": _QWEN35 | dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=12288,
                                 tie_word_embeddings=False),
+    # Qwen3.5-35B-A3B (llama.cpp's qwen35moe) with 4 of its 40 layers, one group of three Gated DeltaNet layers and
+    # an attention layer (2 KV heads); every MLP 256 experts of 512 (top 8) and a shared expert of 512. The 40-layer
+    # F16 would be 70 GB on the way: per-token figures scale with the layers, the ratio to llama.cpp holds
+    "qwen35-35b-a3b": _QWEN35 | dict(model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=4,
+                                     num_key_value_heads=2, num_experts=256, num_experts_per_tok=8,
+                                     moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                                     tie_word_embeddings=False),
 }
 FTYPE_OF = {"MXFP4": "MXFP4_MOE"}  # llama.cpp's file type for a --types name
 ALL_SHAPES = [*SHAPES, *HYBRID_SHAPES]
@@ -142,7 +149,7 @@ def _dense_entries(s: Shape, vocab: int) -> list[Entry]:
     def values(tname: str, shape: tuple[int, ...]) -> Callable[[np.random.Generator], np.ndarray]:
         def make(rng: np.random.Generator) -> np.ndarray:
             if len(shape) > 1:
-                return rng.standard_normal(shape, dtype=np.float32) * 0.02
+                return _noise(rng, shape)
             return np.zeros(shape, np.float32) if tname.endswith(".bias") else np.ones(shape, np.float32)
         return make
 
@@ -151,24 +158,47 @@ def _dense_entries(s: Shape, vocab: int) -> list[Entry]:
                   values(tname, shape)) for tname, shape in tensors(s, vocab)]
 
 
-def hybrid_config(name: str, vocab: int) -> dict:
-    """The shape's config.json as transformers completes it (layer types, ...), with SmolLM2's vocabulary."""
+def _transformers_classes(model_type: str) -> tuple[type, type]:
     import transformers
 
+    if model_type == "qwen3_5_moe_text":
+        return transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM
+    return transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM
+
+
+def hybrid_config(name: str, vocab: int) -> dict:
+    """The shape's config.json as transformers completes it (layer types, ...), with SmolLM2's vocabulary."""
     spec = HYBRID_SHAPES[name]
-    config = transformers.Qwen3_5TextConfig(**spec, vocab_size=vocab, max_position_embeddings=CONTEXT)
+    config = _transformers_classes(spec["model_type"])[0](**spec, vocab_size=vocab, max_position_embeddings=CONTEXT)
     return config.to_dict() | spec | {"vocab_size": vocab, "max_position_embeddings": CONTEXT}
+
+
+def _checkpoint_tensors(model) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the model's tensors as its checkpoint holds them: transformers' fused experts
+    (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]) as the stacked projections the converter
+    names ffn_{gate,up,down}_exps."""
+    out = []
+    for name, t in model.state_dict().items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            e, two_i, h = t.shape
+            out += [(name.replace("gate_up_proj", f"{proj}.weight"), (e, two_i // 2, h)) for proj in ("gate_proj",
+                                                                                                   "up_proj")]
+        elif name.endswith(".mlp.experts.down_proj"):
+            out.append((name + ".weight", tuple(t.shape)))
+        else:
+            out.append((name, tuple(t.shape)))
+    return out
 
 
 def _hybrid_entries(cfg: dict) -> list[Entry]:
     """Every tensor of transformers' model for `cfg` (built on the meta device: names and shapes, no memory), as
-    llama.cpp's converter writes it (tiny_models' Qwen3.5 transforms and names)."""
+    llama.cpp's converter writes it (tiny_models' Qwen3.5 transforms, names and shapes)."""
     import torch
-    import transformers
-    from tiny_models import gguf_matrix, qwen35_name, qwen35_tensors
+    from tiny_models import gguf_matrix, llama_cpp_shape, qwen35_name, qwen35_tensors
 
+    config_class, model_class = _transformers_classes(cfg["model_type"])
     with torch.device("meta"):
-        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**cfg))
+        model = model_class(config_class(**cfg))
     gguf_name = qwen35_name(cfg)
 
     def init(hf: str, shape: tuple[int, ...], rng: np.random.Generator) -> torch.Tensor:
@@ -179,18 +209,27 @@ def _hybrid_entries(cfg: dict) -> list[Entry]:
             return torch.ones(shape)
         if hf.endswith("norm.weight"):
             return torch.zeros(shape)
-        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * 0.02)
+        return torch.from_numpy(_noise(rng, shape))
+
+    def converted(hf: str, t: torch.Tensor) -> torch.Tensor:
+        return llama_cpp_shape(hf, qwen35_tensors({hf: t}, cfg)[hf])
 
     def values(hf: str, shape: tuple[int, ...]) -> Callable[[np.random.Generator], np.ndarray]:
-        return lambda rng: qwen35_tensors({hf: init(hf, shape, rng)}, cfg)[hf].float().numpy()
+        return lambda rng: converted(hf, init(hf, shape, rng)).float().numpy()
 
     out = []
-    for hf, t in model.state_dict().items():
+    for hf, shape in _checkpoint_tensors(model):
         if hf == "lm_head.weight" and cfg["tie_word_embeddings"]:
             continue
-        gguf_shape = tuple(qwen35_tensors({hf: t}, cfg)[hf].shape)  # (meta: the converter's reshapes only)
-        out.append(Entry(gguf_name(hf), gguf_shape, gguf_matrix(hf, t), values(hf, tuple(t.shape))))
+        meta = torch.empty(shape, device="meta")
+        out.append(Entry(gguf_name(hf), tuple(converted(hf, meta).shape), gguf_matrix(hf, meta), values(hf, shape)))
     return out
+
+
+def _noise(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    x = rng.standard_normal(shape, dtype=np.float32)
+    x *= 0.02  # (in place: a stack of experts is a GB)
+    return x
 
 
 def _encoded(entry: Entry, via: str) -> tuple[np.dtype, tuple[int, ...], gguf.GGMLQuantizationType | None]:
@@ -204,7 +243,9 @@ def _encoded(entry: Entry, via: str) -> tuple[np.dtype, tuple[int, ...], gguf.GG
 def source_entries(name: str, vocab: int) -> tuple[str, list[Entry]]:
     """The architecture and tensors of the `name` shape's source file."""
     if name in HYBRID_SHAPES:
-        return "qwen35", _hybrid_entries(hybrid_config(name, vocab))
+        from tiny_models import GGUF_ARCH
+
+        return GGUF_ARCH[HYBRID_SHAPES[name]["model_type"]], _hybrid_entries(hybrid_config(name, vocab))
     return SHAPES[name].arch, _dense_entries(SHAPES[name], vocab)
 
 
@@ -240,7 +281,11 @@ def write_source(name: str, path: Path, tokenizer_source: Path, via: str = "F16"
     for e in entries:  # one tensor in memory at a time
         data = e.values(rng)
         dtype, _, raw = _encoded(e, via)
-        w.write_tensor_data(gguf.quants.quantize(data, raw) if raw is not None else data.astype(dtype))
+        if raw is None:
+            w.write_tensor_data(data.astype(dtype))
+        else:  # a stack of experts one expert at a time (numpy's quantizer takes several copies)
+            w.write_tensor_data(np.stack([gguf.quants.quantize(x, raw) for x in data]) if data.ndim == 3
+                                else gguf.quants.quantize(data, raw))
         del data
     w.close()
 
