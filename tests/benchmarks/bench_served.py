@@ -251,7 +251,8 @@ def table(results: dict, bw: dict | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, help="a GGUF file")
-    ap.add_argument("--shape", default="1b", help="real_shapes.py shape, when no --model: 1b, 3b, 7b, 8b, 30b-a3b, qwen35-4b, ...")
+    ap.add_argument("--shape", default="1b", help="real_shapes.py shape, when no --model: 1b, 3b, 7b, 8b, 30b-a3b, "
+                    "20b-oss, qwen35-4b, qwen35-9b, qwen35-35b-a3b")
     ap.add_argument("--type", default="Q4_K_M", help="with --shape: Q4_K_M, Q8_0, IQ4_XS, ...")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--sections", default=",".join(SECTIONS))
@@ -275,7 +276,8 @@ def main() -> None:
     anchor = run_server(start_llamacpp, model, args, sections)
     if anchor is not None:
         results["llama.cpp"] = anchor
-    state = f", recurrent state {model.state_bytes_per_token / 2**20:.0f} MiB" if model.state_bytes_per_token else ""
+    mib = model.state_bytes_per_token / 2**20
+    state = f", recurrent state read and written {mib:.0f} MiB" if mib else ""
     print(f"{args.model.name}: {args.threads} threads, weights read per token {model.weight_bytes_per_token / GiB:.2f}"
           f" GiB{state} (ratios: TTFT lower is better for llmd, the rest higher)")
     print(table(results, bw))
