@@ -1,8 +1,8 @@
 """tests/benchmarks: real_shapes.py's Qwen3.5 source files (written at a tiny size with the real shapes' code path)
 load in llmd and run, and bench_served.py's batch-1 decode accounting (bytes moved per token) equals llmd's own
 figures for the same file: K/V of a hybrid's attention layers only, the recurrent state of its other layers read
-and written back, every tensor's bytes (the output matrix once); for a plain model (the bundled SmolLM2) K/V of every
-layer and no state."""
+and written back (Qwen3.5's Gated DeltaNet, Granite 4.0-H's Mamba2), every tensor's bytes (the output matrix once,
+the top-k share of the experts); for a plain model (the bundled SmolLM2) K/V of every layer and no state."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from llmd.model.gguf import gguf_config  # noqa: E402
 from llmd.model.loader import load_model  # noqa: E402
 from llmd.model.recurrent import state_bytes_per_sequence  # noqa: E402
 from simple_driver import greedy_generate  # noqa: E402
+from tiny_models import write_tiny_gguf, write_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -66,6 +67,17 @@ def test_decode_bytes_of_a_hybrid_are_llmds(hybrid_file):
     experts = sum(n for name, n in sizes.items() if "_exps." in name)
     assert (arch == "qwen35moe") == (experts > 0)
     assert weights == sum(sizes.values()) - sizes["token_embd.weight"] - experts + experts * 2 // 8  # top 2 of 8
+
+
+@pytest.mark.parametrize("kind", ["granite_hybrid", "granite_hybrid_dense"])
+def test_decode_bytes_of_a_mamba2_hybrid_are_llmds(kind, tmp_path):
+    """Granite 4.0-H as llama.cpp's converter writes it: K/V heads given per layer (0 on its Mamba2 layers)."""
+    path = write_tiny_gguf(write_tiny_model(tmp_path / kind, kind), tmp_path / f"{kind}.gguf", "Q8_0")
+    _, kv, state = bench_served.decode_bytes(gguf.GGUFReader(path), "granitehybrid")
+    config = gguf_config(path)
+    assert config.num_kv_layers == 1 and config.num_hidden_layers == 3
+    assert kv == config.kv_bytes_per_token * 2
+    assert state == 2 * state_bytes_per_sequence(config, torch.float32) > 0
 
 
 def test_decode_bytes_of_a_plain_model_are_llmds(smollm2_gguf):

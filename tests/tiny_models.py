@@ -595,10 +595,7 @@ def _write_granite_hybrid(w, folder: Path, cfg: dict, path: Path, matrix_type: s
     w.add_residual_scale(cfg["residual_multiplier"])
     w.add_logit_scale(cfg["logits_scaling"])
     w.add_rope_scaling_finetuned(cfg["position_embedding_type"] == "rope")
-    w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])
-    if cfg.get("num_local_experts"):
-        w.add_expert_count(cfg["num_local_experts"])
-        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    w.add_expert_shared_feed_forward_length(cfg["shared_intermediate_size"])  # (gguf_hparams: the experts' keys)
     state = load_file(folder / "model.safetensors")
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)

@@ -57,11 +57,12 @@ class Model:
     # matrix, no multi-token-prediction block (neither server runs it); of a mixture of experts' stacked tensors
     # (ffn_*_exps) the share a token reads: top-k of the experts
     weight_bytes_per_token: int
-    # K and V of the layers that keep them (a hybrid's attention layers only) at 2 bytes an element (both servers'
+    # K and V of the layers that keep them (not a hybrid's recurrent layers) at 2 bytes an element (both servers'
     # default on CPU: f16)
     kv_bytes_per_position: int
-    # a hybrid's recurrent layers (Qwen3.5's Gated DeltaNet): each decode step reads its whole state and writes it
-    # back, the conv's last K-1 inputs and the delta rule's [value heads, key dim, value dim], fp32 in both servers
+    # a hybrid's recurrent layers (Qwen3.5's Gated DeltaNet, Mamba2): each decode step reads their whole state and
+    # writes it back, the conv's last K-1 inputs and the recurrent state (the delta rule's [value heads, key dim,
+    # value dim], Mamba2's [heads, head dim, state]), fp32 in both servers
     state_bytes_per_token: int = 0
 
     @classmethod
@@ -79,26 +80,29 @@ class Model:
 
 def decode_bytes(r: gguf.GGUFReader, arch: str) -> tuple[int, int, int]:
     """(weight bytes a decode step reads per token, KV bytes per position attended, recurrent state bytes read and
-    written per token) from a GGUF file's header, as llama.cpp lays the model out."""
+    written per token) from a GGUF file's header, as llama.cpp lays the model out: a layer with ssm_* tensors is
+    recurrent (Qwen3.5's Gated DeltaNet, Mamba2), another with K (attn_k, or a fused attn_qkv) keeps K/V."""
     def field(key: str, default=None):
         return r.fields[f"{arch}.{key}"].contents() if f"{arch}.{key}" in r.fields else default
 
     layers = field("block_count") - field("nextn_predict_layers", 0)  # MTP blocks come last, counted in block_count
-    run = {t.name: int(t.n_bytes) for t in r.tensors
-           if not t.name.startswith("blk.") or int(t.name.split(".")[1]) < layers}
+    sizes = {t.name: int(t.n_bytes) for t in r.tensors}
+    run = {name: n for name, n in sizes.items() if not name.startswith("blk.") or int(name.split(".")[1]) < layers}
     experts, used = field("expert_count", 0), field("expert_used_count", 0)
     weights = int(sum(n * (used / experts if experts and "_exps." in name else 1.0) for name, n in run.items()))
     weights -= run["token_embd.weight"] if "output.weight" in run else 0
-    interval = field("full_attention_interval")  # a hybrid: layer i is recurrent unless (i + 1) % interval == 0
-    recurrent = [i for i in range(layers) if interval and (i + 1) % interval != 0]
+    kinds = [{name.split(".")[2] for name in run if name.startswith(f"blk.{i}.")} for i in range(layers)]
+    recurrent = [i for i in range(layers) if any(kind.startswith("ssm_") for kind in kinds[i])]
+    attention = [i for i in range(layers) if i not in recurrent and kinds[i] & {"attn_k", "attn_qkv"}]
+    kv_heads = field("attention.head_count_kv")  # one count, or one per layer (0 on a hybrid's other layers)
     head_dim = field("embedding_length") // field("attention.head_count")
     k, v = field("attention.key_length") or head_dim, field("attention.value_length") or head_dim
-    kv = (layers - len(recurrent)) * field("attention.head_count_kv") * (k + v) * 2
+    kv = sum((kv_heads[i] if isinstance(kv_heads, list) else kv_heads) * (k + v) * 2 for i in attention)
     state = 0
-    if recurrent:
-        inner, key_dim = field("ssm.inner_size"), field("ssm.state_size")
-        conv = (field("ssm.conv_kernel") - 1) * (inner + 2 * field("ssm.group_count") * key_dim)
-        state = len(recurrent) * (conv + key_dim * inner) * 4 * 2  # fp32, read and written back
+    if recurrent:  # the conv's channels (x, and B/C or q/k of every group) and the state [heads, head dim, state]
+        inner, size = field("ssm.inner_size"), field("ssm.state_size")
+        conv = (field("ssm.conv_kernel") - 1) * (inner + 2 * field("ssm.group_count") * size)
+        state = len(recurrent) * (conv + size * inner) * 4 * 2  # fp32, read and written back
     return weights, kv, state
 
 
