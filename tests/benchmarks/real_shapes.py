@@ -181,8 +181,7 @@ def _checkpoint_tensors(model) -> list[tuple[str, tuple[int, ...]]]:
     for name, t in model.state_dict().items():
         if name.endswith(".mlp.experts.gate_up_proj"):
             e, two_i, h = t.shape
-            out += [(name.replace("gate_up_proj", f"{proj}.weight"), (e, two_i // 2, h)) for proj in ("gate_proj",
-                                                                                                   "up_proj")]
+            out += [(name.replace("gate_up_proj", f"{p}.weight"), (e, two_i // 2, h)) for p in ("gate_proj", "up_proj")]
         elif name.endswith(".mlp.experts.down_proj"):
             out.append((name + ".weight", tuple(t.shape)))
         else:
