@@ -271,8 +271,10 @@ MAMBA2_KINDS = ("granite_hybrid", "granite_hybrid_dense", "nemotron_h")  # writt
 HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe") + MAMBA2_KINDS  # written by their tests' own fixtures
 _G4_TYPES = ["sliding_attention", "full_attention"] * 2
 GEMMA4_VARIANTS = {  # written by tests/test_gemma4.py's own fixture
-    # E2B/E4B-like: per-layer embeddings, the last two layers sharing K/V (one of each kind), double-wide MLPs there
-    "gemma4_e": dict(num_hidden_layers=6, layer_types=(["sliding_attention"] * 2 + [FULL_ATTN]) * 2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=MODEL_VOCAB,
+    # E2B/E4B-like: per-layer embeddings (16 per layer: the table's rows are whole Q8_0 blocks), the last two layers
+    # sharing K/V (one of each kind), double-wide MLPs there
+    "gemma4_e": dict(num_hidden_layers=6, layer_types=(["sliding_attention"] * 2 + [FULL_ATTN]) * 2,
+                     hidden_size_per_layer_input=16, vocab_size_per_layer_input=MODEL_VOCAB,
                      num_kv_shared_layers=2, use_double_wide_mlp=True),
     # 31B-like: global layers with V taken from K and one KV head, final logit soft-cap
     "gemma4_dense": dict(num_hidden_layers=4, layer_types=_G4_TYPES, hidden_size_per_layer_input=0,
@@ -295,7 +297,7 @@ YARN_KINDS = ("qwen2_yarn", "qwen3_yarn")  # written by the tests that use them 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe",
              "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe",
-             "granitemoehybrid": "granitehybrid"}
+             "granitemoehybrid": "granitehybrid", "gemma4_text": "gemma4"}  # (gemma4: write_gemma4_gguf)
 QWEN35_ARCHS = ("qwen35", "qwen35moe")
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -664,6 +666,8 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
     from safetensors.torch import load_file
 
     cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    if cfg["model_type"] == "gemma4_text":
+        return write_gemma4_gguf(folder, path, matrix_type)
     arch = GGUF_ARCH[cfg["model_type"]]
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)
@@ -724,6 +728,120 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
             w.add_tensor(gguf_name(name), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+# ---- Gemma 4 (llama.cpp's gemma4), as convert_hf_to_gguf's Gemma4Model writes it: the per-layer shapes as metadata
+# arrays (sliding-window flags, KV heads, FFN widths), key_length for the full layers and key_length_swa for the
+# sliding ones, the proportional RoPE as a rope_freqs tensor (1 where a frequency turns, 1e30 where it does not),
+# norms unshifted, the experts' gate_up as one ffn_gate_up_exps tensor, the router's scales as `.scale` tensors.
+
+_GEMMA4_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                  "model.embed_tokens_per_layer.weight": "per_layer_token_embd.weight",
+                  "model.per_layer_model_projection.weight": "per_layer_model_proj.weight",
+                  "model.per_layer_projection_norm.weight": "per_layer_proj_norm.weight"}
+_GEMMA4_LAYER = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight", "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight", "layer_scalar": "layer_output_scale.weight",
+    "per_layer_input_gate.weight": "inp_gate.weight", "per_layer_projection.weight": "proj.weight",
+    "post_per_layer_input_norm.weight": "post_norm.weight", "router.proj.weight": "ffn_gate_inp.weight",
+    "router.scale": "ffn_gate_inp.scale", "router.per_expert_scale": "ffn_down_exps.scale",
+    "experts.gate_up_proj": "ffn_gate_up_exps.weight", "experts.down_proj": "ffn_down_exps.weight",
+    "pre_feedforward_layernorm_2.weight": "pre_ffw_norm_2.weight",
+    "post_feedforward_layernorm_1.weight": "post_ffw_norm_1.weight",
+    "post_feedforward_layernorm_2.weight": "post_ffw_norm_2.weight",
+}
+
+
+def gemma4_gguf_name(hf_name: str) -> str:
+    if hf_name in _GEMMA4_GLOBAL:
+        return _GEMMA4_GLOBAL[hf_name]
+    _, _, layer, rest = hf_name.split(".", 3)
+    return f"blk.{layer}.{_GEMMA4_LAYER[rest]}"
+
+
+def _gemma4_tensor(w, name: str, data: np.ndarray, matrix_type: str) -> None:
+    """One tensor as the converter stores it for an output type: vectors and the router in F32; a matrix whose rows
+    are not whole blocks of the type falls back to F16, as the converter's quantizer does."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    if data.ndim < 2 or name.endswith("ffn_gate_inp.weight") or matrix_type == "F32":
+        w.add_tensor(name, data.astype(np.float32))
+    elif matrix_type == "F16" or data.shape[-1] % block:
+        w.add_tensor(name, data.astype(np.float16))
+    else:
+        w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def write_gemma4_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
+    """The HF folder's Gemma 4 model as a gemma4 GGUF (see above). Hub checkpoints also carry k/v projections for the
+    KV-sharing layers, which nothing reads; the converter copies them, and so does this writer (random values)."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    layers, types, hidden = cfg["num_hidden_layers"], cfg["layer_types"], cfg["hidden_size"]
+    spec = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
+    full = next(i for i, t in enumerate(types) if t == FULL_ATTN)
+    head_full, head_swa = spec[full]["head_dim"], cfg["head_dim"]
+    kv_swa, kv_full = cfg["num_key_value_heads"], spec[full].get("num_key_value_heads")
+    shared, ffn = cfg["num_kv_shared_layers"], cfg["intermediate_size"]
+    rope = cfg["rope_parameters"]
+
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_name("tiny gemma4")
+    w.add_block_count(layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length([ffn * (2 if cfg["use_double_wide_mlp"] and i >= layers - shared else 1)
+                               for i in range(layers)] if cfg["use_double_wide_mlp"] else ffn)
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv([kv_swa if t != FULL_ATTN else kv_full for t in types] if kv_full else kv_swa)
+    w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    w.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("enable_moe_block"):
+        w.add_expert_count(cfg["num_experts"])
+        w.add_expert_used_count(cfg["top_k_experts"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    w.add_key_length(head_full)
+    w.add_value_length(head_full)
+    w.add_key_length_swa(head_swa)
+    w.add_value_length_swa(head_swa)
+    if cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    w.add_sliding_window(cfg["sliding_window"])
+    w.add_shared_kv_layers(shared)
+    w.add_embedding_length_per_layer_input(cfg.get("hidden_size_per_layer_input") or 0)
+    w.add_sliding_window_pattern([t != FULL_ATTN for t in types])
+    w.add_rope_dimension_count(head_full)
+    w.add_rope_dimension_count_swa(head_swa)
+    _gguf_vocabulary(w, folder, cfg, "gemma4")
+
+    turning = int(head_full * rope["full_attention"]["partial_rotary_factor"] / 2)
+    w.add_tensor("rope_freqs.weight", np.asarray([1.0] * turning + [1e30] * (head_full // 2 - turning), np.float32))
+    state = load_file(folder / "model.safetensors")
+    if shared:  # the KV-sharing layers' unused k/v, as hub checkpoints have them
+        rng = np.random.default_rng(0)
+        for i in range(layers - shared, layers):
+            d = spec.get(i, {}).get("head_dim", head_swa)
+            for proj in ("k_proj", "v_proj"):
+                state[f"model.layers.{i}.self_attn.{proj}.weight"] = torch.from_numpy(
+                    rng.standard_normal((kv_swa * d, hidden), dtype=np.float32))
+            state[f"model.layers.{i}.self_attn.k_norm.weight"] = torch.ones(d)
+    for name, tensor in state.items():
+        _gemma4_tensor(w, gemma4_gguf_name(name), tensor.float().numpy(), matrix_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

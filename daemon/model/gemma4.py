@@ -233,7 +233,7 @@ class Gemma4CausalLM(nn.Module):
 
     def _apply(self, fn, recurse=True):
         result = super()._apply(fn, recurse)
-        self.model.rotary_emb.init_buffers(self.model.embed_tokens.weight.device)
+        self.model.rotary_emb.init_buffers(self.model.norm.weight.device)  # (a packed embedding has no .weight)
         return result
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:

@@ -30,7 +30,7 @@ import torch
 from llmd.kernels import gguf_blocks as gb
 
 from ..errors import ModelFileError, UnsupportedArchitecture
-from . import gguf_hybrid
+from . import gguf_gemma4, gguf_hybrid
 from .pooling import gguf_pooling
 
 log = logging.getLogger(__name__)
@@ -374,6 +374,11 @@ class GGUFArch:
     undo: dict[str, Callable[[torch.Tensor], torch.Tensor]] = field(default_factory=dict)
     # the tensors' layout against the metadata, from the header: check(path, {gguf name: shape}, config dict)
     check: Callable[[Path, dict[str, tuple[int, ...]], dict], None] | None = None
+    # the same from the header before the config is built, which it may complete from the tensors (Gemma 4's V from
+    # K), listing tensors to leave unread in cfg["llmd_unread_tensors"]
+    screen: Callable[[Path, dict[str, tuple[int, ...]], dict], None] | None = None
+    # non-layer tensors beyond _GLOBAL_NAMES: llama.cpp name -> Hugging Face module (Gemma 4's per-layer embeddings)
+    global_names: dict[str, str] = field(default_factory=dict)
 
 
 # blk.N.<gguf name> -> model.layers.N.<hf name>: the names every architecture here shares
@@ -402,10 +407,10 @@ _MOE_NAMES = {
     "exp_probs_b": "mlp.gate.e_score_correction",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)(?:\.(weight|bias))?$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)(?:\.(weight|bias|scale))?$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 # parameters of their own, not a module's weight: blk.N.attn_sinks.weight is model.layers.N.self_attn.sinks
-_BARE_PARAMETERS = {"self_attn.sinks", *gguf_hybrid.BARE_PARAMETERS, "mamba.dt_bias", "mamba.A_log",
+_BARE_PARAMETERS = {"self_attn.sinks", *gguf_hybrid.BARE_PARAMETERS, *gguf_gemma4.BARE_PARAMETERS, "mamba.dt_bias", "mamba.A_log",
                      "mamba.D"}  # and Mamba2's blk.N.ssm_dt.bias, ssm_a, ssm_d
 
 _REQUIRED = object()
@@ -710,6 +715,12 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
     "granitehybrid": GGUFArch("GraniteMoeHybridForCausalLM", _GRANITE_HYBRID_NAMES, permuted_qk=True,
                               config_keys={"attention.head_count_kv": ("num_key_value_heads", _most_kv_heads)},
                               quirks=_granite_hybrid_quirks, undo=_MAMBA2_TRANSFORMS),
+    # Gemma 4 text: per-layer embeddings, KV sharing, per-layer head shapes, proportional RoPE, experts beside the
+    # MLP (llmd.model.gguf_gemma4)
+    "gemma4": GGUFArch("Gemma4ForCausalLM", gguf_gemma4.LAYER_NAMES, config_tensors=("rope_freqs.weight",),
+                       config_keys={"feed_forward_length": ("intermediate_size", gguf_gemma4.first_int),
+                                    "attention.head_count_kv": ("num_key_value_heads", gguf_gemma4.first_int)},
+                       quirks=gguf_gemma4.quirks, screen=gguf_gemma4.screen, global_names=gguf_gemma4.GLOBAL_NAMES),
 }
 
 # Architectures llama.cpp knows that our decoder does not run, with what they are, for the refusal message.
@@ -748,13 +759,12 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
         hf = names.get(f"{base}.{suffix}") or names.get(base)  # a name with its suffix first (ssm_dt.bias)
         if hf in _BARE_PARAMETERS:  # a parameter of its own, not a module's weight
             return f"model.layers.{layer}.{hf}"
-        return f"model.layers.{layer}.{hf}.{suffix}" if hf and suffix else None
+        return f"model.layers.{layer}.{hf}.{suffix}" if hf and suffix in ("weight", "bias") else None
     if gguf_name in entry.config_tensors:
         return None
     base, _, suffix = gguf_name.rpartition(".")
-    if base in _GLOBAL_NAMES:
-        return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    return None
+    names = {**_GLOBAL_NAMES, **entry.global_names}
+    return f"{names[base]}.{suffix}" if base in names else None
 
 
 def unpermute_rows(w, n_heads: int):
@@ -876,8 +886,11 @@ class _Checked(NamedTuple):
 def _iter_checked(gf: _GGUFFile, hf_cfg: dict) -> list[_Checked]:
     """Each tensor we load, checked; refuses unsupported types first."""
     entry = GGUF_ARCHITECTURES[hf_cfg["model_type"]]
+    unread = set(hf_cfg.get("llmd_unread_tensors") or ())
     out = []
     for info in gf.tensors:
+        if info.name in unread:
+            continue
         block = _BLOCK_RE.match(info.name)
         if block and int(block.group(1)) >= hf_cfg["num_hidden_layers"]:
             continue  # a layer after the decoder's (GLM's multi-token prediction): not run
@@ -957,6 +970,8 @@ def _open(path) -> tuple[_GGUFFile, dict]:
                                               "a 1-D float tensor")
             factors[info.name] = dequantize(gf.raw_bytes(info), info.type_name, info.shape).tolist()
     hf_cfg = hf_config_dict(gf.metadata, {t.name for t in gf.tensors}, gf.path, factors)
+    if entry.screen is not None:
+        entry.screen(gf.path, {t.name: t.shape for t in gf.tensors}, hf_cfg)
     _checked_config(hf_cfg, gf.path)
     if entry.check is not None:
         entry.check(gf.path, {t.name: t.shape for t in gf.tensors}, hf_cfg)

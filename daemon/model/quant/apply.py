@@ -40,11 +40,13 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
     swapped = {}
     if spec.method == "gguf":
         include_lm_head = True  # a packed head stays packed (a Q6_K head dequantized would be 5x its bytes)
-        emb = model.model.embed_tokens
-        kind = (gguf_types or {}).get("model.embed_tokens.weight")
-        if kind in BLOCKS:
-            model.model.embed_tokens = swapped["model.embed_tokens"] = GGUFEmbedding(
-                emb.num_embeddings, emb.embedding_dim, kind, dtype or torch.float32, device=device)
+        for attr in ("embed_tokens", "embed_tokens_per_layer"):  # (Gemma 4's per-layer table: most of an E-model)
+            emb, kind = getattr(model.model, attr, None), (gguf_types or {}).get(f"model.{attr}.weight")
+            if isinstance(emb, nn.Embedding) and kind in BLOCKS:
+                layer = GGUFEmbedding(emb.num_embeddings, emb.embedding_dim, kind, dtype or torch.float32,
+                                      device=device)
+                setattr(model.model, attr, layer)
+                swapped[f"model.{attr}"] = layer
     for name, linear in linear_modules(model, include_lm_head).items():
         if spec.method == "gguf":
             layer = _gguf_layer(linear, model.checkpoint_parts(name), name, gguf_types or {}, dtype, device)
@@ -68,8 +70,8 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
 
 
 def _swap_in_packed_experts(model: nn.Module, gguf_types: dict[str, str], dtype, device) -> dict[str, nn.Module]:
-    """Each experts' projection whose stacked GGUF tensors (ffn_*_exps) are all packed keeps their blocks
-    (GGUFExpertLinear); a float one stays an fp ExpertLinear."""
+    """Each experts' projection whose stacked GGUF tensors (ffn_*_exps; Gemma 4's gate and up as one,
+    ffn_gate_up_exps) are all packed keeps their blocks (GGUFExpertLinear); a float one stays an fp ExpertLinear."""
     from llmd.kernels.gguf_blocks import BLOCKS
 
     from ..moe import ExpertLinear, Experts
@@ -83,7 +85,10 @@ def _swap_in_packed_experts(model: nn.Module, gguf_types: dict[str, str], dtype,
         for proj, parts in (("gate_up_proj", (("gate_proj", inter), ("up_proj", inter))),
                             ("down_proj", (("down_proj", experts.down_proj.out_features),))):
             fp: ExpertLinear = getattr(experts, proj)
-            kinds = [gguf_types.get(f"{name}.{part}.weight") for part, _ in parts]
+            whole = gguf_types.get(f"{name}.{proj}.weight")  # stored fused, as such
+            if whole is not None:
+                parts = ((proj, fp.out_features),)
+            kinds = [whole] if whole is not None else [gguf_types.get(f"{name}.{part}.weight") for part, _ in parts]
             if not all(k in BLOCKS for k in kinds):
                 continue
             layer = GGUFExpertLinear(fp.num_experts, fp.in_features, [(n, k) for (_, n), k in zip(parts, kinds)],
