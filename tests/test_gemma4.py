@@ -50,13 +50,13 @@ def test_hf_folder_matches_transformers(kind, gemma4_models):
 
 
 def test_shared_layers_hold_no_kv(gemma4_e):
-    """Layers 4 and 5 read layers 3's and 2's K/V: the pools hold the other four layers only, each in its shape."""
+    """Layers 4 and 5 read layers 2's and 3's K/V: the pools hold the other four layers only, each in its shape."""
     c = gemma4_e.config
-    assert c.kv_layers == [0, 1, 2, 3] and c.kv_source(4) == 3 and c.kv_source(5) == 2
+    assert c.kv_layers == [0, 1, 2, 3] and c.kv_source(4) == 2 and c.kv_source(5) == 3
     engine = make_engine(gemma4_e, kv_cache_dtype="fp32")
     runner = engine.runner
-    assert runner.kv_caches[4] is runner.kv_caches[3] and runner.kv_caches[5] is runner.kv_caches[2]
-    assert runner.kv_caches[2][0].shape[-2:] == (2, 32) and runner.kv_caches[0][0].shape[-2:] == (2, 16)
+    assert runner.kv_caches[4] is runner.kv_caches[2] and runner.kv_caches[5] is runner.kv_caches[3]
+    assert runner.kv_caches[3][0].shape[-2:] == (2, 32) and runner.kv_caches[0][0].shape[-2:] == (2, 16)
     per_token = kv_bytes_per_block(c, 1, torch.float32, "fp32")
     assert per_token == 2 * 4 * (3 * 2 * 16 + 2 * 32)  # K and V, fp32: three sliding layers and one global
     kv = engine.stats().kv

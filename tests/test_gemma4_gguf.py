@@ -1,8 +1,9 @@
 """Gemma 4 text from gemma4 GGUF files written as llama.cpp's converter writes them (tests/tiny_models.py
 write_gemma4_gguf), in the three variants of tests/test_gemma4.py: the config the metadata and tensors describe equals
 the HF folder's; F32 and Q8_0 files compute what transformers computes on the file's weights (fp32, prompts past the
-window); Q8_0 stays packed (projections, both token tables, the fused gate/up experts) and runs the engine as alone;
-bad files are refused naming the file and the tensor or key.
+window); llama.cpp's own loader reads the same files (where llama-cpp-python is installed); Q8_0 stays packed
+(projections, both token tables, the fused gate/up experts) and runs the engine as alone; bad files are refused naming
+the file and the tensor or key.
 """
 
 from __future__ import annotations
@@ -100,6 +101,21 @@ def test_gguf_matches_transformers(kind, t, quant, ggufs, expected, monkeypatch)
     lm = load_model(ggufs[kind, t], dtype=torch.float32, device="cpu", quant=quant)
     diff = (our_logits(lm, prompt_ids(40), prompt_ids(24, seed=1)) - expected[kind, t]).abs().max().item()
     assert diff < TOLERANCE, f"{kind} {t} ({quant}): max |logit difference| {diff:.2e}"
+
+
+@pytest.mark.parametrize("kind", list(GEMMA4_VARIANTS))
+def test_llama_cpp_reads_the_files_as_llmd_does(kind, ggufs):
+    """llama.cpp's own loader takes the writer's files (names, shapes, metadata) and computes the same logits
+    within its own rounding (its CPU GELU reads an fp16 table: about 1e-2 here), the same greedy token everywhere."""
+    llama_cpp = pytest.importorskip("llama_cpp")  # optional: `make bench-anchor`
+    prompt = prompt_ids(40)
+    llm = llama_cpp.Llama(str(ggufs[kind, "F32"]), n_ctx=64, logits_all=True, verbose=False, n_threads=1,
+                          type_k=0, type_v=0)  # an F32 cache
+    llm.eval(prompt)
+    theirs = torch.from_numpy(np.array(llm.scores[: len(prompt)]))
+    ours = our_logits(load_model(ggufs[kind, "F32"], dtype=torch.float32, device="cpu"), prompt, [])
+    assert (theirs - ours).abs().max().item() < 0.05
+    assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
 
 
 @pytest.fixture(scope="module")

@@ -272,8 +272,10 @@ HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe") + MAMBA2_KINDS  # written by their tes
 _G4_TYPES = ["sliding_attention", "full_attention"] * 2
 GEMMA4_VARIANTS = {  # written by tests/test_gemma4.py's own fixture
     # E2B/E4B-like: per-layer embeddings (16 per layer: the table's rows are whole Q8_0 blocks), the last two layers
-    # sharing K/V (one of each kind), double-wide MLPs there
-    "gemma4_e": dict(num_hidden_layers=6, layer_types=(["sliding_attention"] * 2 + [FULL_ATTN]) * 2,
+    # sharing K/V (one of each kind), double-wide MLPs there; as on the real ones, the last layer with K/V of its own
+    # is a full one and the one before it sliding (which llama.cpp assumes: it reuses those two)
+    "gemma4_e": dict(num_hidden_layers=6,
+                     layer_types=["sliding_attention"] * 3 + [FULL_ATTN, "sliding_attention", FULL_ATTN],
                      hidden_size_per_layer_input=16, vocab_size_per_layer_input=MODEL_VOCAB,
                      num_kv_shared_layers=2, use_double_wide_mlp=True),
     # 31B-like: global layers with V taken from K and one KV head, final logit soft-cap
