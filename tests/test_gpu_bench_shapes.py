@@ -54,6 +54,27 @@ def test_full_scale_configs_are_the_real_checkpoints_shapes():
     assert 3.8e9 < counts["gemma3-4b"] < 3.95e9  # Gemma 3 4B's ~4.3B less its ~0.42B vision tower
 
 
+def test_gemma4_configs_are_the_real_checkpoints_shapes():
+    """E4B: 42 layers of 2560, 8 heads (2 KV) of 256, global ones of 512 every sixth layer, the last 18 layers reading
+    earlier layers' K/V, per-layer inputs of 256; 31B: 60 layers of 5376, 32 heads (16 KV; 4 on the global layers,
+    V from K). Parameter counts: the text models' (E4B's per-layer table included)."""
+    e4b, big = bench_gpu.shape_config("gemma4-e4b"), bench_gpu.shape_config("gemma4-31b")
+    assert (e4b.architecture, e4b.hidden_size, e4b.num_hidden_layers, e4b.num_attention_heads, e4b.vocab_size,
+            e4b.intermediate_size, e4b.sliding_window) == ("Gemma4ForCausalLM", 2560, 42, 8, 262144, 10240, 512)
+    assert e4b.layer_head_dims == [512 if (i + 1) % 6 == 0 else 256 for i in range(42)]
+    assert e4b.kv_layers == list(range(24)) and e4b.kv_source(41) == 23 and e4b.kv_source(40) == 22
+    assert e4b.gemma4.per_layer_input_size == 256 and e4b.final_logit_softcapping == 30.0
+    assert (big.hidden_size, big.num_hidden_layers, big.num_attention_heads, big.intermediate_size) == \
+        (5376, 60, 32, 21504)
+    assert big.layer_kv_heads == [4 if (i + 1) % 6 == 0 else 16 for i in range(60)] and big.gemma4.k_eq_v
+    counts = {}
+    for name in ("gemma4-e4b", "gemma4-31b"):
+        with torch.device("meta"):
+            model = build_model(bench_gpu.shape_config(name))
+        counts[name] = sum(p.numel() for p in model.parameters())
+    assert 7.4e9 < counts["gemma4-e4b"] < 7.5e9 and 30.6e9 < counts["gemma4-31b"] < 30.8e9
+
+
 def test_tiny_models_keep_the_families_structure():
     config = bench_gpu.shape_config("gemma3-4b", "tiny")
     model, _ = bench_gpu.random_model("fp32", config, "cpu")
@@ -126,6 +147,29 @@ def test_shapes_stage_on_cpu_prints_a_table_of_positive_figures(tmp_path, capsys
         assert (name, mode) == (row["model"], row["mode"])
         assert len(cells) == len(bench_gpu.SHAPE_COLUMNS) - 2
         assert all(math.isfinite(float(c)) and float(c) > 0 for c in cells), line
+
+
+def test_gemma4_shapes_on_cpu(tmp_path, capsys):
+    """The gemma4 stage's models at the tiny scale: each layer's K/V in its own head shape, a sharing layer reading its
+    source's again; the per-layer table (one row per token) left out of the bytes a step reads."""
+    rc = bench_gpu.main(["--out", str(tmp_path), "--sections", "shapes", "--name", "gpu_shapes", "--device", "cpu",
+                         "--scale", "tiny", "--peak-gbs", "50", "--models", "gemma4-e4b,gemma4-31b"])
+    assert rc == 0, capsys.readouterr().out
+    rows = json.loads((tmp_path / "gpu_shapes.json").read_text())["shapes"]
+    assert [(r["model"], r["mode"]) for r in rows] == [("gemma4-e4b", "fp32"), ("gemma4-31b", "fp32"),
+                                                       ("gemma4-e4b", "int8"), ("gemma4-31b", "int8")]
+    run = bench_gpu.SHAPE_RUNS["tiny"]
+    context = run["prompt_len"] + run["warmup"] + 1  # the first timed step's
+    for row in rows:
+        config = bench_gpu.shape_config(row["model"], "tiny")
+        model, _ = bench_gpu.random_model(row["mode"], config, "cpu")
+        table = getattr(model.model, "embed_tokens_per_layer", None)
+        assert row["weight_read_bytes"] == _param_bytes(model) - (table.weight.numel() * 4 if table else 0)
+        e4b = row["model"] == "gemma4-e4b"
+        period = [(1 if e4b else 2, 16, 16)] * 5 + [(1, 32, None)]  # (KV heads, head size, window) per layer
+        kv = sum(2 * h * d * 4 * (context if w is None else min(context, w)) for h, d, w in period * (1 + e4b))
+        assert bench_gpu.kv_read_bytes(config, 1, context, 4) == kv
+        assert "error" not in row and row["b1"]["tok_s"] > 0 and row["prefill_tok_s"] > 0
 
 
 def test_device_cpu_is_refused_for_the_cuda_only_sections(tmp_path):

@@ -28,12 +28,15 @@ def paged_kv(model, batch: int, max_len: int, block_size: int = 16, kv_cache_dty
     windows = cfg.layer_windows
     grouped = kv_groups and any(w is None for w in windows) and any(w is not None for w in windows)
 
-    def pool(blocks: int):  # one layer's cache
-        return allocate_kv_cache(1, blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype, device,
-                                 kv_cache_dtype=kv_cache_dtype)[0]
+    def pool(blocks: int, layer: int):  # one layer's cache, in its own head shape (Gemma 4's differ by layer)
+        return allocate_kv_cache(1, blocks, block_size, cfg.layer_num_kv_heads(layer), cfg.layer_head_dim(layer),
+                                 dtype, device, kv_cache_dtype=kv_cache_dtype)[0]
 
-    # grouped: the window layers' caches in a pool of another size (one more block), with tables of other ids
-    kv = [pool(batch * per_seq + (2 if grouped and w is not None else 1)) for w in windows]
+    # grouped: the window layers' caches in a pool of another size (one more block), with tables of other ids; a
+    # layer that reads another's K/V (Gemma 4's KV sharing) is given that layer's cache, as the engine's runner does
+    kv = [pool(batch * per_seq + (2 if grouped and w is not None else 1), i) if cfg.kv_source(i) == i else None
+          for i, w in enumerate(windows)]
+    kv = [cache if cache is not None else kv[cfg.kv_source(i)] for i, cache in enumerate(kv)]
     window_tables = [[b + 1 for b in t] for t in tables] if grouped else None
 
     def build(query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:

@@ -18,8 +18,9 @@
 7. Real model shapes (section shapes; run apart as --sections shapes --name gpu_shapes): random-weight Gemma 3 4B
    (text) and Qwen2.5-7B built from their config.json values through llmd's own ModelConfig and model classes, bf16
    and int8: prefill tok/s of a 2k prompt, decode tok/s at batch 1 and 16 after it, GB/s of weights + KV read per
-   decode step and % of the roofline, weight and peak GPU memory, as a table. `--device cpu --scale tiny` runs the
-   same code on the CPU at a tiny size of the same families (tests/test_gpu_bench_shapes.py).
+   decode step and % of the roofline, weight and peak GPU memory, as a table. `--models gemma4-e4b,gemma4-31b` runs
+   Gemma 4 E4B and 31B instead (run_gpu_checks.sh's gemma4 stage). `--device cpu --scale tiny` runs the same code on
+   the CPU at a tiny size of the same families (tests/test_gpu_bench_shapes.py).
 8. Fused mixture-of-experts kernel (llmd.kernels.moe_matmul; section moe, run apart as --sections moe --name
    moe_bench) at gpt-oss-20b's experts (MXFP4, biases, clamped SwiGLU) and Qwen3-30B-A3B's (Q4_K), random weights,
    bf16, batch 1, 4 and 16, autotuned: GB/s of the bytes of the experts the batch hit, checked against the torch
@@ -251,15 +252,16 @@ def random_model(mode: str, shape: dict | ModelConfig = LLAMA3_8B, device: str =
         model = build_empty(config, getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[mode]), device)
     else:
         model, _ = quant.build_empty_quantized(config, dtype, device, quant.parse_quant(mode))
-    norm_value = 0.0 if config.architecture.startswith("Gemma") else 1.0  # Gemma's norms scale by 1 + weight
+    # Gemma 2/3's norms scale by 1 + weight, Gemma 4's (and everyone else's) by weight; Gemma 4's layer scalars by 1
+    norm_value = 0.0 if config.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") else 1.0
     gen = torch.Generator(device=device).manual_seed(0)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.dtype == torch.uint8:
             t.random_(0, 256, generator=gen)
         elif t.dtype == torch.int8:
             t.random_(-127, 128, generator=gen)
-        elif "norm" in name:
-            t.fill_(norm_value)
+        elif "norm" in name or name.endswith("layer_scalar"):
+            t.fill_(norm_value if "norm" in name else 1.0)
         elif name.endswith(("scales",)):
             t.uniform_(0.001, 0.01, generator=gen)
         elif name.endswith("zeros"):
@@ -272,7 +274,8 @@ def random_model(mode: str, shape: dict | ModelConfig = LLAMA3_8B, device: str =
 def weight_bytes(model) -> tuple[int, int]:
     """(bytes the weights occupy, bytes of them one decode step reads). Every parameter and weight buffer counts
     once (a tied head is the embedding table, read whole by the logits); an untied model's embedding table is left
-    out of the read (a step reads only its batch's rows). The RoPE frequencies (recomputed, a few KB) are left out."""
+    out of the read (a step reads only its batch's rows), and so is Gemma 4's per-layer table (one row per token).
+    The RoPE frequencies (recomputed, a few KB) are left out."""
     seen, total = set(), 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.data_ptr() in seen or name.endswith("inv_freq"):
@@ -281,6 +284,9 @@ def weight_bytes(model) -> tuple[int, int]:
         total += t.numel() * t.element_size()
     embed = model.model.embed_tokens.weight
     read = total if model.lm_head is None else total - embed.numel() * embed.element_size()
+    per_layer = getattr(model.model, "embed_tokens_per_layer", None)
+    if per_layer is not None:
+        read -= per_layer.weight.numel() * per_layer.weight.element_size()
     return total, read
 
 
@@ -423,7 +429,29 @@ QWEN25_7B_HF = dict(architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidde
                     num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, rope_theta=1_000_000.0,
                     max_position_embeddings=32768, sliding_window=131072, use_sliding_window=False,
                     rms_norm_eps=1e-6, hidden_act="silu", tie_word_embeddings=False)
-SHAPE_MODELS = {"gemma3-4b": GEMMA3_4B_HF, "qwen2.5-7b": QWEN25_7B_HF}
+# Gemma 4 E4B and 31B (the text part, Gemma4ForCausalLM): five window layers to a global one with wider heads and
+# proportional RoPE; E4B's per-layer embeddings (a [vocab, 42 x 256] table) and its last 18 layers reading the K/V of
+# earlier ones; 31B's global layers with 4 KV heads whose V is K (attention_k_eq_v)
+_GEMMA4_HF = dict(architectures=["Gemma4ForCausalLM"], vocab_size=262144, head_dim=256, global_head_dim=512,
+                  rms_norm_eps=1e-6, hidden_activation="gelu_pytorch_tanh", final_logit_softcapping=30.0,
+                  tie_word_embeddings=True, rope_parameters={
+                      "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                         "rope_theta": 1_000_000.0},
+                      "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})
+_GEMMA4_PERIOD = ["sliding_attention"] * 5 + ["full_attention"]
+GEMMA4_E4B_HF = _GEMMA4_HF | dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=42,
+                                  num_attention_heads=8, num_key_value_heads=2, layer_types=_GEMMA4_PERIOD * 7,
+                                  sliding_window=512, hidden_size_per_layer_input=256,
+                                  vocab_size_per_layer_input=262144, num_kv_shared_layers=18,
+                                  max_position_embeddings=131072)
+GEMMA4_31B_HF = _GEMMA4_HF | dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
+                                  num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4,
+                                  attention_k_eq_v=True, layer_types=_GEMMA4_PERIOD * 10, sliding_window=1024,
+                                  max_position_embeddings=262144)
+SHAPE_MODELS = {"gemma3-4b": GEMMA3_4B_HF, "qwen2.5-7b": QWEN25_7B_HF, "gemma4-e4b": GEMMA4_E4B_HF,
+                "gemma4-31b": GEMMA4_31B_HF}
+# the shapes stage's models; run_gpu_checks.sh's gemma4 stage runs the Gemma 4 ones (--models), in a call of its own
+DEFAULT_SHAPE_MODELS = ("gemma3-4b", "qwen2.5-7b")
 # --scale tiny: the same families small enough for the CPU in a second. Layers, widths, vocabulary and window shrink;
 # the architecture, the GQA ratio, the 5:1 window/global pattern (with the real model's trailing window layers),
 # q/k width != hidden (Gemma), qkv bias (Qwen2), the RoPE bases and query_pre_attn_scalar stay.
@@ -432,6 +460,14 @@ TINY_SHAPES = {
                       num_key_value_heads=2, head_dim=16, vocab_size=512, sliding_window=16),
     "qwen2.5-7b": dict(num_hidden_layers=2, hidden_size=112, intermediate_size=224, num_attention_heads=7,
                        num_key_value_heads=1, vocab_size=512),
+    # two periods, the second half reading the K/V of the first's last layers (as E4B's last 18 of 42 do)
+    "gemma4-e4b": dict(num_hidden_layers=12, layer_types=_GEMMA4_PERIOD * 2, num_kv_shared_layers=6, hidden_size=64,
+                       intermediate_size=128, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                       global_head_dim=32, hidden_size_per_layer_input=16, vocab_size=512,
+                       vocab_size_per_layer_input=512, sliding_window=16),
+    "gemma4-31b": dict(num_hidden_layers=6, layer_types=_GEMMA4_PERIOD, hidden_size=80, intermediate_size=160,
+                       num_attention_heads=4, num_key_value_heads=2, num_global_key_value_heads=1, head_dim=16,
+                       global_head_dim=32, vocab_size=512, sliding_window=16),
 }
 # what the shapes section runs at each scale: a 2k prompt (past Gemma 3's 1,024-token window), decode after it
 SHAPE_RUNS = {"full": dict(prompt_len=2048, steps=32, warmup=2, batches=(1, 16), prefill_chunk=512),
@@ -452,9 +488,10 @@ def shape_modes(device: str) -> tuple[str, ...]:
 
 def kv_read_bytes(config: ModelConfig, batch: int, context: int, element_size: int) -> int:
     """K and V bytes one decode step reads for `batch` sequences of `context` tokens: a window layer reads only its
-    window's tokens (the Triton decode kernel starts at seq_len - window), a global layer the whole context."""
-    per_token = 2 * config.num_key_value_heads * config.head_dim * element_size
-    return batch * per_token * sum(context if w is None else min(context, w) for w in config.layer_windows)
+    window's tokens (the Triton decode kernel starts at seq_len - window), a global layer the whole context; each
+    layer in its own head shape, a layer that shares another's K/V (Gemma 4) reading it again."""
+    return batch * sum(2 * config.layer_num_kv_heads(i) * config.layer_head_dim(i) * element_size
+                       * (context if w is None else min(context, w)) for i, w in enumerate(config.layer_windows))
 
 
 def memory_bytes(device: str) -> tuple[int, int]:
@@ -520,11 +557,12 @@ def shape_line(cells: list) -> str:
     return f"{name:11} {mode:5} " + " ".join(f"{f:>11}" for f in figures)
 
 
-def real_shapes(peak_gbs: float, device: str = "cuda", scale: str = "full") -> list[dict]:
-    """Gemma 3 4B and Qwen2.5-7B of real shapes (random weights) through llmd's model classes, each unquantized and
-    int8: prefill tok/s of a 2k prompt, decode tok/s at batch 1 and 16 after it, GB/s of weights + KV read per step
-    and % of the roofline, weight and peak memory. A table line per model and mode as each finishes (the unquantized
-    ones first: no autotuning); a failure is recorded in its row (`error`) and the next one runs."""
+def real_shapes(peak_gbs: float, device: str = "cuda", scale: str = "full", models: tuple[str, ...] = ()) -> list[dict]:
+    """`models` of SHAPE_MODELS (default: Gemma 3 4B and Qwen2.5-7B) of real shapes (random weights) through llmd's
+    model classes, each unquantized and int8: prefill tok/s of a 2k prompt, decode tok/s at batch 1 and 16 after it,
+    GB/s of weights + KV read per step and % of the roofline, weight and peak memory. A table line per model and mode
+    as each finishes (the unquantized ones first: no autotuning); a failure is recorded in its row (`error`) and the
+    next one runs."""
     from llmd.model.attention_backends import choose_backend
 
     run = SHAPE_RUNS[scale]
@@ -535,7 +573,7 @@ def real_shapes(peak_gbs: float, device: str = "cuda", scale: str = "full") -> l
     print(shape_line(list(SHAPE_COLUMNS)), flush=True)
     rows = []
     for mode in shape_modes(device):
-        for name in SHAPE_MODELS:
+        for name in models or DEFAULT_SHAPE_MODELS:
             config = shape_config(name, scale)
             if device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -769,6 +807,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"cpu: only for {', '.join(SCALED)}, to check the code path without a GPU")
     parser.add_argument("--scale", default="full", choices=tuple(SHAPE_RUNS),
                         help=f"tiny: {', '.join(SCALED)} at a size the CPU runs in seconds")
+    parser.add_argument("--models", default="",
+                        help=f"comma-separated: of {', '.join(SHAPE_MODELS)} (shapes), of "
+                             f"{', '.join(MOE_SHAPES['full'])} (moe); default each section's own")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -776,6 +817,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in chosen if s not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}")
+    unknown = [m for m in args.models.split(",") if m and m not in {*SHAPE_MODELS, *MOE_SHAPES["full"]}]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}")
     if (args.device, args.scale) != ("cuda", "full") and any(s not in SCALED for s in chosen):
         parser.error(f"--device cpu and --scale tiny apply only to --sections {','.join(SCALED)}")
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
@@ -785,7 +829,9 @@ def main(argv: list[str] | None = None) -> int:
         start = time.perf_counter()
         try:
             if name in SCALED:
-                results[name] = fn(args.peak_gbs, device=args.device, scale=args.scale)
+                models = tuple(m for m in args.models.split(",") if m)  # (shapes and moe take a choice)
+                results[name] = fn(args.peak_gbs, device=args.device, scale=args.scale,
+                                   **({"models": models} if models else {}))
             else:
                 results[name] = fn(args.peak_gbs)
             failed = [r["error"] for r in results[name] if isinstance(r, dict) and "error" in r]

@@ -4,9 +4,11 @@
 # 150 + 65, bench 125, shapes 85, gguf 70, long 35, moe 40, hybrid 90 + 45), more than one command: run them in two
 # calls, STAGES="tests bench shapes" tests/gpu/run_gpu_checks.sh, then STAGES="gguf long moe hybrid" (stages: tests,
 # bench, shapes, gguf, long, moe, hybrid; default all seven, in that order). summary.txt gets each stage's seconds, to
-# size the limits from.
+# size the limits from. An eighth stage, gemma4 (the shapes section at Gemma 4 E4B's and 31B's shapes, 240 s), runs
+# only when named, in a call of its own: STAGES=gemma4 tests/gpu/run_gpu_checks.sh
 # Writes under $OUT (default ./gpu-results): summary.txt, pytest logs, gpu_bench.json/.txt, gpu_shapes.json/.txt,
-# gguf_bench.json/.txt, gpu_long_context.json/.txt, moe_bench.json/.txt and hybrid_bench.json/.txt.
+# gguf_bench.json/.txt, gpu_long_context.json/.txt, moe_bench.json/.txt, hybrid_bench.json/.txt (and
+# gpu_shapes_gemma4.json/.txt).
 set -u -o pipefail  # a failing pytest or benchmark, not tee, decides each step's status
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu-results}"
@@ -60,6 +62,17 @@ t0=$SECONDS
 timeout 85 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections shapes --name gpu_shapes 2>&1 \
   | tee "$OUT/gpu_shapes.txt" | grep -A6 "^model " | tee -a "$OUT/summary.txt" || status=1
 took shapes "$t0"
+fi
+# random-weight Gemma 4 E4B (per-layer embeddings, 18 of 42 layers reading earlier layers' K/V) and 31B (all 60
+# layers: 62 GB of bf16; global layers with 512-wide heads, V from K), bf16 and int8, as the shapes stage measures
+# them; each row's model is built and freed in turn. An estimate not yet run: summary.txt gets its seconds.
+if wants gemma4; then
+echo "== real model shapes (Gemma 4 E4B, 31B)" | tee -a "$OUT/summary.txt"
+t0=$SECONDS
+timeout 240 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections shapes --models gemma4-e4b,gemma4-31b \
+  --name gpu_shapes_gemma4 2>&1 | tee "$OUT/gpu_shapes_gemma4.txt" | grep -A6 "^model " | tee -a "$OUT/summary.txt" \
+  || status=1
+took gemma4 "$t0"
 fi
 # GGUF packed matmul per type (Q4_K_M's kernels are compiled by then: the GPU tests autotuned the same shapes; MXFP4,
 # gpt-oss's expert type, compiles and autotunes its tilings here: about 30 s of the 70, an estimate not yet run)
