@@ -1,7 +1,8 @@
 """Gemma 4 text from gemma4 GGUF files written as llama.cpp's converter writes them (tests/tiny_models.py
 write_gemma4_gguf), in the three variants of tests/test_gemma4.py: the config the metadata and tensors describe equals
 the HF folder's; F32 and Q8_0 files compute what transformers computes on the file's weights (fp32, prompts past the
-window); llama.cpp's own loader reads the same files (where llama-cpp-python is installed); Q8_0 stays packed
+window); llama.cpp's own loader reads the same files (where llama-cpp-python is installed); their "gemma4"
+vocabulary tokenizes as transformers and llama.cpp do; Q8_0 stays packed
 (projections, both token tables, the fused gate/up experts) and runs the engine as alone; bad files are refused naming
 the file and the tensor or key.
 """
@@ -116,6 +117,33 @@ def test_llama_cpp_reads_the_files_as_llmd_does(kind, ggufs):
     ours = our_logits(load_model(ggufs[kind, "F32"], dtype=torch.float32, device="cpu"), prompt, [])
     assert (theirs - ours).abs().max().item() < 0.05
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+TEXTS = ["Hello, world! How are you today?", "  two  spaces\n\n\tand tabs\n",
+         "Caf\u00e9 \u65e5\u672c\u8a9e \U0001F600 zq", "def f(n):\n    return n", " lead",
+         "<|turn>user\nWhat is the capital of France?<turn|>\n<|turn>model\n"]
+
+
+def test_gemma4_vocabulary_tokenizes_as_transformers_and_llama_cpp(models, ggufs):
+    """The file's "gemma4" vocabulary (characters, '▁' for spaces, <0xNN> for the bytes of what no token spells, runs
+    of newlines apart) splits every text as transformers splits it with the folder's tokenizer, and as llama.cpp
+    does where it is installed; decoding gives the text back; <bos> is added, <turn|> ends a turn."""
+    from llmd.model.gguf import load_gguf
+    from transformers import AutoTokenizer
+
+    ours, theirs = load_gguf(ggufs["gemma4_e", "Q8_0"]).tokenizer, AutoTokenizer.from_pretrained(models["gemma4_e"])
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ids == theirs.encode(text, add_special_tokens=False), text
+        assert ours.decode(ids, skip_special_tokens=False) == text
+    assert ours.encode("Hi", add_special_tokens=True) == theirs.encode("Hi")
+    assert theirs.convert_tokens_to_ids("<turn|>") in ours.eos_token_ids
+    try:
+        import llama_cpp
+    except ImportError:
+        return
+    llm = llama_cpp.Llama(str(ggufs["gemma4_e", "Q8_0"]), vocab_only=True, verbose=False)
+    assert all(llm.tokenize(t.encode(), add_bos=False, special=True) == ours.encode(t) for t in TEXTS)
 
 
 @pytest.fixture(scope="module")

@@ -56,6 +56,13 @@ LLAMA3_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
 
+GEMMA4_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"]
+GEMMA4_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|turn>' + message['role'] + '\\n' + message['content'] | trim + '<turn|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|turn>model\\n' }}{%- endif %}"
+)
+
 FULL_ATTN = "full_attention"
 MODEL_VOCAB = 640  # >= the trained tokenizer's size, like real models whose embedding is padded
 
@@ -79,6 +86,32 @@ def train_tokenizer(specials: list[str], add_bos: str | None, vocab_size: int = 
         )
     else:
         tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tok
+
+
+def train_gemma4_tokenizer(vocab_size: int = 600):
+    """A Gemma 4-style tokenizer (what llama.cpp's "gemma4" vocabulary model reads): BPE over whole characters with
+    spaces written '▁' (no byte alphabet), the text cut into runs of newlines and of anything else, `<0xNN>` tokens
+    for the bytes of what no token spells; ids: the specials, the 256 byte tokens, then the trained ones."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import trainers
+
+    def dress(tok):
+        tok.normalizer = normalizers.Replace(" ", "\u2581")
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+        return tok
+
+    trained = dress(Tokenizer(models.BPE()))
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False,
+                                  special_tokens=GEMMA4_SPECIALS + [f"<0x{b:02X}>" for b in range(256)])
+    trained.train_from_iterator([TRAINING_TEXT] * 4, trainer=trainer)
+    model = json.loads(trained.to_str())["model"]  # the byte tokens as plain vocabulary entries, as Gemma's are
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in model["merges"]]
+    tok = dress(Tokenizer(models.BPE(vocab=model["vocab"], merges=merges, byte_fallback=True)))
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in GEMMA4_SPECIALS])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", tok.token_to_id("<bos>"))])
     return tok
 
 
@@ -117,6 +150,13 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
         bos, eos, pad = ids["<|begin_of_text|>"], ids["<|eot_id|>"], None
         gen_eos = [ids["<|end_of_text|>"], ids["<|eot_id|>"]]
         tok_cfg = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": LLAMA3_TEMPLATE}
+    if kind.startswith("gemma4"):  # Gemma 4's own kind of vocabulary (a GGUF's "gemma4" tokenizer model)
+        tok = train_gemma4_tokenizer()
+        ids = {t: tok.token_to_id(t) for t in GEMMA4_SPECIALS}
+        bos, eos, pad = ids["<bos>"], ids["<turn|>"], ids["<pad>"]
+        gen_eos = [ids["<eos>"], ids["<turn|>"]]
+        tok_cfg = {"bos_token": "<bos>", "eos_token": "<turn|>", "pad_token": "<pad>", "unk_token": "<unk>",
+                   "chat_template": GEMMA4_TEMPLATE}
 
     common = dict(
         vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -786,28 +826,24 @@ def _gemma4_tensor(w, name: str, data: np.ndarray, matrix_type: str) -> None:
         w.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
 
-def write_gemma4_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
-    """The HF folder's Gemma 4 model as a gemma4 GGUF (see above). Hub checkpoints also carry k/v projections for the
-    KV-sharing layers, which nothing reads; the converter copies them, and so does this writer (random values)."""
-    import gguf
-    from safetensors.torch import load_file
-
-    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    layers, types, hidden = cfg["num_hidden_layers"], cfg["layer_types"], cfg["hidden_size"]
+def _gemma4_shapes(cfg: dict) -> tuple[int, int, int, int | None]:
+    """(the full layers' head size, the sliding layers', the sliding layers' KV heads, the full layers' or None)."""
     spec = {int(k): v for k, v in (cfg.get("per_layer_config") or {}).items()}
-    full = next(i for i, t in enumerate(types) if t == FULL_ATTN)
-    head_full, head_swa = spec[full]["head_dim"], cfg["head_dim"]
-    kv_swa, kv_full = cfg["num_key_value_heads"], spec[full].get("num_key_value_heads")
-    shared, ffn = cfg["num_kv_shared_layers"], cfg["intermediate_size"]
-    rope = cfg["rope_parameters"]
+    full = next(i for i, t in enumerate(cfg["layer_types"]) if t == FULL_ATTN)
+    return spec[full]["head_dim"], cfg["head_dim"], cfg["num_key_value_heads"], spec[full].get("num_key_value_heads")
 
-    w = gguf.GGUFWriter(str(path), "gemma4")
-    w.add_name("tiny gemma4")
+
+def gemma4_hparams(w, cfg: dict) -> None:
+    """The metadata convert_hf_to_gguf writes for a Gemma 4 config.json (as transformers completes it: its
+    per_layer_config), the vocabulary aside."""
+    layers, types = cfg["num_hidden_layers"], cfg["layer_types"]
+    head_full, head_swa, kv_swa, kv_full = _gemma4_shapes(cfg)
+    shared, ffn, rope = cfg["num_kv_shared_layers"], cfg["intermediate_size"], cfg["rope_parameters"]
     w.add_block_count(layers)
     w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length([ffn * (2 if cfg["use_double_wide_mlp"] and i >= layers - shared else 1)
-                               for i in range(layers)] if cfg["use_double_wide_mlp"] else ffn)
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length([ffn * (2 if i >= layers - shared else 1) for i in range(layers)]
+                              if cfg["use_double_wide_mlp"] else ffn)
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv([kv_swa if t != FULL_ATTN else kv_full for t in types] if kv_full else kv_swa)
     w.add_rope_freq_base(rope["full_attention"]["rope_theta"])
@@ -829,19 +865,77 @@ def write_gemma4_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Pat
     w.add_sliding_window_pattern([t != FULL_ATTN for t in types])
     w.add_rope_dimension_count(head_full)
     w.add_rope_dimension_count_swa(head_swa)
-    _gguf_vocabulary(w, folder, cfg, "gemma4")
 
-    turning = int(head_full * rope["full_attention"]["partial_rotary_factor"] / 2)
-    w.add_tensor("rope_freqs.weight", np.asarray([1.0] * turning + [1e30] * (head_full // 2 - turning), np.float32))
+
+def gemma4_rope_freqs(cfg: dict) -> np.ndarray:
+    """The converter's rope_freqs tensor: 1 where a full layer's frequency turns, 1e30 where it does not."""
+    head_full = _gemma4_shapes(cfg)[0]
+    turning = int(head_full * cfg["rope_parameters"]["full_attention"]["partial_rotary_factor"] / 2)
+    return np.asarray([1.0] * turning + [1e30] * (head_full // 2 - turning), np.float32)
+
+
+def gemma4_unused_kv(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """The k/v projections and k norms of the KV-sharing layers that hub checkpoints carry and nothing reads
+    (Hugging Face name -> shape); the converter copies them."""
+    layers, shared, hidden = cfg["num_hidden_layers"], cfg["num_kv_shared_layers"], cfg["hidden_size"]
+    head_full, head_swa, kv_swa, kv_full = _gemma4_shapes(cfg)
+    out: dict[str, tuple[int, ...]] = {}
+    for i in range(layers - shared, layers):
+        full = cfg["layer_types"][i] == FULL_ATTN
+        d, kv = (head_full, kv_full or kv_swa) if full else (head_swa, kv_swa)
+        b = f"model.layers.{i}.self_attn."
+        out |= {b + "k_proj.weight": (kv * d, hidden), b + "v_proj.weight": (kv * d, hidden), b + "k_norm.weight": (d,)}
+    return out
+
+
+def gemma4_vocabulary(w, folder: Path, cfg: dict) -> None:
+    """The folder's tokenizer as the converter writes a Gemma 4 one: tokenizer model "gemma4", the tokens in id order
+    (padded to the model's vocabulary with unused ones, as Gemma's own vocabulary fills its table), their types
+    (specials control, <0xNN> byte), the merges, BOS added, no space prefix."""
+    import gguf
+
+    tok = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = dict(tok["model"]["vocab"])
+    specials = {added["content"] for added in tok.get("added_tokens", [])}
+    vocab |= {added["content"]: added["id"] for added in tok.get("added_tokens", [])}
+    tokens = sorted(vocab, key=vocab.get)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    tokens += [f"<unused{i}>" for i in range(cfg["vocab_size"] - len(tokens))]
+    types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.UNUSED if t.startswith("<unused")
+             else gguf.TokenType.BYTE if len(t) == 6 and t.startswith("<0x") else gguf.TokenType.NORMAL
+             for t in tokens]
+    w.add_tokenizer_model("gemma4")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * len(tokens))
+    w.add_token_types(types)
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_pad_token_id(cfg["pad_token_id"])
+    w.add_add_space_prefix(False)
+    w.add_add_bos_token(True)
+    template = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8")).get("chat_template")
+    if template:
+        w.add_chat_template(template)
+
+
+def write_gemma4_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
+    """The HF folder's Gemma 4 model as a gemma4 GGUF (see above), with random values for the KV-sharing layers'
+    unused k/v (gemma4_unused_kv) as hub checkpoints have them."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    w = gguf.GGUFWriter(str(path), "gemma4")
+    w.add_name("tiny gemma4")
+    gemma4_hparams(w, cfg)
+    gemma4_vocabulary(w, folder, cfg)
+    w.add_tensor("rope_freqs.weight", gemma4_rope_freqs(cfg))
     state = load_file(folder / "model.safetensors")
-    if shared:  # the KV-sharing layers' unused k/v, as hub checkpoints have them
-        rng = np.random.default_rng(0)
-        for i in range(layers - shared, layers):
-            d = spec.get(i, {}).get("head_dim", head_swa)
-            for proj in ("k_proj", "v_proj"):
-                state[f"model.layers.{i}.self_attn.{proj}.weight"] = torch.from_numpy(
-                    rng.standard_normal((kv_swa * d, hidden), dtype=np.float32))
-            state[f"model.layers.{i}.self_attn.k_norm.weight"] = torch.ones(d)
+    rng = np.random.default_rng(0)
+    for name, shape in gemma4_unused_kv(cfg).items():
+        state[name] = torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) if len(shape) > 1
+                                       else np.ones(shape, np.float32))
     for name, tensor in state.items():
         _gemma4_tensor(w, gemma4_gguf_name(name), tensor.float().numpy(), matrix_type)
     w.write_header_to_file()

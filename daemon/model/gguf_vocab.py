@@ -1,7 +1,7 @@
 """A GGUF file's vocabulary (`tokenizer.ggml.*`) rebuilt as a `tokenizers.Tokenizer`, as transformers and llama.cpp
 read it.
 
-Two vocabulary models:
+Three vocabulary models:
 - "gpt2": byte-level BPE from the file's tokens and merges, split first by the regex its `tokenizer.ggml.pre` names
   (llama.cpp's names: llama-bpe for Llama 3, qwen2, smollm, tekken, ...). A file without a `pre` (or "default")
   gets GPT-2's own split, as transformers reads it (llama.cpp falls back to an older regex of its own and warns
@@ -12,7 +12,11 @@ Two vocabulary models:
   does: only at its start and not when it starts with a space (llama.cpp also adds one then, and after each special
   token); Phi-3's vocabulary is read as llama.cpp reads it, '▁' always.
 
-Both: control tokens (and <unk>) become special tokens and user-defined ones plain added tokens, matched whole in text.
+- "gemma4": Gemma 4's BPE over whole characters (no byte alphabet), as llama.cpp reads it: spaces written '▁' first,
+  the text cut into runs of newlines and runs of anything else, the file's merges, `<0xNN>` tokens for bytes no
+  token spells; no space prefix.
+
+All: control tokens (and <unk>) become special tokens and user-defined ones plain added tokens, matched whole in text.
 """
 
 from __future__ import annotations
@@ -113,10 +117,12 @@ def backend_from_gguf(metadata: dict, where: str | Path) -> BackendTokenizer:
         backend = _byte_level(metadata, tokens, where)
     elif model == "llama":
         backend = _sentencepiece(metadata, tokens, where)
+    elif model == "gemma4":
+        backend = _gemma4(metadata, tokens, where)
     else:
         raise ModelFileError(
             where, f"tokenizer model {model!r} is not supported in GGUF files "
-                   "(supported: gpt2 = byte-level BPE, llama = SentencePiece)")
+                   "(supported: gpt2 = byte-level BPE, llama = SentencePiece, gemma4 = Gemma 4's BPE)")
     vocab = backend.get_vocab(with_added_tokens=False)
     control = [t for t, kind in zip(tokens, types) if kind in (TOKEN_UNKNOWN, TOKEN_CONTROL) and t in vocab]
     user = [t for t, kind in zip(tokens, types) if kind == TOKEN_USER_DEFINED and t in vocab]
@@ -142,12 +148,7 @@ def _byte_level(metadata: dict, tokens: list[str], where) -> BackendTokenizer:
         if not is_control and not set(token) <= alphabet:
             token = "".join(spelling[b] for b in token.encode("utf-8"))
         vocab[token] = i  # a repeated spelling keeps its last id, as llama.cpp and transformers do
-    pairs = []
-    for m in metadata.get("tokenizer.ggml.merges") or []:
-        left, sep, right = m.partition(" ")
-        if not sep:
-            raise ModelFileError(where, f"GGUF tokenizer merge {m!r} is not 'left right'")
-        pairs.append((left, right))
+    pairs = _merge_pairs(metadata, where)
     try:
         # Llama 3's and Tekken's tokenizers (and llama.cpp) take a piece that is a whole token as is, before merging
         ignore_merges = PRE_TOKENIZER_SPLITS[pre] in ((_LLAMA3,), (_TEKKEN,))
@@ -160,6 +161,33 @@ def _byte_level(metadata: dict, tokens: list[str], where) -> BackendTokenizer:
         [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    return backend
+
+
+def _merge_pairs(metadata: dict, where) -> list[tuple[str, str]]:
+    """The file's merges as pairs, each cut at its first space after the first character (as llama.cpp cuts them: a
+    left part may be a space)."""
+    pairs = []
+    for m in metadata.get("tokenizer.ggml.merges") or []:
+        cut = m.find(" ", 1)
+        if cut < 0:
+            raise ModelFileError(where, f"GGUF tokenizer merge {m!r} is not 'left right'")
+        pairs.append((m[:cut], m[cut + 1:]))
+    return pairs
+
+
+def _gemma4(metadata: dict, tokens: list[str], where) -> BackendTokenizer:
+    """Gemma 4's vocabulary (see the module docstring): llama.cpp's LLAMA_VOCAB_PRE_TYPE_GEMMA4 split, no byte
+    encoding, byte fallback."""
+    vocab = {t: i for i, t in enumerate(tokens)}  # a repeated spelling keeps its last id, as llama.cpp does
+    try:
+        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=_merge_pairs(metadata, where), fuse_unk=False,
+                                              byte_fallback=True))
+    except Exception as e:  # the tokenizers library raises plain Exceptions
+        raise ModelFileError(where, f"GGUF tokenizer vocabulary is inconsistent: {e}") from None
+    backend.normalizer = normalizers.Replace(" ", _SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
     return backend
 
 

@@ -2,6 +2,7 @@
 
     python tests/benchmarks/real_shapes.py 1b 3b --types Q4_K_M,Q8_0,IQ4_XS     # 7b / 8b only when named
     python tests/benchmarks/real_shapes.py qwen35-9b --types Q4_K_M --via Q8_0    # half the disk on the way
+    python tests/benchmarks/real_shapes.py gemma4-e4b gemma4-31b --types Q4_K_M  # Gemma 4 (see GEMMA4_SHAPES)
     path = real_shapes.real_file("1b", "Q4_K_M")   # cached in $XDG_CACHE_HOME/llmd/bench-gguf/
 
 Shapes are those of the configs (hidden size, layers, heads, KV heads, FFN width, rope base, tied or not, Qwen2's
@@ -10,9 +11,9 @@ output matrices are smaller than the real ones (128256 / 152064 / 248320 rows). 
 llama.cpp's `qwen35` and `qwen35moe`, Gated DeltaNet layers with every fourth one gated attention) take their
 config.json's values (the 35B-A3B keeps 4 of its 40 layers), the tensor list from transformers' model built on the
 meta device, and are written as llama.cpp's converter writes them by tests/tiny_models.py's own functions (names,
-keys, value transforms). The source file (F16, or with `--via Q8_0` its matrices Q8_0, requantized by llama.cpp: half
-the disk) is written one tensor at a time (never a whole model in RAM), quantized by `llama_model_quantize` (the
-types llama.cpp users download) and deleted. Speed, not text, is what these files are for: the weights are
+keys, value transforms); so are the Gemma 4 shapes (`gemma4-*`, see GEMMA4_SHAPES). The source file (F16, or with
+`--via Q8_0` its matrices Q8_0, requantized by llama.cpp: half the disk) is written one tensor at a time (never a
+whole model in RAM), quantized by `llama_model_quantize` (the types llama.cpp users download) and deleted. Speed, not text, is what these files are for: the weights are
 N(0, 0.02) noise (norms 1; Qwen3.5's decays A = -exp(log U(1, 16)) and dt biases 1, as transformers initialises
 them). Needs llama-cpp-python (`make bench-anchor`) to quantize.
 """
@@ -93,8 +94,15 @@ HYBRID_SHAPES = {
                                      moe_intermediate_size=512, shared_expert_intermediate_size=512,
                                      tie_word_embeddings=False),
 }
+# Gemma 4 (llama.cpp's gemma4): the text config.json values of google/gemma-4-E4B and -31B (tests/gpu/bench_gpu.py
+# holds them for the GPU check), the tensors and metadata written as llama.cpp's converter writes them by
+# tests/tiny_models.py's own functions. With SmolLM2's vocabulary, the token table and E4B's per-layer table
+# ([vocab, 42 x 256]) have 49152 rows (real: 262144: the per-layer table, 2.8 of E4B's 7.5 billion parameters there,
+# is 0.5 billion here). The 31B keeps 6 of its 60 layers (one period: five window layers and a global one; the
+# 60-layer F16 would be 62 GB on the way): per-token figures scale with the layers.
+GEMMA4_SHAPES = {"gemma4-e4b": ("GEMMA4_E4B_HF", {}), "gemma4-31b": ("GEMMA4_31B_HF", {"num_hidden_layers": 6})}
 FTYPE_OF = {"MXFP4": "MXFP4_MOE"}  # llama.cpp's file type for a --types name
-ALL_SHAPES = [*SHAPES, *HYBRID_SHAPES]
+ALL_SHAPES = [*SHAPES, *HYBRID_SHAPES, *GEMMA4_SHAPES]
 DEFAULT_SHAPES = ("1b", "3b")  # the 7B / 8B files (~15 GB of F16 on the way) only when asked for by name
 CONTEXT = 32768
 
@@ -225,6 +233,44 @@ def _hybrid_entries(cfg: dict) -> list[Entry]:
     return out
 
 
+def gemma4_config(name: str, vocab: int) -> dict:
+    """The shape's config.json as transformers completes it (per_layer_config), with SmolLM2's vocabulary."""
+    import json
+
+    import transformers
+
+    sys.path.insert(0, str(HERE.parent / "gpu"))
+    import bench_gpu
+
+    values, changes = GEMMA4_SHAPES[name]
+    spec = getattr(bench_gpu, values) | changes | {"vocab_size": vocab, "max_position_embeddings": CONTEXT}
+    if spec.get("hidden_size_per_layer_input"):
+        spec["vocab_size_per_layer_input"] = vocab
+    spec["layer_types"] = spec["layer_types"][: spec["num_hidden_layers"]]
+    return json.loads(transformers.Gemma4TextConfig(**spec).to_json_string())
+
+
+def _gemma4_entries(cfg: dict) -> list[Entry]:
+    """The converter's rope_freqs, then every tensor of transformers' model for `cfg` (built on the meta device) and
+    the KV-sharing layers' unused k/v, as the converter writes them (tiny_models' names): matrices N(0, 0.02) but
+    the router (F32), vectors 1 (Gemma 4's norms and learned scalars multiply)."""
+    import torch
+    import transformers
+    from tiny_models import gemma4_gguf_name, gemma4_rope_freqs, gemma4_unused_kv
+
+    with torch.device("meta"):
+        model = transformers.Gemma4ForCausalLM(transformers.Gemma4TextConfig(**cfg))
+    shapes = {hf: tuple(t.shape) for hf, t in model.state_dict().items() if hf != "lm_head.weight"}
+    rope = gemma4_rope_freqs(cfg)
+    out = [Entry("rope_freqs.weight", rope.shape, False, lambda rng: rope)]
+    for hf, shape in (shapes | gemma4_unused_kv(cfg)).items():
+        name = gemma4_gguf_name(hf)
+        matrix = len(shape) > 1 and not name.endswith("ffn_gate_inp.weight")
+        out.append(Entry(name, shape, matrix, (lambda rng, s=shape: _noise(rng, s)) if len(shape) > 1
+                         else (lambda rng, s=shape: np.ones(s, np.float32))))
+    return out
+
+
 def _noise(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
     x = rng.standard_normal(shape, dtype=np.float32)
     x *= 0.02  # (in place: a stack of experts is a GB)
@@ -245,6 +291,8 @@ def source_entries(name: str, vocab: int) -> tuple[str, list[Entry]]:
         from tiny_models import GGUF_ARCH
 
         return GGUF_ARCH[HYBRID_SHAPES[name]["model_type"]], _hybrid_entries(hybrid_config(name, vocab))
+    if name in GEMMA4_SHAPES:
+        return "gemma4", _gemma4_entries(gemma4_config(name, vocab))
     return SHAPES[name].arch, _dense_entries(SHAPES[name], vocab)
 
 
@@ -264,6 +312,10 @@ def write_source(name: str, path: Path, tokenizer_source: Path, via: str = "F16"
         from tiny_models import gguf_hparams
 
         gguf_hparams(w, hybrid_config(name, vocab), arch)
+    elif name in GEMMA4_SHAPES:
+        from tiny_models import gemma4_hparams
+
+        gemma4_hparams(w, gemma4_config(name, vocab))
     else:
         _dense_hparams(w, SHAPES[name], vocab)
     for key, field in src.fields.items():
