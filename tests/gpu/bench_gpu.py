@@ -447,7 +447,7 @@ GEMMA4_E4B_HF = _GEMMA4_HF | dict(hidden_size=2560, intermediate_size=10240, num
 GEMMA4_31B_HF = _GEMMA4_HF | dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=60,
                                   num_attention_heads=32, num_key_value_heads=16, num_global_key_value_heads=4,
                                   attention_k_eq_v=True, layer_types=_GEMMA4_PERIOD * 10, sliding_window=1024,
-                                  max_position_embeddings=262144)
+                                  hidden_size_per_layer_input=0, max_position_embeddings=262144)
 SHAPE_MODELS = {"gemma3-4b": GEMMA3_4B_HF, "qwen2.5-7b": QWEN25_7B_HF, "gemma4-e4b": GEMMA4_E4B_HF,
                 "gemma4-31b": GEMMA4_31B_HF}
 # the shapes stage's models; run_gpu_checks.sh's gemma4 stage runs the Gemma 4 ones (--models), in a call of its own
