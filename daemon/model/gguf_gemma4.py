@@ -65,7 +65,7 @@ def _per_layer(meta: dict, key: str, layers: int) -> list[int]:
 
 
 def _proportional_share(values: list[float], head_dim: int) -> float:
-    """The share of a full layer's frequencies that turn, from the rope_freqs tensor (1 then 1e30, see above)."""
+    """The share of a full layer's frequencies that turn, from the rope_freqs tensor (1 then 1e30)."""
     if len(values) != head_dim // 2:
         raise ValueError(f"tensor 'rope_freqs.weight' has {len(values)} values for the full layers' head size "
                          f"{head_dim} (expected {head_dim // 2})")
@@ -80,7 +80,7 @@ def _proportional_share(values: list[float], head_dim: int) -> float:
 
 
 def quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
-    """The config.json keys llmd.model.config.gemma4_fields reads, from the metadata (see above); which full layers
+    """The config.json keys llmd.model.config.gemma4_fields reads, from the metadata (see the module docstring); which full layers
     lack V (attention_k_eq_v) comes from the tensors (screen)."""
     layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     pattern = meta[p + "attention.sliding_window_pattern"]
@@ -112,7 +112,7 @@ def quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> No
     if meta.get(p + "rope.scaling.type") not in (None, "none"):
         raise UnsupportedArchitecture(f"gemma4 with rope scaling {meta[p + 'rope.scaling.type']!r} is not supported")
     full_rope: dict[str, Any] = {"rope_type": "proportional", "rope_theta": cfg["rope_theta"]}
-    if "rope_freqs.weight" in factors:  # (its absence is refused by _gemma4_screen, naming it)
+    if "rope_freqs.weight" in factors:  # (its absence is refused by screen, naming it)
         full_rope["partial_rotary_factor"] = _proportional_share(factors["rope_freqs.weight"], full_dim)
     dims = [swa_dim if t == _SLIDING else full_dim for t in types]
     cfg.update(
