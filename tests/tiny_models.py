@@ -1,7 +1,8 @@
 """Tiny random-weight models in Hugging Face layout, written with transformers' own classes (the reference).
 
-Each folder holds config.json, safetensors weights, tokenizer.json (a byte-level BPE trained here on inline text),
-tokenizer_config.json (with a chat template) and generation_config.json, like a real hub snapshot.
+Each folder holds config.json, safetensors weights, tokenizer.json (a byte-level BPE trained here on inline text;
+Gemma 4's kind of BPE for its variants), tokenizer_config.json (with a chat template) and generation_config.json, like
+a real hub snapshot.
 Weights are random but not HF's init: norms and biases are perturbed too, so every parameter matters to the logits.
 """
 
