@@ -13,9 +13,10 @@ config.json's values (the 35B-A3B keeps 4 of its 40 layers), the tensor list fro
 meta device, and are written as llama.cpp's converter writes them by tests/tiny_models.py's own functions (names,
 keys, value transforms); so are the Gemma 4 shapes (`gemma4-*`, see GEMMA4_SHAPES). The source file (F16, or with
 `--via Q8_0` its matrices Q8_0, requantized by llama.cpp: half the disk) is written one tensor at a time (never a
-whole model in RAM), quantized by `llama_model_quantize` (the types llama.cpp users download) and deleted. Speed, not text, is what these files are for: the weights are
-N(0, 0.02) noise (norms 1; Qwen3.5's decays A = -exp(log U(1, 16)) and dt biases 1, as transformers initialises
-them). Needs llama-cpp-python (`make bench-anchor`) to quantize.
+whole model in RAM), quantized by `llama_model_quantize` (the types llama.cpp users download) and deleted. Speed,
+not text, is what these files are for: the weights are N(0, 0.02) noise (norms 1; Qwen3.5's decays
+A = -exp(log U(1, 16)) and dt biases 1, as transformers initialises them). Needs llama-cpp-python (`make
+bench-anchor`) to quantize.
 """
 
 from __future__ import annotations
