@@ -410,8 +410,8 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)(?:\.(weight|bias|scale))?$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 # parameters of their own, not a module's weight: blk.N.attn_sinks.weight is model.layers.N.self_attn.sinks
-_BARE_PARAMETERS = {"self_attn.sinks", *gguf_hybrid.BARE_PARAMETERS, *gguf_gemma4.BARE_PARAMETERS, "mamba.dt_bias", "mamba.A_log",
-                     "mamba.D"}  # and Mamba2's blk.N.ssm_dt.bias, ssm_a, ssm_d
+_BARE_PARAMETERS = {"self_attn.sinks", *gguf_hybrid.BARE_PARAMETERS, *gguf_gemma4.BARE_PARAMETERS, "mamba.dt_bias",
+                     "mamba.A_log", "mamba.D"}  # and Mamba2's blk.N.ssm_dt.bias, ssm_a, ssm_d
 
 _REQUIRED = object()
 # "<arch>.<suffix>" -> (config.json key, conversion, default): the keys every architecture here shares

@@ -80,8 +80,8 @@ def _proportional_share(values: list[float], head_dim: int) -> float:
 
 
 def quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
-    """The config.json keys llmd.model.config.gemma4_fields reads, from the metadata (see the module docstring); which full layers
-    lack V (attention_k_eq_v) comes from the tensors (screen)."""
+    """The config.json keys llmd.model.config.gemma4_fields reads, from the metadata (see the module docstring);
+    which full layers lack V (attention_k_eq_v) comes from the tensors (screen)."""
     layers, heads = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     pattern = meta[p + "attention.sliding_window_pattern"]
     if not isinstance(pattern, list) or len(pattern) != layers:
