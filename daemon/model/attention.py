@@ -70,6 +70,8 @@ class AttentionMetadata:
     # Gemma's images whose tokens attend to each other both ways, each such sequence's spans (positions [start, end))
     input_embeds: "tuple[torch.Tensor, torch.Tensor] | None" = field(default=None, repr=False, compare=False)
     bidirectional: "dict[int, list[tuple[int, int]]] | None" = field(default=None, repr=False, compare=False)
+    # ... those spans bounded by a sliding layer's window too (Gemma 4; Gemma 3's see each other past it)
+    bidirectional_in_window: bool = field(default=False, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
@@ -196,8 +198,11 @@ def torch_paged_attention(
             if window is not None:
                 mask &= k_pos > q_pos - window
             for lo_pos, hi_pos in spans.get(i, ()):  # an image's tokens see each other both ways (as transformers
-                # overlays it, past a window too)
-                mask |= (q_pos >= lo_pos) & (q_pos < hi_pos) & (k_pos >= lo_pos) & (k_pos < hi_pos)
+                # overlays it: past a window too, or within it for Gemma 4)
+                both = (q_pos >= lo_pos) & (q_pos < hi_pos) & (k_pos >= lo_pos) & (k_pos < hi_pos)
+                if window is not None and meta.bidirectional_in_window:
+                    both &= k_pos > q_pos - window
+                mask |= both
             if softcap is None and sinks is None:
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
             else:

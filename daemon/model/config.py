@@ -187,6 +187,7 @@ class Gemma4Fields:
     k_eq_v: bool = False  # full-attention layers take V from the K projection (no v_proj)
     double_wide_mlp: bool = False  # the KV-sharing layers' MLPs are twice as wide
     rope_proportion: float = 1.0  # full-attention layers: the share of head_dim's frequencies that turn
+    pad_token_id: int = 0  # an image token's per-layer embedding is the pad token's (transformers' Gemma4Model)
 
 
 @dataclass
@@ -587,8 +588,9 @@ def gemma4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
     if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise UnsupportedArchitecture(f"{arch} with hidden activation {act!r} is not supported (only gelu_pytorch_tanh)")
-    if cfg.get("use_bidirectional_attention"):
-        raise UnsupportedArchitecture(f"{arch} with use_bidirectional_attention is not supported")
+    if cfg.get("use_bidirectional_attention") not in (None, "vision"):  # "vision": images both ways (vision.gemma4)
+        raise UnsupportedArchitecture(f"{arch} with use_bidirectional_attention "
+                                      f"{cfg['use_bidirectional_attention']!r} is not supported")
     layers = int(cfg["num_hidden_layers"])
     types = list(cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention"
                                             for i in range(layers)])
@@ -645,7 +647,7 @@ def gemma4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "moe": moe,
         "gemma4": Gemma4Fields(per_layer, int(cfg.get("vocab_size_per_layer_input") or 0) if per_layer else 0,
                                k_eq_v, bool(cfg.get("use_double_wide_mlp", False)),
-                               float(full.get("partial_rotary_factor", 1.0))),
+                               float(full.get("partial_rotary_factor", 1.0)), int(cfg.get("pad_token_id") or 0)),
     }
 
 

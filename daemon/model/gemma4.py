@@ -20,9 +20,19 @@ What differs from Gemma 3:
   by a router of its own (RMSNorm without weight, times `scale` and hidden^-0.5, softmax, top k renormalised, times
   the chosen experts' per_expert_scale); each branch has its own norms and the two are summed;
 - final logit soft-capping.
+
+Gemma 4's image-text checkpoints (Gemma4ForConditionalGeneration) load as their text model: `model.language_model.X`
+is `model.X`; the vision tower, audio tower and their embedders are left unread (`adapt_checkpoint`; the vision tower
+is llmd.model.vision.gemma4's). An image's tokens read the tower's embeddings (their per-layer embeddings are the pad
+token's, as transformers' Gemma4Model gives them); with use_bidirectional_attention "vision" they attend to each
+other both ways in the sliding layers, within the window, and causally in the global layers (transformers'
+create_masks_for_vision_model; `_image_metas`).
 """
 
 from __future__ import annotations
+
+import copy
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +47,9 @@ from .moe import Experts
 from .ops import TORCH_OPS, Ops, apply_rope
 
 FULL = "full_attention"
+_TEXT_PREFIX = "model.language_model."
+_OTHER_PARTS = tuple(p + part for p in ("model.", "") for part in ("vision_tower.", "embed_vision.", "audio_tower.",
+                                                                     "embed_audio."))
 
 
 class Gemma4RMSNorm(nn.Module):
@@ -236,6 +249,20 @@ class Gemma4CausalLM(nn.Module):
         self.model.rotary_emb.init_buffers(self.model.norm.weight.device)  # (a packed embedding has no .weight)
         return result
 
+    def adapt_checkpoint(self, tensors: Iterable, source: object = None) -> Iterator:
+        """An image-text checkpoint read as its text model (see the module docstring); any other as it is."""
+        for item in tensors:
+            name = item.name if hasattr(item, "name") else item[0]
+            if name.startswith(_OTHER_PARTS):
+                continue
+            if name.startswith(_TEXT_PREFIX):
+                name = "model." + name.removeprefix(_TEXT_PREFIX)
+                if hasattr(item, "name"):
+                    item.name = name
+                else:
+                    item = (name, item[1])
+            yield item
+
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """Each token's per-layer inputs [T, layers, P] (None without per-layer embeddings)."""
         g, m = self.config.gemma4, self.model
@@ -250,10 +277,13 @@ class Gemma4CausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
         x = with_image_embeds(x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype), meta)
+        if meta is not None and meta.input_embeds is not None and self.config.gemma4.per_layer_input_size:
+            input_ids = input_ids.index_fill(0, meta.input_embeds[0], self.config.gemma4.pad_token_id)
         per_layer = self.per_layer_inputs(input_ids, x)
         rope = self.model.rotary_emb(positions, x.dtype)
+        metas = _image_metas(meta)
         for i, (layer, cache) in enumerate(zip(self.model.layers[: len(kv_caches)], kv_caches, strict=True)):
-            x = layer(x, None if per_layer is None else per_layer[:, i], rope, cache, meta)
+            x = layer(x, None if per_layer is None else per_layer[:, i], rope, cache, metas[layer.self_attn.kind])
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -262,3 +292,19 @@ class Gemma4CausalLM(nn.Module):
         logits = F.linear(hidden, weight) if weight is not None else self.lm_head(hidden)
         cap = self.config.final_logit_softcapping
         return (soft_cap(logits, cap) if cap is not None else logits).float()
+
+
+def _image_metas(meta: AttentionMetadata) -> dict:
+    """The step's metadata for each kind of layer: where images' tokens see each other both ways (a chunk holding
+    such an image, meta.bidirectional), the global layers see them causally and the sliding layers both ways within
+    their window (bidirectional_in_window); otherwise the step's own."""
+    if meta is None or not meta.bidirectional:
+        return {FULL: meta, "sliding_attention": meta}
+    causal, sliding = copy.copy(meta), copy.copy(meta)
+    causal.bidirectional = None
+    if meta.window_group is None:
+        sliding.bidirectional_in_window = True
+    else:
+        sliding.window_group = copy.copy(meta.window_group)
+        sliding.window_group.bidirectional_in_window = True
+    return {FULL: causal, "sliding_attention": sliding}
