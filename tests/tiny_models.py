@@ -1059,3 +1059,129 @@ def write_tiny_gemma3_mmproj(folder: Path, path: Path, matrix_type: str = "F32")
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Gemma 4 image-text (Gemma4ForConditionalGeneration): a small Gemma 4 text model (GEMMA4_VARIANTS) beside a tiny
+# vision tower and its embedder, written by transformers; the processor's files as the hub has them; and the tower
+# as llama.cpp's converter writes it into an mmproj GGUF.
+
+GEMMA4_VISION_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>", "<|think|>", "<|channel>",
+                          "<channel|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>", "<|tool_response>",
+                          "<tool_response|>", '<|"|>', "<|image>", "<image|>", "<|image|>", "<|audio>", "<audio|>",
+                          "<|audio|>", "<|video|>"]
+GEMMA4_PATCH, GEMMA4_POOLING, GEMMA4_MAX_TOKENS = 4, 2, 70  # images of up to 70 tokens, ~67 x 67 pixels
+GEMMA4_TEMPLATE_FILE = Path(__file__).parent / "chat_templates" / "gemma-4-it.jinja"  # Google's own
+
+
+def write_tiny_gemma4_vision(folder: Path, seed: int = 0, variant: str = "gemma4_e", bidirectional: bool = True,
+                             clipped: bool = True) -> Path:
+    """A Gemma4ForConditionalGeneration folder as transformers saves it: the text model of GEMMA4_VARIANTS[variant]
+    (use_bidirectional_attention "vision" when bidirectional, as the 26B and 31B say), no audio tower, and a 2-layer
+    vision tower (hidden 32, 4 heads over 2 KV heads, patches of 4 pixels pooled 2 x 2, standardised, its linear
+    layers clipped when clipped) with its embedder; a tokenizer with Gemma 4's control and media tokens and its chat
+    template (an image part renders as <|image|>); processor_config.json with the image processor's settings, as the
+    released models have it. Returns the folder."""
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(GEMMA4_VISION_SPECIALS, add_bos=None)
+    ids = {t: tok.token_to_id(t) for t in GEMMA4_VISION_SPECIALS}
+    text = dict(vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.1,
+                bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"], head_dim=16,
+                sliding_window=16, global_head_dim=32, **GEMMA4_VARIANTS[variant],
+                use_bidirectional_attention="vision" if bidirectional else None)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, patch_size=GEMMA4_PATCH, pooling_kernel_size=GEMMA4_POOLING,
+                  position_embedding_size=640, standardize=True,  # rows of 280 tokens (an mmproj's budget)
+                  use_clipped_linears=clipped, initializer_range=0.1)
+    config = tf.Gemma4Config(text_config=text, vision_config=vision, audio_config=None,
+                             boi_token_id=ids["<|image>"], eoi_token_id=ids["<image|>"],
+                             image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+                             audio_token_id=ids["<|audio|>"], boa_token_id=ids["<|audio>"],
+                             eoa_token_index=ids["<audio|>"], initializer_range=0.1)
+    torch.manual_seed(seed)
+    model = tf.Gemma4ForConditionalGeneration(config).eval()
+    _randomise(model)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith(("layer_scalar", "std_scale")):
+                b.normal_(1.0, 0.1)
+            elif name.endswith("std_bias"):
+                b.normal_(0.0, 0.5)
+            elif name.endswith(("input_max", "output_max")):  # bounds some activations reach
+                b.fill_(torch.empty(()).uniform_(0.5, 1.5).item())
+            elif name.endswith(("input_min", "output_min")):
+                b.fill_(-torch.empty(()).uniform_(0.5, 1.5).item())
+    model.save_pretrained(folder)
+
+    tok.save(str(folder / "tokenizer.json"))
+    _write_json(folder / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "clean_up_tokenization_spaces": False,
+        "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "chat_template": GEMMA4_TEMPLATE_FILE.read_text(encoding="utf-8"),
+        "extra_special_tokens": {"boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>",
+                                 "boa_token": "<|audio>", "eoa_token": "<audio|>", "audio_token": "<|audio|>"},
+    })
+    _write_json(folder / "generation_config.json", {"bos_token_id": ids["<bos>"],
+                                                    "eos_token_id": [ids["<eos>"], ids["<turn|>"]]})
+    _write_json(folder / "processor_config.json", {
+        "processor_class": "Gemma4Processor", "image_seq_length": GEMMA4_MAX_TOKENS, "image_processor": {
+            "image_processor_type": "Gemma4ImageProcessor", "do_convert_rgb": True, "do_normalize": False,
+            "do_rescale": True, "do_resize": True, "image_mean": [0.0, 0.0, 0.0], "image_std": [1.0, 1.0, 1.0],
+            "max_soft_tokens": GEMMA4_MAX_TOKENS, "patch_size": GEMMA4_PATCH, "pooling_kernel_size": GEMMA4_POOLING,
+            "resample": 3, "rescale_factor": 1 / 255}})
+    return folder
+
+
+def write_tiny_gemma4_mmproj(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
+    """The folder's vision tower and embedder as llama.cpp's converter writes an mmproj GGUF (projector type gemma4v,
+    clip.vision.* keys, the patch embedding as a conv kernel [hidden, 3, p, p], the clip bounds as [1] tensors, the
+    position table in F32); names from the gguf package's own mapping. matrix_type F16 stores the 2-D and 4-D
+    weights in half precision."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    vision = cfg["vision_config"]
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_vision_projector_type(gguf.VisionProjectorType.GEMMA4V)
+    w.add_vision_projection_dim(cfg["text_config"]["hidden_size"])
+    w.add_vision_image_size(224)  # unused, as the converter writes it
+    w.add_vision_patch_size(vision["patch_size"])
+    w.add_vision_embedding_length(vision["hidden_size"])
+    w.add_vision_feed_forward_length(vision["intermediate_size"])
+    w.add_vision_block_count(vision["num_hidden_layers"])
+    w.add_vision_head_count(vision["num_attention_heads"])
+    w.add_vision_image_mean([0.0, 0.0, 0.0])
+    w.add_vision_image_std([1.0, 1.0, 1.0])
+    w.add_vision_attention_layernorm_eps(1e-6)
+    if vision["pooling_kernel_size"] != 3:
+        w.add_vision_projector_scale_factor(vision["pooling_kernel_size"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    for name, tensor in state.items():
+        if not name.startswith(("model.vision_tower.", "model.embed_vision.")):
+            continue
+        data = tensor.float()
+        name = name.replace("model.vision_tower.encoder.", "vision_model.model.").replace(".linear.weight", ".weight")
+        if name.endswith("position_embedding_table"):
+            name += ".weight"
+        if name.endswith("patch_embedder.input_proj.weight"):  # [h, p * p * 3] -> the conv kernel [h, 3, p, p]
+            p = vision["patch_size"]
+            data = data.reshape(data.shape[0], p, p, 3).permute(0, 3, 1, 2)
+        array = np.ascontiguousarray(data.reshape(1) if data.dim() == 0 else data).astype(np.float32)
+        if matrix_type == "F16" and array.ndim >= 2 and "position_embedding" not in name:
+            array = array.astype(np.float16)
+        suffixes = (".weight", ".bias", ".input_max", ".input_min", ".output_max", ".output_min")
+        w.add_tensor(names.get_name(name, try_suffixes=suffixes), array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
