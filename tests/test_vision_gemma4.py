@@ -55,8 +55,8 @@ def _decode(name: str) -> Image.Image:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gemma4_vision")
-    return {"both_ways": write_tiny_gemma4_vision(root / "g4-31b-like"),
-            "causal": write_tiny_gemma4_vision(root / "g4-e-like", seed=1, variant="gemma4_e", bidirectional=False,
+    return {"both_ways": write_tiny_gemma4_vision(root / "g4-31b-like", seed=1),  # (its greedy answers are text)
+            "causal": write_tiny_gemma4_vision(root / "g4-e-like", seed=2, variant="gemma4_e", bidirectional=False,
                                                clipped=False)}
 
 

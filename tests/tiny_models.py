@@ -1074,7 +1074,7 @@ GEMMA4_PATCH, GEMMA4_POOLING, GEMMA4_MAX_TOKENS = 4, 2, 70  # images of up to 70
 GEMMA4_TEMPLATE_FILE = Path(__file__).parent / "chat_templates" / "gemma-4-it.jinja"  # Google's own
 
 
-def write_tiny_gemma4_vision(folder: Path, seed: int = 0, variant: str = "gemma4_e", bidirectional: bool = True,
+def write_tiny_gemma4_vision(folder: Path, seed: int = 0, variant: str = "gemma4_dense", bidirectional: bool = True,
                              clipped: bool = True) -> Path:
     """A Gemma4ForConditionalGeneration folder as transformers saves it: the text model of GEMMA4_VARIANTS[variant]
     (use_bidirectional_attention "vision" when bidirectional, as the 26B and 31B say), no audio tower, and a 2-layer
