@@ -104,3 +104,21 @@ def test_bad_files_name_the_problem(gemma4_models, tmp_path):
     with pytest.raises(ModelFileError, match="embed_tokens_per_layer"):  # the table no longer fits the layers
         load_model(_with_config(src, tmp_path / "ple", hidden_size_per_layer_input=4), dtype=torch.float32,
                    device="cpu")
+
+
+def test_hub_checkpoints_unread_kv_of_sharing_layers_load(gemma4_models, tmp_path):
+    """Hub E-model checkpoints keep k/v weights for the layers that share K/V; nothing reads them."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "hub"
+    shutil.copytree(gemma4_models["gemma4_e"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    shared = [i for i in range(6) if f"model.layers.{i}.self_attn.k_proj.weight" not in tensors]
+    assert shared  # the variant has sharing layers
+    for i in shared:
+        tensors[f"model.layers.{i}.self_attn.k_proj.weight"] = torch.zeros(2 * 16, 64)
+    save_file(tensors, folder / "model.safetensors")
+    plain = load_model(gemma4_models["gemma4_e"], dtype=torch.float32, device="cpu")
+    hub = load_model(folder, dtype=torch.float32, device="cpu")
+    prompt = prompt_ids(12)
+    assert torch.equal(chunked_logits(hub, prompt, [5], ()), chunked_logits(plain, prompt, [5], ()))

@@ -630,7 +630,7 @@ def gemma4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("enable_moe_block"):
         moe = MoEConfig(int(cfg["num_experts"]), int(cfg["top_k_experts"]), int(cfg["moe_intermediate_size"]),
                         activation="gelu_tanh")
-    per_layer = int(cfg.get("hidden_size_per_layer_input") or 0)
+    per_layer = int(cfg.get("hidden_size_per_layer_input", 256) or 0)  # transformers' default when absent
     return {
         "layer_types": types,
         "sliding_window": int(cfg.get("sliding_window") or 512),
@@ -645,7 +645,7 @@ def gemma4_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "layer_kv_heads": kv if len(set(kv)) > 1 else None,
         "kv_sources": sources if shared else None,
         "moe": moe,
-        "gemma4": Gemma4Fields(per_layer, int(cfg.get("vocab_size_per_layer_input") or 0) if per_layer else 0,
+        "gemma4": Gemma4Fields(per_layer, int(cfg.get("vocab_size_per_layer_input") or 262_144) if per_layer else 0,
                                k_eq_v, bool(cfg.get("use_double_wide_mlp", False)),
                                float(full.get("partial_rotary_factor", 1.0)), int(cfg.get("pad_token_id") or 0)),
     }

@@ -261,7 +261,18 @@ class Gemma4CausalLM(nn.Module):
                     item.name = name
                 else:
                     item = (name, item[1])
+            if self._unread_kv(name):
+                continue
             yield item
+
+    def _unread_kv(self, name: str) -> bool:
+        """A KV-sharing layer's own k/v weights, which hub checkpoints carry and nothing reads."""
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return False
+        layer = int(parts[2])
+        return (layer < self.config.num_hidden_layers and self.config.kv_source(layer) != layer
+                and parts[3] == "self_attn" and parts[4] in ("k_proj", "v_proj", "k_norm", "v_norm"))
 
     def per_layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """Each token's per-layer inputs [T, layers, P] (None without per-layer embeddings)."""
