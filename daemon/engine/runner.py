@@ -136,16 +136,18 @@ def plan_states(model_config, config: EngineConfig, dtype: torch.dtype,
     """(sequence slots, prefix checkpoints, speculation backups) of a hybrid model's state pool
     (llmd.engine.state_pool); zeros for a model without recurrent layers. The states take at most half the cache
     budget: with speculation on, a backup for each sequence that verifies a proposal in a step (spec_max_batch, at
-    most); as many sequence slots as max_num_seqs asks for and that half holds (at least one); then up to twice as
-    many checkpoints in what is left."""
+    most); with prefix caching, a third of the rest kept for checkpoints (at least one: a chat's next turn restores
+    its last); as many sequence slots as max_num_seqs asks for and the rest holds (at least one); then up to twice as
+    many checkpoints as slots in what is left."""
     per = state_bytes_per_sequence(model_config, dtype)
     if per == 0:
         return 0, 0, 0
     share = _kv_budget(model_config, config, dtype, device) // 2 // per - 1  # states that fit, less the scratch slot
-    slots = max(1, min(config.max_num_seqs, share))
-    backups = min(slots, config.spec_max_batch or DEFAULT_SPEC_MAX_BATCH) if config.speculative_mode != "off" else 0
-    slots = max(1, min(slots, share - backups))
-    checkpoints = min(2 * slots, max(0, share - slots - backups)) if config.enable_prefix_caching else 0
+    backups = min(max(1, share // 4), config.spec_max_batch or DEFAULT_SPEC_MAX_BATCH) \
+        if config.speculative_mode != "off" else 0
+    kept = max(1, (share - backups) // 3) if config.enable_prefix_caching else 0
+    slots = max(1, min(config.max_num_seqs, share - backups - kept))
+    checkpoints = min(2 * slots, max(kept, share - slots - backups)) if config.enable_prefix_caching else 0
     return slots, checkpoints, backups
 
 
