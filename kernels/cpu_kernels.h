@@ -92,4 +92,15 @@ typedef struct {
 } llmd_delta_rule;
 int llmd_gated_delta_rule(const llmd_delta_rule *r, float *state, const llmd_state_batch *sb, float *out,
                           int64_t ldo, int nthreads);
+/* Mamba2: x [tokens][h heads][p], dt [tokens][h] (before dt_bias), B and C [tokens][g groups][n] (each with its row
+ * stride; group i serves heads i h / g ..); dt_bias, A (negative) and D [h]; dt clamped to [dt_min, dt_max];
+ * state [num_slots, h, p, n]; out [tokens][h][p] (row stride ldo) */
+typedef struct {
+    const float *x, *dt, *B, *C, *dt_bias, *A, *D;
+    int64_t ldx, lddt, ldb, ldc;
+    int64_t h, g, p, n;
+    float dt_min, dt_max;
+} llmd_mamba2;
+int llmd_mamba2_scan(const llmd_mamba2 *m, float *state, const llmd_state_batch *sb, float *out, int64_t ldo,
+                     int nthreads);
 #endif

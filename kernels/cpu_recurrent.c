@@ -1,20 +1,23 @@
-/* The recurrent layers of hybrid models on the CPU (Qwen3.5's Gated DeltaNet): the two functions of
- * llmd.model.recurrent over a step's flattened batch of sequences, each reading and writing its state at its slot
- * (llmd_state_batch: slots, token offsets, which sequences start from a zero state). Bound by
- * llmd.kernels.cpu_recurrent; built into the same library as cpu_gemm.c (llmd.kernels.cpu_gemm).
+/* The recurrent layers of hybrid models on the CPU (Qwen3.5's Gated DeltaNet, the Mamba2 layers of Granite 4 and
+ * Nemotron-H): the three functions of llmd.model.recurrent over a step's flattened batch of sequences, each reading
+ * and writing its state at its slot (llmd_state_batch: slots, token offsets, which sequences start from a zero state).
+ * Bound by llmd.kernels.cpu_recurrent; built into the same library as cpu_gemm.c (llmd.kernels.cpu_gemm).
  *
  *   llmd_causal_conv1d      the short depthwise causal convolution (K taps) with the K-1 inputs before each
  *                           sequence's tokens read from its conv state and the last K-1 written back; SiLU.
  *   llmd_gated_delta_rule   the gated delta rule, token by token: q, k L2-normalised, q scaled, and per token
  *                           S <- S exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q.
+ *   llmd_mamba2_scan        Mamba2's selective scan, token by token: dt = clamp(softplus(dt + dt_bias)), and per token
+ *                           and head S <- S exp(dt A) + (dt x) B^T; y = S C + D x.
  *
- * Work is shared out by (sequence, block of channels) and (sequence, value head, tile of value columns): a column of
- * the recurrent state depends only on its own column (S^T k reduces over the key dimension), so a tile of 32 columns
- * runs all of its sequence's tokens with its [Dk, 32] slice of the state in L1, and no sum is ever split between
- * threads. Every value is computed by one thread in an order fixed by its own sequence, head and column, so a
- * sequence's results are the same bits whatever else is in the batch and however many threads run (llmd's exactness
- * invariant). The vector code pads a tile to whole vectors instead of a scalar tail, so a column's operations do not
- * depend on where its tile ends either.
+ * Work is shared out by (sequence, block of channels), (sequence, value head, tile of value columns) and (sequence,
+ * head, tile of state rows): a column of the delta rule's state depends only on its own column (S^T k reduces over
+ * the key dimension), a row of Mamba2's only on its own row (S C reduces over the state dimension), so a tile runs
+ * all of its sequence's tokens with its slice of the state in L1, and no sum is ever split between threads. Every
+ * value is computed by one thread in an order fixed by its own sequence, head and column (or row), so a sequence's
+ * results are the same bits whatever else is in the batch and however many threads run (llmd's exactness invariant).
+ * The delta rule's vector code pads a tile to whole vectors instead of a scalar tail, so a column's operations do not
+ * depend on where its tile ends either; the scan's vectors run along a row, which every tile holds whole.
  *
  * Why the recurrence and not the chunked (matmul) form: at Qwen3.5's Dk = Dv = 128 and chunks of 64 the chunked form
  * does 1.57 times the recurrence's flops (its within-chunk products add ~6 C (Dk + Dv) per token to the 6 Dk Dv of its
@@ -34,6 +37,7 @@
 #define MAX_TAPS 16    /* the convolution's K */
 #define TILE 32        /* value columns per work item of the delta rule: four vectors */
 #define MAX_DK 256     /* key dimension the delta rule takes (its state tile lives on the thread's stack) */
+#define SCAN_ROWS 16   /* state rows (of a head's head_dim) per work item of the Mamba2 scan */
 
 static int check_batch(const llmd_state_batch *sb) {
     if (sb->seqs < 0 || sb->num_slots <= 0 || (sb->seqs > 0 && sb->starts[0] < 0)) return -1;
@@ -213,5 +217,92 @@ int llmd_gated_delta_rule(const llmd_delta_rule *r, float *state, const llmd_sta
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
     for (int64_t it = 0; it < items; it++)
         delta_tile(r, state, sb, it / (r->hv * tiles), it / tiles % r->hv, it % tiles * TILE, out, ldo);
+    return 0;
+}
+
+/* ---- Mamba2 selective scan --------------------------------------------------------------------------------------- */
+
+/* A token's step size: softplus as torch computes it (the input itself above 20), clamped to [lo, hi] */
+static float mamba2_dt(float raw, float lo, float hi) {
+    const float sp = raw > 20.0f ? raw : log1pf(expf(raw));
+    return fminf(fmaxf(sp, lo), hi);
+}
+
+/* One token on R consecutive state rows (row r at S + r n, n values): S[r] = S[r] decay + u[r] B (u = dt x), then
+ * y[r] = S[r] . C. A row's sum runs over the state index in a fixed order (in the vector code: index i into lane i % 8,
+ * the lanes summed by hsum8, then the tail past the last whole vector in order), one fused multiply-add per term; the
+ * R rows are interleaved only to give the core independent chains, each row's operations those of a row alone. */
+#if LLMD_VEC
+INLINE void scan_rows(float *S, int64_t n, const int R, const float *u, const float *B, const float *C, float decay,
+                      float *y) {
+    const __m256 vd = _mm256_set1_ps(decay);
+    __m256 acc[4], vu[4];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps(), vu[r] = _mm256_set1_ps(u[r]);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 b = _mm256_loadu_ps(B + i), c = _mm256_loadu_ps(C + i);
+        for (int r = 0; r < R; r++) {
+            const __m256 s = _mm256_fmadd_ps(vu[r], b, _mm256_mul_ps(_mm256_loadu_ps(S + r * n + i), vd));
+            _mm256_storeu_ps(S + r * n + i, s);
+            acc[r] = _mm256_fmadd_ps(s, c, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[r] = hsum8(acc[r]);
+    for (; i < n; i++)
+        for (int r = 0; r < R; r++) {
+            const float s = fmaf(u[r], B[i], S[r * n + i] * decay);
+            S[r * n + i] = s;
+            y[r] = fmaf(s, C[i], y[r]);
+        }
+}
+#else
+static void scan_rows(float *S, int64_t n, int R, const float *u, const float *B, const float *C, float decay,
+                      float *y) {
+    for (int r = 0; r < R; r++) {
+        y[r] = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float s = fmaf(u[r], B[i], S[r * n + i] * decay);
+            S[r * n + i] = s;
+            y[r] = fmaf(s, C[i], y[r]);
+        }
+    }
+}
+#endif
+
+/* Sequence b, head h, state rows p0 .. p0 + np - 1: every token of the sequence in order. The tile's rows are one
+ * contiguous block of its slot ([p][n]), updated in place (zeroed first where the sequence is fresh): a decode token
+ * then reads and writes its state once. */
+static void scan_tile(const llmd_mamba2 *m, float *state, const llmd_state_batch *sb, int64_t b, int64_t h, int64_t p0,
+                      float *out, int64_t ldo) {
+    const int64_t n = m->n, np = m->p - p0 < SCAN_ROWS ? m->p - p0 : SCAN_ROWS, grp = h / (m->h / m->g);
+    float *S = state + ((sb->slots[b] * m->h + h) * m->p + p0) * n;
+    if (sb->fresh[b]) memset(S, 0, (size_t)(np * n) * sizeof(float));
+    const float A = m->A[h], D = m->D[h], bias = m->dt_bias[h];
+    for (int64_t t = sb->starts[b]; t < sb->starts[b + 1]; t++) {
+        const float dt = mamba2_dt(m->dt[t * m->lddt + h] + bias, m->dt_min, m->dt_max), decay = expf(dt * A);
+        const float *x = m->x + t * m->ldx + h * m->p + p0, *B = m->B + t * m->ldb + grp * n,
+                    *C = m->C + t * m->ldc + grp * n;
+        float u[SCAN_ROWS], y[SCAN_ROWS];
+        for (int64_t r = 0; r < np; r++) u[r] = dt * x[r];
+        int64_t r = 0;
+        for (; r + 4 <= np; r += 4) scan_rows(S + r * n, n, 4, u + r, B, C, decay, y + r);
+        switch (np - r) {
+        case 3: scan_rows(S + r * n, n, 3, u + r, B, C, decay, y + r); break;
+        case 2: scan_rows(S + r * n, n, 2, u + r, B, C, decay, y + r); break;
+        case 1: scan_rows(S + r * n, n, 1, u + r, B, C, decay, y + r); break;
+        default: break;
+        }
+        float *o = out + t * ldo + h * m->p + p0;
+        for (r = 0; r < np; r++) o[r] = y[r] + D * x[r];
+    }
+}
+
+int llmd_mamba2_scan(const llmd_mamba2 *m, float *state, const llmd_state_batch *sb, float *out, int64_t ldo,
+                     int nthreads) {
+    if (m->h <= 0 || m->g <= 0 || m->h % m->g || m->p <= 0 || m->n <= 0 || check_batch(sb)) return -1;
+    const int64_t tiles = (m->p + SCAN_ROWS - 1) / SCAN_ROWS, items = sb->seqs * m->h * tiles;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+    for (int64_t it = 0; it < items; it++)
+        scan_tile(m, state, sb, it / (m->h * tiles), it / tiles % m->h, it % tiles * SCAN_ROWS, out, ldo);
     return 0;
 }

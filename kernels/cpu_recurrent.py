@@ -1,15 +1,17 @@
 """ctypes binding of cpu_recurrent.c: the recurrent layers of hybrid models on the CPU (compiled into
-llmd.kernels.cpu_gemm's library), the two functions of llmd.model.recurrent over a step's flattened batch:
+llmd.kernels.cpu_gemm's library), the three functions of llmd.model.recurrent over a step's flattened batch:
 
 - `causal_conv1d`: the short depthwise causal convolution of each sequence's new inputs after the K-1 inputs of its
   conv state, the last K-1 written back, then SiLU;
 - `gated_delta_rule`: the gated delta rule token by token (q, k L2-normalised, q scaled by Dk^-0.5, Hv / Hk value
-  heads per q/k head), the state read from and written back to each sequence's slot.
+  heads per q/k head), the state read from and written back to each sequence's slot;
+- `mamba2_scan`: Mamba2's selective scan token by token (dt = clamp(softplus(dt + dt_bias)), a D skip), the state
+  updated in place at each sequence's slot.
 
 A sequence's rows are `query_start[b] .. query_start[b + 1] - 1` of the flat batch, its state is at `slots[b]`, and a
 sequence with `fresh[b]` starts from a zero state (the tensors of llmd.model.recurrent.StateMetadata). Work is shared
-out by sequence and head (and tile of value columns), never by splitting a sum, so a sequence's results are the same
-bits whatever else is in the batch and however many threads run.
+out by sequence and head (and tile of value columns or state rows), never by splitting a sum, so a sequence's results
+are the same bits whatever else is in the batch and however many threads run.
 
 fp32 only (the CPU's activations; the conv state and the recurrent state in fp32 too). Each function returns None
 where the library is unavailable (no compiler, LLMD_CPU_GEMM=0, a failed build check) or the tensors are not the
@@ -36,6 +38,13 @@ class StateBatch(ctypes.Structure):
                 ("fresh", _ptr)]
 
 
+class Mamba2(ctypes.Structure):
+    """llmd_mamba2 (cpu_kernels.h)."""
+    _fields_ = [("x", _ptr), ("dt", _ptr), ("B", _ptr), ("C", _ptr), ("dt_bias", _ptr), ("A", _ptr), ("D", _ptr),
+                ("ldx", _i64), ("lddt", _i64), ("ldb", _i64), ("ldc", _i64), ("h", _i64), ("g", _i64), ("p", _i64),
+                ("n", _i64), ("dt_min", _f32), ("dt_max", _f32)]
+
+
 class DeltaRule(ctypes.Structure):
     """llmd_delta_rule (cpu_kernels.h)."""
     _fields_ = [("q", _ptr), ("k", _ptr), ("v", _ptr), ("g", _ptr), ("beta", _ptr), ("ldq", _i64), ("ldk", _i64),
@@ -58,7 +67,10 @@ def load() -> ctypes.CDLL | None:
                                            ctypes.c_int, _ptr, _i64, ctypes.c_int]
         lib.llmd_gated_delta_rule.argtypes = [ctypes.POINTER(DeltaRule), _ptr, ctypes.POINTER(StateBatch), _ptr, _i64,
                                               ctypes.c_int]
-        lib.llmd_causal_conv1d.restype = lib.llmd_gated_delta_rule.restype = ctypes.c_int
+        lib.llmd_mamba2_scan.argtypes = [ctypes.POINTER(Mamba2), _ptr, ctypes.POINTER(StateBatch), _ptr, _i64,
+                                         ctypes.c_int]
+        lib.llmd_causal_conv1d.restype = lib.llmd_gated_delta_rule.restype = lib.llmd_mamba2_scan.restype = \
+            ctypes.c_int
         _bound = lib
     return lib
 
@@ -140,4 +152,36 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     rc = lib.llmd_gated_delta_rule(ctypes.byref(rule), state.data_ptr(), ctypes.byref(batch), out.data_ptr(),
                                    out.stride(0), torch.get_num_threads())
     _raise(rc, "gated_delta_rule")
+    return out
+
+
+def _f32_vector(t: torch.Tensor, n: int) -> bool:
+    return t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() and t.numel() == n
+
+
+def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor, D: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                query_start: torch.Tensor, dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor | None:
+    """Mamba2's selective scan over each sequence's tokens (llmd.model.recurrent.mamba2_scan_ref's function): x [T, H,
+    P], dt [T, H] (before the bias), dt_bias, A, D [H], B and C [T, G, N], state [slots, H, P, N] read (zero where
+    fresh) and written at each sequence's slot. Returns y [T, H, P] (the D skip added), or None where the op does not
+    apply."""
+    ok = _f32_rows(x, 3) and _f32_rows(dt, 2) and _f32_rows(B, 3) and _f32_rows(C, 3) and B.shape == C.shape \
+        and x.shape[0] == dt.shape[0] == B.shape[0] > 0 and dt.shape[1] == x.shape[1] \
+        and x.shape[1] % B.shape[1] == 0 and all(_f32_vector(t, x.shape[1]) for t in (dt_bias, A, D)) \
+        and state.dtype is torch.float32 and state.is_cpu and state.is_contiguous() \
+        and tuple(state.shape[1:]) == (x.shape[1], x.shape[2], B.shape[2])
+    lib = load() if ok else None
+    batch = _batch(slots, fresh, query_start, state.shape[0], x.shape[0]) if lib is not None else None
+    if batch is None:
+        return None
+    t, h, p = x.shape
+    g, n = B.shape[1:]
+    out = torch.empty(t, h, p, dtype=torch.float32)
+    scan = Mamba2(x.data_ptr(), dt.data_ptr(), B.data_ptr(), C.data_ptr(), dt_bias.data_ptr(), A.data_ptr(),
+                  D.data_ptr(), x.stride(0), dt.stride(0), B.stride(0), C.stride(0), h, g, p, n, dt_limit[0],
+                  dt_limit[1])
+    rc = lib.llmd_mamba2_scan(ctypes.byref(scan), state.data_ptr(), ctypes.byref(batch), out.data_ptr(),
+                              out.stride(0), torch.get_num_threads())
+    _raise(rc, "mamba2_scan")
     return out

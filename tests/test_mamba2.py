@@ -2,8 +2,9 @@
 a shared MLP and experts, no positions: Granite 4.0-H's shape; and with RoPE, dense, tied) and Nemotron-H (Mamba2,
 attention and MLP-only layers), from HF folders and (Granite) GGUF files written as llama.cpp's converter writes them.
 A 40-token prompt fed in two chunks, then 24 decode steps, each step's logits within 1e-4 of transformers'; through
-the engine, batched equals alone. The scan (llmd.model.recurrent.mamba2_scan) against transformers' chunked scan, and
-its batched forms against one sequence at a time. Bad configs and checkpoints are refused by name.
+the engine, batched equals alone. The scan (llmd.model.recurrent.mamba2_scan: the C kernel on fp32 CPU tensors where
+it builds, and its torch reference mamba2_scan_ref) against transformers' chunked scan, and its batched forms against
+one sequence at a time. Bad configs and checkpoints are refused by name.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from llmd.engine import SamplingParams
 from llmd.errors import ModelFileError, UnsupportedArchitecture
 from llmd.model.config import ModelConfig
 from llmd.model.loader import load_model
-from llmd.model.recurrent import StateMetadata, allocate_states, mamba2_scan, state_bytes_per_sequence
+from llmd.model.recurrent import StateMetadata, allocate_states, mamba2_scan, mamba2_scan_ref, state_bytes_per_sequence
 from test_engine import GREEDY, random_prompts, run_alone, run_staggered
 from test_families import TOLERANCE, _rewrite, our_logits, prompt_ids, reference_logits
 from test_moe import assert_packed_matches_dequantized
@@ -117,7 +118,8 @@ def _random_scan_inputs(t: int, heads=4, head_dim=3, groups=2, state=5, seed=0):
                 C=r(t, groups, state), D=r(heads))
 
 
-def test_scan_equals_transformers_chunked_scan():
+@pytest.mark.parametrize("scan", [mamba2_scan, mamba2_scan_ref])
+def test_scan_equals_transformers_chunked_scan(scan):
     """Our token-by-token scan from a given state equals transformers' chunked (SSD) scan, output and final state,
     over several of its chunks."""
     from transformers.models.granitemoehybrid.modeling_granitemoehybrid import mamba2_chunk_scan
@@ -127,7 +129,7 @@ def test_scan_equals_transformers_chunked_scan():
     initial = torch.randn(1, 4, 3, 5, generator=torch.Generator().manual_seed(1))
     state = initial.clone()
     meta = StateMetadata.build([0], [False], [t])
-    ours = mamba2_scan(a["x"], a["dt"], a["dt_bias"], a["A"], a["B"], a["C"], a["D"], state, meta)
+    ours = scan(a["x"], a["dt"], a["dt_bias"], a["A"], a["B"], a["C"], a["D"], state, meta)
     ref, ref_state = mamba2_chunk_scan(a["x"][None], a["dt"][None], a["A"], a["B"][None], a["C"][None], chunk_size=8,
                                        D=a["D"], dt_bias=a["dt_bias"], initial_states=initial, dt_softplus=True,
                                        return_final_states=True)
@@ -135,7 +137,8 @@ def test_scan_equals_transformers_chunked_scan():
     assert (state - ref_state).abs().max().item() < 1e-5
 
 
-def test_scan_batched_forms_equal_one_sequence_at_a_time():
+@pytest.mark.parametrize("scan", [mamba2_scan, mamba2_scan_ref])
+def test_scan_batched_forms_equal_one_sequence_at_a_time(scan):
     """A step of several sequences (their slots, fresh or continuing) computes what each alone computes, for prefill
     chunks and for the all-decode form (within rounding: torch's vector and scalar exp differ in the last bit); a
     fresh sequence ignores its slot's old state; time_step_limit clamps dt."""
@@ -145,26 +148,26 @@ def test_scan_batched_forms_equal_one_sequence_at_a_time():
     slots, fresh = [2, 0, 3], [False, True, False]
     for limit in ((0.0, math.inf), (0.2, 0.9)):
         batched = start.clone()
-        out = mamba2_scan(*a.values(), batched, StateMetadata.build(slots, fresh, lens), dt_limit=limit)
+        out = scan(*a.values(), batched, StateMetadata.build(slots, fresh, lens), dt_limit=limit)
         alone, rows, q = start.clone(), [], 0
         for slot, f, n in zip(slots, fresh, lens):
             part = {k: v[q:q + n] if v.shape[0] == sum(lens) else v for k, v in a.items()}
-            rows.append(mamba2_scan(*part.values(), alone, StateMetadata.build([slot], [f], [n]), dt_limit=limit))
+            rows.append(scan(*part.values(), alone, StateMetadata.build([slot], [f], [n]), dt_limit=limit))
             q += n
         assert (out - torch.cat(rows)).abs().max().item() < 1e-6 and (batched - alone).abs().max().item() < 1e-6
         zero = torch.zeros_like(start)  # the fresh sequence (slot 0, old state nonzero) starts from zeros
         part = {k: v[5:6] if v.shape[0] == sum(lens) else v for k, v in a.items()}
-        assert torch.equal(rows[1], mamba2_scan(*part.values(), zero, StateMetadata.build([0], [False], [1]),
+        assert torch.equal(rows[1], scan(*part.values(), zero, StateMetadata.build([0], [False], [1]),
                                                 dt_limit=limit))
     decode = _random_scan_inputs(3, seed=3)
     batched, alone = start.clone(), start.clone()
-    out = mamba2_scan(*decode.values(), batched, StateMetadata.build(slots, fresh, [1, 1, 1]))  # the decode form
+    out = scan(*decode.values(), batched, StateMetadata.build(slots, fresh, [1, 1, 1]))  # the decode form
     for i, (slot, f) in enumerate(zip(slots, fresh)):
         part = {k: v[i:i + 1] if v.shape[0] == 3 else v for k, v in decode.items()}
-        one = mamba2_scan(*part.values(), alone, StateMetadata.build([slot], [f], [1]))
+        one = scan(*part.values(), alone, StateMetadata.build([slot], [f], [1]))
         assert (out[i:i + 1] - one).abs().max().item() < 1e-6
     assert (batched - alone).abs().max().item() < 1e-6
-    clamped = mamba2_scan(*decode.values(), start.clone(), StateMetadata.build(slots, fresh, [1, 1, 1]),
+    clamped = scan(*decode.values(), start.clone(), StateMetadata.build(slots, fresh, [1, 1, 1]),
                           dt_limit=(0.2, 0.9))
     assert not torch.allclose(clamped, out)
 

@@ -9,13 +9,13 @@ zero state (their first chunk: `fresh`). A layer's forward is then `mixer(x, sta
 state, runs the sequence's new tokens (a prefill chunk, a decode token, or a verified proposal), and writes the state
 after the last of them back into the slot. The last slot of every pool is scratch: padding rows write there.
 
-`causal_conv1d` and `gated_delta_rule` run, by the device and dtype of their inputs: on the CPU in fp32, the C kernels
-of llmd.kernels.cpu_recurrent (where the compiled library loads, as llmd.model.ops picks the C ops); on CUDA, the
-Triton kernels of llmd.kernels.recurrent_triton; else, or where a kernel does not take the tensors' layout, the torch
-reference, kept under its own name (`causal_conv1d_ref`, `gated_delta_rule_ref`: one sequence at a time for a chunk,
-every decode of the step at once). The kernels compute the reference's function (tests/test_kernels_cpu_recurrent.py,
-tests/test_kernels_recurrent_triton.py), each sequence by itself: its results do not depend on the rest of the batch.
-`mamba2_scan` (and the gated norm) are the torch code only, so far.
+`causal_conv1d`, `gated_delta_rule` and `mamba2_scan` run, by the device and dtype of their inputs: on the CPU in
+fp32, the C kernels of llmd.kernels.cpu_recurrent (where the compiled library loads, as llmd.model.ops picks the C
+ops); on CUDA, the Triton kernels of llmd.kernels.recurrent_triton; else, or where a kernel does not take the tensors'
+layout, the torch reference, kept under its own name (`causal_conv1d_ref`, `gated_delta_rule_ref`, `mamba2_scan_ref`:
+one sequence at a time for a chunk, every decode of the step at once). The kernels compute the reference's function
+(tests/test_kernels_cpu_recurrent.py, tests/test_kernels_recurrent_triton.py), each sequence by itself: its results
+do not depend on the rest of the batch. Mamba2's gated norm is torch code.
 """
 
 from __future__ import annotations
@@ -175,6 +175,21 @@ def _delta_step(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
                 C: torch.Tensor, D: torch.Tensor, state: torch.Tensor, meta: StateMetadata,
                 dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
+    """mamba2_scan_ref's function, by the kernel for the inputs' device and dtype where one takes the tensors."""
+    out = None
+    if x.is_cuda:
+        from ..kernels import recurrent_triton
+        if recurrent_triton.available():
+            out = recurrent_triton.mamba2_scan(x, dt, dt_bias, A, B, C, D, state, *meta.kernel_tensors(),
+                                               dt_limit=dt_limit, max_len=meta.max_query_len)
+    elif x.dtype is torch.float32:
+        out = cpu_recurrent.mamba2_scan(x, dt, dt_bias, A, B, C, D, state, *meta.kernel_tensors(), dt_limit=dt_limit)
+    return out if out is not None else mamba2_scan_ref(x, dt, dt_bias, A, B, C, D, state, meta, dt_limit)
+
+
+def mamba2_scan_ref(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                    C: torch.Tensor, D: torch.Tensor, state: torch.Tensor, meta: StateMetadata,
+                    dt_limit: tuple[float, float] = (0.0, float("inf"))) -> torch.Tensor:
     """The Mamba2 selective scan over each sequence's new tokens, token by token in fp32, as Granite 4 and Nemotron-H
     define it: with dt = clamp(softplus(dt + dt_bias), *dt_limit), for each token and head h
         S <- S * exp(dt A);  S <- S + dt x B^T;  y = S C + D x
