@@ -1,5 +1,5 @@
 """Triton kernels for the recurrent layers of hybrid models on CUDA (under TRITON_INTERPRET=1 also on CPU tensors, for
-the tests): the two functions of llmd.model.recurrent (whose *_ref are their torch references) over a step's
+the tests): the three functions of llmd.model.recurrent (whose *_ref are their torch references) over a step's
 flattened batch, varlen: sequence b's tokens are rows query_start[b] .. query_start[b + 1] - 1, its state is at
 slots[b], and a sequence with fresh[b] starts from a zero state.
 
@@ -21,6 +21,16 @@ slots[b], and a sequence with fresh[b] starts from a zero state.
     (u holds each token's beta (v - S^T k) as the recurrence would compute it). A chunk's rows past its sequence
     have zero k, v, beta and g, so they change nothing. Its rounding differs from the recurrence's (within fp32's),
     and depends on where the sequence's prefill chunks begin, as the scheduler cuts them.
+- `mamba2_scan`: Mamba2's selective scan, one program per (sequence, head, tile of state rows) holding its [BP, N]
+  slice of the fp32 state in registers (a row of the state depends only on its own row: y = S C reduces over the
+  state index), dt = clamp(softplus(dt + dt_bias)) in fp32, the D skip added, the state written back after the
+  sequence's last token. Two kernels, each sequence taking one by its length as the delta rule's do:
+  * token by token (decode tokens, short verify chunks): S <- S exp(dt A) + (dt x) B^T; y = S C + D x;
+  * by chunks of MAMBA2_CHUNK tokens (prefill chunks), the chunked (SSD) form of the same recurrence, its products on
+    the tensor cores: with ac the within-chunk cumulative sum of dt A and L[t, s] = exp(ac_t - ac_s) (s <= t),
+        Y = ((C B^T) * L * dt_s) X + exp(ac) (C S^T) + D X;  S <- exp(ac_last) S + (X * dt exp(ac_last - ac))^T B
+    A chunk's rows past its sequence have dt 0 (no decay, no input), so they change nothing. Its rounding differs
+    from the recurrence's (within fp32's), and depends on where the sequence's prefill chunks begin.
 
 A sequence's results depend only on its own tokens and state, never on the rest of the batch. Each function returns
 None where Triton is missing or the tensors are not the layouts it takes (then the caller runs the torch reference).
@@ -36,6 +46,9 @@ CONV_BLOCK_C = 128  # channels per program of the convolution
 CONV_BLOCK_T = 16   # tokens per program of the convolution
 DELTA_BLOCK_V = 32  # value columns per program of the delta rule
 DELTA_CHUNK = 16    # tokens per chunk of the chunked delta rule, and the fewest a sequence runs it with
+MAMBA2_BLOCK_P = 16  # state rows per program of the token-by-token Mamba2 scan (decode: many programs per head)
+MAMBA2_CHUNK_P = 32  # state rows per program of the chunked Mamba2 scan
+MAMBA2_CHUNK = 32    # tokens per chunk of the chunked Mamba2 scan, and the fewest a sequence runs it with
 
 
 def available() -> bool:
@@ -198,9 +211,99 @@ if HAVE_TRITON:
             s = tl.exp(g_last) * s + tl.dot(tl.trans(kw), u, input_precision=PREC)
         tl.store(s_ptrs, s, mask=mk[:, None] & mv[None, :])
 
+    @triton.jit
+    def _mamba2_dt(raw, bias, dt_min, dt_max):
+        # softplus(raw + bias) as torch computes it (the input itself above 20), clamped to [dt_min, dt_max]
+        v = raw.to(tl.float32) + bias
+        sp = tl.where(v > 20.0, v, tl.log(1.0 + tl.exp(tl.minimum(v, 20.0))))
+        return tl.minimum(tl.maximum(sp, dt_min), dt_max)
+
+    @triton.jit
+    def _mamba2_scan_kernel(x_ptr, dt_ptr, dt_bias_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, out_ptr, slots_ptr,
+                            fresh_ptr, start_ptr, stride_x, stride_dt, stride_b, stride_c, stride_o, dt_min, dt_max,
+                            chunk_from, H: tl.constexpr, REP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                            BP: tl.constexpr, BN: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        start = tl.load(start_ptr + b)
+        end = tl.load(start_ptr + b + 1)
+        if end - start >= chunk_from:  # the chunked kernel's
+            return
+        slot = tl.load(slots_ptr + b)
+        keep = tl.load(fresh_ptr + b) == 0
+        grp = h // REP
+        offs_p = tl.program_id(2) * BP + tl.arange(0, BP)
+        offs_n = tl.arange(0, BN)
+        mp = offs_p < P
+        mn = offs_n < N
+        m = mp[:, None] & mn[None, :]
+        s_ptrs = state_ptr + (slot * H + h) * (P * N) + offs_p[:, None] * N + offs_n[None, :]
+        s = tl.where(keep, tl.load(s_ptrs, mask=m, other=0.0), 0.0)
+        a = tl.load(a_ptr + h).to(tl.float32)
+        d = tl.load(d_ptr + h).to(tl.float32)
+        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        for t in range(start, end):
+            dt = _mamba2_dt(tl.load(dt_ptr + t * stride_dt + h), bias, dt_min, dt_max)
+            x = tl.load(x_ptr + t * stride_x + h * P + offs_p, mask=mp, other=0.0).to(tl.float32)
+            bv = tl.load(b_ptr + t * stride_b + grp * N + offs_n, mask=mn, other=0.0).to(tl.float32)
+            cv = tl.load(c_ptr + t * stride_c + grp * N + offs_n, mask=mn, other=0.0).to(tl.float32)
+            s = s * tl.exp(dt * a) + (dt * x)[:, None] * bv[None, :]
+            y = tl.sum(s * cv[None, :], axis=1) + d * x
+            tl.store(out_ptr + t * stride_o + h * P + offs_p, y.to(out_ptr.dtype.element_ty), mask=mp)
+        tl.store(s_ptrs, s, mask=m)
+
+    @triton.jit
+    def _mamba2_chunk_kernel(x_ptr, dt_ptr, dt_bias_ptr, a_ptr, b_ptr, c_ptr, d_ptr, state_ptr, out_ptr, slots_ptr,
+                             fresh_ptr, start_ptr, stride_x, stride_dt, stride_b, stride_c, stride_o, dt_min, dt_max,
+                             chunk_from, H: tl.constexpr, REP: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                             BP: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        start = tl.load(start_ptr + b)
+        end = tl.load(start_ptr + b + 1)
+        if end - start < chunk_from:  # the token-by-token kernel's
+            return
+        slot = tl.load(slots_ptr + b)
+        keep = tl.load(fresh_ptr + b) == 0
+        grp = h // REP
+        offs_p = tl.program_id(2) * BP + tl.arange(0, BP)
+        offs_n = tl.arange(0, BN)
+        mp = offs_p < P
+        mn = offs_n < N
+        s_ptrs = state_ptr + (slot * H + h) * (P * N) + offs_p[:, None] * N + offs_n[None, :]
+        s = tl.where(keep, tl.load(s_ptrs, mask=mp[:, None] & mn[None, :], other=0.0), 0.0)  # [BP, BN]
+        a = tl.load(a_ptr + h).to(tl.float32)
+        d = tl.load(d_ptr + h).to(tl.float32)
+        bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+        rows = tl.arange(0, BT)
+        causal = rows[:, None] >= rows[None, :]  # [t, s]: s <= t
+        for c0 in range(start, end, BT):
+            t = c0 + rows
+            mt = t < end
+            dt = _mamba2_dt(tl.load(dt_ptr + t * stride_dt + h, mask=mt, other=0.0), bias, dt_min, dt_max)
+            dt = tl.where(mt, dt, 0.0)  # rows past the sequence: no decay, no input
+            ac = tl.sum(tl.where(causal, (dt * a)[None, :], 0.0), axis=1)  # cumulative log decay within the chunk
+            x = tl.load(x_ptr + t[:, None] * stride_x + h * P + offs_p[None, :], mask=mt[:, None] & mp[None, :],
+                        other=0.0).to(tl.float32)  # [BT, BP]
+            bv = tl.load(b_ptr + t[:, None] * stride_b + grp * N + offs_n[None, :], mask=mt[:, None] & mn[None, :],
+                         other=0.0).to(tl.float32)  # [BT, BN]
+            cv = tl.load(c_ptr + t[:, None] * stride_c + grp * N + offs_n[None, :], mask=mt[:, None] & mn[None, :],
+                         other=0.0).to(tl.float32)
+            decay = tl.where(causal, tl.exp(tl.where(causal, ac[:, None] - ac[None, :], 0.0)), 0.0)
+            mix = tl.dot(cv, tl.trans(bv), input_precision=PREC) * decay * dt[None, :]  # [t, s]
+            y = tl.dot(mix, x, input_precision=PREC) + tl.exp(ac)[:, None] * tl.dot(cv, tl.trans(s),
+                                                                                  input_precision=PREC)
+            y = y + d * x
+            tl.store(out_ptr + t[:, None] * stride_o + h * P + offs_p[None, :], y.to(out_ptr.dtype.element_ty),
+                     mask=mt[:, None] & mp[None, :])
+            a_last = tl.sum(tl.where(rows == BT - 1, ac, 0.0), axis=0)  # the masked rows add 0: the last token's
+            w = dt * tl.exp(a_last - ac)
+            s = tl.exp(a_last) * s + tl.dot(tl.trans(x * w[:, None]), bv, input_precision=PREC)
+        tl.store(s_ptrs, s, mask=mp[:, None] & mn[None, :])
+
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """The chunked delta rule's tensor-core products: tf32 for bf16 / fp16 activations (finer than their own
+    """The chunked kernels' tensor-core products: tf32 for bf16 / fp16 activations (finer than their own
     rounding), three tf32 passes (about fp32's precision) for fp32 ones."""
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
@@ -292,4 +395,45 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         _delta_rule_chunk_kernel[(b, hv, triton.cdiv(dv, bv))](*args, **shape, BK=max(16, _pow2(dk)), BV=bv,
                                                                 BT=DELTA_CHUNK, PREC=dot_precision(v.dtype),
                                                                 num_warps=4)
+    return out
+
+
+def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+                C: torch.Tensor, D: torch.Tensor, state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                query_start: torch.Tensor, dt_limit: tuple[float, float] = (0.0, float("inf")),
+                max_len: int | None = None, chunk_from: int = MAMBA2_CHUNK) -> torch.Tensor | None:
+    """Mamba2's selective scan over each sequence's tokens (llmd.model.recurrent.mamba2_scan_ref's function): x [T, H,
+    P], dt [T, H] (before the bias), B and C [T, G, N] (any float dtype, rows contiguous), dt_bias, A, D [H], state
+    [slots, H, P, N] fp32 read (zero where fresh) and written at each sequence's slot. A sequence of chunk_from tokens
+    or more runs by the chunked kernel, a shorter one token by token, whatever the other sequences. max_len: the
+    longest sequence's token count (None: read from query_start, a host sync). Returns y [T, H, P] (the D skip added)
+    in x's dtype, or None where the kernel does not take the tensors."""
+    dev = x.device
+    ok = HAVE_TRITON and _rows(x, 3) and _rows(dt, 2) and _rows(B, 3) and _rows(C, 3) and B.shape == C.shape \
+        and x.shape[0] == dt.shape[0] == B.shape[0] > 0 and dt.shape[1] == x.shape[1] \
+        and x.shape[1] % B.shape[1] == 0 \
+        and all(t.is_contiguous() and t.numel() == x.shape[1] for t in (dt_bias, A, D)) \
+        and state.dtype == torch.float32 and state.is_contiguous() \
+        and tuple(state.shape[1:]) == (x.shape[1], x.shape[2], B.shape[2]) \
+        and all(t.device == dev for t in (dt, dt_bias, A, B, C, D, state)) and _batch_ok(dev, slots, fresh, query_start)
+    if not ok:
+        return None
+    t, h, p = x.shape
+    g, n = B.shape[1:]
+    out = torch.empty(t, h, p, dtype=x.dtype, device=dev)
+    b = slots.numel()
+    if b == 0:
+        return out
+    if max_len is None:
+        max_len = int((query_start[1:] - query_start[:-1]).max())
+    args = (x, dt, dt_bias, A, B, C, D, state, out, slots, fresh, query_start, x.stride(0), dt.stride(0), B.stride(0),
+            C.stride(0), out.stride(0), float(dt_limit[0]), float(dt_limit[1]), max(1, chunk_from))
+    shape = dict(H=h, REP=h // g, P=p, N=n)
+    bp = min(MAMBA2_BLOCK_P, _pow2(p))
+    _mamba2_scan_kernel[(b, h, triton.cdiv(p, bp))](*args, **shape, BP=bp, BN=_pow2(n), num_warps=4)
+    if max_len >= chunk_from:
+        bp = max(16, min(MAMBA2_CHUNK_P, _pow2(p)))  # tl.dot takes no dimension under 16
+        # 8 warps: at Granite 4.0-H's heads (P 64, N 128) 4 spill registers (tests/gpu/compile_offline.py --recurrent)
+        _mamba2_chunk_kernel[(b, h, triton.cdiv(p, bp))](*args, **shape, BP=bp, BN=max(16, _pow2(n)),
+                                                          BT=MAMBA2_CHUNK, PREC=dot_precision(x.dtype), num_warps=8)
     return out

@@ -195,16 +195,23 @@ def test_moe_stage_at_tiny_scale():
 
 
 def test_hybrid_stage_at_tiny_scale():
-    """The hybrid stage's code at Qwen3.5-9B's tiny shape: decode steps, the prefill chunk by each delta-rule kernel
-    (the reference timed once, beside the chunked one), every result and state checked against the reference; GB/s
-    the fp32 states read and written over the delta rule's time."""
+    """The hybrid stage's code at Qwen3.5-9B's and Granite-4.0-H-Small's tiny shapes: decode steps, the prefill chunk
+    by each delta-rule (scan) kernel (the reference timed once, beside the chunked one), every result and state
+    checked against the reference; GB/s the fp32 states read and written over the delta rule's (scan's) time."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = bench_gpu.hybrid_recurrent(4800.0, device=device, scale="tiny")
     hk, hv, d, taps, batches, chunk = bench_gpu.HYBRID_SHAPES["tiny"]["qwen3.5-9b"]
-    assert [r["case"] for r in rows] == [f"decode batch {b}" for b in batches] + \
-        [f"prefill {chunk} chunked", f"prefill {chunk} by token"]
+    heads, p, n, groups, taps, mamba_batches, mamba_chunk = bench_gpu.MAMBA2_SHAPES["tiny"]["granite-4.0-h-small"]
+    cases = [f"decode batch {b}" for b in batches] + [f"prefill {chunk} chunked", f"prefill {chunk} by token"]
+    mamba_cases = [f"decode batch {b}" for b in mamba_batches] + \
+        [f"prefill {mamba_chunk} chunked", f"prefill {mamba_chunk} by token"]
+    assert [(r["model"], r["case"]) for r in rows] == [("qwen3.5-9b", c) for c in cases] + \
+        [("granite-4.0-h-small", c) for c in mamba_cases]
     for row in rows:
         assert "error" not in row and max(row["rel_err"].values()) < (2e-2 if device == "cuda" else 1e-5)
-        assert row["state_gbs"] == pytest.approx(row["batch"] * hv * d * d * 8 / (row["rule_us"] / 1e3) / 1e6)
+        state_bytes, us = (hv * d * d * 8, row["rule_us"]) if row["model"] == "qwen3.5-9b" else \
+            (heads * p * n * 8, row["scan_us"])
+        assert row["state_gbs"] == pytest.approx(row["batch"] * state_bytes / (us / 1e3) / 1e6)
         assert row["conv_us"] > 0 and row["tok_s"] > 0
-    assert ("reference_ms" in rows[-2]) and ("reference_ms" not in rows[-1])
+    for model_rows in (rows[: len(cases)], rows[len(cases) :]):
+        assert ("reference_ms" in model_rows[-2]) and ("reference_ms" not in model_rows[-1])

@@ -29,7 +29,9 @@
    --name hybrid_bench) at one Qwen3.5-9B Gated DeltaNet layer (16 q/k and 32 value heads of 128, a 4-tap conv over
    8192 channels), bf16 activations, fp32 state: the conv and the gated delta rule for a decode step at batch 1 and 16
    (us, GB/s of the state read and written) and for a 2k-token prefill chunk (ms: the chunked kernel, the
-   token-by-token one, and the torch reference run once), each result checked against the torch reference.
+   token-by-token one, and the torch reference run once), each result checked against the torch reference; and the
+   same for one Granite-4.0-H-Small Mamba2 layer (128 heads of 64, a state of 128 in one group, a 4-tap conv with
+   bias over 8448 channels): the conv and the scan.
    `--device cpu --scale tiny` runs it under the Triton interpreter (tests/test_gpu_bench_shapes.py).
 Writes JSON and a text table to --out. Imports nothing outside torch/triton/llmd.
 """
@@ -677,6 +679,9 @@ def moe_bandwidth(peak_gbs: float, device: str = "cuda", scale: str = "full", ba
 # (q/k heads, value heads, head dim, conv taps, decode batches, prefill chunk)
 HYBRID_SHAPES = {"full": {"qwen3.5-9b": (16, 32, 128, 4, (1, 16), 2048)},
                  "tiny": {"qwen3.5-9b": (2, 4, 32, 4, (1, 3), 40)}}
+# (heads, head dim, state size, groups, conv taps, decode batches, prefill chunk) of a Mamba2 layer
+MAMBA2_SHAPES = {"full": {"granite-4.0-h-small": (128, 64, 128, 1, 4, (1, 16), 2048)},
+                 "tiny": {"granite-4.0-h-small": (4, 16, 16, 1, 4, (1, 3), 40)}}
 
 
 def _hybrid_step(lens: list[int], shape: tuple, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
@@ -698,6 +703,27 @@ def _hybrid_step(lens: list[int], shape: tuple, device: str, dtype: torch.dtype,
                 beta=torch.rand(t, hv, device=device, generator=gen).to(dtype))
 
 
+def _timed(fn, state: torch.Tensor, device: str) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+    """(ms, first call's s, output, state after one call) of fn(state), each call from a copy of `state`"""
+    once = state.clone()
+    start = time.perf_counter()
+    out = fn(once)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    first = time.perf_counter() - start
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        scratch = state.clone()  # the timed calls run on from the state they leave
+        return do_bench(lambda: fn(scratch), warmup=5, rep=20), first, out, once
+    return first * 1e3, first, out, once
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    """the largest error relative to the reference's largest value"""
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
 def _hybrid_case(name: str, lens: list[int], shape: tuple, device: str, peak_gbs: float,
                  chunk_from: int | None = None, reference: bool = False) -> dict:
     """The conv and the delta rule on one step (each from the step's initial states), timed, checked against the
@@ -717,23 +743,8 @@ def _hybrid_case(name: str, lens: list[int], shape: tuple, device: str, peak_gbs
     def rule(state):
         return rt.gated_delta_rule(a["q"], a["k"], a["v"], a["g"], a["beta"], state, *kernel_args, **options)
 
-    def timed(fn, state) -> tuple[float, float, torch.Tensor, torch.Tensor]:
-        """(ms, first call's s, output, state after one call)"""
-        once = state.clone()
-        start = time.perf_counter()
-        out = fn(once)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        first = time.perf_counter() - start
-        if device == "cuda":
-            from triton.testing import do_bench
-
-            scratch = state.clone()  # the timed calls run on from the state they leave
-            return do_bench(lambda: fn(scratch), warmup=5, rep=20), first, out, once
-        return first * 1e3, first, out, once
-
-    conv_ms, conv_first, y, conv_state = timed(conv, a["conv"])
-    rule_ms, rule_first, o, ssm_state = timed(rule, a["ssm"])
+    conv_ms, conv_first, y, conv_state = _timed(conv, a["conv"], device)
+    rule_ms, rule_first, o, ssm_state = _timed(rule, a["ssm"], device)
     exact = {key: a[key].float() for key in ("x", "weight", "q", "k", "v", "beta")}
     ref_conv, ref_ssm = a["conv"].float(), a["ssm"].clone()
     start = time.perf_counter()
@@ -743,11 +754,8 @@ def _hybrid_case(name: str, lens: list[int], shape: tuple, device: str, peak_gbs
         torch.cuda.synchronize()
     ref_ms = (time.perf_counter() - start) * 1e3
 
-    def rel(got, want):
-        return ((got.float() - want).abs().max() / want.abs().max()).item()
-
-    errors = dict(conv=rel(y, want_y), conv_state=rel(conv_state, ref_conv), rule=rel(o, want_o),
-                  state=rel(ssm_state, ref_ssm))
+    errors = dict(conv=_rel(y, want_y), conv_state=_rel(conv_state, ref_conv), rule=_rel(o, want_o),
+                  state=_rel(ssm_state, ref_ssm))
     hk, hv, d = shape[:3]
     state_bytes = len(lens) * hv * d * d * 4 * 2  # each sequence's fp32 state, read and written
     row = dict(case=name, tokens=sum(lens), batch=len(lens), conv_us=conv_ms * 1e3, rule_us=rule_ms * 1e3,
@@ -762,26 +770,97 @@ def _hybrid_case(name: str, lens: list[int], shape: tuple, device: str, peak_gbs
     return row
 
 
+def _mamba2_case(name: str, lens: list[int], shape: tuple, device: str, peak_gbs: float,
+                 chunk_from: int | None = None, reference: bool = False) -> dict:
+    """A Mamba2 layer's conv and scan on one step (each from the step's initial states: slot b for sequence b,
+    continuing), timed, checked against the reference as _hybrid_case checks the delta rule."""
+    from llmd.kernels import recurrent_triton as rt
+    from llmd.model import recurrent as rec
+
+    heads, p, n, groups, taps = shape[:5]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    channels, t, b = heads * p + 2 * groups * n, sum(lens), len(lens)
+    gen = torch.Generator(device).manual_seed(0)
+
+    def rand(*size, scale=1.0, shift=0.0):
+        return torch.randn(*size, device=device, generator=gen) * scale + shift
+
+    meta = rec.StateMetadata.build(list(range(b)), [False] * b, lens, device)
+    x, weight, bias = rand(t, channels).to(dtype), rand(channels, taps, scale=0.3).to(dtype), \
+        rand(channels, scale=0.1).to(dtype)
+    conv0, ssm0 = rand(b + 1, channels, taps - 1).to(dtype), rand(b + 1, heads, p, n, scale=0.05)
+    xbc = rand(t, channels).to(dtype)  # the scan's inputs: views of the conv's output, as the model passes them
+    xs, bm, cm = xbc[:, : heads * p].view(t, heads, p), xbc[:, heads * p : heads * p + groups * n].view(t, groups, n), \
+        xbc[:, heads * p + groups * n :].view(t, groups, n)
+    dt, dt_bias = rand(t, heads, shift=-2.0).to(dtype), rand(heads, scale=0.1).to(dtype)
+    a, d = -torch.rand(heads, device=device, generator=gen) * 4.0 - 0.5, rand(heads).to(dtype)
+    kernel_args = (*meta.kernel_tensors(),)
+    options = dict(max_len=meta.max_query_len) | ({} if chunk_from is None else dict(chunk_from=chunk_from))
+
+    def conv(state):
+        return rt.causal_conv1d(x, weight, bias, state, *kernel_args, max_len=meta.max_query_len)
+
+    def scan(state):
+        return rt.mamba2_scan(xs, dt, dt_bias, a, bm, cm, d, state, *kernel_args, **options)
+
+    conv_ms, conv_first, y, conv_state = _timed(conv, conv0, device)
+    scan_ms, scan_first, o, ssm_state = _timed(scan, ssm0, device)
+    ref_conv, ref_ssm = conv0.float(), ssm0.clone()
+    start = time.perf_counter()
+    want_y = rec.causal_conv1d_ref(x.float(), weight.float(), bias.float(), ref_conv, meta)
+    want_o = rec.mamba2_scan_ref(xs.float(), dt.float(), dt_bias.float(), a, bm.float(), cm.float(), d.float(),
+                                 ref_ssm, meta)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    ref_ms = (time.perf_counter() - start) * 1e3
+    errors = dict(conv=_rel(y, want_y), conv_state=_rel(conv_state, ref_conv), scan=_rel(o, want_o),
+                  state=_rel(ssm_state, ref_ssm))
+    state_bytes = b * heads * p * n * 4 * 2  # each sequence's fp32 state, read and written
+    row = dict(case=name, tokens=t, batch=b, conv_us=conv_ms * 1e3, scan_us=scan_ms * 1e3,
+               first_call_s=conv_first + scan_first, state_gbs=state_bytes / scan_ms / 1e6,
+               pct_peak=100 * state_bytes / scan_ms / 1e6 / peak_gbs, tok_s=t / scan_ms * 1e3, rel_err=errors)
+    if reference:
+        row["reference_ms"] = ref_ms
+    bad = {k: v for k, v in errors.items() if not v < 2e-2}
+    if bad:
+        row["error"] = f"{name}: relative error {bad} against the reference"
+    return row
+
+
+def _hybrid_cases(batches: tuple, chunk: int) -> list[tuple[str, list[int], int | None, bool]]:
+    """(name, lengths, chunk_from, time the reference): decode steps at each batch (token by token), the prefill chunk
+    by the chunked kernel (the reference timed once beside it) and by the token-by-token one."""
+    return [(f"decode batch {b}", [1] * b, None, False) for b in batches] + \
+        [(f"prefill {chunk} chunked", [chunk], None, True), (f"prefill {chunk} by token", [chunk], chunk + 1, False)]
+
+
 def hybrid_recurrent(peak_gbs: float, device: str = "cuda", scale: str = "full") -> list[dict]:
     """Per model shape: decode steps at each batch (token by token), the prefill chunk by the chunked kernel and by
-    the token-by-token one (and the torch reference's time, one run)."""
+    the token-by-token one (and the torch reference's time, one run); the Gated DeltaNet shapes first, then the
+    Mamba2 ones."""
     import os
 
     if device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported
     rows = []
     for model, shape in HYBRID_SHAPES[scale].items():
-        batches, chunk = shape[4], shape[5]
-        cases = [(f"decode batch {b}", [1] * b, None, False) for b in batches]
-        cases += [(f"prefill {chunk} chunked", [chunk], None, True),
-                  (f"prefill {chunk} by token", [chunk], chunk + 1, False)]
-        for name, lens, chunk_from, reference in cases:
+        for name, lens, chunk_from, reference in _hybrid_cases(shape[4], shape[5]):
             row = dict(model=model) | _hybrid_case(name, lens, shape, device, peak_gbs, chunk_from, reference)
             rows.append(row)
             speed = f"{row['tok_s']:9.0f} tok/s" if len(lens) == 1 and lens[0] > 1 else \
                 f"state {row['state_gbs']:5.0f} GB/s ({row['pct_peak']:4.1f}% of peak)"
             extra = f"  torch reference {row['reference_ms']:9.1f} ms" if reference else ""
             print(f"hybrid {model} {name:22}: conv {row['conv_us']:9.1f} us  delta rule {row['rule_us']:10.1f} us  "
+                  f"{speed}  max rel err {max(row['rel_err'].values()):.1e}  "
+                  f"(first calls {row['first_call_s']:4.1f} s){extra}", flush=True)
+    for model, shape in MAMBA2_SHAPES[scale].items():
+        for name, lens, chunk_from, reference in _hybrid_cases(shape[5], shape[6]):
+            row = dict(model=model) | _mamba2_case(name, lens, shape, device, peak_gbs, chunk_from, reference)
+            rows.append(row)
+            speed = f"{row['tok_s']:9.0f} tok/s" if len(lens) == 1 and lens[0] > 1 else \
+                f"state {row['state_gbs']:5.0f} GB/s ({row['pct_peak']:4.1f}% of peak)"
+            extra = f"  torch reference {row['reference_ms']:9.1f} ms" if reference else ""
+            print(f"hybrid {model} {name:22}: conv {row['conv_us']:9.1f} us  scan {row['scan_us']:10.1f} us  "
                   f"{speed}  max rel err {max(row['rel_err'].values()):.1e}  "
                   f"(first calls {row['first_call_s']:4.1f} s){extra}", flush=True)
     return rows

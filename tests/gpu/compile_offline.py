@@ -21,9 +21,10 @@ biases, clamped SwiGLU), Qwen3-30B-A3B's (Q4_K, a Q4_K_M file's Q6_K down) and b
 Exits non-zero if any compile fails or spills.
 
 --recurrent: the recurrent layers' kernels (llmd.kernels.recurrent_triton) at Qwen3.5-9B's Gated DeltaNet layer (16 q/k
-and 32 value heads of 128, a 4-tap conv over 8192 channels) with bf16 activations, as the launchers pick their
-constexprs: the conv and its state write, the delta rule token by token and by chunks. Exits non-zero if any compile
-fails; spills are printed, not failed.
+and 32 value heads of 128, a 4-tap conv over 8192 channels) and Granite-4.0-H-Small's Mamba2 layer (128 heads of 64, a
+state of 128 in one group, a 4-tap conv with bias over 8448 channels) with bf16 activations, as the launchers pick
+their constexprs: the conv and its state write, the delta rule and the scan token by token and by chunks. Exits
+non-zero if any compile fails; spills are printed, not failed.
 """
 
 from __future__ import annotations
@@ -252,13 +253,16 @@ def moe_main(arch: int, jobs: int) -> int:
 
 
 def _recurrent_variants() -> list[tuple[str, dict, dict]]:
-    """(kernel name, constexprs, launch options) per compile, at Qwen3.5-9B's layer shape (the chunked delta rule
-    with bf16's and with fp32's product precision)."""
+    """(kernel name, constexprs, launch options) per compile, at Qwen3.5-9B's and Granite-4.0-H-Small's layer shapes
+    (the chunked delta rule and scan with bf16's and with fp32's product precision)."""
     import torch
     from llmd.kernels import recurrent_triton as rt
 
     hk, hv, d, taps = 16, 32, 128, 4
     delta = dict(HV=hv, REP=hv // hk, DK=d, DV=d, BK=d, BV=rt.DELTA_BLOCK_V)
+    heads, head_dim, state, groups = 128, 64, 128, 1
+    scan = dict(H=heads, REP=heads // groups, P=head_dim, N=state, BN=state)
+    chunked_scan = scan | dict(BP=rt.MAMBA2_CHUNK_P, BT=rt.MAMBA2_CHUNK)
     return [("_conv_kernel", dict(K=taps, HAS_BIAS=False, SILU=True, BLOCK_T=rt.CONV_BLOCK_T,
                                   BLOCK_C=rt.CONV_BLOCK_C), dict(num_warps=4)),
             ("_conv_state_kernel", dict(K=taps, KP=rt._pow2(taps - 1), BLOCK_C=rt.CONV_BLOCK_C), dict(num_warps=4)),
@@ -266,7 +270,12 @@ def _recurrent_variants() -> list[tuple[str, dict, dict]]:
             ("_delta_rule_chunk_kernel", delta | dict(BT=rt.DELTA_CHUNK, PREC=rt.dot_precision(torch.bfloat16)),
              dict(num_warps=4)),
             ("_delta_rule_chunk_kernel", delta | dict(BT=rt.DELTA_CHUNK, PREC=rt.dot_precision(torch.float32)),
-             dict(num_warps=4))]
+             dict(num_warps=4)),
+            ("_conv_kernel", dict(K=taps, HAS_BIAS=True, SILU=True, BLOCK_T=rt.CONV_BLOCK_T,
+                                  BLOCK_C=rt.CONV_BLOCK_C), dict(num_warps=4)),
+            ("_mamba2_scan_kernel", scan | dict(BP=rt.MAMBA2_BLOCK_P), dict(num_warps=4)),
+            ("_mamba2_chunk_kernel", chunked_scan | dict(PREC=rt.dot_precision(torch.bfloat16)), dict(num_warps=8)),
+            ("_mamba2_chunk_kernel", chunked_scan | dict(PREC=rt.dot_precision(torch.float32)), dict(num_warps=8))]
 
 
 def _compile_recurrent(arch: int, name: str, consts: dict, launch: dict) -> dict:
@@ -274,15 +283,17 @@ def _compile_recurrent(arch: int, name: str, consts: dict, launch: dict) -> dict
     from triton.compiler import ASTSource
 
     kernel = getattr(rt, name)
-    delta = "delta" in name  # the delta rule's state is fp32; the conv's, the activations' dtype
-    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "state_ptr": "*fp32" if delta else "*bf16",
+    fp32_state = "conv" not in name  # the delta rule's and the scan's state is fp32; the conv's, the activations' dtype
+    floats = ("scale", "dt_min", "dt_max")
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "state_ptr": "*fp32" if fp32_state else "*bf16",
              "out_ptr": "*bf16", "q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "g_ptr": "*fp32",
-             "beta_ptr": "*bf16", "slots_ptr": "*i64", "fresh_ptr": "*i1", "start_ptr": "*i64", "scale": "fp32"}
+             "beta_ptr": "*bf16", "dt_ptr": "*bf16", "dt_bias_ptr": "*bf16", "a_ptr": "*fp32", "b_ptr": "*bf16",
+             "c_ptr": "*bf16", "d_ptr": "*bf16", "slots_ptr": "*i64", "fresh_ptr": "*i1", "start_ptr": "*i64"}
     params = [p.name for p in kernel.params]
-    signature = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
+    signature = {p: "constexpr" if p in consts else "fp32" if p in floats else types.get(p, "i32") for p in params}
     constexprs = {(i,): consts[p] for i, p in enumerate(params) if p in consts}
-    # pointers, channel counts and row strides are multiples of 16 at this shape (chunk_from, 16, too)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts and p != "scale"}
+    # pointers, channel counts and row strides are multiples of 16 at these shapes (chunk_from, 16 or 32, too)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts and p not in floats}
     return _compiled_row(ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs), arch,
                          dict(what=f"{name} {consts.get('PREC', '')}", **launch), launch)
 
@@ -339,7 +350,8 @@ def main() -> int:
     parser.add_argument("--moe", action="store_true",
                         help="the fused mixture-of-experts kernels at gpt-oss-20b's and Qwen3-30B-A3B's shapes")
     parser.add_argument("--recurrent", action="store_true",
-                        help="the recurrent layers' kernels (conv, gated delta rule) at Qwen3.5-9B's shape")
+                        help="the recurrent layers' kernels (conv, gated delta rule, Mamba2 scan) at Qwen3.5-9B's "
+                             "and Granite-4.0-H-Small's shapes")
     args = parser.parse_args()
     if args.recurrent:
         return recurrent_main(args.arch, args.jobs)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in stages, each under its own time
-# limit. A session has 15 minutes of device time and one command at most 10: the default limits sum to 705 s (tests
-# 150 + 65, bench 125, shapes 85, gguf 70, long 35, moe 40, hybrid 90 + 45), more than one command: run them in two
+# limit. A session has 15 minutes of device time and one command at most 10: the default limits sum to 750 s (tests
+# 150 + 65, bench 125, shapes 85, gguf 70, long 35, moe 40, hybrid 120 + 60), more than one command: run them in two
 # calls, STAGES="tests bench shapes" tests/gpu/run_gpu_checks.sh, then STAGES="gguf long moe hybrid" (stages: tests,
 # bench, shapes, gguf, long, moe, hybrid; default all seven, in that order). summary.txt gets each stage's seconds, to
 # size the limits from. An eighth stage, gemma4 (the shapes section at Gemma 4 E4B's and 31B's shapes, 240 s), runs
@@ -100,17 +100,19 @@ timeout 40 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections moe --name moe_b
   | tee "$OUT/moe_bench.txt" | grep "^moe " | tee -a "$OUT/summary.txt" || status=1
 took moe "$t0"
 fi
-# the recurrent layers of hybrid models (Qwen3.5's Gated DeltaNet, llmd.kernels.recurrent_triton): every test of the
-# kernels' file on the GPU (its Qwen3.5-9B layer-shape test and the model's functions choosing the kernels among
-# them), then one Qwen3.5-9B layer's conv and delta rule at decode batch 1 and 16 and for a 2k-token prefill chunk
-# (chunked, token by token, the torch reference once), each checked against the reference. About 15 compiles of 4
-# kernels in the tests, 5 in the benchmark: limits estimated, not yet run.
+# the recurrent layers of hybrid models (Qwen3.5's Gated DeltaNet and the Mamba2 layers of Granite 4 / Nemotron-H,
+# llmd.kernels.recurrent_triton): every test of the kernels' file on the GPU (its Qwen3.5-9B and Granite-4.0-H-Small
+# layer-shape tests and the model's functions choosing the kernels among them), then one Qwen3.5-9B layer's conv and
+# delta rule and one Granite-4.0-H-Small layer's conv and scan at decode batch 1 and 16 and for a 2k-token prefill
+# chunk (chunked, token by token, the torch reference once), each checked against the reference. About 25 compiles
+# of 6 kernels in the tests, 9 in the benchmark: limits estimated, not yet run.
 if wants hybrid; then
-echo "== recurrent layers (Qwen3.5-9B Gated DeltaNet: conv, gated delta rule)" | tee -a "$OUT/summary.txt"
+echo "== recurrent layers (Qwen3.5-9B Gated DeltaNet, Granite-4.0-H-Small Mamba2: conv, delta rule, scan)" \
+  | tee -a "$OUT/summary.txt"
 t0=$SECONDS
-timeout 90 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_recurrent_triton.py \
+timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_recurrent_triton.py \
   2>&1 | tee "$OUT/pytest_hybrid.txt" | tail -2 | tee -a "$OUT/summary.txt" || status=1
-timeout 45 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections hybrid --name hybrid_bench 2>&1 \
+timeout 60 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections hybrid --name hybrid_bench 2>&1 \
   | tee "$OUT/hybrid_bench.txt" | grep "^hybrid " | tee -a "$OUT/summary.txt" || status=1
 took hybrid "$t0"
 fi
