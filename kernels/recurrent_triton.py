@@ -213,7 +213,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _mamba2_dt(raw, bias, dt_min, dt_max):
-        # softplus(raw + bias) as torch computes it (the input itself above 20), clamped to [dt_min, dt_max]
+        # softplus(raw + bias) with torch's threshold (the input itself above 20), as log(1 + exp) (within 6e-8 of
+        # torch's log1p: the rounding of 1 + exp), clamped to [dt_min, dt_max]
         v = raw.to(tl.float32) + bias
         sp = tl.where(v > 20.0, v, tl.log(1.0 + tl.exp(tl.minimum(v, 20.0))))
         return tl.minimum(tl.maximum(sp, dt_min), dt_max)
@@ -433,7 +434,8 @@ def mamba2_scan(x: torch.Tensor, dt: torch.Tensor, dt_bias: torch.Tensor, A: tor
     _mamba2_scan_kernel[(b, h, triton.cdiv(p, bp))](*args, **shape, BP=bp, BN=_pow2(n), num_warps=4)
     if max_len >= chunk_from:
         bp = max(16, min(MAMBA2_CHUNK_P, _pow2(p)))  # tl.dot takes no dimension under 16
-        # 8 warps: at Granite 4.0-H's heads (P 64, N 128) 4 spill registers (tests/gpu/compile_offline.py --recurrent)
+        # 8 warps: with 4 the bf16 kernel spills registers at Granite 4.0-H's heads (P 64, N 128), with 8 it does not
+        # (tests/gpu/compile_offline.py --recurrent)
         _mamba2_chunk_kernel[(b, h, triton.cdiv(p, bp))](*args, **shape, BP=bp, BN=max(16, _pow2(n)),
                                                           BT=MAMBA2_CHUNK, PREC=dot_precision(x.dtype), num_warps=8)
     return out
