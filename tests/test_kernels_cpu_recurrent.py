@@ -23,7 +23,7 @@ NUM_SLOTS = 7
 # Dv 44 (a tile of 32 and one of 12, padded); 2 q/k heads for 6 value heads
 C, TAPS, HK, HV, DK, DV = 76, 4, 2, 6, 20, 44
 # Mamba2: 6 heads of 23 (a tile of 16 rows and one of 7: rows four at a time and three), 2 groups of B/C, a state of
-# 13 (a vector and a tail of 5); the limit dt is clamped to (Nemotron-H's default is (0, inf))
+# 13 (a vector and a tail of 5); dt clamped to both families' default limit (0, inf), or to (0.2, 0.9) where a test says
 MH, MP, MG, MN = 6, 23, 2, 13
 DT_LIMIT = (0.0, float("inf"))
 WEIGHTS = ("weight", "bias", "dt_bias", "A", "D")  # per channel or head, not per token
