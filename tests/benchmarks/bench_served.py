@@ -11,6 +11,8 @@ streamed /v1/completions (temperature 0; llmd ignores EOS, llama.cpp gets a -100
   span from the first stream's first token to the last stream's last); llama-cpp-python's server runs one request
   at a time, so its streams queue, as its users' do (with --interrupt_requests False: by default a new request
   ends the stream in progress);
+- prefix: TTFT of a prompt of the largest --sizes tokens plus 32 more, cold, then of the same prompt with another 32
+  (a prefix-cache hit: KV blocks, and for a hybrid its state checkpoint);
 - bandwidth: a STREAM-like triad (a = b + s*c, 3 x 1 GiB of float32, torch on --threads threads) and a pure read,
   and for batch-1 decode the GB/s achieved = (weight bytes read per token + KV bytes read + a hybrid's recurrent
   state read and written back) x tok/s, and its % of the triad (which counts its write too).
@@ -43,7 +45,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from llmd_daemon_proc import free_port, start_daemon  # noqa: E402
 
 MISSING = "llama.cpp: not installed (make bench-anchor): llmd alone"
-SECTIONS = ("bandwidth", "ttft", "decode")
+SECTIONS = ("bandwidth", "ttft", "decode", "prefix")
+PREFIX_SUFFIX_WORDS = 32  # the part after the shared prompt in the prefix section
 DECODE_PROMPT_WORDS = 32
 GiB = 2**30
 
@@ -184,6 +187,13 @@ async def measure(server: Server, model: Model, sections: set[str], sizes: list[
             for n in sizes:
                 out[f"ttft_{n}_s"] = (await stream(http, server, model.prompt(n, seed=n), 1))["ttft"]
                 print(f"  {server.name} ttft {n}: {out[f'ttft_{n}_s']:.2f} s", file=sys.stderr, flush=True)
+        if "prefix" in sections:  # one shared prompt of the largest size: a cold request, then one sharing it
+            shared = model.prompt(max(sizes), seed=-7)
+            for kind, seed in (("miss", -8), ("hit", -9)):
+                out[f"ttft_prefix_{kind}_s"] = (await stream(http, server, shared + model.prompt(
+                    PREFIX_SUFFIX_WORDS, seed=seed), 1))["ttft"]
+                print(f"  {server.name} prefix {kind}: {out[f'ttft_prefix_{kind}_s']:.2f} s", file=sys.stderr,
+                      flush=True)
         if "decode" in sections:
             for c in levels:
                 rs = await asyncio.gather(*(stream(http, server, model.prompt(DECODE_PROMPT_WORDS, seed=1000 * c + i),
@@ -217,9 +227,10 @@ def bandwidth(threads: int) -> dict:
 
 
 def run_server(start, model: Model, args: argparse.Namespace, sections: set[str]) -> dict | None:
-    if not sections & {"ttft", "decode"}:
+    if not sections & {"ttft", "decode", "prefix"}:
         return {}
-    ctx = max(max(args.sizes) if "ttft" in sections else 0, DECODE_PROMPT_WORDS + args.tokens) + 64
+    ctx = max(max(args.sizes) + PREFIX_SUFFIX_WORDS if sections & {"ttft", "prefix"} else 0,
+              DECODE_PROMPT_WORDS + args.tokens) + 64
     with tempfile.TemporaryDirectory(prefix="llmd-bench-served-") as tmp:
         server = start(model, args.threads, ctx, Path(tmp))
         if server is None:
@@ -237,7 +248,8 @@ def table(results: dict, bw: dict | None) -> str:
     for k in keys:
         unit = "s" if k.startswith("ttft") else "GB/s" if k.endswith("gb_s") else "tok/s"
         label = k.replace("_s", "").replace("_tok", "").replace("_gb", "")
-        label = f"TTFT {label[5:]} tok ({unit})" if k.startswith("ttft") else (
+        label = (f"TTFT shared prompt, {k.split('_')[2]}" if k.startswith("ttft_prefix") else
+                 f"TTFT {label[5:]} tok ({unit})") if k.startswith("ttft") else (
             f"decode x{label.split('_')[1]} ({unit})" if "gb" not in k else "batch-1 moved (GB/s)")
         a = anchor.get(k) if anchor else None
         ratio = f"{llmd[k] / a:>10.2f}" if a else f"{'-':>10}"
