@@ -118,7 +118,8 @@ def plan_pools(model_config, config: EngineConfig, dtype: torch.dtype, device: t
     global_layers, window_layers = kv_group_layers(model_config)
     per_global = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype, global_layers)
     per_window = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype, window_layers)
-    budget = _kv_budget(model_config, config, dtype, device) - reserved
+    budget = _kv_budget(model_config, config, dtype, device)
+    budget -= min(reserved, budget // 2)  # states beyond half the budget come on top of it (plan_states)
     max_len = config.max_model_len or model_config.max_position_embeddings
     usable = config.max_num_seqs * window_tokens_held(max(w for w in windows if w is not None), max_len,
                                                       config.max_num_batched_tokens, config.block_size)
@@ -131,18 +132,23 @@ def plan_pools(model_config, config: EngineConfig, dtype: torch.dtype, device: t
     return int(num_global), int(num_window)
 
 
+MIN_STATES = 16  # a hybrid's state pool holds at least this many states (sequences, checkpoints, backups)
+
+
 def plan_states(model_config, config: EngineConfig, dtype: torch.dtype,
                 device: torch.device) -> tuple[int, int, int]:
     """(sequence slots, prefix checkpoints, speculation backups) of a hybrid model's state pool
-    (llmd.engine.state_pool); zeros for a model without recurrent layers. The states take at most half the cache
-    budget: with speculation on, a backup for each sequence that verifies a proposal in a step (spec_max_batch, at
-    most); with prefix caching, a third of the rest kept for checkpoints (at least one: a chat's next turn restores
-    its last); as many sequence slots as max_num_seqs asks for and the rest holds (at least one); then up to twice as
+    (llmd.engine.state_pool); zeros for a model without recurrent layers. The states take half the cache budget (at
+    least MIN_STATES of them, the ones beyond half on top of it): with speculation on, a backup for each sequence that
+    verifies a proposal in a step (spec_max_batch, at most); with prefix caching, a third of the rest kept for
+    checkpoints (at least one: a chat's next turn restores its last); as many sequence slots as max_num_seqs asks for and the rest holds (at least one); then up to twice as
     many checkpoints as slots in what is left."""
     per = state_bytes_per_sequence(model_config, dtype)
     if per == 0:
         return 0, 0, 0
-    share = _kv_budget(model_config, config, dtype, device) // 2 // per - 1  # states that fit, less the scratch slot
+    # half the budget, or room for MIN_STATES (a recurrent state is a fixed cost per sequence: a Qwen3.5-4B's is 50 MiB,
+    # and the CPU's default budget would leave a single prefix checkpoint, which a prompt's next save evicts)
+    share = max(_kv_budget(model_config, config, dtype, device) // 2 // per, MIN_STATES) - 1  # less the scratch slot
     backups = min(max(1, share // 4), config.spec_max_batch or DEFAULT_SPEC_MAX_BATCH) \
         if config.speculative_mode != "off" else 0
     kept = max(1, (share - backups) // 3) if config.enable_prefix_caching else 0
@@ -157,7 +163,8 @@ def plan_num_blocks(model_config, config: EngineConfig, dtype: torch.dtype, devi
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     per_block = kv_bytes_per_block(model_config, config.block_size, dtype, config.kv_cache_dtype)
-    budget = _kv_budget(model_config, config, dtype, device) - reserved
+    budget = _kv_budget(model_config, config, dtype, device)
+    budget -= min(reserved, budget // 2)  # states beyond half the budget come on top of it (plan_states)
     num = budget // per_block - 1  # the scratch block (see ModelRunner) is paid from the budget too
     if num < 1:
         raise ValueError(
