@@ -7,8 +7,6 @@ from typing import Protocol
 import torch
 from PIL import Image
 
-from ...engine.types import ImageSpan  # noqa: F401  (an encoder's result, as the engine takes it)
-
 
 class VisionEncoder(Protocol):
     image_token_id: int  # the placeholder token an image's embeddings replace
