@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from PIL import Image
@@ -26,3 +26,12 @@ class VisionEncoder(Protocol):
 
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """Pixel values [3, H, W] -> embeddings [tokens, text hidden] in the language model's dtype."""
+
+
+def widen(text: str, marker: str, tokens_per_image: list[int], sequence: Callable[[int], str]) -> str:
+    """`text` with each `marker` (one per image, in order) replaced by sequence(the image's token count); ValueError
+    when the markers and the images do not pair up (VisionEncoder.expand)."""
+    pieces = text.split(marker)
+    if len(pieces) - 1 != len(tokens_per_image):
+        raise ValueError(f"the prompt has {len(pieces) - 1} {marker} for {len(tokens_per_image)} images")
+    return pieces[0] + "".join(sequence(n) + piece for n, piece in zip(tokens_per_image, pieces[1:], strict=True))

@@ -32,6 +32,7 @@ from PIL import Image
 from torch import nn
 
 from ...errors import ModelFileError
+from .base import widen
 from .images import to_rgb
 
 BOI, IMAGE_TOKEN, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
@@ -132,13 +133,7 @@ class Gemma3Vision(nn.Module):
         return BOI
 
     def expand(self, text: str, tokens_per_image: list[int]) -> str:
-        pieces = text.split(BOI)
-        if len(pieces) - 1 != len(tokens_per_image):
-            raise ValueError(f"the prompt has {len(pieces) - 1} {BOI} for {len(tokens_per_image)} images")
-        out = [pieces[0]]
-        for n, piece in zip(tokens_per_image, pieces[1:], strict=True):
-            out.append(f"\n\n{BOI}{IMAGE_TOKEN * n}{EOI}\n\n{piece}")
-        return "".join(out)
+        return widen(text, BOI, tokens_per_image, lambda n: f"\n\n{BOI}{IMAGE_TOKEN * n}{EOI}\n\n")
 
     def preprocess(self, image: Image.Image) -> torch.Tensor:
         c = self.config

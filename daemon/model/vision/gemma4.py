@@ -42,6 +42,7 @@ from torch import nn
 from ...errors import ModelFileError
 from ..gemma4 import Gemma4RMSNorm, gelu_tanh
 from .gemma3 import MAX_LAYERS, Located, _config_value, _hf_prefix
+from .base import widen
 from .images import to_rgb
 
 BOI, IMAGE_TOKEN, EOI = "<|image>", "<|image|>", "<image|>"
@@ -192,13 +193,7 @@ class Gemma4Vision(nn.Module):
         return IMAGE_TOKEN
 
     def expand(self, text: str, tokens_per_image: list[int]) -> str:
-        pieces = text.split(IMAGE_TOKEN)
-        if len(pieces) - 1 != len(tokens_per_image):
-            raise ValueError(f"the prompt has {len(pieces) - 1} {IMAGE_TOKEN} for {len(tokens_per_image)} images")
-        out = [pieces[0]]
-        for n, piece in zip(tokens_per_image, pieces[1:], strict=True):
-            out.append(f"{BOI}{IMAGE_TOKEN * n}{EOI}{piece}")
-        return "".join(out)
+        return widen(text, IMAGE_TOKEN, tokens_per_image, lambda n: f"{BOI}{IMAGE_TOKEN * n}{EOI}")
 
     def preprocess(self, image: Image.Image) -> torch.Tensor:
         c = self.config
