@@ -39,7 +39,7 @@ GEN_FIELDS = {
     "t_max_predict_ms": Field("int", 0, 24 * 3600 * 1000),
     "model": Field("str", max_len=512),
 }
-COMPLETION_FIELDS = {**GEN_FIELDS, "prompt": Field("str|list")}
+COMPLETION_FIELDS = {**GEN_FIELDS, "prompt": Field("str|list|dict")}
 INFILL_FIELDS = {**GEN_FIELDS, "input_prefix": TEXT, "input_suffix": TEXT, "prompt": TEXT,
                  "input_extra": Field("list", max_len=MAX_INPUT_EXTRA)}
 

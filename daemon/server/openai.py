@@ -211,8 +211,6 @@ def parse_completion(body: dict, state: ServerState) -> Intake:
     f = _check_common(state, body, COMPLETION_FIELDS, COMPLETION_HONOURED, "/v1/completions")
     params = checked_params(_params(f, f.get("max_tokens"), f.get("logprobs")))
     prompt, suffix = f["prompt"], f.get("suffix")
-    if isinstance(prompt, dict):
-        raise ApiError(400, "prompt must be a string or an array of token ids", param="prompt")
     if isinstance(prompt, list):
         if suffix:
             raise ApiError(400, "suffix needs a text prompt, not token ids", param="suffix")

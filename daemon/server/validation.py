@@ -50,7 +50,7 @@ def bad_field(name: str, why: str) -> ApiError:
 @dataclass(frozen=True)
 class Field:
     """One field's type and bounds. kind: "int", "number", "str", "bool", "list", "dict", "stop" (str or list of str),
-    "str|list" (a prompt: text, a list of token ids, or llama.cpp's multimodal object)."""
+    "str|list" (a prompt: text or a list of token ids), "str|list|dict" (also llama.cpp's multimodal prompt object)."""
 
     kind: str
     lo: float | None = None
@@ -97,16 +97,16 @@ def _check_one(name: str, value: Any, spec: Field) -> Any:
             raise bad_field(name, f"may hold at most {MAX_STOP_STRINGS} strings")
         if any(len(s) > MAX_STOP_STRING_LEN or not s for s in value):
             raise bad_field(name, f"strings must be non-empty and at most {MAX_STOP_STRING_LEN} characters")
-    elif kind == "str|list":
+    elif kind in ("str|list", "str|list|dict"):
         if isinstance(value, str):
             pass
         elif isinstance(value, list) and all(_is_int(t) for t in value):
             if len(value) > MAX_PROMPT_TOKEN_IDS:
                 raise bad_field(name, f"may hold at most {MAX_PROMPT_TOKEN_IDS} token ids")
             value = [int(t) for t in value]
-        elif isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, dict)):
+        elif isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
             value = value[0]
-        elif not isinstance(value, dict):  # a dict: llama.cpp's multimodal prompt, read by its route
+        elif not (kind == "str|list|dict" and isinstance(value, dict)):  # llama.cpp's multimodal prompt object
             raise bad_field(name, "must be a string or an array of token ids")
     else:  # pragma: no cover - a typo in a table
         raise AssertionError(kind)
