@@ -39,6 +39,7 @@ from .config import ModelConfig
 from .linear import make_linear
 from .llama import CausalLM, RotaryEmbedding, packed_modules
 from .ops import TORCH_OPS, Ops
+from .weights import text_model_tensors
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # an image-text checkpoint's names: its text model's prefixes -> ours; the vision encoder's, unread here
@@ -61,6 +62,10 @@ class GemmaRMSNorm(nn.Module):
 
     def prepare(self) -> None:
         self.scale = (1.0 + self.weight.detach().float()).contiguous()
+
+    def _apply(self, fn, recurse=True):
+        self.scale = None  # a move or cast: recomputed from the weight on next use
+        return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale
@@ -211,27 +216,9 @@ class GemmaCausalLM(nn.Module):
         self.model.rotary_emb.init_buffers(device)
         self.embed_scale = torch.tensor(self.config.hidden_size ** 0.5, device=device)
 
-    def _apply(self, fn, recurse=True):
-        result = super()._apply(fn, recurse)
-        for module in self.modules():
-            if isinstance(module, GemmaRMSNorm):
-                module.scale = None  # a move or cast: recomputed from the weight on next use
-        return result
-
     def adapt_checkpoint(self, tensors: Iterable, source: object = None) -> Iterator:
         """An image-text checkpoint read as its text model (see the module docstring); any other as it is."""
-        for item in tensors:
-            name = item.name if hasattr(item, "name") else item[0]
-            if name.startswith(_VISION_PREFIXES):
-                continue
-            prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
-            if prefix is not None:
-                name = _TEXT_PREFIXES[prefix] + name.removeprefix(prefix)
-                if hasattr(item, "name"):
-                    item.name = name
-                else:
-                    item = (name, item[1])
-            yield item
+        return text_model_tensors(tensors, _TEXT_PREFIXES, _VISION_PREFIXES)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None
               ) -> tuple[torch.Tensor, dict, dict]:

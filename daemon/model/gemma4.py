@@ -45,6 +45,7 @@ from .linear import make_linear
 from .llama import CausalLM
 from .moe import Experts
 from .ops import TORCH_OPS, Ops, apply_rope
+from .weights import text_model_tensors
 
 FULL = "full_attention"
 _TEXT_PREFIX = "model.language_model."
@@ -250,20 +251,9 @@ class Gemma4CausalLM(nn.Module):
         return result
 
     def adapt_checkpoint(self, tensors: Iterable, source: object = None) -> Iterator:
-        """An image-text checkpoint read as its text model (see the module docstring); any other as it is."""
-        for item in tensors:
-            name = item.name if hasattr(item, "name") else item[0]
-            if name.startswith(_OTHER_PARTS):
-                continue
-            if name.startswith(_TEXT_PREFIX):
-                name = "model." + name.removeprefix(_TEXT_PREFIX)
-                if hasattr(item, "name"):
-                    item.name = name
-                else:
-                    item = (name, item[1])
-            if self._unread_kv(name):
-                continue
-            yield item
+        """An image-text checkpoint read as its text model (see the module docstring); any other as it is, the
+        KV-sharing layers' unread k/v weights left out."""
+        return text_model_tensors(tensors, {_TEXT_PREFIX: "model."}, _OTHER_PARTS, skip=self._unread_kv)
 
     def _unread_kv(self, name: str) -> bool:
         """A KV-sharing layer's own k/v weights, which hub checkpoints carry and nothing reads."""

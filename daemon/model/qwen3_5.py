@@ -35,6 +35,7 @@ from .llama import MLP, CausalLM, RotaryEmbedding, partial_rope
 from .llama import packed_modules as llama_packed_modules
 from .moe import SparseMoE
 from .recurrent import RecurrentState, StateMetadata, causal_conv1d, gated_delta_rule
+from .weights import text_model_tensors
 
 _UNREAD_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
 
@@ -183,27 +184,10 @@ class Qwen35CausalLM(nn.Module):
     def init_buffers(self, device: torch.device | str) -> None:
         self.model.rotary_emb.init_buffers(device)
 
-    def _apply(self, fn, recurse=True):
-        result = super()._apply(fn, recurse)
-        for module in self.modules():
-            if isinstance(module, GemmaRMSNorm):
-                module.scale = None  # a move or cast: recomputed from the weight on next use
-        return result
-
     def adapt_checkpoint(self, tensors: Iterable, source: object = None) -> Iterator:
         """An image-text checkpoint read as its text model: `model.language_model.X` is `model.X`; the vision tower
         and the multi-token-prediction head are skipped."""
-        for item in tensors:
-            name = item.name if hasattr(item, "name") else item[0]
-            if name.startswith(_UNREAD_PREFIXES):
-                continue
-            if name.startswith("model.language_model."):
-                name = "model." + name.removeprefix("model.language_model.")
-                if hasattr(item, "name"):
-                    item.name = name
-                else:
-                    item = (name, item[1])
-            yield item
+        return text_model_tensors(tensors, {"model.language_model.": "model."}, _UNREAD_PREFIXES)
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list,
                    meta: AttentionMetadata) -> torch.Tensor:

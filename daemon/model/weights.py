@@ -91,6 +91,27 @@ def load_tensors(model: torch.nn.Module, tensors: Iterable[tuple[str, torch.Tens
     return LoadReport(time.perf_counter() - start, count, weight_bytes, current_rss_bytes(), peak_rss_bytes())
 
 
+def text_model_tensors(tensors: Iterable, renames: dict[str, str], unread: tuple[str, ...],
+                       skip: Callable[[str], bool] | None = None) -> Iterator:
+    """An image-text checkpoint's tensors as its text model's: a name that starts with a key of `renames` starts with
+    its value instead (`model.language_model.X` -> `model.X`); a name that starts with one of `unread` (towers,
+    projectors, MTP heads), or that `skip` refuses once renamed, is left out. Items are (name, tensor) pairs or GGUF
+    RawTensors (renamed in place)."""
+    for item in tensors:
+        name = item.name if hasattr(item, "name") else item[0]
+        if name.startswith(unread):
+            continue
+        prefix = next((p for p in renames if name.startswith(p)), None)
+        if prefix is not None:
+            name = renames[prefix] + name.removeprefix(prefix)
+            if hasattr(item, "name"):
+                item.name = name
+            else:
+                item = (name, item[1])
+        if skip is None or not skip(name):
+            yield item
+
+
 def safetensors_files(folder: Path) -> list[Path]:
     """The checkpoint's files: from model.safetensors.index.json when present, else model.safetensors / *.safetensors."""
     index = folder / "model.safetensors.index.json"
