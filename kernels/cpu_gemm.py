@@ -47,7 +47,7 @@ log = logging.getLogger("llmd.kernels.cpu_gemm")
 # cache key.
 SOURCES = [Path(__file__).with_name(name) for name in (
     "cpu_gemm.c", "cpu_act.c", "cpu_blocks32.c", "cpu_kquants.c", "cpu_head.c", "cpu_gguf.c", "cpu_moe.c", "cpu_ops.c",
-    "cpu_stack.c", "cpu_recurrent.c")]
+    "cpu_stack.c", "cpu_recurrent.c", "cpu_interleaved.c")]
 HEADERS = [Path(__file__).with_name(name) for name in ("cpu_kernels.h", "cpu_gguf.h", "cpu_tiles.h", "cpu_vec.h")]
 _BASE_FLAGS = ["-O3", "-std=gnu11", "-shared", "-fPIC", "-ffp-contract=off"]
 
@@ -442,7 +442,8 @@ def layer_kernel(kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
 
 # GGML type ids (gguf.GGMLQuantizationType) of the types the C kernels take (cpu_gguf.c's type table)
 GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
-                 "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "MXFP4": 39}
+                 "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "MXFP4": 39,
+                 "Q4_K_X8": 1012}  # llmd's own: Q4_K with 8 columns interleaved (gguf_blocks.q4k_x8_pack)
 
 
 def _gguf_dequant(lib, blocks: torch.Tensor, type_name: str, k: int) -> torch.Tensor:
@@ -545,6 +546,16 @@ def gguf_matmul_q16_ref(x: torch.Tensor, qweight: torch.Tensor, type_name: str) 
     reference weights, summed in float64."""
     xq = quantize_activations_ref(x, 32767).double()
     return (xq @ gb.dequantize_blocks(qweight, type_name).double().t()).float()
+
+
+def interleaved_type(type_name: str, n: int, k: int) -> str | None:
+    """The interleaved layout (gguf_blocks.X8_OF) a GGUF weight of `type_name` [n, k] takes for this CPU's kernel: where
+    the kernel runs its integer path and the columns come in whole groups of 8; else None (keep the file's)."""
+    lib = load()
+    layout = next((x8 for x8, t in gb.X8_OF.items() if t == type_name), None)
+    if layout is None or lib is None or n % 8 or gguf_act(lib, [type_name], k) != "int8":
+        return None
+    return layout
 
 
 def gguf_kernel(parts: list[tuple[torch.Tensor, str]], k: int, head: bool = False) -> GGUFKernel | None:

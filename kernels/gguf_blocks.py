@@ -64,6 +64,7 @@ BLOCKS: dict[str, tuple[int, int]] = {
     "IQ4_XS": (QK_K, 136),
 }
 PACKED_TYPES = tuple(BLOCKS)
+X8_OF = {"Q4_K_X8": "Q4_K"}  # llmd's own interleaved layouts (q4k_x8_pack) -> the file's type
 IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 codes' values, doubled
 
@@ -78,7 +79,7 @@ def row_bytes(type_name: str, k: int) -> int:
 
 def block_shape(type_name: str) -> tuple[int, int]:
     try:
-        return BLOCKS[type_name]
+        return BLOCKS[X8_OF.get(type_name, type_name)]
     except KeyError:
         raise ValueError(f"{type_name} is not a packed GGUF type llmd keeps (known: {', '.join(BLOCKS)})") from None
 
@@ -262,6 +263,8 @@ def dequantize_blocks(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     elems, nbytes = block_shape(type_name)
     if blocks.dtype is not torch.uint8:
         raise ValueError(f"GGUF blocks must be uint8, not {blocks.dtype}")
+    if type_name in X8_OF:
+        blocks, type_name = q4k_x8_unpack(blocks), X8_OF[type_name]
     rows = blocks.reshape(1, -1) if blocks.dim() == 1 else blocks
     if rows.dim() != 2 or rows.shape[1] % nbytes:
         raise ValueError(f"{type_name} rows of {rows.shape[-1]} bytes are not whole {nbytes}-byte blocks")
@@ -275,3 +278,48 @@ def dequantize_blocks(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
 def dequantize_rows(blocks: torch.Tensor, type_name: str, rows: torch.Tensor | slice) -> torch.Tensor:
     """Only the selected rows (an index tensor or a slice) dequantized: embeddings and bounded chunks."""
     return dequantize_blocks(blocks[rows], type_name)
+
+
+# ---- Q4_K with 8 columns interleaved (the CPU integer path's layout: kernels/cpu_interleaved.c) -------------------
+# A group of 8 rows' super-block b (8 x 144 bytes) becomes 1152 bytes: d [8] and dmin [8] (fp16), the 6-bit scales and
+# mins split into low nibbles (byte 8j + c: sub-block j of column c, high nibble sub-block j + 4) and their top 2 bits
+# (byte 8j + c: scale j, scale j + 4, min j, min j + 4 in bits 0-1, 2-3, 4-5, 6-7), then the code bytes in runs of 4
+# per column: run (c, g) holds bytes 32c + 4g .. 32c + 4g + 3 of each column. The same bits, rearranged.
+
+
+def _x8_groups(blocks: torch.Tensor) -> tuple[int, int]:
+    n, width = blocks.shape
+    if blocks.dtype is not torch.uint8 or n % 8 or width % 144:
+        raise ValueError(f"Q4_K_X8 needs uint8 rows in groups of 8 and whole 144-byte blocks, not {tuple(blocks.shape)}")
+    return n // 8, width // 144
+
+
+def q4k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_K rows [N, nb * 144] (N % 8 == 0) -> the same bits in the Q4_K_X8 layout, [N, nb * 144]."""
+    groups, nb = _x8_groups(blocks)
+    b = blocks.reshape(groups, 8, nb, 144).transpose(1, 2)  # [G, nb, column, 144]
+    sc, mn = scale_min_k4(b[..., 4:16].reshape(-1, 12))
+    sc, mn = (v.reshape(groups, nb, 8, 8).transpose(2, 3) for v in (sc, mn))  # [G, nb, sub-block, column]
+    low = lambda v: (v[:, :, :4] & 15) | (v[:, :, 4:] & 15) << 4  # noqa: E731
+    high = (sc[:, :, :4] >> 4) | (sc[:, :, 4:] >> 4) << 2 | (mn[:, :, :4] >> 4) << 4 | (mn[:, :, 4:] >> 4) << 6
+    codes = b[..., 16:].reshape(groups, nb, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5)  # [G, nb, c, g, column, 4]
+    out = torch.cat([b[..., 0:2].reshape(groups, nb, 16), b[..., 2:4].reshape(groups, nb, 16),
+                     low(sc).reshape(groups, nb, 32), low(mn).reshape(groups, nb, 32), high.reshape(groups, nb, 32),
+                     codes.reshape(groups, nb, 1024)], dim=-1)
+    return out.reshape(blocks.shape)
+
+
+def q4k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The Q4_K_X8 layout [N, nb * 144] -> the file's Q4_K rows (q4k_x8_pack's inverse)."""
+    groups, nb = _x8_groups(packed)
+    p = packed.reshape(groups, nb, 1152)
+    lo_sc, lo_mn, high = (p[..., o:o + 32].reshape(groups, nb, 4, 8) for o in (32, 64, 96))
+    sc = torch.cat([(lo_sc & 15) | (high & 3) << 4, (lo_sc >> 4) | (high >> 2 & 3) << 4], dim=2)  # [G, nb, 8 j, col]
+    mn = torch.cat([(lo_mn & 15) | (high >> 4 & 3) << 4, (lo_mn >> 4) | (high >> 6) << 4], dim=2)
+    sc, mn = sc.transpose(2, 3), mn.transpose(2, 3)  # [G, nb, column, sub-block]
+    scales = torch.cat([sc[..., :4] | (sc[..., 4:] >> 4) << 6, mn[..., :4] | (mn[..., 4:] >> 4) << 6,
+                        (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4], dim=-1)  # scale_min_k4's 12 bytes
+    codes = p[..., 128:].reshape(groups, nb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(groups, nb, 8, 128)
+    out = torch.cat([p[..., 0:16].reshape(groups, nb, 8, 2), p[..., 16:32].reshape(groups, nb, 8, 2), scales, codes],
+                    dim=-1)  # [G, nb, column, 144]
+    return out.transpose(1, 2).reshape(packed.shape)

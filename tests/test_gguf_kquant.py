@@ -293,7 +293,7 @@ def test_mixed_types_fuse_and_the_c_layer_stack_runs_them_bit_for_bit(kquant_fil
     lm = load_model(kquant_files["untied"], quant="gguf", device="cpu")
     model, cfg = lm.model, lm.config
     qkv = model.model.layers[0].self_attn.qkv_proj
-    assert isinstance(qkv, GGUFConcat) and [p.type_name for p in qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
+    assert isinstance(qkv, GGUFConcat) and [p.file_type for p in qkv.parts] == ["Q4_K", "Q4_K", "Q6_K"]
     w = torch.cat([gb.dequantize_blocks(p.qweight, p.type_name) for p in qkv.parts])
     x = torch.randn(3, HIDDEN)
     ref = x @ w.t() if act == "fp32" else cpu_gemm.quantize_activations_ref(x) @ w.t()

@@ -63,6 +63,7 @@ class GGUFExpertLinear(nn.Module):
             for part in self.parts:
                 layer = GGUFLinear(self.in_features, part.out_features, part.type_name, device="meta")
                 layer.qweight = part.qweight[e]
+                layer.shared_blocks = True  # the fused expert kernel reads them in the file's layout
                 layers.append(layer)
             layer = layers[0] if len(layers) == 1 else GGUFConcat(layers)
             layer.prepare(device, dtype)

@@ -40,14 +40,17 @@ class GGUFLinear(QuantizedLinear):
                  dtype: torch.dtype | None = None, device=None):
         elems = gb.block_shape(type_name)[0]
         super().__init__(in_features, out_features, bias, elems, dtype, device)
-        self.type_name = type_name
+        self.type_name = self.file_type = type_name  # type_name: the blocks' layout now (set_layout)
         self.output_head = False  # the model's output head (set by the loader): its CPU kernel takes finer activations
+        self.shared_blocks = False  # its blocks are also read elsewhere in the file's layout (an expert's view)
         self.register_buffer("qweight", torch.empty(out_features, gb.row_bytes(type_name, in_features),
                                                     dtype=torch.uint8, device=device))
 
     def fill(self, blocks: torch.Tensor, name: str, source, rows: slice | None = None) -> None:
         """Copy a tensor's block rows in (into `rows`: a part of a fused projection), after checking they are this
         layer's shape (ModelFileError if not)."""
+        if self.type_name in gb.X8_OF:  # an interleaved GGUFLinear: the rows come in the file's layout
+            self.set_layout(self.file_type)
         dest = self.qweight if rows is None else self.qweight[rows]
         if tuple(blocks.shape) != tuple(dest.shape):
             raise ModelFileError(source, f"tensor {name!r} ({self.type_name}) has {tuple(blocks.shape)} block bytes, "
@@ -61,21 +64,44 @@ class GGUFLinear(QuantizedLinear):
         return gb.dequantize_blocks(self.qweight, self.type_name)
 
     def _choose_kernel(self, device: torch.device, dtype: torch.dtype) -> LinearKernel:
+        if device.type != "cpu":
+            self.set_layout(self.file_type)
         qweight, type_name, k = self.qweight, self.type_name, self.in_features
         if use_triton(device):
             from llmd.kernels.gguf_matmul import gguf_matmul
 
             return lambda x: gguf_matmul(x, qweight, type_name, k)
         if device.type == "cpu":
-            c = c_kernel(dtype, lambda: cpu_gemm.gguf_kernel([(qweight, type_name)], k, head=self.output_head))
+            c = c_kernel(dtype, lambda: cpu_gemm.gguf_kernel(self.cpu_parts(), k, head=self.output_head))
             if c is not None:
                 return c
         return self._chunked
 
+    def set_layout(self, type_name: str) -> None:
+        """Rearrange the blocks in place into `type_name`'s layout: the file's type, or the CPU integer path's
+        interleaved one (gguf_blocks.X8_OF); the same bits either way."""
+        if type_name == self.type_name:
+            return
+        if type_name in gb.X8_OF:
+            self.qweight.copy_(gb.q4k_x8_pack(self.qweight))
+        else:
+            self.qweight.copy_(gb.q4k_x8_unpack(self.qweight))
+        self.type_name = type_name
+
+    def cpu_parts(self) -> list[tuple[torch.Tensor, str]]:
+        """The CPU kernel's part for this layer, its blocks first interleaved where the kernel's integer path has a
+        layout for them (not where others read the blocks: the output head, whose table an embedding may share, an
+        expert's view)."""
+        layout = None if self.output_head or self.shared_blocks else cpu_gemm.interleaved_type(self.type_name, self.out_features,
+                                                                         self.in_features)
+        if layout is not None:
+            self.set_layout(layout)
+        return [(self.qweight, self.type_name)]
+
     def _chunked(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T with W dequantized a bounded chunk of output rows at a time (the torch path)."""
         y = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        step = _chunk_rows(self.in_features)
+        step = -(-_chunk_rows(self.in_features) // 8) * 8  # whole groups of 8 rows (an interleaved layout's unit)
         for start in range(0, self.out_features, step):
             rows = slice(start, min(self.out_features, start + step))
             w = gb.dequantize_blocks(self.qweight[rows], self.type_name).to(x.dtype)
@@ -103,8 +129,8 @@ class GGUFConcat(QuantizedLinear):
 
     def _choose_kernel(self, device: torch.device, dtype: torch.dtype) -> LinearKernel:
         if device.type == "cpu":  # one C call fills every part's columns
-            parts = [(p.qweight, p.type_name) for p in self.parts]
-            c = c_kernel(dtype, lambda: cpu_gemm.gguf_kernel(parts, self.in_features))
+            c = c_kernel(dtype, lambda: cpu_gemm.gguf_kernel([q for p in self.parts for q in p.cpu_parts()],
+                                                             self.in_features))
             if c is not None:
                 return c
         kernels = [p.prepare(device, dtype) for p in self.parts]
@@ -167,7 +193,7 @@ def tie_gguf_head(model: nn.Module, dtype: torch.dtype) -> bool:
 
 
 def packed_weight_bytes(model: nn.Module) -> dict[str, int]:
-    """Resident bytes of the packed GGUF weights by type (shared tables counted once)."""
+    """Resident bytes of the packed GGUF weights by the file's type (shared tables counted once)."""
     from .gguf_experts import ExpertBlocks
 
     seen, out = set(), {}
@@ -177,7 +203,8 @@ def packed_weight_bytes(model: nn.Module) -> dict[str, int]:
             if t.data_ptr() in seen:
                 continue
             seen.add(t.data_ptr())
-            out[module.type_name] = out.get(module.type_name, 0) + t.numel()
+            type_name = getattr(module, "file_type", module.type_name)  # an interleaved layout counts as its type
+            out[type_name] = out.get(type_name, 0) + t.numel()
     return out
 
 

@@ -1,0 +1,212 @@
+/* Q4_K repacked for the CPU's integer path: 8 output columns interleaved ("Q4_K_X8", llmd's own type id 1012).
+ *
+ * In the file's layout one column's super-block is one 144-byte block, so a vector holds 32 codes of one column: its
+ * dot product ends in a horizontal sum and each sub-block's scale costs a conversion per column. Interleaved, a vector
+ * holds 4 codes of each of 8 columns and the lanes are the columns: an int8 dot product (vpdpbusd, or maddubs + madd)
+ * against 4 broadcast activations serves 8 outputs, and scales, activation scales and mins apply per lane with no
+ * horizontal sum. The bits are the file's, rearranged (llmd.kernels.gguf_blocks.q4k_x8_pack): the same size, every
+ * value the same. A group of 8 columns' super-block (1152 bytes, the 8 blocks' bytes) holds:
+ *   [0, 16)     d of the 8 columns (fp16), [16, 32) their dmin (fp16);
+ *   [32, 64)    byte i = 8j + c (j < 4): scale of sub-block j of column c, low 4 bits; high nibble: sub-block j + 4's;
+ *   [64, 96)    the same for the mins;
+ *   [96, 128)   byte i: bits 0-1 the scale's bits 4-5 for sub-block j, 2-3 for j + 4; bits 4-5, 6-7: the mins';
+ *   [128, 1152) 32 bytes per (c, g) at 32 (8c + g): 4 bytes of each column (column-major), the file's code bytes
+ *               32c + 4g .. 32c + 4g + 3: low nibbles elements 64c + 4g.., high nibbles elements 64c + 32 + 4g...
+ *
+ * Per output (row r, column c), in this order whatever the rows, the columns' range or the thread:
+ *   for each super-block b: dot_j = sum of the 32 codes times the int8 activations of unit j (exact integers);
+ *   s = float(dot_0 sc_0) xd_0, then s = fma(float(dot_j sc_j), xd_j, s) for j = 1..7;
+ *   m = mn_0 S_0, then m = fma(mn_j, S_2j, m) and fma(mn_j, S_2j+1, m) (S: the row's sums of 16 dequantized activations);
+ *   out = fma(s, d, out); out = fma(-m, dmin, out).
+ * The portable build computes the same operations in plain C (fmaf). */
+#include "cpu_tiles.h"
+
+#define X8_BYTES 1152
+#ifndef X8_PF
+#define X8_PF 2 /* super-blocks prefetched ahead */
+#endif
+
+/* the 64 scales and 64 mins of a group's super-block g as bytes sc [8j + c], mn [8j + c] */
+static inline void x8_scales(const uint8_t *g, uint8_t *sc, uint8_t *mn) {
+#if defined(__AVX2__)
+    const __m256i ls = _mm256_loadu_si256((const __m256i *)(g + 32)), lm = _mm256_loadu_si256((const __m256i *)(g + 64));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)(g + 96));
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    _mm256_storeu_si256((__m256i *)sc, _mm256_or_si256(_mm256_and_si256(ls, m4),
+                                                       _mm256_and_si256(_mm256_slli_epi16(h, 4), m30)));
+    _mm256_storeu_si256((__m256i *)(sc + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ls, 4), m4),
+                                                              _mm256_and_si256(_mm256_slli_epi16(h, 2), m30)));
+    _mm256_storeu_si256((__m256i *)mn, _mm256_or_si256(_mm256_and_si256(lm, m4), _mm256_and_si256(h, m30)));
+    _mm256_storeu_si256((__m256i *)(mn + 32), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lm, 4), m4),
+                                                              _mm256_and_si256(_mm256_srli_epi16(h, 2), m30)));
+#else
+    for (int i = 0; i < 32; i++) {
+        const uint8_t h = g[96 + i];
+        sc[i] = (uint8_t)((g[32 + i] & 15) | (h & 3) << 4), sc[32 + i] = (uint8_t)((g[32 + i] >> 4) | (h >> 2 & 3) << 4);
+        mn[i] = (uint8_t)((g[64 + i] & 15) | (h >> 4 & 3) << 4), mn[32 + i] = (uint8_t)((g[64 + i] >> 4) | (h >> 6) << 4);
+    }
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#ifdef DOT_U8S8_ACC
+#define X8_DOT(acc, u, s) DOT_U8S8_ACC(acc, u, s)
+#else
+#define X8_DOT(acc, u, s) _mm256_add_epi32(acc, DOT_U8S8(u, s))
+#endif
+
+/* one row's 8 outputs of a column group q (nb super-blocks) */
+static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256 out = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = q + b * X8_BYTES;
+        const int8_t *xb = xq + 256 * b;
+        for (int p = 0; p < X8_BYTES; p += 64) _mm_prefetch((const char *)(g + X8_PF * X8_BYTES + p), _MM_HINT_T0);
+        uint8_t sc[64], mn[64];
+        x8_scales(g, sc, mn);
+        __m256i acc[8];
+        for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_si256();
+        _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) {
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 128 + 32 * (8 * c + k)));
+                int32_t lo, hi;
+                memcpy(&lo, xb + 64 * c + 4 * k, 4);
+                memcpy(&hi, xb + 64 * c + 32 + 4 * k, 4);
+                acc[2 * c] = X8_DOT(acc[2 * c], _mm256_and_si256(w, m4), _mm256_set1_epi32(lo));
+                acc[2 * c + 1] = X8_DOT(acc[2 * c + 1], _mm256_and_si256(_mm256_srli_epi16(w, 4), m4),
+                                        _mm256_set1_epi32(hi));
+            }
+        }
+        __m256 s = _mm256_setzero_ps(), m = _mm256_setzero_ps();
+        _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
+            const __m128i scj = _mm_loadl_epi64((const __m128i *)(sc + 8 * j));
+            const __m256 t = _mm256_cvtepi32_ps(_mm256_mullo_epi32(acc[j], _mm256_cvtepu8_epi32(scj)));
+            const __m256 dv = _mm256_set1_ps(xd[8 * b + j]);
+            s = j ? _mm256_fmadd_ps(t, dv, s) : _mm256_mul_ps(t, dv);
+            const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * j))));
+            const __m256 s0 = _mm256_set1_ps(S[16 * b + 2 * j]), s1 = _mm256_set1_ps(S[16 * b + 2 * j + 1]);
+            m = _mm256_fmadd_ps(mv, s1, j ? _mm256_fmadd_ps(mv, s0, m) : _mm256_mul_ps(mv, s0));
+        }
+        out = _mm256_fmadd_ps(s, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), out);
+        out = _mm256_fnmadd_ps(m, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))), out);
+    }
+    _mm256_storeu_ps(y, out);
+}
+
+/* R rows (2..4) of a column group: each 32 bytes of codes loaded and split once for all rows; a chunk of 64 codes at
+ * a time (units 2c, 2c + 1), so 2R integer sums are live. The same operations per output as x8_row. */
+#define X8_ROWS(R)                                                                                                     \
+    static void x8_rows_##R(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd, int64_t nbx, \
+                            const float *S, int64_t lds, float *y, int64_t ldy) {                                    \
+        const __m256i m4 = _mm256_set1_epi8(0x0F);                                                                   \
+        __m256 out[R], s[R], m[R];                                                                                   \
+        for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * X8_BYTES;                                                                     \
+            for (int p = 0; p < X8_BYTES; p += 64)                                                                   \
+                _mm_prefetch((const char *)(g + X8_PF * X8_BYTES + p), _MM_HINT_T0);                                \
+            uint8_t sc[64], mn[64];                                                                                  \
+            x8_scales(g, sc, mn);                                                                                    \
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                                                   \
+                __m256i a[2][R];                                                                                     \
+                for (int r = 0; r < R; r++) a[0][r] = a[1][r] = _mm256_setzero_si256();                              \
+                _Pragma("GCC unroll 8") for (int kk = 0; kk < 8; kk++) {                                            \
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 128 + 32 * (8 * c + kk)));            \
+                    const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);  \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
+                        const int8_t *xb = xq + r * k + 256 * b + 64 * c + 4 * kk;                                   \
+                        int32_t vl, vh;                                                                              \
+                        memcpy(&vl, xb, 4);                                                                          \
+                        memcpy(&vh, xb + 32, 4);                                                                     \
+                        a[0][r] = X8_DOT(a[0][r], lo, _mm256_set1_epi32(vl));                                        \
+                        a[1][r] = X8_DOT(a[1][r], hi, _mm256_set1_epi32(vh));                                        \
+                    }                                                                                                \
+                }                                                                                                    \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                               \
+                    const int j = 2 * c + h;                                                                         \
+                    const __m256i scj = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * j)));       \
+                    const __m256 mv =                                                                                \
+                        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * j))));    \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
+                        const __m256 t = _mm256_cvtepi32_ps(_mm256_mullo_epi32(a[h][r], scj));                       \
+                        const __m256 dv = _mm256_set1_ps(xd[r * nbx + 8 * b + j]);                                   \
+                        const __m256 s0 = _mm256_set1_ps(S[r * lds + 16 * b + 2 * j]);                               \
+                        const __m256 s1 = _mm256_set1_ps(S[r * lds + 16 * b + 2 * j + 1]);                           \
+                        s[r] = j ? _mm256_fmadd_ps(t, dv, s[r]) : _mm256_mul_ps(t, dv);                              \
+                        m[r] = _mm256_fmadd_ps(mv, s1, j ? _mm256_fmadd_ps(mv, s0, m[r]) : _mm256_mul_ps(mv, s0));   \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
+            const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));                         \
+            for (int r = 0; r < R; r++) {                                                                            \
+                out[r] = _mm256_fmadd_ps(s[r], d, out[r]);                                                           \
+                out[r] = _mm256_fnmadd_ps(m[r], dmin, out[r]);                                                       \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
+    }
+X8_ROWS(2)
+X8_ROWS(3)
+X8_ROWS(4)
+#else
+static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y) {
+    float out[8] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = q + b * X8_BYTES;
+        const int8_t *xb = xq + 256 * b;
+        uint8_t sc[64], mn[64];
+        x8_scales(g, sc, mn);
+        for (int c = 0; c < 8; c++) {
+            int32_t dot[8] = {0};
+            for (int u = 0; u < 4; u++)
+                for (int k = 0; k < 8; k++)
+                    for (int e = 0; e < 4; e++) {
+                        const uint8_t v = g[128 + 32 * (8 * u + k) + 4 * c + e];
+                        dot[2 * u] += (v & 15) * xb[64 * u + 4 * k + e];
+                        dot[2 * u + 1] += (v >> 4) * xb[64 * u + 32 + 4 * k + e];
+                    }
+            float s = 0.0f, m = 0.0f;
+            for (int j = 0; j < 8; j++) {
+                const float t = (float)(dot[j] * sc[8 * j + c]), mv = (float)mn[8 * j + c];
+                s = j ? fmaf(t, xd[8 * b + j], s) : t * xd[8 * b + j];
+                m = fmaf(mv, S[16 * b + 2 * j + 1], j ? fmaf(mv, S[16 * b + 2 * j], m) : mv * S[16 * b + 2 * j]);
+            }
+            out[c] = fmaf(s, gguf_f16(g + 2 * c), out[c]);
+            out[c] = fmaf(-m, gguf_f16(g + 16 + 2 * c), out[c]);
+        }
+    }
+    memcpy(y, out, sizeof out);
+}
+#endif
+
+/* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the integer path's rows (xd [K/32], S [gq_sums(K)], xq [K] per
+ * row) and a Q4_K_X8 weight q: per group of 8 columns, the rows in chunks whose activations stay in L2. */
+void llmd_x8_cols(const float *xd, const float *S, const int8_t *xq, const uint8_t *q, float *y, int64_t ldy,
+                  int64_t m, int64_t k, int64_t n0, int64_t n1) {
+    const int64_t nb = k / 256, rb = nb * 144, nbx = k / QB, lds = gq_sums(k);
+    const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+        for (int64_t c0 = n0; c0 < n1; c0 += 8)
+            for (int64_t r = m0; r < m1;) {
+                const uint8_t *qg = q + c0 * rb;
+                const int64_t left = m1 - r;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+                if (left >= 2) {
+                    const int rr = left >= 4 ? 4 : (int)left;
+                    void (*rows)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, int64_t,
+                                 const float *, int64_t, float *, int64_t) =
+                        rr == 4 ? x8_rows_4 : rr == 3 ? x8_rows_3 : x8_rows_2;
+                    rows(qg, nb, xq + r * k, k, xd + r * nbx, nbx, S + r * lds, lds, y + r * ldy + c0, ldy);
+                    r += rr;
+                    continue;
+                }
+#endif
+                (void)left;
+                x8_row(qg, nb, xq + r * k, xd + r * nbx, S + r * lds, y + r * ldy + c0);
+                r++;
+            }
+    }
+}

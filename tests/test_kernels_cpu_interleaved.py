@@ -1,0 +1,97 @@
+"""Q4_K with 8 columns interleaved (Q4_K_X8, kernels/cpu_interleaved.c), the CPU integer path's layout for Q4_K: the
+same bits rearranged (packing and unpacking give the file's bytes back, dequantizing gives the file's values), the
+kernel's products match the integer path's torch reference, a row's result is bitwise the same whatever the batch, its
+position, the thread count and the parts beside it, and a packed layer takes the layout on the CPU only where nothing
+else reads its blocks in the file's layout.
+
+Where no C compiler exists the layer keeps the file's layout; the tests check that branch instead of skipping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_kernels_cpu_gguf import HAVE_KERNEL, ROWS, _rows_independent_of_the_batch, _weights, _x
+
+from llmd.kernels import cpu_gemm
+from llmd.kernels import gguf_blocks as gb
+
+
+def test_packing_is_a_rearrangement_of_the_files_bytes():
+    q, k = _weights("Q4_K", n=24, k=768)
+    packed = gb.q4k_x8_pack(q)
+    assert packed.shape == q.shape and not torch.equal(packed, q)
+    assert torch.equal(torch.sort(packed.view(3, 3, 1152)[:, :, 128:].reshape(3, -1)).values,  # codes: moved
+                       torch.sort(q.view(3, 8, 3, 144)[..., 16:].reshape(3, -1)).values)
+    assert torch.equal(gb.q4k_x8_unpack(packed), q)
+    assert torch.equal(gb.dequantize_blocks(packed, "Q4_K_X8").view(torch.int32),
+                       gb.dequantize_blocks(q, "Q4_K").view(torch.int32))
+    with pytest.raises(ValueError, match="groups of 8"):
+        gb.q4k_x8_pack(q[:20])
+
+
+def test_products_match_the_integer_paths_reference():
+    if not HAVE_KERNEL:
+        return
+    for k in (256, 768):
+        q, _ = _weights("Q4_K", n=40, k=k, seed=k)
+        kernel = cpu_gemm.GGUFKernel(cpu_gemm.load(), [(gb.q4k_x8_pack(q), "Q4_K_X8")], k, act="int8")
+        for m in ROWS:
+            x = _x(m, k, seed=m)
+            ref = cpu_gemm.gguf_matmul_q8_ref(x, q, "Q4_K")
+            torch.testing.assert_close(kernel(x), ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
+
+
+def test_rows_do_not_depend_on_batch_threads_or_parts():
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights("Q4_K", n=48, k=512)
+    other, _ = _weights("Q6_K", n=11, k=k, seed=3)
+    lib, packed = cpu_gemm.load(), gb.q4k_x8_pack(q)
+    kernel = cpu_gemm.GGUFKernel(lib, [(packed, "Q4_K_X8")], k, act="int8")
+    fused = cpu_gemm.GGUFKernel(lib, [(other, "Q6_K"), (packed, "Q4_K_X8"), (other, "Q6_K")], k, act="int8")
+    x = _x(70, k)
+    full = _rows_independent_of_the_batch(kernel, x)
+    for threads in (1, 2, 3):
+        for m in (1, 2, 3, 4, 5, 7, 70):  # one row, the 2-4 row tiles and their remainders
+            assert torch.equal(kernel(x[:m], threads), full[:m])
+    both = fused(x, 2)
+    assert torch.equal(both[:, 11:59], full) and torch.equal(both[:, :11], both[:, 59:])
+
+
+def test_the_kernel_refuses_what_the_layout_cannot_hold():
+    if not HAVE_KERNEL:
+        return
+    q, k = _weights("Q4_K", n=16, k=512)
+    packed, lib = gb.q4k_x8_pack(q), cpu_gemm.load()
+    with pytest.raises(ValueError, match="rejected"):  # whole groups of 8 columns only
+        cpu_gemm.GGUFKernel(lib, [(packed[:12], "Q4_K_X8")], k, act="int8")(_x(1, k))
+    with pytest.raises(ValueError, match="rejected"):  # the integer path only
+        cpu_gemm.GGUFKernel(lib, [(packed, "Q4_K_X8")], k, act="fp32")(_x(1, k))
+
+
+def test_a_layer_interleaves_on_the_cpu_where_nothing_else_reads_its_blocks():
+    from llmd.model.quant import GGUFLinear
+
+    q, k = _weights("Q4_K", n=32, k=512)
+    x = _x(3, k)
+
+    def layer(n: int = 32, head: bool = False, shared: bool = False) -> GGUFLinear:
+        out = GGUFLinear(k, n, "Q4_K")
+        out.output_head, out.shared_blocks = head, shared
+        out.fill(q[:n], "w", "test")
+        out.prepare(torch.device("cpu"), torch.float32)
+        return out
+
+    plain = layer()
+    if not HAVE_KERNEL:
+        assert plain.type_name == "Q4_K" and torch.equal(plain.qweight, q)
+        return
+    assert plain.type_name == "Q4_K_X8" and torch.equal(plain.qweight, gb.q4k_x8_pack(q))
+    torch.testing.assert_close(plain(x), cpu_gemm.gguf_matmul_q8_ref(x, q, "Q4_K"), rtol=1e-5, atol=1e-3)
+    assert torch.equal(plain.dequantized_weight(), gb.dequantize_blocks(q, "Q4_K"))
+    plain.fill(q.flip(0).contiguous(), "w", "test")  # new rows come in the file's layout
+    assert plain.type_name == "Q4_K" and torch.equal(plain.qweight, q.flip(0))
+    for kept in (layer(n=20), layer(head=True), layer(shared=True)):  # not 8 | N, the head, an expert's view
+        assert kept.type_name == "Q4_K" and torch.equal(kept.qweight, q[:kept.out_features])
+    plain.prepare(torch.device("meta"), torch.float32)  # another device: the file's layout back
+    assert plain.type_name == "Q4_K"
