@@ -1185,3 +1185,66 @@ def write_tiny_gemma4_mmproj(folder: Path, path: Path, matrix_type: str = "F32")
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mistral 3 image-text (Mistral3ForConditionalGeneration: Mistral Small 3.1 / 3.2): a Pixtral tower, the patch
+# merger and projector beside a Mistral text model, written by transformers; the processor's files as the hub has them.
+
+MISTRAL3_SPECIALS = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "<pad>"]
+MISTRAL3_PATCH, MISTRAL3_MERGE, MISTRAL3_LONGEST_EDGE = 4, 2, 48  # images resized into 48 x 48, multiples of 8
+MISTRAL3_IMAGE_MEAN, MISTRAL3_IMAGE_STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
+# the shape of Mistral Small 3.1's template (a user turn in [INST] ... [/INST], an image part as [IMG]), shortened
+MISTRAL3_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{- '[INST]' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- else %}"
+    "{%- for part in message['content'] %}{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] in ('image', 'image_url') %}{{- '[IMG]' }}{%- endif %}{%- endfor %}{%- endif %}"
+    "{{- '[/INST]' }}{%- elif message['role'] == 'assistant' %}{{- message['content'] + eos_token }}"
+    "{%- else %}{{- message['content'] }}{%- endif %}{%- endfor %}"
+)
+
+
+def write_tiny_mistral3_vision(folder: Path, seed: int = 0) -> Path:
+    """A Mistral3ForConditionalGeneration folder as transformers saves it: a 2-layer Mistral text model, a 2-layer
+    Pixtral tower (patches of 4, SiLU-gated MLP as Mistral Small 3.1's) whose 2 x 2 patches merge into one image
+    token, the RMSNorm + linear-GELU-linear projector; a tokenizer with [IMG] / [IMG_BREAK] / [IMG_END] and a
+    Mistral-style chat template, the processor's files (preprocessor_config.json, processor_config.json)."""
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(MISTRAL3_SPECIALS, add_bos="<s>")
+    ids = {t: tok.token_to_id(t) for t in MISTRAL3_SPECIALS}
+    text = dict(model_type="mistral", vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=512, rms_norm_eps=1e-5, sliding_window=None, initializer_range=0.1,
+                rope_theta=1e6, bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"])
+    vision = dict(model_type="pixtral", image_size=MISTRAL3_LONGEST_EDGE, patch_size=MISTRAL3_PATCH, hidden_size=32,
+                  intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, hidden_act="silu",
+                  rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}, initializer_range=0.1)
+    config = tf.Mistral3Config(text_config=text, vision_config=vision, image_token_index=ids["[IMG]"],
+                               spatial_merge_size=MISTRAL3_MERGE, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = tf.Mistral3ForConditionalGeneration(config).eval()
+    _randomise(model)
+    model.save_pretrained(folder)
+
+    tok.save(str(folder / "tokenizer.json"))
+    _write_json(folder / "tokenizer_config.json", {
+        "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "clean_up_tokenization_spaces": False,
+        "bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>", "unk_token": "<unk>",
+        "chat_template": MISTRAL3_TEMPLATE,
+    })
+    _write_json(folder / "generation_config.json", {"bos_token_id": ids["<s>"], "eos_token_id": ids["</s>"]})
+    _write_json(folder / "preprocessor_config.json", {
+        "image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
+        "size": {"longest_edge": MISTRAL3_LONGEST_EDGE}, "patch_size": {"height": MISTRAL3_PATCH,
+                                                                        "width": MISTRAL3_PATCH},
+        "resample": 3, "rescale_factor": 1 / 255, "do_resize": True, "do_rescale": True, "do_normalize": True,
+        "do_convert_rgb": True, "image_mean": MISTRAL3_IMAGE_MEAN, "image_std": MISTRAL3_IMAGE_STD,
+    })
+    _write_json(folder / "processor_config.json", {
+        "processor_class": "PixtralProcessor", "patch_size": MISTRAL3_PATCH, "spatial_merge_size": MISTRAL3_MERGE,
+        "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"})
+    return folder
