@@ -55,7 +55,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
 TEXT_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                       "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
                       "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
-                      "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+                      "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                      "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
 # text_config keys an image-text config.json may leave out (the hub's Gemma 3 4B-27B do): transformers' defaults
 _TEXT_CONFIG_DEFAULTS = {"Gemma3ForConditionalGeneration": {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -357,11 +358,14 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else _arch_from_model_type(cfg.get("model_type"))
         if arch in TEXT_ARCHITECTURES and isinstance(cfg.get("text_config"), dict):
-            # an image-text checkpoint: its text model, whose settings are text_config's
+            # an image-text checkpoint: its text model, whose settings are text_config's (Ministral 3's is no
+            # MistralForCausalLM: its own, refused below)
             top = {k: cfg[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id") if k in cfg}
+            text_arch = TEXT_ARCHITECTURES[arch]
+            if cfg["text_config"].get("model_type") == "ministral3":
+                text_arch = "Ministral3ForCausalLM"
             cfg, arch = {**_TEXT_CONFIG_DEFAULTS.get(arch, {}), **top, **cfg["text_config"],
-                         "architectures": [TEXT_ARCHITECTURES[arch]],
-                         "llmd_pooling": cfg.get("llmd_pooling", "mean")}, TEXT_ARCHITECTURES[arch]
+                         "architectures": [text_arch], "llmd_pooling": cfg.get("llmd_pooling", "mean")}, text_arch
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitecture(unsupported_message(arch))
         family = FAMILY_FIELDS.get(arch)
@@ -834,7 +838,7 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
                "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration",
                "granitemoehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-               "gemma3": "Gemma3ForConditionalGeneration"}
+               "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
     return by_type.get(model_type or "", model_type)
 
 

@@ -23,6 +23,7 @@ modules here. fp32 and bitsandbytes weights, Qwen3 and CUDA always run the modul
 from __future__ import annotations
 
 import math
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ from .config import ModelConfig
 from .linear import make_linear
 from .moe import SparseMoE, canonical_name, expert_parts, expert_route, stacked_covers
 from .ops import TORCH_OPS, Ops, apply_rope
+from .weights import text_model_tensors
 
 
 class RMSNorm(nn.Module):
@@ -242,6 +244,13 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config)
 
 
+# an image-text checkpoint's names for its text model (as transformers 4 and 5 and the hub save them), and its parts
+# that are not the text model's
+IMAGE_TEXT_RENAMES = {"language_model.model.": "model.", "model.language_model.": "model.",
+                      "language_model.lm_head.": "lm_head."}
+IMAGE_TEXT_UNREAD = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
 class CausalLM(nn.Module):
     """Decoder + LM head. forward(input_ids[T], positions[T], kv_caches, meta) -> final hidden states [T, hidden]."""
 
@@ -290,6 +299,12 @@ class CausalLM(nn.Module):
         """The checkpoint parts a tensor routed with rows fills: itself, or every expert's for a stacked one."""
         covered = stacked_covers(name, self.config.moe) if self.config.moe is not None else None
         return covered if covered is not None else {canonical_name(name) if self.config.moe else name}
+
+    def adapt_checkpoint(self, tensors: Iterable, source: object = None) -> Iterator:
+        """An image-text checkpoint (Mistral3ForConditionalGeneration) read as its text model: `language_model.model.X`
+        (or `model.language_model.X`) is `model.X`, the tower and projector are left to llmd.model.vision; any other
+        checkpoint as it is."""
+        return text_model_tensors(tensors, IMAGE_TEXT_RENAMES, IMAGE_TEXT_UNREAD)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache], meta: AttentionMetadata

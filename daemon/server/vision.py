@@ -5,12 +5,15 @@ Every dialect turns its image parts into {"type": "image", "image": bytes} in a 
 and bounded (llmd.model.vision.images) and encoded by the model's tower, both off the event loop, each encoding kept
 in a small LRU by the image's pixel digest (a multi-turn chat re-sends its images); the chat template sees plain
 {"type": "image"} parts, the rendered text is widened around each image as the family's processor does, and the
-image's placeholder tokens in the encoded prompt become its span.
+image's placeholder tokens in the encoded prompt become its span. An encoding [tokens, hidden] is one run of
+placeholders; one [rows, cols, hidden] (Mistral 3's, whose rows end in a break token) is a run per row, each its own
+span, and its encoder's `expand` is given each image's (rows, cols) instead of its token count.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -70,7 +73,7 @@ async def encode_images(vision: Any, images: list[tuple[str, bytes]]) -> list[tu
 def expand(vision: Any, text: str, encoded: list[tuple[bytes, Any]]) -> str:
     """The rendered prompt widened around each image (a placeholder the user typed themselves: a 400)."""
     try:
-        return vision.expand(text, [int(e.shape[0]) for _, e in encoded])
+        return vision.expand(text, [_grid(e) if e.dim() == 3 else int(e.shape[0]) for _, e in encoded])
     except ValueError as exc:
         raise ApiError(400, f"the prompt's images do not match its image placeholders: {exc}",
                        param="messages") from None
@@ -88,10 +91,23 @@ def image_spans(vision: Any, ids: list[int], encoded: list[tuple[bytes, Any]]) -
             i = j
         else:
             i += 1
-    lengths = [int(e.shape[0]) for _, e in encoded]
+    rows = [row for digest, e in encoded for row in _rows(digest, e)]
+    lengths = [int(e.shape[0]) for _, e in rows]
     if [n for _, n in runs] != lengths:
-        raise ApiError(400, f"the chat template placed {len(runs)} images ({[n for _, n in runs]} tokens) for "
-                            f"{len(encoded)} sent ({lengths} tokens): send images in user messages",
+        raise ApiError(400, f"the chat template placed {len(runs)} image runs ({[n for _, n in runs]} tokens) for "
+                            f"{len(encoded)} images sent ({lengths} tokens): send images in user messages",
                        param="messages")
     return [ImageSpan(start, n, digest, embeds, bool(vision.bidirectional))
-            for (start, n), (digest, embeds) in zip(runs, encoded)]
+            for (start, n), (digest, embeds) in zip(runs, rows)]
+
+
+def _grid(embeds: Any) -> tuple[int, int]:
+    return int(embeds.shape[0]), int(embeds.shape[1])
+
+
+def _rows(digest: bytes, embeds: Any) -> list[tuple[bytes, Any]]:
+    """An image's runs of placeholders with their embeddings: the whole image, or each row of a [rows, cols, hidden]
+    encoding, keyed in the prefix cache by the image's digest and the row."""
+    if embeds.dim() != 3:
+        return [(digest, embeds)]
+    return [(hashlib.sha256(digest + r.to_bytes(4, "little")).digest(), row) for r, row in enumerate(embeds)]
