@@ -22,11 +22,13 @@ from llmd.model.llama import CausalLM
 from llmd.model.loader import load_model
 from llmd.model.tokenizer import Tokenizer
 from llmd.model.vision.mistral3 import Mistral3Vision, load_mistral3_vision, target_size
+from llmd.model.vision.mistral3_gguf import load_mistral3_mmproj
 from llmd_daemon_proc import start_daemon
 from PIL import Image
 from simple_driver import prefill_logits
-from test_vision_gemma3 import _image_bytes, _relabelled
-from tiny_models import MISTRAL3_LONGEST_EDGE, MISTRAL3_MERGE, MISTRAL3_PATCH, write_tiny_mistral3_vision
+from test_vision_gemma3 import _image_bytes, _relabelled, _rewrite_gguf
+from tiny_models import MISTRAL3_LONGEST_EDGE, MISTRAL3_MERGE, MISTRAL3_PATCH, write_tiny_mistral3_mmproj
+from tiny_models import write_tiny_mistral3_vision
 
 EMBED_TOLERANCE = 1e-4
 PIXEL_TOLERANCE = 1e-6
@@ -63,6 +65,12 @@ def reference(folder):
 @pytest.fixture(scope="module")
 def encoder(folder) -> Mistral3Vision:
     return load_mistral3_vision(folder, torch.float32, "cpu")
+
+
+@pytest.fixture(scope="module")
+def mmproj(folder) -> dict[str, Path]:
+    return {kind: write_tiny_mistral3_mmproj(folder, folder.parent / f"mmproj-{kind}.gguf", kind)
+            for kind in ("F32", "F16")}
 
 
 def _reference_inputs(reference, image: Image.Image) -> dict:
@@ -226,6 +234,58 @@ def test_bad_vision_config_is_refused_by_name(folder, tmp_path):
     with pytest.raises(ModelFileError, match="spatial_merge_size 3") as err:
         load_mistral3_vision(bad, torch.float32, "cpu")
     assert err.value.path == str(bad / "processor_config.json")
+
+
+def test_mmproj_gguf_equals_transformers(mmproj, reference):
+    f32 = load_mistral3_mmproj(mmproj["F32"], torch.float32, "cpu", image_token_id=reference[0].config.image_token_id)
+    f16 = load_mistral3_mmproj(mmproj["F16"], torch.float32, "cpu")
+    assert f32.image_token_id == reference[0].config.image_token_id and f16.image_token_id == 10
+    assert f32.config.spatial_merge_size == MISTRAL3_MERGE and f32.config.longest_edge == MISTRAL3_LONGEST_EDGE
+    for name in ("png_50x70", "jpeg_200x120"):
+        pixels = f32.preprocess(_decode(name))  # the file's own mean / std and longest edge
+        assert (pixels - _reference_inputs(reference, _decode(name))["pixel_values"][0]).abs().max().item() <= \
+            PIXEL_TOLERANCE
+        expected = _reference_embeddings(reference, pixels)
+        got = f32.encode(pixels)  # q and k rows back in transformers' order, or the RoPE would turn the wrong pairs
+        assert (got.reshape(expected.shape) - expected).abs().max().item() < EMBED_TOLERANCE
+        # half-precision matrices (as llama.cpp stores them): dequantized, close but not exact
+        err = (f16.encode(pixels).reshape(expected.shape) - expected).abs().max().item()
+        assert 0 < err < 2e-2 * expected.abs().max().item()
+
+
+def test_bad_mmproj_files_are_refused_by_name(mmproj, tmp_path):
+    src = mmproj["F32"]
+    no_tensor = _rewrite_gguf(src, tmp_path / "a.gguf", drop_tensor="v.blk.1.ffn_gate.weight")
+    with pytest.raises(ModelFileError, match=r"'v\.blk\.1\.ffn_gate\.weight'.*missing") as err:
+        load_mistral3_mmproj(no_tensor, torch.float32, "cpu")
+    assert err.value.path == str(no_tensor)
+    pixtral12b = _rewrite_gguf(src, tmp_path / "b.gguf", drop_key="clip.vision.spatial_merge_size")
+    with pytest.raises(ModelFileError, match="without a patch merger"):
+        load_mistral3_mmproj(pixtral12b, torch.float32, "cpu")
+    no_key = _rewrite_gguf(src, tmp_path / "c.gguf", drop_key="clip.vision.embedding_length")
+    with pytest.raises(ModelFileError, match="clip.vision.embedding_length"):
+        load_mistral3_mmproj(no_key, torch.float32, "cpu")
+    other = _rewrite_gguf(src, tmp_path / "d.gguf", drop_key="clip.projector_type",
+                          set_key=("clip.projector_type", "gemma3"))
+    with pytest.raises(ModelFileError, match="not a Mistral 3 mmproj.*gemma3"):
+        load_mistral3_mmproj(other, torch.float32, "cpu")
+
+
+def test_an_mmproj_beside_a_gguf_is_found_and_loaded_for_its_text_model(folder, mmproj, tmp_path, encoder):
+    """llama.cpp's layout: the projector file next to the text GGUF, its [IMG] id from the text vocabulary."""
+    import shutil
+
+    from llmd.model.vision.loading import load_mmproj, mmproj_beside
+
+    text = tmp_path / "Mistral-Small-3.1-24B-Instruct-2503-Q4_K_M.gguf"
+    text.write_bytes(b"GGUF")
+    shutil.copy(mmproj["F32"], tmp_path / "mmproj-F32.gguf")
+    assert mmproj_beside(text) == tmp_path / "mmproj-F32.gguf"
+    loaded = load_mmproj(tmp_path / "mmproj-F32.gguf", Tokenizer.from_hf_folder(folder), torch.float32,
+                         torch.device("cpu"))
+    assert isinstance(loaded, Mistral3Vision) and loaded.image_token_id == encoder.image_token_id
+    pixels = encoder.preprocess(_decode("jpeg_33x97"))
+    assert (loaded.encode(pixels) - encoder.encode(pixels)).abs().max().item() < 1e-4
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1248,3 +1248,56 @@ def write_tiny_mistral3_vision(folder: Path, seed: int = 0) -> Path:
         "processor_class": "PixtralProcessor", "patch_size": MISTRAL3_PATCH, "spatial_merge_size": MISTRAL3_MERGE,
         "image_token": "[IMG]", "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]"})
     return folder
+
+
+def write_tiny_mistral3_mmproj(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
+    """The folder's tower, merger and projector as llama.cpp's converter writes a Mistral 3 mmproj GGUF (projector
+    type pixtral, clip.vision.* keys with the spatial merge, clip.use_silu, q/k rows interleaved per head, the text
+    model's [IMG_BREAK] embedding as v.token_embd.img_break); names from the gguf package's own mapping. matrix_type
+    F16 stores the 2-D and 4-D weights in half precision."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    pre = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
+    vision, text = cfg["vision_config"], cfg["text_config"]
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(gguf.VisionProjectorType.PIXTRAL)
+    w.add_vision_projection_dim(text["hidden_size"])
+    w.add_vision_image_size(vision["image_size"])
+    w.add_vision_patch_size(vision["patch_size"])
+    w.add_vision_embedding_length(vision["hidden_size"])
+    w.add_vision_feed_forward_length(vision["intermediate_size"])
+    w.add_vision_block_count(vision["num_hidden_layers"])
+    w.add_vision_head_count(vision["num_attention_heads"])
+    w.add_vision_image_mean(pre["image_mean"])
+    w.add_vision_image_std(pre["image_std"])
+    w.add_vision_attention_layernorm_eps(1e-5)  # transformers' fixed Pixtral eps, as the converter writes it
+    w.add_vision_use_silu(True)
+    w.add_vision_spatial_merge_size(cfg["spatial_merge_size"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, max(vision["num_hidden_layers"], 3))  # mm.1, mm.2
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(file))
+    heads = vision["num_attention_heads"]
+    for name, tensor in state.items():
+        name = name.removeprefix("model.")
+        if name.endswith("embed_tokens.weight"):  # the [IMG_BREAK] row, which llmd leaves unread
+            tensor, gguf_name = tensor[MISTRAL3_SPECIALS.index("[IMG_BREAK]")], "v.token_embd.img_break"
+        elif name.startswith(("vision_tower.", "multi_modal_projector.")):
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                tensor = _llama_cpp_permute(tensor, heads)
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        else:
+            continue
+        array = np.ascontiguousarray(tensor.float().numpy())
+        if matrix_type == "F16" and array.ndim >= 2:
+            array = array.astype(np.float16)
+        w.add_tensor(gguf_name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
