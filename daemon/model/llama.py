@@ -9,7 +9,9 @@ Parameter names follow Hugging Face (`model.layers.N.self_attn.o_proj.weight`, .
 except that q/k/v and gate/up are declared fused, as `qkv_proj` and `gate_up_proj` (one matmul each):
 `CausalLM.packed_modules` says which rows of them each checkpoint projection fills, and the loader routes them there
 (llmd.model.weights.load_tensors, llmd.model.quant.quantizing_stream). A checkpoint that stores the fused
-projections (Phi-3) loads them by name.
+projections (Phi-3) loads them by name. Mistral 3's image-text checkpoints (Mistral3ForConditionalGeneration) load as
+their Mistral text model: `language_model.model.X` / `model.language_model.X` is `model.X`, and the vision tower and
+projector are left to llmd.model.vision.mistral3 (`adapt_checkpoint`).
 Numerics follow transformers (RMSNorm in fp32, rotate-half RoPE with cos/sin in fp32 then cast) so fp32 logits match.
 
 What runs: this file's modules, with the ops (RMSNorm, RoPE, SiLU * up: llmd.model.ops) and each quantized layer's

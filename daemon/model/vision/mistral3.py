@@ -184,6 +184,8 @@ class Mistral3Vision(nn.Module):
     (patch_conv, ln_pre, transformer.layers.N.*) and the projector's under multi_modal_projector."""
 
     bidirectional = False
+    row_freq: torch.Tensor
+    col_freq: torch.Tensor
 
     def __init__(self, config: Mistral3VisionConfig):
         super().__init__()
@@ -200,7 +202,7 @@ class Mistral3Vision(nn.Module):
     def placeholder_text(self) -> str:
         return IMAGE_TOKEN
 
-    def expand(self, text: str, grids: list[tuple[int, int]]) -> str:  # type: ignore[override]
+    def expand(self, text: str, grids: list[tuple[int, int]]) -> str:
         """Each [IMG] widened to its image's (rows, cols) grid (an encoding's shape, llmd.server.vision)."""
         by_size = iter(grids)
 
@@ -307,8 +309,8 @@ def load_mistral3_vision(folder: Path, dtype: torch.dtype, device: torch.device 
                          ("image_end_token", END_TOKEN)):
         if proc.get(key, default) != default:
             raise ModelFileError(proc_path, f"{key} {proc[key]!r}: only {default!r}")
-    rope = vision.get("rope_parameters") if isinstance(vision.get("rope_parameters"), dict) else vision
-    size = pre.get("size") if isinstance(pre.get("size"), dict) else {}
+    rope: dict = vision["rope_parameters"] if isinstance(vision.get("rope_parameters"), dict) else vision
+    size: dict = pre["size"] if isinstance(pre.get("size"), dict) else {}
 
     def get(values: dict, key: str, kind: type, default: Any, where: Path = cfg_path) -> Any:
         return _config_value(values, key, kind, where, default)
