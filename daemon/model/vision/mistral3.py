@@ -13,8 +13,8 @@ Rules:
   is [rows, cols, text hidden]: each row's [IMG]s are one run of placeholders (llmd.server.vision places it row by
   row); they attend causally, as the text model's other tokens.
 - encode: a bias-free conv patch embedding, an RMSNorm (ln_pre, eps 1e-5); transformer layers of RMSNorm (eps 1e-5),
-  bias-free attention over every patch with 2-D RoPE (rotate-half over the whole head: its first quarter of
-  frequencies (the even ones) turned by the patch's row, its second (the odd ones) by its column), RMSNorm, a gated
+  bias-free attention over every patch with 2-D RoPE (rotate-half over the whole head; of a head's frequencies the
+  even ones turn with the patch's row, the odd ones with its column), RMSNorm, a gated
   MLP (SiLU on Mistral Small 3.1, else GELU); then the projector: an RMSNorm (the text model's eps), each 2 x 2 block
   of patches concatenated channel-major (torch's unfold) and merged by a linear layer, linear / GELU / linear to the
   text hidden size. Only vision_feature_layer -1 (the last layer) is served.
