@@ -120,6 +120,7 @@ def test_target_size_is_the_processors():
     for h, w in [(1, 1), (27, 29), (1540, 1540), (2000, 300), (301, 4000), (1000, 1541), (57, 1539)]:
         expected = get_resize_output_image_size(np.zeros((3, h, w)), (1540, 1540), (28, 28), "channels_first")
         assert target_size(h, w, 1540, 28) == tuple(expected), (h, w)
+    assert target_size(8000, 1, 1540, 28) == (1540, 28)  # a sliver keeps a column of tokens (transformers: 0 wide)
 
 
 def test_bfloat16_encoder_is_close_and_in_the_language_models_dtype(folder, encoder):
@@ -343,6 +344,10 @@ def test_served_answer_is_transformers_greedy_generate(daemon, folder, reference
             {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{base64.b64encode(IMAGES['png_50x70']).decode()}"}},
             {"type": "text", "text": "Again?"}]}])
     assert _stats(daemon)["kv"]["prefix_hits_tokens"] - hits >= 16
+    sliver = base64.b64encode(_image_bytes("PNG", (1, 600))).decode()  # one pixel wide: one column of tokens
+    reply = client.chat.completions.create(model=folder.name, max_tokens=1, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"data:image/png;base64,{sliver}"}}]}])
+    assert reply.choices[0].finish_reason == "length"
     req = urllib.request.Request(daemon.url + "/api/show", json.dumps({"model": folder.name}).encode(),
                                  {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:

@@ -5,7 +5,7 @@ PixtralImageProcessorPil and PixtralProcessor (the references tests/test_vision_
 Rules:
 - preprocess: the RGB image (transparency composited onto white), when a side exceeds the longest edge
   (preprocessor_config.json's size.longest_edge, else the tower's image_size) scaled down by the larger ratio, sides
-  floored, keeping its aspect ratio; then each side rounded up to a multiple of patch_size * spatial_merge_size (the
+  floored (to at least 1), keeping its aspect ratio; then each side rounded up to a multiple of patch_size * spatial_merge_size (the
   processor's patch); resized there with PIL's resample (bicubic), times 1/255 (float64, then fp32), normalised by
   the processor's mean and std. The image is never padded: its size is its own.
 - expand: each "[IMG]" the chat template writes becomes the image's grid of merged tokens row by row, each row
@@ -99,7 +99,8 @@ def target_size(height: int, width: int, longest_edge: int, unit: int) -> tuple[
     """The (height, width) PixtralImageProcessor resizes an image to (see the module docstring)."""
     ratio = max(height / longest_edge, width / longest_edge)
     if ratio > 1:
-        height, width = math.floor(height / ratio), math.floor(width / ratio)
+        # a side that would floor to nothing keeps one pixel (transformers' processor fails on such an image)
+        height, width = max(1, math.floor(height / ratio)), max(1, math.floor(width / ratio))
     return ((height - 1) // unit + 1) * unit, ((width - 1) // unit + 1) * unit
 
 
