@@ -184,6 +184,9 @@ class Engine:
             if image.start < end or image.end > len(prompt_token_ids) or shape != (image.length, hidden):
                 raise InvalidRequest(f"image {i} does not fit the prompt (tokens {image.start}..{image.end}, "
                                      f"embeddings {shape})", field="images")
+            if image.grid is not None and (min(image.grid) < 1 or image.grid[0] * image.grid[1] != image.length):
+                raise InvalidRequest(f"image {i}'s grid {image.grid} does not hold its {image.length} tokens",
+                                     field="images")
             end = image.end
 
     def _check_tokens(self, prompt_token_ids: list[int]) -> None:

@@ -29,6 +29,7 @@ from ..model.recurrent import StateMetadata, allocate_states, layer_caches, stat
 from .config import DEFAULT_SPEC_MAX_BATCH, EngineConfig
 from .cuda_graphs import Capture, CudaGraphRunner, cuda_graph_capture, graph_blocker
 from .scheduler import ScheduledSeq
+from .sequence import rope_positions
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +191,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_cache_dtype = config.kv_cache_dtype
         self.layer_windows = layer_windows(self.model_config)
+        # multimodal RoPE (Qwen3.5): a sequence with images on a grid gets [3, T] positions (sequence.rope_positions)
+        self.mrope = getattr(self.model_config, "mrope_section", None) is not None
         # a hybrid's recurrent layers: a state per sequence slot and per prefix checkpoint, plus a scratch slot
         # (slots: [sequences][checkpoints][speculation backups][scratch])
         self.num_state_slots, self.num_state_checkpoints, backups = plan_states(self.model_config, config,
@@ -298,6 +301,7 @@ class ModelRunner:
         image_embeds: list[torch.Tensor] = []
         both_ways: dict[int, list[tuple[int, int]]] = {}  # sequence index -> its chunk's images seeing each other
         pooled: list[tuple[ScheduledSeq, int]] = []  # embedding chunks and their first row
+        grid_rows: dict[int, tuple[list[int], list[int]]] = {}  # first row -> a sequence's h and w positions
         for s in scheduled:
             seq = s.seq
             start = seq.num_computed_tokens
@@ -313,7 +317,13 @@ class ModelRunner:
             input_ids.extend(seq.token_ids[start : start + s.num_new_tokens])
             input_ids.extend(s.spec)  # a speculative proposal runs right after its decode token
             n = s.num_tokens
-            positions.extend(range(start, start + n))
+            if self.mrope and any(image.grid is not None for image in seq.images):
+                t, h, w = rope_positions(seq.images, start, n)
+                positions.extend(t)
+                if h != t or w != t:  # an image's tokens in this chunk (past them, the three agree)
+                    grid_rows[len(input_ids) - n] = (h, w)
+            else:
+                positions.extend(range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_ids)
@@ -354,6 +364,10 @@ class ModelRunner:
                 meta.window_group.bidirectional = meta.bidirectional
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if grid_rows:  # multimodal RoPE: [3, T], the (t, h, w) positions (one value for text)
+            pos = pos.expand(3, -1).clone()
+            for row, (h, w) in grid_rows.items():
+                pos[1:, row : row + len(h)] = torch.tensor([h, w], dtype=torch.long, device=self.device)
         hidden = self.forward(ids, pos, self.kv_caches, meta)
         for s, first in pooled:
             s.hidden = hidden[first : first + s.num_new_tokens].clone()

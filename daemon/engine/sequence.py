@@ -26,6 +26,43 @@ if TYPE_CHECKING:
 _arrival_counter = itertools.count()
 
 
+def rope_positions(images: list[ImageSpan], start: int, n: int) -> tuple[list[int], list[int], list[int]]:
+    """The (t, h, w) RoPE positions of tokens start .. start + n - 1 for a model with multimodal RoPE (Qwen3.5, as
+    transformers' get_rope_index): a text token's three are its index shifted by what the images before it saved;
+    an image with a grid puts its token (row r, column c) at (p, p + r, p + c), p its first token's shifted index,
+    and the text after it continues from p + max(rows, columns). Decode steps past the prompt are the same rule
+    (the "rope delta"), so a token's positions depend only on its index and the images: chunks, prefix hits and
+    recompute after preemption see the same ones."""
+    t: list[int] = []
+    h: list[int] = []
+    w: list[int] = []
+    shift, i, end = 0, start, start + n
+
+    def text(lo: int, hi: int) -> None:
+        if lo < hi:
+            run = range(lo + shift, hi + shift)
+            t.extend(run)
+            h.extend(run)
+            w.extend(run)
+
+    for image in images:
+        if image.grid is None:
+            continue
+        if image.start >= end:
+            break
+        text(i, image.start)
+        rows, cols = image.grid
+        first = image.start + shift
+        for j in range(max(i, image.start) - image.start, min(image.end, end) - image.start):
+            t.append(first)
+            h.append(first + j // cols)
+            w.append(first + j % cols)
+        shift += max(rows, cols) - image.length
+        i = max(i, image.end)
+    text(i, end)
+    return t, h, w
+
+
 @dataclass
 class BlockTable:
     """A sequence's blocks in one KV group: one id per block of the context from position 0 (the leading

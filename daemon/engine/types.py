@@ -424,13 +424,16 @@ class ImageSpan:
     """One image in a prompt (llmd.model.vision): its placeholder tokens at positions [start, start + length), the
     embeddings [length, hidden] the model reads there instead of the tokens' own, and `digest`, a hash of its pixels
     that keys those positions in the prefix cache (two different images never share blocks). `bidirectional`: the
-    image's tokens attend to each other both ways (Gemma), so a prefill chunk never splits them."""
+    image's tokens attend to each other both ways (Gemma), so a prefill chunk never splits them. `grid`: (rows,
+    columns) of the image's tokens, row-major, for a model with multimodal RoPE (Qwen3.5), which gives them 2-D
+    positions (llmd.engine.sequence.rope_positions); None: the tokens' positions are their indices, like text's."""
 
     start: int
     length: int
     digest: bytes
     embeds: "Any" = dataclasses.field(repr=False, compare=False)  # torch.Tensor [length, hidden]
     bidirectional: bool = False
+    grid: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:

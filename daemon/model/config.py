@@ -234,6 +234,9 @@ class ModelConfig:
     # hybrids: layer_types names the recurrent layers ("linear_attention", "mamba"); they hold no KV cache
     recurrent: RecurrentConfig | None = None
     attention_output_gate: bool = False  # Qwen3.5: q_proj also yields a per-head gate, sigmoid(gate) * attention
+    # Qwen3.5's multimodal RoPE: how many of the rotary frequencies take a token's (t, h, w) position components,
+    # interleaved (llmd.model.qwen3_5.MultimodalRotaryEmbedding); None: one position per token
+    mrope_section: list[int] | None = None
     # Per-layer attention shapes (Gemma 4's global layers: wider heads, fewer KV heads); None: head_dim and
     # num_key_value_heads on every layer
     layer_head_dims: list[int] | None = None
@@ -572,9 +575,13 @@ def qwen3_5_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")} or None
     if scaling is not None and rope_type_of(scaling) == "default":
         scaling = None
+    section = params.get("mrope_section") or (cfg.get("rope_scaling") or {}).get("mrope_section") or [11, 11, 10]
+    if not isinstance(section, list) or len(section) != 3 or \
+            not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 4096 for n in section):
+        raise ModelFileError("config", f"mrope_section {section!r} is not three counts of rotary frequencies")
     out = {"layer_types": list(layer_types), "recurrent": recurrent, "attention_output_gate": True,
            "partial_rotary_factor": float(partial), "head_dim": int(cfg.get("head_dim") or 256),
-           "rope_scaling": scaling}
+           "rope_scaling": scaling, "mrope_section": list(section)}
     if arch == "Qwen3_5MoeForCausalLM":
         shared = int(cfg.get("shared_expert_intermediate_size", 512))
         out["moe"] = MoEConfig(int(cfg.get("num_experts", 256)), int(cfg.get("num_experts_per_tok", 8)),

@@ -7,7 +7,10 @@ engine's state pool, llmd.model.recurrent), every fourth one a gated full-attent
 like any model). Following transformers' modeling_qwen3_5 (the reference the tests compare against):
 - RMSNorms multiply by (1 + weight) in fp32 (as Gemma's: llmd.model.gemma.GemmaRMSNorm), q/k norms included;
 - attention: q_proj yields, per head, the query and a gate; the output is o_proj(attention * sigmoid(gate)); RoPE on
-  the first quarter of head_dim (partial rotary; the text model's multimodal RoPE reduces to plain RoPE);
+  the first quarter of head_dim (partial rotary), multimodal: positions may come as [3, T], a token's (t, h, w)
+  components (an image's tokens: its grid, llmd.engine.sequence.rope_positions), frequency i taking h where
+  i % 3 == 1 and i < 3 * mrope_section[1], w where i % 3 == 2 and i < 3 * mrope_section[2], else t (interleaved, as
+  transformers' Qwen3_5TextRotaryEmbedding); a text token's three are equal, which is plain RoPE of [T] positions;
 - Gated DeltaNet: in_proj_qkv -> short causal conv (SiLU) -> q, k, v; beta = sigmoid(in_proj_b), the log decay
   g = -exp(A_log) * softplus(in_proj_a + dt_bias); the gated delta rule (llmd.model.recurrent.gated_delta_rule); a
   gated RMSNorm (norm(o) * weight * silu(z), z = in_proj_z) per value head; out_proj. Each q/k head serves
@@ -38,6 +41,36 @@ from .recurrent import RecurrentState, StateMetadata, causal_conv1d, gated_delta
 from .weights import text_model_tensors
 
 _UNREAD_PREFIXES = ("model.visual.", "mtp.", "model.mtp.")
+
+
+class MultimodalRotaryEmbedding(RotaryEmbedding):
+    """RotaryEmbedding of [T] positions, or of [3, T] (t, h, w) positions with the frequencies interleaved by
+    config.mrope_section (module docstring)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)
+        self.register_buffer("components", self._components(), persistent=False)
+
+    def _components(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Which position component (0: t, 1: h, 2: w) each rotary frequency takes."""
+        section, half = self.config.mrope_section or [0, 0, 0], self.config.rotary_dim // 2
+        rows = [1 if i % 3 == 1 and i < 3 * section[1] else 2 if i % 3 == 2 and i < 3 * section[2] else 0
+                for i in range(half)]
+        return torch.tensor(rows, dtype=torch.long, device=device)
+
+    def init_buffers(self, device: torch.device | str) -> None:
+        super().init_buffers(device)
+        self.components = self._components(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().forward(positions, dtype)
+        # each frequency's angle from its own component: the same products as for [T] positions when they agree
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq  # [3, T, d/2]
+        freqs = freqs.gather(0, self.components.expand(1, positions.shape[1], -1))[0]
+        cos, sin = freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
 
 class GatedAttention(nn.Module):
@@ -159,7 +192,7 @@ class Qwen35Model(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.rotary_emb = MultimodalRotaryEmbedding(config)
 
 
 class Qwen35CausalLM(nn.Module):
