@@ -1,12 +1,18 @@
 """Qwen3.5 images against transformers on a tiny random Qwen3_5ForConditionalGeneration (tests/tiny_qwen3_5_vl.py),
 CPU fp32: the multimodal RoPE positions (llmd.engine.sequence.rope_positions) equal get_rope_index's; the engine's
 greedy answer with an image's embeddings on its grid equals transformers' text model fed the same embeddings at its
-3-D positions, whole or in prefill chunks that cut the image, after a prefix hit and after preemption.
+3-D positions, whole or in prefill chunks that cut the image, after a prefix hit and after preemption. The tower
+(llmd.model.vision.qwen3_5): preprocessing equals Qwen2VLImageProcessorPil's patches and grid (non-square images,
+upscaled, downscaled, RGBA), the embeddings get_image_features' (1e-4), the expanded prompt Qwen3VLProcessor's
+tokens; bad files and images are refused by name.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +20,14 @@ from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse
 from llmd.engine import SamplingParams
 from llmd.engine.sequence import rope_positions
 from llmd.engine.types import ImageSpan
+from llmd.errors import ModelFileError
 from llmd.model.loader import load_model
+from llmd.model.tokenizer import Tokenizer
+from llmd.model.vision.images import InvalidImage
+from llmd.model.vision.qwen3_5 import MAX_IMAGE_TOKENS, Qwen35Vision, load_qwen3_5_vision
+from PIL import Image
 from test_engine import GREEDY
+from test_vision_gemma3 import _image_bytes, _relabelled
 from tiny_qwen3_5_vl import write_tiny_qwen3_5_vl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -154,3 +166,126 @@ def test_a_grid_that_does_not_hold_the_image_is_refused(lm):
     bad = ImageSpan(span.start, span.length, span.digest, span.embeds, grid=(2, 2))
     with pytest.raises(InvalidRequest, match="grid"):
         make_engine(lm).add_request("a", ids, SamplingParams(max_tokens=1), images=[bad])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The tower
+
+IMAGES = {  # name -> encoded bytes: landscape, portrait strip, tiny (scaled up), large (scaled down), RGBA, grey
+    "png_100x60": _image_bytes("PNG", (100, 60)),
+    "jpeg_37x250": _image_bytes("JPEG", (37, 250), seed=1),
+    "png_9x7": _image_bytes("PNG", (9, 7), seed=2),
+    "jpeg_300x200": _image_bytes("JPEG", (300, 200), seed=3),
+    "png_rgba_70x70": _image_bytes("PNG", (70, 70), "RGBA", seed=4),
+    "png_gray_40x64": _image_bytes("PNG", (40, 64), "L", seed=5),
+}
+
+
+def _decode(name: str) -> Image.Image:
+    return Image.open(io.BytesIO(IMAGES[name]))
+
+
+def reference_processor(folder: Path):
+    """Qwen3VLProcessor over the folder's files. It wants a video processor, which needs torchvision (not installed
+    here); images need none, so that one is left out of its class check."""
+    import transformers as tf
+    from transformers.processing_utils import ProcessorMixin
+
+    check = ProcessorMixin.check_argument_for_proper_class
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ProcessorMixin, "check_argument_for_proper_class",
+                   lambda self, name, arg: None if arg is None else check(self, name, arg))
+        return tf.Qwen3VLProcessor(image_processor=tf.Qwen2VLImageProcessorPil.from_pretrained(folder),
+                                   tokenizer=tf.AutoTokenizer.from_pretrained(folder), video_processor=None)
+
+
+@pytest.fixture(scope="module")
+def processor(folder):
+    return reference_processor(folder)
+
+
+@pytest.fixture(scope="module")
+def encoder(folder) -> Qwen35Vision:
+    return load_qwen3_5_vision(folder, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_preprocess_and_embeddings_equal_transformers(name, encoder, processor, reference):
+    pixels = encoder.preprocess(_decode(name))
+    expected = processor.image_processor(_decode(name), return_tensors="pt")
+    _, rows, cols = expected["image_grid_thw"][0].tolist()
+    assert encoder.token_grid(pixels) == (rows // 2, cols // 2)
+    assert encoder.tokens_for(pixels) == rows * cols // 4
+    assert (encoder.patches(pixels) - expected["pixel_values"]).abs().max().item() < 1e-6
+    with torch.no_grad():
+        want = reference.model.get_image_features(expected["pixel_values"], expected["image_grid_thw"])
+    got = encoder.encode(pixels)
+    assert got.dtype == torch.float32 and got.shape == want.pooler_output[0].shape
+    assert (got - want.pooler_output[0]).abs().max().item() < 1e-4
+
+
+def test_sizes_follow_smart_resize(encoder):
+    grids = {name: encoder.token_grid(encoder.preprocess(_decode(name))) for name in IMAGES}
+    assert grids["png_100x60"] == (2, 3) and grids["jpeg_37x250"] == (8, 1)
+    assert grids["png_9x7"] == (2, 3)  # scaled up to min_pixels
+    assert grids["jpeg_300x200"][0] * grids["jpeg_300x200"][1] * 32 ** 2 <= 128 * 128  # scaled down to max_pixels
+    with pytest.raises(InvalidImage, match="200 times"):
+        encoder.preprocess(Image.new("RGB", (4020, 20)))
+    with pytest.raises(ValueError, match="multiples of 32"):
+        encoder.encode(torch.zeros(3, 48, 64))
+    with pytest.raises(ValueError, match=f"at most {MAX_IMAGE_TOKENS} tokens"):
+        encoder.token_grid(torch.zeros(3, 32, 32 * (MAX_IMAGE_TOKENS + 1)))
+
+
+def test_expand_matches_the_processor(folder, encoder, processor):
+    """Qwen3.5's chat template writes <|vision_start|><|image_pad|><|vision_end|> for an image part; expanded, the
+    prompt tokenizes as Qwen3VLProcessor's (two images in one message, one in a later turn)."""
+    tok = Tokenizer.from_hf_folder(folder)
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "image"},
+                                     {"type": "text", "text": "these two."}]},
+        {"role": "assistant", "content": "They differ."},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "And this?"}]},
+    ]
+    rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+    assert rendered.count(encoder.placeholder_text()) == 3
+    images = [_decode(n) for n in ("png_100x60", "jpeg_37x250", "png_9x7")]
+    counts = [encoder.tokens_for(encoder.preprocess(i)) for i in images]
+    ids = tok.encode(encoder.expand(rendered, counts))
+    processed = processor(text=[rendered], images=images, add_special_tokens=False, return_tensors="pt")
+    assert ids == processed["input_ids"][0].tolist()
+    assert ids.count(encoder.image_token_id) == sum(counts) and len(set(counts)) > 1
+    with pytest.raises(ValueError, match="2 images"):
+        encoder.expand(rendered, counts[:2])
+
+
+def test_bad_files_are_refused_by_name(folder, tmp_path):
+    drop = _relabelled(folder, tmp_path / "drop", lambda n: None if n.endswith("blocks.1.mlp.linear_fc2.bias") else n)
+    with pytest.raises(ModelFileError, match=r"'model\.visual\.blocks\.1\.mlp\.linear_fc2\.bias'.*missing"):
+        load_qwen3_5_vision(drop, torch.float32, "cpu")
+    from safetensors.torch import load_file, save_file
+
+    bent = _relabelled(folder, tmp_path / "bent", lambda n: n.removeprefix("model."))  # transformers 4's names
+    tensors = load_file(bent / "model.safetensors")
+    tensors["visual.merger.linear_fc2.weight"] = torch.zeros(64, 127)
+    save_file(tensors, bent / "model.safetensors")
+    with pytest.raises(ModelFileError, match=r"'visual\.merger\.linear_fc2\.weight' has shape \(64, 127\), "
+                                             r"expected \(64, 128\)") as err:
+        load_qwen3_5_vision(bent, torch.float32, "cpu")
+    assert err.value.path == str(bent / "model.safetensors")
+
+    pre, cfg = (json.loads((folder / n).read_text()) for n in ("preprocessor_config.json", "config.json"))
+    for name, settings, match in (
+            ("preprocessor_config.json", {**pre, "patch_size": 14}, "patch_size 14 differs"),
+            ("preprocessor_config.json", {**pre, "size": {"shortest_edge": 9000, "longest_edge": 4096}},
+             "min_pixels 9000 is over max_pixels"),
+            ("config.json", {**cfg, "vision_config": {**cfg["vision_config"], "out_hidden_size": 32}},
+             "out_hidden_size 32"),
+            ("config.json", {**cfg, "vision_config": {**cfg["vision_config"], "num_position_embeddings": 15}},
+             "not a square")):
+        bad = tmp_path / f"bad-{name}-{match[:8]}"
+        _relabelled(folder, bad, lambda n: n)
+        (bad / name).write_text(json.dumps(settings))
+        with pytest.raises(ModelFileError, match=match) as err:
+            load_qwen3_5_vision(bad, torch.float32, "cpu")
+        assert err.value.path == str(bad / name)

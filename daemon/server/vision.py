@@ -47,39 +47,44 @@ def take_images(messages: list[dict]) -> tuple[list[dict], list[tuple[str, bytes
     return out, images
 
 
-def _encode(vision: Any, data: bytes, where: str) -> tuple[bytes, Any]:
-    """(digest, embeddings) of one image, from the cache or the tower; runs in a worker thread."""
+EncodedImage = tuple[bytes, Any, tuple[int, int] | None]  # an image's digest, embeddings and token grid
+
+
+def _encode(vision: Any, data: bytes, where: str) -> EncodedImage:
+    """(digest, embeddings, token grid) of one image, from the cache or the tower; runs in a worker thread. The grid:
+    the tower's token_grid (rows, columns) where it has one (Qwen3.5: its multimodal RoPE), else None."""
     try:
         decoded = decode_image(data)
+        cache = _encoded.setdefault(vision, OrderedDict())
+        hit = cache.get(decoded.digest)
+        if hit is None:
+            pixels = vision.preprocess(decoded.image)
+            grid = vision.token_grid(pixels) if hasattr(vision, "token_grid") else None
+            hit = cache[decoded.digest] = (vision.encode(pixels), grid)
+            while len(cache) > ENCODED_CACHE:
+                cache.popitem(last=False)
+        else:
+            cache.move_to_end(decoded.digest)
     except InvalidImage as exc:
         raise ApiError(400, f"{where}: the image {exc}", param=where) from None
-    cache = _encoded.setdefault(vision, OrderedDict())
-    embeds = cache.get(decoded.digest)
-    if embeds is None:
-        embeds = vision.encode(vision.preprocess(decoded.image))
-        cache[decoded.digest] = embeds
-        while len(cache) > ENCODED_CACHE:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(decoded.digest)
-    return decoded.digest, embeds
+    return decoded.digest, *hit
 
 
-async def encode_images(vision: Any, images: list[tuple[str, bytes]]) -> list[tuple[bytes, Any]]:
+async def encode_images(vision: Any, images: list[tuple[str, bytes]]) -> list[EncodedImage]:
     loop = asyncio.get_running_loop()
     return [await loop.run_in_executor(None, _encode, vision, data, where) for where, data in images]
 
 
-def expand(vision: Any, text: str, encoded: list[tuple[bytes, Any]]) -> str:
+def expand(vision: Any, text: str, encoded: list[EncodedImage]) -> str:
     """The rendered prompt widened around each image (a placeholder the user typed themselves: a 400)."""
     try:
-        return vision.expand(text, [_grid(e) if e.dim() == 3 else int(e.shape[0]) for _, e in encoded])
+        return vision.expand(text, [_grid(e) if e.dim() == 3 else int(e.shape[0]) for _, e, _ in encoded])
     except ValueError as exc:
         raise ApiError(400, f"the prompt's images do not match its image placeholders: {exc}",
                        param="messages") from None
 
 
-def image_spans(vision: Any, ids: list[int], encoded: list[tuple[bytes, Any]]) -> list[ImageSpan]:
+def image_spans(vision: Any, ids: list[int], encoded: list[EncodedImage]) -> list[ImageSpan]:
     """Each image's run of placeholder tokens in `ids`, in order, with its embeddings."""
     runs, i = [], 0
     while i < len(ids):
@@ -91,23 +96,23 @@ def image_spans(vision: Any, ids: list[int], encoded: list[tuple[bytes, Any]]) -
             i = j
         else:
             i += 1
-    rows = [row for digest, e in encoded for row in _rows(digest, e)]
-    lengths = [int(e.shape[0]) for _, e in rows]
+    rows = [row for image in encoded for row in _rows(*image)]
+    lengths = [int(e.shape[0]) for _, e, _ in rows]
     if [n for _, n in runs] != lengths:
         raise ApiError(400, f"the chat template placed {len(runs)} image runs ({[n for _, n in runs]} tokens) for "
                             f"{len(encoded)} images sent ({lengths} tokens): send images in user messages",
                        param="messages")
-    return [ImageSpan(start, n, digest, embeds, bool(vision.bidirectional))
-            for (start, n), (digest, embeds) in zip(runs, rows)]
+    return [ImageSpan(start, n, digest, embeds, bool(vision.bidirectional), grid)
+            for (start, n), (digest, embeds, grid) in zip(runs, rows)]
 
 
 def _grid(embeds: Any) -> tuple[int, int]:
     return int(embeds.shape[0]), int(embeds.shape[1])
 
 
-def _rows(digest: bytes, embeds: Any) -> list[tuple[bytes, Any]]:
+def _rows(digest: bytes, embeds: Any, grid: tuple[int, int] | None) -> list[EncodedImage]:
     """An image's runs of placeholders with their embeddings: the whole image, or each row of a [rows, cols, hidden]
     encoding, keyed in the prefix cache by the image's digest and the row."""
     if embeds.dim() != 3:
-        return [(digest, embeds)]
-    return [(hashlib.sha256(digest + r.to_bytes(4, "little")).digest(), row) for r, row in enumerate(embeds)]
+        return [(digest, embeds, grid)]
+    return [(hashlib.sha256(digest + r.to_bytes(4, "little")).digest(), row, None) for r, row in enumerate(embeds)]

@@ -9,6 +9,9 @@ from PIL import Image
 
 
 class VisionEncoder(Protocol):
+    """A family's image encoder. One whose language model gives image tokens 2-D positions (Qwen3.5's multimodal
+    RoPE) also has `token_grid(pixel_values) -> (rows, columns)` of its tokens (llmd.engine.types.ImageSpan.grid)."""
+
     image_token_id: int  # the placeholder token an image's embeddings replace
     bidirectional: bool  # whether an image's tokens attend to each other both ways (Gemma 3 / 4)
 
