@@ -61,8 +61,8 @@ def test_hf_folder_matches_transformers(kind, hybrid_models):
 
 
 def test_image_text_checkpoint_loads_its_text_model(hybrid_models, tmp_path):
-    """A Qwen3_5ForConditionalGeneration folder: text_config, `model.language_model.*` names, a vision tower and an
-    MTP head that are left unread."""
+    """A Qwen3_5ForConditionalGeneration folder's text model: text_config, `model.language_model.*` names; tensors of
+    a vision tower and an MTP head are left unread (the tower, with its vision_config: test_vision_qwen3_5.py)."""
     from safetensors.torch import load_file, save_file
 
     src = hybrid_models["qwen3_5"]
@@ -74,7 +74,7 @@ def test_image_text_checkpoint_loads_its_text_model(hybrid_models, tmp_path):
     text = json.loads((src / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({
         "architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "tie_word_embeddings": False,
-        "text_config": {**text, "model_type": "qwen3_5_text"}, "vision_config": {"depth": 1}}))
+        "text_config": {**text, "model_type": "qwen3_5_text"}}))
     tensors = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
                for k, v in load_file(src / "model.safetensors").items()}
     tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(8, 8)

@@ -4,14 +4,17 @@ greedy answer with an image's embeddings on its grid equals transformers' text m
 3-D positions, whole or in prefill chunks that cut the image, after a prefix hit and after preemption. The tower
 (llmd.model.vision.qwen3_5): preprocessing equals Qwen2VLImageProcessorPil's patches and grid (non-square images,
 upscaled, downscaled, RGBA), the embeddings get_image_features' (1e-4), the expanded prompt Qwen3VLProcessor's
-tokens; bad files and images are refused by name.
+tokens; bad files and images are refused by name. Served: a daemon answers a question about an image as
+transformers' generate does (its multimodal RoPE included) and shows the vision capability.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import json
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,9 +28,11 @@ from llmd.model.loader import load_model
 from llmd.model.tokenizer import Tokenizer
 from llmd.model.vision.images import InvalidImage
 from llmd.model.vision.qwen3_5 import MAX_IMAGE_TOKENS, Qwen35Vision, load_qwen3_5_vision
+from llmd_daemon_proc import start_daemon
 from PIL import Image
 from test_engine import GREEDY
 from test_vision_gemma3 import _image_bytes, _relabelled
+from test_vision_served import picture
 from tiny_qwen3_5_vl import write_tiny_qwen3_5_vl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -130,6 +135,21 @@ def test_engine_answer_with_images_on_a_grid_equals_transformers(reference, lm):
     # consecutive positions (as for Gemma's images) give other log-probabilities: the grid positions are what matched
     _, plain = reference_greedy(reference, ids, spans, 8, mrope=False)
     assert max(abs(a - b) for a, b in zip(got, plain, strict=True)) > 1e-3
+
+
+def test_text_only_answer_equals_transformers(reference, lm):
+    """The image-text folder's text model with no image: plain positions, transformers' tokens and log-probs."""
+    assert lm.vision is not None and lm.config.mrope_section == [3, 3, 2]
+    ids = [9, 30, 31, 32, 40, 41, 42, 50, 51, 52, 53]
+    tokens, logprobs = reference_greedy(reference, ids, [], 6)
+    engine = make_engine(lm)
+    engine.add_request("a", ids, SamplingParams(max_tokens=6, logprobs=0, **GREEDY))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == tokens
+    got = [lp.logprob for o in outs for lp in o.logprobs]
+    assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < 1e-4
 
 
 def run(engine, prompts: list[tuple[list[int], list[ImageSpan]]], params) -> list[list[int]]:
@@ -289,3 +309,59 @@ def test_bad_files_are_refused_by_name(folder, tmp_path):
         with pytest.raises(ModelFileError, match=match) as err:
             load_qwen3_5_vision(bad, torch.float32, "cpu")
         assert err.value.path == str(bad / name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Served
+
+TOKENS = 8
+NO_THINKING = {"enable_thinking": False}  # the answer is content (the template's thinking prompt aside)
+
+
+@pytest.fixture(scope="module")
+def daemon(folder, tmp_path_factory):
+    d = start_daemon(tmp_path_factory.mktemp("vision-qwen3_5-daemon") / "llmd", "--model", str(folder),
+                     "--kv-cache-dtype", "fp32")  # log-probs as transformers' to 1e-4
+    yield d
+    assert d.stop() == 0, d.log()
+
+
+def expected_answer(reference, processor, image: bytes, question: str) -> tuple[str, list[float]]:
+    """transformers' greedy answer (generate: 3-D positions from get_rope_index, then the rope delta) to one user
+    turn holding the image then the question, and its tokens' log-probabilities."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    text = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                   **NO_THINKING)
+    inputs = processor(text=[text], images=[Image.open(io.BytesIO(image)).convert("RGB")], return_tensors="pt",
+                       add_special_tokens=False)
+    with torch.no_grad():
+        out = reference.generate(**inputs, max_new_tokens=TOKENS, do_sample=False, output_scores=True,
+                                 return_dict_in_generate=True)
+    logprobs = [float(torch.log_softmax(step[0].float(), -1).max()) for step in out.scores]
+    text = processor.tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    return text, logprobs
+
+
+def test_served_answers_equal_transformers_generate(daemon, folder, reference, processor):
+    import openai
+
+    client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+    answers = {}
+    for fmt, color, size in (("png", (220, 40, 40), (120, 70)), ("jpeg", (40, 60, 230), (64, 150))):
+        data = picture(fmt.upper(), color, size)
+        url = f"data:image/{fmt};base64,{base64.b64encode(data).decode()}"
+        reply = client.chat.completions.create(
+            model=folder.name, max_tokens=TOKENS, temperature=0, logprobs=True,
+            extra_body={"chat_template_kwargs": NO_THINKING},
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                   {"type": "text", "text": "What is this?"}]}])
+        answers[fmt] = reply.choices[0].message.content
+        text, logprobs = expected_answer(reference, processor, data, "What is this?")
+        assert answers[fmt] == text, fmt
+        got = [t.logprob for t in reply.choices[0].logprobs.content]
+        assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < 1e-4, fmt  # the positions too
+    assert len(set(answers.values())) > 1 and all(answers.values())  # the answer depends on the image
+    with urllib.request.urlopen(urllib.request.Request(
+            daemon.url + "/api/show", json.dumps({"model": folder.name}).encode(),
+            {"Content-Type": "application/json"}), timeout=30) as resp:
+        assert "vision" in json.loads(resp.read())["capabilities"]
