@@ -244,6 +244,14 @@ def test_preprocess_and_embeddings_equal_transformers(name, encoder, processor, 
     assert (got - want.pooler_output[0]).abs().max().item() < 1e-4
 
 
+def test_bfloat16_encoder_is_close_and_in_the_language_models_dtype(folder, encoder):
+    bf16 = load_qwen3_5_vision(folder, torch.bfloat16, "cpu")
+    pixels = encoder.preprocess(_decode("png_100x60"))
+    got, expected = bf16.encode(pixels), encoder.encode(pixels)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - expected).abs().max().item() < 0.05 * expected.abs().max().item()
+
+
 def test_sizes_follow_smart_resize(encoder):
     grids = {name: encoder.token_grid(encoder.preprocess(_decode(name))) for name in IMAGES}
     assert grids["png_100x60"] == (2, 3) and grids["jpeg_37x250"] == (8, 1)

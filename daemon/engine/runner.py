@@ -218,6 +218,9 @@ class ModelRunner:
         if graph_capture is not None and self.num_window_blocks:
             log.info("CUDA graphs off: the window layers' second KV group is not captured")
             graph_capture = None
+        if graph_capture is not None and self.mrope:  # the graphs' decode positions would lack the rope delta
+            log.info("CUDA graphs off: multimodal RoPE positions are not captured")
+            graph_capture = None
         if graph_capture is not None and (why := graph_blocker(self.model, self.attention)) is not None:
             log.info("CUDA graphs off: %s", why)
             graph_capture = None

@@ -19,7 +19,8 @@ like any model). Following transformers' modeling_qwen3_5 (the reference the tes
 - Qwen3.5-MoE: config.moe set, every layer's MLP is llmd.model.moe.SparseMoE (softmax top-k renormalised, a shared
   expert scaled by sigmoid(shared_expert_gate)), as Qwen2-MoE's.
 An image-text checkpoint's names (`model.language_model.*`) are read as the text model's, and its vision tower
-(`model.visual.*`) and multi-token-prediction head (`mtp.*`) are left unread (`adapt_checkpoint`).
+(`model.visual.*`: llmd.model.vision.qwen3_5 reads it) and multi-token-prediction head (`mtp.*`) are left unread here
+(`adapt_checkpoint`).
 """
 
 from __future__ import annotations

@@ -135,7 +135,8 @@ class _Block(nn.Module):
         n = x.shape[0]
         q, k, v = self.attn["qkv"](self.norm1(x)).view(n, 3, self.heads, -1).unbind(1)
         q, k = ((t.float() * cos + _rotate_half(t.float()) * sin).to(t.dtype) for t in (q, k))  # in fp32
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))  # both ways
+        # every patch sees every patch; 4-D, so that the CPU takes its flash kernel rather than a [heads, n, n] matrix
+        o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))[0]
         x = x + self.attn["proj"](o.transpose(0, 1).reshape(n, -1))
         y = self.mlp["linear_fc1"](self.norm2(x))
         return x + self.mlp["linear_fc2"](F.gelu(y, approximate="tanh"))
