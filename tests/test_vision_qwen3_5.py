@@ -369,6 +369,12 @@ def test_served_answers_equal_transformers_generate(daemon, folder, reference, p
         got = [t.logprob for t in reply.choices[0].logprobs.content]
         assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < 1e-4, fmt  # the positions too
     assert len(set(answers.values())) > 1 and all(answers.values())  # the answer depends on the image
+    strip = io.BytesIO()
+    Image.new("RGB", (4020, 20)).save(strip, format="PNG")
+    url = f"data:image/png;base64,{base64.b64encode(strip.getvalue()).decode()}"
+    with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\].*differ at most 200 times"):
+        client.chat.completions.create(model=folder.name, max_tokens=TOKENS, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}])
     with urllib.request.urlopen(urllib.request.Request(
             daemon.url + "/api/show", json.dumps({"model": folder.name}).encode(),
             {"Content-Type": "application/json"}), timeout=30) as resp:

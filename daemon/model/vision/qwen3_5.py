@@ -84,6 +84,10 @@ class Qwen35VisionConfig:
             raise ModelFileError("config", f"num_position_embeddings {self.num_position_embeddings} is not a square")
         if self.min_pixels > self.max_pixels:
             raise ModelFileError("config", f"min_pixels {self.min_pixels} is over max_pixels {self.max_pixels}")
+        bound = MAX_IMAGE_TOKENS * self.factor ** 2 // 4  # an image scaled up to min_pixels rounds within the budget
+        if self.min_pixels > bound:
+            raise ModelFileError("config", f"min_pixels {self.min_pixels} is over llmd's bound of {bound} (an image "
+                                           f"takes at most {MAX_IMAGE_TOKENS} tokens)")
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or not all(s > 0 for s in self.image_std):
             raise ModelFileError("config", f"image mean {self.image_mean} / std {self.image_std} need 3 channels")
         if self.resample not in {int(r) for r in Image.Resampling}:
