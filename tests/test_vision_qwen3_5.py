@@ -124,7 +124,7 @@ def reference_greedy(reference, ids: list[int], spans: list[ImageSpan], steps: i
 def test_engine_answer_with_images_on_a_grid_equals_transformers(reference, lm):
     ids, spans = with_images(PROMPT)
     tokens, logprobs = reference_greedy(reference, ids, spans, 8)
-    engine = make_engine(lm)
+    engine = make_engine(lm, kv_cache_dtype="fp32")  # log-probs as transformers' to 1e-4
     engine.add_request("a", ids, SamplingParams(max_tokens=8, logprobs=0, **GREEDY), images=spans)
     outs = []
     while engine.has_work():
@@ -142,8 +142,37 @@ def test_text_only_answer_equals_transformers(reference, lm):
     assert lm.vision is not None and lm.config.mrope_section == [3, 3, 2]
     ids = [9, 30, 31, 32, 40, 41, 42, 50, 51, 52, 53]
     tokens, logprobs = reference_greedy(reference, ids, [], 6)
-    engine = make_engine(lm)
+    engine = make_engine(lm, kv_cache_dtype="fp32")  # log-probs as transformers' to 1e-4
     engine.add_request("a", ids, SamplingParams(max_tokens=6, logprobs=0, **GREEDY))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert [t for o in outs for t in o.new_token_ids] == tokens
+    got = [lp.logprob for o in outs for lp in o.logprobs]
+    assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < 1e-4
+
+
+def test_moe_checkpoint_answers_an_image_as_transformers(tmp_path, processor):
+    """Qwen3_5MoeForConditionalGeneration: the same tower and multimodal RoPE over the MoE text model."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    folder = write_tiny_qwen3_5_vl(tmp_path / "moe", seed=1, moe=True)
+    reference = Qwen3_5MoeForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    lm = load_model(folder, dtype=torch.float32, device="cpu")
+    assert lm.config.moe is not None and lm.vision is not None
+    image = _decode("png_100x60")
+    pixels = lm.vision.preprocess(image)
+    inputs = processor.image_processor(image, return_tensors="pt")
+    with torch.no_grad():
+        want = reference.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"]).pooler_output[0]
+    embeds = lm.vision.encode(pixels)
+    assert (embeds - want).abs().max().item() < 1e-4
+    grid = lm.vision.token_grid(pixels)
+    ids = [9, 30, 3] + [IMAGE_PAD] * embeds.shape[0] + [4, 40, 41, 42]
+    span = ImageSpan(3, embeds.shape[0], b"moe", embeds, grid=grid)
+    tokens, logprobs = reference_greedy(reference, ids, [span], 6)
+    engine = make_engine(lm, kv_cache_dtype="fp32")  # log-probs as transformers' to 1e-4
+    engine.add_request("a", ids, SamplingParams(max_tokens=6, logprobs=0, **GREEDY), images=[span])
     outs = []
     while engine.has_work():
         outs += engine.step()

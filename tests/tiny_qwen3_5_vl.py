@@ -21,7 +21,8 @@ MIN_PIXELS, MAX_PIXELS = 64 * 64, 128 * 128  # at most 64 patches: 16 image toke
 IMAGE_MEAN, IMAGE_STD = [0.48, 0.45, 0.41], [0.27, 0.26, 0.28]
 
 
-def write_tiny_qwen3_5_vl(folder: Path, seed: int = 0) -> Path:
+def write_tiny_qwen3_5_vl(folder: Path, seed: int = 0, moe: bool = False) -> Path:
+    """moe: a Qwen3_5MoeForConditionalGeneration (every MLP 8 experts, top 2, and a gated shared expert)."""
     import transformers as tf
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -37,11 +38,16 @@ def write_tiny_qwen3_5_vl(folder: Path, seed: int = 0) -> Path:
     vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
                   initializer_range=0.1)
-    config = tf.Qwen3_5Config(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    if moe:
+        del text["intermediate_size"]
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    config_class = tf.Qwen3_5MoeConfig if moe else tf.Qwen3_5Config
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = tf.Qwen3_5ForConditionalGeneration(config).eval()
+    model_class = tf.Qwen3_5MoeForConditionalGeneration if moe else tf.Qwen3_5ForConditionalGeneration
+    model = model_class(config).eval()
     _randomise(model)
     with torch.no_grad():  # the text model's RMSNorms scale by 1 + weight (not the gated one): keep them near 1
         for name, p in model.named_parameters():
