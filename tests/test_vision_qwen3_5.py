@@ -1,7 +1,8 @@
 """Qwen3.5 images against transformers on a tiny random Qwen3_5ForConditionalGeneration (tests/tiny_qwen3_5_vl.py),
 CPU fp32: the multimodal RoPE positions (llmd.engine.sequence.rope_positions) equal get_rope_index's; the engine's
 greedy answer with an image's embeddings on its grid equals transformers' text model fed the same embeddings at its
-3-D positions, whole or in prefill chunks that cut the image, after a prefix hit and after preemption. The tower
+3-D positions, whole or in prefill chunks that cut the image, after a prefix hit and after preemption, and without
+an image the text model's answer is transformers' (Qwen3_5MoeForConditionalGeneration's too, image and all). The tower
 (llmd.model.vision.qwen3_5): preprocessing equals Qwen2VLImageProcessorPil's patches and grid (non-square images,
 upscaled, downscaled, RGBA), the embeddings get_image_features' (1e-4), the expanded prompt Qwen3VLProcessor's
 tokens; bad files and images are refused by name. Served: a daemon answers a question about an image as
