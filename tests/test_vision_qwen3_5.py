@@ -24,7 +24,7 @@ from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse
 from llmd.engine import SamplingParams
 from llmd.engine.sequence import rope_positions
 from llmd.engine.types import ImageSpan
-from llmd.errors import ModelFileError
+from llmd.errors import InvalidRequest, ModelFileError
 from llmd.model.loader import load_model
 from llmd.model.tokenizer import Tokenizer
 from llmd.model.vision.images import InvalidImage
@@ -210,8 +210,6 @@ def test_chunked_prefix_hit_and_preempted_equal_alone(lm):
 
 
 def test_a_grid_that_does_not_hold_the_image_is_refused(lm):
-    from llmd.errors import InvalidRequest
-
     ids, (span,) = with_images([[9, 30], (1, (2, 3)), [40]])
     bad = ImageSpan(span.start, span.length, span.digest, span.embeds, grid=(2, 2))
     with pytest.raises(InvalidRequest, match="grid"):
