@@ -310,6 +310,27 @@ TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3", "phi3
 MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")  # written by tests/test_moe.py's own fixture
 MAMBA2_KINDS = ("granite_hybrid", "granite_hybrid_dense", "nemotron_h")  # written by tests/test_mamba2.py
 HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe") + MAMBA2_KINDS  # written by their tests' own fixtures
+
+
+def add_mtp_head(folder: Path, seed: int = 0) -> None:
+    """Give a tiny Qwen3.5 folder (write_tiny_model) a random multi-token-prediction head, as Qwen3.5's checkpoints
+    ship one: `mtp.fc` [H, 2H], its two pre-fc norms, one decoder layer shaped like the folder's full-attention
+    layers (a copy of one, perturbed), `mtp.norm`."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    cfg = json.loads((folder / "config.json").read_text())
+    h = cfg["hidden_size"]
+    prefix = f"model.layers.{cfg['layer_types'].index('full_attention')}."
+    g = torch.Generator().manual_seed(seed)
+    for name, t in list(tensors.items()):
+        if name.startswith(prefix):
+            tensors["mtp.layers.0." + name[len(prefix):]] = t + 0.02 * torch.randn(t.shape, generator=g)
+    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=g) / math.sqrt(2 * h)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = 0.1 * torch.randn(h, generator=g)  # scales by 1 + weight, near 1
+    save_file(tensors, path, metadata={"format": "pt"})
 _G4_TYPES = ["sliding_attention", "full_attention"] * 2
 GEMMA4_VARIANTS = {  # written by tests/test_gemma4.py's own fixture
     # E2B/E4B-like: per-layer embeddings (16 per layer: the table's rows are whole Q8_0 blocks), the last two layers

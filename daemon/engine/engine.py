@@ -116,7 +116,8 @@ class Engine:
         if self.config.speculative_mode != "off":
             from .speculative import Speculator
 
-            self.speculator = Speculator(loaded, self.config, self.runner.num_blocks, self.runner.dtype, self.device)
+            self.speculator = Speculator(loaded, self.config, self.runner.num_blocks, self.runner.dtype, self.device,
+                                         self.runner)
         self.scheduler = Scheduler(self.block_manager, self.config.max_num_seqs, self.config.max_num_batched_tokens,
                                    proposer=self.speculator, window_bm=self.window_block_manager,
                                    state_pool=self.state_pool, checkpoint_interval=CHECKPOINT_INTERVAL,

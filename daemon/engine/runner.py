@@ -17,7 +17,7 @@ tokens would give it); the global pool takes the rest. (Such models run without 
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
@@ -259,6 +259,9 @@ class ModelRunner:
             log.info("recurrent state: %d layers, %d sequence slots and %d prefix checkpoints of %.1f MiB (%.0f MiB)",
                      len(self.states), self.num_state_slots, self.num_state_checkpoints,
                      self.state_bytes_per_seq / 2**20, state_bytes / 2**20)
+        # called with (scheduled, hidden [rows, H]) after each eager forward, the rows in the order of `scheduled`,
+        # s.num_tokens each: the MTP draft reads the target's hidden states there (llmd.engine.spec_mtp)
+        self.hidden_observer: Callable[[list[ScheduledSeq], torch.Tensor], None] | None = None
         self.graphs: CudaGraphRunner | None = None
         if graph_capture is not None:
             self.graphs = CudaGraphRunner(
@@ -286,7 +289,8 @@ class ModelRunner:
         """Run the batch; return fp32 logits [rows, vocab]: for each scheduled chunk that samples, its last
         `num_logits` positions (one, or 1 + k for a speculative proposal of k), in the order of `scheduled`.
         An embedding chunk (`s.pools`) gets the final hidden states of all its positions in `s.hidden` instead."""
-        if self.graphs is not None and not any(s.pools for s in scheduled) and self.graphs.can_run(scheduled):
+        if self.graphs is not None and self.hidden_observer is None and not any(s.pools for s in scheduled) \
+                and self.graphs.can_run(scheduled):
             logits = self.graphs.execute(scheduled)
             if logits is not None:
                 return logits
@@ -372,6 +376,8 @@ class ModelRunner:
             for row, (h, w) in grid_rows.items():
                 pos[1:, row : row + len(h)] = torch.tensor([h, w], dtype=torch.long, device=self.device)
         hidden = self.forward(ids, pos, self.kv_caches, meta)
+        if self.hidden_observer is not None:
+            self.hidden_observer(scheduled, hidden)
         for s, first in pooled:
             s.hidden = hidden[first : first + s.num_new_tokens].clone()
         if not sample_rows:

@@ -161,20 +161,6 @@ class DraftModel:
         self.bm.register_full_blocks(st.block_ids, st.block_hashes, st.token_ids, common)
 
     # ---- proposing --------------------------------------------------------------------------------------------
-    def _sample(self, logits_row: torch.Tensor, seq, proposal: list[int], vocab: int
-                ) -> tuple[int, torch.Tensor | None]:
-        dist = row_distributions(logits_row.unsqueeze(0), seq.params, seq.prompt_token_ids,
-                                 seq.output_token_ids, [])
-        if seq.params.greedy:
-            return int(torch.argmax(dist[0][:vocab])), None
-        probs = dist[0]
-        if probs.numel() != vocab:  # a draft with a narrower/wider padded head: align to the target's width
-            aligned = probs.new_zeros(vocab)
-            w = min(vocab, probs.numel())
-            aligned[:w] = probs[:w]
-            probs = aligned / aligned.sum()
-        return int(torch.multinomial(probs, 1, generator=seq.generator)), probs
-
     @torch.inference_mode()
     def propose(self, wants: list[tuple[object, int]], vocab: int) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """wants: (target sequence, k). Returns request_id -> (proposal, draft probs [k, V] or None if greedy)."""
@@ -199,8 +185,8 @@ class DraftModel:
                     if seq.grammar is not None:  # propose only what the grammar allows (the state follows)
                         step_masks([(seq.grammar, [])]).apply(row.unsqueeze(0))
                     # penalties must see the proposal so far: extend a view of the output
-                    view = _ProposalView(seq, proposal)
-                    token, p = self._sample(row, view, proposal, vocab)
+                    view = ProposalView(seq, proposal)
+                    token, p = sample_draft(row, view, vocab)
                     proposal.append(token)
                     st.token_ids.append(token)
                     if p is not None:
@@ -217,7 +203,22 @@ class DraftModel:
         return out
 
 
-class _ProposalView:
+def sample_draft(logits_row: torch.Tensor, seq, vocab: int) -> tuple[int, torch.Tensor | None]:
+    """A draft's token from its logits row under the request's sampling: (token, None) when greedy, else the
+    token drawn with the request's generator and the draft's distribution, aligned to the target's vocabulary."""
+    dist = row_distributions(logits_row.unsqueeze(0), seq.params, seq.prompt_token_ids, seq.output_token_ids, [])
+    if seq.params.greedy:
+        return int(torch.argmax(dist[0][:vocab])), None
+    probs = dist[0]
+    if probs.numel() != vocab:  # a draft with a narrower/wider padded head: align to the target's width
+        aligned = probs.new_zeros(vocab)
+        w = min(vocab, probs.numel())
+        aligned[:w] = probs[:w]
+        probs = aligned / aligned.sum()
+    return int(torch.multinomial(probs, 1, generator=seq.generator)), probs
+
+
+class ProposalView:
     """A sequence as the sampler sees it after the proposal so far has been appended."""
 
     def __init__(self, seq, proposal: list[int]):

@@ -33,6 +33,8 @@ from .types import SpecStats
 
 log = logging.getLogger(__name__)
 
+MTP = "mtp"  # draft_model: the target's own multi-token-prediction head (llmd.engine.spec_mtp)
+
 
 def _flops_per_token(config) -> float:
     c = config
@@ -60,14 +62,29 @@ def load_draft(loaded, spec, dtype: torch.dtype, device: torch.device):
 class Speculator:
     """Proposes (the scheduler's Proposer), and learns from what the engine verified."""
 
-    def __init__(self, loaded, cfg: EngineConfig, num_blocks: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, loaded, cfg: EngineConfig, num_blocks: int, dtype: torch.dtype, device: torch.device,
+                 runner=None):
+        """runner: the target's ModelRunner (the MTP draft reads its hidden states)."""
+        from ..model.qwen3_5_mtp import has_mtp_head
         from .spec_draft import DraftModel, check_same_tokenizer
+        from .spec_mtp import MtpDraft
 
         self.mode = cfg.speculative_mode
         self.max_model_len = cfg.max_model_len
         self.vocab_size = loaded.config.vocab_size
-        self.draft: DraftModel | None = None
-        if cfg.draft_model is not None and self.mode in ("draft", "auto"):
+        self.draft: DraftModel | MtpDraft | None = None
+        draft_cost = 0.0
+        mtp = cfg.draft_model == MTP or (cfg.draft_model is None and has_mtp_head(loaded))
+        if mtp and self.mode in ("draft", "auto"):
+            if runner is None:
+                raise ValueError("the MTP draft needs the target's runner (its hidden states)")
+            self.draft = MtpDraft(loaded, cfg, num_blocks, runner)
+            c = loaded.config  # one attention layer, the fc and the head, in target forwards (+ a forward's fixed cost)
+            head = 4 * c.hidden_size * c.num_attention_heads * c.head_dim + 3 * c.hidden_size * c.intermediate_size \
+                + 2 * c.hidden_size ** 2 + c.vocab_size * c.hidden_size
+            draft_cost = head / _flops_per_token(c) + (0.02 if device.type == "cuda" else 0.05)
+            log.info("speculative decoding: draft %s's MTP head, k=%d", loaded.name, cfg.num_speculative_tokens)
+        elif cfg.draft_model is not None and self.mode in ("draft", "auto"):
             draft_loaded = load_draft(loaded, cfg.draft_model, dtype, device)
             check_same_tokenizer(loaded, draft_loaded, loaded.name, draft_loaded.name)
             if draft_loaded.config.recurrent is not None:
@@ -76,10 +93,10 @@ class Speculator:
             self.draft = DraftModel(draft_loaded, cfg, num_blocks)
             log.info("speculative decoding: draft %s, k=%d", draft_loaded.name, cfg.num_speculative_tokens)
         if self.mode == "draft" and self.draft is None:
-            raise ValueError("speculative_mode 'draft' needs a draft model (--draft MODEL)")
+            raise ValueError("speculative_mode 'draft' needs a draft model (--draft MODEL, or --draft mtp for a "
+                             "model with a multi-token-prediction head)")
         cuda = device.type == "cuda"
-        draft_cost = 0.0
-        if self.draft is not None:
+        if isinstance(self.draft, DraftModel):
             ratio = _flops_per_token(self.draft.loaded.config) / _flops_per_token(loaded.config)
             draft_cost = ratio + (0.02 if cuda else 0.05)  # plus the fixed cost of one more (small) forward
         self.policy = SpecPolicy(

@@ -40,6 +40,7 @@ class LoadedModel:
     load_seconds: float
     report: LoadReport | None = None  # weight bytes and process memory after loading
     vision: Any = None  # an image-text checkpoint's tower and projector (llmd.model.vision.base.VisionEncoder)
+    source: WeightSource | None = None  # where the weights came from (a draft head read on demand: qwen3_5_mtp)
 
 
 def default_device() -> str:
@@ -85,7 +86,7 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
     seconds = time.perf_counter() - start
     report.seconds = seconds
     log.info("loaded %s (%s, %s on %s): %s", name, config.architecture, dtype, device_t, report.summary())
-    return LoadedModel(model, tokenizer, config, name, dtype, device_t, seconds, report, vision)
+    return LoadedModel(model, tokenizer, config, name, dtype, device_t, seconds, report, vision, source)
 
 
 @dataclass

@@ -222,11 +222,11 @@ def safetensors_readers(files: list[Path]) -> dict[str, Callable[[], torch.Tenso
         except OSError as exc:
             raise ModelFileError(path, f"cannot read ({exc.strerror or exc})") from None
         for name, entry in header.items():
-            readers[name] = _tensor_reader(path, data_start, entry)
+            readers[name] = tensor_reader(path, data_start, entry)
     return readers
 
 
-def _tensor_reader(path: Path, data_start: int, entry: dict) -> Callable[[], torch.Tensor]:
+def tensor_reader(path: Path, data_start: int, entry: dict) -> Callable[[], torch.Tensor]:
     def read() -> torch.Tensor:
         begin, end = entry["data_offsets"]
         buf = bytearray(end - begin)
