@@ -120,16 +120,17 @@ def target_hidden(lm, tokens: list[int]) -> torch.Tensor:
         return seq.forward(torch.tensor(tokens), torch.arange(len(tokens)), seq.kv_caches, meta)
 
 
-def record_first_guesses(engine) -> list[tuple[list[int], int]]:
-    """(the sequence's tokens, the head's first guess) at each of the engine's MTP proposals, as they happen; with
-    room in its pool, the head guesses for every sequence it is asked about."""
+def record_first_guesses(engine, every: bool = True) -> list[tuple[list[int], int, int]]:
+    """(the sequence's tokens, the head's first guess, its base) at each of the engine's MTP proposals, as they
+    happen; every: the head guesses for every sequence it is asked about (its pool has room)."""
     draft, seen = engine.speculator.draft, []
     propose = draft.propose
 
     def recording(wants, vocab):
         out = propose(wants, vocab)
-        assert len(out) == len(wants)
-        seen.extend((list(seq.token_ids), out[seq.request_id][0][0]) for seq, _ in wants if seq.request_id in out)
+        assert len(out) == len(wants) or not every
+        seen.extend((list(seq.token_ids), out[seq.request_id][0][0], draft.states[seq.request_id].base)
+                    for seq, _ in wants if seq.request_id in out)
         return out
 
     draft.propose = recording
@@ -137,10 +138,12 @@ def record_first_guesses(engine) -> list[tuple[list[int], int]]:
 
 
 def check_first_guesses(lm, folder, seen) -> None:
-    """Each first guess is the reference head's argmax over the target's own hidden states of every position before
-    the newest token: the head's KV held exactly those rows, after rollbacks, recomputes and catch-ups."""
-    for tokens, guess in seen:
-        _, logits = reference_head(folder, lm.config, tokens[1:], target_hidden(lm, tokens[:-1]))
+    """Each first guess is the reference head's argmax over the target's own hidden states of every position from
+    the head's base to the one before the newest token: the head's KV held exactly those rows, after rollbacks,
+    recomputes, preemptions and catch-ups."""
+    for tokens, guess, base in seen:
+        hidden = target_hidden(lm, tokens[:-1])[base:]
+        _, logits = reference_head(folder, lm.config, tokens[base + 1 :], hidden)
         assert logits[-1, guess] >= logits[-1].max() - 1e-4
 
 
@@ -166,9 +169,25 @@ def test_greedy_with_mtp_equals_plain(qwen3_5_mtp, mtp_folder):
     check_first_guesses(qwen3_5_mtp, mtp_folder, seen)
 
 
-def test_auto_picks_the_head_and_a_workload_with_aborts_leaks_nothing(qwen3_5_mtp):
-    engine = make_engine(qwen3_5_mtp, speculative_mode="auto", num_kv_blocks=24, max_num_batched_tokens=32)
-    assert isinstance(engine.speculator.draft, MtpDraft)
+def test_prefix_hit_starts_the_head_past_it(qwen3_5_mtp):
+    """A prompt whose first blocks the target takes from its prefix cache: the head never sees those positions'
+    rows and attends from the hit's end on; the output is still plain decoding's."""
+    shared = random_prompts(1, 40, 41, 570, seed=9)[0]
+    prompts = [shared + [7, 8, 9], shared + random_prompts(1, 12, 13, 570, seed=10)[0]]  # the first checkpoints 32
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    plain = [r.token_ids for r in generate(make_engine(qwen3_5_mtp), prompts, params)]
+    engine = make_engine(qwen3_5_mtp, speculative_mode="draft", draft_model="mtp", num_speculative_tokens=2)
+    seen = record_first_guesses(engine)
+    assert [generate(engine, [p], params)[0].token_ids for p in prompts] == plain
+    assert engine.stats().kv.prefix_hits_tokens >= 32 and {base for *_, base in seen} == {0, 32}
+    check_first_guesses(qwen3_5_mtp, engine.speculator.draft.loaded.source.path, seen)
+
+
+def test_auto_picks_the_head_and_a_workload_with_aborts_leaks_nothing(qwen3_5_mtp, mtp_folder):
+    assert isinstance(make_engine(qwen3_5_mtp, speculative_mode="auto").speculator.draft, MtpDraft)
+    engine = make_engine(qwen3_5_mtp, speculative_mode="draft", num_kv_blocks=12, max_num_batched_tokens=32,
+                         num_speculative_tokens=2)
+    seen = record_first_guesses(engine, every=False)
     rng = random.Random(5)
     live: set[str] = set()
     for step in range(100):
@@ -188,6 +207,20 @@ def test_auto_picks_the_head_and_a_workload_with_aborts_leaks_nothing(qwen3_5_mt
                 live.discard(out.request_id)
     assert not live
     assert engine.stats().spec.proposed_total > 0
+    check_first_guesses(qwen3_5_mtp, mtp_folder, seen[::4])
+
+
+def test_preempted_equals_plain(qwen3_5_mtp, mtp_folder):
+    """Preempted sequences compute their positions again: the head rolls back to them (or starts over)."""
+    prompts = random_prompts(6, 10, 40, 570, seed=2)
+    params = SamplingParams(max_tokens=24, **GREEDY)
+    plain = [r.token_ids for r in generate(make_engine(qwen3_5_mtp), prompts, params)]
+    engine = make_engine(qwen3_5_mtp, speculative_mode="draft", draft_model="mtp", num_kv_blocks=8,
+                         num_speculative_tokens=2)
+    seen = record_first_guesses(engine, every=False)
+    assert [r.token_ids for r in generate(engine, prompts, params)] == plain
+    assert engine.stats().num_preemptions > 0 and engine.stats().spec.accepted_total > 0
+    check_first_guesses(qwen3_5_mtp, mtp_folder, seen[::4])
 
 
 def test_bad_mtp_tensor_is_refused_by_file_and_name(mtp_folder, tmp_path):

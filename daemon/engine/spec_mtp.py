@@ -9,8 +9,9 @@ a position's KV depends on the next token too). Rules:
   row gives the first guess), or, to bound what waits, in `observe` once a sequence holds more than `max_pending`
   rows (a long prompt's chunks, a sequence that has not proposed for a while).
 - Head position m is target position `base + m`: `base` is where the rows started (0, or the end of a prefix-cache
-  hit, whose positions the target never computed: the head then attends from there on). Rows that do not follow the
-  ones held (a preempted sequence computing again) roll the head back, or start it over.
+  hit, whose positions the target never computed: the head then attends from there on). Rows of positions the head
+  already took in (a preempted sequence computing again) are the ones it has and are skipped (a verified position's
+  row never changes); a gap after the rows held starts the head over there.
 - Guess r > 1 feeds the head's own output for the previous one. After verification only the head's positions fed by
   the target's rows stay (`exact`): the guesses' KV is rolled back, and the rows of rejected positions are dropped
   (rows of positions up to the verified length - 2 are the target's own, valid).
@@ -105,14 +106,13 @@ class MtpDraft:
             self._catch_up([(seq, st, seq.num_tokens - 2) for seq, st in full])
 
     def _add_rows(self, st: MtpSeq, start: int, rows: torch.Tensor) -> None:
-        if start > st.hidden_from + st.num_pending or start < st.base:  # not the next ones: start over there
+        if start > st.hidden_from + st.num_pending:  # a gap: the head starts over there
             self._restart(st, start)
-        elif start < st.hidden_from:  # positions the head took in are computed again
-            st.exact, st.pending = start - st.base, []
-            self._drop_guesses(st)
-        else:
-            st.keep_pending(start - st.hidden_from)
-        st.pending.append(rows)
+        elif start < st.hidden_from:  # positions the head took in, computed again: their rows are the ones it has
+            rows, start = rows[st.hidden_from - start :], st.hidden_from
+        st.keep_pending(start - st.hidden_from)  # rows from `start` on are replaced
+        if rows.shape[0]:
+            st.pending.append(rows)
 
     def _restart(self, st: MtpSeq, base: int) -> None:
         if st.block_ids:
