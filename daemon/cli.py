@@ -97,9 +97,9 @@ def serve(
     kv_cache_dtype: str = typer.Option(None, "--kv-cache-dtype", help="auto (the model's dtype), fp32, fp16, bf16, or int8 (per-token scales: ~2x the context of fp16 in the same memory, small quality cost)."),
     max_model_len: int = typer.Option(None, "--max-model-len", help="Context length cap."),
     cuda_graphs: bool = typer.Option(None, "--cuda-graphs/--no-cuda-graphs", help="Replay decode steps from CUDA graphs (default on; CUDA only)."),
-    draft: str = typer.Option(None, "--draft", help="Draft model for speculative decoding (same tokenizer; 'self:N' = the target's first N layers)."),
+    draft: str = typer.Option(None, "--draft", help="Draft model for speculative decoding (same tokenizer; 'self:N' = the target's first N layers; 'mtp' = the model's own multi-token-prediction head, Qwen3.5)."),
     num_speculative_tokens: int = typer.Option(None, "--num-speculative-tokens", help="Tokens proposed per step (default 4)."),
-    spec_mode: str = typer.Option(None, "--spec-mode", help="off, ngram (prompt lookup), draft or auto (adaptive; default with --draft)."),
+    spec_mode: str = typer.Option(None, "--spec-mode", help="off, ngram (prompt lookup), draft or auto (adaptive; default with --draft). draft/auto with no --draft use the model's MTP head if it has one."),
 ) -> None:
     """Run the daemon: OpenAI, Ollama and llama.cpp HTTP APIs on loopback and a Unix socket."""
     from .config import load_settings

@@ -137,7 +137,7 @@ class Settings:
     enable_prefix_caching: bool = True
     kv_cache_dtype: str = "auto"  # a KvCacheDtype: auto (the device's default) | fp32 | fp16 | bf16 | int8
     cuda_graphs: bool = True  # CUDA: replay decode steps from CUDA graphs (off: every step launches its kernels)
-    draft_model: str | None = None  # speculative decoding draft; None: off
+    draft_model: str | None = None  # speculative decoding draft (a model, self:N, mtp); None: off, or the MTP head
     num_speculative_tokens: int = 4
     # EngineConfig.speculative_mode (a SpecMode: off | ngram | draft | auto); None: auto with a draft model, else off
     spec_mode: str | None = None

@@ -59,7 +59,8 @@ class EngineConfig:
     # speculative decoding (llmd.engine.speculative): a SpecMode
     speculative_mode: str = SpecMode.OFF.value
     num_speculative_tokens: int = 4
-    draft_model: object = None  # a model name/path, "self:N" (the target's first N layers) or a LoadedModel
+    # a model name/path, "self:N" (the target's first N layers), "mtp" (its MTP head) or a LoadedModel
+    draft_model: object = None
     spec_max_batch: int | None = None  # auto mode: no speculation above this many sequences per step (default 8;
     # a hybrid model verifies at most this many proposals per step in every mode)
     # CPU threads of each step: torch's intra-op pool and the C kernels' OpenMP teams in the thread that steps

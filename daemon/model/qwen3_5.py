@@ -20,7 +20,7 @@ like any model). Following transformers' modeling_qwen3_5 (the reference the tes
   expert scaled by sigmoid(shared_expert_gate)), as Qwen2-MoE's.
 An image-text checkpoint's names (`model.language_model.*`) are read as the text model's, and its vision tower
 (`model.visual.*`: llmd.model.vision.qwen3_5 reads it) and multi-token-prediction head (`mtp.*`) are left unread here
-(`adapt_checkpoint`).
+(`adapt_checkpoint`); the MTP draft reads the head on demand (llmd.model.qwen3_5_mtp).
 """
 
 from __future__ import annotations
