@@ -148,7 +148,8 @@ def check_first_guesses(lm, folder, seen) -> None:
 
 
 def test_greedy_with_mtp_equals_plain(qwen3_5_mtp, mtp_folder):
-    prompts = random_prompts(4, 5, 60, 570, seed=3)  # some past the 32-token prefill chunk
+    # past the 32-token prefill chunk, and one past the rows the head lets wait (256): it takes them in on the way
+    prompts = random_prompts(4, 5, 60, 570, seed=3) + random_prompts(1, 300, 301, 570, seed=4)
     params = SamplingParams(max_tokens=16, **GREEDY)
     plain = [r.token_ids for r in generate(make_engine(qwen3_5_mtp), prompts, params)]
     # one guess: often all accepted, so no recompute of a hybrid's rejected state follows (the head keeps the rows)
@@ -160,7 +161,16 @@ def test_greedy_with_mtp_equals_plain(qwen3_5_mtp, mtp_folder):
     batched = make_engine(qwen3_5_mtp, speculative_mode="draft", draft_model="mtp", num_speculative_tokens=3,
                           max_num_batched_tokens=32)
     seen += record_first_guesses(batched)
+    draft, waiting = batched.speculator.draft, []
+    observe = draft.observe
+
+    def observing(scheduled, hidden):
+        observe(scheduled, hidden)
+        waiting.append(max((st.num_pending for st in draft.states.values()), default=0))
+
+    batched.runner.hidden_observer = draft.observe = observing
     out = run_staggered(batched, prompts, params)
+    assert 32 < max(waiting) <= draft.max_pending == 256  # the long prompt's rows were taken in on the way
     assert [out[str(i)] for i in range(len(prompts))] == plain
     for engine in (alone, batched):
         stats = engine.stats().spec
@@ -221,6 +231,19 @@ def test_preempted_equals_plain(qwen3_5_mtp, mtp_folder):
     assert [r.token_ids for r in generate(engine, prompts, params)] == plain
     assert engine.stats().num_preemptions > 0 and engine.stats().spec.accepted_total > 0
     check_first_guesses(qwen3_5_mtp, mtp_folder, seen[::4])
+
+
+def test_moe_head_loads_and_drafts(tmp_path):
+    """Qwen3.5-MoE: the head's layer has its own experts (per-expert checkpoint tensors into the stacked ones)."""
+    folder = write_tiny_model(tmp_path / "moe", "qwen3_5_moe")
+    add_mtp_head(folder)
+    loaded = load_model(folder, dtype=torch.float32, device="cpu")
+    prompts = random_prompts(2, 20, 40, 570, seed=4)
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    plain = [r.token_ids for r in generate(make_engine(loaded), prompts, params)]
+    engine = make_engine(loaded, speculative_mode="draft", draft_model="mtp", num_speculative_tokens=2)
+    assert [r.token_ids for r in generate(engine, prompts, params)] == plain
+    assert engine.stats().spec.proposed_total > 0
 
 
 def test_bad_mtp_tensor_is_refused_by_file_and_name(mtp_folder, tmp_path):

@@ -100,10 +100,15 @@ class MtpDraft:
             self._add_rows(st, seq.num_computed_tokens, rows.clone())
             if st.num_pending > self.max_pending:
                 full.append((seq, st))
-        for _, st in full:
+        taken, rows_taken = [], 0
+        for seq, st in sorted(full, key=lambda item: -item[1].num_pending):
+            if rows_taken >= self.max_pending:  # one forward of about a chunk: the rest wait for the next step
+                break
             self._drop_guesses(st)  # this step verifies them; the engine's rollback follows
-        if full:  # positions whose next token is known: all but the newest
-            self._catch_up([(seq, st, seq.num_tokens - 2) for seq, st in full])
+            taken.append((seq, st, seq.num_tokens - 2))  # positions whose next token is known: all but the newest
+            rows_taken += st.num_pending
+        if taken:
+            self._catch_up(taken)
 
     def _add_rows(self, st: MtpSeq, start: int, rows: torch.Tensor) -> None:
         if start > st.hidden_from + st.num_pending:  # a gap: the head starts over there
