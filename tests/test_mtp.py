@@ -62,8 +62,7 @@ def reference_head(folder, cfg, tokens, hidden):
     from safetensors.torch import load_file
 
     w = load_file(folder / "model.safetensors")
-    eps, h, nh, kvh, d = cfg.rms_norm_eps, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, \
-        cfg.head_dim
+    eps, nh, kvh, d = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     T = len(tokens)
     e = w["model.embed_tokens.weight"][tokens]
     x = torch.cat([_rms(e, w["mtp.pre_fc_norm_embedding.weight"], eps),

@@ -21,6 +21,7 @@ a position's KV depends on the next token too). Rules:
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -31,6 +32,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .grammar import step_masks
 from .scheduler import ScheduledSeq
+from .sequence import Sequence
 from .spec_draft import ProposalView, sample_draft
 
 log = logging.getLogger(__name__)
@@ -156,7 +158,7 @@ class MtpDraft:
                          torch.tensor(positions, dtype=torch.long, device=self.device), hidden, self.kv_cache, meta)
 
     @torch.inference_mode()
-    def _catch_up(self, items: list[tuple[object, MtpSeq, int]]) -> dict[int, torch.Tensor]:
+    def _catch_up(self, items: list[tuple[Sequence, MtpSeq, int]]) -> dict[int, torch.Tensor]:
         """Take in each state's waiting rows up to target position `last` (inclusive; its next token is known).
         Returns, by id of the state, the head's output row at `last`."""
         batch = []
@@ -182,7 +184,7 @@ class MtpDraft:
 
     # ---- proposing -------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, wants: list[tuple[object, int]], vocab: int) -> dict[str, tuple[list[int], torch.Tensor | None]]:
+    def propose(self, wants: list[tuple[Sequence, int]], vocab: int) -> dict[str, tuple[list[int], torch.Tensor | None]]:
         """wants: (target sequence, k). Returns request_id -> (proposal, draft probs [k, V] or None if greedy)."""
         items, ks = [], {}
         for seq, k in wants:
@@ -197,7 +199,7 @@ class MtpDraft:
             items.append((seq, st, last))
             ks[id(st)] = k
         prev = self._catch_up(items)
-        active = [[seq, st, ks[id(st)], [], [], prev[id(st)]] for seq, st, _ in items if id(st) in prev]
+        active: list[list[Any]] = [[seq, st, ks[id(st)], [], [], prev[id(st)]] for seq, st, _ in items if id(st) in prev]
         stepped: dict[str, int] = {}  # tokens each request's grammar stepped through
         try:
             while batch := [item for item in active if len(item[3]) < item[2]]:
@@ -208,7 +210,7 @@ class MtpDraft:
                         item[1].drafted += 1
                         item[5] = out[i : i + 1]
                 logits = self.target.compute_logits(torch.cat([item[5] for item in batch]))
-                for (seq, _st, _k, proposal, probs, _h), row in zip(batch, logits):
+                for (seq, _st, _k, proposal, probs, _h), row in zip(batch, logits, strict=True):
                     if seq.grammar is not None:  # propose only what the grammar allows (the state follows)
                         step_masks([(seq.grammar, [])]).apply(row.unsqueeze(0))
                     token, p = sample_draft(row, ProposalView(seq, proposal), vocab)
