@@ -2,8 +2,10 @@
 random-weight Qwen3.5 folder given `mtp.*` tensors (CPU fp32): the head's step against a plain torch
 re-implementation from the checkpoint's tensors; greedy output with MTP speculation equal to plain decoding (one
 sequence, several staggered, prompts past one prefill chunk); a workload with aborts that leaks no block and no
-state; `auto` picking the head; a bad tensor refused by file and name. Random weights: acceptance is low, the
-test checks only that proposals were made and verified.
+state; `auto` picking the head; a MoE head; a bad tensor refused by file and name; `llmd serve --draft mtp`. Each
+first guess the head makes in the engine is checked against the reference over the target's own hidden states (its
+KV held exactly those rows). Random weights accept almost nothing, so the model's output head is narrowed to four
+tokens (mtp_folder) for some proposals to be accepted.
 """
 
 from __future__ import annotations
@@ -264,3 +266,23 @@ def test_mtp_draft_refused_without_a_head(tmp_path):
     with pytest.raises(ValueError, match="no mtp"):
         make_engine(loaded, speculative_mode="draft", draft_model="mtp")
     assert make_engine(loaded, speculative_mode="auto").speculator.draft is None  # auto: prompt lookup only
+
+
+def test_served_with_draft_mtp_by_a_real_daemon(mtp_folder, tmp_path):
+    """`llmd serve --model FOLDER --draft mtp`: the flag reaches the engine (speculation on, adaptive, the head
+    proposing), and the OpenAI client gets its answer. (Equality with plain decoding: the engine tests above.)"""
+    import openai
+    from llmd_daemon_proc import start_daemon
+
+    folder = tmp_path / "tiny-qwen35-mtp"
+    shutil.copytree(mtp_folder, folder)
+    daemon = start_daemon(tmp_path / "llmd", "--model", str(folder), "--draft", "mtp")
+    try:
+        client = openai.OpenAI(base_url=daemon.url + "/v1", api_key="x", max_retries=0)
+        answer = client.completions.create(model=folder.name, prompt="def fibonacci(n):\n", max_tokens=16,
+                                           temperature=0)
+        assert answer.usage.completion_tokens == 16
+        spec = daemon.wait_idle()["spec"]  # the top level: the one loaded model's stats
+        assert spec["mode"] == "auto" and spec["proposed_total"] > 0
+    finally:
+        assert daemon.stop() == 0, daemon.log()
