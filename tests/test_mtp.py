@@ -26,7 +26,7 @@ from llmd.model.qwen3_5_mtp import load_mtp_head
 from llmd.model.recurrent import StateMetadata
 from simple_driver import SingleSequence
 from test_engine import GREEDY, random_prompts, run_staggered
-from tiny_models import add_mtp_head, write_tiny_model
+from tiny_models import add_mtp_head, write_tiny_gguf, write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -262,10 +262,19 @@ def test_bad_mtp_tensor_is_refused_by_file_and_name(mtp_folder, tmp_path):
 
 
 def test_mtp_draft_refused_without_a_head(tmp_path):
-    loaded = load_model(write_tiny_model(tmp_path / "plain", "qwen3_5"), dtype=torch.float32, device="cpu")
+    """A folder without mtp.* tensors, a GGUF file (whose converter writes no head) and another family: `--draft mtp`
+    is refused with a message; `auto` falls back to prompt lookup."""
+    folder = write_tiny_model(tmp_path / "plain", "qwen3_5")
+    loaded = load_model(folder, dtype=torch.float32, device="cpu")
     with pytest.raises(ValueError, match="no mtp"):
         make_engine(loaded, speculative_mode="draft", draft_model="mtp")
     assert make_engine(loaded, speculative_mode="auto").speculator.draft is None  # auto: prompt lookup only
+    gguf = load_model(write_tiny_gguf(folder, tmp_path / "plain.gguf"), dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="Hugging Face folders only"):
+        make_engine(gguf, speculative_mode="draft", draft_model="mtp")
+    llama = load_model(write_tiny_model(tmp_path / "llama", "llama"), dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match="has no multi-token-prediction head"):
+        make_engine(llama, speculative_mode="draft", draft_model="mtp")
 
 
 def test_served_with_draft_mtp_by_a_real_daemon(mtp_folder, tmp_path):

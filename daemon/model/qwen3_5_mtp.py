@@ -11,7 +11,9 @@ in for the target's hidden state at t+1. Embeddings, RoPE tables and the output 
 Checkpoint names: `mtp.fc.weight` [H, 2H], `mtp.pre_fc_norm_embedding.weight`, `mtp.pre_fc_norm_hidden.weight`,
 `mtp.layers.0.*` (the decoder layer's names), `mtp.norm.weight`; an image-text checkpoint's `model.mtp.*` alike.
 One MTP layer is read (Qwen3.5's checkpoints ship one). Weights are kept in the compute dtype, unquantized.
-GGUF files carry no MTP head: llama.cpp's qwen35 / qwen35moe tensor lists (gguf-py) have no `nextn` tensors.
+Not from GGUF: the gguf package's (0.19) qwen35 / qwen35moe tensor lists name no `nextn` tensors, so llama.cpp's
+converter writes no head; a file with an MTP block after its decoder (`nextn_predict_layers`) loads with the block
+unread (llmd.model.gguf_hybrid), and `--draft mtp` is refused for it.
 """
 
 from __future__ import annotations
@@ -103,8 +105,8 @@ def load_mtp_head(loaded) -> MtpHead:
         raise ValueError(f"{loaded.name!r} ({loaded.config.architecture}) has no multi-token-prediction head: "
                          "the MTP draft is for Qwen3.5 / Qwen3.6 models")
     if source is None or source.kind != "hf":
-        raise ValueError(f"{loaded.name!r}: GGUF files carry no multi-token-prediction head (llama.cpp's qwen35 "
-                         "converter leaves it out); load the Hugging Face folder to draft with it")
+        raise ValueError(f"{loaded.name!r}: the multi-token-prediction head is read from Hugging Face folders only "
+                         "(llama.cpp's qwen35 GGUF files carry none); load the folder to draft with it")
     found = mtp_tensors(source.files)
     if not found:
         raise ValueError(f"{loaded.name!r}: its checkpoint has no mtp.* tensors (no multi-token-prediction head)")
