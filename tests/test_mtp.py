@@ -180,6 +180,18 @@ def test_greedy_with_mtp_equals_plain(qwen3_5_mtp, mtp_folder):
     check_first_guesses(qwen3_5_mtp, mtp_folder, seen)
 
 
+def test_sampled_requests_draw_from_the_head_and_repeat_with_a_seed(qwen3_5_mtp):
+    """Sampled proposals carry the head's distributions into rejection sampling; a seeded request repeats."""
+    prompts = random_prompts(2, 10, 40, 570, seed=8)
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=7)
+    runs = []
+    for _ in range(2):
+        engine = make_engine(qwen3_5_mtp, speculative_mode="draft", draft_model="mtp", num_speculative_tokens=2)
+        runs.append([r.token_ids for r in generate(engine, prompts, params)])
+        assert engine.stats().spec.proposed_total > 0
+    assert runs[0] == runs[1] and all(len(t) == 12 for t in runs[0])
+
+
 def test_prefix_hit_starts_the_head_past_it(qwen3_5_mtp):
     """A prompt whose first blocks the target takes from its prefix cache: the head never sees those positions'
     rows and attends from the hit's end on; the output is still plain decoding's."""
