@@ -258,7 +258,7 @@ static size_t gx_align(size_t bytes) { return (bytes + 63) / 64 * 64; }
 void llmd_thread_id(int *tid, int *nth) { thread_id(tid, nth); }
 
 int llmd_gx_takes(int act, int type, int64_t k) {
-    if (type == LLMD_Q4K_X8) return act == LLMD_ACT_I8 && k > 0 && k % 256 == 0;
+    if (LLMD_X8(type)) return act == LLMD_ACT_I8 && k > 0 && k % 256 == 0;
     if (!gguf_type_of(type, k)) return 0;
     if (act == LLMD_ACT_F32) return 1;
     return k % QB == 0 && (act == LLMD_ACT_I8 || (act == LLMD_ACT_I16 && gh_supported(type)));
@@ -380,8 +380,8 @@ void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch)
     const llmd_gx_group *g = job->g;
     const llmd_gx_rows *x = &g->x;
     const int64_t k = x->k, m = g->m;
-    if (job->type == LLMD_Q4K_X8) {
-        llmd_x8_cols((const float *)x->a[0], (const float *)x->a[1], (const int8_t *)x->a[2], job->q, job->y, job->ldy,
+    if (LLMD_X8(job->type)) {
+        llmd_x8_cols((int)job->type, (const float *)x->a[0], (const float *)x->a[1], (const int8_t *)x->a[2], job->q, job->y, job->ldy,
                      m, k, n0, n1);
         return;
     }
@@ -433,7 +433,7 @@ static int gx_parts_matmul(int act, const llmd_gguf_part *parts, int64_t nparts,
     int flags = 0;
     for (int64_t i = 0; i < nparts; i++) {
         if (!llmd_gx_takes(act, (int)parts[i].type, k) || parts[i].n < 0) return -1;
-        if (parts[i].type == LLMD_Q4K_X8 && parts[i].n % 8) return -1; /* whole groups of 8 columns only */
+        if (LLMD_X8(parts[i].type) && parts[i].n % 8) return -1; /* whole groups of 8 columns only */
         flags |= llmd_gx_flags(act, (int)parts[i].type);
     }
     if (m == 0 || nparts == 0) return 0;

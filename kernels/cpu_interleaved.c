@@ -18,13 +18,25 @@
  *   s = float(dot_0 sc_0) xd_0, then s = fma(float(dot_j sc_j), xd_j, s) for j = 1..7;
  *   m = mn_0 S_0, then m = fma(mn_j, S_2j, m) and fma(mn_j, S_2j+1, m) (S: the row's sums of 16 dequantized activations);
  *   out = fma(s, d, out); out = fma(-m, dmin, out).
- * The portable build computes the same operations in plain C (fmaf). */
+ * The portable build computes the same operations in plain C (fmaf).
+ *
+ * Q6_K the same way ("Q6_K_X8", 1014; gguf_blocks.q6k_x8_pack): a group's super-block (1680 bytes) holds d of the 8
+ * columns (fp16, [0, 16)), the 16 int8 scales as byte 16 + 8s + c, the low 4 bits in runs of 4 bytes per column
+ * (32 bytes at 144 + 32 (16h + 8p + g): ql bytes 64h + 32p + 4g ..) and the high 2 bits (32 bytes at
+ * 1168 + 32 (8h + g): qh bytes 32h + 4g ..). Its sub-blocks are 16 codes (u = q + 32, 0..63), taken in the order
+ * s = 8h + 2u + e for h, e (the half of unit u), u: per output and super-block,
+ *   s_acc = fma(float(dot_s sc_s), xd_(s/2), s_acc) from float(dot_s sc_s) xd_(s/2) for the first;
+ *   m_acc = fma(float(sc_s), S_s, m_acc) likewise;   out = fma(s_acc, d, out); out = fma(m_acc, -32 d, out). */
 #include "cpu_tiles.h"
 
 #define X8_BYTES 1152
+#define Q6X8_BYTES 1680
 #ifndef X8_PF
 #define X8_PF 2 /* super-blocks prefetched ahead */
 #endif
+/* Q6_K's 27 lines a super-block prefetched into L2 (into L1 they streamed at half the rate: more lines than its miss
+ * buffers); Q4_K's 18 into L1 (faster so) */
+#define Q6X8_HINT _MM_HINT_T1
 
 /* the 64 scales and 64 mins of a group's super-block g as bytes sc [8j + c], mn [8j + c] */
 static inline void x8_scales(const uint8_t *g, uint8_t *sc, uint8_t *mn) {
@@ -150,7 +162,104 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
 X8_ROWS(2)
 X8_ROWS(3)
 X8_ROWS(4)
+
+/* Q6_K_X8: R rows (1..4) of a column group; per (h, e) the 4 units' sums of 16 codes are live per row */
+#define Q6X8_ROWS(R)                                                                                                   \
+    static void q6x8_rows_##R(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd,            \
+                              int64_t nbx, const float *S, int64_t lds, float *y, int64_t ldy) {                     \
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);                                     \
+        __m256 out[R], sa[R], ma[R];                                                                                 \
+        for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * Q6X8_BYTES;                                                                   \
+            for (int p = 0; p < Q6X8_BYTES; p += 64)                                                                 \
+                _mm_prefetch((const char *)(g + X8_PF * Q6X8_BYTES + p), Q6X8_HINT);                                \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                                     \
+            _Pragma("GCC unroll 2") for (int e = 0; e < 2; e++) {                                                   \
+                __m256i a[4][R];                                                                                     \
+                for (int u = 0; u < 4; u++)                                                                          \
+                    for (int r = 0; r < R; r++) a[u][r] = _mm256_setzero_si256();                                    \
+                _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                            \
+                    const int gi = 4 * e + gg;                                                                       \
+                    const __m256i A = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + gi)));          \
+                    const __m256i B = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + 8 + gi)));      \
+                    const __m256i H = _mm256_loadu_si256((const __m256i *)(g + 1168 + 32 * (8 * h + gi)));          \
+                    __m256i c[4];                                                                                    \
+                    c[0] = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30)); \
+                    c[1] = _mm256_or_si256(_mm256_and_si256(B, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30)); \
+                    c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(H, m30)); \
+                    c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),                           \
+                                           _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));                          \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                             \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                                           \
+                        int32_t v;                                                                                   \
+                        memcpy(&v, xq + r * k + 256 * b + 128 * h + 32 * u + 4 * gi, 4);                             \
+                        a[u][r] = X8_DOT(a[u][r], c[u], _mm256_set1_epi32(v));                                       \
+                    }                                                                                                \
+                }                                                                                                    \
+                _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                                               \
+                    const int s = 8 * h + 2 * u + e, first = h == 0 && e == 0 && u == 0;                             \
+                    const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 16 + 8 * s)));    \
+                    const __m256 scf = _mm256_cvtepi32_ps(sc);                                                       \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
+                        const __m256 t = _mm256_cvtepi32_ps(_mm256_mullo_epi32(a[u][r], sc));                        \
+                        const __m256 dv = _mm256_set1_ps(xd[r * nbx + 8 * b + s / 2]);                               \
+                        const __m256 sv = _mm256_set1_ps(S[r * lds + 16 * b + s]);                                   \
+                        sa[r] = first ? _mm256_mul_ps(t, dv) : _mm256_fmadd_ps(t, dv, sa[r]);                        \
+                        ma[r] = first ? _mm256_mul_ps(scf, sv) : _mm256_fmadd_ps(scf, sv, ma[r]);                    \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
+            const __m256 dm = _mm256_mul_ps(d, _mm256_set1_ps(-32.0f));                                              \
+            for (int r = 0; r < R; r++) {                                                                            \
+                out[r] = _mm256_fmadd_ps(sa[r], d, out[r]);                                                          \
+                out[r] = _mm256_fmadd_ps(ma[r], dm, out[r]);                                                         \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
+    }
+Q6X8_ROWS(1)
+Q6X8_ROWS(2)
+Q6X8_ROWS(3)
+Q6X8_ROWS(4)
 #else
+/* Q6_K_X8, one row (R = 1: the arguments of the vector build's q6x8_rows_R) */
+static void q6x8_rows_1(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd, int64_t nbx,
+                        const float *S, int64_t lds, float *y, int64_t ldy) {
+    (void)k, (void)nbx, (void)lds, (void)ldy;
+    float out[8] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = q + b * Q6X8_BYTES;
+        const int8_t *xb = xq + 256 * b;
+        for (int c = 0; c < 8; c++) {
+            float sa = 0.0f, ma = 0.0f;
+            for (int h = 0; h < 2; h++)
+                for (int e = 0; e < 2; e++)
+                    for (int u = 0; u < 4; u++) {
+                        int32_t dot = 0;
+                        for (int gg = 0; gg < 4; gg++)
+                            for (int i = 0; i < 4; i++) {
+                                const int gi = 4 * e + gg, at = 32 * gi + 4 * c + i;
+                                const uint8_t A = g[144 + 512 * h + at], B = g[144 + 512 * h + 256 + at];
+                                const uint8_t H = g[1168 + 256 * h + at];
+                                const int lo = u == 0 ? A & 15 : u == 1 ? B & 15 : u == 2 ? A >> 4 : B >> 4;
+                                dot += (lo | (H >> 2 * u & 3) << 4) * xb[128 * h + 32 * u + 4 * gi + i];
+                            }
+                        const int s = 8 * h + 2 * u + e, sc = (int8_t)g[16 + 8 * s + c];
+                        const float t = (float)(dot * sc), dv = xd[8 * b + s / 2], sv = S[16 * b + s];
+                        const int first = h == 0 && e == 0 && u == 0;
+                        sa = first ? t * dv : fmaf(t, dv, sa);
+                        ma = first ? (float)sc * sv : fmaf((float)sc, sv, ma);
+                    }
+            const float d = gguf_f16(g + 2 * c);
+            out[c] = fmaf(sa, d, out[c]);
+            out[c] = fmaf(ma, d * -32.0f, out[c]);
+        }
+    }
+    memcpy(y, out, sizeof out);
+}
+
 static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y) {
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
@@ -183,9 +292,33 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
 
 /* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the integer path's rows (xd [K/32], S [gq_sums(K)], xq [K] per
  * row) and a Q4_K_X8 weight q: per group of 8 columns, the rows in chunks whose activations stay in L2. */
-void llmd_x8_cols(const float *xd, const float *S, const int8_t *xq, const uint8_t *q, float *y, int64_t ldy,
-                  int64_t m, int64_t k, int64_t n0, int64_t n1) {
-    const int64_t nb = k / 256, rb = nb * 144, nbx = k / QB, lds = gq_sums(k);
+void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const uint8_t *q, float *y,
+                  int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
+    const int64_t nb = k / 256, nbx = k / QB, lds = gq_sums(k);
+    if (type == LLMD_Q6K_X8) {
+        const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            for (int64_t c0 = n0; c0 < n1; c0 += 8)
+                for (int64_t r = m0; r < m1;) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+                    const int rr = m1 - r >= 4 ? 4 : (int)(m1 - r);
+                    void (*rows)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, int64_t,
+                                 const float *, int64_t, float *, int64_t) =
+                        rr == 4 ? q6x8_rows_4 : rr == 3 ? q6x8_rows_3 : rr == 2 ? q6x8_rows_2 : q6x8_rows_1;
+#else
+                    const int rr = 1;
+                    void (*rows)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, int64_t,
+                                 const float *, int64_t, float *, int64_t) = q6x8_rows_1;
+#endif
+                    rows(q + c0 * nb * 210, nb, xq + r * k, k, xd + r * nbx, nbx, S + r * lds, lds, y + r * ldy + c0,
+                         ldy);
+                    r += rr;
+                }
+        }
+        return;
+    }
+    const int64_t rb = nb * 144;
     const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;

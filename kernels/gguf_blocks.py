@@ -64,7 +64,7 @@ BLOCKS: dict[str, tuple[int, int]] = {
     "IQ4_XS": (QK_K, 136),
 }
 PACKED_TYPES = tuple(BLOCKS)
-X8_OF = {"Q4_K_X8": "Q4_K"}  # llmd's own interleaved layouts (q4k_x8_pack) -> the file's type
+X8_OF = {"Q4_K_X8": "Q4_K", "Q6_K_X8": "Q6_K"}  # llmd's interleaved layouts (x8_pack) -> the file's type
 IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 codes' values, doubled
 
@@ -264,7 +264,7 @@ def dequantize_blocks(blocks: torch.Tensor, type_name: str) -> torch.Tensor:
     if blocks.dtype is not torch.uint8:
         raise ValueError(f"GGUF blocks must be uint8, not {blocks.dtype}")
     if type_name in X8_OF:
-        blocks, type_name = q4k_x8_unpack(blocks), X8_OF[type_name]
+        blocks, type_name = x8_unpack(blocks, type_name), X8_OF[type_name]
     rows = blocks.reshape(1, -1) if blocks.dim() == 1 else blocks
     if rows.dim() != 2 or rows.shape[1] % nbytes:
         raise ValueError(f"{type_name} rows of {rows.shape[-1]} bytes are not whole {nbytes}-byte blocks")
@@ -287,16 +287,28 @@ def dequantize_rows(blocks: torch.Tensor, type_name: str, rows: torch.Tensor | s
 # per column: run (c, g) holds bytes 32c + 4g .. 32c + 4g + 3 of each column. The same bits, rearranged.
 
 
-def _x8_groups(blocks: torch.Tensor) -> tuple[int, int]:
+def _x8_groups(blocks: torch.Tensor, type_name: str) -> tuple[int, int]:
     n, width = blocks.shape
-    if blocks.dtype is not torch.uint8 or n % 8 or width % 144:
-        raise ValueError(f"Q4_K_X8 needs uint8 rows in groups of 8 and whole 144-byte blocks, not {tuple(blocks.shape)}")
-    return n // 8, width // 144
+    nbytes = BLOCKS[X8_OF[type_name]][1]
+    if blocks.dtype is not torch.uint8 or n % 8 or width % nbytes:
+        raise ValueError(f"{type_name} needs uint8 rows in groups of 8 and whole {nbytes}-byte blocks, not "
+                         f"{tuple(blocks.shape)}")
+    return n // 8, width // nbytes
+
+
+def x8_pack(blocks: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rows of X8_OF[layout]'s blocks [N, row bytes] (N % 8 == 0) -> the same bits in the interleaved `layout`."""
+    return (q4k_x8_pack if layout == "Q4_K_X8" else q6k_x8_pack)(blocks)
+
+
+def x8_unpack(packed: torch.Tensor, layout: str) -> torch.Tensor:
+    """The interleaved `layout` -> the file's rows (x8_pack's inverse)."""
+    return (q4k_x8_unpack if layout == "Q4_K_X8" else q6k_x8_unpack)(packed)
 
 
 def q4k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
     """Q4_K rows [N, nb * 144] (N % 8 == 0) -> the same bits in the Q4_K_X8 layout, [N, nb * 144]."""
-    groups, nb = _x8_groups(blocks)
+    groups, nb = _x8_groups(blocks, "Q4_K_X8")
     b = blocks.reshape(groups, 8, nb, 144).transpose(1, 2)  # [G, nb, column, 144]
     sc, mn = scale_min_k4(b[..., 4:16].reshape(-1, 12))
     sc, mn = (v.reshape(groups, nb, 8, 8).transpose(2, 3) for v in (sc, mn))  # [G, nb, sub-block, column]
@@ -311,7 +323,7 @@ def q4k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
 
 def q4k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
     """The Q4_K_X8 layout [N, nb * 144] -> the file's Q4_K rows (q4k_x8_pack's inverse)."""
-    groups, nb = _x8_groups(packed)
+    groups, nb = _x8_groups(packed, "Q4_K_X8")
     p = packed.reshape(groups, nb, 1152)
     lo_sc, lo_mn, high = (p[..., o:o + 32].reshape(groups, nb, 4, 8) for o in (32, 64, 96))
     sc = torch.cat([(lo_sc & 15) | (high & 3) << 4, (lo_sc >> 4) | (high >> 2 & 3) << 4], dim=2)  # [G, nb, 8 j, col]
@@ -322,4 +334,31 @@ def q4k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
     codes = p[..., 128:].reshape(groups, nb, 4, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(groups, nb, 8, 128)
     out = torch.cat([p[..., 0:16].reshape(groups, nb, 8, 2), p[..., 16:32].reshape(groups, nb, 8, 2), scales, codes],
                     dim=-1)  # [G, nb, column, 144]
+    return out.transpose(1, 2).reshape(packed.shape)
+
+
+# Q6_K's group of 8 rows' super-block (8 x 210 bytes): d [8] (fp16), the 16 int8 scales as byte 8s + c, then the low
+# 4 bits in runs of 4 bytes per column (run (h, p, g): ql bytes 64h + 32p + 4g ..), then the high 2 bits likewise
+# (run (h, g): qh bytes 32h + 4g ..).
+
+
+def q6k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
+    """Q6_K rows [N, nb * 210] (N % 8 == 0) -> the same bits in the Q6_K_X8 layout."""
+    groups, nb = _x8_groups(blocks, "Q6_K_X8")
+    b = blocks.reshape(groups, 8, nb, 210).transpose(1, 2)  # [G, nb, column, 210]
+    ql = b[..., 0:128].reshape(groups, nb, 8, 2, 2, 8, 4).permute(0, 1, 3, 4, 5, 2, 6)
+    qh = b[..., 128:192].reshape(groups, nb, 8, 2, 8, 4).permute(0, 1, 3, 4, 2, 5)
+    out = torch.cat([b[..., 208:210].reshape(groups, nb, 16), b[..., 192:208].transpose(2, 3).reshape(groups, nb, 128),
+                     ql.reshape(groups, nb, 1024), qh.reshape(groups, nb, 512)], dim=-1)
+    return out.reshape(blocks.shape)
+
+
+def q6k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The Q6_K_X8 layout -> the file's Q6_K rows (q6k_x8_pack's inverse)."""
+    groups, nb = _x8_groups(packed, "Q6_K_X8")
+    p = packed.reshape(groups, nb, 1680)
+    ql = p[..., 144:1168].reshape(groups, nb, 2, 2, 8, 8, 4).permute(0, 1, 5, 2, 3, 4, 6).reshape(groups, nb, 8, 128)
+    qh = p[..., 1168:].reshape(groups, nb, 2, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(groups, nb, 8, 64)
+    scales = p[..., 16:144].reshape(groups, nb, 16, 8).transpose(2, 3)
+    out = torch.cat([ql, qh, scales, p[..., 0:16].reshape(groups, nb, 8, 2)], dim=-1)  # [G, nb, column, 210]
     return out.transpose(1, 2).reshape(packed.shape)

@@ -1,5 +1,6 @@
-"""Q4_K with 8 columns interleaved (Q4_K_X8, kernels/cpu_interleaved.c), the CPU integer path's layout for Q4_K: the
-same bits rearranged (packing and unpacking give the file's bytes back, dequantizing gives the file's values), the
+"""Q4_K and Q6_K with 8 columns interleaved (Q4_K_X8, Q6_K_X8: kernels/cpu_interleaved.c), the CPU integer path's
+layouts for them: the same bits rearranged (packing and unpacking give the file's bytes back, dequantizing gives the
+file's values), the
 kernel's products match the integer path's torch reference, a row's result is bitwise the same whatever the batch, its
 position, the thread count and the parts beside it, and a packed layer takes the layout on the CPU only where nothing
 else reads its blocks in the file's layout.
@@ -16,39 +17,49 @@ from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
 
+LAYOUTS = ["Q4_K_X8", "Q6_K_X8"]
+
+
 def test_packing_is_a_rearrangement_of_the_files_bytes():
     q, k = _weights("Q4_K", n=24, k=768)
     packed = gb.q4k_x8_pack(q)
     assert packed.shape == q.shape and not torch.equal(packed, q)
     assert torch.equal(torch.sort(packed.view(3, 3, 1152)[:, :, 128:].reshape(3, -1)).values,  # codes: moved
                        torch.sort(q.view(3, 8, 3, 144)[..., 16:].reshape(3, -1)).values)
-    assert torch.equal(gb.q4k_x8_unpack(packed), q)
-    assert torch.equal(gb.dequantize_blocks(packed, "Q4_K_X8").view(torch.int32),
-                       gb.dequantize_blocks(q, "Q4_K").view(torch.int32))
-    with pytest.raises(ValueError, match="groups of 8"):
-        gb.q4k_x8_pack(q[:20])
+    q6, _ = _weights("Q6_K", n=24, k=768)
+    assert torch.equal(torch.sort(gb.q6k_x8_pack(q6).view(3, -1)).values, torch.sort(q6.view(3, -1)).values)
+    for layout in LAYOUTS:
+        q, _ = _weights(gb.X8_OF[layout], n=24, k=768)
+        packed = gb.x8_pack(q, layout)
+        assert torch.equal(gb.x8_unpack(packed, layout), q)
+        assert torch.equal(gb.dequantize_blocks(packed, layout).view(torch.int32),
+                           gb.dequantize_blocks(q, gb.X8_OF[layout]).view(torch.int32))
+        with pytest.raises(ValueError, match="groups of 8"):
+            gb.x8_pack(q[:20], layout)
 
 
-def test_products_match_the_integer_paths_reference():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_products_match_the_integer_paths_reference(layout):
     if not HAVE_KERNEL:
         return
     for k in (256, 768):
-        q, _ = _weights("Q4_K", n=40, k=k, seed=k)
-        kernel = cpu_gemm.GGUFKernel(cpu_gemm.load(), [(gb.q4k_x8_pack(q), "Q4_K_X8")], k, act="int8")
+        q, _ = _weights(gb.X8_OF[layout], n=40, k=k, seed=k)
+        kernel = cpu_gemm.GGUFKernel(cpu_gemm.load(), [(gb.x8_pack(q, layout), layout)], k, act="int8")
         for m in ROWS:
             x = _x(m, k, seed=m)
-            ref = cpu_gemm.gguf_matmul_q8_ref(x, q, "Q4_K")
+            ref = cpu_gemm.gguf_matmul_q8_ref(x, q, gb.X8_OF[layout])
             torch.testing.assert_close(kernel(x), ref, rtol=1e-5, atol=2e-5 * ref.abs().max().item())
 
 
-def test_rows_do_not_depend_on_batch_threads_or_parts():
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_rows_do_not_depend_on_batch_threads_or_parts(layout):
     if not HAVE_KERNEL:
         return
-    q, k = _weights("Q4_K", n=48, k=512)
-    other, _ = _weights("Q6_K", n=11, k=k, seed=3)
-    lib, packed = cpu_gemm.load(), gb.q4k_x8_pack(q)
-    kernel = cpu_gemm.GGUFKernel(lib, [(packed, "Q4_K_X8")], k, act="int8")
-    fused = cpu_gemm.GGUFKernel(lib, [(other, "Q6_K"), (packed, "Q4_K_X8"), (other, "Q6_K")], k, act="int8")
+    q, k = _weights(gb.X8_OF[layout], n=48, k=512)
+    other, _ = _weights("Q8_0", n=11, k=k, seed=3)
+    lib, packed = cpu_gemm.load(), gb.x8_pack(q, layout)
+    kernel = cpu_gemm.GGUFKernel(lib, [(packed, layout)], k, act="int8")
+    fused = cpu_gemm.GGUFKernel(lib, [(other, "Q8_0"), (packed, layout), (other, "Q8_0")], k, act="int8")
     x = _x(70, k)
     full = _rows_independent_of_the_batch(kernel, x)
     for threads in (1, 2, 3):

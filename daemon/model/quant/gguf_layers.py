@@ -83,9 +83,9 @@ class GGUFLinear(QuantizedLinear):
         if type_name == self.type_name:
             return
         if type_name in gb.X8_OF:
-            self.qweight.copy_(gb.q4k_x8_pack(self.qweight))
+            self.qweight.copy_(gb.x8_pack(self.qweight, type_name))
         else:
-            self.qweight.copy_(gb.q4k_x8_unpack(self.qweight))
+            self.qweight.copy_(gb.x8_unpack(self.qweight, self.type_name))
         self.type_name = type_name
 
     def cpu_parts(self) -> list[tuple[torch.Tensor, str]]:
