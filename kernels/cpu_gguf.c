@@ -266,7 +266,7 @@ int llmd_gx_takes(int act, int type, int64_t k) {
 
 int llmd_gx_flags(int act, int type) {
     if (act != LLMD_ACT_I8) return 0;
-    return gq_signed_type(type) ? LLMD_GX_C | LLMD_GX_LANES : type == 23 ? LLMD_GX_C : 0;
+    return gq_signed_type(type) ? LLMD_GX_C | LLMD_GX_LANES : type == 23 || type == LLMD_IQ4XS_X8 ? LLMD_GX_C : 0;
 }
 
 /* 1 where rows prepared for type a serve type b on path `act` */
@@ -381,8 +381,8 @@ void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch)
     const llmd_gx_rows *x = &g->x;
     const int64_t k = x->k, m = g->m;
     if (LLMD_X8(job->type)) {
-        llmd_x8_cols((int)job->type, (const float *)x->a[0], (const float *)x->a[1], (const int8_t *)x->a[2], job->q, job->y, job->ldy,
-                     m, k, n0, n1);
+        llmd_x8_cols((int)job->type, (const float *)x->a[0], (const float *)x->a[1], (const int8_t *)x->a[2],
+                     (const int32_t *)x->a[3], job->q, job->y, job->ldy, m, k, n0, n1);
         return;
     }
     const gguf_type *t = gguf_type_of((int)job->type, k);

@@ -12,11 +12,12 @@
 
 #define LLMD_HIDDEN __attribute__((visibility("hidden")))
 
-/* llmd's own type ids of Q4_K and Q6_K with 8 columns interleaved (cpu_interleaved.c): the int8 path only,
+/* llmd's own type ids of Q4_K, Q6_K and IQ4_XS with 8 columns interleaved (cpu_interleaved.c): the int8 path only,
  * N % 8 == 0 */
 #define LLMD_Q4K_X8 1012
 #define LLMD_Q6K_X8 1014
-#define LLMD_X8(type) ((type) == LLMD_Q4K_X8 || (type) == LLMD_Q6K_X8)
+#define LLMD_IQ4XS_X8 1023
+#define LLMD_X8(type) ((type) == LLMD_Q4K_X8 || (type) == LLMD_Q6K_X8 || (type) == LLMD_IQ4XS_X8)
 
 /* activation paths: fp32 (the weights' exact values), int8 and int16 per block of 32 (cpu_act.c) */
 enum { LLMD_ACT_F32 = 0, LLMD_ACT_I8 = 1, LLMD_ACT_I16 = 2 };
@@ -66,8 +67,8 @@ LLMD_HIDDEN size_t llmd_gx_scratch_bytes(int act, int type, int64_t k, int64_t m
 /* columns [n0, n1) of one job (n0 a multiple of 8) */
 LLMD_HIDDEN void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch);
 /* columns [n0, n1) (multiples of 8) of an interleaved weight (LLMD_X8) on the int8 path's rows (cpu_interleaved.c) */
-LLMD_HIDDEN void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const uint8_t *q, float *y,
-                              int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
+LLMD_HIDDEN void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C,
+                              const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
 /* this thread's share (tid of nth) of the jobs' columns: units of 8 columns, weighted by their rows */
 LLMD_HIDDEN void llmd_gx_run(const llmd_gx_job *jobs, int64_t njobs, int tid, int nth, void *scratch);
 /* the first of parts [0, i] whose rows serve part i on path `act` */

@@ -26,11 +26,18 @@
  * 1168 + 32 (8h + g): qh bytes 32h + 4g ..). Its sub-blocks are 16 codes (u = q + 32, 0..63), taken in the order
  * s = 8h + 2u + e for h, e (the half of unit u), u: per output and super-block,
  *   s_acc = fma(float(dot_s sc_s), xd_(s/2), s_acc) from float(dot_s sc_s) xd_(s/2) for the first;
- *   m_acc = fma(float(sc_s), S_s, m_acc) likewise;   out = fma(s_acc, d, out); out = fma(m_acc, -32 d, out). */
+ *   m_acc = fma(float(sc_s), S_s, m_acc) likewise;   out = fma(s_acc, d, out); out = fma(m_acc, -32 d, out).
+ *
+ * IQ4_XS likewise ("IQ4_XS_X8", 1023; gguf_blocks.iq4xs_x8_pack), 1088 bytes: d (fp16, [0, 16)), the 6-bit scales'
+ * low 4 bits as Q4_K's ([16, 48)), their top 2 bits (byte 8p + c, bits 2k: sub-block 4p + k, [48, 64)), then the codes
+ * in runs of 4 bytes per column (32 bytes at 64 + 32 (4j + g): qs bytes 16j + 4g ..: low nibbles elements 32j + 4g..,
+ * high ones 32j + 16 + 4g..). Its codes are signed table values (the exact integer dot product: IQ_DOT), then per
+ * output s = fma(float(dot_j (sc_j - 32)), xd_j, s) from the first product, out = fma(s, d, out). */
 #include "cpu_tiles.h"
 
 #define X8_BYTES 1152
 #define Q6X8_BYTES 1680
+#define IQX8_BYTES 1088
 #ifndef X8_PF
 #define X8_PF 2 /* super-blocks prefetched ahead */
 #endif
@@ -61,11 +68,7 @@ static inline void x8_scales(const uint8_t *g, uint8_t *sc, uint8_t *mn) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#ifdef DOT_U8S8_ACC
-#define X8_DOT(acc, u, s) DOT_U8S8_ACC(acc, u, s)
-#else
-#define X8_DOT(acc, u, s) _mm256_add_epi32(acc, DOT_U8S8(u, s))
-#endif
+#define X8_DOT(acc, u, s) DOT_U8S8_ACC(acc, u, s) /* vpdpbusd, or maddubs + madd + add (codes < 64: no saturation) */
 
 /* one row's 8 outputs of a column group q (nb super-blocks) */
 static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y) {
@@ -223,7 +226,122 @@ Q6X8_ROWS(1)
 Q6X8_ROWS(2)
 Q6X8_ROWS(3)
 Q6X8_ROWS(4)
+
+/* IQ4_XS's signed codes in a dot product: with VNNI the table + 128 (unsigned) and the row's C added after (IQ_C);
+ * else |w| against x with w's sign (maddubs on (w + 128) x would saturate its int16 pairs). The same integers. */
+#if GQ_OFFSET_ROWS /* VNNI (cpu_tiles.h defines DOT_U8S8_ACC either way) */
+#define IQ_LUT(codes) iq4_lookup_128(codes)
+#define IQ_DOT(acc, w, x) DOT_U8S8_ACC(acc, w, x)
+#define IQ_C 1
 #else
+#define IQ_LUT(codes) iq4_lookup(codes)
+#define IQ_DOT(acc, w, x) \
+    _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), \
+                                            _mm256_set1_epi16(1)))
+#define IQ_C 0
+#endif
+
+/* IQ4_XS_X8's 64 scales minus 32 as int8 sc [8j + c] */
+INLINE void iqx8_scales(const uint8_t *g, int8_t *sc) {
+    const __m256i l = _mm256_loadu_si256((const __m256i *)(g + 16)), m4 = _mm256_set1_epi8(0x0F);
+    const __m256i shifts = _mm256_setr_epi64x(0, 2, 4, 6), m3 = _mm256_set1_epi8(3), m32 = _mm256_set1_epi8(32);
+    int64_t h0, h1;
+    memcpy(&h0, g + 48, 8);
+    memcpy(&h1, g + 56, 8);
+    const __m256i a = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(h0), shifts), m3);
+    const __m256i b = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(h1), shifts), m3);
+    _mm256_storeu_si256((__m256i *)sc, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l, m4),
+                                                                       _mm256_slli_epi16(a, 4)), m32));
+    _mm256_storeu_si256((__m256i *)(sc + 32),
+                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l, 4), m4),
+                                                        _mm256_slli_epi16(b, 4)), m32));
+}
+
+/* IQ4_XS_X8: R rows of a column group, P units' sums live per row at a time (P = 8 for one row: 8 independent
+ * chains; 2 for more rows, whose sums are chains of their own) */
+#define IQX8_ROWS(R, P)                                                                                                \
+    static void iqx8_rows_##R(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd,            \
+                              int64_t nbx, const int32_t *C, float *y, int64_t ldy) {                                \
+        const __m256i m4 = _mm256_set1_epi8(0x0F);                                                                   \
+        __m256 out[R], sa[R];                                                                                        \
+        for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * IQX8_BYTES;                                                                   \
+            for (int p = 0; p < IQX8_BYTES; p += 64)                                                                 \
+                _mm_prefetch((const char *)(g + X8_PF * IQX8_BYTES + p), _MM_HINT_T0);                              \
+            int8_t sc[64];                                                                                           \
+            iqx8_scales(g, sc);                                                                                      \
+            _Pragma("GCC unroll 8") for (int j0 = 0; j0 < 8; j0 += (P)) {                                           \
+                __m256i a[P][R];                                                                                     \
+                for (int u = 0; u < (P); u++)                                                                        \
+                    for (int r = 0; r < R; r++) a[u][r] = _mm256_setzero_si256();                                    \
+                _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++)                                              \
+                _Pragma("GCC unroll 8") for (int u = 0; u < (P); u++) {                                             \
+                    const int j = j0 + u;                                                                            \
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 64 + 32 * (4 * j + gg)));            \
+                    const __m256i lo = IQ_LUT(_mm256_and_si256(w, m4));                                              \
+                    const __m256i hi = IQ_LUT(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4));                        \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
+                        const int8_t *xb = xq + r * k + 256 * b + 32 * j + 4 * gg;                                   \
+                        int32_t vl, vh;                                                                              \
+                        memcpy(&vl, xb, 4);                                                                          \
+                        memcpy(&vh, xb + 16, 4);                                                                     \
+                        a[u][r] = IQ_DOT(IQ_DOT(a[u][r], lo, _mm256_set1_epi32(vl)), hi, _mm256_set1_epi32(vh));      \
+                    }                                                                                                \
+                }                                                                                                    \
+                _Pragma("GCC unroll 8") for (int u = 0; u < (P); u++) {                                             \
+                    const int j = j0 + u;                                                                            \
+                    const __m256i scj = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * j)));       \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
+                        const int32_t *c = C + r * (k / 4) + 64 * b + 8 * j;                                         \
+                        const int32_t corr = IQ_C ? c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7] : 0;      \
+                        const __m256i dot = _mm256_add_epi32(a[u][r], _mm256_set1_epi32(corr));                      \
+                        const __m256 t = _mm256_cvtepi32_ps(_mm256_mullo_epi32(dot, scj));                           \
+                        const __m256 dv = _mm256_set1_ps(xd[r * nbx + 8 * b + j]);                                   \
+                        sa[r] = j ? _mm256_fmadd_ps(t, dv, sa[r]) : _mm256_mul_ps(t, dv);                            \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
+            for (int r = 0; r < R; r++) out[r] = _mm256_fmadd_ps(sa[r], d, out[r]);                                  \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
+    }
+IQX8_ROWS(1, 8)
+IQX8_ROWS(2, 2)
+IQX8_ROWS(3, 2)
+IQX8_ROWS(4, 2)
+#else
+/* IQ4_XS_X8, one row (the vector build's iqx8_rows_R arguments) */
+static void iqx8_rows_1(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd, int64_t nbx,
+                        const int32_t *C, float *y, int64_t ldy) {
+    static const int8_t kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    (void)k, (void)nbx, (void)ldy;
+    float out[8] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = q + b * IQX8_BYTES;
+        const int8_t *xb = xq + 256 * b;
+        for (int c = 0; c < 8; c++) {
+            float sa = 0.0f;
+            for (int j = 0; j < 8; j++) {
+                int32_t dot = 0;
+                for (int gg = 0; gg < 4; gg++)
+                    for (int i = 0; i < 4; i++) {
+                        const uint8_t v = g[64 + 32 * (4 * j + gg) + 4 * c + i];
+                        dot += (kv[v & 15] + 128) * xb[32 * j + 4 * gg + i] + (kv[v >> 4] + 128) * xb[32 * j + 16 + 4 * gg + i];
+                    }
+                for (int i = 0; i < 8; i++) dot += C[64 * b + 8 * j + i];
+                const int lo = j < 4 ? g[16 + 8 * j + c] & 15 : g[16 + 8 * (j - 4) + c] >> 4;
+                const int hi = g[48 + 8 * (j / 4) + c] >> 2 * (j % 4) & 3;
+                const float t = (float)(dot * ((lo | hi << 4) - 32));
+                sa = j ? fmaf(t, xd[8 * b + j], sa) : t * xd[8 * b + j];
+            }
+            out[c] = fmaf(sa, gguf_f16(g + 2 * c), out[c]);
+        }
+    }
+    memcpy(y, out, sizeof out);
+}
+
 /* Q6_K_X8, one row (R = 1: the arguments of the vector build's q6x8_rows_R) */
 static void q6x8_rows_1(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd, int64_t nbx,
                         const float *S, int64_t lds, float *y, int64_t ldy) {
@@ -292,9 +410,32 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
 
 /* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the integer path's rows (xd [K/32], S [gq_sums(K)], xq [K] per
  * row) and a Q4_K_X8 weight q: per group of 8 columns, the rows in chunks whose activations stay in L2. */
-void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const uint8_t *q, float *y,
-                  int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
+void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C, const uint8_t *q,
+                  float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
     const int64_t nb = k / 256, nbx = k / QB, lds = gq_sums(k);
+    if (type == LLMD_IQ4XS_X8) {
+        const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
+        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+            for (int64_t c0 = n0; c0 < n1; c0 += 8)
+                for (int64_t r = m0; r < m1;) {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+                    const int rr = m1 - r >= 4 ? 4 : (int)(m1 - r);
+                    void (*rows)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, int64_t,
+                                 const int32_t *, float *, int64_t) =
+                        rr == 4 ? iqx8_rows_4 : rr == 3 ? iqx8_rows_3 : rr == 2 ? iqx8_rows_2 : iqx8_rows_1;
+#else
+                    const int rr = 1;
+                    void (*rows)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, int64_t,
+                                 const int32_t *, float *, int64_t) = iqx8_rows_1;
+#endif
+                    rows(q + c0 * nb * 136, nb, xq + r * k, k, xd + r * nbx, nbx, C + r * (k / 4), y + r * ldy + c0,
+                         ldy);
+                    r += rr;
+                }
+        }
+        return;
+    }
     if (type == LLMD_Q6K_X8) {
         const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
         for (int64_t m0 = 0; m0 < m; m0 += chunk) {

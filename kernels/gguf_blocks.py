@@ -64,7 +64,8 @@ BLOCKS: dict[str, tuple[int, int]] = {
     "IQ4_XS": (QK_K, 136),
 }
 PACKED_TYPES = tuple(BLOCKS)
-X8_OF = {"Q4_K_X8": "Q4_K", "Q6_K_X8": "Q6_K"}  # llmd's interleaved layouts (x8_pack) -> the file's type
+X8_OF = {"Q4_K_X8": "Q4_K", "Q6_K_X8": "Q6_K", "IQ4_XS_X8": "IQ4_XS"}  # llmd's interleaved layouts (x8_pack) -> the
+# file's type
 IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 codes' values, doubled
 
@@ -298,12 +299,12 @@ def _x8_groups(blocks: torch.Tensor, type_name: str) -> tuple[int, int]:
 
 def x8_pack(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     """Rows of X8_OF[layout]'s blocks [N, row bytes] (N % 8 == 0) -> the same bits in the interleaved `layout`."""
-    return (q4k_x8_pack if layout == "Q4_K_X8" else q6k_x8_pack)(blocks)
+    return {"Q4_K_X8": q4k_x8_pack, "Q6_K_X8": q6k_x8_pack, "IQ4_XS_X8": iq4xs_x8_pack}[layout](blocks)
 
 
 def x8_unpack(packed: torch.Tensor, layout: str) -> torch.Tensor:
     """The interleaved `layout` -> the file's rows (x8_pack's inverse)."""
-    return (q4k_x8_unpack if layout == "Q4_K_X8" else q6k_x8_unpack)(packed)
+    return {"Q4_K_X8": q4k_x8_unpack, "Q6_K_X8": q6k_x8_unpack, "IQ4_XS_X8": iq4xs_x8_unpack}[layout](packed)
 
 
 def q4k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
@@ -361,4 +362,41 @@ def q6k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
     qh = p[..., 1168:].reshape(groups, nb, 2, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(groups, nb, 8, 64)
     scales = p[..., 16:144].reshape(groups, nb, 16, 8).transpose(2, 3)
     out = torch.cat([ql, qh, scales, p[..., 0:16].reshape(groups, nb, 8, 2)], dim=-1)  # [G, nb, column, 210]
+    return out.transpose(1, 2).reshape(packed.shape)
+
+
+# IQ4_XS's group of 8 rows' super-block (8 x 136 bytes): d [8] (fp16), the 6-bit scales' low 4 bits as Q4_K_X8's
+# (byte 8j + c, high nibble sub-block j + 4), their top 2 bits (byte 8p + c: sub-block 4p + k in bits 2k), then the codes
+# in runs of 4 bytes per column (run (j, g): qs bytes 16j + 4g ..).
+
+
+def iq4xs_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS rows [N, nb * 136] (N % 8 == 0) -> the same bits in the IQ4_XS_X8 layout."""
+    groups, nb = _x8_groups(blocks, "IQ4_XS_X8")
+    b = blocks.reshape(groups, 8, nb, 136).transpose(1, 2)  # [G, nb, column, 136]
+    high = (b[..., 2].to(torch.int32) | b[..., 3].to(torch.int32) << 8).unsqueeze(-1)
+    high = (high >> (2 * torch.arange(8, dtype=torch.int32, device=b.device)) & 3).to(torch.uint8)  # [.., col, 8]
+    low = torch.stack((b[..., 4:8] & 15, b[..., 4:8] >> 4), dim=-1).reshape(groups, nb, 8, 8)  # sub-block j: [.., j]
+    low, high = low.transpose(2, 3), high.transpose(2, 3)  # [G, nb, sub-block, column]
+    tops = high.reshape(groups, nb, 2, 4, 8)  # [.., p, k, column]
+    tops = tops[:, :, :, 0] | tops[:, :, :, 1] << 2 | tops[:, :, :, 2] << 4 | tops[:, :, :, 3] << 6
+    codes = b[..., 8:].reshape(groups, nb, 8, 8, 4, 4).permute(0, 1, 3, 4, 2, 5)  # [G, nb, j, g, column, 4]
+    out = torch.cat([b[..., 0:2].reshape(groups, nb, 16), (low[:, :, :4] | low[:, :, 4:] << 4).reshape(groups, nb, 32),
+                     tops.reshape(groups, nb, 16), codes.reshape(groups, nb, 1024)], dim=-1)
+    return out.reshape(blocks.shape)
+
+
+def iq4xs_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The IQ4_XS_X8 layout -> the file's IQ4_XS rows (iq4xs_x8_pack's inverse)."""
+    groups, nb = _x8_groups(packed, "IQ4_XS_X8")
+    p = packed.reshape(groups, nb, 1088)
+    lows = p[..., 16:48].reshape(groups, nb, 4, 8)
+    low = torch.cat([lows & 15, lows >> 4], dim=2).transpose(2, 3)  # [G, nb, column, sub-block]
+    tops = p[..., 48:64].reshape(groups, nb, 2, 1, 8) >> (2 * torch.arange(4, dtype=torch.uint8,
+                                                                        device=p.device)).view(1, 1, 1, 4, 1)
+    high = (tops & 3).reshape(groups, nb, 8, 8).transpose(2, 3).to(torch.int32)  # [G, nb, column, sub-block]
+    h16 = (high << (2 * torch.arange(8, dtype=torch.int32, device=p.device))).sum(-1)
+    codes = p[..., 64:].reshape(groups, nb, 8, 4, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(groups, nb, 8, 128)
+    out = torch.cat([p[..., 0:16].reshape(groups, nb, 8, 2), torch.stack((h16 & 255, h16 >> 8), -1).to(torch.uint8),
+                     low[..., 0::2] | low[..., 1::2] << 4, codes], dim=-1)  # [G, nb, column, 136]
     return out.transpose(1, 2).reshape(packed.shape)

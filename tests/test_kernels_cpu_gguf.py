@@ -5,7 +5,7 @@ in vector lanes); the C dequantize is the reference's in the portable build too;
 reference; a row's output is bitwise the same whatever the batch, its position and the thread count. The integer path
 (GGUFKernel(act="int8"), LLMD_CPU_GEMM_ACT=int8: activations quantized to int8 per block of 32) matches its torch
 reference (gguf_matmul_q8_ref) for every type, and is bitwise the same whatever the batch, row, threads and parts;
-the interleaved Q4_K and Q6_K (test_kernels_cpu_interleaved.py) give the same bits in every build.
+the interleaved Q4_K, Q6_K and IQ4_XS (test_kernels_cpu_interleaved.py) give the same bits in every build.
 The output head's path (act="int16": int16 activations, Q8_0 and Q6_K) matches gguf_matmul_q16_ref, is far closer
 to fp32 activations than int8 is, and gives the same bits in every build and batch.
 
@@ -334,7 +334,7 @@ def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
             head = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, act="int16")
             vector = cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, act="int16")
             assert torch.equal(_bits(head(x, 2)), _bits(vector(x, 2)))
-    for layout in ("Q4_K_X8", "Q6_K_X8"):  # the interleaved layouts in plain C: the vector build's very bits
+    for layout in ("Q4_K_X8", "Q6_K_X8", "IQ4_XS_X8"):  # the interleaved layouts in plain C: the vector build's very bits
         q, k = _weights(gb.X8_OF[layout], n=16)
         packed, x = gb.x8_pack(q, layout), _x(5, k)
         plain = cpu_gemm.GGUFKernel(lib, [(packed, layout)], k, act="int8")(x, 2)
@@ -359,7 +359,7 @@ def test_avx2_build_equals_the_default_build_bit_for_bit(tmp_path, monkeypatch):
             assert torch.equal(_bits(mine(x, 2)), _bits(full))
             for m in (1, 2, 3, 5, 9, 15):  # the row counts each build routes through other paths
                 assert torch.equal(_bits(mine(x[:m], 1)), _bits(full[:m]))
-    for layout in ("Q4_K_X8", "Q6_K_X8"):
+    for layout in ("Q4_K_X8", "Q6_K_X8", "IQ4_XS_X8"):
         q, k = _weights(gb.X8_OF[layout], n=16, k=512)
         packed = gb.x8_pack(q, layout)
         mine, full = (cpu_gemm.GGUFKernel(lib, [(packed, layout)], k, act="int8") for lib in (avx2, cpu_gemm.load()))
