@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from llmd.config import Settings
+from llmd.engine import SamplingParams
 from llmd.server import models as models_mod
 from llmd.server.daemon import load_served
 from llmd.server.models import ModelManager
@@ -112,3 +113,21 @@ async def test_two_cold_models_at_once_with_one_free_place(manager):
     second = await asyncio.wait_for(pending.pop(), 60)
     assert second.engine is not None and names(manager) == {"a", second.name} and first.engine is None
     manager.release(second)
+
+
+def test_a_pool_holds_one_sequence_at_the_full_context_unless_set(tiny_models):
+    """A share of the budget smaller than one request of max_model_len tokens would refuse such requests: the pool
+    grows to hold one (an explicit --kv-cache-bytes is kept as given)."""
+    from llmd.server.daemon import build_engine
+    from llmd.store.resolve import resolve
+
+    files = resolve(str(tiny_models["llama"]))
+    prompt = [5] * 500
+    _, engine = build_engine(Settings(max_model_len=512), files, kv_cache_bytes=2**40)
+    share = 4 * (engine.runner.kv_cache_bytes // engine.runner.num_blocks)  # 4 blocks: 64 tokens
+    _, engine = build_engine(Settings(max_model_len=512), files, kv_cache_bytes=share)
+    engine.check_request(prompt, SamplingParams(max_tokens=8))  # 508 tokens fit
+    _, small = build_engine(Settings(max_model_len=512, kv_cache_bytes=share), files, kv_cache_bytes=share)
+    assert small.runner.kv_cache_bytes < engine.runner.kv_cache_bytes
+    with pytest.raises(Exception, match="KV cache"):
+        small.check_request(prompt, SamplingParams(max_tokens=8))

@@ -77,24 +77,28 @@ def build_engine(settings: "Settings", files: "ModelFiles", kv_cache_bytes: int 
 
     loaded = load_model(files, dtype=torch_dtype(settings.dtype), device=settings.device, quant=settings.quant)
     overrides: dict[str, Any] = {}
-    if kv_cache_bytes is not None:
-        overrides["kv_cache_bytes"] = min(kv_cache_bytes, _useful_kv_bytes(settings, loaded))
+    if kv_cache_bytes is not None:  # the share; unless set, never less than one sequence at the full context
+        useful, one_sequence = _useful_kv_bytes(settings, loaded)
+        overrides["kv_cache_bytes"] = min(kv_cache_bytes, useful)
+        if not settings.kv_cache_bytes:
+            overrides["kv_cache_bytes"] = max(overrides["kv_cache_bytes"], one_sequence)
     if not with_draft:
         overrides["draft_model"] = None
         overrides["speculative_mode"] = "ngram" if settings.spec_mode == "ngram" else "off"
     return loaded, Engine(loaded, engine_config(settings, **overrides))
 
 
-def _useful_kv_bytes(settings: "Settings", loaded: "LoadedModel") -> int:
-    """The most KV cache this model can use: every running sequence at its full context. A small model gets no
-    bigger pool than that, leaving the memory budget to the others."""
+def _useful_kv_bytes(settings: "Settings", loaded: "LoadedModel") -> tuple[int, int]:
+    """The most KV cache this model can use (every running sequence at its full context: a small model gets no bigger
+    pool than that, leaving the memory budget to the others), and one sequence's at its full context (the least a
+    pool must hold, or a request of max_model_len tokens would be refused)."""
     from ..engine.runner import kv_bytes_per_block
 
     config = engine_config(settings).resolved(loaded.device.type, loaded.config.max_position_embeddings)
     per_block = kv_bytes_per_block(loaded.config, config.block_size, loaded.dtype, config.kv_cache_dtype)
     assert config.max_model_len is not None and config.max_num_seqs is not None  # resolved() fills them
     blocks_per_seq = -(-config.max_model_len // config.block_size)
-    return per_block * blocks_per_seq * config.max_num_seqs
+    return per_block * blocks_per_seq * config.max_num_seqs, per_block * (blocks_per_seq + 1)
 
 
 def load_served(entry: "Served", settings: "Settings", kv_cache_bytes: int, default: bool) -> tuple:
