@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable, Protocol
 
 import torch
 from PIL import Image
+
+from ...errors import ModelFileError
+
+TowerTensors = dict[str, tuple[Path, tuple[int, ...], Callable[[], torch.Tensor]]]
 
 
 class VisionEncoder(Protocol):
@@ -38,3 +43,29 @@ def widen(text: str, marker: str, tokens_per_image: list[int], sequence: Callabl
     if len(pieces) - 1 != len(tokens_per_image):
         raise ValueError(f"the prompt has {len(pieces) - 1} {marker} for {len(tokens_per_image)} images")
     return pieces[0] + "".join(sequence(n) + piece for n, piece in zip(tokens_per_image, pieces[1:], strict=True))
+
+
+def tower_tensors(folder: Path, prefixes: tuple[str, ...]) -> TowerTensors:
+    """The folder's safetensors tensors whose names (less a leading "model.") start with one of `prefixes`: name ->
+    (file, shape, reader), from the headers only (a tensor is read when its reader is called)."""
+    from ..weights import read_safetensors_header, safetensors_files, safetensors_readers
+
+    found: TowerTensors = {}
+    for path in safetensors_files(folder):
+        try:
+            with open(path, "rb") as f:
+                _, header = read_safetensors_header(path, f)
+        except OSError as exc:
+            raise ModelFileError(path, f"cannot read ({exc.strerror or exc})") from None
+        for name, read in safetensors_readers([path]).items():
+            if name.removeprefix("model.").startswith(prefixes):
+                found[name] = (path, tuple(header[name]["shape"]), read)
+    return found
+
+
+def check_normalisation(image_mean: tuple, image_std: tuple, resample: int) -> None:
+    """A processor's normalisation and resampling filter, as the families' configs check them."""
+    if len(image_mean) != 3 or len(image_std) != 3 or not all(s > 0 for s in image_std):
+        raise ModelFileError("config", f"image mean {image_mean} / std {image_std} need 3 channels")
+    if resample not in {int(r) for r in Image.Resampling}:
+        raise ModelFileError("config", f"resample {resample} is not one of PIL's filters")

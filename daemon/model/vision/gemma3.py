@@ -32,7 +32,7 @@ from PIL import Image
 from torch import nn
 
 from ...errors import ModelFileError
-from .base import widen
+from .base import check_normalisation, tower_tensors, widen
 from .images import to_rgb
 
 BOI, IMAGE_TOKEN, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
@@ -70,10 +70,7 @@ class Gemma3VisionConfig:
         if self.hidden_size % self.num_heads:
             raise ModelFileError("config", f"vision hidden size {self.hidden_size} is not a multiple of "
                                            f"{self.num_heads} heads")
-        if len(self.image_mean) != 3 or len(self.image_std) != 3 or not all(s > 0 for s in self.image_std):
-            raise ModelFileError("config", f"image mean {self.image_mean} / std {self.image_std} need 3 channels")
-        if self.resample not in {int(r) for r in Image.Resampling}:
-            raise ModelFileError("config", f"resample {self.resample} is not one of PIL's filters")
+        check_normalisation(self.image_mean, self.image_std, self.resample)
 
     @property
     def patches_per_side(self) -> int:
@@ -214,7 +211,6 @@ def load_gemma3_vision(folder: Path, dtype: torch.dtype, device: torch.device | 
     """The encoder of a Gemma3ForConditionalGeneration folder (config.json, preprocessor_config.json if present,
     the safetensors files; never pickle)."""
     from ..config import read_json
-    from ..weights import read_safetensors_header, safetensors_files, safetensors_readers
 
     folder = Path(folder)
     cfg_path, pre_path = folder / "config.json", folder / "preprocessor_config.json"
@@ -241,16 +237,7 @@ def load_gemma3_vision(folder: Path, dtype: torch.dtype, device: torch.device | 
         resample=get(pre, "resample", int, 2, pre_path),
         rescale_factor=get(pre, "rescale_factor", float, 1 / 255, pre_path)), cfg_path)
 
-    found: dict[str, tuple[Path, tuple[int, ...], Callable[[], torch.Tensor]]] = {}
-    for path in safetensors_files(folder):  # headers only: tensors are read when used
-        try:
-            with open(path, "rb") as f:
-                _, header = read_safetensors_header(path, f)
-        except OSError as exc:
-            raise ModelFileError(path, f"cannot read ({exc.strerror or exc})") from None
-        for name, read in safetensors_readers([path]).items():
-            if name.removeprefix("model.").startswith(("vision_tower.", PROJECTOR)):
-                found[name] = (path, tuple(header[name]["shape"]), read)
+    found = tower_tensors(folder, ("vision_tower.", PROJECTOR))  # headers only: tensors are read when used
     tower = _hf_prefix(found, "embeddings.patch_embedding.weight", ("vision_tower.vision_model.", "vision_tower."))
     projector = _hf_prefix(found, "mm_input_projection_weight", (PROJECTOR,))
 

@@ -41,8 +41,8 @@ from torch import nn
 
 from ...errors import ModelFileError
 from ..gemma4 import Gemma4RMSNorm, gelu_tanh
+from .base import check_normalisation, tower_tensors, widen
 from .gemma3 import MAX_LAYERS, Located, _config_value, _hf_prefix
-from .base import widen
 from .images import to_rgb
 
 BOI, IMAGE_TOKEN, EOI = "<|image>", "<|image|>", "<image|>"
@@ -90,10 +90,7 @@ class Gemma4VisionConfig:
             raise ModelFileError("config", f"a row of {self.max_soft_tokens} tokens needs "
                                            f"{self.max_soft_tokens * self.pooling} patch positions, the table holds "
                                            f"{self.position_embedding_size}")
-        if len(self.image_mean) != 3 or len(self.image_std) != 3 or not all(s > 0 for s in self.image_std):
-            raise ModelFileError("config", f"image mean {self.image_mean} / std {self.image_std} need 3 channels")
-        if self.resample not in {int(r) for r in Image.Resampling}:
-            raise ModelFileError("config", f"resample {self.resample} is not one of PIL's filters")
+        check_normalisation(self.image_mean, self.image_std, self.resample)
 
 
 def target_size(height: int, width: int, patch: int, max_patches: int, pooling: int) -> tuple[int, int]:
@@ -283,7 +280,6 @@ def load_gemma4_vision(folder: Path, dtype: torch.dtype, device: torch.device | 
     """The encoder of a Gemma4ForConditionalGeneration folder (config.json, the processor's settings, the
     safetensors files; never pickle)."""
     from ..config import read_json
-    from ..weights import read_safetensors_header, safetensors_files, safetensors_readers
 
     folder = Path(folder)
     cfg_path = folder / "config.json"
@@ -328,16 +324,7 @@ def load_gemma4_vision(folder: Path, dtype: torch.dtype, device: torch.device | 
         normalize=bool(pre.get("do_normalize", False)), image_mean=get(pre, "image_mean", tuple, (0, 0, 0), pre_path),
         image_std=get(pre, "image_std", tuple, (1, 1, 1), pre_path))
 
-    found: dict[str, tuple[Path, tuple[int, ...], Callable[[], torch.Tensor]]] = {}
-    for path in safetensors_files(folder):  # headers only: tensors are read when used
-        try:
-            with open(path, "rb") as f:
-                _, header = read_safetensors_header(path, f)
-        except OSError as exc:
-            raise ModelFileError(path, f"cannot read ({exc.strerror or exc})") from None
-        for name, read in safetensors_readers([path]).items():
-            if name.removeprefix("model.").startswith(("vision_tower.", "embed_vision.")):
-                found[name] = (path, tuple(header[name]["shape"]), read)
+    found = tower_tensors(folder, ("vision_tower.", "embed_vision."))  # headers only: tensors are read when used
     tower = _hf_prefix(found, "patch_embedder.input_proj.weight", ("vision_tower.",))
     embedder = _hf_prefix(found, "embedding_projection.weight", ("embed_vision.",))
 

@@ -38,7 +38,7 @@ from PIL import Image
 from torch import nn
 
 from ...errors import ModelFileError
-from .base import widen
+from .base import check_normalisation, tower_tensors, widen
 from .gemma3 import MAX_LAYERS, Located, _config_value, _hf_prefix
 from .images import to_rgb
 
@@ -82,10 +82,7 @@ class Mistral3VisionConfig:
         if self.hidden_act not in ACTIVATIONS or self.projector_act not in ACTIVATIONS:
             raise ModelFileError("config", f"activations {self.hidden_act!r} / {self.projector_act!r}: only "
                                            f"{', '.join(ACTIVATIONS)}")
-        if len(self.image_mean) != 3 or len(self.image_std) != 3 or not all(s > 0 for s in self.image_std):
-            raise ModelFileError("config", f"image mean {self.image_mean} / std {self.image_std} need 3 channels")
-        if self.resample not in {int(r) for r in Image.Resampling}:
-            raise ModelFileError("config", f"resample {self.resample} is not one of PIL's filters")
+        check_normalisation(self.image_mean, self.image_std, self.resample)
         if not self.rope_theta > 0:
             raise ModelFileError("config", f"vision rope_theta {self.rope_theta} must be positive")
 
@@ -293,7 +290,6 @@ def load_mistral3_vision(folder: Path, dtype: torch.dtype, device: torch.device 
     """The encoder of a Mistral3ForConditionalGeneration folder (config.json, preprocessor_config.json and
     processor_config.json if present, the safetensors files; never pickle)."""
     from ..config import read_json
-    from ..weights import read_safetensors_header, safetensors_files, safetensors_readers
 
     folder = Path(folder)
     cfg_path, pre_path, proc_path = (folder / n for n in ("config.json", "preprocessor_config.json",
@@ -338,16 +334,7 @@ def load_mistral3_vision(folder: Path, dtype: torch.dtype, device: torch.device 
         resample=get(pre, "resample", int, 3, pre_path),
         rescale_factor=get(pre, "rescale_factor", float, 1 / 255, pre_path))
 
-    found: dict[str, tuple[Path, tuple[int, ...], Callable[[], torch.Tensor]]] = {}
-    for path in safetensors_files(folder):  # headers only: tensors are read when used
-        try:
-            with open(path, "rb") as f:
-                _, header = read_safetensors_header(path, f)
-        except OSError as exc:
-            raise ModelFileError(path, f"cannot read ({exc.strerror or exc})") from None
-        for name, read in safetensors_readers([path]).items():
-            if name.removeprefix("model.").startswith(("vision_tower.", PROJECTOR)):
-                found[name] = (path, tuple(header[name]["shape"]), read)
+    found = tower_tensors(folder, ("vision_tower.", PROJECTOR))  # headers only: tensors are read when used
     tower = _hf_prefix(found, "patch_conv.weight", ("vision_tower.",))
     projector = _hf_prefix(found, "linear_1.weight", (PROJECTOR,))
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ from PIL import Image
 from torch import nn
 
 from ...errors import ModelFileError
-from .base import widen
+from .base import check_normalisation, tower_tensors, widen
 from .gemma3 import MAX_LAYERS, Located, _config_value, _hf_prefix
 from .images import InvalidImage, to_rgb
 
@@ -88,10 +88,7 @@ class Qwen35VisionConfig:
         if self.min_pixels > bound:
             raise ModelFileError("config", f"min_pixels {self.min_pixels} is over llmd's bound of {bound} (an image "
                                            f"takes at most {MAX_IMAGE_TOKENS} tokens)")
-        if len(self.image_mean) != 3 or len(self.image_std) != 3 or not all(s > 0 for s in self.image_std):
-            raise ModelFileError("config", f"image mean {self.image_mean} / std {self.image_std} need 3 channels")
-        if self.resample not in {int(r) for r in Image.Resampling}:
-            raise ModelFileError("config", f"resample {self.resample} is not one of PIL's filters")
+        check_normalisation(self.image_mean, self.image_std, self.resample)
 
     @property
     def factor(self) -> int:
@@ -262,7 +259,6 @@ def load_qwen3_5_vision(folder: Path, dtype: torch.dtype, device: torch.device |
     """The encoder of a Qwen3_5(Moe)ForConditionalGeneration folder (config.json, the processor's settings, the
     safetensors files; never pickle)."""
     from ..config import read_json
-    from ..weights import read_safetensors_header, safetensors_files, safetensors_readers
 
     folder = Path(folder)
     cfg_path = folder / "config.json"
@@ -317,16 +313,7 @@ def load_qwen3_5_vision(folder: Path, dtype: torch.dtype, device: torch.device |
     except ModelFileError as e:  # the config names no file: this one
         raise ModelFileError(cfg_path, e.problem) from None
 
-    found: dict[str, tuple[Path, tuple[int, ...], Callable[[], torch.Tensor]]] = {}
-    for path in safetensors_files(folder):  # headers only: tensors are read when used
-        try:
-            with open(path, "rb") as f:
-                _, header = read_safetensors_header(path, f)
-        except OSError as exc:
-            raise ModelFileError(path, f"cannot read ({exc.strerror or exc})") from None
-        for name, read in safetensors_readers([path]).items():
-            if name.removeprefix("model.").startswith("visual."):
-                found[name] = (path, tuple(header[name]["shape"]), read)
+    found = tower_tensors(folder, ("visual.",))  # headers only: tensors are read when used
     prefix = _hf_prefix(found, "patch_embed.proj.weight", ("visual.",))
 
     def locate(ours: str) -> Located:
