@@ -284,21 +284,32 @@ def gguf_tensor_name(ours: str) -> str:
     return f"{_GGUF_NAMES[module]}.{leaf}"
 
 
+def open_mmproj(path: Path, projector: str, family: str) -> tuple[Any, Callable[..., Any], dict]:
+    """A llama.cpp mmproj GGUF with a `projector` type projector: (the file, key(name, kind, default) reading
+    clip.vision.NAME, its tensors by name); a ModelFileError naming the file for any other."""
+    from ..gguf import _GGUFFile
+
+    gf = _GGUFFile(path)
+    meta, where = gf.metadata, gf.path
+    kind = meta.get("clip.vision.projector_type", meta.get("clip.projector_type"))
+    if meta.get("general.architecture") != "clip" or kind != projector:
+        raise ModelFileError(where, f"not a {family} mmproj file (general.architecture "
+                                    f"{meta.get('general.architecture')!r}, projector type {kind!r})")
+
+    def key(name: str, kind: type, default: Any = None) -> Any:
+        return _config_value(meta, f"clip.vision.{name}", kind, where, default)
+
+    return gf, key, {info.name: info for info in gf.tensors}
+
+
 def load_gemma3_mmproj(path: Path, dtype: torch.dtype, device: torch.device | str,
                        image_token_id: int = 262144) -> Gemma3Vision:
     """The encoder of a llama.cpp mmproj GGUF with a Gemma 3 projector. The file does not hold the image token's id:
     the text model's vocabulary does (<image_soft_token>, 262144 on the released models)."""
-    from ..gguf import SUPPORTED_TYPES, _GGUFFile, dequantize, gguf_can_dequantize
+    from ..gguf import SUPPORTED_TYPES, dequantize, gguf_can_dequantize
 
-    gf = _GGUFFile(path)
-    meta, where = gf.metadata, gf.path
-    kind = meta.get("clip.projector_type", meta.get("clip.vision.projector_type"))
-    if meta.get("general.architecture") != "clip" or kind != "gemma3":
-        raise ModelFileError(where, f"not a Gemma 3 mmproj file (general.architecture "
-                                    f"{meta.get('general.architecture')!r}, clip.projector_type {kind!r})")
-
-    def key(name: str, kind: type, default: Any = None) -> Any:
-        return _config_value(meta, f"clip.vision.{name}", kind, where, default)
+    gf, key, infos = open_mmproj(path, "gemma3", "Gemma 3")
+    where = gf.path
 
     image_size, patch_size = key("image_size", int), key("patch_size", int)
     merge = key("projector.scale_factor", int, 4)  # the pooling kernel; llama.cpp writes it only when not 4
@@ -310,7 +321,6 @@ def load_gemma3_mmproj(path: Path, dtype: torch.dtype, device: torch.device | st
         layer_norm_eps=key("attention.layer_norm_epsilon", float, 1e-6), image_token_id=image_token_id,
         image_mean=key("image_mean", tuple, (0.5, 0.5, 0.5)), image_std=key("image_std", tuple, (0.5, 0.5, 0.5))),
         where)
-    infos = {info.name: info for info in gf.tensors}
 
     def locate(ours: str) -> Located:
         name = gguf_tensor_name(ours)

@@ -9,12 +9,11 @@ does llmd. KV heads follow from attn_k's shape; the RoPE theta is llama.cpp's fi
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ...errors import ModelFileError
-from .gemma3 import Located, _config_value
+from .gemma3 import Located, open_mmproj
 from .gemma4 import CLIP_BOUNDS, Gemma4Vision, build
 
 # our names -> llama.cpp's mmproj names (a layer's: v.blk.N.<name>.<leaf>)
@@ -41,18 +40,10 @@ def load_gemma4_mmproj(path: Path, dtype: torch.dtype, device: torch.device | st
                        image_token_id: int = 258880) -> Gemma4Vision:
     """The encoder of a llama.cpp mmproj GGUF with a Gemma 4 projector (gemma4v); the image token's id is the text
     vocabulary's (<|image|>)."""
-    from ..gguf import SUPPORTED_TYPES, _GGUFFile, dequantize, gguf_can_dequantize
+    from ..gguf import SUPPORTED_TYPES, dequantize, gguf_can_dequantize
 
-    gf = _GGUFFile(path)
-    meta, where = gf.metadata, gf.path
-    kind = meta.get("clip.vision.projector_type", meta.get("clip.projector_type"))
-    if meta.get("general.architecture") != "clip" or kind != "gemma4v":
-        raise ModelFileError(where, f"not a Gemma 4 mmproj file (general.architecture "
-                                    f"{meta.get('general.architecture')!r}, projector type {kind!r})")
-    infos = {info.name: info for info in gf.tensors}
-
-    def key(name: str, kind: type, default: Any = None) -> Any:
-        return _config_value(meta, f"clip.vision.{name}", kind, where, default)
+    gf, key, infos = open_mmproj(path, "gemma4v", "Gemma 4")
+    where = gf.path
 
     hidden, heads = key("embedding_length", int), key("attention.head_count", int)
     table, k_proj = infos.get("v.position_embd.weight"), infos.get("v.blk.0.attn_k.weight")

@@ -10,12 +10,11 @@ Face processor does, the longest edge being clip.vision.image_size. Pixtral 12B'
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ...errors import ModelFileError
-from .gemma3 import Located, _config_value
+from .gemma3 import Located, open_mmproj
 from .mistral3 import PROJECTOR, Mistral3Vision, build
 
 # our names -> llama.cpp's mmproj names (a layer's: v.blk.N.<name>.<leaf>)
@@ -43,18 +42,10 @@ def load_mistral3_mmproj(path: Path, dtype: torch.dtype, device: torch.device | 
                          image_token_id: int = 10) -> Mistral3Vision:
     """The encoder of a llama.cpp mmproj GGUF with a Mistral 3 (pixtral + patch merger) projector; the image token's
     id is the text vocabulary's ([IMG])."""
-    from ..gguf import SUPPORTED_TYPES, _GGUFFile, dequantize, gguf_can_dequantize, unpermute_rows
+    from ..gguf import SUPPORTED_TYPES, dequantize, gguf_can_dequantize, unpermute_rows
 
-    gf = _GGUFFile(path)
+    gf, key, infos = open_mmproj(path, "pixtral", "Mistral 3")
     meta, where = gf.metadata, gf.path
-    kind = meta.get("clip.vision.projector_type", meta.get("clip.projector_type"))
-    if meta.get("general.architecture") != "clip" or kind != "pixtral":
-        raise ModelFileError(where, f"not a Mistral 3 mmproj file (general.architecture "
-                                    f"{meta.get('general.architecture')!r}, projector type {kind!r})")
-    infos = {info.name: info for info in gf.tensors}
-
-    def key(name: str, kind: type, default: Any = None) -> Any:
-        return _config_value(meta, f"clip.vision.{name}", kind, where, default)
 
     merge = key("spatial_merge_size", int, 1)
     if merge < 2 or "mm.patch_merger.weight" not in infos:
