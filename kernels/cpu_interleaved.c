@@ -45,6 +45,14 @@
  * buffers); Q4_K's 18 into L1 (faster so) */
 #define Q6X8_HINT _MM_HINT_T1
 
+/* Every tile's arguments: a column group's super-blocks q (nb of them), then rows [0, R) of the integer path's row data
+ * (row r's bytes at xq + r k, activation scales at xd + r nbx, sums at S + r lds, C at C + r k / 4; each type reads
+ * what it needs), and the outputs y (row stride ldy, 8 columns). */
+#define X8_TILE_ARGS                                                                                                   \
+    const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd, int64_t nbx, const float *S,          \
+        int64_t lds, const int32_t *C, float *y, int64_t ldy
+typedef void (*x8_tile)(X8_TILE_ARGS);
+
 /* the 64 scales and 64 mins of a group's super-block g as bytes sc [8j + c], mn [8j + c] */
 static inline void x8_scales(const uint8_t *g, uint8_t *sc, uint8_t *mn) {
 #if defined(__AVX2__)
@@ -112,8 +120,8 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
 /* R rows (2..4) of a column group: each 32 bytes of codes loaded and split once for all rows; a chunk of 64 codes at
  * a time (units 2c, 2c + 1), so 2R integer sums are live. The same operations per output as x8_row. */
 #define X8_ROWS(R)                                                                                                     \
-    static void x8_rows_##R(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd, int64_t nbx, \
-                            const float *S, int64_t lds, float *y, int64_t ldy) {                                    \
+    static void x8_rows_##R(X8_TILE_ARGS) {                                                                            \
+        (void)C;                                                                                                       \
         const __m256i m4 = _mm256_set1_epi8(0x0F);                                                                   \
         __m256 out[R], s[R], m[R];                                                                                   \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
@@ -168,8 +176,8 @@ X8_ROWS(4)
 
 /* Q6_K_X8: R rows (1..4) of a column group; per (h, e) the 4 units' sums of 16 codes are live per row */
 #define Q6X8_ROWS(R)                                                                                                   \
-    static void q6x8_rows_##R(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd,            \
-                              int64_t nbx, const float *S, int64_t lds, float *y, int64_t ldy) {                     \
+    static void q6x8_rows_##R(X8_TILE_ARGS) {                                                                          \
+        (void)C;                                                                                                       \
         const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);                                     \
         __m256 out[R], sa[R], ma[R];                                                                                 \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
@@ -260,8 +268,8 @@ INLINE void iqx8_scales(const uint8_t *g, int8_t *sc) {
 /* IQ4_XS_X8: R rows of a column group, P units' sums live per row at a time (P = 8 for one row: 8 independent
  * chains; 2 for more rows, whose sums are chains of their own) */
 #define IQX8_ROWS(R, P)                                                                                                \
-    static void iqx8_rows_##R(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd,            \
-                              int64_t nbx, const int32_t *C, float *y, int64_t ldy) {                                \
+    static void iqx8_rows_##R(X8_TILE_ARGS) {                                                                          \
+        (void)S, (void)lds;                                                                                            \
         const __m256i m4 = _mm256_set1_epi8(0x0F);                                                                   \
         __m256 out[R], sa[R];                                                                                        \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
@@ -313,10 +321,9 @@ IQX8_ROWS(3, 2)
 IQX8_ROWS(4, 2)
 #else
 /* IQ4_XS_X8, one row (the vector build's iqx8_rows_R arguments) */
-static void iqx8_rows_1(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd, int64_t nbx,
-                        const int32_t *C, float *y, int64_t ldy) {
+static void iqx8_rows_1(X8_TILE_ARGS) {
     static const int8_t kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-    (void)k, (void)nbx, (void)ldy;
+    (void)k, (void)nbx, (void)ldy, (void)S, (void)lds;
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = q + b * IQX8_BYTES;
@@ -343,9 +350,8 @@ static void iqx8_rows_1(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t 
 }
 
 /* Q6_K_X8, one row (R = 1: the arguments of the vector build's q6x8_rows_R) */
-static void q6x8_rows_1(const uint8_t *q, int64_t nb, const int8_t *xq, int64_t k, const float *xd, int64_t nbx,
-                        const float *S, int64_t lds, float *y, int64_t ldy) {
-    (void)k, (void)nbx, (void)lds, (void)ldy;
+static void q6x8_rows_1(X8_TILE_ARGS) {
+    (void)k, (void)nbx, (void)lds, (void)ldy, (void)C;
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = q + b * Q6X8_BYTES;
@@ -408,79 +414,45 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
 }
 #endif
 
-/* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the integer path's rows (xd [K/32], S [gq_sums(K)], xq [K] per
- * row) and a Q4_K_X8 weight q: per group of 8 columns, the rows in chunks whose activations stay in L2. */
+/* Q4_K_X8's one-row tile, in every tile's arguments */
+static void x8_rows_1(X8_TILE_ARGS) {
+    (void)k, (void)nbx, (void)lds, (void)C, (void)ldy;
+    x8_row(q, nb, xq, xd, S, y);
+}
+
+/* Each type's bytes per row and super-block and its tiles of 1..X8_MAX_ROWS rows */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define X8_MAX_ROWS 4
+#define X8_TILES(f) {f##_1, f##_2, f##_3, f##_4}
+#else
+#define X8_MAX_ROWS 1
+#define X8_TILES(f) {f##_1}
+#endif
+static const struct {
+    int type;
+    int64_t bytes;
+    x8_tile tiles[X8_MAX_ROWS];
+} X8_TYPES[] = {{LLMD_Q4K_X8, 144, X8_TILES(x8_rows)},
+                {LLMD_Q6K_X8, 210, X8_TILES(q6x8_rows)},
+                {LLMD_IQ4XS_X8, 136, X8_TILES(iqx8_rows)}};
+
+/* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the integer path's rows (xd [K/32], S [gq_sums(K)], xq [K] and
+ * C [K/4] per row) and an interleaved weight q of `type`: per group of 8 columns, the rows in tiles of up to 4, in
+ * chunks of rows whose activations stay in L2. */
 void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C, const uint8_t *q,
                   float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
-    const int64_t nb = k / 256, nbx = k / QB, lds = gq_sums(k);
-    if (type == LLMD_IQ4XS_X8) {
-        const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
-        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-            for (int64_t c0 = n0; c0 < n1; c0 += 8)
-                for (int64_t r = m0; r < m1;) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-                    const int rr = m1 - r >= 4 ? 4 : (int)(m1 - r);
-                    void (*rows)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, int64_t,
-                                 const int32_t *, float *, int64_t) =
-                        rr == 4 ? iqx8_rows_4 : rr == 3 ? iqx8_rows_3 : rr == 2 ? iqx8_rows_2 : iqx8_rows_1;
-#else
-                    const int rr = 1;
-                    void (*rows)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, int64_t,
-                                 const int32_t *, float *, int64_t) = iqx8_rows_1;
-#endif
-                    rows(q + c0 * nb * 136, nb, xq + r * k, k, xd + r * nbx, nbx, C + r * (k / 4), y + r * ldy + c0,
-                         ldy);
-                    r += rr;
-                }
-        }
-        return;
-    }
-    if (type == LLMD_Q6K_X8) {
-        const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
-        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-            for (int64_t c0 = n0; c0 < n1; c0 += 8)
-                for (int64_t r = m0; r < m1;) {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-                    const int rr = m1 - r >= 4 ? 4 : (int)(m1 - r);
-                    void (*rows)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, int64_t,
-                                 const float *, int64_t, float *, int64_t) =
-                        rr == 4 ? q6x8_rows_4 : rr == 3 ? q6x8_rows_3 : rr == 2 ? q6x8_rows_2 : q6x8_rows_1;
-#else
-                    const int rr = 1;
-                    void (*rows)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, int64_t,
-                                 const float *, int64_t, float *, int64_t) = q6x8_rows_1;
-#endif
-                    rows(q + c0 * nb * 210, nb, xq + r * k, k, xd + r * nbx, nbx, S + r * lds, lds, y + r * ldy + c0,
-                         ldy);
-                    r += rr;
-                }
-        }
-        return;
-    }
-    const int64_t rb = nb * 144;
+    int t = 0;
+    while (X8_TYPES[t].type != type) t++; /* llmd_gx_takes admits only these types */
+    const int64_t nb = k / 256, nbx = k / QB, lds = gq_sums(k), rb = nb * X8_TYPES[t].bytes;
     const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
         for (int64_t c0 = n0; c0 < n1; c0 += 8)
             for (int64_t r = m0; r < m1;) {
-                const uint8_t *qg = q + c0 * rb;
-                const int64_t left = m1 - r;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-                if (left >= 2) {
-                    const int rr = left >= 4 ? 4 : (int)left;
-                    void (*rows)(const uint8_t *, int64_t, const int8_t *, int64_t, const float *, int64_t,
-                                 const float *, int64_t, float *, int64_t) =
-                        rr == 4 ? x8_rows_4 : rr == 3 ? x8_rows_3 : x8_rows_2;
-                    rows(qg, nb, xq + r * k, k, xd + r * nbx, nbx, S + r * lds, lds, y + r * ldy + c0, ldy);
-                    r += rr;
-                    continue;
-                }
-#endif
-                (void)left;
-                x8_row(qg, nb, xq + r * k, xd + r * nbx, S + r * lds, y + r * ldy + c0);
-                r++;
+                const int rr = m1 - r >= X8_MAX_ROWS ? X8_MAX_ROWS : (int)(m1 - r);
+                X8_TYPES[t].tiles[rr - 1](q + c0 * rb, nb, xq + r * k, k, xd + r * nbx, nbx, S + r * lds, lds,
+                                          C + r * (k / 4), y + r * ldy + c0, ldy);
+                r += rr;
             }
     }
 }
