@@ -155,6 +155,8 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.llmd_gguf_parts_matmul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64, cint]
     lib.llmd_gguf_matmul.restype = lib.llmd_gguf_dequant.restype = lib.llmd_gguf_parts_matmul.restype = cint
     lib.llmd_gguf_matmul_q8.argtypes = lib.llmd_gguf_matmul.argtypes
+    lib.llmd_x8_pack.argtypes = [cint, ptr, i64, i64]
+    lib.llmd_x8_pack.restype = cint
     lib.llmd_gguf_parts_matmul_q8.argtypes = lib.llmd_gguf_parts_matmul.argtypes
     lib.llmd_gguf_matmul_q8.restype = lib.llmd_gguf_parts_matmul_q8.restype = cint
     lib.llmd_gguf_matmul_q16.argtypes = lib.llmd_gguf_matmul.argtypes
@@ -557,6 +559,20 @@ def interleaved_type(type_name: str, n: int, k: int) -> str | None:
     if layout is None or lib is None or n % 8 or gguf_act(lib, [type_name], k) != "int8":
         return None
     return layout
+
+
+def x8_pack_(blocks: torch.Tensor, layout: str) -> None:
+    """Rearrange the file's rows [N, row bytes] in place into the interleaved `layout` (gguf_blocks.x8_pack's bytes),
+    in C where the library loads, else with the torch reference."""
+    lib = load()
+    if lib is None or not blocks.is_contiguous() or blocks.device.type != "cpu":
+        blocks.copy_(gb.x8_pack(blocks, layout))
+        return
+    rc = lib.llmd_x8_pack(GGUF_TYPE_IDS[layout], blocks.data_ptr(), blocks.shape[0], blocks.shape[1])
+    if rc == -2:
+        raise MemoryError("no memory for a group of rows while interleaving")
+    if rc != 0:
+        raise ValueError(f"{layout} cannot hold rows of shape {tuple(blocks.shape)}")
 
 
 def gguf_kernel(parts: list[tuple[torch.Tensor, str]], k: int, head: bool = False) -> GGUFKernel | None:

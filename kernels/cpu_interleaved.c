@@ -456,3 +456,68 @@ void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, c
             }
     }
 }
+
+/* ==== Packing: the file's rows -> the interleaved layout, in place (gguf_blocks.x8_pack is the reference) ========= */
+
+/* one group of 8 rows' super-block b: src = the 8 rows (row stride rb), dst = its X8 block */
+static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst) {
+    if (type == LLMD_Q4K_X8) {
+        uint8_t sc[8][8], mn[8][8]; /* [column][sub-block] */
+        for (int c = 0; c < 8; c++) {
+            const uint8_t *s = src + c * rb;
+            memcpy(dst + 2 * c, s, 2), memcpy(dst + 16 + 2 * c, s + 2, 2);
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *b = s + 4;
+                sc[c][j] = (uint8_t)(j < 4 ? b[j] & 63 : (b[j + 4] & 15) | (b[j - 4] >> 6) << 4);
+                mn[c][j] = (uint8_t)(j < 4 ? b[j + 4] & 63 : (b[j + 4] >> 4) | (b[j] >> 6) << 4);
+            }
+            for (int r = 0; r < 32; r++) memcpy(dst + 128 + 32 * r + 4 * c, s + 16 + 4 * r, 4); /* run r = 8c' + g */
+        }
+        for (int j = 0; j < 4; j++)
+            for (int c = 0; c < 8; c++) {
+                dst[32 + 8 * j + c] = (uint8_t)((sc[c][j] & 15) | (sc[c][j + 4] & 15) << 4);
+                dst[64 + 8 * j + c] = (uint8_t)((mn[c][j] & 15) | (mn[c][j + 4] & 15) << 4);
+                dst[96 + 8 * j + c] = (uint8_t)(sc[c][j] >> 4 | (sc[c][j + 4] >> 4) << 2 | (mn[c][j] >> 4) << 4 |
+                                                (mn[c][j + 4] >> 4) << 6);
+            }
+    } else if (type == LLMD_Q6K_X8) {
+        for (int c = 0; c < 8; c++) {
+            const uint8_t *s = src + c * rb;
+            memcpy(dst + 2 * c, s + 208, 2);
+            for (int j = 0; j < 16; j++) dst[16 + 8 * j + c] = s[192 + j];
+            for (int r = 0; r < 32; r++) memcpy(dst + 144 + 32 * r + 4 * c, s + 4 * r, 4);       /* ql: (h, p, g) */
+            for (int r = 0; r < 16; r++) memcpy(dst + 1168 + 32 * r + 4 * c, s + 128 + 4 * r, 4); /* qh: (h, g) */
+        }
+    } else { /* IQ4_XS */
+        memset(dst + 16, 0, 48);
+        for (int c = 0; c < 8; c++) {
+            const uint8_t *s = src + c * rb;
+            memcpy(dst + 2 * c, s, 2);
+            const int high = s[2] | s[3] << 8;
+            for (int j = 0; j < 8; j++) {
+                const int low = s[4 + j / 2] >> 4 * (j % 2) & 15;
+                dst[16 + 8 * (j % 4) + c] |= (uint8_t)(low << 4 * (j / 4));
+                dst[48 + 8 * (j / 4) + c] |= (uint8_t)((high >> 2 * j & 3) << 2 * (j % 4));
+            }
+            for (int r = 0; r < 32; r++) memcpy(dst + 64 + 32 * r + 4 * c, s + 8 + 4 * r, 4);
+        }
+    }
+}
+
+/* rows [n, rb] of the file's type (n % 8 == 0) rearranged in place into `type`'s layout: 0, -1 for a type or shape
+ * it does not take, -2 out of memory (one group's bytes of scratch) */
+int llmd_x8_pack(int type, uint8_t *q, int64_t n, int64_t rb) {
+    int t = 0;
+    while (t < (int)(sizeof X8_TYPES / sizeof X8_TYPES[0]) && X8_TYPES[t].type != type) t++;
+    if (t == (int)(sizeof X8_TYPES / sizeof X8_TYPES[0]) || n % 8 || rb % X8_TYPES[t].bytes) return -1;
+    const int64_t bytes = X8_TYPES[t].bytes, nb = rb / bytes;
+    uint8_t *group = (uint8_t *)malloc((size_t)(8 * rb));
+    if (!group) return -2;
+    for (int64_t g0 = 0; g0 < n; g0 += 8) {
+        uint8_t *at = q + g0 * rb;
+        memcpy(group, at, (size_t)(8 * rb));
+        for (int64_t b = 0; b < nb; b++) x8_pack_block(type, group + b * bytes, rb, at + b * 8 * bytes);
+    }
+    free(group);
+    return 0;
+}

@@ -307,18 +307,34 @@ def x8_unpack(packed: torch.Tensor, layout: str) -> torch.Tensor:
     return {"Q4_K_X8": q4k_x8_unpack, "Q6_K_X8": q6k_x8_unpack, "IQ4_XS_X8": iq4xs_x8_unpack}[layout](packed)
 
 
+def _runs(code_bytes: torch.Tensor) -> torch.Tensor:
+    """[..., bytes] (a multiple of 4) -> int32 [..., bytes / 4]: runs of 4 code bytes move as one element."""
+    return code_bytes.contiguous().view(torch.int32)
+
+
+def _bytes_of(words: torch.Tensor, mask: int) -> torch.Tensor:
+    return words & int.from_bytes(bytes([mask]) * 8, "little", signed=True)  # the mask in every byte of an int64
+
+
 def q4k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_K rows [N, nb * 144] (N % 8 == 0) -> the same bits in the Q4_K_X8 layout, [N, nb * 144]."""
+    """Q4_K rows [N, nb * 144] (N % 8 == 0) -> the same bits in the Q4_K_X8 layout, [N, nb * 144]. The 6-bit fields
+    are moved 8 bytes at a time (int64 words: one byte per column)."""
     groups, nb = _x8_groups(blocks, "Q4_K_X8")
     b = blocks.reshape(groups, 8, nb, 144).transpose(1, 2)  # [G, nb, column, 144]
-    sc, mn = scale_min_k4(b[..., 4:16].reshape(-1, 12))
-    sc, mn = (v.reshape(groups, nb, 8, 8).transpose(2, 3) for v in (sc, mn))  # [G, nb, sub-block, column]
-    low = lambda v: (v[:, :, :4] & 15) | (v[:, :, 4:] & 15) << 4  # noqa: E731
-    high = (sc[:, :, :4] >> 4) | (sc[:, :, 4:] >> 4) << 2 | (mn[:, :, :4] >> 4) << 4 | (mn[:, :, 4:] >> 4) << 6
-    codes = b[..., 16:].reshape(groups, nb, 8, 4, 8, 4).permute(0, 1, 3, 4, 2, 5)  # [G, nb, c, g, column, 4]
+    w = b[..., 4:16].contiguous().view(torch.int32).to(torch.int64)  # the 12 scale bytes as 3 words
+    w0, w1, w2 = w[..., 0], w[..., 1], w[..., 2]
+    fields = torch.stack([w0 & 0x3F3F3F3F, (w2 & 0x0F0F0F0F) | ((w0 >> 6) & 0x03030303) << 4,  # scales 0-3, 4-7
+                          w1 & 0x3F3F3F3F, ((w2 >> 4) & 0x0F0F0F0F) | ((w1 >> 6) & 0x03030303) << 4], dim=-1)
+    fields = fields.to(torch.int32).view(torch.uint8).reshape(groups, nb, 8, 2, 8)  # [.., column, sc/mn, sub-block]
+    words = fields.permute(0, 1, 3, 4, 2).contiguous().view(torch.int64)[..., 0]  # [G, nb, sc/mn, sub-block]
+    sc, mn = words[:, :, 0], words[:, :, 1]
+    low = lambda v: _bytes_of(v[..., :4], 15) | _bytes_of(v[..., 4:], 15) << 4  # noqa: E731
+    high = (_bytes_of(sc[..., :4] >> 4, 3) | _bytes_of(sc[..., 4:] >> 4, 3) << 2 | _bytes_of(mn[..., :4] >> 4, 3) << 4
+            | _bytes_of(mn[..., 4:] >> 4, 3) << 6)
+    codes = _runs(b[..., 16:]).reshape(groups, nb, 8, 4, 8).permute(0, 1, 3, 4, 2)  # [G, nb, c, g, column]
     out = torch.cat([b[..., 0:2].reshape(groups, nb, 16), b[..., 2:4].reshape(groups, nb, 16),
-                     low(sc).reshape(groups, nb, 32), low(mn).reshape(groups, nb, 32), high.reshape(groups, nb, 32),
-                     codes.reshape(groups, nb, 1024)], dim=-1)
+                     low(sc).view(torch.uint8), low(mn).view(torch.uint8), high.view(torch.uint8),
+                     codes.contiguous().view(torch.uint8).reshape(groups, nb, 1024)], dim=-1)
     return out.reshape(blocks.shape)
 
 
@@ -347,10 +363,11 @@ def q6k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
     """Q6_K rows [N, nb * 210] (N % 8 == 0) -> the same bits in the Q6_K_X8 layout."""
     groups, nb = _x8_groups(blocks, "Q6_K_X8")
     b = blocks.reshape(groups, 8, nb, 210).transpose(1, 2)  # [G, nb, column, 210]
-    ql = b[..., 0:128].reshape(groups, nb, 8, 2, 2, 8, 4).permute(0, 1, 3, 4, 5, 2, 6)
-    qh = b[..., 128:192].reshape(groups, nb, 8, 2, 8, 4).permute(0, 1, 3, 4, 2, 5)
+    ql = _runs(b[..., 0:128]).reshape(groups, nb, 8, 2, 2, 8).permute(0, 1, 3, 4, 5, 2)
+    qh = _runs(b[..., 128:192]).reshape(groups, nb, 8, 2, 8).permute(0, 1, 3, 4, 2)
     out = torch.cat([b[..., 208:210].reshape(groups, nb, 16), b[..., 192:208].transpose(2, 3).reshape(groups, nb, 128),
-                     ql.reshape(groups, nb, 1024), qh.reshape(groups, nb, 512)], dim=-1)
+                     ql.contiguous().view(torch.uint8).reshape(groups, nb, 1024),
+                     qh.contiguous().view(torch.uint8).reshape(groups, nb, 512)], dim=-1)
     return out.reshape(blocks.shape)
 
 
@@ -380,9 +397,10 @@ def iq4xs_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
     low, high = low.transpose(2, 3), high.transpose(2, 3)  # [G, nb, sub-block, column]
     tops = high.reshape(groups, nb, 2, 4, 8)  # [.., p, k, column]
     tops = tops[:, :, :, 0] | tops[:, :, :, 1] << 2 | tops[:, :, :, 2] << 4 | tops[:, :, :, 3] << 6
-    codes = b[..., 8:].reshape(groups, nb, 8, 8, 4, 4).permute(0, 1, 3, 4, 2, 5)  # [G, nb, j, g, column, 4]
+    codes = _runs(b[..., 8:]).reshape(groups, nb, 8, 8, 4).permute(0, 1, 3, 4, 2)  # [G, nb, j, g, column]
     out = torch.cat([b[..., 0:2].reshape(groups, nb, 16), (low[:, :, :4] | low[:, :, 4:] << 4).reshape(groups, nb, 32),
-                     tops.reshape(groups, nb, 16), codes.reshape(groups, nb, 1024)], dim=-1)
+                     tops.reshape(groups, nb, 16), codes.contiguous().view(torch.uint8).reshape(groups, nb, 1024)],
+                    dim=-1)
     return out.reshape(blocks.shape)
 
 

@@ -32,6 +32,9 @@ def test_packing_is_a_rearrangement_of_the_files_bytes():
         q, _ = _weights(gb.X8_OF[layout], n=24, k=768)
         packed = gb.x8_pack(q, layout)
         assert torch.equal(gb.x8_unpack(packed, layout), q)
+        in_place = q.clone()
+        cpu_gemm.x8_pack_(in_place, layout)  # the loader's packing (C where the library loads): the reference's bytes
+        assert torch.equal(in_place, packed)
         assert torch.equal(gb.dequantize_blocks(packed, layout).view(torch.int32),
                            gb.dequantize_blocks(q, gb.X8_OF[layout]).view(torch.int32))
         with pytest.raises(ValueError, match="groups of 8"):

@@ -83,7 +83,7 @@ class GGUFLinear(QuantizedLinear):
         if type_name == self.type_name:
             return
         if type_name in gb.X8_OF:
-            self.qweight.copy_(gb.x8_pack(self.qweight, type_name))
+            cpu_gemm.x8_pack_(self.qweight, type_name)
         else:
             self.qweight.copy_(gb.x8_unpack(self.qweight, self.type_name))
         self.type_name = type_name
