@@ -250,6 +250,12 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
                                          num_experts_per_tok=2, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=64, tie_word_embeddings=False)
         cls = tf.Qwen3_5MoeForCausalLM
+    elif kind == "qwen3_next":  # Qwen3.5-MoE's shape with fused linear-attention projections; layer 1's MLP dense
+        config = tf.Qwen3NextConfig(**common | {"num_hidden_layers": 4}, head_dim=16, linear_num_key_heads=2,
+                                    linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=64, mlp_only_layers=[1], tie_word_embeddings=False)
+        cls = tf.Qwen3NextForCausalLM
     elif kind.startswith("granite_hybrid"):  # Mamba2 layers 0 and 2 (8 heads in 2 groups), attention on 1;
         # granite_hybrid: Granite 4.0-H's shape, no positions and 4 experts (top 2) beside the shared MLP;
         # granite_hybrid_dense: RoPE, one group, the shared MLP alone, tied embeddings
@@ -278,7 +284,7 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
             for name, p in model.named_parameters():
                 if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
                     p.normal_(1.0, 0.1)
-    if kind.startswith("qwen3_5"):  # its RMSNorms scale by 1 + weight (but the gated norm by weight): keep them near 1
+    if kind.startswith(("qwen3_5", "qwen3_next")):  # its RMSNorms scale by 1 + weight (but the gated norm by weight): keep them near 1
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight") and ".linear_attn." not in name:

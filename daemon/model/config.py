@@ -43,6 +43,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     # Qwen3.5-MoE: the same layers with the MoE block (routed experts and a gated shared expert) as every MLP
     "Qwen3_5ForCausalLM": {"attention_bias": None, "qk_norm": True},
     "Qwen3_5MoeForCausalLM": {"attention_bias": None, "qk_norm": True},
+    # Qwen3-Next: the same layers, the linear-attention projections stored fused (llmd.model.qwen3_next), MoE MLPs
+    "Qwen3NextForCausalLM": {"attention_bias": None, "qk_norm": True},
     # Gemma 4 text (llmd.model.gemma4): per-layer embeddings, KV shared across layers, per-layer head shapes, an MoE
     # block beside the MLP (26B-A4B); its fields come from gemma4_fields
     "Gemma4ForCausalLM": {"attention_bias": None, "qk_norm": True},
@@ -554,6 +556,9 @@ def qwen3_5_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     """Qwen3.5 / Qwen3.6 text: Gated DeltaNet layers (three to one) between gated full-attention layers with partial
     rotary (a quarter of head_dim), with transformers' defaults for absent keys. Qwen3.5-MoE: every MLP is the MoE
     block (softmax top-k renormalised, a shared expert behind a sigmoid gate), whose settings have no dense MLP width.
+    Qwen3-Next: the same, but one position per token (no mrope_section), the MoE block Qwen2-MoE's (norm_topk_prob,
+    and dense MLPs of intermediate_size on mlp_only_layers and where (i + 1) % decoder_sparse_step; no experts: all
+    dense).
     `llmd_tiled_value_heads` (not a config.json key): a GGUF file's value-head order (RecurrentConfig)."""
     layers = int(cfg["num_hidden_layers"])
     layer_types = cfg.get("layer_types")
@@ -582,6 +587,17 @@ def qwen3_5_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
     out = {"layer_types": list(layer_types), "recurrent": recurrent, "attention_output_gate": True,
            "partial_rotary_factor": float(partial), "head_dim": int(cfg.get("head_dim") or 256),
            "rope_scaling": scaling, "mrope_section": list(section)}
+    if arch == "Qwen3NextForCausalLM":
+        out["mrope_section"] = None
+        experts, step = int(cfg.get("num_experts", 512)), int(cfg.get("decoder_sparse_step", 1) or 1)
+        only = {int(i) for i in cfg.get("mlp_only_layers") or []}
+        if experts > 0:
+            out["moe"] = MoEConfig(experts, int(cfg.get("num_experts_per_tok", 10)),
+                                   int(cfg.get("moe_intermediate_size", 512)),
+                                   renormalize=bool(cfg.get("norm_topk_prob", True)),
+                                   shared_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 512)),
+                                   shared_gate=True,
+                                   dense_layers=tuple(i for i in range(layers) if i in only or (i + 1) % step))
     if arch == "Qwen3_5MoeForCausalLM":
         shared = int(cfg.get("shared_expert_intermediate_size", 512))
         out["moe"] = MoEConfig(int(cfg.get("num_experts", 256)), int(cfg.get("num_experts_per_tok", 8)),
@@ -758,7 +774,8 @@ def _dt_limit(value: Any) -> tuple[float, float]:
 
 # HF architecture -> its extra ModelConfig fields from config.json (families whose layers differ from Llama's)
 FAMILY_FIELDS = {"Gemma4ForCausalLM": gemma4_fields, "Qwen3_5ForCausalLM": qwen3_5_fields,
-                 "Qwen3_5MoeForCausalLM": qwen3_5_fields, "GraniteMoeHybridForCausalLM": granite_hybrid_fields,
+                 "Qwen3_5MoeForCausalLM": qwen3_5_fields, "Qwen3NextForCausalLM": qwen3_5_fields,
+                 "GraniteMoeHybridForCausalLM": granite_hybrid_fields,
                  "NemotronHForCausalLM": nemotron_h_fields, "Gemma2ForCausalLM": gemma_fields,
                  "Gemma3ForCausalLM": gemma_fields,
                  "MixtralForCausalLM": moe_fields, "Qwen2MoeForCausalLM": moe_fields,
@@ -843,6 +860,7 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
                "qwen3_moe": "Qwen3MoeForCausalLM", "glm4_moe": "Glm4MoeForCausalLM", "gpt_oss": "GptOssForCausalLM",
                "qwen3_5_text": "Qwen3_5ForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
                "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+               "qwen3_next": "Qwen3NextForCausalLM",
                "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration",
                "granitemoehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
                "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}

@@ -17,7 +17,8 @@ like any model). Following transformers' modeling_qwen3_5 (the reference the tes
   consecutive value heads, or every Hk-th one in a GGUF file (llama.cpp's converter reorders the value heads; the
   model follows that order, RecurrentConfig.tiled_value_heads, so no packed weight is rearranged);
 - Qwen3.5-MoE: config.moe set, every layer's MLP is llmd.model.moe.SparseMoE (softmax top-k renormalised, a shared
-  expert scaled by sigmoid(shared_expert_gate)), as Qwen2-MoE's.
+  expert scaled by sigmoid(shared_expert_gate)), as Qwen2-MoE's; but for MoEConfig.dense_layers (Qwen3-Next's
+  mlp_only_layers: llmd.model.qwen3_next, which reuses these layers).
 An image-text checkpoint's names (`model.language_model.*`) are read as the text model's, and its vision tower
 (`model.visual.*`: llmd.model.vision.qwen3_5 reads it) and multi-token-prediction head (`mtp.*`) are left unread here
 (`adapt_checkpoint`); the MTP draft reads the head on demand (llmd.model.qwen3_5_mtp).
@@ -170,7 +171,7 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = GatedAttention(config, layer_idx)
         moe = config.moe
-        if moe is not None:  # Qwen3.5-MoE: every layer (llmd.model.moe)
+        if moe is not None and moe.is_sparse(layer_idx):  # llmd.model.moe
             shared = MLP(config, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
             self.mlp: nn.Module = SparseMoE(config, shared)
         else:

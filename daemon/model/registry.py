@@ -21,6 +21,7 @@ MODEL_CLASSES = {
     "GptOssForCausalLM": "gpt_oss:GptOssCausalLM",
     "Qwen3_5ForCausalLM": "qwen3_5:Qwen35CausalLM",
     "Qwen3_5MoeForCausalLM": "qwen3_5:Qwen35CausalLM",
+    "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextCausalLM",
     "Gemma4ForCausalLM": "gemma4:Gemma4CausalLM",
     "GraniteMoeHybridForCausalLM": "mamba2:GraniteHybridCausalLM",
     "NemotronHForCausalLM": "mamba2:NemotronHCausalLM",
