@@ -83,3 +83,27 @@ def test_tensor_of_the_wrong_shape_is_refused_by_name(folder, tmp_path, tensor):
     with pytest.raises(ModelFileError) as info:
         load_model(bad, dtype=torch.float32, device="cpu")
     assert str(bad) in str(info.value) and f"{tensor!r} has shape" in str(info.value)
+
+
+def test_config_of_the_80b_checkpoint():
+    """Qwen3-Next-80B-A3B's config.json (its values, the older keys: full_attention_interval, a top-level
+    partial_rotary_factor): 3 Gated DeltaNet layers to 1 attention layer, every MLP sparse; decoder_sparse_step and
+    mlp_only_layers make some dense, as transformers builds them."""
+    from llmd.model.config import ModelConfig
+
+    cfg = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
+           "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "head_dim": 256, "rope_theta": 10000000, "partial_rotary_factor": 0.25,
+           "max_position_embeddings": 262144, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
+           "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 16,
+           "linear_num_value_heads": 32, "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+           "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1, "mlp_only_layers": [],
+           "norm_topk_prob": True, "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+    config = ModelConfig.from_hf_config(cfg)
+    assert config.kv_layers == list(range(3, 48, 4)) and config.rotary_dim == 64 and config.mrope_section is None
+    assert config.recurrent is not None and config.recurrent.state_shape == (32, 128, 128)
+    assert config.moe is not None and config.moe.dense_layers == () and config.moe.top_k == 10
+    assert config.moe.shared_gate and config.moe.shared_intermediate_size == 512 and config.intermediate_size == 5120
+    sparse_every_other = ModelConfig.from_hf_config({**cfg, "decoder_sparse_step": 2, "mlp_only_layers": [1]})
+    assert sparse_every_other.moe is not None and sparse_every_other.moe.dense_layers[:4] == (0, 1, 2, 4)
+    assert ModelConfig.from_hf_config({**cfg, "num_experts": 0}).moe is None

@@ -284,7 +284,8 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
             for name, p in model.named_parameters():
                 if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
                     p.normal_(1.0, 0.1)
-    if kind.startswith(("qwen3_5", "qwen3_next")):  # its RMSNorms scale by 1 + weight (but the gated norm by weight): keep them near 1
+    if kind.startswith(("qwen3_5", "qwen3_next")):
+        # their RMSNorms scale by 1 + weight (but the gated norm by weight): keep them near 1
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight") and ".linear_attn." not in name:

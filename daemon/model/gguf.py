@@ -729,7 +729,8 @@ _REFUSED_KINDS = {
     "llama4": "a mixture-of-experts model",
     "phimoe": "a mixture-of-experts model", "granitemoe": "a mixture-of-experts model",
     "mamba": "a state-space (Mamba) model", "mamba2": "a state-space (Mamba) model",
-    "qwen3next": "a Qwen3-Next hybrid: its fused ssm_ba layout is not read (Qwen3.5's qwen35 and qwen35moe are)",
+    "qwen3next": "a Qwen3-Next hybrid: llama.cpp's file (its fused ssm_ba) is not read yet; its Hugging Face "
+                 "folder is",
     "jamba": "a hybrid Mamba model", "rwkv6": "a recurrent (RWKV) model", "rwkv7": "a recurrent (RWKV) model",
     "clip": "a vision encoder (mmproj)", "qwen2vl": "a vision-language model", "qwen25vl": "a vision-language model",
     "gemma3n": "a Gemma 3n (per-layer embeddings) model",

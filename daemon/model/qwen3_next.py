@@ -57,4 +57,5 @@ def split_fused(config: ModelConfig, name: str, tensor: torch.Tensor,
         qkv = torch.cat([q.reshape(-1, want[1]), k.reshape(-1, want[1]), v.reshape(-1, want[1])])
         return [(prefix + "in_proj_qkv.weight", qkv), (prefix + "in_proj_z.weight", z.reshape(-1, want[1]))]
     b, a = grouped.split([per, per], dim=1)
-    return [(prefix + "in_proj_b.weight", b.reshape(-1, want[1])), (prefix + "in_proj_a.weight", a.reshape(-1, want[1]))]
+    return [(prefix + "in_proj_b.weight", b.reshape(-1, want[1])),
+            (prefix + "in_proj_a.weight", a.reshape(-1, want[1]))]
