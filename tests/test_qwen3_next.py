@@ -1,21 +1,24 @@
 """Qwen3-Next (Qwen3NextForCausalLM) from an HF folder: Qwen3.5's hybrid layers read from fused linear-attention
 projections (llmd.model.qwen3_next). A tiny random-weight model written by transformers (MoE layers with a gated
 shared expert, one dense layer) against transformers on CPU fp32, prompts fed whole and in chunks; then the engine's
-invariants on it (batched == alone, prefix hit == miss) and a tensor of the wrong shape refused by name.
+invariants on it (batched == alone, prefix hit == miss) and a tensor of the wrong shape refused by name; the 80B's
+config.json; llama.cpp's qwen3next GGUF file of an all-MoE twin, F32 and Q8_0.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
 from llmd.engine import SamplingParams, generate
 from llmd.errors import ModelFileError
 from llmd.model.loader import load_model
+from llmd.model.quant.gguf_layers import GGUFLinear
 from test_engine import GREEDY, random_prompts, run_alone, run_staggered
-from test_families import TOLERANCE, prompt_ids, reference_logits
+from test_families import TOLERANCE, _refusal, _rewrite, prompt_ids, reference_logits
 from test_hybrid import chunked_logits
-from tiny_models import write_tiny_model
+from tiny_models import round_to_gguf, write_tiny_gguf, write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -107,3 +110,39 @@ def test_config_of_the_80b_checkpoint():
     sparse_every_other = ModelConfig.from_hf_config({**cfg, "decoder_sparse_step": 2, "mlp_only_layers": [1]})
     assert sparse_every_other.moe is not None and sparse_every_other.moe.dense_layers[:4] == (0, 1, 2, 4)
     assert ModelConfig.from_hf_config({**cfg, "num_experts": 0}).moe is None
+
+
+@pytest.fixture(scope="module")
+def sparse_folder(tmp_path_factory):
+    """Every MLP the MoE block, as llama.cpp's qwen3next knows it."""
+    return write_tiny_model(tmp_path_factory.mktemp("qwen3_next_sparse") / "m", "qwen3_next_sparse")
+
+
+@pytest.mark.parametrize("t, quant", [("F32", "none"), ("Q8_0", "gguf")])
+def test_gguf_matches_transformers(sparse_folder, tmp_path, t, quant, monkeypatch):
+    """llama.cpp's qwen3next file (tests/tiny_models.py writes it as its converter does: attn_qkv and attn_gate from
+    in_proj_qkvz, ssm_ba fused, value heads in HF order, norms + 1), dequantized or its blocks kept (ssm_ba's packed
+    rows split), against transformers on the values the file holds (round_to_gguf)."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("LLMD_CPU_GEMM_ACT", "fp32")
+    path = write_tiny_gguf(sparse_folder, tmp_path / f"qwen3next-{t}.gguf", t)
+    rounded = sparse_folder if t == "F32" else round_to_gguf(sparse_folder, tmp_path / "rounded", t)
+    ref = AutoModelForCausalLM.from_pretrained(rounded, dtype=torch.float32).eval()
+    lm = load_model(path, dtype=torch.float32, device="cpu", quant=quant)
+    config = lm.config
+    assert config.architecture == "Qwen3NextForCausalLM" and config.mrope_section is None
+    assert config.recurrent is not None and not config.recurrent.tiled_value_heads
+    assert config.moe is not None and config.moe.dense_layers == ()
+    if quant == "gguf":
+        assert isinstance(lm.model.model.layers[0].linear_attn.in_proj_qkv, GGUFLinear)
+    prompt, decode = prompt_ids(40), prompt_ids(12, seed=1)
+    expected = reference_logits(ref, prompt, decode)
+    assert (chunked_logits(lm, prompt, decode, (17,)) - expected).abs().max().item() < TOLERANCE
+
+
+def test_gguf_ba_of_the_wrong_shape_is_refused_by_name(sparse_folder, tmp_path):
+    path = write_tiny_gguf(sparse_folder, tmp_path / "qwen3next.gguf")
+    bad = _rewrite(path, tmp_path / "bad.gguf", change={"blk.0.ssm_ba.weight": np.zeros((6, 64), np.float32)})
+    message = _refusal(bad)
+    assert str(bad) in message and "'blk.0.ssm_ba.weight' has shape [6, 64], expected [8, 64]" in message

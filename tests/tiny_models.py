@@ -250,11 +250,13 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
                                          num_experts_per_tok=2, moe_intermediate_size=32,
                                          shared_expert_intermediate_size=64, tie_word_embeddings=False)
         cls = tf.Qwen3_5MoeForCausalLM
-    elif kind == "qwen3_next":  # Qwen3.5-MoE's shape with fused linear-attention projections; layer 1's MLP dense
+    elif kind.startswith("qwen3_next"):  # Qwen3.5-MoE's shape with fused linear-attention projections; qwen3_next:
+        # layer 1's MLP dense, qwen3_next_sparse: every MLP the MoE block (as llama.cpp's qwen3next has it)
         config = tf.Qwen3NextConfig(**common | {"num_hidden_layers": 4}, head_dim=16, linear_num_key_heads=2,
                                     linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
                                     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=64, mlp_only_layers=[1], tie_word_embeddings=False)
+                                    shared_expert_intermediate_size=64, tie_word_embeddings=False,
+                                    mlp_only_layers=[1] if kind == "qwen3_next" else [])
         cls = tf.Qwen3NextForCausalLM
     elif kind.startswith("granite_hybrid"):  # Mamba2 layers 0 and 2 (8 heads in 2 groups), attention on 1;
         # granite_hybrid: Granite 4.0-H's shape, no positions and 4 experts (top 2) beside the shared MLP;
@@ -367,9 +369,9 @@ YARN_KINDS = ("qwen2_yarn", "qwen3_yarn")  # written by the tests that use them 
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe",
-             "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe",
+             "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
              "granitemoehybrid": "granitehybrid", "gemma4_text": "gemma4"}  # (gemma4: write_gemma4_gguf)
-QWEN35_ARCHS = ("qwen35", "qwen35moe")
+QWEN35_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -409,15 +411,33 @@ def _tiled(t: torch.Tensor, dim: int, width: int, cfg: dict, back: bool = False)
     return t.reshape(*shape[:dim], *groups, width, *shape[dim + 1:]).transpose(dim, dim + 1).reshape(shape)
 
 
+def qwen3next_qkvz(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
+    """convert_hf_to_gguf's Qwen3NextModel split of in_proj_qkvz (per key head: q, k, the head's v rows, its z rows)
+    into in_proj_qkv (every q, every k, every v) and in_proj_z; in_proj_ba left as it is."""
+    hk, dk = cfg["linear_num_key_heads"], cfg["linear_key_head_dim"]
+    vz = cfg["linear_num_value_heads"] // hk * cfg["linear_value_head_dim"]
+    out = {}
+    for name, t in state.items():
+        if name.endswith(".in_proj_qkvz.weight"):
+            per_head = t.T.reshape(t.shape[1], hk, 2 * dk + 2 * vz)
+            q, k, v, z = (part.reshape(t.shape[1], -1) for part in per_head.split([dk, dk, vz, vz], dim=-1))
+            out[name.replace("_qkvz.", "_qkv.")] = torch.cat([q, k, v], dim=-1).T.contiguous()
+            out[name.replace("_qkvz.", "_z.")] = z.T.contiguous()
+        else:
+            out[name] = t
+    return out
+
+
 def qwen35_tensors(state: dict[str, torch.Tensor], cfg: dict) -> dict[str, torch.Tensor]:
     """convert_hf_to_gguf's Qwen3.5 transforms, names left as Hugging Face's: where value heads outnumber key heads,
     the value heads reordered from grouped by key head to tiled (attn_qkv's value rows, z, a, b, A_log, dt_bias, the
-    conv's value channels, out_proj's columns); A_log stored as A = -exp(A_log); the conv weight squeezed to
-    [channels, kernel]; every norm but the gated one (linear_attn.norm) stored as 1 + weight."""
+    conv's value channels, out_proj's columns; not for Qwen3-Next); A_log stored as A = -exp(A_log); the conv weight
+    squeezed to [channels, kernel]; every norm but the gated one (linear_attn.norm) stored as 1 + weight."""
     qk, dv = 2 * cfg["linear_num_key_heads"] * cfg["linear_key_head_dim"], cfg["linear_value_head_dim"]
+    tiled = cfg["model_type"] != "qwen3_next"
     out = {}
     for name, t in state.items():
-        if ".linear_attn." in name:
+        if ".linear_attn." in name and tiled:
             if name.endswith((".in_proj_qkv.weight", ".conv1d.weight")):
                 t = torch.cat([t[:qk], _tiled(t[qk:], 0, dv, cfg)])
             elif name.endswith(".in_proj_z.weight"):
@@ -441,7 +461,8 @@ def qwen35_name(cfg: dict):
     after the converter's rename of dt_bias to dt_proj.bias."""
     import gguf
 
-    arch = gguf.MODEL_ARCH.QWEN35MOE if cfg["model_type"] == "qwen3_5_moe_text" else gguf.MODEL_ARCH.QWEN35
+    arch = {"qwen3_5_moe_text": gguf.MODEL_ARCH.QWEN35MOE, "qwen3_next": gguf.MODEL_ARCH.QWEN3NEXT}.get(
+        cfg["model_type"], gguf.MODEL_ARCH.QWEN35)
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
 
     def name(hf: str) -> str:
@@ -460,6 +481,8 @@ def _qwen35_metadata(w, cfg: dict) -> None:
     w.add_ssm_time_step_rank(cfg["linear_num_value_heads"])
     w.add_ssm_inner_size(cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"])
     w.add_full_attention_interval(cfg.get("full_attention_interval", 4))
+    if cfg["model_type"] == "qwen3_next":
+        return
     sections = list((cfg.get("rope_parameters") or {}).get("mrope_section") or [11, 11, 10])
     w.add_rope_dimension_sections(sections + [0] * (4 - len(sections)))  # padded to 4, as llama.cpp reads it
 
@@ -593,7 +616,7 @@ def round_to_gguf(folder: Path, out: Path, matrix_type: str) -> Path:
 
     qtype = gguf.GGMLQuantizationType[matrix_type]
     cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    hybrid = GGUF_ARCH.get(cfg["model_type"]) in QWEN35_ARCHS
+    hybrid = GGUF_ARCH.get(cfg["model_type"]) in ("qwen35", "qwen35moe")  # (Qwen3-Next's value heads stay put)
     shutil.copytree(folder, out, dirs_exist_ok=True)
     for file in sorted(out.glob("*.safetensors")):
         state = load_file(file)
@@ -779,6 +802,8 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")
+    if arch == "qwen3next":
+        state = qwen3next_qkvz(state, cfg)
     if arch in QWEN35_ARCHS:
         state = qwen35_tensors(state, cfg)
     if experts:

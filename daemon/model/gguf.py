@@ -711,6 +711,14 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
                           config_tensors=("rope_freqs.weight",), quirks=_qwen35_quirks, norm_shift=1.0,
                           unshifted_norms=gguf_hybrid.UNSHIFTED_NORMS, undo=gguf_hybrid.UNDO,
                           check=gguf_hybrid.check_layers),
+    # Qwen3-Next: Qwen3.5-MoE's layers, value heads in Hugging Face's order, beta and alpha fused (ssm_ba: split by
+    # llmd.model.qwen3_next)
+    "qwen3next": GGUFArch("Qwen3NextForCausalLM", {**_MOE_NAMES, **gguf_hybrid.QWEN35_LAYER_NAMES,
+                                                   "ssm_ba": "linear_attn.in_proj_ba"},
+                          config_keys={"feed_forward_length": ("intermediate_size", int)},
+                          config_tensors=("rope_freqs.weight",), quirks=_qwen35_quirks, norm_shift=1.0,
+                          unshifted_norms=gguf_hybrid.UNSHIFTED_NORMS, undo=gguf_hybrid.UNDO,
+                          check=gguf_hybrid.check_layers),
     # Granite 4.0-H: Mamba2 and attention layers, a shared MLP and (tiny, small) experts (llmd.model.mamba2)
     "granitehybrid": GGUFArch("GraniteMoeHybridForCausalLM", _GRANITE_HYBRID_NAMES, permuted_qk=True,
                               config_keys={"attention.head_count_kv": ("num_key_value_heads", _most_kv_heads)},
@@ -729,8 +737,6 @@ _REFUSED_KINDS = {
     "llama4": "a mixture-of-experts model",
     "phimoe": "a mixture-of-experts model", "granitemoe": "a mixture-of-experts model",
     "mamba": "a state-space (Mamba) model", "mamba2": "a state-space (Mamba) model",
-    "qwen3next": "a Qwen3-Next hybrid: llama.cpp's file (its fused ssm_ba) is not read yet; its Hugging Face "
-                 "folder is",
     "jamba": "a hybrid Mamba model", "rwkv6": "a recurrent (RWKV) model", "rwkv7": "a recurrent (RWKV) model",
     "clip": "a vision encoder (mmproj)", "qwen2vl": "a vision-language model", "qwen25vl": "a vision-language model",
     "gemma3n": "a Gemma 3n (per-layer embeddings) model",

@@ -1,5 +1,11 @@
-"""llama.cpp's Qwen3.5 GGUF files (architectures `qwen35` and `qwen35moe`): what its converter writes, and how
-llmd.model.gguf reads it back into llmd.model.qwen3_5 (Gated DeltaNet layers between gated attention layers).
+"""llama.cpp's Qwen3.5 GGUF files (architectures `qwen35` and `qwen35moe`) and Qwen3-Next's (`qwen3next`): what its
+converter writes, and how llmd.model.gguf reads it back into llmd.model.qwen3_5 (Gated DeltaNet layers between gated
+attention layers).
+
+Qwen3-Next's converter (Qwen3NextModel) writes the same but for: in_proj_qkvz split into attn_qkv and attn_gate (its
+q, k, v and z rows gathered from their key-head groups), in_proj_ba kept fused as ssm_ba (each key head's beta rows
+then its alpha rows: split as it loads, llmd.model.qwen3_next), the value heads left in Hugging Face's order (not
+tiled), no rope.dimension_sections; every layer's MLP is the MoE block.
 
 What convert_hf_to_gguf.py (Qwen3_5TextModel / Qwen3_5MoeTextModel, over Qwen3NextModel) writes, and how each is read:
 - metadata: `ssm.conv_kernel` (linear_conv_kernel_dim), `ssm.state_size` (linear_key_head_dim), `ssm.group_count`
@@ -91,11 +97,11 @@ def qwen35_quirks(cfg: dict, meta: dict, p: str) -> None:
     if interval < 1:
         raise ValueError(f"{p}full_attention_interval {interval} must be positive")
     cfg["full_attention_interval"] = interval
-    cfg["llmd_tiled_value_heads"] = True
-    if p == "qwen35moe.":
+    cfg["llmd_tiled_value_heads"] = p != "qwen3next."  # (Qwen3-Next's converter keeps Hugging Face's order)
+    if p in ("qwen35moe.", "qwen3next."):
         gating = meta.get(p + "expert_gating_func")
         if gating is not None and int(gating) != 1:  # llama.cpp: 1 softmax, 2 sigmoid
-            raise ValueError(f"{p}expert_gating_func {gating} (Qwen3.5-MoE routes by softmax, 1)")
+            raise ValueError(f"{p}expert_gating_func {gating} ({p[:-1]} routes by softmax, 1)")
         cfg["moe_intermediate_size"] = int(meta[p + "expert_feed_forward_length"])
         cfg["shared_expert_intermediate_size"] = int(meta.get(p + "expert_shared_feed_forward_length") or 0)
         if cfg["intermediate_size"] is None:  # no feed_forward_length: no dense MLP
@@ -112,8 +118,9 @@ def check_layers(path: Path, shapes: dict[str, Sequence[int]], cfg: dict[str, An
     channels, value = 2 * hk * dk + hv * dv, hv * dv
     sizes = (f"ssm.conv_kernel {kernel}, {hk} key heads (ssm.group_count) of {dk} (ssm.state_size), {hv} value "
              f"heads (ssm.time_step_rank) of {dv} (ssm.inner_size / heads), hidden {hidden}")
-    recurrent = {"attn_qkv.weight": (channels, hidden), "attn_gate.weight": (value, hidden),
-                 "ssm_beta.weight": (hv, hidden), "ssm_alpha.weight": (hv, hidden),
+    beta_alpha = {"ssm_ba.weight": (2 * hv, hidden)} if cfg.get("model_type") == "qwen3next" else \
+        {"ssm_beta.weight": (hv, hidden), "ssm_alpha.weight": (hv, hidden)}
+    recurrent = {"attn_qkv.weight": (channels, hidden), "attn_gate.weight": (value, hidden), **beta_alpha,
                  "ssm_conv1d.weight": (channels, kernel), "ssm_dt.bias": (hv,), "ssm_a": (hv,),
                  "ssm_norm.weight": (dv,), "ssm_out.weight": (hidden, value)}
     for i in range(cfg["num_hidden_layers"]):
@@ -134,4 +141,4 @@ def check_layers(path: Path, shapes: dict[str, Sequence[int]], cfg: dict[str, An
                                            f"for the metadata's {sizes}")
         if cfg.get("num_experts") and f"blk.{i}.ffn_gate_inp.weight" not in shapes:
             raise ModelFileError(path, f"tensor 'blk.{i}.ffn_gate_inp.weight' is missing: every layer of a "
-                                       "Qwen3.5-MoE model routes its tokens to experts")
+                                       "Qwen3.5-MoE or Qwen3-Next model routes its tokens to experts")

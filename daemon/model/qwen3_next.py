@@ -9,11 +9,13 @@ layout. Following transformers' modeling_qwen3_next, the model is Qwen3.5-MoE's 
 - one position per token (plain partial RoPE, no multimodal sections) and the MoE block of Qwen2-MoE, whose layers
   may be dense (llmd.model.config.qwen3_5_fields).
 The RMSNorms are Qwen3.5's: (1 + weight), but the gated norm by weight. The multi-token-prediction head (`mtp.*`) is
-left unread. llama.cpp's `qwen3next` GGUF files are not read yet.
+left unread. llama.cpp's `qwen3next` GGUF files (llmd.model.gguf_hybrid) come with q/k/v and z already apart and beta
+and alpha still fused (ssm_ba, named in_proj_ba here): split the same way, packed blocks row by row.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable, Iterator
 
 import torch
@@ -29,33 +31,39 @@ _QKVZ, _BA = ".linear_attn.in_proj_qkvz.weight", ".linear_attn.in_proj_ba.weight
 
 class Qwen3NextCausalLM(Qwen35CausalLM):
     def adapt_checkpoint(self, tensors: Iterable, source: object = None) -> Iterator:
-        """The fused linear-attention projections split into Qwen3.5's (module docstring); the MTP head skipped."""
-        for name, tensor in text_model_tensors(tensors, {}, _UNREAD_PREFIXES):
-            if name.endswith((_QKVZ, _BA)):
-                yield from split_fused(self.config, name, tensor, source)
-            else:
-                yield name, tensor
+        """The fused linear-attention projections split into Qwen3.5's (module docstring); the MTP head skipped.
+        Items are (name, tensor) pairs or GGUF RawTensors (split by their packed rows: a row's blocks are its own)."""
+        for item in text_model_tensors(tensors, {}, _UNREAD_PREFIXES):
+            raw = hasattr(item, "name")
+            name, shape = (item.name, tuple(item.shape)) if raw else (item[0], tuple(item[1].shape))
+            if not name.endswith((_QKVZ, _BA)):
+                yield item
+                continue
+            for part, rows in split_rows(self.config, name, shape, source):
+                if raw:
+                    yield replace(item, name=part, shape=(len(rows), shape[1]), data=item.data[rows.numpy()])
+                else:
+                    yield part, item[1][rows]
 
 
-def split_fused(config: ModelConfig, name: str, tensor: torch.Tensor,
-                source: object) -> list[tuple[str, torch.Tensor]]:
-    """in_proj_qkvz -> in_proj_qkv, in_proj_z; in_proj_ba -> in_proj_b, in_proj_a. A tensor of another shape than the
-    config gives is a ModelFileError naming it."""
+def split_rows(config: ModelConfig, name: str, shape: tuple[int, ...],
+               source: object) -> list[tuple[str, torch.Tensor]]:
+    """in_proj_qkvz -> in_proj_qkv, in_proj_z; in_proj_ba -> in_proj_b, in_proj_a: each part's name and the fused
+    tensor's rows it takes, in order. A tensor of another shape than the config gives is a ModelFileError naming it."""
     r = config.recurrent
     assert r is not None
     hk, dk, dv, per = r.num_key_heads, r.key_head_dim, r.head_dim, r.num_heads // r.num_key_heads
     qkvz = name.endswith(_QKVZ)
     group = 2 * dk + 2 * per * dv if qkvz else 2 * per  # one key head's rows
     want = (hk * group, config.hidden_size)
-    if tuple(tensor.shape) != want:
-        raise ModelFileError(source, f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {want} ({hk} key "
-                                     f"heads, each serving {per} value heads)")
+    if shape != want:
+        raise ModelFileError(source, f"tensor {name!r} has shape {shape}, expected {want} ({hk} key heads, each "
+                                     f"serving {per} value heads)")
     prefix = name[: -len(_QKVZ if qkvz else _BA)] + ".linear_attn."
-    grouped = tensor.view(hk, group, -1)
+    grouped = torch.arange(want[0]).view(hk, group)
     if qkvz:
         q, k, v, z = grouped.split([dk, dk, per * dv, per * dv], dim=1)
-        qkv = torch.cat([q.reshape(-1, want[1]), k.reshape(-1, want[1]), v.reshape(-1, want[1])])
-        return [(prefix + "in_proj_qkv.weight", qkv), (prefix + "in_proj_z.weight", z.reshape(-1, want[1]))]
+        return [(prefix + "in_proj_qkv.weight", torch.cat([q.flatten(), k.flatten(), v.flatten()])),
+                (prefix + "in_proj_z.weight", z.flatten())]
     b, a = grouped.split([per, per], dim=1)
-    return [(prefix + "in_proj_b.weight", b.reshape(-1, want[1])),
-            (prefix + "in_proj_a.weight", a.reshape(-1, want[1]))]
+    return [(prefix + "in_proj_b.weight", b.flatten()), (prefix + "in_proj_a.weight", a.flatten())]
