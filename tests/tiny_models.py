@@ -364,8 +364,8 @@ YARN_KINDS = ("qwen2_yarn", "qwen3_yarn")  # written by the tests that use them 
 # The same models as llama.cpp GGUF files, converted as llama.cpp's convert_hf_to_gguf.py converts them (tensor
 # names and metadata keys from the gguf package's constants; the llama q/k row permutation; Llama 3's rope_freqs and
 # Phi-3's rope factor tensors; YaRN's rope.scaling keys; Qwen3.5's Gated DeltaNet tensors, transformed and named as
-# its Qwen3_5TextModel converter does, names from the gguf package's own tensor map). The vocabulary is the folder's
-# byte-level BPE as a "gpt2" tokenizer model.
+# its Qwen3_5TextModel converter does, and Qwen3-Next's as its Qwen3NextModel does, names from the gguf package's own
+# tensor map). The vocabulary is the folder's byte-level BPE as a "gpt2" tokenizer model.
 
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3",
              "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe",
