@@ -16,7 +16,6 @@ import argparse
 import time
 
 import torch
-
 from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
