@@ -16,7 +16,8 @@
  * Per output (row r, column c), in this order whatever the rows, the columns' range or the thread:
  *   for each super-block b: dot_j = sum of the 32 codes times the int8 activations of unit j (exact integers);
  *   s = float(dot_0 sc_0) xd_0, then s = fma(float(dot_j sc_j), xd_j, s) for j = 1..7;
- *   m = mn_0 S_0, then m = fma(mn_j, S_2j, m) and fma(mn_j, S_2j+1, m) (S: the row's sums of 16 dequantized activations);
+ *   m = mn_0 S_0, then m = fma(mn_j, S_2j, m) and fma(mn_j, S_2j+1, m) (S: the row's sums of 16 dequantized
+ *   activations);
  *   out = fma(s, d, out); out = fma(-m, dmin, out).
  * The portable build computes the same operations in plain C (fmaf).
  *
@@ -56,7 +57,8 @@ typedef void (*x8_tile)(X8_TILE_ARGS);
 /* the 64 scales and 64 mins of a group's super-block g as bytes sc [8j + c], mn [8j + c] */
 static inline void x8_scales(const uint8_t *g, uint8_t *sc, uint8_t *mn) {
 #if defined(__AVX2__)
-    const __m256i ls = _mm256_loadu_si256((const __m256i *)(g + 32)), lm = _mm256_loadu_si256((const __m256i *)(g + 64));
+    const __m256i ls = _mm256_loadu_si256((const __m256i *)(g + 32));
+    const __m256i lm = _mm256_loadu_si256((const __m256i *)(g + 64));
     const __m256i h = _mm256_loadu_si256((const __m256i *)(g + 96));
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     _mm256_storeu_si256((__m256i *)sc, _mm256_or_si256(_mm256_and_si256(ls, m4),
@@ -69,8 +71,10 @@ static inline void x8_scales(const uint8_t *g, uint8_t *sc, uint8_t *mn) {
 #else
     for (int i = 0; i < 32; i++) {
         const uint8_t h = g[96 + i];
-        sc[i] = (uint8_t)((g[32 + i] & 15) | (h & 3) << 4), sc[32 + i] = (uint8_t)((g[32 + i] >> 4) | (h >> 2 & 3) << 4);
-        mn[i] = (uint8_t)((g[64 + i] & 15) | (h >> 4 & 3) << 4), mn[32 + i] = (uint8_t)((g[64 + i] >> 4) | (h >> 6) << 4);
+        sc[i] = (uint8_t)((g[32 + i] & 15) | (h & 3) << 4);
+        sc[32 + i] = (uint8_t)((g[32 + i] >> 4) | (h >> 2 & 3) << 4);
+        mn[i] = (uint8_t)((g[64 + i] & 15) | (h >> 4 & 3) << 4);
+        mn[32 + i] = (uint8_t)((g[64 + i] >> 4) | (h >> 6) << 4);
     }
 #endif
 }
@@ -323,7 +327,7 @@ IQX8_ROWS(4, 2)
 /* IQ4_XS_X8, one row (the vector build's iqx8_rows_R arguments) */
 static void iqx8_rows_1(X8_TILE_ARGS) {
     static const int8_t kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-    (void)k, (void)nbx, (void)ldy, (void)S, (void)lds;
+    (void)k, (void)nbx, (void)ldy, (void)S, (void)lds, (void)C;
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = q + b * IQX8_BYTES;
@@ -335,9 +339,8 @@ static void iqx8_rows_1(X8_TILE_ARGS) {
                 for (int gg = 0; gg < 4; gg++)
                     for (int i = 0; i < 4; i++) {
                         const uint8_t v = g[64 + 32 * (4 * j + gg) + 4 * c + i];
-                        dot += (kv[v & 15] + 128) * xb[32 * j + 4 * gg + i] + (kv[v >> 4] + 128) * xb[32 * j + 16 + 4 * gg + i];
+                        dot += kv[v & 15] * xb[32 * j + 4 * gg + i] + kv[v >> 4] * xb[32 * j + 16 + 4 * gg + i];
                     }
-                for (int i = 0; i < 8; i++) dot += C[64 * b + 8 * j + i];
                 const int lo = j < 4 ? g[16 + 8 * j + c] & 15 : g[16 + 8 * (j - 4) + c] >> 4;
                 const int hi = g[48 + 8 * (j / 4) + c] >> 2 * (j % 4) & 3;
                 const float t = (float)(dot * ((lo | hi << 4) - 32));

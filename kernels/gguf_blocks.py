@@ -383,8 +383,8 @@ def q6k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 # IQ4_XS's group of 8 rows' super-block (8 x 136 bytes): d [8] (fp16), the 6-bit scales' low 4 bits as Q4_K_X8's
-# (byte 8j + c, high nibble sub-block j + 4), their top 2 bits (byte 8p + c: sub-block 4p + k in bits 2k), then the codes
-# in runs of 4 bytes per column (run (j, g): qs bytes 16j + 4g ..).
+# (byte 8j + c, high nibble sub-block j + 4), their top 2 bits (byte 8p + c: sub-block 4p + k in bits 2k), then the
+# codes in runs of 4 bytes per column (run (j, g): qs bytes 16j + 4g ..).
 
 
 def iq4xs_x8_pack(blocks: torch.Tensor) -> torch.Tensor:

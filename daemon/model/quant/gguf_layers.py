@@ -92,8 +92,8 @@ class GGUFLinear(QuantizedLinear):
         """The CPU kernel's part for this layer, its blocks first interleaved where the kernel's integer path has a
         layout for them (not where others read the blocks: the output head, whose table an embedding may share, an
         expert's view)."""
-        layout = None if self.output_head or self.shared_blocks else cpu_gemm.interleaved_type(self.type_name, self.out_features,
-                                                                         self.in_features)
+        shared = self.output_head or self.shared_blocks
+        layout = None if shared else cpu_gemm.interleaved_type(self.type_name, self.out_features, self.in_features)
         if layout is not None:
             self.set_layout(layout)
         return [(self.qweight, self.type_name)]
