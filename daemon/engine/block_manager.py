@@ -228,6 +228,16 @@ class BlockManager:
     def can_allocate(self, n: int) -> bool:
         return n <= self.num_free_blocks
 
+    def grow(self, block_ids: list[int], num_tokens: int) -> bool:
+        """Extend block_ids in place to hold num_tokens from free blocks; False (nothing taken) when too few are
+        free. The drafts' reservations: they never preempt."""
+        need = self.blocks_needed(num_tokens) - len(block_ids)
+        if need > 0 and not self.can_allocate(need):
+            return False
+        if need > 0:
+            block_ids.extend(self.allocate(need))
+        return True
+
     def allocate(self, n: int) -> list[int]:
         """Hand out n blocks with ref_count 1: plain free ones first, then evict least recently used cached ones."""
         if n > self.num_free_blocks:

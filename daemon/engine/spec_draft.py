@@ -127,15 +127,6 @@ class DraftModel:
             st.token_ids = list(seq.token_ids)
         return st
 
-    def _reserve(self, st: DraftSeq, num_tokens: int) -> bool:
-        need = self.bm.blocks_needed(num_tokens) - len(st.block_ids)
-        if need <= 0:
-            return True
-        if not self.bm.can_allocate(need):
-            return False
-        st.block_ids.extend(self.bm.allocate(need))
-        return True
-
     def release(self, request_id: str) -> None:
         st = self.states.pop(request_id, None)
         if st is not None and st.block_ids:
@@ -167,7 +158,7 @@ class DraftModel:
         active = []
         for seq, k in wants:
             st = self._state(seq)
-            if not self._reserve(st, seq.num_tokens + k - 1):
+            if not self.bm.grow(st.block_ids, seq.num_tokens + k - 1):
                 self.release(seq.request_id)
                 continue
             active.append([seq, k, st, [], []])

@@ -130,15 +130,6 @@ class MtpDraft:
         st.drafted = 0
         self.bm.rollback(st.block_ids, st.block_hashes, st.exact)
 
-    def _reserve(self, st: MtpSeq, positions: int) -> bool:
-        need = self.bm.blocks_needed(positions) - len(st.block_ids)
-        if need <= 0:
-            return True
-        if not self.bm.can_allocate(need):
-            return False
-        st.block_ids.extend(self.bm.allocate(need))
-        return True
-
     # ---- the head's forward ----------------------------------------------------------------------------------
     def _forward(self, batch: list[tuple[MtpSeq, list[int], torch.Tensor, int]]) -> torch.Tensor:
         """batch: (state, next tokens, target/head rows, first head position). The head's output rows, in order."""
@@ -166,7 +157,7 @@ class MtpDraft:
             n = min(last + 1 - st.hidden_from, st.num_pending)
             if n <= 0:
                 continue
-            if not self._reserve(st, st.exact + n):
+            if not self.bm.grow(st.block_ids, st.exact + n):
                 self._restart(st, st.hidden_from + st.num_pending)  # no room: the head starts over after them
                 continue
             rows = torch.cat(st.pending)
@@ -194,7 +185,7 @@ class MtpDraft:
                 continue
             st.keep_pending(last + 1 - st.hidden_from)
             self._drop_guesses(st)  # a proposal dropped before verification
-            if not self._reserve(st, last + 1 - st.base + k - 1):
+            if not self.bm.grow(st.block_ids, last + 1 - st.base + k - 1):
                 continue
             items.append((seq, st, last))
             ks[id(st)] = k
