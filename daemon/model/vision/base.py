@@ -69,3 +69,16 @@ def check_normalisation(image_mean: tuple, image_std: tuple, resample: int) -> N
         raise ModelFileError("config", f"image mean {image_mean} / std {image_std} need 3 channels")
     if resample not in {int(r) for r in Image.Resampling}:
         raise ModelFileError("config", f"resample {resample} is not one of PIL's filters")
+
+
+def image_text_config(folder: Path, family: str) -> tuple[Path, dict, dict, dict]:
+    """An image-text checkpoint's config.json: (its path, the config, its vision_config, its text_config); a
+    ModelFileError naming the file when there is no vision_config."""
+    from ..config import read_json
+
+    cfg_path = Path(folder) / "config.json"
+    cfg = read_json(cfg_path)
+    vision, text = cfg.get("vision_config"), cfg.get("text_config") or {}
+    if not isinstance(vision, dict) or not isinstance(text, dict):
+        raise ModelFileError(cfg_path, f"no vision_config: not an image-text {family} checkpoint")
+    return cfg_path, cfg, vision, text

@@ -32,7 +32,7 @@ from PIL import Image
 from torch import nn
 
 from ...errors import ModelFileError
-from .base import check_normalisation, tower_tensors, widen
+from .base import check_normalisation, image_text_config, tower_tensors, widen
 from .images import to_rgb
 
 BOI, IMAGE_TOKEN, EOI = "<start_of_image>", "<image_soft_token>", "<end_of_image>"
@@ -214,10 +214,7 @@ def load_gemma3_vision(folder: Path, dtype: torch.dtype, device: torch.device | 
 
     folder = Path(folder)
     cfg_path, pre_path = folder / "config.json", folder / "preprocessor_config.json"
-    cfg = read_json(cfg_path)
-    vision, text = cfg.get("vision_config"), cfg.get("text_config") or {}
-    if not isinstance(vision, dict) or not isinstance(text, dict):
-        raise ModelFileError(cfg_path, "no vision_config: not an image-text Gemma 3 checkpoint")
+    _, cfg, vision, text = image_text_config(folder, "Gemma 3")
     if vision.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelFileError(cfg_path, f"vision hidden_act {vision.get('hidden_act')!r} (only gelu_pytorch_tanh)")
     pre = read_json(pre_path) if pre_path.is_file() else {}

@@ -41,7 +41,7 @@ from torch import nn
 
 from ...errors import ModelFileError
 from ..gemma4 import Gemma4RMSNorm, gelu_tanh
-from .base import check_normalisation, tower_tensors, widen
+from .base import check_normalisation, image_text_config, tower_tensors, widen
 from .gemma3 import MAX_LAYERS, Located, _config_value, _hf_prefix
 from .images import to_rgb
 
@@ -283,10 +283,7 @@ def load_gemma4_vision(folder: Path, dtype: torch.dtype, device: torch.device | 
 
     folder = Path(folder)
     cfg_path = folder / "config.json"
-    cfg = read_json(cfg_path)
-    vision, text = cfg.get("vision_config"), cfg.get("text_config") or {}
-    if not isinstance(vision, dict) or not isinstance(text, dict):
-        raise ModelFileError(cfg_path, "no vision_config: not an image-text Gemma 4 checkpoint")
+    _, cfg, vision, text = image_text_config(folder, "Gemma 4")
     if vision.get("hidden_activation", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelFileError(cfg_path, f"vision hidden_activation {vision.get('hidden_activation')!r} (only "
                                        "gelu_pytorch_tanh)")

@@ -38,7 +38,7 @@ from PIL import Image
 from torch import nn
 
 from ...errors import ModelFileError
-from .base import check_normalisation, tower_tensors, widen
+from .base import check_normalisation, image_text_config, tower_tensors, widen
 from .gemma3 import MAX_LAYERS, Located, _config_value, _hf_prefix
 from .images import to_rgb
 
@@ -294,10 +294,7 @@ def load_mistral3_vision(folder: Path, dtype: torch.dtype, device: torch.device 
     folder = Path(folder)
     cfg_path, pre_path, proc_path = (folder / n for n in ("config.json", "preprocessor_config.json",
                                                             "processor_config.json"))
-    cfg = read_json(cfg_path)
-    vision, text = cfg.get("vision_config"), cfg.get("text_config") or {}
-    if not isinstance(vision, dict) or not isinstance(text, dict):
-        raise ModelFileError(cfg_path, "no vision_config: not an image-text Mistral 3 checkpoint")
+    _, cfg, vision, text = image_text_config(folder, "Mistral 3")
     if cfg.get("vision_feature_layer", -1) != -1:
         raise ModelFileError(cfg_path, f"vision_feature_layer {cfg.get('vision_feature_layer')!r} (only -1)")
     pre = read_json(pre_path) if pre_path.is_file() else {}

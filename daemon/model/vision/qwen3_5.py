@@ -40,7 +40,7 @@ from PIL import Image
 from torch import nn
 
 from ...errors import ModelFileError
-from .base import check_normalisation, tower_tensors, widen
+from .base import check_normalisation, image_text_config, tower_tensors, widen
 from .gemma3 import MAX_LAYERS, Located, _config_value, _hf_prefix
 from .images import InvalidImage, to_rgb
 
@@ -262,10 +262,7 @@ def load_qwen3_5_vision(folder: Path, dtype: torch.dtype, device: torch.device |
 
     folder = Path(folder)
     cfg_path = folder / "config.json"
-    cfg = read_json(cfg_path)
-    vision, text = cfg.get("vision_config"), cfg.get("text_config") or {}
-    if not isinstance(vision, dict) or not isinstance(text, dict):
-        raise ModelFileError(cfg_path, "no vision_config: not an image-text Qwen3.5 checkpoint")
+    _, cfg, vision, text = image_text_config(folder, "Qwen3.5")
     if vision.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelFileError(cfg_path, f"vision hidden_act {vision.get('hidden_act')!r} (only gelu_pytorch_tanh)")
     if vision.get("in_channels", 3) != 3:
