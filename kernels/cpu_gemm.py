@@ -551,14 +551,16 @@ def gguf_matmul_q16_ref(x: torch.Tensor, qweight: torch.Tensor, type_name: str) 
     return (xq @ gb.dequantize_blocks(qweight, type_name).double().t()).float()
 
 
-def interleaved_type(type_name: str, n: int, k: int) -> str | None:
-    """The interleaved layout (gguf_blocks.X8_OF) a GGUF weight of `type_name` [n, k] takes for this CPU's kernel: where
-    the kernel runs its integer path and the columns come in whole groups of 8; else None (keep the file's)."""
+def interleaved_type(type_name: str, n: int, k: int, head: bool = False) -> str | None:
+    """The interleaved layout (gguf_blocks.X8_OF) a GGUF weight of `type_name` [n, k] takes for this CPU's kernel (head:
+    as the output head): where the kernel runs its integer path (int8; int16 for a head: Q6_K) on that layout and the
+    columns come in whole groups of 8; else None (keep the file's)."""
     lib = load()
     layout = next((x8 for x8, t in gb.X8_OF.items() if t == type_name), None)
-    if layout is None or lib is None or n % 8 or gguf_act(lib, [type_name], k) != "int8":
+    if layout is None or lib is None or n % 8:
         return None
-    return layout
+    act = activations("gguf_head" if head else "gguf")
+    return layout if act != "fp32" and gguf_act(lib, [type_name, layout], k, act) == act else None
 
 
 def x8_pack_(blocks: torch.Tensor, layout: str) -> None:

@@ -12,8 +12,8 @@
 
 #define LLMD_HIDDEN __attribute__((visibility("hidden")))
 
-/* llmd's own type ids of Q4_K, Q6_K and IQ4_XS with 8 columns interleaved (cpu_interleaved.c): the int8 path only,
- * N % 8 == 0 */
+/* llmd's own type ids of Q4_K, Q6_K and IQ4_XS with 8 columns interleaved (cpu_interleaved.c): the int8 path (and
+ * Q6_K_X8 the int16 one, as output heads), N % 8 == 0 */
 #define LLMD_Q4K_X8 1012
 #define LLMD_Q6K_X8 1014
 #define LLMD_IQ4XS_X8 1023
@@ -21,8 +21,9 @@
 
 /* activation paths: fp32 (the weights' exact values), int8 and int16 per block of 32 (cpu_act.c) */
 enum { LLMD_ACT_F32 = 0, LLMD_ACT_I8 = 1, LLMD_ACT_I16 = 2 };
-/* what the row data must hold for a type (llmd_gx_flags): int8's C, int8's lane layout per group */
-enum { LLMD_GX_C = 1, LLMD_GX_LANES = 2 };
+/* what the row data must hold for a type (llmd_gx_flags): int8's C, int8's lane layout per group, int16's codes split
+ * into bytes with their sums of 16 */
+enum { LLMD_GX_C = 1, LLMD_GX_LANES = 2, LLMD_GX_SPLIT = 4 };
 
 /* Prepared activation rows of one path, as arrays of rows: row r of array i at a[i] + r * row[i] (cpu_gguf.c names
  * the arrays per path). fp32 rows are laid out for one GGML type (`type`); int8 and int16 rows serve every type. */
@@ -69,6 +70,9 @@ LLMD_HIDDEN void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, vo
 /* columns [n0, n1) (multiples of 8) of an interleaved weight (LLMD_X8) on the int8 path's rows (cpu_interleaved.c) */
 LLMD_HIDDEN void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C,
                               const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
+/* the same on the head path's rows of an interleaved Q6_K weight (cpu_interleaved.c) */
+LLMD_HIDDEN void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const uint8_t *xs, const uint8_t *q, float *y,
+                                  int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
 /* this thread's share (tid of nth) of the jobs' columns: units of 8 columns, weighted by their rows */
 LLMD_HIDDEN void llmd_gx_run(const llmd_gx_job *jobs, int64_t njobs, int tid, int nth, void *scratch);
 /* the first of parts [0, i] whose rows serve part i on path `act` */

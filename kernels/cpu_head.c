@@ -162,5 +162,5 @@ void gh_cols(int type, const float *xd, const int16_t *xq, const uint8_t *q, flo
 #endif
 }
 
-/* 1 where the head path takes GGUF blocks of `type` (a GGML type id). */
-int llmd_gguf_q16_type(int type) { return gh_supported(type); }
+/* 1 where the head path takes GGUF blocks of `type` (a GGML type id, or Q6_K_X8: cpu_interleaved.c's head tiles). */
+int llmd_gguf_q16_type(int type) { return gh_supported(type) || type == LLMD_Q6K_X8; }

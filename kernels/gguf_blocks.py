@@ -359,6 +359,15 @@ def q4k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
 # (run (h, g): qh bytes 32h + 4g ..).
 
 
+def x8_rows(packed: torch.Tensor, ids: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rows `ids` of an interleaved table [N, row bytes] in the file's layout (an embedding lookup in a table a tied
+    head interleaved): each row's group of 8 unpacked once."""
+    groups, where = torch.unique(ids // 8, return_inverse=True)
+    n, width = packed.shape
+    rows = x8_unpack(packed.view(n // 8, 8 * width)[groups].view(-1, width), layout).view(-1, 8, width)
+    return rows[where, ids % 8]
+
+
 def q6k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
     """Q6_K rows [N, nb * 210] (N % 8 == 0) -> the same bits in the Q6_K_X8 layout."""
     groups, nb = _x8_groups(blocks, "Q6_K_X8")

@@ -339,6 +339,10 @@ def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
         packed, x = gb.x8_pack(q, layout), _x(5, k)
         plain = cpu_gemm.GGUFKernel(lib, [(packed, layout)], k, act="int8")(x, 2)
         assert torch.equal(_bits(plain), _bits(cpu_gemm.GGUFKernel(cpu_gemm.load(), [(packed, layout)], k)(x, 2)))
+        if layout == "Q6_K_X8":  # and as an output head (int16 activations)
+            plain, vector = (cpu_gemm.GGUFKernel(b, [(packed, layout)], k, act="int16")(x, 2)
+                             for b in (lib, cpu_gemm.load()))
+            assert torch.equal(_bits(plain), _bits(vector))
 
 
 def test_avx2_build_equals_the_default_build_bit_for_bit(tmp_path, monkeypatch):
@@ -362,5 +366,8 @@ def test_avx2_build_equals_the_default_build_bit_for_bit(tmp_path, monkeypatch):
     for layout in ("Q4_K_X8", "Q6_K_X8", "IQ4_XS_X8"):
         q, k = _weights(gb.X8_OF[layout], n=16, k=512)
         packed = gb.x8_pack(q, layout)
-        mine, full = (cpu_gemm.GGUFKernel(lib, [(packed, layout)], k, act="int8") for lib in (avx2, cpu_gemm.load()))
-        assert torch.equal(_bits(mine(x, 2)), _bits(full(x, 2)))
+        for act in ("int8", "int16") if layout == "Q6_K_X8" else ("int8",):
+            mine, full = (cpu_gemm.GGUFKernel(lib, [(packed, layout)], k, act=act) for lib in (avx2, cpu_gemm.load()))
+            assert torch.equal(_bits(mine(x, 2)), _bits(full(x, 2)))
+            for m in (1, 2, 3, 5):
+                assert torch.equal(_bits(mine(x[:m], 1)), _bits(full(x[:m], 2)))

@@ -72,6 +72,34 @@ def test_rows_do_not_depend_on_batch_threads_or_parts(layout):
     assert torch.equal(both[:, 11:59], full) and torch.equal(both[:, :11], both[:, 59:])
 
 
+def test_an_interleaved_q6_k_head_matches_the_head_paths_reference_whatever_the_batch():
+    """Q6_K_X8 on the output head's int16 path: each activation split into bytes, two byte dot products per sub-block
+    (cpu_interleaved.c), close to the head path's reference and to the file layout's head, a row's bits the same
+    whatever the rows and threads beside it."""
+    if not HAVE_KERNEL:
+        return
+    lib = cpu_gemm.load()
+    for k in (256, 768):
+        q, _ = _weights("Q6_K", n=40, k=k, seed=k)
+        head = cpu_gemm.GGUFKernel(lib, [(gb.x8_pack(q, "Q6_K_X8"), "Q6_K_X8")], k, act="int16")
+        assert head.act == "int16"
+        file_layout = cpu_gemm.GGUFKernel(lib, [(q, "Q6_K")], k, act="int16")
+        x = _x(70, k, seed=k) * torch.logspace(-3, 3, k)  # activations of very different sizes per block
+        full = _rows_independent_of_the_batch(head, x)
+        ref = cpu_gemm.gguf_matmul_q16_ref(x, q, "Q6_K")
+        torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        torch.testing.assert_close(full, file_layout(x), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        for threads in (1, 3):
+            for m in (1, 2, 3, 4, 5, 7):
+                assert torch.equal(head(x[:m], threads), full[:m])
+    x = torch.full((1, 256), 1e4)  # every code at its extreme: the integer sums stay exact (|I sc| < 2^31)
+    q = torch.zeros(8, 210, dtype=torch.uint8)
+    q[:, 192:208] = torch.tensor([-128 % 256] * 16, dtype=torch.uint8)
+    q[:, 208:210] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+    extreme = cpu_gemm.GGUFKernel(lib, [(gb.x8_pack(q, "Q6_K_X8"), "Q6_K_X8")], 256, act="int16")(x)
+    assert torch.equal(extreme, cpu_gemm.gguf_matmul_q16_ref(x, q, "Q6_K"))
+
+
 def test_the_kernel_refuses_what_the_layout_cannot_hold():
     if not HAVE_KERNEL:
         return
@@ -105,7 +133,37 @@ def test_a_layer_interleaves_on_the_cpu_where_nothing_else_reads_its_blocks():
     assert torch.equal(plain.dequantized_weight(), gb.dequantize_blocks(q, "Q4_K"))
     plain.fill(q.flip(0).contiguous(), "w", "test")  # new rows come in the file's layout
     assert plain.type_name == "Q4_K" and torch.equal(plain.qweight, q.flip(0))
-    for kept in (layer(n=20), layer(head=True), layer(shared=True)):  # not 8 | N, the head, an expert's view
+    for kept in (layer(n=20), layer(head=True), layer(shared=True)):  # not 8 | N, a Q4_K head, an expert's view
         assert kept.type_name == "Q4_K" and torch.equal(kept.qweight, q[:kept.out_features])
     plain.prepare(torch.device("meta"), torch.float32)  # another device: the file's layout back
     assert plain.type_name == "Q4_K"
+
+
+def test_a_tied_q6_k_head_interleaves_its_table_and_the_embedding_still_reads_the_files_rows():
+    """A tied Q6_K table (as Q4_K_M files carry it) is interleaved in place by its head; the embedding then reads its
+    rows through the groups of 8, the file's values bit for bit, and the head computes on the int16 path."""
+    from torch import nn
+
+    from llmd.model.quant import GGUFEmbedding, tie_gguf_head
+
+    q, k = _weights("Q6_K", n=64, k=512)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.embed_tokens = emb = GGUFEmbedding(64, k, "Q6_K", torch.float32)
+    model.lm_head = None
+    emb.fill(q, "token_embd.weight", "test")
+    assert tie_gguf_head(model, torch.float32)
+    head = model.lm_head
+    head.output_head = True
+    ids = torch.tensor([[3, 17, 3, 63], [0, 8, 9, 40]])
+    before = emb(ids)
+    head.prepare(torch.device("cpu"), torch.float32)
+    assert torch.equal(before, gb.dequantize_blocks(q, "Q6_K")[ids])
+    if not HAVE_KERNEL:
+        assert head.type_name == "Q6_K"
+        return
+    assert head.type_name == "Q6_K_X8" and torch.equal(emb.qweight, gb.x8_pack(q, "Q6_K_X8"))
+    assert torch.equal(emb(ids), before)
+    x = _x(3, k)
+    ref = cpu_gemm.gguf_matmul_q16_ref(x, q, "Q6_K")
+    torch.testing.assert_close(head(x), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())

@@ -90,12 +90,11 @@ class GGUFLinear(QuantizedLinear):
 
     def cpu_parts(self) -> list[tuple[torch.Tensor, str]]:
         """The CPU kernel's part for this layer, its blocks first interleaved where the kernel's integer path has a
-        layout for them (not where others read the blocks: the output head, whose table an embedding may share, an
-        expert's view)."""
-        shared = self.output_head or self.shared_blocks
-        layout = None if shared else cpu_gemm.interleaved_type(self.type_name, self.out_features, self.in_features)
-        if layout is not None:
-            self.set_layout(layout)
+        layout for them (an output head's table too: a tied embedding reads its rows from either layout; not an
+        expert's view, whose blocks the fused MoE kernel reads in the file's)."""
+        layout = None if self.shared_blocks else \
+            cpu_gemm.interleaved_type(self.file_type, self.out_features, self.in_features, head=self.output_head)
+        self.set_layout(layout or self.file_type)
         return [(self.qweight, self.type_name)]
 
     def _chunked(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +166,8 @@ class GGUFEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
-        picked = self.qweight.index_select(0, ids)
+        layout = self.head[0].type_name if self.head else self.type_name  # a tied head may have interleaved the table
+        picked = gb.x8_rows(self.qweight, ids, layout) if layout in gb.X8_OF else self.qweight.index_select(0, ids)
         rows = cpu_gemm.gguf_dequantize(picked, self.type_name) if picked.is_cpu else None  # C where it builds
         if rows is None:
             rows = gb.dequantize_blocks(picked, self.type_name)
