@@ -4,6 +4,10 @@ uses all three components (rotary_dim 16: 8 frequencies interleaved t, h, w by m
 vision tower in patches of 16 merged 2 x 2 (a 4 x 4 learned position grid, so every image interpolates it), the
 image processor's settings (preprocessor_config.json: min/max pixels, mean/std not the defaults) and a tokenizer
 with Qwen's vision specials and Qwen3.5's own chat template.
+And a tiny Qwen3VLForConditionalGeneration (Qwen3.5's tower descends from it): a 4-layer Qwen3 text model (q/k norm)
+whose multimodal RoPE turns whole heads of 16 (8 frequencies, mrope_section [3, 3, 2]), a 3-block tower of the same
+shape with DeepStack mergers after blocks 0 and 1 (added to text layers 0 and 1), the same processor files and
+tokenizer (Qwen3.5's template writes images as Qwen3-VL's does).
 """
 
 from __future__ import annotations
@@ -54,7 +58,37 @@ def write_tiny_qwen3_5_vl(folder: Path, seed: int = 0, moe: bool = False) -> Pat
             if name.endswith("norm.weight") and ".linear_attn." not in name and ".visual." not in name:
                 p.normal_(0.0, 0.1)
     model.save_pretrained(folder)
+    _write_processing(folder, tok, ids)
+    return folder
 
+
+def write_tiny_qwen3_vl(folder: Path, seed: int = 0, deepstack: tuple[int, ...] = (0, 1)) -> Path:
+    import transformers as tf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(SPECIALS, add_bos=None)
+    ids = {t: tok.token_to_id(t) for t in SPECIALS}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [3, 3, 2], "mrope_interleaved": True}
+    text = dict(vocab_size=MODEL_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                rms_norm_eps=1e-6, initializer_range=0.1, rope_parameters=rope, tie_word_embeddings=False,
+                eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=PATCH,
+                  spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
+                  deepstack_visual_indexes=list(deepstack), initializer_range=0.1)
+    config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = tf.Qwen3VLForConditionalGeneration(config).eval()
+    _randomise(model)
+    model.save_pretrained(folder)
+    _write_processing(folder, tok, ids)
+    return folder
+
+
+def _write_processing(folder: Path, tok, ids: dict[str, int]) -> None:
+    """The tokenizer (with Qwen3.5's template), generation and image processor settings."""
     tok.save(str(folder / "tokenizer.json"))
     _write_json(folder / "tokenizer_config.json", {
         "tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 512, "clean_up_tokenization_spaces": False,
@@ -66,4 +100,3 @@ def write_tiny_qwen3_5_vl(folder: Path, seed: int = 0, moe: bool = False) -> Pat
         "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, "patch_size": PATCH,
         "temporal_patch_size": 2, "merge_size": MERGE, "image_mean": IMAGE_MEAN, "image_std": IMAGE_STD,
         "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True})
-    return folder

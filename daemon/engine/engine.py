@@ -179,7 +179,8 @@ class Engine:
             raise InvalidRequest(f"dimensions must be at most {self.loaded.config.hidden_size}", field="dimensions")
 
     def _check_images(self, prompt_token_ids: list[int], images: list[ImageSpan]) -> None:
-        hidden, end = self.loaded.config.hidden_size, 0
+        # an image's embeddings: [tokens, hidden], Qwen3-VL's DeepStack features after them (llmd.model.qwen3_vl)
+        hidden, end = self.loaded.config.hidden_size * (1 + self.loaded.config.deepstack_layers), 0
         for i, image in enumerate(images):
             shape = tuple(getattr(image.embeds, "shape", ()))
             if image.start < end or image.end > len(prompt_token_ids) or shape != (image.length, hidden):

@@ -422,7 +422,8 @@ class EngineStats:
 @dataclass(frozen=True)
 class ImageSpan:
     """One image in a prompt (llmd.model.vision): its placeholder tokens at positions [start, start + length), the
-    embeddings [length, hidden] the model reads there instead of the tokens' own, and `digest`, a hash of its pixels
+    embeddings [length, hidden] the model reads there instead of the tokens' own (Qwen3-VL: [length, hidden * (1 +
+    its DeepStack layers)], the features its first layers add there after them), and `digest`, a hash of its pixels
     that keys those positions in the prefix cache (two different images never share blocks). `bidirectional`: the
     image's tokens attend to each other both ways (Gemma), so a prefill chunk never splits them. `grid`: (rows,
     columns) of the image's tokens, row-major, for a model with multimodal RoPE (Qwen3.5), which gives them 2-D

@@ -66,7 +66,8 @@ class AttentionMetadata:
     window_group: "AttentionMetadata | None" = field(default=None, repr=False, compare=False)
     # In a hybrid model (llmd.model.recurrent): each sequence's state slot, for the recurrent layers
     state: "StateMetadata | None" = field(default=None, repr=False, compare=False)
-    # Images (llmd.model.vision): the flat rows whose input embeddings an image gives, and those embeddings; and, for
+    # Images (llmd.model.vision): the flat rows whose input embeddings an image gives, and those embeddings (with
+    # Qwen3-VL's DeepStack features after them: [rows, hidden * (1 + config.deepstack_layers)]); and, for
     # Gemma's images whose tokens attend to each other both ways, each such sequence's spans (positions [start, end))
     input_embeds: "tuple[torch.Tensor, torch.Tensor] | None" = field(default=None, repr=False, compare=False)
     bidirectional: "dict[int, list[tuple[int, int]]] | None" = field(default=None, repr=False, compare=False)
@@ -352,8 +353,9 @@ def allocate_kv_cache(
 
 def with_image_embeds(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """The step's input embeddings x [T, hidden] with the rows an image gives replaced by its embeddings (a model
-    calls this right after embedding its tokens, scaling included)."""
+    calls this right after embedding its tokens, scaling included); columns past `hidden` are Qwen3-VL's DeepStack
+    features (llmd.model.qwen3_vl), not inputs."""
     if meta is None or meta.input_embeds is None:
         return x
     rows, embeds = meta.input_embeds
-    return x.index_copy(0, rows, embeds.to(x.dtype))
+    return x.index_copy(0, rows, embeds[:, : x.shape[1]].to(x.dtype))

@@ -45,6 +45,10 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     "Qwen3_5MoeForCausalLM": {"attention_bias": None, "qk_norm": True},
     # Qwen3-Next: the same layers, the linear-attention projections stored fused (llmd.model.qwen3_next), MoE MLPs
     "Qwen3NextForCausalLM": {"attention_bias": None, "qk_norm": True},
+    # Qwen3-VL's text model (llmd.model.qwen3_vl): Qwen3's layers (Qwen3-MoE's in Qwen3-VL-MoE) with multimodal RoPE
+    # and DeepStack; transformers has no CausalLM of it, its text model's class names it
+    "Qwen3VLTextModel": {"attention_bias": None, "qk_norm": True},
+    "Qwen3VLMoeTextModel": {"attention_bias": None, "qk_norm": True},
     # Gemma 4 text (llmd.model.gemma4): per-layer embeddings, KV shared across layers, per-layer head shapes, an MoE
     # block beside the MLP (26B-A4B); its fields come from gemma4_fields
     "Gemma4ForCausalLM": {"attention_bias": None, "qk_norm": True},
@@ -58,7 +62,9 @@ TEXT_ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
                       "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
                       "Gemma4ForConditionalGeneration": "Gemma4ForCausalLM",
                       "Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-                      "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+                      "Mistral3ForConditionalGeneration": "MistralForCausalLM",
+                      "Qwen3VLForConditionalGeneration": "Qwen3VLTextModel",
+                      "Qwen3VLMoeForConditionalGeneration": "Qwen3VLMoeTextModel"}
 # text_config keys an image-text config.json may leave out (the hub's Gemma 3 4B-27B do): transformers' defaults
 _TEXT_CONFIG_DEFAULTS = {"Gemma3ForConditionalGeneration": {
     "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
@@ -239,6 +245,9 @@ class ModelConfig:
     # Qwen3.5's multimodal RoPE: how many of the rotary frequencies take a token's (t, h, w) position components,
     # interleaved (llmd.model.qwen3_5.MultimodalRotaryEmbedding); None: one position per token
     mrope_section: list[int] | None = None
+    # Qwen3-VL's DeepStack (llmd.model.qwen3_vl): an image brings this many more feature rows per token, added to the
+    # outputs of the first this-many decoder layers at its tokens (its embeddings are [tokens, hidden * (1 + this)])
+    deepstack_layers: int = 0
     # Per-layer attention shapes (Gemma 4's global layers: wider heads, fewer KV heads); None: head_dim and
     # num_key_value_heads on every layer
     layer_head_dims: list[int] | None = None
@@ -298,6 +307,9 @@ class ModelConfig:
         if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
             raise ModelFileError("config", f"layer_types has {len(self.layer_types)} entries for "
                                  f"{self.num_hidden_layers} layers")
+        if not 0 <= self.deepstack_layers <= self.num_hidden_layers:
+            raise ModelFileError("config", f"{self.deepstack_layers} DeepStack layers (deepstack_visual_indexes) for "
+                                           f"{self.num_hidden_layers} decoder layers")
         self.eos_token_ids = [int(i) for i in self.eos_token_ids]
         if self.pooling not in POOLING_KINDS:
             self.pooling = DEFAULT_POOLING
@@ -366,6 +378,10 @@ class ModelConfig:
             # an image-text checkpoint: its text model, whose settings are text_config's (Ministral 3's is no
             # MistralForCausalLM: its own, refused below)
             top = {k: cfg[k] for k in ("tie_word_embeddings", "eos_token_id", "bos_token_id") if k in cfg}
+            if arch in ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"):
+                vision = cfg.get("vision_config")
+                top["llmd_deepstack"] = vision.get("deepstack_visual_indexes", [8, 16, 24]) \
+                    if isinstance(vision, dict) else []
             text_arch = TEXT_ARCHITECTURES[arch]
             if cfg["text_config"].get("model_type") == "ministral3":
                 text_arch = "Ministral3ForCausalLM"
@@ -374,7 +390,7 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedArchitecture(unsupported_message(arch))
         family = FAMILY_FIELDS.get(arch)
-        if family in (None, moe_fields, qwen3_5_fields) and cfg.get("hidden_act", "silu") != "silu":
+        if family in (None, moe_fields, qwen3_5_fields, qwen3_vl_fields) and cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitecture(f"{arch} with hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
 
         rope_params = dict(cfg.get("rope_parameters") or {})
@@ -580,10 +596,7 @@ def qwen3_5_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
         "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")} or None
     if scaling is not None and rope_type_of(scaling) == "default":
         scaling = None
-    section = params.get("mrope_section") or (cfg.get("rope_scaling") or {}).get("mrope_section") or [11, 11, 10]
-    if not isinstance(section, list) or len(section) != 3 or \
-            not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 4096 for n in section):
-        raise ModelFileError("config", f"mrope_section {section!r} is not three counts of rotary frequencies")
+    section = mrope_section(cfg, [11, 11, 10])
     out = {"layer_types": list(layer_types), "recurrent": recurrent, "attention_output_gate": True,
            "partial_rotary_factor": float(partial), "head_dim": int(cfg.get("head_dim") or 256),
            "rope_scaling": scaling, "mrope_section": list(section)}
@@ -604,6 +617,37 @@ def qwen3_5_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                                int(cfg.get("moe_intermediate_size", 512)), shared_intermediate_size=shared,
                                shared_gate=True)
         out["intermediate_size"] = shared  # no dense MLP: the shared expert's width stands in
+    return out
+
+
+def mrope_section(cfg: dict[str, Any], default: list[int]) -> list[int]:
+    """A multimodal-RoPE config's mrope_section (rope_parameters', or the hub's rope_scaling's), checked."""
+    params = cfg.get("rope_parameters") or {}
+    section = params.get("mrope_section") or (cfg.get("rope_scaling") or {}).get("mrope_section") or default
+    if not isinstance(section, list) or len(section) != 3 or \
+            not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n <= 4096 for n in section):
+        raise ModelFileError("config", f"mrope_section {section!r} is not three counts of rotary frequencies")
+    return list(section)
+
+
+def qwen3_vl_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-VL's text model: Qwen3's (or Qwen3-MoE's) layers, RoPE over the whole head with the frequencies
+    interleaved t, h, w by mrope_section (always interleaved: transformers' Qwen3VLTextRotaryEmbedding), and the
+    DeepStack layer count (`llmd_deepstack`: the vision_config's deepstack_visual_indexes, carried by
+    from_hf_config). transformers' defaults for absent keys."""
+    deepstack = cfg.get("llmd_deepstack") or []
+    if not isinstance(deepstack, list):
+        raise ModelFileError("config", f"deepstack_visual_indexes {deepstack!r} is not a list of block numbers")
+    scaling = cfg.get("rope_scaling") or {k: v for k, v in (cfg.get("rope_parameters") or {}).items() if k not in (
+        "rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")} or None
+    if scaling is not None and rope_type_of(scaling) != "default":
+        raise UnsupportedArchitecture(f"{arch} with rope scaling {rope_type_of(scaling)!r} is not supported")
+    out: dict[str, Any] = {"mrope_section": mrope_section(cfg, [24, 20, 20]), "deepstack_layers": len(deepstack),
+                           "rope_scaling": None, "head_dim": int(cfg.get("head_dim") or 128)}
+    if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
+        out["rope_theta"] = 500000.0  # Qwen3VLTextConfig's default_theta
+    if arch == "Qwen3VLMoeTextModel":
+        out.update(moe_fields("Qwen3MoeForCausalLM", cfg))
     return out
 
 
@@ -773,7 +817,8 @@ def _dt_limit(value: Any) -> tuple[float, float]:
 
 
 # HF architecture -> its extra ModelConfig fields from config.json (families whose layers differ from Llama's)
-FAMILY_FIELDS = {"Gemma4ForCausalLM": gemma4_fields, "Qwen3_5ForCausalLM": qwen3_5_fields,
+FAMILY_FIELDS = {"Qwen3VLTextModel": qwen3_vl_fields, "Qwen3VLMoeTextModel": qwen3_vl_fields,
+                 "Gemma4ForCausalLM": gemma4_fields, "Qwen3_5ForCausalLM": qwen3_5_fields,
                  "Qwen3_5MoeForCausalLM": qwen3_5_fields, "Qwen3NextForCausalLM": qwen3_5_fields,
                  "GraniteMoeHybridForCausalLM": granite_hybrid_fields,
                  "NemotronHForCausalLM": nemotron_h_fields, "Gemma2ForCausalLM": gemma_fields,
@@ -863,7 +908,9 @@ def _arch_from_model_type(model_type: str | None) -> str | None:
                "qwen3_next": "Qwen3NextForCausalLM",
                "gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration",
                "granitemoehybrid": "GraniteMoeHybridForCausalLM", "nemotron_h": "NemotronHForCausalLM",
-               "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
+               "gemma3": "Gemma3ForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
+               "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_text": "Qwen3VLTextModel",
+               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe_text": "Qwen3VLMoeTextModel"}
     return by_type.get(model_type or "", model_type)
 
 

@@ -22,6 +22,8 @@ MODEL_CLASSES = {
     "Qwen3_5ForCausalLM": "qwen3_5:Qwen35CausalLM",
     "Qwen3_5MoeForCausalLM": "qwen3_5:Qwen35CausalLM",
     "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextCausalLM",
+    "Qwen3VLTextModel": "qwen3_vl:Qwen3VLCausalLM",
+    "Qwen3VLMoeTextModel": "qwen3_vl:Qwen3VLCausalLM",
     "Gemma4ForCausalLM": "gemma4:Gemma4CausalLM",
     "GraniteMoeHybridForCausalLM": "mamba2:GraniteHybridCausalLM",
     "NemotronHForCausalLM": "mamba2:NemotronHCausalLM",

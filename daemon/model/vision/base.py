@@ -33,7 +33,8 @@ class VisionEncoder(Protocol):
         """Placeholder tokens the image takes (fixed for Gemma 3, by size for Qwen3.5)."""
 
     def encode(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Pixel values [3, H, W] -> embeddings [tokens, text hidden] in the language model's dtype."""
+        """Pixel values [3, H, W] -> embeddings [tokens, text hidden] in the language model's dtype (Qwen3-VL: its
+        DeepStack features after them, [tokens, text hidden * (1 + ModelConfig.deepstack_layers)])."""
 
 
 def widen(text: str, marker: str, tokens_per_image: list[int], sequence: Callable[[int], str]) -> str:

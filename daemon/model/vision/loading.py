@@ -18,7 +18,9 @@ VISION_LOADERS = {"Gemma3ForConditionalGeneration": "gemma3:load_gemma3_vision",
                   "Gemma4ForConditionalGeneration": "gemma4:load_gemma4_vision",
                   "Mistral3ForConditionalGeneration": "mistral3:load_mistral3_vision",
                   "Qwen3_5ForConditionalGeneration": "qwen3_5:load_qwen3_5_vision",
-                  "Qwen3_5MoeForConditionalGeneration": "qwen3_5:load_qwen3_5_vision"}
+                  "Qwen3_5MoeForConditionalGeneration": "qwen3_5:load_qwen3_5_vision",
+                  "Qwen3VLForConditionalGeneration": "qwen3_5:load_qwen3_5_vision",
+                  "Qwen3VLMoeForConditionalGeneration": "qwen3_5:load_qwen3_5_vision"}
 # an mmproj GGUF's clip.projector_type -> ("module:function" loading it, the text vocabulary's image token)
 MMPROJ_LOADERS = {"gemma3": ("gemma3:load_gemma3_mmproj", "<image_soft_token>"),
                   "gemma4v": ("gemma4_gguf:load_gemma4_mmproj", "<|image|>"),

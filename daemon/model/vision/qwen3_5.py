@@ -1,6 +1,8 @@
 """Qwen3.5 / Qwen3.6's image encoder (Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration: the same
 tower), following transformers' modeling_qwen3_5 (Qwen3_5VisionModel), Qwen2VLImageProcessorPil and Qwen3VLProcessor
-(the references tests/test_vision_qwen3_5.py compares against).
+(the references tests/test_vision_qwen3_5.py compares against); and Qwen3-VL's (Qwen3VLForConditionalGeneration,
+Qwen3VLMoeForConditionalGeneration: modeling_qwen3_vl's Qwen3VLVisionModel, tests/test_vision_qwen3_vl.py), from which
+Qwen3.5's descends: the same tower plus DeepStack.
 
 Rules:
 - preprocess: the RGB image resized (PIL, bicubic unless the processor says otherwise) to smart_resize's size: each
@@ -20,10 +22,16 @@ Rules:
   of frequencies turned by the patch row, the next by the column, rotate-half over the whole head) over every patch
   of the image / LayerNorm / MLP (GELU-tanh); then the merger: LayerNorm per patch, each block's 4 patches
   concatenated, fc1, GELU, fc2 to the text hidden size.
+- DeepStack (Qwen3-VL): after each block named by deepstack_visual_indexes, that block's output goes through its own
+  merger (the same, but LayerNorm over each block's 4 patches together) to the text hidden size. `encode` returns
+  the image's input embeddings followed, along the hidden axis, by those features in block order: [tokens, hidden *
+  (1 + len(deepstack_visual_indexes))]; the language model adds the k-th to the output of its k-th decoder layer at
+  the image's tokens (llmd.model.qwen3_vl), so a prefill chunk reads the rows of its own tokens, as for the inputs.
 - weights: from a Hugging Face folder (config.json's vision_config and image_token_id, preprocessor_config.json or
   processor_config.json's image_processor, the tensors under model.visual. or visual.), read with llmd's own
   bounds-checked readers, every tensor located and shape-checked before anything is allocated; a missing or
-  misshapen tensor or a bad setting is a ModelFileError naming the file and the tensor or key.
+  misshapen tensor or a bad setting is a ModelFileError naming the file and the tensor or key (a DeepStack index
+  outside the tower, more DeepStack layers than the text model has).
 """
 
 from __future__ import annotations
@@ -70,6 +78,7 @@ class Qwen35VisionConfig:
     image_std: tuple[float, ...] = _CLIP_STD
     resample: int = 3  # PIL's BICUBIC, as preprocessor configs number it
     rescale_factor: float = 1 / 255
+    deepstack_indexes: tuple[int, ...] = ()  # Qwen3-VL: the blocks whose outputs feed the DeepStack mergers
 
     def __post_init__(self) -> None:
         sizes = (self.hidden_size, self.intermediate_size, self.num_layers, self.num_heads, self.text_hidden_size,
@@ -89,6 +98,10 @@ class Qwen35VisionConfig:
             raise ModelFileError("config", f"min_pixels {self.min_pixels} is over llmd's bound of {bound} (an image "
                                            f"takes at most {MAX_IMAGE_TOKENS} tokens)")
         check_normalisation(self.image_mean, self.image_std, self.resample)
+        if any(not 0 <= i < self.num_layers for i in self.deepstack_indexes) \
+                or len(set(self.deepstack_indexes)) != len(self.deepstack_indexes):
+            raise ModelFileError("config", f"deepstack_visual_indexes {list(self.deepstack_indexes)} are not distinct "
+                                           f"blocks of the {self.num_layers}-block vision tower")
 
     @property
     def factor(self) -> int:
@@ -144,16 +157,25 @@ class _Block(nn.Module):
 
 
 class _Merger(nn.Module):
-    def __init__(self, c: Qwen35VisionConfig):
+    """Patches [N, hidden] in merge-block order -> tokens [N / merge^2, text hidden]: LayerNorm per patch (after the
+    concatenation, over a block's patches together: `postshuffle`, the DeepStack mergers'), fc1, GELU, fc2."""
+
+    def __init__(self, c: Qwen35VisionConfig, postshuffle: bool = False):
         super().__init__()
         wide = c.hidden_size * c.merge_size ** 2
-        self.norm = nn.LayerNorm(c.hidden_size, eps=1e-6)
+        self.postshuffle = postshuffle
+        self.norm = nn.LayerNorm(wide if postshuffle else c.hidden_size, eps=1e-6)
         self.linear_fc1, self.linear_fc2 = nn.Linear(wide, wide), nn.Linear(wide, c.text_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = self.linear_fc1.in_features
+        y = self.norm(x.reshape(-1, wide)) if self.postshuffle else self.norm(x).reshape(-1, wide)
+        return self.linear_fc2(F.gelu(self.linear_fc1(y)))
 
 
 class Qwen35Vision(nn.Module):
-    """The VisionEncoder of Qwen3.5 (llmd.model.vision.base). Parameter names are transformers' under model.visual.
-    (patch_embed.proj.*, pos_embed.weight, blocks.N.*, merger.*)."""
+    """The VisionEncoder of Qwen3.5 and Qwen3-VL (llmd.model.vision.base). Parameter names are transformers' under
+    model.visual. (patch_embed.proj.*, pos_embed.weight, blocks.N.*, merger.*, Qwen3-VL's deepstack_merger_list.K.*)."""
 
     bidirectional = False
 
@@ -166,6 +188,8 @@ class Qwen35Vision(nn.Module):
         self.pos_embed = nn.Embedding(c.num_position_embeddings, c.hidden_size)
         self.blocks = nn.ModuleList(_Block(c) for _ in range(c.num_layers))
         self.merger = _Merger(c)
+        if c.deepstack_indexes:
+            self.deepstack_merger_list = nn.ModuleList(_Merger(c, postshuffle=True) for _ in c.deepstack_indexes)
 
     def placeholder_text(self) -> str:
         return PLACEHOLDER
@@ -244,31 +268,43 @@ class Qwen35Vision(nn.Module):
         angles = torch.cat((pos[:, :1] * inv, pos[:, 1:] * inv), -1)
         angles = torch.cat((angles, angles), -1)[:, None]  # [patches, 1, head]
         cos, sin = angles.cos(), angles.sin()
-        for block in self.blocks:
+        deepstack = []  # in block order, each through the merger of its place in deepstack_indexes (as transformers)
+        for i, block in enumerate(self.blocks):
             x = block(x, cos, sin)
-        merger = self.merger
-        y = merger.norm(x).reshape(rows * cols, -1)
-        return merger.linear_fc2(F.gelu(merger.linear_fc1(y)))
+            if i in c.deepstack_indexes:
+                deepstack.append(self.deepstack_merger_list[c.deepstack_indexes.index(i)](x))
+        return torch.cat([self.merger(x), *deepstack], -1)
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Loading
 
 
+QWEN3_VL_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+
+
 def load_qwen3_5_vision(folder: Path, dtype: torch.dtype, device: torch.device | str) -> Qwen35Vision:
-    """The encoder of a Qwen3_5(Moe)ForConditionalGeneration folder (config.json, the processor's settings, the
-    safetensors files; never pickle)."""
+    """The encoder of a Qwen3_5(Moe)ForConditionalGeneration or Qwen3VL(Moe)ForConditionalGeneration folder
+    (config.json, the processor's settings, the safetensors files; never pickle)."""
     from ..config import read_json
 
     folder = Path(folder)
     cfg_path = folder / "config.json"
-    _, cfg, vision, text = image_text_config(folder, "Qwen3.5")
+    _, cfg, vision, text = image_text_config(folder, "Qwen3.5 / Qwen3-VL")
+    qwen3_vl = (cfg.get("architectures") or [None])[0] in QWEN3_VL_ARCHITECTURES
     if vision.get("hidden_act", "gelu_pytorch_tanh") not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ModelFileError(cfg_path, f"vision hidden_act {vision.get('hidden_act')!r} (only gelu_pytorch_tanh)")
     if vision.get("in_channels", 3) != 3:
         raise ModelFileError(cfg_path, f"vision in_channels {vision.get('in_channels')!r} (only 3)")
-    if vision.get("deepstack_visual_indexes"):
+    deepstack = vision.get("deepstack_visual_indexes", [8, 16, 24] if qwen3_vl else None)
+    if deepstack and not qwen3_vl:
         raise ModelFileError(cfg_path, "deepstack_visual_indexes: a Qwen3-VL tower, not Qwen3.5's")
+    deepstack = deepstack or []
+    if not isinstance(deepstack, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in deepstack):
+        raise ModelFileError(cfg_path, f"deepstack_visual_indexes {deepstack!r} is not a list of block numbers")
+    if len(deepstack) > _config_value(text, "num_hidden_layers", int, cfg_path, 32):
+        raise ModelFileError(cfg_path, f"deepstack_visual_indexes {deepstack}: more DeepStack features than the text "
+                                       f"model's {text.get('num_hidden_layers')} layers")
     pre_path = folder / "preprocessor_config.json"
     pre = read_json(pre_path) if pre_path.is_file() else None
     if pre is None and (folder / "processor_config.json").is_file():
@@ -299,12 +335,13 @@ def load_qwen3_5_vision(folder: Path, dtype: torch.dtype, device: torch.device |
         num_layers=get(vision, "depth", int, 27), num_heads=get(vision, "num_heads", int, 16),
         text_hidden_size=hidden, patch_size=patch, merge_size=merge, temporal_patch_size=temporal,
         num_position_embeddings=get(vision, "num_position_embeddings", int, 2304),
-        rope_theta=get(rope, "rope_theta", float, 10000.0), image_token_id=get(cfg, "image_token_id", int, 248056),
+        rope_theta=get(rope, "rope_theta", float, 10000.0),
+        image_token_id=get(cfg, "image_token_id", int, 151655 if qwen3_vl else 248056),
         min_pixels=min_pixels, max_pixels=max_pixels,
         image_mean=get(pre, "image_mean", tuple, _CLIP_MEAN, pre_path),
         image_std=get(pre, "image_std", tuple, _CLIP_STD, pre_path),
         resample=get(pre, "resample", int, 3, pre_path),
-        rescale_factor=get(pre, "rescale_factor", float, 1 / 255, pre_path))
+        rescale_factor=get(pre, "rescale_factor", float, 1 / 255, pre_path), deepstack_indexes=tuple(deepstack))
     try:
         config = Qwen35VisionConfig(**fields)
     except ModelFileError as e:  # the config names no file: this one
