@@ -2,9 +2,9 @@
 CPU fp32. The tower (llmd.model.vision.qwen3_5, Qwen3.5's with DeepStack): an image's embeddings and its DeepStack
 features equal get_image_features' (1e-4). The text model (llmd.model.qwen3_vl: Qwen3's layers, interleaved
 multimodal RoPE, the DeepStack features added after its first layers): the engine's greedy answer about an image
-and its log-probabilities equal transformers' generate (1e-4), and differ without the DeepStack features; prefill
-chunks that cut the images, a prefix hit over them, a batch and preemption answer as alone. Bad files are refused by
-name. Served: a daemon answers a question about an image through the openai client as generate does and shows the
+and its log-probabilities equal transformers' generate (1e-4), and differ without the DeepStack features (text
+alone too, and Qwen3VLMoeForConditionalGeneration's, its experts in either layout); prefill chunks that cut the
+images, a prefix hit over them, a batch and preemption answer as alone. Bad files are refused by name. Served: a daemon answers a question about an image through the openai client as generate does and shows the
 vision capability.
 """
 
@@ -101,15 +101,30 @@ def engine_answer(lm, ids: list[int], spans: list[ImageSpan], steps: int) -> tup
     return [t for o in outs for t in o.new_token_ids], [lp.logprob for o in outs for lp in o.logprobs]
 
 
+def generated(reference, ids: list[int], image: Image.Image | None, steps: int) -> tuple[list[int], list[float]]:
+    """transformers' generate (3-D positions from get_rope_index, then the rope delta): its greedy tokens after `ids`
+    (holding this one image's placeholders, if any) and their log-probabilities."""
+    with torch.no_grad():
+        out = reference.generate(**reference_inputs(reference, image, ids), max_new_tokens=steps, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+    return out.sequences[0, len(ids):].tolist(), [float(torch.log_softmax(s[0].float(), -1).max()) for s in out.scores]
+
+
+def reference_inputs(reference, image: Image.Image | None, ids: list[int]) -> dict:
+    """generate's inputs for these ids: the image's patches and grid from the image processor."""
+    import transformers as tf
+
+    t = torch.tensor([ids])
+    inputs = {"input_ids": t, "attention_mask": torch.ones_like(t)}
+    if image is not None:
+        processor = tf.Qwen2VLImageProcessorPil.from_pretrained(reference.name_or_path)
+        inputs.update(mm_token_type_ids=(t == IMAGE_PAD).int(), **processor(image.convert("RGB"), return_tensors="pt"))
+    return inputs
+
+
 def test_engine_answer_with_an_image_equals_transformers_generate(lm, reference):
     ids, spans = encoded_prompt(lm, [[9, 30, 31], IMAGES[0], [40, 41, 42, 43]])
-    image = IMAGES[0].convert("RGB")
-    inputs = reference_processor_inputs(reference, image, ids)
-    with torch.no_grad():
-        out = reference.generate(**inputs, max_new_tokens=8, do_sample=False, output_scores=True,
-                                 return_dict_in_generate=True)
-    want_tokens = out.sequences[0, len(ids):].tolist()
-    want_logprobs = [float(torch.log_softmax(s[0].float(), -1).max()) for s in out.scores]
+    want_tokens, want_logprobs = generated(reference, ids, IMAGES[0], 8)
     tokens, logprobs = engine_answer(lm, ids, spans, 8)
     assert tokens == want_tokens
     assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
@@ -120,15 +135,34 @@ def test_engine_answer_with_an_image_equals_transformers_generate(lm, reference)
     assert max(abs(a - b) for a, b in zip(plain, want_logprobs, strict=True)) > 1e-3
 
 
-def reference_processor_inputs(reference, image: Image.Image, ids: list[int]) -> dict:
-    """generate's inputs for these ids holding this one image: its patches and grid from the image processor."""
-    import transformers as tf
+def test_text_only_answer_equals_transformers_generate(lm, reference):
+    ids = [9, 30, 31, 32, 40, 41, 42, 50, 51, 52, 53]
+    tokens, logprobs = engine_answer(lm, ids, [], 6)
+    want_tokens, want_logprobs = generated(reference, ids, None, 6)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
 
-    folder = reference.name_or_path
-    pixels = tf.Qwen2VLImageProcessorPil.from_pretrained(folder)(image, return_tensors="pt")
-    t = torch.tensor([ids])
-    return {"input_ids": t, "attention_mask": torch.ones_like(t), "mm_token_type_ids": (t == IMAGE_PAD).int(),
-            **pixels}
+
+def test_moe_checkpoint_answers_an_image_as_transformers(tmp_path):
+    """Qwen3VLMoeForConditionalGeneration: the same tower and RoPE over Qwen3-MoE's layers; its experts as transformers
+    5 writes them and as the hub stores them ([experts, in, out]) load alike."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3VLMoeForConditionalGeneration
+
+    folder = write_tiny_qwen3_vl(tmp_path / "moe", seed=1, moe=True)
+    reference = Qwen3VLMoeForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    lm = load_model(folder, dtype=torch.float32, device="cpu")
+    assert lm.config.moe is not None and lm.config.moe.num_experts == 8 and lm.vision is not None
+    ids, spans = encoded_prompt(lm, [[9, 30, 31], IMAGES[1], [40, 41, 42, 43]])
+    want_tokens, want_logprobs = generated(reference, ids, IMAGES[1], 6)
+    tokens, logprobs = engine_answer(lm, ids, spans, 6)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
+    tensors = load_file(folder / "model.safetensors")
+    hub = {n: t.transpose(1, 2).contiguous() if ".experts." in n else t for n, t in tensors.items()}
+    assert any(t.shape != tensors[n].shape for n, t in hub.items())
+    save_file(hub, folder / "model.safetensors")
+    assert engine_answer(load_model(folder, dtype=torch.float32, device="cpu"), ids, spans, 6) == (tokens, logprobs)
 
 
 def answers(engine, prompts: list[tuple[list[int], list[ImageSpan]]]) -> list[list[tuple[int, float]]]:

@@ -7,7 +7,7 @@ with Qwen's vision specials and Qwen3.5's own chat template.
 And a tiny Qwen3VLForConditionalGeneration (Qwen3.5's tower descends from it): a 4-layer Qwen3 text model (q/k norm)
 whose multimodal RoPE turns whole heads of 16 (8 frequencies, mrope_section [3, 3, 2]), a 3-block tower of the same
 shape with DeepStack mergers after blocks 0 and 1 (added to text layers 0 and 1), the same processor files and
-tokenizer (Qwen3.5's template writes images as Qwen3-VL's does).
+tokenizer (Qwen3.5's template writes images as Qwen3-VL's does); or its MoE variant.
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ def write_tiny_qwen3_5_vl(folder: Path, seed: int = 0, moe: bool = False) -> Pat
     return folder
 
 
-def write_tiny_qwen3_vl(folder: Path, seed: int = 0, deepstack: tuple[int, ...] = (0, 1)) -> Path:
+def write_tiny_qwen3_vl(folder: Path, seed: int = 0, deepstack: tuple[int, ...] = (0, 1), moe: bool = False) -> Path:
+    """moe: a Qwen3VLMoeForConditionalGeneration (every MLP 8 experts of 16, top 2)."""
     import transformers as tf
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -76,11 +77,14 @@ def write_tiny_qwen3_vl(folder: Path, seed: int = 0, deepstack: tuple[int, ...] 
     vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, patch_size=PATCH,
                   spatial_merge_size=MERGE, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=16,
                   deepstack_visual_indexes=list(deepstack), initializer_range=0.1)
-    config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
-                              video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
-                              vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    if moe:
+        text.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16)
+    config_class = tf.Qwen3VLMoeConfig if moe else tf.Qwen3VLConfig
+    config = config_class(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                          video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
     torch.manual_seed(seed)
-    model = tf.Qwen3VLForConditionalGeneration(config).eval()
+    model = (tf.Qwen3VLMoeForConditionalGeneration if moe else tf.Qwen3VLForConditionalGeneration)(config).eval()
     _randomise(model)
     model.save_pretrained(folder)
     _write_processing(folder, tok, ids)

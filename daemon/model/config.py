@@ -646,8 +646,10 @@ def qwen3_vl_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                            "rope_scaling": None, "head_dim": int(cfg.get("head_dim") or 128)}
     if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
         out["rope_theta"] = 500000.0  # Qwen3VLTextConfig's default_theta
-    if arch == "Qwen3VLMoeTextModel":
-        out.update(moe_fields("Qwen3MoeForCausalLM", cfg))
+    if arch == "Qwen3VLMoeTextModel":  # Qwen3-MoE's block, Qwen3VLMoeTextConfig's defaults, top-k always renormalised
+        defaults = {"num_experts_per_tok": 4, "moe_intermediate_size": 1408}
+        out["moe"] = moe_fields("Qwen3MoeForCausalLM", {**defaults, **cfg, "norm_topk_prob": True, "num_experts": _first(
+            cfg, "num_experts", "num_local_experts", default=60)})["moe"]
     return out
 
 

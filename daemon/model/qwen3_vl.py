@@ -11,7 +11,9 @@ reference tests/test_vision_qwen3_vl.py compares against), it adds two things:
   chunk, llmd.engine.runner), so chunked prefill adds exactly the features of the tokens it computes, and a prefix
   hit, which skips the image's tokens, reads their K/V as computed with the features.
 Checkpoint names: `model.language_model.X` (or `language_model.model.X`) is `model.X`; the tower (`model.visual.*`)
-is left to llmd.model.vision.qwen3_5.
+is left to llmd.model.vision.qwen3_5. Qwen3-VL-MoE's fused experts (`mlp.experts.gate_up_proj`, `down_proj`) are
+stored [experts, in, out] on the hub and [experts, out, in] by transformers 5: one whose shape is not the model's is
+transposed, as transformers' own conversion does (so a square one is taken as it is, there too).
 """
 
 from __future__ import annotations
@@ -37,7 +39,14 @@ class Qwen3VLCausalLM(CausalLM):
         self.model.rotary_emb = MultimodalRotaryEmbedding(config)
 
     def adapt_checkpoint(self, tensors: Iterable, source: object = None) -> Iterator:
-        return text_model_tensors(tensors, IMAGE_TEXT_RENAMES, _UNREAD)
+        moe = self.config.moe
+        for name, tensor in text_model_tensors(tensors, IMAGE_TEXT_RENAMES, _UNREAD):
+            if moe is not None and name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                hidden, wide = self.config.hidden_size, moe.intermediate_size
+                out, into = (2 * wide, hidden) if name.endswith("gate_up_proj") else (hidden, wide)
+                if tuple(tensor.shape) == (moe.num_experts, into, out) != (moe.num_experts, out, into):
+                    tensor = tensor.transpose(1, 2)
+            yield name, tensor
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],
                    meta: AttentionMetadata) -> torch.Tensor:
