@@ -14,6 +14,7 @@ import base64
 import io
 import json
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ from test_engine import GREEDY
 from test_vision_gemma3 import _image_bytes, _relabelled
 from test_vision_qwen3_5 import NO_THINKING, TOKENS, expected_answer, reference_processor
 from test_vision_served import picture
-from tiny_qwen3_5_vl import write_tiny_qwen3_vl
+from tiny_qwen3_5_vl import write_mmproj, write_text_gguf, write_tiny_qwen3_5_vl, write_tiny_qwen3_vl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -216,6 +217,56 @@ def test_bad_files_are_refused_by_name(folder, tmp_path):
         with pytest.raises(ModelFileError, match=match) as err:
             load_model(bad, dtype=torch.float32, device="cpu")
         assert err.value.path == str(bad / "config.json")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# llama.cpp's files: the text model's GGUF with the tower's mmproj GGUF beside it
+
+
+def gguf_pair(folder: Path, root: Path, **mmproj) -> Path:
+    """The folder as llama.cpp's converter writes it: the text GGUF and its mmproj beside it; the text file's path."""
+    root.mkdir()
+    write_mmproj(folder, root / "mmproj-tiny.gguf", **mmproj)
+    return write_text_gguf(folder, root / "tiny.gguf")
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_gguf_and_mmproj_answer_an_image_as_transformers(family, folder, reference, processor, tmp_path):
+    """Qwen3-VL's (qwen3vl text, DeepStack mergers in the mmproj) and Qwen3.5's (qwen35 text, no DeepStack):
+    the mmproj's embeddings are get_image_features' (1e-4), and the pair answers as transformers' generate."""
+    if family == "qwen3_5":
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        folder = write_tiny_qwen3_5_vl(tmp_path / "qwen3_5")
+        reference = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    lm = load_model(gguf_pair(folder, tmp_path / "gguf"), dtype=torch.float32, device="cpu")
+    assert lm.vision is not None and lm.config.deepstack_layers == (2 if family == "qwen3_vl" else 0)
+    image = IMAGES[0]
+    expected = processor.image_processor(image, return_tensors="pt")
+    with torch.no_grad():
+        want = reference.model.get_image_features(expected["pixel_values"], expected["image_grid_thw"])
+    want = torch.cat([want.pooler_output[0]] + [f[0] for f in getattr(want, "deepstack_features", None) or []], -1)
+    got = lm.vision.encode(lm.vision.preprocess(image))
+    assert got.shape == want.shape and (got - want).abs().max().item() < 1e-4
+    ids, spans = encoded_prompt(lm, [[9, 30, 31], image, [40, 41, 42, 43]])
+    want_tokens, want_logprobs = generated(reference, ids, image, 6)
+    tokens, logprobs = engine_answer(lm, ids, spans, 6)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for a, b in zip(logprobs, want_logprobs, strict=True)) < 1e-4
+
+
+def test_bad_mmproj_files_are_refused_by_name(folder, tmp_path):
+    missing = gguf_pair(folder, tmp_path / "missing", drop=("v.deepstack.1.fc2.weight",))
+    with pytest.raises(ModelFileError, match=r"'v\.deepstack\.1\.fc2\.weight' of the vision encoder is missing") as err:
+        load_model(missing, dtype=torch.float32, device="cpu")
+    assert err.value.path == str(missing.parent / "mmproj-tiny.gguf")
+    # a Qwen3.5 text model (no DeepStack) beside Qwen3-VL's projector
+    qwen3_5 = write_tiny_qwen3_5_vl(tmp_path / "qwen3_5")
+    (tmp_path / "mixed").mkdir()
+    write_mmproj(folder, tmp_path / "mixed" / "mmproj-tiny.gguf")
+    text = write_text_gguf(qwen3_5, tmp_path / "mixed" / "tiny.gguf")
+    with pytest.raises(ModelFileError, match="2 DeepStack features per image token; the text model takes 0"):
+        load_model(text, dtype=torch.float32, device="cpu")
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,14 +8,18 @@ And a tiny Qwen3VLForConditionalGeneration (Qwen3.5's tower descends from it): a
 whose multimodal RoPE turns whole heads of 16 (8 frequencies, mrope_section [3, 3, 2]), a 3-block tower of the same
 shape with DeepStack mergers after blocks 0 and 1 (added to text layers 0 and 1), the same processor files and
 tokenizer (Qwen3.5's template writes images as Qwen3-VL's does); or its MoE variant.
+Either folder as llama.cpp's converter writes it: its text model as a GGUF file (`write_text_gguf`) and its tower as
+an mmproj GGUF beside it (`write_mmproj`: projector qwen3vl_merger).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import numpy as np
 import torch
-from tiny_models import MODEL_VOCAB, _randomise, _write_json, train_tokenizer
+from tiny_models import MODEL_VOCAB, _randomise, _write_json, train_tokenizer, write_tiny_gguf
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
             "<|video_pad|>"]
@@ -104,3 +108,83 @@ def _write_processing(folder: Path, tok, ids: dict[str, int]) -> None:
         "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}, "patch_size": PATCH,
         "temporal_patch_size": 2, "merge_size": MERGE, "image_mean": IMAGE_MEAN, "image_std": IMAGE_STD,
         "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True})
+
+
+def write_text_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
+    """The image-text folder's text model as llama.cpp's converter writes it (qwen35, qwen3vl: with the tower's
+    DeepStack layer count), through a text-only copy of the folder."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    text = path.parent / (path.stem + "-text")
+    text.mkdir()
+    deepstack = len(cfg["vision_config"].get("deepstack_visual_indexes") or [])
+    _write_json(text / "config.json", {**cfg["text_config"], "vision_deepstack_layers": deepstack,
+                                       "tie_word_embeddings": cfg.get("tie_word_embeddings", False)})
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (text / name).write_bytes((folder / name).read_bytes())
+    tensors = {n.replace("model.language_model.", "model.", 1): t
+               for n, t in load_file(folder / "model.safetensors").items() if not n.startswith("model.visual.")}
+    save_file(tensors, text / "model.safetensors")
+    return write_tiny_gguf(text, path, matrix_type)
+
+
+def write_mmproj(folder: Path, path: Path, drop: tuple[str, ...] = ()) -> Path:
+    """The folder's tower as llama.cpp's converter (Qwen3VLVisionModel) writes an mmproj GGUF: projector
+    qwen3vl_merger, the patch embedding split by frame, the merger as v.post_ln / mm.0 / mm.2, the DeepStack mergers
+    as v.deepstack.<block>.* with a flag per block; names from the gguf package's own map. The processor's pixel
+    bounds go in as image_min_pixels / image_max_pixels. `drop`: tensors (GGUF names) left out."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    pre = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
+    vision, text = cfg["vision_config"], cfg["text_config"]
+    deepstack = list(vision.get("deepstack_visual_indexes") or [])
+    w = gguf.GGUFWriter(str(path), "clip")
+    w.add_type(gguf.GGUFType.MMPROJ)
+    w.add_clip_has_vision_encoder(True)
+    w.add_clip_projector_type(gguf.VisionProjectorType.QWEN3VL)
+    w.add_vision_projection_dim(text["hidden_size"])
+    w.add_vision_image_size(int(vision["num_position_embeddings"] ** 0.5 * vision["patch_size"]))
+    w.add_vision_patch_size(vision["patch_size"])
+    w.add_vision_embedding_length(vision["hidden_size"])
+    w.add_vision_feed_forward_length(vision["intermediate_size"])
+    w.add_vision_block_count(vision["depth"])
+    w.add_vision_head_count(vision["num_heads"])
+    w.add_vision_image_mean(pre["image_mean"])
+    w.add_vision_image_std(pre["image_std"])
+    w.add_uint32(gguf.Keys.ClipVision.IMAGE_MIN_PIXELS, pre["size"]["shortest_edge"])
+    w.add_uint32(gguf.Keys.ClipVision.IMAGE_MAX_PIXELS, pre["size"]["longest_edge"])
+    w.add_vision_use_gelu(True)
+    w.add_vision_spatial_merge_size(vision["spatial_merge_size"])
+    w.add_vision_attention_layernorm_eps(text["rms_norm_eps"])
+    if deepstack:
+        w.add_vision_is_deepstack_layers([i in deepstack for i in range(vision["depth"])])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["depth"])
+    for name, tensor in load_file(folder / "model.safetensors").items():
+        if not name.startswith("model.visual."):
+            continue
+        name = name.replace("model.visual.", "visual.", 1)
+        t = tensor.float()
+        if name == "visual.patch_embed.proj.weight":
+            out = [("v.patch_embd.weight", t[:, :, 0]), ("v.patch_embd.weight.1", t[:, :, 1])]
+        elif name.startswith("visual.deepstack_merger_list."):
+            _, _, k, module, leaf = name.split(".")
+            kind = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}[module]
+            out = [(f"v.deepstack.{deepstack[int(k)]}.{kind}.{leaf}", t)]
+        elif name.startswith("visual.merger."):
+            module, leaf = name.split(".")[2:]
+            out = [({"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}[module] + "." + leaf, t)]
+        else:
+            gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+            assert gguf_name is not None, name
+            out = [(gguf_name, t)]
+        for gguf_name, data in out:
+            if gguf_name not in drop:
+                w.add_tensor(gguf_name, np.ascontiguousarray(data.numpy()))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -516,6 +516,28 @@ def _glm4moe_quirks(cfg: dict, meta: dict, p: str) -> None:
 def _qwen35_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
     _qwen_quirks(cfg, meta, p, factors)
     gguf_hybrid.qwen35_quirks(cfg, meta, p)
+    _mrope_quirks(cfg, meta, p)
+
+
+def _qwen3vl_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
+    """Qwen3-VL's text model (llmd.model.qwen3_vl): its multimodal RoPE sections and its DeepStack layer count (the
+    mmproj file's features it adds; llama.cpp's converter writes n_deepstack_layers from the tower's config)."""
+    _qwen_quirks(cfg, meta, p, factors)
+    _mrope_quirks(cfg, meta, p)
+    deepstack = int(meta.get(p + "n_deepstack_layers") or 0)
+    if deepstack < 0:
+        raise ValueError(f"{p}n_deepstack_layers {deepstack} is negative")
+    cfg["llmd_deepstack"] = list(range(deepstack))  # (their count is what the text model needs)
+
+
+def _mrope_quirks(cfg: dict, meta: dict, p: str) -> None:
+    """rope.dimension_sections (llama.cpp pads mrope_section to four): the config's mrope_section."""
+    sections = meta.get(p + "rope.dimension_sections")
+    if sections is not None:
+        if not isinstance(sections, list) or len(sections) < 3 or any(int(n) for n in sections[3:]):
+            raise ValueError(f"{p}rope.dimension_sections {sections!r} is not three sections (and zeros)")
+        cfg["rope_parameters"] = {**(cfg.get("rope_parameters") or {}),
+                                  "mrope_section": [int(n) for n in sections[:3]]}
 
 
 def _qwen_quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> None:
@@ -702,6 +724,14 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
                         quirks=lambda cfg, meta, p, factors: _glm4moe_quirks(cfg, meta, p)),
     "gemma2": GGUFArch("Gemma2ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
     "gemma3": GGUFArch("Gemma3ForCausalLM", _GEMMA_LAYER_NAMES, quirks=_gemma_quirks, norm_shift=1.0),
+    # Qwen3-VL / Qwen3-VL-MoE's text models: Qwen3's / Qwen3-MoE's layers with multimodal RoPE and DeepStack
+    # (llmd.model.qwen3_vl); their images come from the mmproj file beside them (llmd.model.vision.qwen3_5_gguf)
+    "qwen3vl": GGUFArch("Qwen3VLTextModel", layer_names={"attn_q_norm": "self_attn.q_norm",
+                                                         "attn_k_norm": "self_attn.k_norm"},
+                        config_tensors=("rope_freqs.weight",), quirks=_qwen3vl_quirks),
+    "qwen3vlmoe": GGUFArch("Qwen3VLMoeTextModel", {**_MOE_NAMES, "attn_q_norm": "self_attn.q_norm",
+                                                   "attn_k_norm": "self_attn.k_norm"},
+                           config_tensors=("rope_freqs.weight",), quirks=_qwen3vl_quirks),
     # Qwen3.5 / Qwen3.6 and Qwen3.5-MoE: Gated DeltaNet layers between gated attention layers (llmd.model.gguf_hybrid)
     "qwen35": GGUFArch("Qwen3_5ForCausalLM", gguf_hybrid.QWEN35_LAYER_NAMES, config_tensors=("rope_freqs.weight",),
                        quirks=_qwen35_quirks, norm_shift=1.0, unshifted_norms=gguf_hybrid.UNSHIFTED_NORMS,

@@ -82,6 +82,10 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
     else:  # a projector named with the files (an Ollama layer), else llama.cpp's mmproj file beside the model
         projector = getattr(files, "projector", None) or mmproj_beside(path)
         vision = load_mmproj(projector, tokenizer, dtype, device_t) if projector is not None else None
+        deepstack = len(getattr(getattr(vision, "config", None), "deepstack_indexes", ()))
+        if vision is not None and deepstack != config.deepstack_layers:  # Qwen3-VL's (llmd.model.qwen3_vl)
+            raise ModelFileError(projector, f"the projector gives {deepstack} DeepStack features per image token; "
+                                            f"the text model takes {config.deepstack_layers}")
     report.weight_bytes = quantized_weight_bytes(model)
     seconds = time.perf_counter() - start
     report.seconds = seconds

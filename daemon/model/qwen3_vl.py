@@ -40,12 +40,16 @@ class Qwen3VLCausalLM(CausalLM):
 
     def adapt_checkpoint(self, tensors: Iterable, source: object = None) -> Iterator:
         moe = self.config.moe
-        for name, tensor in text_model_tensors(tensors, IMAGE_TEXT_RENAMES, _UNREAD):
+        for item in text_model_tensors(tensors, IMAGE_TEXT_RENAMES, _UNREAD):
+            if hasattr(item, "name"):  # a GGUF file's tensor (llama.cpp's converter stacks the experts its way)
+                yield item
+                continue
+            name, tensor = item
             if moe is not None and name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
                 hidden, wide = self.config.hidden_size, moe.intermediate_size
                 out, into = (2 * wide, hidden) if name.endswith("gate_up_proj") else (hidden, wide)
                 if tuple(tensor.shape) == (moe.num_experts, into, out) != (moe.num_experts, out, into):
-                    tensor = tensor.transpose(1, 2)
+                    tensor = tensor.transpose(1, 2).contiguous()
             yield name, tensor
 
     def run_layers(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[KVCache],

@@ -24,7 +24,8 @@ VISION_LOADERS = {"Gemma3ForConditionalGeneration": "gemma3:load_gemma3_vision",
 # an mmproj GGUF's clip.projector_type -> ("module:function" loading it, the text vocabulary's image token)
 MMPROJ_LOADERS = {"gemma3": ("gemma3:load_gemma3_mmproj", "<image_soft_token>"),
                   "gemma4v": ("gemma4_gguf:load_gemma4_mmproj", "<|image|>"),
-                  "pixtral": ("mistral3_gguf:load_mistral3_mmproj", "[IMG]")}
+                  "pixtral": ("mistral3_gguf:load_mistral3_mmproj", "[IMG]"),
+                  "qwen3vl_merger": ("qwen3_5_gguf:load_qwen3_5_mmproj", "<|image_pad|>")}
 
 
 def load_vision(folder: Path, dtype: torch.dtype, device: torch.device) -> Any:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -350,17 +350,25 @@ def load_qwen3_5_vision(folder: Path, dtype: torch.dtype, device: torch.device |
     found = tower_tensors(folder, ("visual.",))  # headers only: tensors are read when used
     prefix = _hf_prefix(found, "patch_embed.proj.weight", ("visual.",))
 
-    def locate(ours: str) -> Located:
+    def locate(ours: str, shape: tuple[int, ...]) -> Located:
         file_name = prefix + ours
         if file_name not in found:
             raise ModelFileError(folder, f"tensor {file_name!r} of the vision encoder is missing")
         path, shape, read = found[file_name]
         return path, file_name, shape, read
 
+    return build_qwen3_5_vision(config, locate, dtype, device)
+
+
+def build_qwen3_5_vision(config: Qwen35VisionConfig, locate: Callable[[str, tuple[int, ...]], Located],
+                         dtype: torch.dtype, device: torch.device | str) -> Qwen35Vision:
+    """The encoder with each parameter read from where locate(name, its shape) says (a Hugging Face folder's
+    tensors, an mmproj file's: llmd.model.vision.qwen3_5_gguf); every tensor located and shape-checked before any
+    is read."""
     with torch.device("meta"):
         model = Qwen35Vision(config)
     shapes = {name: tuple(t.shape) for name, t in model.named_parameters()}
-    located = {name: locate(name) for name in shapes}
+    located = {name: locate(name, shape) for name, shape in shapes.items()}
     for name, (path, file_name, shape, _) in located.items():
         if tuple(shape) != shapes[name]:
             raise ModelFileError(path, f"tensor {file_name!r} has shape {tuple(shape)}, expected {shapes[name]}")
