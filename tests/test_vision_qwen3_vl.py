@@ -230,17 +230,22 @@ def gguf_pair(folder: Path, root: Path, **mmproj) -> Path:
     return write_text_gguf(folder, root / "tiny.gguf")
 
 
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5"])
 def test_gguf_and_mmproj_answer_an_image_as_transformers(family, folder, reference, processor, tmp_path):
-    """Qwen3-VL's (qwen3vl text, DeepStack mergers in the mmproj) and Qwen3.5's (qwen35 text, no DeepStack):
-    the mmproj's embeddings are get_image_features' (1e-4), and the pair answers as transformers' generate."""
-    if family == "qwen3_5":
-        from transformers import Qwen3_5ForConditionalGeneration
+    """Qwen3-VL's (qwen3vl text, DeepStack mergers in the mmproj), Qwen3-VL-MoE's (qwen3vlmoe: stacked experts) and
+    Qwen3.5's (qwen35 text, no DeepStack): the mmproj's embeddings are get_image_features' (1e-4), and the pair
+    answers as transformers' generate."""
+    import transformers as tf
 
-        folder = write_tiny_qwen3_5_vl(tmp_path / "qwen3_5")
-        reference = Qwen3_5ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32).eval()
+    if family != "qwen3_vl":
+        folder = (write_tiny_qwen3_5_vl if family == "qwen3_5" else write_tiny_qwen3_vl)(
+            tmp_path / family, **({"moe": True, "seed": 1} if family == "qwen3_vl_moe" else {}))
+        model_class = tf.Qwen3_5ForConditionalGeneration if family == "qwen3_5" else \
+            tf.Qwen3VLMoeForConditionalGeneration
+        reference = model_class.from_pretrained(folder, dtype=torch.float32).eval()
     lm = load_model(gguf_pair(folder, tmp_path / "gguf"), dtype=torch.float32, device="cpu")
-    assert lm.vision is not None and lm.config.deepstack_layers == (2 if family == "qwen3_vl" else 0)
+    assert lm.vision is not None and lm.config.deepstack_layers == (0 if family == "qwen3_5" else 2)
+    assert (lm.config.moe is not None) == (family == "qwen3_vl_moe")
     image = IMAGES[0]
     expected = processor.image_processor(image, return_tensors="pt")
     with torch.no_grad():

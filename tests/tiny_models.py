@@ -371,7 +371,7 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
              "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe",
              "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
              "granitemoehybrid": "granitehybrid", "gemma4_text": "gemma4",  # (gemma4: write_gemma4_gguf)
-             "qwen3_vl_text": "qwen3vl"}  # (an image-text folder's text model: tiny_qwen3_5_vl.write_text_gguf)
+             "qwen3_vl_text": "qwen3vl", "qwen3_vl_moe_text": "qwen3vlmoe"}  # (tiny_qwen3_5_vl.write_text_gguf)
 QWEN35_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -733,12 +733,12 @@ def gguf_hparams(w, cfg: dict, arch: str) -> None:
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
     w.add_rope_dimension_count(int(head_dim * partial))
-    if arch in ("qwen3", "qwen3vl", *QWEN35_ARCHS) or head_dim != cfg["hidden_size"] // heads:
+    if arch in ("qwen3", "qwen3vl", "qwen3vlmoe", *QWEN35_ARCHS) or head_dim != cfg["hidden_size"] // heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     if arch in QWEN35_ARCHS:
         _qwen35_metadata(w, cfg)
-    if arch == "qwen3vl":  # the sections padded to 4, and the tower's DeepStack layer count
+    if arch in ("qwen3vl", "qwen3vlmoe"):  # the sections padded to 4, and the tower's DeepStack layer count
         w.add_rope_dimension_sections(list(rope["mrope_section"]) + [0] * (4 - len(rope["mrope_section"])))
         w.add_num_deepstack_layers(cfg["vision_deepstack_layers"])
     experts = cfg.get("num_local_experts") or cfg.get("num_experts") or cfg.get("n_routed_experts")

@@ -111,8 +111,8 @@ def _write_processing(folder: Path, tok, ids: dict[str, int]) -> None:
 
 
 def write_text_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
-    """The image-text folder's text model as llama.cpp's converter writes it (qwen35, qwen3vl: with the tower's
-    DeepStack layer count), through a text-only copy of the folder."""
+    """The image-text folder's text model as llama.cpp's converter writes it (qwen35, qwen3vl, qwen3vlmoe: with the
+    tower's DeepStack layer count, the experts stacked per projection), through a text-only copy of the folder."""
     from safetensors.torch import load_file, save_file
 
     cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
@@ -123,8 +123,17 @@ def write_text_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
                                        "tie_word_embeddings": cfg.get("tie_word_embeddings", False)})
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (text / name).write_bytes((folder / name).read_bytes())
-    tensors = {n.replace("model.language_model.", "model.", 1): t
-               for n, t in load_file(folder / "model.safetensors").items() if not n.startswith("model.visual.")}
+    tensors = {}
+    for name, t in load_file(folder / "model.safetensors").items():
+        name = name.replace("model.language_model.", "model.", 1)
+        if name.endswith(".experts.gate_up_proj"):  # transformers 5's fused experts, per expert as the writer takes them
+            for e, (gate, up) in enumerate(zip(*t.chunk(2, 1), strict=True)):
+                tensors[name.replace("gate_up_proj", f"{e}.gate_proj.weight")] = gate
+                tensors[name.replace("gate_up_proj", f"{e}.up_proj.weight")] = up
+        elif name.endswith(".experts.down_proj"):
+            tensors.update({name.replace("down_proj", f"{e}.down_proj.weight"): d for e, d in enumerate(t)})
+        elif not name.startswith("model.visual."):
+            tensors[name] = t
     save_file(tensors, text / "model.safetensors")
     return write_tiny_gguf(text, path, matrix_type)
 
