@@ -18,7 +18,6 @@ allocated; a missing or misshapen one, or a bad key, is a ModelFileError naming 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import torch
@@ -97,13 +96,12 @@ def load_qwen3_5_mmproj(path: Path, dtype: torch.dtype, device: torch.device | s
         info = info_of(name)
         if ours != "patch_embed.proj.weight":
             return where, name, tuple(info.shape), lambda: read(name)
-        # the Conv3d kernel [hidden, 3, frames, p, p], stored one frame per tensor (frames 2: llama.cpp's only case)
+        # the Conv3d kernel [hidden, 3, 2 frames, p, p], stored one frame per tensor (llama.cpp takes 2 frames only)
         frame = tuple(info.shape)
         second = info_of(name + ".1")
-        if tuple(second.shape) != frame or shape[2] != 2:
+        if tuple(second.shape) != frame:
             raise ModelFileError(where, f"tensor {name + '.1'!r} has shape {tuple(second.shape)}, expected {frame} "
                                         "(the patch embedding's second frame)")
-        stacked = (frame[0], frame[1], 2, *frame[2:]) if len(frame) == 4 else (math.prod(frame),)
-        return where, name, stacked, lambda: torch.stack((read(name), read(name + ".1")), 2)
+        return where, name, (*frame[:2], 2, *frame[2:]), lambda: torch.stack((read(name), read(name + ".1")), 2)
 
     return build_qwen3_5_vision(config, locate, dtype, device)
