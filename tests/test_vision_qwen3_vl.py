@@ -11,6 +11,7 @@ vision capability.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import urllib.request
@@ -85,7 +86,7 @@ def encoded_prompt(lm, pieces: list) -> tuple[list[int], list[ImageSpan]]:
             pixels = lm.vision.preprocess(piece)
             embeds = lm.vision.encode(pixels)
             ids.append(VISION_START)
-            spans.append(ImageSpan(len(ids), embeds.shape[0], piece.tobytes()[:64] + bytes([len(spans)]), embeds,
+            spans.append(ImageSpan(len(ids), embeds.shape[0], hashlib.sha256(piece.tobytes()).digest(), embeds,
                                    grid=lm.vision.token_grid(pixels)))
             ids += [IMAGE_PAD] * embeds.shape[0] + [VISION_END]
         else:
