@@ -30,10 +30,11 @@ int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const
                               int64_t ldy, int64_t m, int64_t k, int nthreads);
 
 /* A mixture-of-experts layer's packed experts (cpu_moe.c): gate_up [experts][gate_up_parts] (each expert's gate rows
- * then up rows, 2 * inter columns over K = hidden) and down [experts][down_parts] (hidden columns over K = inter), the
- * same types and row counts in every expert; act: LLMD_ACT_* of cpu_gguf.h (0 fp32, 1 int8, 2 int16); biases (or
- * NULL) fp32 [experts][2 * inter] and [experts][hidden]; activation: LLMD_MOE_* (alpha, limit: the clamped one's). */
-enum { LLMD_MOE_SILU = 0, LLMD_MOE_SWIGLU_CLAMPED = 1, LLMD_MOE_GELU = 2 };
+ * then up rows, 2 * inter columns over K = hidden; the up rows alone, inter columns, for LLMD_MOE_RELU2) and down
+ * [experts][down_parts] (hidden columns over K = inter), the same types and row counts in every expert; act:
+ * LLMD_ACT_* of cpu_gguf.h (0 fp32, 1 int8, 2 int16); biases (or NULL) fp32 [experts][gate_up columns] and
+ * [experts][hidden]; activation: LLMD_MOE_* (alpha, limit: the clamped one's). */
+enum { LLMD_MOE_SILU = 0, LLMD_MOE_SWIGLU_CLAMPED = 1, LLMD_MOE_GELU = 2, LLMD_MOE_RELU2 = 3 };
 typedef struct {
     int64_t experts, hidden, inter, gate_up_parts, down_parts;
     const llmd_gguf_part *gate_up, *down;

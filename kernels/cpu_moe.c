@@ -1,7 +1,8 @@
 /* A mixture-of-experts layer's experts for one step in one call (llama.cpp's mul_mat_id), on packed GGUF experts:
  *   out[t] = sum over the slots j of token t, in slot order, of weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t))),
  *   e = ids[t, j], act silu(gate) * up or gpt-oss's clamped SwiGLU (llmd_swiglu_clamped_mul), each projection
- *   optionally biased per expert (its output row + bias[e], as the Python path adds it).
+ *   optionally biased per expert (its output row + bias[e], as the Python path adds it); or, ungated (Nemotron-H's
+ *   LLMD_MOE_RELU2), down_e(relu(up_e(x_t))^2), the gate_up parts then holding the up rows alone.
  * The step's (token, slot) pairs are sorted by expert (a stable counting sort), so expert e's pairs are consecutive
  * rows and its weights are read once for all of them: at decode only the chosen experts' rows are read, at prefill each
  * expert's tokens are one matmul over its rows (the GGUF tiles of cpu_gguf.c and the type files, chosen by that
@@ -9,7 +10,8 @@
  *   1. each token's activations prepared once for the gate_up path (quantized on the int8 / int16 paths), copied to
  *      its pairs, and each expert's group of rows made;
  *   2. every (expert, part)'s gate_up columns shared out among the threads (llmd_gx_run);
- *   3. per pair, its expert's gate_up bias added, the activation (llmd_silu_mul, llmd_gelu_mul or llmd_swiglu_clamped_mul, cpu_ops.c),
+ *   3. per pair, its expert's gate_up bias added, the activation (llmd_silu_mul, llmd_gelu_mul or
+ *      llmd_swiglu_clamped_mul, cpu_ops.c; relu(v)^2 as v > 0 ? v * v : 0, torch's relu(v).square()),
  *      prepared for the down path; the groups made;
  *   4. down, as 2;
  *   5. per token, its k outputs plus their experts' down biases, times their weights, summed in slot order.
@@ -71,13 +73,18 @@ typedef struct {
     size_t scratch;          /* bytes a thread needs for any of the jobs */
 } proj;
 
+/* the columns of an expert's gate_up output: gate then up, or up alone */
+static int64_t gate_up_width(const llmd_moe *moe) {
+    return moe->activation == LLMD_MOE_RELU2 ? moe->inter : 2 * moe->inter;
+}
+
 static void plan_proj(proj *p, arena *a, const llmd_moe *moe, int gate_up, int64_t T, int64_t P, int64_t A,
                       const int64_t *active, const int64_t *start, float *y) {
     p->act = (int)(gate_up ? moe->gate_up_act : moe->down_act);
     p->np = gate_up ? moe->gate_up_parts : moe->down_parts;
     p->k = gate_up ? moe->hidden : moe->inter;
     p->parts = gate_up ? moe->gate_up : moe->down;
-    const int64_t np = p->np, ldy = gate_up ? 2 * moe->inter : moe->hidden;
+    const int64_t np = p->np, ldy = gate_up ? gate_up_width(moe) : moe->hidden;
     p->flags = 0;
     for (int64_t i = 0; i < np; i++) p->flags |= llmd_gx_flags(p->act, (int)p->parts[i].type);
     p->layout = (int64_t *)take(a, (size_t)np * sizeof(int64_t));
@@ -133,8 +140,9 @@ int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T
     const int64_t E = moe->experts, H = moe->hidden, I = moe->inter;
     if (E <= 0 || H <= 0 || I <= 0 || T < 0 || k <= 0 || k > E) return -1;
     if (moe->activation != LLMD_MOE_SILU && moe->activation != LLMD_MOE_SWIGLU_CLAMPED
-        && moe->activation != LLMD_MOE_GELU) return -1;
-    if (check_parts(moe->gate_up, E, moe->gate_up_parts, (int)moe->gate_up_act, H, 2 * I) ||
+        && moe->activation != LLMD_MOE_GELU && moe->activation != LLMD_MOE_RELU2) return -1;
+    const int64_t G = gate_up_width(moe);
+    if (check_parts(moe->gate_up, E, moe->gate_up_parts, (int)moe->gate_up_act, H, G) ||
         check_parts(moe->down, E, moe->down_parts, (int)moe->down_act, I, H))
         return -1;
     const int64_t P = T * k;
@@ -149,7 +157,7 @@ int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T
     int64_t *order = (int64_t *)take(&a, (size_t)P * sizeof(int64_t)); /* sorted row -> pair */
     int64_t *pos = (int64_t *)take(&a, (size_t)P * sizeof(int64_t));   /* pair -> sorted row */
     int64_t *active = (int64_t *)take(&a, (size_t)E * sizeof(int64_t));
-    float *gu_out = (float *)take(&a, (size_t)(P * 2 * I) * sizeof(float));
+    float *gu_out = (float *)take(&a, (size_t)(P * G) * sizeof(float));
     float *down_out = (float *)take(&a, (size_t)(P * H) * sizeof(float));
     const int64_t ldh = (I + 15) / 16 * 16;
     float *hidden = (float *)take(&a, (size_t)(nthreads * ldh) * sizeof(float)); /* a thread's activation row */
@@ -203,12 +211,14 @@ int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T
         float *h = hidden + ldh * tid;
 #pragma omp for schedule(static)
         for (int64_t s = 0; s < P; s++) {
-            float *g = gu_out + s * 2 * I;
+            float *g = gu_out + s * G;
             if (moe->gate_up_bias) {
-                const float *b = moe->gate_up_bias + ids[order[s]] * 2 * I;
-                for (int64_t c = 0; c < 2 * I; c++) g[c] = g[c] + b[c];
+                const float *b = moe->gate_up_bias + ids[order[s]] * G;
+                for (int64_t c = 0; c < G; c++) g[c] = g[c] + b[c];
             }
-            if (moe->activation == LLMD_MOE_SILU) llmd_silu_mul(g, 2 * I, h, I, 1, I);
+            if (moe->activation == LLMD_MOE_RELU2)
+                for (int64_t c = 0; c < I; c++) h[c] = g[c] > 0.0f ? g[c] * g[c] : 0.0f;
+            else if (moe->activation == LLMD_MOE_SILU) llmd_silu_mul(g, 2 * I, h, I, 1, I);
             else if (moe->activation == LLMD_MOE_GELU) llmd_gelu_mul(g, 2 * I, h, I, 1, I);
             else llmd_swiglu_clamped_mul(g, 2 * I, h, I, 1, I, moe->alpha, moe->limit);
             for (int64_t i = 0; i < dn.np; i++)

@@ -3,10 +3,10 @@ mul_mat_id; compiled into llmd.kernels.cpu_gemm's library).
 
 `MoEKernel(x, ids, weights)` computes what llmd.model.moe.Experts computes by grouping in Python, bit for bit: each
 token's chosen experts' SwiGLU MLPs (gate/up, its bias, the C activation: SiLU * up or gpt-oss's clamped SwiGLU of
-cpu_ops, down, its bias) with each expert's GGUFKernel arithmetic on the activation path a packed layer takes
-(cpu_gemm.gguf_act: fp32, int8 or int16, chosen once per projection), then the outputs times their weights summed in
-slot order. The pairs are grouped by expert in C, each token's activations are quantized once (not once per expert),
-and the phases run in one OpenMP region instead of a few C calls per expert.
+cpu_ops, down, its bias; or Nemotron-H's ungated relu(up)^2) with each expert's GGUFKernel arithmetic on the
+activation path a packed layer takes (cpu_gemm.gguf_act: fp32, int8 or int16, chosen once per projection), then the
+outputs times their weights summed in slot order. The pairs are grouped by expert in C, each token's activations are
+quantized once (not once per expert), and the phases run in one OpenMP region instead of a few C calls per expert.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 # llmd_moe.*_act (cpu_gguf.h)
 ACTS = {"fp32": 0, "int8": 1, "int16": 2}
 # llmd_moe.activation (LLMD_MOE_*, cpu_kernels.h): llmd.model.config.MoEConfig.activation
-ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1, "gelu_tanh": 2}
+ACTIVATIONS = {"silu": 0, "swiglu_clamped": 1, "gelu_tanh": 2, "relu2": 3}
+UNGATED = ("relu2",)  # gate_up holds the up rows alone
 
 
 class Moe(ctypes.Structure):
@@ -64,21 +65,23 @@ def _bias(bias: torch.Tensor, experts: int, n: int, name: str) -> torch.Tensor:
 class MoEKernel:
     """One MoE layer's experts on the CPU: gate_up and down given as their parts, each (qweight uint8
     [experts, rows, row bytes], GGML type name) as llmd.model.quant.gguf_experts.ExpertBlocks holds them (gate_up: gate
-    rows then up rows). act: the activation path for both projections (None: as LLMD_CPU_GEMM_ACT says for a packed
-    layer; int16 falls back to fp32 for a projection whose types do not take it, as GGUFKernel does). biases: gate_up's
-    [experts, 2 * inter] and down's [experts, hidden] (None: no bias), used as fp32. activation: "silu" or
-    "swiglu_clamped" (gpt-oss) with its alpha and limit, passed as fp32 as the C op takes them."""
+    rows then up rows, or the up rows alone for an ungated activation). act: the activation path for both projections
+    (None: as LLMD_CPU_GEMM_ACT says for a packed layer; int16 falls back to fp32 for a projection whose types do not
+    take it, as GGUFKernel does). biases: gate_up's [experts, gate_up rows] and down's [experts, hidden] (None: no
+    bias), used as fp32. activation: a key of ACTIVATIONS ("swiglu_clamped": gpt-oss's, with its alpha and limit,
+    passed as fp32 as the C op takes them)."""
 
     def __init__(self, lib, gate_up: list[tuple[torch.Tensor, str]], down: list[tuple[torch.Tensor, str]],
                  act: str | None = None, biases: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
                  activation: str = "silu", alpha: float = 0.0, limit: float = 0.0):
         _bind(lib)
         self.experts = gate_up[0][0].shape[0]
-        self.inter = sum(q.shape[1] for q, _ in gate_up) // 2
+        rows = sum(q.shape[1] for q, _ in gate_up)
+        self.inter = rows if activation in UNGATED else rows // 2
         self.hidden = sum(q.shape[1] for q, _ in down)
         parts = [(q.contiguous(), t) for q, t in gate_up], [(q.contiguous(), t) for q, t in down]
         bias = [None if b is None else _bias(b, self.experts, n, name)
-                for b, n, name in zip(biases, (2 * self.inter, self.hidden), ("gate_up", "down"))]
+                for b, n, name in zip(biases, (rows, self.hidden), ("gate_up", "down"))]
         self._keep = parts, bias  # the blocks and biases the pointers below point into live as long as the kernel
         self._gate_up, self._down = _parts_array(parts[0], self.hidden), _parts_array(parts[1], self.inter)
         self.acts = (cpu_gemm.gguf_act(lib, [t for _, t in gate_up], self.hidden, act),

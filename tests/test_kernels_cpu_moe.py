@@ -3,7 +3,8 @@ llmd.model.moe.Experts.prepare) against the Python grouping it replaces (Experts
 hit, the C SiLU * up, the weighted sum in slot order), bit for bit: several types (gate, up and down of one type, and
 Q4_K_M's mixes), 1, 3 and 64 tokens, 1, 2 and 8 experts per token, experts hit by no token, one and many, on each
 activation path (fp32, int8, int16 where the types take it), with several thread counts; and gpt-oss's experts
-(biases on both projections, the clamped SwiGLU of the C ops) in MXFP4 and Q8_0, with 1, 2 and 4 experts per token.
+(biases on both projections, the clamped SwiGLU of the C ops) in MXFP4 and Q8_0, with 1, 2 and 4 experts per token;
+and Nemotron-H's ungated squared-ReLU experts.
 A row's output does not depend on its step; the expert counts add up; bad ids are refused; the compiled path is chosen
 only where it applies.
 
@@ -149,6 +150,37 @@ def test_gpt_oss_experts_biases_and_clamped_swiglu_equal_the_python_grouping(typ
             ids, weights = _routing(t, k, seed=t + k)
             ref = experts.grouped(x, ids, weights)
             for threads in (1, 2, 3):
+                assert torch.equal(_bits(kernel(x, ids, weights, threads=threads)), _bits(ref)), (t, k, threads)
+            assert torch.equal(_bits(experts(x, ids, weights)), _bits(ref))  # forward takes the compiled path
+
+
+@pytest.mark.parametrize("act", ["int8", "fp32", "int16"])
+@pytest.mark.parametrize("types", [("Q8_0", "Q8_0"), ("Q4_K", "Q6_K")], ids="-".join)
+def test_nemotron_h_ungated_squared_relu_experts_equal_the_python_grouping(types, act, monkeypatch):
+    """Nemotron-H's experts: no gate, gate_up_proj holding the up rows alone (one part), relu(up)^2; with random
+    biases on both projections (the C call's gate_up width is then inter, not 2 * inter)."""
+    monkeypatch.setitem(cpu_gemm.ACTIVATIONS, "gguf", act)
+    experts = Experts(256, MoEConfig(num_experts=NUM_EXPERTS, top_k=8, intermediate_size=256, activation="relu2"),
+                      bias=True)
+    experts.gate_up_proj = _packed(NUM_EXPERTS, 256, [(256, types[0])], 0, bias=True)
+    experts.down_proj = _packed(NUM_EXPERTS, 256, [(256, types[1])], 7, bias=True)
+    g = torch.Generator().manual_seed(3)
+    for layer in (experts.gate_up_proj, experts.down_proj):
+        layer.bias.copy_(torch.randn(layer.bias.shape, generator=g) * 0.01)
+    experts.ops = CPU_OPS
+    experts.prepare(torch.device("cpu"), torch.float32)
+    if not HAVE_KERNEL:
+        assert experts.kernel is None
+        return
+    kernel = experts.kernel
+    assert isinstance(kernel, cpu_moe.MoEKernel) and kernel.activation == "relu2" and kernel.inter == 256
+    for t in (1, 3, 64):
+        x = _x(t)
+        for k in (1, 2, 8):
+            ids, weights = _routing(t, k, seed=t + k)
+            ref = experts.grouped(x, ids, weights)
+            assert (experts.activation(experts.gate_up_proj.expert(0, x)) == 0).any()  # relu cuts some
+            for threads in (1, 3):
                 assert torch.equal(_bits(kernel(x, ids, weights, threads=threads)), _bits(ref)), (t, k, threads)
             assert torch.equal(_bits(experts(x, ids, weights)), _bits(ref))  # forward takes the compiled path
 

@@ -78,7 +78,7 @@ _ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3's first configs named longrope 
 
 
 ROUTERS = ("softmax", "sigmoid", "softmax_topk")
-ACTIVATIONS = ("silu", "swiglu_clamped", "gelu_tanh")
+ACTIVATIONS = ("silu", "swiglu_clamped", "gelu_tanh", "relu2")
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,8 @@ class MoEConfig:
     """A mixture-of-experts block (llmd.model.moe.SparseMoE): which experts a token takes and how they mix.
 
     router: "softmax" (probabilities over all experts, the top k taken: Qwen, Mixtral), "sigmoid" (independent scores,
-    the top k taken by score + selection bias, weighted by the score alone: GLM-4.5, DeepSeek-V3), "softmax_topk"
-    (the top k logits, then a softmax over those k: gpt-oss)."""
+    the top k taken by score + selection bias, weighted by the score alone: GLM-4.5, DeepSeek-V3, Nemotron-H),
+    "softmax_topk" (the top k logits, then a softmax over those k: gpt-oss)."""
 
     num_experts: int
     top_k: int
@@ -104,10 +104,14 @@ class MoEConfig:
     router_bias: bool = False  # a bias on the router's logits (gpt-oss)
     expert_bias: bool = False  # biases on every expert's projections (gpt-oss)
     # silu: silu(gate) * up; swiglu_clamped (gpt-oss): gate clamped above, up clamped both ways at swiglu_limit,
-    # gate * sigmoid(swiglu_alpha * gate) * (up + 1); gelu_tanh (Gemma 4): gelu_tanh(gate) * up
+    # gate * sigmoid(swiglu_alpha * gate) * (up + 1); gelu_tanh (Gemma 4): gelu_tanh(gate) * up; relu2 (Nemotron-H):
+    # relu(up)^2, no gate (the experts' gate_up projection holds the up rows alone)
     activation: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # Nemotron-H's latent experts: the routed experts' input projected from hidden to latent_size before them, their
+    # weighted sum back to hidden after (the router and the shared expert read the hidden state); 0: none
+    latent_size: int = 0
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -119,6 +123,8 @@ class MoEConfig:
             raise ModelFileError("config", f"{self.top_k} experts per token does not fit {self.num_experts} experts")
         if self.intermediate_size < 1:
             raise ModelFileError("config", f"expert intermediate size {self.intermediate_size} must be positive")
+        if self.latent_size < 0:
+            raise ModelFileError("config", f"expert latent size {self.latent_size} must not be negative")
         if self.groups < 1 or self.num_experts % self.groups or not 0 < self.groups_kept <= self.groups \
                 or self.top_k > self.groups_kept * (self.num_experts // self.groups):
             raise ModelFileError("config", f"expert groups {self.groups} (keeping {self.groups_kept}) do not fit "
@@ -126,6 +132,16 @@ class MoEConfig:
 
     def is_sparse(self, layer_idx: int) -> bool:
         return layer_idx not in self.dense_layers
+
+    @property
+    def gated(self) -> bool:
+        """Whether the activation joins a gate and an up projection (every one but relu2)."""
+        return self.activation != "relu2"
+
+    @property
+    def gate_up_rows(self) -> int:
+        """The rows of one expert's gate_up projection: gate then up, or (ungated) up alone."""
+        return (2 if self.gated else 1) * self.intermediate_size
 
 
 RECURRENT_KINDS = ("gated_delta", "mamba2")

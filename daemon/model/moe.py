@@ -1,16 +1,19 @@
-"""The mixture-of-experts block every MoE family shares (Mixtral, Qwen2/3-MoE, GLM-4.5; gpt-oss, Gemma 4 and
-Qwen3.5-MoE reuse it): a router picks each token's top-k experts and their weights, the chosen experts' SwiGLU MLPs
-run, and their outputs are summed by weight; an optional shared expert runs on every token.
+"""The mixture-of-experts block every MoE family shares (Mixtral, Qwen2/3-MoE, GLM-4.5; gpt-oss, Gemma 4,
+Qwen3.5-MoE and Nemotron-H reuse it): a router picks each token's top-k experts and their weights, the chosen experts'
+MLPs run (SwiGLU and its kin, or Nemotron-H's ungated squared ReLU), and their outputs are summed by weight; an
+optional shared expert runs on every token. Nemotron 3's latent experts take their input through fc1_latent_proj
+(hidden -> MoEConfig.latent_size) and give their weighted sum back through fc2_latent_proj.
 
-Experts are one [E, out, in] tensor per projection (`experts.gate_up_proj`, gate rows then up rows, and
-`experts.down_proj`), fp here or packed GGUF blocks (llmd.model.quant.gguf_experts.GGUFExpertLinear): either way a
-projection answers `expert(e, x)`, x holding only the rows routed to expert e. The step's (token, slot) pairs are
-grouped by expert, so each expert reads its weights once per step whatever the number of tokens. Packed GGUF experts on
-the CPU in fp32 run the whole layer's experts as one C call per step instead (llmd.kernels.cpu_moe, chosen once by
-Experts.prepare), with the Python grouping's very bits. On CUDA where the Triton kernels load, they run as the fused
-kernel of llmd.kernels.moe_matmul (pairs sorted by expert on the device, one grouped launch per projection, no host
-sync, so decode steps are captured in CUDA graphs; equal to the grouping within rounding). The grouping stays the
-reference and the path elsewhere.
+Experts are one [E, out, in] tensor per projection (`experts.gate_up_proj`, gate rows then up rows, or the up rows
+alone for an ungated activation, and `experts.down_proj`), fp here or packed GGUF blocks
+(llmd.model.quant.gguf_experts.GGUFExpertLinear): either way a projection answers `expert(e, x)`, x holding only
+the rows routed to expert e. The step's (token, slot) pairs are grouped by expert, so each expert reads its weights
+once per step whatever the number of tokens. Packed GGUF experts on the CPU in fp32 run the whole layer's experts as
+one C call per step instead (llmd.kernels.cpu_moe, chosen once by Experts.prepare), with the Python grouping's very
+bits. On CUDA where the Triton kernels load, they run as the fused kernel of llmd.kernels.moe_matmul (pairs sorted
+by expert on the device, one grouped launch per projection, no host sync, so decode steps are captured in CUDA graphs;
+equal to the grouping within rounding; not for Nemotron-H's squared ReLU yet, which keeps the grouping there). The
+grouping stays the reference and the path elsewhere.
 
 Exactness: a token's k expert outputs land in their slots and are summed in slot order (the router's order), never in
 the order experts happen to run, and every expert kernel computes a row independently of the other rows; so a
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, MoEConfig
+from .linear import make_linear
 from .ops import CPU_OPS, TORCH_OPS, Ops
 
 log = logging.getLogger(__name__)
@@ -125,7 +129,8 @@ class ExpertLinear(nn.Module):
 
 class Experts(nn.Module):
     """E gated MLPs: down(act(gate(x), up(x))), gate and up as one projection, act SiLU(gate) * up, GELU-tanh(gate) *
-    up (Gemma 4) or gpt-oss's clamped SwiGLU (MoEConfig.activation; all ops of the bound table), each projection with or without biases.
+    up (Gemma 4) or gpt-oss's clamped SwiGLU (MoEConfig.activation; all ops of the bound table), each projection with
+    or without biases; or E ungated ones, down(relu(up(x))^2) (Nemotron-H), gate_up_proj then holding up alone.
 
     `prepare` chooses once how `forward` runs them: on CUDA where the Triton kernels load, the fused kernel
     (`triton_kernel`: fp or packed experts, either activation, biases) for the weights it takes; one compiled C call per
@@ -139,7 +144,7 @@ class Experts(nn.Module):
         super().__init__()
         self.num_experts, self.intermediate_size = moe.num_experts, moe.intermediate_size
         self.moe = moe
-        self.gate_up_proj = ExpertLinear(moe.num_experts, hidden, 2 * moe.intermediate_size, bias)
+        self.gate_up_proj = ExpertLinear(moe.num_experts, hidden, moe.gate_up_rows, bias)
         self.down_proj = ExpertLinear(moe.num_experts, moe.intermediate_size, hidden, bias)
         # tokens routed to each expert (stats); on the CPU even while the model is built on the meta device
         self.hits = torch.zeros(moe.num_experts, dtype=torch.int64, device="cpu")
@@ -203,6 +208,8 @@ class Experts(nn.Module):
             return self.ops.silu_mul(gate_up, self.intermediate_size)
         if self.moe.activation == "gelu_tanh":  # Gemma 4
             return self.ops.gelu_mul(gate_up, self.intermediate_size)
+        if self.moe.activation == "relu2":  # Nemotron-H: up alone (one rounding, as the C kernel's v * v)
+            return F.relu(gate_up).square()
         return self.ops.swiglu_clamped_mul(gate_up, self.intermediate_size, self.moe.swiglu_alpha,
                                            self.moe.swiglu_limit)  # gpt-oss
 
@@ -247,14 +254,21 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = config.moe
         assert moe is not None
-        self.gate = Router(config.hidden_size, moe, bias=moe.router_bias)
-        self.experts = Experts(config.hidden_size, moe, bias=config.mlp_bias or moe.expert_bias)
+        hidden, latent = config.hidden_size, moe.latent_size
+        self.gate = Router(hidden, moe, bias=moe.router_bias)
+        self.experts = Experts(latent or hidden, moe, bias=config.mlp_bias or moe.expert_bias)
         self.shared_expert = shared  # an MLP every token takes (Qwen2-MoE, GLM-4.5), or None
-        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if moe.shared_gate else None
+        self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if moe.shared_gate else None
+        # Nemotron 3's latent experts: into the latent space before them, their weighted sum out of it after
+        self.fc1_latent_proj = make_linear(hidden, latent, bias=config.mlp_bias) if latent else None
+        self.fc2_latent_proj = make_linear(latent, hidden, bias=config.mlp_bias) if latent else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, ids, weights)
+        if self.fc1_latent_proj is None or self.fc2_latent_proj is None:
+            out = self.experts(x, ids, weights)
+        else:
+            out = self.fc2_latent_proj(self.experts(self.fc1_latent_proj(x), ids, weights))
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
@@ -269,33 +283,41 @@ def expert_parts(module: str, moe: MoEConfig) -> list[tuple[str, object]] | None
     parent, _, child = module.rpartition(".")
     if not parent.endswith(".experts") or child not in ("gate_up_proj", "down_proj"):
         return None
-    inter = moe.intermediate_size
     if child == "down_proj":
         return [(f"{parent}.{e}.down_proj", e) for e in range(moe.num_experts)]
     return [(f"{parent}.{e}.{proj}", (e, rows)) for e in range(moe.num_experts)
-            for proj, rows in (("gate_proj", slice(0, inter)), ("up_proj", slice(inter, 2 * inter)))]
+            for proj, rows in _gate_up_rows(moe).items()]
+
+
+def _gate_up_rows(moe: MoEConfig) -> dict[str, slice]:
+    """The rows of gate_up_proj each checkpoint projection fills: gate then up, or (ungated) up alone."""
+    inter = moe.intermediate_size
+    if not moe.gated:
+        return {"up_proj": slice(0, inter)}
+    return {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}
 
 
 def expert_route(name: str, moe: MoEConfig) -> tuple[str, object] | None:
-    """Where an expert checkpoint tensor goes: (parameter, index), or None if it is not one that needs an index."""
-    inter = moe.intermediate_size
-    rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}
+    """Where an expert checkpoint tensor goes: (parameter, index), or None if it is not one that needs an index (or a
+    gate the experts do not have)."""
+    rows = _gate_up_rows(moe)
     m = _PER_EXPERT.match(name)
     if m:
         parent, e, proj, leaf = m.groups()
-        target = "down_proj" if proj == "down_proj" else "gate_up_proj"
-        return f"{parent}.{target}.{leaf}", int(e) if proj == "down_proj" else (int(e), rows[proj])
+        if proj == "down_proj":
+            return f"{parent}.down_proj.{leaf}", int(e)
+        return (f"{parent}.gate_up_proj.{leaf}", (int(e), rows[proj])) if proj in rows else None
     m = _STACKED.match(name)
     if m:
         parent, proj, leaf = m.groups()
-        return f"{parent}.gate_up_proj.{leaf}", (slice(None), rows[proj])
+        return (f"{parent}.gate_up_proj.{leaf}", (slice(None), rows[proj])) if proj in rows else None
     return None
 
 
 def stacked_covers(name: str, moe: MoEConfig) -> set[str] | None:
     """The per-expert names a stacked tensor (`...experts.gate_proj.weight`, all experts at once) stands for."""
     m = _STACKED.match(name)
-    if not m:
+    if not m or m.group(2) not in _gate_up_rows(moe):
         return None
     parent, proj, leaf = m.groups()
     return {f"{parent}.{e}.{proj}.{leaf}" for e in range(moe.num_experts)}

@@ -82,8 +82,8 @@ def _swap_in_packed_experts(model: nn.Module, gguf_types: dict[str, str], dtype,
         if not isinstance(experts, Experts):
             continue
         inter = experts.intermediate_size
-        for proj, parts in (("gate_up_proj", (("gate_proj", inter), ("up_proj", inter))),
-                            ("down_proj", (("down_proj", experts.down_proj.out_features),))):
+        gate_up = (("gate_proj", inter), ("up_proj", inter)) if experts.moe.gated else (("up_proj", inter),)
+        for proj, parts in (("gate_up_proj", gate_up), ("down_proj", (("down_proj", experts.down_proj.out_features),))):
             fp: ExpertLinear = getattr(experts, proj)
             whole = gguf_types.get(f"{name}.{proj}.weight")  # stored fused, as such
             if whole is not None:
