@@ -275,6 +275,18 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
                                     mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4,
                                     tie_word_embeddings=False)
         cls = tf.NemotronHForCausalLM
+    elif kind.startswith("nemotron_h_moe"):  # Mamba2, experts, attention, experts, Mamba2; 8 squared-ReLU experts
+        # (sigmoid router with its selection bias, renormalised, scaled) beside a shared expert. nemotron_h_moe:
+        # Nemotron 3 Nano's shape (top 2, one group); nemotron_h_moe_latent: Super's (experts in a 32-wide latent
+        # space), top 3 in the best of 2 groups
+        latent = kind == "nemotron_h_moe_latent"
+        config = tf.NemotronHConfig(**common, hybrid_override_pattern="ME*EM", head_dim=16, mamba_num_heads=8,
+                                    mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4,
+                                    n_routed_experts=8, num_experts_per_tok=3 if latent else 2,
+                                    moe_intermediate_size=32, moe_shared_expert_intermediate_size=64,
+                                    moe_latent_size=32 if latent else None, n_group=2 if latent else 1, topk_group=1,
+                                    routed_scaling_factor=2.5, norm_topk_prob=True, tie_word_embeddings=False)
+        cls = tf.NemotronHForCausalLM
     else:
         raise ValueError(kind)
 
@@ -317,7 +329,8 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
 
 TINY_KINDS = ("llama", "llama3_rope", "qwen2", "qwen3", "mistral", "phi3", "phi3_longrope")
 MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "gpt_oss")  # written by tests/test_moe.py's own fixture
-MAMBA2_KINDS = ("granite_hybrid", "granite_hybrid_dense", "nemotron_h")  # written by tests/test_mamba2.py
+MAMBA2_KINDS = ("granite_hybrid", "granite_hybrid_dense", "nemotron_h", "nemotron_h_moe",
+                "nemotron_h_moe_latent")  # written by tests/test_mamba2.py
 HYBRID_KINDS = ("qwen3_5", "qwen3_5_moe") + MAMBA2_KINDS  # written by their tests' own fixtures
 
 
@@ -714,6 +727,91 @@ def _write_granite_hybrid(w, folder: Path, cfg: dict, path: Path, matrix_type: s
     return path
 
 
+def _write_nemotron_h(folder: Path, path: Path, cfg: dict, matrix_type: str) -> Path:
+    """Nemotron-H as llama.cpp's converter (NemotronHModel) writes it: `nemotron_h_moe` where the pattern has experts,
+    else `nemotron_h`; the layer kinds as per-layer head_count_kv and feed_forward_length arrays, the Mamba2 sizes and
+    transforms as Granite's (A as -exp(A_log) [heads, 1], D [heads, 1], the conv squeezed, the norm by group), q/k
+    permuted as for llama, the experts stacked (ffn_up_exps, ffn_down_exps), the expert keys it writes (no group
+    count kept: expert_group_used_count is written only where `cfg` has several groups, which the converter does not
+    do); names from the gguf package's tensor map. Matrices as `matrix_type`, the rest F32."""
+    import gguf
+    from safetensors.torch import load_file
+
+    types = cfg["layers_block_type"]
+    moe = "moe" in types
+    arch = "nemotron_h_moe" if moe else "nemotron_h"
+    layers, heads, kv = len(types), cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {arch}")
+    common = {k: v for k, v in cfg.items() if k not in ("n_routed_experts", "num_experts_per_tok")}
+    gguf_hparams(w, {**common, "num_hidden_layers": layers, "rms_norm_eps": cfg["layer_norm_epsilon"]}, arch)
+    _gguf_vocabulary(w, folder, cfg, arch)
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_head_count_kv([kv if t == "full_attention" else 0 for t in types])
+    ffn = cfg["moe_intermediate_size"] if moe else cfg["intermediate_size"]
+    w.add_feed_forward_length([ffn if t in ("mlp", "moe") else 0 for t in types])
+    w.add_ssm_conv_kernel(cfg["conv_kernel"])
+    w.add_ssm_state_size(cfg["ssm_state_size"])
+    w.add_ssm_group_count(cfg["n_groups"])
+    w.add_ssm_inner_size(cfg["mamba_num_heads"] * cfg["mamba_head_dim"])
+    w.add_ssm_time_step_rank(cfg["mamba_num_heads"])
+    w.add_rope_scaling_finetuned(False)
+    if moe:
+        w.add_expert_count(cfg["n_routed_experts"])
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_shared_feed_forward_length(cfg["moe_shared_expert_intermediate_size"])
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_group_count(cfg["n_group"])
+        if cfg["n_group"] > 1:
+            w.add_expert_group_used_count(cfg["topk_group"])
+        if cfg.get("moe_latent_size"):
+            w.add_moe_latent_size(cfg["moe_latent_size"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.NEMOTRON_H_MOE if moe else gguf.MODEL_ARCH.NEMOTRON_H, layers)
+    state = load_file(folder / "model.safetensors")
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        head, sep, rest = name.partition(".mixer.experts.")
+        if sep:  # backbone.layers.N.mixer.experts.E.up_proj.weight: stacked as the converter stacks them
+            e, _, proj = rest.partition(".")
+            stacks.setdefault(f"model.layers.{head.split('.')[2]}.mlp.experts.{proj}", {})[int(e)] = t
+            continue
+        t = t.float()
+        if name.endswith(".A_log"):
+            t = (-t.exp()).reshape(-1, 1)
+        elif name.endswith(".mixer.D"):
+            t = t.reshape(-1, 1)
+        elif name.endswith(".conv1d.weight"):
+            t = t.squeeze(1)
+        elif name.endswith(".mixer.norm.weight"):
+            t = t.reshape(cfg["n_groups"], -1)
+        elif name.endswith((".q_proj.weight", ".k_proj.weight")):
+            t = _llama_cpp_permute(t, heads if ".q_proj." in name else kv)
+        name = name.replace(".dt_bias", ".dt.bias").replace("e_score_correction_bias", "e_score_correction.bias")
+        tensors[name] = t
+    for name, parts in stacks.items():
+        tensors[name] = torch.stack([parts[e] for e in range(len(parts))]).float()
+    qtype = gguf.GGMLQuantizationType[matrix_type]
+    for name, t in tensors.items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        data = t.numpy()
+        if data.ndim < 2 or matrix_type == "F32" or gguf_name.endswith(("ssm_conv1d.weight", "ffn_gate_inp.weight",
+                                                                        "_norm.weight", "ssm_a", "ssm_d")):
+            w.add_tensor(gguf_name, data)
+        else:
+            w.add_tensor(gguf_name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def gguf_hparams(w, cfg: dict, arch: str) -> None:
     """The hyperparameter keys convert_hf_to_gguf writes from a config.json (`cfg`) for `arch` (Qwen3.5's ssm keys and
     the common MoE keys included); the vocabulary, rope scaling, family-specific MoE keys and tensors are the
@@ -766,6 +864,8 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
     cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if cfg["model_type"] == "gemma4_text":
         return write_gemma4_gguf(folder, path, matrix_type)
+    if cfg["model_type"] == "nemotron_h":
+        return _write_nemotron_h(folder, path, cfg, matrix_type)
     arch = GGUF_ARCH[cfg["model_type"]]
     rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     theta = float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0)

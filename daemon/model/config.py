@@ -53,7 +53,8 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool | None]] = {
     # block beside the MLP (26B-A4B); its fields come from gemma4_fields
     "Gemma4ForCausalLM": {"attention_bias": None, "qk_norm": True},
     # Mamba2 hybrids (llmd.model.mamba2): Granite 4 (Mamba2 and attention layers, each with an MLP or MoE after it,
-    # Granite's multipliers) and Nemotron-H (one mixer per layer: Mamba2, attention or a squared-ReLU MLP)
+    # Granite's multipliers) and Nemotron-H (one mixer per layer: Mamba2, attention, a squared-ReLU MLP or, in
+    # Nemotron 3, squared-ReLU experts)
     "GraniteMoeHybridForCausalLM": {"attention_bias": None, "qk_norm": False},
     "NemotronHForCausalLM": {"attention_bias": False, "qk_norm": False},
 }
@@ -147,8 +148,8 @@ class MoEConfig:
 RECURRENT_KINDS = ("gated_delta", "mamba2")
 # layer_types entries that are recurrent layers (every other layer attends, but for the mixerless ones)
 RECURRENT_LAYER_TYPES = ("linear_attention", "mamba")
-# layer_types entries whose layer keeps no cache at all (Nemotron-H's MLP-only layers)
-MIXERLESS_LAYER_TYPES = ("mlp",)
+# layer_types entries whose layer keeps no cache at all (Nemotron-H's MLP-only and experts-only layers)
+MIXERLESS_LAYER_TYPES = ("mlp", "moe")
 
 
 @dataclass(frozen=True)
@@ -354,7 +355,7 @@ class ModelConfig:
             and self.layer_types[layer_idx] in RECURRENT_LAYER_TYPES
 
     def is_mixerless(self, layer_idx: int) -> bool:
-        """Whether layer layer_idx has no mixer that keeps a cache (Nemotron-H's MLP-only layers)."""
+        """Whether layer layer_idx has no mixer that keeps a cache (Nemotron-H's MLP-only and MoE layers)."""
         return self.layer_types is not None and self.layer_types[layer_idx] in MIXERLESS_LAYER_TYPES
 
     def layer_head_dim(self, layer_idx: int) -> int:
@@ -781,25 +782,27 @@ def granite_hybrid_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
             "logits_scaling": float(cfg.get("logits_scaling", 1.0))}
 
 
-# Nemotron-H's pattern characters (hybrid_override_pattern) and layer type names -> ours; "E" / "moe" is refused
+# Nemotron-H's pattern characters (hybrid_override_pattern) and layer type names -> ours
 _NEMOTRON_LAYERS = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "moe", "mamba": "mamba",
                     "linear_attention": "mamba", "attention": "full_attention", "full_attention": "full_attention",
                     "mlp": "mlp", "moe": "moe"}
 
 
 def nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """Nemotron-H: one mixer per layer, as its pattern says (hybrid_override_pattern "M-M*-...": M Mamba2, * attention
-    without positions, - a squared-ReLU MLP; or transformers 5's layers_block_type list), whose length is the layer
-    count (as transformers takes it). Mixture-of-experts layers (E) are not supported yet."""
+    """Nemotron-H: one mixer per layer, as its pattern says (hybrid_override_pattern "M-M*E...": M Mamba2, * attention
+    without positions, - a squared-ReLU MLP, E a mixture of experts; or transformers 5's layers_block_type list), whose
+    length is the layer count (as transformers takes it). The experts (Nemotron 3 Nano / Super): sigmoid scores with
+    e_score_correction_bias choosing the top k within the best n_group groups (topk_group kept), weighted by the
+    score, renormalised (norm_topk_prob) and times routed_scaling_factor; squared-ReLU experts without a gate of
+    moe_intermediate_size, working in moe_latent_size where set; a squared-ReLU shared expert of
+    moe_shared_expert_intermediate_size. transformers' defaults for absent keys."""
     pattern = cfg.get("hybrid_override_pattern") or cfg.get("layers_block_type") or cfg.get("layer_types")
     if isinstance(pattern, str):
         pattern = list(pattern)
     if not isinstance(pattern, list) or not pattern or any(t not in _NEMOTRON_LAYERS for t in pattern):
         raise ModelFileError("config", f"layer pattern {pattern!r} is not a list of M (mamba), * (attention), "
-                                       "- (mlp) layers")
+                                       "- (mlp), E (moe) layers")
     types = [_NEMOTRON_LAYERS[t] for t in pattern]
-    if "moe" in types:
-        raise UnsupportedArchitecture(f"{arch} with mixture-of-experts layers (E in its pattern) is not supported")
     for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
         if cfg.get(key, want) != want:
             raise UnsupportedArchitecture(f"{arch} with {key} {cfg.get(key)!r} is not supported (only {want})")
@@ -815,9 +818,20 @@ def nemotron_h_fields(arch: str, cfg: dict[str, Any]) -> dict[str, Any]:
                                 conv_bias=bool(first("use_conv_bias", "mamba_conv_bias", default=True)),
                                 proj_bias=bool(cfg.get("use_bias", False)),
                                 dt_limit=_dt_limit(first("time_step_limit", "mamba_dt_limit", default=None)))
+    moe = None
+    if "moe" in types:
+        inter = int(first("moe_intermediate_size", default=7688))
+        moe = MoEConfig(int(first("n_routed_experts", "num_local_experts", "num_experts", default=8)),
+                        int(first("num_experts_per_tok", default=2)), inter, router="sigmoid",
+                        renormalize=bool(first("norm_topk_prob", default=True)),
+                        scaling=float(first("routed_scaling_factor", default=1.0)), selection_bias=True,
+                        groups=int(first("n_group", default=1)), groups_kept=int(first("topk_group", default=1)),
+                        shared_intermediate_size=int(first("moe_shared_expert_intermediate_size",
+                                                           "shared_expert_intermediate_size", default=7688)),
+                        activation="relu2", latent_size=int(first("moe_latent_size", default=0)))
     return {"layer_types": types, "num_hidden_layers": len(types), "recurrent": recurrent, "uses_rope": False,
             "head_dim": int(cfg.get("head_dim") or 128), "rms_norm_eps": float(cfg.get("layer_norm_epsilon", 1e-5)),
-            "num_key_value_heads": int(cfg.get("num_key_value_heads") or 8)}
+            "num_key_value_heads": int(cfg.get("num_key_value_heads") or 8), "moe": moe}
 
 
 def _dt_limit(value: Any) -> tuple[float, float]:

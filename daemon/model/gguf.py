@@ -30,7 +30,7 @@ import torch
 from llmd.kernels import gguf_blocks as gb
 
 from ..errors import ModelFileError, UnsupportedArchitecture
-from . import gguf_gemma4, gguf_hybrid
+from . import gguf_gemma4, gguf_hybrid, gguf_nemotron_h
 from .pooling import gguf_pooling
 
 log = logging.getLogger(__name__)
@@ -410,8 +410,9 @@ _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)(?:\.(weight|bias|scale))?$")
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
 # parameters of their own, not a module's weight: blk.N.attn_sinks.weight is model.layers.N.self_attn.sinks
+# (and Mamba2's blk.N.ssm_dt.bias, ssm_a, ssm_d: Granite's mamba.*, Nemotron-H's mixer.*)
 _BARE_PARAMETERS = {"self_attn.sinks", *gguf_hybrid.BARE_PARAMETERS, *gguf_gemma4.BARE_PARAMETERS, "mamba.dt_bias",
-                     "mamba.A_log", "mamba.D"}  # and Mamba2's blk.N.ssm_dt.bias, ssm_a, ssm_d
+                     "mamba.A_log", "mamba.D", *gguf_nemotron_h.BARE_PARAMETERS}
 
 _REQUIRED = object()
 # "<arch>.<suffix>" -> (config.json key, conversion, default): the keys every architecture here shares
@@ -662,8 +663,9 @@ _MAMBA2_TRANSFORMS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _most_kv_heads(value: Any) -> int:
-    """attention.head_count_kv, a number or one per layer (0 on recurrent layers): the attention layers' count."""
+def _per_layer_max(value: Any) -> int:
+    """A number, or one per layer (attention.head_count_kv, 0 on recurrent layers; Nemotron-H's feed_forward_length,
+    0 on the layers without an MLP): the largest, the value of the layers that have one."""
     return max(int(v) for v in value) if isinstance(value, list) else int(value)
 
 
@@ -751,8 +753,15 @@ GGUF_ARCHITECTURES: dict[str, GGUFArch] = {
                           check=gguf_hybrid.check_layers),
     # Granite 4.0-H: Mamba2 and attention layers, a shared MLP and (tiny, small) experts (llmd.model.mamba2)
     "granitehybrid": GGUFArch("GraniteMoeHybridForCausalLM", _GRANITE_HYBRID_NAMES, permuted_qk=True,
-                              config_keys={"attention.head_count_kv": ("num_key_value_heads", _most_kv_heads)},
+                              config_keys={"attention.head_count_kv": ("num_key_value_heads", _per_layer_max)},
                               quirks=_granite_hybrid_quirks, undo=_MAMBA2_TRANSFORMS),
+    # Nemotron-H (Nano 9B/12B v2) and Nemotron 3 (Nano 30B-A3B, Super): Mamba2, attention without positions and
+    # squared-ReLU MLP or experts layers, one mixer each (llmd.model.gguf_nemotron_h, llmd.model.mamba2)
+    **{arch: GGUFArch("NemotronHForCausalLM", gguf_nemotron_h.LAYER_NAMES, permuted_qk=True,
+                      config_keys={"attention.head_count_kv": ("num_key_value_heads", _per_layer_max),
+                                   "feed_forward_length": ("intermediate_size", _per_layer_max)},
+                      quirks=gguf_nemotron_h.quirks, undo=gguf_nemotron_h.undo(_MAMBA2_TRANSFORMS),
+                      check=gguf_nemotron_h.check_layers) for arch in ("nemotron_h", "nemotron_h_moe")},
     # Gemma 4 text: per-layer embeddings, KV sharing, per-layer head shapes, proportional RoPE, experts beside the
     # MLP (llmd.model.gguf_gemma4)
     "gemma4": GGUFArch("Gemma4ForCausalLM", gguf_gemma4.LAYER_NAMES, config_tensors=("rope_freqs.weight",),
@@ -970,14 +979,15 @@ def _check_experts(path: Path, info: TensorInfo, name: str, hf_cfg: dict) -> Non
     if not experts:
         return
     hidden = hf_cfg["hidden_size"]
+    width = hf_cfg.get("moe_latent_size") or hidden  # (Nemotron 3 Super's experts work in a latent space)
     inter = hf_cfg.get("moe_intermediate_size") or hf_cfg["intermediate_size"]
-    expected = {".mlp.gate.weight": (experts, hidden), ".mlp.experts.gate_proj.weight": (experts, inter, hidden),
-                ".mlp.experts.up_proj.weight": (experts, inter, hidden),
-                ".mlp.experts.down_proj.weight": (experts, hidden, inter)}
+    expected = {".mlp.gate.weight": (experts, hidden), ".mlp.experts.gate_proj.weight": (experts, inter, width),
+                ".mlp.experts.up_proj.weight": (experts, inter, width),
+                ".mlp.experts.down_proj.weight": (experts, width, inter)}
     for suffix, shape in expected.items():
         if name.endswith(suffix) and tuple(info.shape) != shape:
             raise ModelFileError(path, f"tensor {info.name!r} has shape {list(info.shape)}, expected {list(shape)} "
-                                       f"for {experts} experts of width {inter} (hidden {hidden}) as the metadata "
+                                       f"for {experts} experts of width {inter} (in {width}) as the metadata "
                                        "says")
 
 

@@ -10,9 +10,11 @@ modeling_nemotron_h (the references the tests compare against):
   embeddings times embedding_multiplier, attention scaled by attention_multiplier, logits divided by logits_scaling.
   The checkpoint's input_linear / output_linear (shared MLP and experts, gate rows then up rows) and router.layer
   are read as the MLP's and llmd.model.moe's names (`adapt_checkpoint`).
-- Nemotron-H layer: x + mixer(norm(x)), the mixer Mamba2, attention, or a squared-ReLU MLP (up, down) that keeps no
-  cache (ModelConfig.is_mixerless); RMSNorms multiply by their weight in fp32. Its `backbone.` names are read as
-  `model.`, and the multi-token-prediction head (`mtp.*`) is left unread.
+- Nemotron-H layer: x + mixer(norm(x)), the mixer Mamba2, attention, a squared-ReLU MLP (up, down) or (Nemotron 3)
+  llmd.model.moe's block with squared-ReLU experts without a gate, latent where the config says, and a squared-ReLU
+  shared expert; the last two keep no cache (ModelConfig.is_mixerless). RMSNorms multiply by their weight in fp32.
+  Its `backbone.` names are read as `model.`, an MoE layer's `mixer.` as `mlp.` (transformers 5's stacked
+  `experts.up_proj` as gate_up_proj), and the multi-token-prediction head (`mtp.*`) is left unread.
 A tensor of a layer kind its layer is not (the config's layer pattern against the checkpoint) is refused by name.
 """
 
@@ -38,6 +40,10 @@ from .recurrent import RecurrentState, StateMetadata, causal_conv1d, grouped_gat
 _LAYER_TENSOR = re.compile(r"^model\.layers\.(\d+)\.([A-Za-z_]+)\.([A-Za-z_0-9]+)")
 _MAMBA_PARTS = ("in_proj", "conv1d", "A_log", "D", "dt_bias", "norm", "out_proj")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# Nemotron-H's MoE mixer parts (read under mlp.), and transformers 5's stacked experts ([E, out, in], no gate)
+_MOE_MIXER = re.compile(r"^(model\.layers\.\d+)\.mixer\."
+                        r"(gate|experts|shared_experts|fc1_latent_proj|fc2_latent_proj)\.")
+_STACKED_UP = re.compile(r"\.mlp\.experts\.up_proj$")
 
 
 class GatedGroupRMSNorm(nn.Module):
@@ -106,12 +112,13 @@ class Attention(nn.Module):
 
 
 class ReluSquaredMLP(nn.Module):
-    """Nemotron-H's MLP: down(relu(up(x))^2)."""
+    """Nemotron-H's MLP: down(relu(up(x))^2), intermediate_size wide unless given (a shared expert's)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        self.up_proj = make_linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = make_linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        inter = intermediate_size or config.intermediate_size
+        self.up_proj = make_linear(config.hidden_size, inter, bias=config.mlp_bias)
+        self.down_proj = make_linear(inter, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.relu(self.up_proj(x)).square())
@@ -160,6 +167,9 @@ class NemotronHLayer(nn.Module):
             self.mixer: nn.Module = Mamba2Mixer(config)
         elif self.kind == "mlp":
             self.mixer = ReluSquaredMLP(config)
+        elif self.kind == "moe":  # named mlp, as llmd.model.moe's names go (NemotronHCausalLM.renamed)
+            assert config.moe is not None
+            self.mlp = SparseMoE(config, shared=ReluSquaredMLP(config, config.moe.shared_intermediate_size))
         else:
             self.mixer = Attention(config)
 
@@ -169,6 +179,8 @@ class NemotronHLayer(nn.Module):
             return x + self.mixer(h, cache, meta.state)
         if self.kind == "mlp":
             return x + self.mixer(h)
+        if self.kind == "moe":
+            return x + self.mlp(h)
         return x + self.mixer(h, cos, sin, cache, meta)
 
 
@@ -272,10 +284,14 @@ class NemotronHCausalLM(Mamba2HybridLM):
         if name.startswith(("mtp.", "model.mtp.", "backbone.mtp.")):
             return None
         name = re.sub(r"^backbone\.", "model.", name)
+        name = _MOE_MIXER.sub(r"\1.mlp.\2.", name)
+        name = _STACKED_UP.sub(".mlp.experts.gate_up_proj.weight", name)
         return {"model.embeddings.weight": "model.embed_tokens.weight",
                 "model.norm_f.weight": "model.norm.weight"}.get(name, name)
 
     def tensor_kind(self, module: str, part: str) -> str | None:
+        if module == "mlp":
+            return "moe"
         if module != "mixer":
             return None
         if part in _MAMBA_PARTS:
