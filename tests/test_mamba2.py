@@ -148,6 +148,27 @@ def test_hub_configs_load_as_transformers_5s(mamba2_models, expected, tmp_path):
         assert (logits_of(lm) - expected[kind]).abs().max().item() < TOLERANCE
 
 
+def test_stacked_experts_load_as_the_per_expert_ones(mamba2_models, expected, tmp_path):
+    """transformers 5's in-memory layout of Nemotron-H's experts (mixer.experts.up_proj [E, I, H] and down_proj
+    [E, H, I], no .weight), as a checkpoint saved without its conversion reversed holds them."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "stacked"
+    shutil.copytree(mamba2_models["nemotron_h_moe"], folder)
+    tensors, stacks = {}, {}
+    for name, t in load_file(folder / "model.safetensors").items():
+        head, sep, rest = name.partition(".experts.")
+        if sep:
+            e, proj, _ = rest.split(".")
+            stacks.setdefault(f"{head}.experts.{proj}", {})[int(e)] = t
+        else:
+            tensors[name] = t
+    tensors |= {name: torch.stack([parts[e] for e in range(len(parts))]) for name, parts in stacks.items()}
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    lm = load_model(folder, dtype=torch.float32, device="cpu")
+    assert (logits_of(lm) - expected["nemotron_h_moe"]).abs().max().item() < TOLERANCE
+
+
 def _random_scan_inputs(t: int, heads=4, head_dim=3, groups=2, state=5, seed=0):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
