@@ -17,6 +17,7 @@ import json
 import math
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
@@ -330,6 +331,21 @@ def test_gguf_matches_transformers(kind, quant, mamba2_ggufs, expected):
     assert lm.config.layer_types == layer_types(kind)
     diff = (logits_of(lm) - expected[kind]).abs().max().item()
     assert diff < TOLERANCE, f"{kind} ({quant}): max |logit difference| {diff:.2e}"
+
+
+def test_gguf_multi_token_prediction_block_is_left_unread(mamba2_ggufs, expected, tmp_path):
+    """Nemotron 3's MTP head as the converter appends it: one more block (attention and experts, counted in
+    block_count and in the per-layer arrays), nextn_predict_layers 1; the decoder runs without it."""
+    p, rng = "nemotron_h_moe.", np.random.default_rng(0)
+    extra = {"blk.5.attn_q.weight": rng.standard_normal((64, 64), np.float32),
+             "blk.5.ffn_up_exps.weight": rng.standard_normal((8, 32, 64), np.float32)}
+    path = _rewrite(mamba2_ggufs["nemotron_h_moe", "F32"], tmp_path / "mtp.gguf", extra=extra,
+                    meta={p + "block_count": 6, p + "nextn_predict_layers": 1,
+                          p + "attention.head_count_kv": [0, 0, 2, 0, 0, 2],
+                          p + "feed_forward_length": [0, 32, 0, 32, 0, 32]})
+    lm = load_model(path, dtype=torch.float32, device="cpu")
+    assert lm.config.num_hidden_layers == 5
+    assert (logits_of(lm) - expected["nemotron_h_moe"]).abs().max().item() < TOLERANCE
 
 
 @pytest.mark.parametrize("kind", ["granite_hybrid", "nemotron_h", "nemotron_h_moe", "nemotron_h_moe_latent"])
