@@ -11,7 +11,7 @@ What the converter writes, and how each is read:
 - the experts: `expert_count`, `expert_used_count`, `expert_feed_forward_length`,
   `expert_shared_feed_forward_length`, `expert_weights_norm`, `expert_weights_scale`, `expert_group_count` (the
   groups kept, `expert_group_used_count`, is not written: a file with several groups must carry it, else it is
-  refused), `moe_latent_size`; the gating is sigmoid whether or not `expert_gating_func` says so (llama.cpp: 2);
+  refused), `moe_latent_size`; the gating is sigmoid (not written; an `expert_gating_func` other than 2 is refused);
   `nextn_predict_layers` multi-token-prediction blocks after the decoder, counted in block_count, are not run;
 - tensors as Granite's Mamba2 layers (ssm_a = -exp(A_log) [heads, 1], ssm_d [heads, 1], the conv squeezed to
   [channels, kernel], ssm_norm as [groups, inner / groups], dt_bias as ssm_dt.bias), q/k rows permuted as for
@@ -84,6 +84,8 @@ def quirks(cfg: dict, meta: dict, p: str, factors: dict[str, list[float]]) -> No
     cfg["layer_norm_epsilon"] = float(eps) if eps is not None else cfg["rms_norm_eps"]
     if not moe:
         return
+    if not meta.get(p + "expert_count"):
+        raise ValueError(f"{p}expert_count is missing: the experts' layers need it")
     gating = meta.get(p + "expert_gating_func")
     if gating is not None and int(gating) != 2:  # llama.cpp: 1 softmax, 2 sigmoid
         raise ValueError(f"{p}expert_gating_func {gating} (Nemotron-H routes by sigmoid, 2)")
@@ -106,8 +108,7 @@ def _layer_tensors(kind: str, cfg: dict) -> dict[str, tuple[int, ...]]:
         channels = inner + 2 * groups * cfg["ssm_state_size"]
         return {"ssm_in.weight": (inner + channels + heads, hidden),
                 "ssm_conv1d.weight": (channels, cfg["conv_kernel"]), "ssm_dt.bias": (heads,), "ssm_a": (heads, 1),
-                "ssm_d": (heads, 1),
-                "ssm_norm.weight": (groups, inner // groups), "ssm_out.weight": (hidden, inner)}
+                "ssm_d": (heads, 1), "ssm_norm.weight": (groups, inner // groups), "ssm_out.weight": (hidden, inner)}
     if kind == "full_attention":
         q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
         return {"attn_q.weight": (q, hidden), "attn_k.weight": (kv, hidden), "attn_v.weight": (kv, hidden),
@@ -115,7 +116,7 @@ def _layer_tensors(kind: str, cfg: dict) -> dict[str, tuple[int, ...]]:
     if kind == "mlp":
         inter = cfg["intermediate_size"]
         return {"ffn_up.weight": (inter, hidden), "ffn_down.weight": (hidden, inter)}
-    experts, inter = cfg["num_experts"], cfg.get("moe_intermediate_size") or 0
+    experts, inter = cfg.get("num_experts") or 0, cfg.get("moe_intermediate_size") or 0
     shared = cfg.get("moe_shared_expert_intermediate_size") or 0
     latent = cfg.get("moe_latent_size") or 0
     width = latent or hidden
@@ -135,7 +136,7 @@ def check_layers(path: Path, shapes: dict[str, Sequence[int]], cfg: dict[str, An
     shape): a layer holds its kind's tensors (head_count_kv and feed_forward_length say the kind) in the shapes the
     metadata gives, and no tensor of another kind. ModelFileError names the tensor."""
     optional = {"ssm_conv1d.bias"}
-    kinds = [k for k in _KINDS if k != "moe" or cfg.get("num_experts")]
+    kinds = [k for k in _KINDS if k != "moe" or "moe" in cfg["layers_block_type"]]
     tensors = {kind: _layer_tensors(kind, cfg) for kind in kinds}
     tensors["mamba"]["ssm_conv1d.bias"] = (tensors["mamba"]["ssm_conv1d.weight"][0],)
     for i, kind in enumerate(cfg["layers_block_type"]):
