@@ -418,30 +418,20 @@ void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch)
     }
 }
 
-void llmd_gx_run(const llmd_gx_job *jobs, int64_t njobs, int nth, void *scratch) {
-    /* Handed out as they fall free (an orphaned dynamic loop of the caller's team), so a thread that the OS preempts
-     * (the event loop, another program) delays the matmul by its current chunk, not by its whole share; every output
-     * column gets the same operations whichever thread computes it. A unit of 8 columns costs its rows plus a few for
-     * decoding the weights; about 8 chunks per thread. */
+void llmd_gx_run(const llmd_gx_job *jobs, int64_t njobs, int tid, int nth, void *scratch) {
+    /* a unit of 8 columns costs its rows plus a few for decoding the weights */
     int64_t total = 0;
     for (int64_t j = 0; j < njobs; j++) total += (jobs[j].n + 7) / 8 * (jobs[j].g->m + 4);
-    const int64_t target = total / (8 * (int64_t)nth) + 1;
-    int64_t chunks = 0;
-    for (int64_t j = 0; j < njobs; j++) {
-        const int64_t units = (jobs[j].n + 7) / 8, per = (target + jobs[j].g->m + 3) / (jobs[j].g->m + 4);
-        chunks += (units + per - 1) / per;
-    }
-    int64_t job = 0, first = 0; /* the job of chunk c and its first chunk (c only grows: monotonic) */
-#pragma omp for schedule(monotonic : dynamic, 1) nowait
-    for (int64_t c = 0; c < chunks; c++) {
-        int64_t units, per;
-        for (;;) {
-            units = (jobs[job].n + 7) / 8, per = (target + jobs[job].g->m + 3) / (jobs[job].g->m + 4);
-            if (c < first + (units + per - 1) / per) break;
-            first += (units + per - 1) / per, job++;
+    const int64_t lo = total * tid / nth, hi = total * (tid + 1) / nth;
+    int64_t at = 0;
+    for (int64_t j = 0; j < njobs && at < hi; j++) {
+        const int64_t units = (jobs[j].n + 7) / 8, w = jobs[j].g->m + 4;
+        if (at + units * w > lo) { /* unit u is this thread's where its cost starts in [lo, hi) */
+            const int64_t u0 = lo > at ? (lo - at + w - 1) / w : 0;
+            const int64_t u1 = (hi - at + w - 1) / w < units ? (hi - at + w - 1) / w : units;
+            if (u0 < u1) llmd_gx_cols(&jobs[j], 8 * u0, 8 * u1 < jobs[j].n ? 8 * u1 : jobs[j].n, scratch);
         }
-        const int64_t u0 = (c - first) * per, u1 = u0 + per < units ? u0 + per : units;
-        llmd_gx_cols(&jobs[job], 8 * u0, 8 * u1 < jobs[job].n ? 8 * u1 : jobs[job].n, scratch);
+        at += units * w;
     }
 }
 
@@ -514,7 +504,7 @@ static int gx_parts_matmul(int act, const llmd_gguf_part *parts, int64_t nparts,
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < nparts; i++)
             if (plan[i].layout == i) llmd_gx_make_group(&plan[i].group, &plan[i].rows, 0, m, extra + plan[i].at);
-        llmd_gx_run(jobs, nparts, nth, scratch + gx_align(sb) * (size_t)tid);
+        llmd_gx_run(jobs, nparts, tid, nth, scratch + gx_align(sb) * (size_t)tid);
     }
     free(jobs), free(extra), free(buf), free(plan);
     return 0;
