@@ -157,6 +157,8 @@ def _bind(path: Path) -> ctypes.CDLL:
     lib.llmd_gguf_matmul_q8.argtypes = lib.llmd_gguf_matmul.argtypes
     lib.llmd_x8_pack.argtypes = [cint, ptr, i64, i64]
     lib.llmd_x8_pack.restype = cint
+    lib.llmd_x8_rows.argtypes = [cint, ptr, i64, i64, ptr, i64, ptr]
+    lib.llmd_x8_rows.restype = cint
     lib.llmd_gguf_parts_matmul_q8.argtypes = lib.llmd_gguf_parts_matmul.argtypes
     lib.llmd_gguf_matmul_q8.restype = lib.llmd_gguf_parts_matmul_q8.restype = cint
     lib.llmd_gguf_matmul_q16.argtypes = lib.llmd_gguf_matmul.argtypes
@@ -575,6 +577,20 @@ def x8_pack_(blocks: torch.Tensor, layout: str) -> None:
         raise MemoryError("no memory for a group of rows while interleaving")
     if rc != 0:
         raise ValueError(f"{layout} cannot hold rows of shape {tuple(blocks.shape)}")
+
+
+def x8_rows(blocks: torch.Tensor, ids: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rows `ids` of an interleaved table [N, row bytes] in the file's layout (gguf_blocks.x8_rows' bytes), in C where
+    the library loads and takes the layout."""
+    lib = load()
+    if lib is None or layout != "Q6_K_X8" or not blocks.is_contiguous() or blocks.device.type != "cpu":
+        return gb.x8_rows(blocks, ids, layout)
+    ids = ids.to(torch.int64).contiguous()
+    out = torch.empty(ids.numel(), blocks.shape[1], dtype=torch.uint8)
+    if lib.llmd_x8_rows(GGUF_TYPE_IDS[layout], blocks.data_ptr(), blocks.shape[0], blocks.shape[1], ids.data_ptr(),
+                        ids.numel(), out.data_ptr()) != 0:
+        raise IndexError(f"token ids outside the table's {blocks.shape[0]} rows")
+    return out
 
 
 def gguf_kernel(parts: list[tuple[torch.Tensor, str]], k: int, head: bool = False) -> GGUFKernel | None:

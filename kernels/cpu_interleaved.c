@@ -645,3 +645,24 @@ int llmd_x8_pack(int type, uint8_t *q, int64_t n, int64_t rb) {
     free(group);
     return 0;
 }
+
+/* rows ids[0..count) of a Q6_K_X8 table q [n, rb] in the file's layout into out [count, rb] (x8_pack_block's inverse for
+ * one column: a tied embedding's lookup in a table its head interleaved); -1 for another type or an id out of range */
+int llmd_x8_rows(int type, const uint8_t *q, int64_t n, int64_t rb, const int64_t *ids, int64_t count, uint8_t *out) {
+    if (type != LLMD_Q6K_X8 || n % 8 || rb % 210) return -1;
+    for (int64_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n) return -1;
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t c = ids[i] % 8;
+        const uint8_t *group = q + ids[i] / 8 * 8 * rb;
+        for (int64_t b = 0; b < rb / 210; b++) {
+            const uint8_t *g = group + b * Q6X8_BYTES;
+            uint8_t *d = out + i * rb + b * 210;
+            memcpy(d + 208, g + 2 * c, 2);
+            for (int j = 0; j < 16; j++) d[192 + j] = g[16 + 8 * j + c];
+            for (int r = 0; r < 32; r++) memcpy(d + 4 * r, g + 144 + 32 * r + 4 * c, 4);
+            for (int r = 0; r < 16; r++) memcpy(d + 128 + 4 * r, g + 1168 + 32 * r + 4 * c, 4);
+        }
+    }
+    return 0;
+}

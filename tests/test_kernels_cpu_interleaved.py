@@ -164,6 +164,9 @@ def test_a_tied_q6_k_head_interleaves_its_table_and_the_embedding_still_reads_th
         return
     assert head.type_name == "Q6_K_X8" and torch.equal(emb.qweight, gb.x8_pack(q, "Q6_K_X8"))
     assert torch.equal(emb(ids), before)
+    assert torch.equal(gb.x8_rows(emb.qweight, ids.flatten(), "Q6_K_X8"), q[ids.flatten()])  # the torch reference
+    with pytest.raises(IndexError):
+        emb(torch.tensor([64]))
     x = _x(3, k)
     ref = cpu_gemm.gguf_matmul_q16_ref(x, q, "Q6_K")
     torch.testing.assert_close(head(x), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())

@@ -167,7 +167,7 @@ class GGUFEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         ids = input_ids.reshape(-1)
         layout = self.head[0].type_name if self.head else self.type_name  # a tied head may have interleaved the table
-        picked = gb.x8_rows(self.qweight, ids, layout) if layout in gb.X8_OF else self.qweight.index_select(0, ids)
+        picked = cpu_gemm.x8_rows(self.qweight, ids, layout) if layout in gb.X8_OF else self.qweight.index_select(0, ids)
         rows = cpu_gemm.gguf_dequantize(picked, self.type_name) if picked.is_cpu else None  # C where it builds
         if rows is None:
             rows = gb.dequantize_blocks(picked, self.type_name)
