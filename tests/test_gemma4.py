@@ -12,10 +12,12 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from engine_testing import make_engine, no_leaked_blocks  # noqa: F401  (autouse leak check)
 from llmd.engine import SamplingParams, generate
 from llmd.engine.runner import kv_bytes_per_block
 from llmd.errors import ModelFileError
+from llmd.model.host_table import HostEmbedding, host_weight_bytes
 from llmd.model.loader import load_model
 from test_engine import GREEDY, random_prompts, run_alone, run_staggered
 from test_families import TOLERANCE, prompt_ids, reference_logits
@@ -23,6 +25,9 @@ from test_hybrid import chunked_logits
 from tiny_models import GEMMA4_VARIANTS, write_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+# bf16 against fp32 logits of a tiny random model, |got - want| / |want|: 6e-2 with bf16 on the CPU (rounding compounds
+# through the layers); a wrong row or layout gives errors of order 1
+BF16_LOGITS = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +127,32 @@ def test_hub_checkpoints_unread_kv_of_sharing_layers_load(gemma4_models, tmp_pat
     hub = load_model(folder, dtype=torch.float32, device="cpu")
     prompt = prompt_ids(12)
     assert torch.equal(chunked_logits(hub, prompt, [5], ()), chunked_logits(plain, prompt, [5], ()))
+
+
+def test_per_layer_table_is_held_on_the_host(gemma4_e):
+    """The per-layer table is a HostEmbedding (llmd.model.host_table): nn.Embedding's lookup, a dtype change keeps
+    it in host memory with the values rounded, and on the CPU no weight is counted apart (all of them are host's)."""
+    table = gemma4_e.model.model.embed_tokens_per_layer
+    assert isinstance(table, HostEmbedding) and table.weight.device.type == "cpu"
+    ids = torch.tensor([[0, 7, 7], [3, table.num_embeddings - 1, 1]])
+    assert torch.equal(table(ids), F.embedding(ids, table.weight))
+    half = HostEmbedding(table.num_embeddings, table.embedding_dim, device="meta").to_empty(device="cpu")
+    half.weight.data.copy_(table.weight)
+    half = half.to(torch.bfloat16)
+    assert half.weight.device.type == "cpu" and torch.equal(half(ids), table(ids).bfloat16())
+    assert gemma4_e.report.host_bytes == 0 == host_weight_bytes(gemma4_e.model)
+
+
+@pytest.mark.gpu
+def test_gpu_per_layer_table_stays_on_the_host(gemma4_models, gemma4_e):
+    """On CUDA (bf16) the per-layer table stays in host memory, every other weight is on the GPU, the loader reports
+    the table's bytes apart, and the logits are the CPU fp32 model's within bf16 rounding."""
+    lm = load_model(gemma4_models["gemma4_e"], dtype=torch.bfloat16, device="cuda")
+    table = lm.model.model.embed_tokens_per_layer
+    assert table.weight.device.type == "cpu" and table.weight.dtype == torch.bfloat16
+    assert all(p.is_cuda for n, p in lm.model.named_parameters() if not n.startswith("model.embed_tokens_per_layer"))
+    assert lm.report.host_bytes == table.weight.numel() * 2 == host_weight_bytes(lm.model)
+    prompt, decode = prompt_ids(40), prompt_ids(8, seed=1)
+    got = chunked_logits(lm, prompt, decode, (11,)).cpu()
+    want = chunked_logits(gemma4_e, prompt, decode, (11,))
+    assert ((got - want).norm() / want.norm()).item() < BF16_LOGITS

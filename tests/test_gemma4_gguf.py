@@ -22,7 +22,8 @@ from llmd.model.config import ModelConfig
 from llmd.model.gguf import gguf_config
 from llmd.model.loader import load_model
 from llmd.model.quant.gguf_experts import GGUFExpertLinear
-from llmd.model.quant.gguf_layers import GGUFEmbedding, GGUFLinear
+from llmd.model.host_table import HostEmbedding
+from llmd.model.quant.gguf_layers import GGUFEmbedding, GGUFLinear, HostGGUFEmbedding
 from test_engine import GREEDY, random_prompts, run_alone, run_staggered
 from test_families import TOLERANCE, _rewrite, our_logits, prompt_ids, reference_logits
 from test_moe import assert_compiled_experts
@@ -164,6 +165,10 @@ def test_q8_0_stays_packed(packed_e, ggufs):
     fp = load_model(ggufs["gemma4_e", "Q8_0"], dtype=torch.float32, device="cpu", quant="none").model.model
     table = fp.embed_tokens_per_layer.weight
     assert torch.equal(m.embed_tokens_per_layer(torch.arange(table.shape[0])), table)
+    # both kept in host memory on a GPU (llmd.model.host_table); the packed one dequantizes its rows on the CPU
+    assert isinstance(m.embed_tokens_per_layer, HostGGUFEmbedding) and isinstance(fp.embed_tokens_per_layer,
+                                                                                     HostEmbedding)
+    assert not isinstance(m.embed_tokens, HostGGUFEmbedding)  # the token table is the tied head: on the device
 
     moe = load_model(ggufs["gemma4_moe", "Q8_0"], dtype=torch.float32, device="cpu")
     experts = moe.model.model.layers[1].experts
@@ -222,3 +227,18 @@ def test_experts_of_the_wrong_shape(ggufs, tmp_path):
     path = _rewrite(ggufs["gemma4_moe", "F32"], tmp_path / "experts.gguf",
                     change={"blk.0.ffn_gate_up_exps.weight": np.zeros((8, 32, 64), np.float32)})
     assert "'blk.0.ffn_gate_up_exps.weight' has shape [8, 32, 64], expected [8, 64, 64]" in _refusal(path)
+
+
+@pytest.mark.gpu
+def test_gpu_packed_per_layer_table_stays_on_the_host(ggufs):
+    """The Q8_0 file on CUDA: the packed per-layer table stays in host memory (its rows dequantized there), the other
+    packed weights go to the GPU; logits within bf16 rounding of the file's weights run in fp32 on the CPU."""
+    lm = load_model(ggufs["gemma4_e", "Q8_0"], dtype=torch.bfloat16, device="cuda")
+    m = lm.model.model
+    assert isinstance(m.embed_tokens_per_layer, HostGGUFEmbedding) and m.embed_tokens_per_layer.qweight.is_cpu
+    assert m.embed_tokens.qweight.is_cuda and m.layers[0].self_attn.q_proj.qweight.is_cuda
+    assert lm.report.host_bytes == m.embed_tokens_per_layer.qweight.numel()
+    ref = load_model(ggufs["gemma4_e", "Q8_0"], dtype=torch.float32, device="cpu", quant="none")
+    prompt, decode = prompt_ids(40), prompt_ids(8, seed=1)
+    got, want = (our_logits(x, prompt, decode) for x in (lm, ref))
+    assert ((got.cpu() - want).norm() / want.norm()).item() < 0.15  # as test_gemma4.BF16_LOGITS

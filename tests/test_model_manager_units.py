@@ -48,6 +48,8 @@ async def test_max_loaded_models_evicts_the_least_recently_used_idle_one(manager
     manager.release(c)
     assert c.keep_alive is None and c.expires_at() is None  # its [models.c] keep_alive = "-1": forever
     assert (await manager.acquire("a")).pinned
+    # on the CPU every weight is host memory: none is counted apart from the budget (llmd.model.host_table)
+    assert manager.describe(c)["host_weight_bytes"] == 0 and c.weight_bytes > 0
 
 
 async def test_busy_models_make_a_load_wait_then_503(manager, monkeypatch):

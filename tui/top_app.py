@@ -14,7 +14,7 @@ stats as JSON (it never imports the engine); this is the schema, served by llmd.
                                           one model; a daemon without `models` serves only this)
 
     MODEL   name, source, pinned, size, weight_bytes, kv_cache_bytes, size_vram, expires_at, active_requests,
-            load_seconds, stats: ENGINE
+            load_seconds, host_weight_bytes (weights kept in host memory beside a GPU, outside size), stats: ENGINE
     ENGINE  dataclasses.asdict(llmd.engine.types.EngineStats):
             requests_running, requests_waiting, requests_finished_total, prompt_tokens_total,
             generation_tokens_total, num_preemptions, steps_total, last_batch_size, last_step_tokens,

@@ -14,7 +14,8 @@ What differs from Gemma 3:
   on E-models their MLPs are twice as wide (use_double_wide_mlp);
 - per-layer embeddings (E-models): a second table [per-layer vocab, layers * P] whose row, scaled by sqrt(P), is added
   to a projection of the token's embedding (normed, scaled by hidden^-0.5), the sum times 2^-0.5 feeding each layer
-  its P-wide slice: after the MLP, x += norm(proj(gelu(gate(x)) * slice));
+  its P-wide slice: after the MLP, x += norm(proj(gelu(gate(x)) * slice)). The table stays in host memory on a GPU
+  (llmd.model.host_table: looked up on the CPU, only the rows copied over);
 - every layer's output is multiplied by its learned `layer_scalar`;
 - 26B-A4B: beside the dense MLP, an MoE block (llmd.model.moe's Experts, GELU-tanh) routed from the layer's residual
   by a router of its own (RMSNorm without weight, times `scale` and hidden^-0.5, softmax, top k renormalised, times
@@ -41,6 +42,7 @@ from torch import nn
 from .attention import AttentionMetadata, KVCache, paged_attention, with_image_embeds
 from .config import ModelConfig
 from .gemma import soft_cap
+from .host_table import HostEmbedding
 from .linear import make_linear
 from .llama import CausalLM
 from .moe import Experts
@@ -219,7 +221,7 @@ class Gemma4Model(nn.Module):
         self.rotary_emb = Gemma4Rotary(config)
         if g.per_layer_input_size:
             width = config.num_hidden_layers * g.per_layer_input_size
-            self.embed_tokens_per_layer = nn.Embedding(g.per_layer_vocab, width)
+            self.embed_tokens_per_layer = HostEmbedding(g.per_layer_vocab, width)  # stays in host memory
             self.per_layer_model_projection = make_linear(config.hidden_size, width)
             self.per_layer_projection_norm = Gemma4RMSNorm(g.per_layer_input_size, config.rms_norm_eps)
 

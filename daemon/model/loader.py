@@ -15,6 +15,7 @@ from torch import nn
 from ..errors import ModelFileError
 from .calibrate import quantize_calibrated
 from .config import ModelConfig
+from .host_table import host_weight_bytes
 from .linear import transposed_tied_head, use_transposed_weights
 from .moe import Experts
 from .ops import bind_ops, choose_ops
@@ -86,7 +87,7 @@ def load_model(files: Any, dtype: torch.dtype | None = None, device: str | None 
         if vision is not None and deepstack != config.deepstack_layers:  # Qwen3-VL's (llmd.model.qwen3_vl)
             raise ModelFileError(projector, f"the projector gives {deepstack} DeepStack features per image token; "
                                             f"the text model takes {config.deepstack_layers}")
-    report.weight_bytes = quantized_weight_bytes(model)
+    report.weight_bytes, report.host_bytes = quantized_weight_bytes(model), host_weight_bytes(model)
     seconds = time.perf_counter() - start
     report.seconds = seconds
     log.info("loaded %s (%s, %s on %s): %s", name, config.architecture, dtype, device_t, report.summary())

@@ -32,11 +32,13 @@ class LoadReport:
     weight_bytes: int  # bytes of the materialised parameters
     rss_bytes: int  # resident memory of this process after loading
     peak_rss_bytes: int
+    host_bytes: int = 0  # of weight_bytes, what stays in host memory on a GPU (llmd.model.host_table)
 
     def summary(self) -> str:
         mib = 1024 * 1024
         return (f"{self.tensors} tensors in {self.seconds:.2f} s; weights {self.weight_bytes / mib:.0f} MiB, "
-                f"process RSS {self.rss_bytes / mib:.0f} MiB (peak {self.peak_rss_bytes / mib:.0f} MiB)")
+                f"process RSS {self.rss_bytes / mib:.0f} MiB (peak {self.peak_rss_bytes / mib:.0f} MiB)"
+                + (f"; {self.host_bytes / mib:.0f} MiB of the weights in host memory" if self.host_bytes else ""))
 
 
 def build_empty(config: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> torch.nn.Module:

@@ -113,7 +113,8 @@ def ps(settings: Settings) -> str:
             where = "GPU" if m.get("size_vram") else "CPU"
             if engine.threads:
                 where += f", {engine.threads} thread{'' if engine.threads == 1 else 's'}"
-            lines.append(f"model       {m['name']} ({m.get('source')}, {where}, {m.get('size', 0) / 2**20:.0f} MiB, "
+            host = f" + {m['host_weight_bytes'] / 2**20:.0f} MiB in host memory" if m.get("host_weight_bytes") else ""
+            lines.append(f"model       {m['name']} ({m.get('source')}, {where}, {m.get('size', 0) / 2**20:.0f} MiB{host}, "
                          f"{until})")
             lines += _engine_lines(engine)
         if not models:

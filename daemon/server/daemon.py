@@ -102,7 +102,8 @@ def _useful_kv_bytes(settings: "Settings", loaded: "LoadedModel") -> tuple[int, 
 
 
 def load_served(entry: "Served", settings: "Settings", kv_cache_bytes: int, default: bool) -> tuple:
-    """The model manager's loader: (engine, weight bytes, KV pool bytes, on a GPU)."""
+    """The model manager's loader: (engine, weight bytes on the device, KV pool bytes, on a GPU, weight bytes kept in
+    host memory beside a GPU: llmd.model.host_table)."""
     from ..model.ops import release_cpu_threads
 
     assert entry.files is not None  # remote models have no loader
@@ -110,8 +111,8 @@ def load_served(entry: "Served", settings: "Settings", kv_cache_bytes: int, defa
         loaded, engine = build_engine(settings, entry.files, kv_cache_bytes, with_draft=default)
     finally:
         release_cpu_threads()  # this thread's OpenMP workers would keep the engine thread's from spinning
-    weights = loaded.report.weight_bytes if loaded.report is not None else 0
-    return engine, weights, engine.runner.kv_cache_bytes, loaded.device.type == "cuda"
+    weights, host = (loaded.report.weight_bytes, loaded.report.host_bytes) if loaded.report is not None else (0, 0)
+    return engine, weights - host, engine.runner.kv_cache_bytes, loaded.device.type == "cuda", host
 
 
 def security_policy(settings: Settings) -> SecurityPolicy:

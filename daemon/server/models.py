@@ -66,8 +66,9 @@ class Served:
     engine: Any = None  # an AsyncEngine, or a RemoteEngine, once ready
     info: "ModelInfo | None" = None
     status: str = "loading"
-    weight_bytes: int = 0
+    weight_bytes: int = 0  # on the device (what the memory budget counts)
     kv_bytes: int = 0
+    host_bytes: int = 0  # weights kept in host memory beside a GPU (llmd.model.host_table), outside the budget
     on_gpu: bool = False
     keep_alive: float | None = None  # seconds once idle; None: forever
     idle_since: float | None = None  # monotonic; None while a request is in flight
@@ -134,7 +135,8 @@ class ModelManager:
         self.max_loaded = settings.max_loaded_models
         self.budget_bytes: int = settings.memory_budget or 0  # filled in by start() when not configured
         self.on_gpu = False
-        # (Served, Settings, kv_bytes, is_default) -> (Engine, weight bytes, KV bytes, on a GPU); in a worker thread
+        # (Served, Settings, kv_bytes, is_default) -> (Engine, weight bytes on the device, KV bytes, on a GPU, weight
+        # bytes in host memory beside a GPU); in a worker thread
         self._load = load
         self._models: dict[str, Served] = {}  # canonical name -> entry
         self._names: dict[str, str] = {}  # every name a request may use -> canonical name
@@ -396,13 +398,14 @@ class ModelManager:
         await self._make_room(entry, weights + kv)
         entry.weight_bytes, entry.kv_bytes, entry.info = weights, kv, info  # reserved while loading
         log.info("loading model %s (%s, ~%s weights + %s KV)", entry.name, entry.source, _mib(weights), _mib(kv))
-        engine, weight_bytes, kv_bytes, on_gpu = await loop.run_in_executor(
+        engine, weight_bytes, kv_bytes, on_gpu, host_bytes = await loop.run_in_executor(
             None, self._load, entry, self.settings, kv, entry.name == self.default_name)
         from ..engine import AsyncEngine
 
         async_engine = AsyncEngine(engine)
         async_engine.start()
         entry.engine, entry.weight_bytes, entry.kv_bytes, entry.on_gpu = async_engine, weight_bytes, kv_bytes, on_gpu
+        entry.host_bytes = host_bytes
         entry.aliases.add(engine.loaded.name)
         for alias in entry.aliases:
             self._names.setdefault(alias, entry.name)
@@ -521,7 +524,7 @@ class ModelManager:
 
     def describe(self, e: Served, stats: EngineStats | None = None) -> dict:
         return {"name": e.name, "source": e.source, "pinned": e.pinned, "size": e.size_bytes,
-                "weight_bytes": e.weight_bytes, "kv_cache_bytes": e.kv_bytes,
+                "weight_bytes": e.weight_bytes, "kv_cache_bytes": e.kv_bytes, "host_weight_bytes": e.host_bytes,
                 "size_vram": e.size_bytes if e.on_gpu else 0, "expires_at": iso_time(e.expires_at()),
                 "active_requests": e.active, "load_seconds": round(e.load_seconds, 3),
                 "stats": asdict(stats if stats is not None else e.engine.stats())}

@@ -256,8 +256,9 @@ def random_model(mode: str, shape: dict | ModelConfig = LLAMA3_8B, device: str =
         model, _ = quant.build_empty_quantized(config, dtype, device, quant.parse_quant(mode))
     # Gemma 2/3's norms scale by 1 + weight, Gemma 4's (and everyone else's) by weight; Gemma 4's layer scalars by 1
     norm_value = 0.0 if config.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM") else 1.0
-    gen = torch.Generator(device=device).manual_seed(0)
+    gens: dict[str, torch.Generator] = {}  # per device: Gemma 4's per-layer table stays on the host
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        gen = gens.setdefault(t.device.type, torch.Generator(device=t.device).manual_seed(0))
         if t.dtype == torch.uint8:
             t.random_(0, 256, generator=gen)
         elif t.dtype == torch.int8:

@@ -35,7 +35,8 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
     """
     from llmd.kernels.gguf_blocks import BLOCKS
 
-    from .gguf_layers import GGUFEmbedding, GGUFLinear
+    from ..host_table import HostResident
+    from .gguf_layers import GGUFEmbedding, GGUFLinear, HostGGUFEmbedding
 
     swapped = {}
     if spec.method == "gguf":
@@ -43,8 +44,8 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
         for attr in ("embed_tokens", "embed_tokens_per_layer"):  # (Gemma 4's per-layer table: most of an E-model)
             emb, kind = getattr(model.model, attr, None), (gguf_types or {}).get(f"model.{attr}.weight")
             if isinstance(emb, nn.Embedding) and kind in BLOCKS:
-                layer = GGUFEmbedding(emb.num_embeddings, emb.embedding_dim, kind, dtype or torch.float32,
-                                      device=device)
+                kept = HostGGUFEmbedding if isinstance(emb, HostResident) else GGUFEmbedding  # on the host stays
+                layer = kept(emb.num_embeddings, emb.embedding_dim, kind, dtype or torch.float32, device=device)
                 setattr(model.model, attr, layer)
                 swapped[f"model.{attr}"] = layer
     for name, linear in linear_modules(model, include_lm_head).items():

@@ -23,6 +23,7 @@ from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
 from ...errors import ModelFileError
+from ..host_table import HostResident
 from .layers import LinearKernel, QuantizedLinear, c_kernel, use_triton
 
 _CHUNK_ELEMENTS = 1 << 22  # weights dequantized at a time by the torch path (16 MiB of fp32)
@@ -175,6 +176,11 @@ class GGUFEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, type={self.type_name}"
+
+
+class HostGGUFEmbedding(HostResident, GGUFEmbedding):
+    """A GGUFEmbedding that stays in host memory (llmd.model.host_table): the looked-up rows are dequantized on the
+    CPU and only they are copied to the device."""
 
 
 def tie_gguf_head(model: nn.Module, dtype: torch.dtype) -> bool:
