@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Every GPU test and GPU benchmark of the quantization/kernel/CUDA-graph work, in stages, each under its own time
-# limit. A session has 15 minutes of device time and one command at most 10: the default limits sum to 750 s (tests
-# 150 + 65, bench 125, shapes 85, gguf 70, long 35, moe 40, hybrid 120 + 60), more than one command: run them in two
-# calls, STAGES="tests bench shapes" tests/gpu/run_gpu_checks.sh, then STAGES="gguf long moe hybrid" (stages: tests,
-# bench, shapes, gguf, long, moe, hybrid; default all seven, in that order). summary.txt gets each stage's seconds, to
-# size the limits from. An eighth stage, gemma4 (the shapes section at Gemma 4 E4B's and 31B's shapes, 240 s), runs
-# only when named, in a call of its own: STAGES=gemma4 tests/gpu/run_gpu_checks.sh
+# limit. A session has 15 minutes of device time and one command at most 10: the default limits sum to 1,020 s (tests
+# 150 + 65, bench 125, shapes 85, gguf 70, long 35, moe 40 + 45, hybrid 120 + 60 + 45, encoder 90, ple 90 + 100),
+# limits, not estimates of what the stages take: run them in three calls, STAGES="tests bench shapes"
+# tests/gpu/run_gpu_checks.sh, then STAGES="gguf long moe hybrid", then STAGES="encoder ple" (stages: tests, bench,
+# shapes, gguf, long, moe, hybrid, encoder, ple; default all nine, in that order). summary.txt gets each stage's
+# seconds, to size the limits from. A tenth stage, gemma4 (the shapes section at Gemma 4 E4B's and 31B's shapes,
+# 240 s), runs only when named, in a call of its own: STAGES=gemma4 tests/gpu/run_gpu_checks.sh
 # Writes under $OUT (default ./gpu-results): summary.txt, pytest logs, gpu_bench.json/.txt, gpu_shapes.json/.txt,
-# gguf_bench.json/.txt, gpu_long_context.json/.txt, moe_bench.json/.txt, hybrid_bench.json/.txt (and
-# gpu_shapes_gemma4.json/.txt).
+# gguf_bench.json/.txt, gpu_long_context.json/.txt, moe_bench.json/.txt, moe_models.json/.txt, hybrid_bench.json/.txt,
+# hybrid_models.json/.txt, encoders.json/.txt, pytest_ple.txt, ple.json/.txt (and gpu_shapes_gemma4.json/.txt).
 set -u -o pipefail  # a failing pytest or benchmark, not tee, decides each step's status
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-$PWD/gpu-results}"
@@ -27,7 +28,7 @@ if ! "$PY" -c "import llmd" 2>/dev/null; then
   export PYTHONPATH="$SHIM:$PYTHONPATH"
 fi
 status=0
-STAGES=" ${STAGES:-tests bench shapes gguf long moe hybrid} "
+STAGES=" ${STAGES:-tests bench shapes gguf long moe hybrid encoder ple} "
 wants() { [[ "$STAGES" == *" $1 "* ]]; }
 took() { echo "   ($1: $((SECONDS - $2)) s)" | tee -a "$OUT/summary.txt"; }  # a stage's wall time
 # Most of the tests' time is Triton compiling kernels (hundreds of variants, about a second each on one core). With
@@ -92,12 +93,16 @@ took long "$t0"
 fi
 # the fused MoE kernel at gpt-oss-20b's (MXFP4) and Qwen3-30B-A3B's (Q4_K) expert shapes, batch 1, 4, 16: GB/s of
 # the hit experts' bytes, each result checked against the torch reference. About 18 compiles (a second or less
-# each) and its autotuning: an estimate not yet run; summary.txt gets its seconds.
+# each) and its autotuning: an estimate not yet run; summary.txt gets its seconds. Then a tiny random Nemotron-H MoE
+# (Mamba2, attention and squared-ReLU expert layers: tests/gpu/check_models.py, section moe) in bf16 against its CPU
+# fp32 logits (the Mamba2 and fp-expert kernels compile at its tiny shapes: 45 s, an estimate not yet run).
 if wants moe; then
 echo "== fused MoE kernel (gpt-oss-20b MXFP4, Qwen3-30B-A3B Q4_K)" | tee -a "$OUT/summary.txt"
 t0=$SECONDS
 timeout 40 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections moe --name moe_bench 2>&1 \
   | tee "$OUT/moe_bench.txt" | grep "^moe " | tee -a "$OUT/summary.txt" || status=1
+timeout 45 "$PY" tests/gpu/check_models.py --out "$OUT" --sections moe --name moe_models 2>&1 \
+  | tee "$OUT/moe_models.txt" | grep "^model \|^check_models\|Error" | tee -a "$OUT/summary.txt" || status=1
 took moe "$t0"
 fi
 # the recurrent layers of hybrid models (Qwen3.5's Gated DeltaNet and the Mamba2 layers of Granite 4 / Nemotron-H,
@@ -105,7 +110,9 @@ fi
 # layer-shape tests and the model's functions choosing the kernels among them), then one Qwen3.5-9B layer's conv and
 # delta rule and one Granite-4.0-H-Small layer's conv and scan at decode batch 1 and 16 and for a 2k-token prefill
 # chunk (chunked, token by token, the torch reference once), each checked against the reference. About 25 compiles
-# of 6 kernels in the tests, 9 in the benchmark: limits estimated, not yet run.
+# of 6 kernels in the tests, 9 in the benchmark: limits estimated, not yet run. Then a tiny random Qwen3-Next (Gated
+# DeltaNet with fused projections, gated attention, MoE with a shared expert: tests/gpu/check_models.py, section
+# hybrid) in bf16 against its CPU fp32 logits (45 s, an estimate not yet run).
 if wants hybrid; then
 echo "== recurrent layers (Qwen3.5-9B Gated DeltaNet, Granite-4.0-H-Small Mamba2: conv, delta rule, scan)" \
   | tee -a "$OUT/summary.txt"
@@ -114,6 +121,34 @@ timeout 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_recurrent_
   2>&1 | tee "$OUT/pytest_hybrid.txt" | tail -2 | tee -a "$OUT/summary.txt" || status=1
 timeout 60 "$PY" tests/gpu/bench_gpu.py --out "$OUT" --sections hybrid --name hybrid_bench 2>&1 \
   | tee "$OUT/hybrid_bench.txt" | grep "^hybrid " | tee -a "$OUT/summary.txt" || status=1
+timeout 45 "$PY" tests/gpu/check_models.py --out "$OUT" --sections hybrid --name hybrid_models 2>&1 \
+  | tee "$OUT/hybrid_models.txt" | grep "^model \|^check_models\|Error" | tee -a "$OUT/summary.txt" || status=1
 took hybrid "$t0"
+fi
+# the vision towers (llmd.model.vision) at real widths, random weights: Gemma 3 4B's SigLIP, Qwen3-VL-8B's (the
+# Qwen3.5 tower with DeepStack), Mistral Small 3.1's Pixtral; 4 layers on CUDA in bf16 and fp32 against the CPU in
+# fp32 on one image of the real size, then the full-depth tower's encode ms per image (tests/gpu/check_models.py,
+# section encoders; no Triton: 90 s, an estimate not yet run).
+if wants encoder; then
+echo "== vision towers (Gemma 3 SigLIP, Qwen3-VL DeepStack, Pixtral): CUDA vs CPU fp32, encode ms" \
+  | tee -a "$OUT/summary.txt"
+t0=$SECONDS
+timeout 90 "$PY" tests/gpu/check_models.py --out "$OUT" --sections encoders --name encoders 2>&1 \
+  | tee "$OUT/encoders.txt" | grep "^encoder \|^check_models\|Error" | tee -a "$OUT/summary.txt" || status=1
+took encoder "$t0"
+fi
+# Gemma 4's per-layer embedding table in host memory beside a model on CUDA (llmd.model.host_table): the tiny E-model
+# from its folder and its Q8_0 GGUF (the GPU tests of test_gemma4*.py), then E4B's widths and 262k vocabulary with 6
+# layers (tests/gpu/check_models.py, section ple): the table's device, bf16 logits against CPU fp32, the lookup's time.
+# The GGUF kernels compile at the tiny shapes; E4B's CPU fp32 reference holds 6.5 GB: limits estimated, not yet run.
+if wants ple; then
+echo "== Gemma 4 per-layer embeddings on the host (tiny folder and Q8_0 GGUF; E4B widths, 6 layers)" \
+  | tee -a "$OUT/summary.txt"
+t0=$SECONDS
+timeout 90 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_gemma4.py tests/test_gemma4_gguf.py \
+  2>&1 | tee "$OUT/pytest_ple.txt" | tail -2 | tee -a "$OUT/summary.txt" || status=1
+timeout 100 "$PY" tests/gpu/check_models.py --out "$OUT" --sections ple --name ple 2>&1 \
+  | tee "$OUT/ple.txt" | grep "^model \|^ple \|^check_models\|Error" | tee -a "$OUT/summary.txt" || status=1
+took ple "$t0"
 fi
 exit $status
