@@ -20,9 +20,9 @@ from llmd.engine import SamplingParams
 from llmd.errors import ModelFileError
 from llmd.model.config import ModelConfig
 from llmd.model.gguf import gguf_config
+from llmd.model.host_table import HostEmbedding
 from llmd.model.loader import load_model
 from llmd.model.quant.gguf_experts import GGUFExpertLinear
-from llmd.model.host_table import HostEmbedding
 from llmd.model.quant.gguf_layers import GGUFEmbedding, GGUFLinear, HostGGUFEmbedding
 from test_engine import GREEDY, random_prompts, run_alone, run_staggered
 from test_families import TOLERANCE, _rewrite, our_logits, prompt_ids, reference_logits

@@ -26,7 +26,7 @@ def test_tiny_scale_on_the_cpu(tmp_path):
     for row in towers.values():
         assert row["rel_err_float32"] < check_models.FP32_TOL and 0 < row["rel_err_bfloat16"] < check_models.BF16_TOL
         assert row["encode_ms_bfloat16"] > 0 and row["encode_ms_float32"] > 0 and row["layers"] == 3
-    assert towers["qwen3-vl-8b"]["shape"] == [16, 48 * 2]  # the tokens, then one DeepStack feature (2 layers)
+    assert towers["qwen3-vl-8b"]["shape"] == [16, 48 * 3]  # the tokens' embeddings, then two DeepStack features
     models = [r["model"] for r in results["hybrid"] + results["moe"] + results["ple"]]
     assert models == ["qwen3-next", "nemotron-h-moe", "gemma4-e4b-6l"]
     ple = results["ple"][0]

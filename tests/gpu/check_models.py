@@ -114,9 +114,9 @@ def _qwen3_vl(scale: str, layers: int | None) -> tuple[Callable, torch.Tensor]:
     tiny = dict(hidden_size=32, intermediate_size=64, num_layers=3, num_heads=2, text_hidden_size=48, patch_size=4,
                 num_position_embeddings=16, deepstack_indexes=(0, 2))
     fields = full if scale == "full" else tiny
-    if layers:  # DeepStack after each of the reduced tower's blocks but the first
-        fields = fields | dict(num_layers=layers, deepstack_indexes=tuple(range(1, layers))[-len(
-            fields["deepstack_indexes"]):])
+    if layers:  # as many DeepStack features, from the reduced tower's last blocks
+        count = len(fields["deepstack_indexes"])
+        fields = fields | dict(num_layers=layers, deepstack_indexes=tuple(range(max(layers - count, 0), layers)))
     config = q.Qwen35VisionConfig(**fields)
     side = 768 if scale == "full" else 32
 
@@ -178,7 +178,7 @@ def encoders(device: str = "cuda", scale: str = "full") -> list[dict]:
             for dtype in (torch.bfloat16, torch.float32):
                 tower = build_full(_random_state(1, device), dtype, device)
                 row["layers"] = tower.config.num_layers
-                row[f"encode_ms_{str(dtype)[6:]}"] = timed_ms(lambda t=tower: t.encode(pixels), device)
+                row[f"encode_ms_{str(dtype)[6:]}"] = timed_ms(lambda t=tower, p=pixels: t.encode(p), device)
                 del tower
             print(f"encoder {name:26} image {tuple(pixels.shape[1:])} -> {tuple(row['shape'])}: rel err (bf16 / fp32 "
                   f"vs CPU fp32, {row['ref_layers']} layers) {row['rel_err_bfloat16']:.1e} / {row['rel_err_float32']:.1e}"
