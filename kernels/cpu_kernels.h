@@ -51,6 +51,8 @@ int llmd_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_t
 int llmd_rope(float *x, int64_t ldx, const float *cos, const float *ssin, int64_t rows, int64_t heads, int64_t d);
 int llmd_silu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t rows, int64_t n);
 int llmd_gelu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t rows, int64_t n);
+int llmd_gelu_mul2(const float *g, int64_t ldg, const float *u, int64_t ldu, float *y, int64_t ldy, int64_t rows,
+                   int64_t n);
 int llmd_swiglu_clamped_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t rows, int64_t n, float alpha,
                             float limit);
 int llmd_argmax_rows(const float *x, int64_t ldx, int64_t rows, int64_t n, int64_t *out);

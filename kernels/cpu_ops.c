@@ -258,12 +258,15 @@ int llmd_argmax_rows(const float *x, int64_t ldx, int64_t rows, int64_t n, int64
     return 0;
 }
 
-/* y[t, i] = gelu_tanh(g[t, i]) * g[t, n + i] (GeGLU: Gemma). gelu_tanh(x) = 0.5 x (1 + tanh(u)) = x / (1 + exp(-2u)),
- * u = sqrt(2 / pi) (x + 0.044715 x^3): the form of silu_mul with the exponent 2u, so the same exp. */
-int llmd_gelu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t rows, int64_t n) {
+/* y[t, i] = gelu_tanh(gate[t, i]) * up[t, i], gate and up [rows, n] with row strides ldg and ldu (GeGLU over separate
+ * gate and up outputs: Gemma 4's MLP and its per-layer input gate). gelu_tanh(x) = 0.5 x (1 + tanh(u)) =
+ * x / (1 + exp(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3): the form of silu_mul with the exponent 2u, so the same
+ * exp. */
+int llmd_gelu_mul2(const float *g, int64_t ldg, const float *u, int64_t ldu, float *y, int64_t ldy, int64_t rows,
+                   int64_t n) {
     const float c2 = 1.5957691216057308f, k = 0.044715f; /* c2 = 2 sqrt(2 / pi) */
     for (int64_t t = 0; t < rows; t++) {
-        const float *gate = g + t * ldg, *up = gate + n;
+        const float *gate = g + t * ldg, *up = u + t * ldu;
         float *yr = y + t * ldy;
         int64_t i = 0;
 #if SIMD
@@ -281,6 +284,11 @@ int llmd_gelu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t ro
         }
     }
     return 0;
+}
+
+/* y[t, i] = gelu_tanh(g[t, i]) * g[t, n + i]: the fused gate/up output [rows, 2n] (GeGLU: Gemma 2 and 3). */
+int llmd_gelu_mul(const float *g, int64_t ldg, float *y, int64_t ldy, int64_t rows, int64_t n) {
+    return llmd_gelu_mul2(g, ldg, g + n, ldg, y, ldy, rows, n);
 }
 
 /* ---- the paged KV cache -------------------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llmd_rope.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64]
     lib.llmd_silu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
     lib.llmd_gelu_mul.argtypes = [ptr, i64, ptr, i64, i64, i64]
+    lib.llmd_gelu_mul2.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, i64]
     lib.llmd_swiglu_clamped_mul.argtypes = [ptr, i64, ptr, i64, i64, i64, f32, f32]
     lib.llmd_write_kv.argtypes = [ptr, i64, ptr, i64, ptr, i64, kv]
     lib.llmd_decode_attention.argtypes = [ptr, i64, ptr, i64, i64, kv, ptr, i64, ptr, i64, f32, i64, f32, ptr, ptr,
@@ -79,7 +80,8 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.llmd_prefill_attention.argtypes = [ptr, i64, i64, i64, kv, ptr, i64, i64, f32, i64, f32, ptr, ptr, i64,
                                            cint]
     lib.llmd_argmax_rows.argtypes = [ptr, i64, i64, i64, ptr]
-    for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_gelu_mul, lib.llmd_swiglu_clamped_mul,
+    for fn in (lib.llmd_rms_norm, lib.llmd_rope, lib.llmd_silu_mul, lib.llmd_gelu_mul, lib.llmd_gelu_mul2,
+               lib.llmd_swiglu_clamped_mul,
                lib.llmd_write_kv, lib.llmd_decode_attention, lib.llmd_prefill_attention, lib.llmd_argmax_rows):
         fn.restype = cint
     return lib
@@ -173,6 +175,19 @@ def silu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
 def gelu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor | None:
     """gelu_tanh(gate_up[:, :n]) * gate_up[:, n:] for the fused gate/up output [T, 2n] (GeGLU)."""
     return _gated(gate_up, n, "llmd_gelu_mul")
+
+
+def gelu_mul_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """gelu_tanh(gate) * up for separate [T, n] gate and up (each row's values contiguous; up may be a strided view,
+    as a layer's slice of Gemma 4's per-layer inputs is): llmd_gelu_mul's values."""
+    ok = gate.dim() == 2 and up.dim() == 2 and gate.shape == up.shape and _plain(gate) and _plain(up)
+    lib = load() if ok else None
+    if lib is None:
+        return None
+    t, n = gate.shape
+    y = gate.new_empty((t, n))
+    lib.llmd_gelu_mul2(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), y.data_ptr(), n, t, n)
+    return y
 
 
 def swiglu_clamped_mul(gate_up: torch.Tensor, n: int, alpha: float, limit: float) -> torch.Tensor | None:

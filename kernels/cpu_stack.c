@@ -8,7 +8,8 @@
  * with the same arguments, so the hidden states come out bit for bit the same. What goes away is ~12 Python-level
  * calls per layer, each costing tens of microseconds of interpreter, ctypes and tensor allocation: at batch 1 on a
  * small model that was a third of a decode step. Gemma 2's layers are Gemma 3's without q/k norms, with soft-capped
- * attention (llmd_layer.softcap).
+ * attention (llmd_layer.softcap). Gemma 4's dense layers (gemma4_stack) have projections apart, per-layer head shapes
+ * and MLP widths, layers sharing an earlier layer's K/V, per-layer inputs and output scalars.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +37,15 @@ typedef struct {
     const float *q_norm, *k_norm, *attn_out_norm, *mlp_out_norm;
     int64_t local_rope;
     float softcap; /* attention logit soft-cap (Gemma 2; 0: none) */
+    /* Gemma 4 (dims.gemma4; llmd.model.gemma4): q, k and v apart (qkv is q alone; v.q NULL: V is K's projection
+     * before its norm, attention_k_eq_v), gate and up apart (gate_up is the gate), the per-layer input gate and
+     * projection (dims.ple), the ones of V's weightless norm, the per-layer input's output norm, the layer's own
+     * head shape and MLP width, and the scalar its output is multiplied by. */
+    llmd_linear k, v, up, ple_gate, ple_proj;
+    const float *v_norm, *ple_norm;
+    int64_t head_dim, kv_heads, intermediate;
+    int64_t kv_shared; /* attends over its cache (an earlier layer's) and computes and stores no K/V */
+    float scalar;
 } llmd_layer;
 
 enum { ACT_SILU = 0, ACT_GELU_TANH = 1 };
@@ -44,6 +54,9 @@ typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
     float eps, scale;
     int64_t act; /* the gated MLP's activation: ACT_SILU (Llama) or ACT_GELU_TANH (Gemma) */
+    /* Gemma 4's layers (llmd_layer's Gemma 4 part); head_dim, kv_heads and intermediate are then the largest of its
+     * layers', and ple the per-layer inputs' width (0: none) */
+    int64_t gemma4, ple;
 } llmd_dims;
 
 /* One step's flattened batch of T new tokens. Decodes (single-token queries) are described as for
@@ -66,6 +79,7 @@ typedef struct llmd_step {
     int64_t num_tables, chunk_stride;
     const float *cos_local, *ssin_local; /* [T, head_dim]: the tables of layers with local_rope (may be NULL) */
     const struct llmd_step *window;
+    const float *per_layer; /* Gemma 4 with dims.ple: the per-layer inputs [T, num_layers, ple] */
 } llmd_step;
 
 /* y[m, n] = x @ W.T (+ bias); 0, or -2 (no memory) / -3 (the kernel refused the shape). */
@@ -101,10 +115,10 @@ static void add_rows(float *x, const float *y, int64_t count) {
     for (int64_t i = 0; i < count; i++) x[i] = x[i] + y[i];
 }
 
+/* The attention of the step's rows over the layer's cache, H heads of d values (KV heads: KV). */
 static int attention(const llmd_dims *dm, const llmd_layer *L, const llmd_step *st, const float *qkv, int64_t ldq,
-                     float *out, int nth) {
-    const int64_t H = dm->heads, d = dm->head_dim;
-    if (L->kv.kv_heads != dm->kv_heads || L->kv.d != d) return -1;
+                     int64_t H, int64_t KV, int64_t d, float *out, int nth) {
+    if (L->kv.kv_heads != KV || L->kv.d != d) return -1;
     if (st->num_decodes) {
         const int rc = llmd_decode_attention(qkv, ldq, st->decode_rows, st->num_decodes, st->T, &L->kv,
                                              st->decode_tables, st->decode_stride, st->decode_lens, H, dm->scale,
@@ -123,13 +137,84 @@ static int attention(const llmd_dims *dm, const llmd_layer *L, const llmd_step *
     return 0;
 }
 
+static void scale_rows(float *x, float s, int64_t count) {
+    for (int64_t i = 0; i < count; i++) x[i] = x[i] * s;
+}
+
+/* Gemma 4's layers (llmd.model.gemma4.Gemma4DecoderLayer, the same calls in the same order): q, k and v apart, each
+ * head normed (V without a weight), RoPE with the layer kind's tables, K/V stored unless the layer shares an earlier
+ * layer's; sandwich norms around attention and a GeGLU MLP of the layer's width; then the per-layer input block
+ * (x += norm(proj(gelu_tanh(gate(x)) * per_layer[:, l]))) and the layer's scalar. */
+static int gemma4_stack(const llmd_dims *dm, const llmd_layer *layers, const llmd_step *st, float *x, int nth) {
+    const int64_t T = st->T, D = dm->hidden, H = dm->heads, dmax = dm->head_dim, P = dm->ple, NL = dm->num_layers;
+    if (P && !st->per_layer) return -1;
+    const size_t floats = (size_t)(T * (D + 4 * H * dmax + D + 3 * dm->intermediate + 2 * P));
+    float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+    if (!buf) return -2;
+    /* (k and v each fit H * dmax: a layer has no more KV heads than heads) */
+    float *h = buf, *q = h + T * D, *k = q + T * H * dmax, *v = k + T * H * dmax, *att = v + T * H * dmax,
+          *y = att + T * H * dmax, *gate = y + T * D, *up = gate + T * dm->intermediate,
+          *act = up + T * dm->intermediate, *pg = act + T * dm->intermediate, *pa = pg + T * P;
+    int rc = 0;
+    for (int64_t l = 0; l < NL && rc == 0; l++) {
+        const llmd_layer *L = layers + l;
+        const llmd_step *g = L->window && st->window ? st->window : st;
+        const int64_t d = L->head_dim, KV = L->kv_heads, I = L->intermediate;
+        const float *cos = L->local_rope ? st->cos_local : st->cos, *ssin = L->local_rope ? st->ssin_local : st->ssin;
+        if (d > dmax || KV > H || I > dm->intermediate || !cos || !ssin || L->kv.kv_heads != KV || L->kv.d != d) {
+            rc = -1;
+            break;
+        }
+        llmd_rms_norm(x, D, L->input_norm, h, D, T, D, dm->eps);
+        if ((rc = linear(&L->qkv, h, D, q, T, nth))) break;
+        llmd_rms_norm(q, d, L->q_norm, q, d, T * H, d, dm->eps);
+        llmd_rope(q, H * d, cos, ssin, T, H, d);
+        if (!L->kv_shared) {
+            if ((rc = linear(&L->k, h, D, k, T, nth))) break;
+            if (L->v.q) {
+                if ((rc = linear(&L->v, h, D, v, T, nth))) break;
+                llmd_rms_norm(v, d, L->v_norm, v, d, T * KV, d, dm->eps);
+            } else {
+                llmd_rms_norm(k, d, L->v_norm, v, d, T * KV, d, dm->eps);
+            }
+            llmd_rms_norm(k, d, L->k_norm, k, d, T * KV, d, dm->eps);
+            llmd_rope(k, KV * d, cos, ssin, T, KV, d);
+            if (llmd_write_kv(k, KV * d, v, KV * d, g->slots, T, &L->kv)) {
+                rc = -1;
+                break;
+            }
+        }
+        if ((rc = attention(dm, L, g, q, H * d, H, KV, d, att, nth))) break;
+        if ((rc = linear(&L->o, att, H * d, y, T, nth))) break;
+        llmd_rms_norm(y, D, L->attn_out_norm, y, D, T, D, dm->eps);
+        add_rows(x, y, T * D);
+        llmd_rms_norm(x, D, L->post_norm, h, D, T, D, dm->eps);
+        if ((rc = linear(&L->gate_up, h, D, gate, T, nth)) || (rc = linear(&L->up, h, D, up, T, nth))) break;
+        llmd_gelu_mul2(gate, I, up, I, act, I, T, I);
+        if ((rc = linear(&L->down, act, I, y, T, nth))) break;
+        llmd_rms_norm(y, D, L->mlp_out_norm, y, D, T, D, dm->eps);
+        add_rows(x, y, T * D);
+        if (P) {
+            if ((rc = linear(&L->ple_gate, x, D, pg, T, nth))) break;
+            llmd_gelu_mul2(pg, P, st->per_layer + l * P, NL * P, pa, P, T, P);
+            if ((rc = linear(&L->ple_proj, pa, P, y, T, nth))) break;
+            llmd_rms_norm(y, D, L->ple_norm, y, D, T, D, dm->eps);
+            add_rows(x, y, T * D);
+        }
+        scale_rows(x, L->scalar, T * D);
+    }
+    free(buf);
+    return rc;
+}
+
 /* Run every layer on x [T, hidden] in place. 0, or -1 (a slot, row, length or block id outside its buffer),
  * -2 (out of memory), -3 (a matmul refused its shape). */
 int llmd_decoder_stack(const llmd_dims *dm, const llmd_layer *layers, const llmd_step *st, float *x, int nth) {
+    if (st->T < 1) return 0;
+    if (st->window && st->window->T != st->T) return -1;
+    if (dm->gemma4) return gemma4_stack(dm, layers, st, x, nth);
     const int64_t T = st->T, D = dm->hidden, H = dm->heads, KV = dm->kv_heads, d = dm->head_dim,
                   I = dm->intermediate, qkv_w = (H + 2 * KV) * d;
-    if (T < 1) return 0;
-    if (st->window && st->window->T != T) return -1;
     const size_t floats = (size_t)(T * (D + qkv_w + H * d + D + 2 * I + I));
     float *buf = (float *)aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
     if (!buf) return -2;
@@ -157,7 +242,7 @@ int llmd_decoder_stack(const llmd_dims *dm, const llmd_layer *layers, const llmd
             rc = -1;
             break;
         }
-        if ((rc = attention(dm, L, g, qkv, qkv_w, att, nth))) break;
+        if ((rc = attention(dm, L, g, qkv, qkv_w, H, KV, d, att, nth))) break;
         if ((rc = linear(&L->o, att, H * d, y, T, nth))) break;
         if (L->attn_out_norm) llmd_rms_norm(y, D, L->attn_out_norm, y, D, T, D, dm->eps);
         add_rows(x, y, T * D);

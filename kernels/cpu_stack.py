@@ -1,5 +1,5 @@
-"""ctypes binding of cpu_stack.c: a model's whole stack of quantized Llama-shaped decoder layers on the CPU in one call
-(compiled into llmd.kernels.cpu_gemm's library). The structures mirror the C ones field for field; llmd.model.cpu_stack
+"""ctypes binding of cpu_stack.c: a model's whole stack of quantized decoder layers (Llama-shaped, Gemma 2/3/4) on the
+CPU in one call (compiled into llmd.kernels.cpu_gemm's library). The structures mirror the C ones field for field; llmd.model.cpu_stack
 fills them from a model and a step."""
 
 from __future__ import annotations
@@ -30,12 +30,20 @@ class Layer(ctypes.Structure):
                 # Gemma 3 (None / 0 otherwise): q/k head norms, the attention / MLP output norms, local RoPE tables
                 ("q_norm", _ptr), ("k_norm", _ptr), ("attn_out_norm", _ptr), ("mlp_out_norm", _ptr),
                 ("local_rope", _i64),
-                ("softcap", _f32)]  # attention logit soft-cap (Gemma 2; 0: none)
+                ("softcap", _f32),  # attention logit soft-cap (Gemma 2; 0: none)
+                # Gemma 4 (Dims.gemma4): k, v (v.q None: V from K), up, the per-layer input gate and projection apart;
+                # V's norm's ones, the per-layer input's norm; the layer's head shape and MLP width; KV sharing;
+                # its output scalar
+                ("k", Linear), ("v", Linear), ("up", Linear), ("ple_gate", Linear), ("ple_proj", Linear),
+                ("v_norm", _ptr), ("ple_norm", _ptr), ("head_dim", _i64), ("kv_heads", _i64),
+                ("intermediate", _i64), ("kv_shared", _i64), ("scalar", _f32)]
 
 
 class Dims(ctypes.Structure):
     _fields_ = [("num_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
-                ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("act", _i64)]  # act: ACTS
+                ("intermediate", _i64), ("eps", _f32), ("scale", _f32), ("act", _i64),  # act: ACTS
+                # Gemma 4's layers (head_dim, kv_heads, intermediate: the largest), its per-layer input width
+                ("gemma4", _i64), ("ple", _i64)]
 
 
 class Step(ctypes.Structure):
@@ -44,7 +52,8 @@ class Step(ctypes.Structure):
                 ("decode_stride", _i64),
                 ("num_chunks", _i64), ("chunks", _ptr), ("chunk_tables", _ptr), ("num_tables", _i64),
                 ("chunk_stride", _i64), ("cos_local", _ptr), ("ssin_local", _ptr),
-                ("window", _ptr)]  # the window layers' own KV group: a Step's address (slots and tables), or None
+                ("window", _ptr),  # the window layers' own KV group: a Step's address (slots and tables), or None
+                ("per_layer", _ptr)]  # Gemma 4's per-layer inputs [T, layers, ple]
 
 
 _bound: dict[int, ctypes.CDLL] = {}

@@ -257,3 +257,56 @@ def test_two_threads_on_one_model_keep_their_own_caches(tiny_llama):
     for t in threads:
         t.join()
     assert all(torch.equal(a, b) for a, b in zip(alone, together))
+
+
+# ---- Gemma 4 (llmd.model.gemma4): per-layer head shapes, KV sharing, per-layer inputs, output scalars
+
+
+@pytest.fixture(scope="module")
+def gemma4_files(tmp_path_factory) -> dict:
+    """Tiny Gemma 4s (window 8): E-style (6 layers, the last two sharing K/V and double-wide, per-layer inputs 32
+    wide) and 31B-style (V from K and one KV head on the global layers), as HF folders and packed Q8_0 files."""
+    from tiny_models import write_tiny_gguf, write_tiny_model
+
+    root = tmp_path_factory.mktemp("gemma4_stack")
+    folders = {"e": write_tiny_model(root / "e", "gemma4_e32"), "dense": write_tiny_model(root / "dense", "gemma4_dense")}
+    return folders | {f"{kind}-Q8_0": write_tiny_gguf(folder, root / f"{kind}.Q8_0.gguf", "Q8_0")
+                      for kind, folder in folders.items()}
+
+
+@pytest.mark.parametrize("model,quant,kv_cache_dtype,spec", [("e", "int4-g32", "fp16", "off"),
+                                                             ("e-Q8_0", None, "fp32", "ngram"),
+                                                             ("dense", "int8", "int8", "off"),
+                                                             ("dense-Q8_0", None, "fp16", "ngram")])
+def test_gemma4_stack_matches_the_modules(gemma4_files, model, quant, kv_cache_dtype, spec):
+    """Gemma 4's dense layers run every step in the stack with the modules' logits and caches bit for bit: the
+    global layers' wider heads (and, 31B-style, their V taken from K) in caches of their own shape, the KV-sharing
+    layers reading an earlier layer's cache and storing nothing, their double-wide MLPs, the per-layer inputs, the
+    layers' scalars; contexts past 8x the window, the window layers in their own KV group, prompt-lookup verify
+    chunks beside decodes."""
+    loaded = load_model(gemma4_files[model], quant=quant) if quant else load_model(gemma4_files[model])
+    layers = cpu_stack.CpuLayerStack.build(loaded.model).layers
+    shape = [(layer.head_dim, layer.kv_heads, layer.kv_shared, layer.intermediate) for layer in layers]
+    if model.startswith("e"):
+        assert shape == [(16, 2, 0, 128)] * 3 + [(32, 2, 0, 128), (16, 2, 1, 256), (32, 2, 1, 256)]
+        assert all(layer.ple_gate.n == 32 for layer in layers)
+    else:
+        assert shape == [(16, 2, 0, 128), (32, 1, 0, 128)] * 2
+        assert [bool(layer.v.n) for layer in layers] == [True, False] * 2  # V from K on the global layers
+    g = torch.Generator().manual_seed(2)
+    prompts = [[2] + torch.randint(10, 500, (n - 1,), generator=g).tolist() for n in (70, 9, 8 * 8 + 3, 30)]
+    prompts[1] = prompts[1] * 4  # repeats: n-gram proposals to verify
+    kw = dict(prompts=prompts, max_tokens=8, max_num_batched_tokens=24, block_size=8, num_kv_blocks=None,
+              kv_cache_bytes=2**21, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype, speculative_mode=spec)
+    runner = make_engine(loaded, **{k: v for k, v in kw.items() if k not in ("prompts", "max_tokens")}).runner
+    assert runner.num_window_blocks  # the window layers' own pool
+    _assert_stack_matches_modules(loaded, **kw)
+
+
+def test_gemma4_with_moe_blocks_keeps_its_modules(tmp_path):
+    """26B-A4B-style layers (an MoE block beside each MLP) run as modules: the stack declines the model."""
+    from tiny_models import write_tiny_model
+
+    loaded = load_model(write_tiny_model(tmp_path / "moe", "gemma4_moe"), quant="int8")
+    assert cpu_stack.CpuLayerStack.build(loaded.model) is None
+    assert make_engine(loaded).runner.forward is loaded.model

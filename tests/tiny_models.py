@@ -235,8 +235,8 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
                                  tie_word_embeddings=False)
         cls = tf.GptOssForCausalLM
     elif kind.startswith("gemma4"):
-        config = tf.Gemma4TextConfig(**common | GEMMA4_VARIANTS[kind], head_dim=16, sliding_window=8,
-                                     global_head_dim=32)
+        config = tf.Gemma4TextConfig(**common | (GEMMA4_VARIANTS | GEMMA4_STACK_VARIANTS)[kind], head_dim=16,
+                                     sliding_window=8, global_head_dim=32)
         cls = tf.Gemma4ForCausalLM
     elif kind == "qwen3_5":  # Gated DeltaNet layers 0-2 (2 q/k heads serving 4 value heads), gated attention on 3
         config = tf.Qwen3_5TextConfig(**common | {"num_hidden_layers": 4}, head_dim=16, linear_num_key_heads=2,
@@ -293,9 +293,9 @@ def write_tiny_model(folder: Path, kind: str, seed: int = 0, sliding_window: int
     torch.manual_seed(seed)
     model = cls(config).eval()
     _randomise(model)
-    if kind.startswith("gemma4"):  # its learned scalars too
+    if kind.startswith("gemma4"):  # its learned scalars too (layer_scalar is a buffer in transformers)
         with torch.no_grad():
-            for name, p in model.named_parameters():
+            for name, p in [*model.named_parameters(), *model.named_buffers()]:
                 if name.endswith(("layer_scalar", "router.scale", "per_expert_scale")):
                     p.normal_(1.0, 0.1)
     if kind.startswith(("qwen3_5", "qwen3_next")):
@@ -370,6 +370,9 @@ GEMMA4_VARIANTS = {  # written by tests/test_gemma4.py's own fixture
                        enable_moe_block=True, num_experts=8, top_k_experts=2, moe_intermediate_size=32,
                        attention_k_eq_v=True, num_global_key_value_heads=1),
 }
+# tests/test_cpu_stack.py's E-model: per-layer inputs 32 wide, so that int4-g32 and a Q8_0 file take its per-layer
+# projection (K = 32) too, and the whole layer runs compiled
+GEMMA4_STACK_VARIANTS = {"gemma4_e32": GEMMA4_VARIANTS["gemma4_e"] | dict(hidden_size_per_layer_input=32)}
 YARN_KINDS = ("qwen2_yarn", "qwen3_yarn")  # written by the tests that use them (tests/test_families.py)
 
 

@@ -9,8 +9,12 @@ It applies to Llama-shaped models (no q/k norm, no partial rotary; sliding windo
 Gemma 2's soft-capped attention, `Layer.softcap`; Gemma 2's final logit soft-cap stays in `compute_logits`, outside the
 layers) whose fused qkv, o, gate/up and down projections are int8 or int4 layers or packed GGUF layers (one type, or a
 GGUFConcat of several) with a prepared CPU kernel (on either matmul path, as LLMD_CPU_GEMM_ACT chose it), with fp32
-activations and a KV cache the C attention reads (fp32, fp16, bf16 or int8). Everything else (fp32 or bitsandbytes
-weights, Qwen3, attention sinks, CUDA, LLMD_CPU_GEMM=0) keeps the module path. A step with two KV groups (a model
+activations and a KV cache the C attention reads (fp32, fp16, bf16 or int8). Gemma 4's dense layers run too
+(llmd.model.gemma4, `cpu_stack_kind = "gemma4"`; the C code's gemma4_stack): q, k, v, gate and up apart, each layer's
+head shape and MLP width, KV-sharing layers, the per-layer inputs (computed before the stack, by `embed`) and the
+layers' scalars; every projection, the per-layer input gate and projection included, must have a compiled kernel, and
+a model with MoE blocks (26B-A4B) keeps its modules. Everything else (fp32 or bitsandbytes weights, Qwen3, attention
+sinks, MoE, CUDA, LLMD_CPU_GEMM=0) keeps the module path. A step with two KV groups (a model
 mixing window and global layers: `meta.window_group`) runs too: each window layer writes and reads its own group's pool
 through its slots and tables (`Step.window`), as paged_attention picks them, and the two pools may differ in size. The
 engine's runner builds a `CompiledCpuForward` once, when its attention backend is the CPU one, and calls it instead of
@@ -35,10 +39,16 @@ from .quant import QuantizedLinear
 class CpuLayerStack:
     """A model's layers as C structures, with references that keep every pointer in them alive."""
 
-    def __init__(self, lib, dims: ck.Dims, layers: ctypes.Array, linears: list, norms: list):
+    def __init__(self, lib, dims: ck.Dims, layers: ctypes.Array, linears: list, norms: list,
+                 rope_dims: dict[str, int] | None = None):
         self.lib, self.dims, self.layers = lib, dims, layers
         self._linears = linears  # (module, its prepared kernel): the kernels whose weights the C code reads
         self._norms = norms  # (RMSNorm, its weight)
+        # Gemma 4: each layer kind's head size (its RoPE tables' width); None: every table is dims.head_dim wide
+        self.rope_dims = rope_dims
+        # each layer's cache shape (KV heads, head size): Gemma 4's differ from layer to layer
+        self.kv_shapes = [(layer.kv_heads, layer.head_dim) for layer in layers] if dims.gemma4 \
+            else [(dims.kv_heads, dims.head_dim)] * len(layers)
         self._caches: list = []  # weak references to the KV cache tensors whose pointers `layers` holds
         self.block_size = 0
         self.steps = 0  # steps the C code ran (the rest fell back to the modules): for tests and benchmarks
@@ -51,8 +61,11 @@ class CpuLayerStack:
         config = model.config
         if lib is None:
             return None
-        if getattr(model, "cpu_stack_kind", "llama") == "gemma":
+        kind = getattr(model, "cpu_stack_kind", "llama")
+        if kind == "gemma":
             return cls._build_gemma(lib, model)
+        if kind == "gemma4":
+            return cls._build_gemma4(lib, model)
         if config.qk_norm or config.rotary_dim != config.head_dim:  # the C RoPE rotates whole heads
             return None
         if config.moe is not None:  # the C stack has dense MLPs only: MoE blocks run as modules
@@ -106,20 +119,73 @@ class CpuLayerStack:
                        eps=c.rms_norm_eps, scale=model.model.layers[0].self_attn.scale, act=ck.ACTS["gelu_tanh"])
         return cls(lib, dims, layers, linears, norms)
 
+    @classmethod
+    def _build_gemma4(cls, lib, model) -> "CpuLayerStack | None":
+        """Gemma 4's dense layers (llmd.model.gemma4; a model with MoE blocks keeps its modules): q, k, v, gate and up
+        apart, each layer's head shape and MLP width, KV-sharing layers, the per-layer input block and the output
+        scalar (see the C code's gemma4_stack)."""
+        from .gemma4 import FULL
+
+        config = model.config
+        if config.moe is not None:
+            return None
+        layers = (ck.Layer * len(model.model.layers))()
+        linears: list = []
+        norms: list = []
+        eps, cpu = config.rms_norm_eps, torch.device("cpu")
+        rope_dims: dict[str, int] = {}
+        for layer, c_layer in zip(model.model.layers, layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            scalar = layer.layer_scalar
+            if layer.has_moe or scalar.dtype is not torch.float32 or scalar.numel() != 1:
+                return None
+            projections = [("qkv", attn.q_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_proj), ("up", mlp.up_proj),
+                           ("down", mlp.down_proj)]
+            norm_list = [("input_norm", layer.input_layernorm, None), ("q_norm", attn.q_norm, None),
+                         ("attn_out_norm", layer.post_attention_layernorm, None),
+                         ("post_norm", layer.pre_feedforward_layernorm, None),
+                         ("mlp_out_norm", layer.post_feedforward_layernorm, None)]
+            if not attn.shares_kv:
+                projections += [("k", attn.k_proj)] + ([] if attn.v_proj is None else [("v", attn.v_proj)])
+                norm_list += [("k_norm", attn.k_norm, None), ("v_norm", attn.v_norm, attn.v_norm.ones(cpu))]
+            if layer.per_layer:
+                projections += [("ple_gate", layer.per_layer_input_gate), ("ple_proj", layer.per_layer_projection)]
+                norm_list.append(("ple_norm", layer.post_per_layer_input_norm, None))
+            if not _bind_linears(c_layer, projections, linears):
+                return None
+            for name, norm, w in norm_list:
+                if not _bind_norm(c_layer, name, norm, norm.weight if w is None else w, eps, norms):
+                    return None
+            c_layer.window = attn.window or 0
+            c_layer.local_rope = int(attn.kind != FULL)
+            c_layer.head_dim, c_layer.kv_heads = attn.head_dim, attn.num_kv_heads
+            c_layer.intermediate = mlp.gate_proj.out_features
+            c_layer.kv_shared = int(attn.shares_kv)
+            c_layer.scalar = float(scalar)  # an fp32 value: exact as a C float
+            rope_dims[attn.kind] = attn.head_dim
+        c = config
+        dims = ck.Dims(num_layers=len(layers), hidden=c.hidden_size, heads=c.num_attention_heads,
+                       kv_heads=max(layer.kv_heads for layer in layers),
+                       head_dim=max(layer.head_dim for layer in layers),
+                       intermediate=max(layer.intermediate for layer in layers), eps=c.rms_norm_eps, scale=1.0,
+                       act=ck.ACTS["gelu_tanh"], gemma4=1, ple=c.gemma4.per_layer_input_size or 0)
+        return cls(lib, dims, layers, linears, norms, rope_dims)
+
     def _bind_caches(self, kv_caches: list) -> bool:
-        """Point the layers at these caches: one per layer, all of one type and block size, each one the C attention
-        reads ((k, v) in fp32/fp16/bf16, or an int8 cache with its scales). Their numbers of blocks may differ (the
-        pools of two KV groups): the C code checks each layer's block ids against its own cache."""
+        """Point the layers at these caches: one per layer, all of one type and block size, each of its layer's head
+        shape and one the C attention reads ((k, v) in fp32/fp16/bf16, or an int8 cache with its scales). Their
+        numbers of blocks may differ (the pools of two KV groups): the C code checks each layer's block ids against
+        its own cache. (A Gemma 4 layer that shares K/V is given the cache it reads.)"""
         self._caches = []
-        d = self.dims
-        if len(kv_caches) != d.num_layers:
+        if len(kv_caches) != self.dims.num_layers:
             return False
         views = [cpu_ops.kv_view(c) if isinstance(c, tuple) else None for c in kv_caches]
         first = views[0]
-        if first is None or (first.kv_heads, first.d) != (d.kv_heads, d.head_dim):
+        if first is None:
             return False
-        key = (first.dtype, first.block_size, first.kv_heads, first.d)
-        if any(v is None or (v.dtype, v.block_size, v.kv_heads, v.d) != key for v in views):
+        key = (first.dtype, first.block_size)
+        if any(v is None or (v.dtype, v.block_size) != key or (v.kv_heads, v.d) != shape
+               for v, shape in zip(views, self.kv_shapes)):
             return False
         for c_layer, view in zip(self.layers, views):
             c_layer.kv = view
@@ -132,11 +198,47 @@ class CpuLayerStack:
         return len(kv_caches) == len(self._caches) and all(
             len(refs) == len(c) and all(r() is t for r, t in zip(refs, c)) for refs, c in zip(self._caches, kv_caches))
 
-    def forward(self, x: torch.Tensor, cos, sin, kv_caches: list, meta: AttentionMetadata) -> bool:
+    def forward(self, x: torch.Tensor, inputs: tuple, kv_caches: list, meta: AttentionMetadata) -> bool:
         """Run every layer on x [T, hidden] in place; False (x untouched) where the stack does not apply.
-        cos / sin: the RoPE tables, or Gemma's dicts of them per layer type (llmd.model.gemma)."""
+        inputs: what the model's `embed` gave beside x: the RoPE tables (cos, sin), or Gemma's dicts of them per layer
+        type (llmd.model.gemma); Gemma 4's tables per layer kind and per-layer inputs (llmd.model.gemma4)."""
         with self._lock:
-            return self._forward(x, cos, sin, kv_caches, meta)
+            if self.rope_dims is not None:
+                return self._forward_gemma4(x, *inputs, kv_caches, meta)
+            return self._forward(x, *inputs, kv_caches, meta)
+
+    def _forward_gemma4(self, x, rope: dict, per_layer: torch.Tensor | None, kv_caches, meta) -> bool:
+        from .gemma4 import FULL
+
+        assert self.rope_dims is not None
+        if not self._bound_to(kv_caches) and not self._bind_caches(kv_caches):
+            return False
+        t, d = x.shape[0], self.dims
+        for kind, width in self.rope_dims.items():
+            if kind not in rope or any(not c.is_contiguous() or c.dtype is not torch.float32 or c.numel() != t * width
+                                       for c in rope[kind]):
+                return False
+        if d.ple and (per_layer is None or per_layer.dtype is not torch.float32 or not per_layer.is_contiguous()
+                      or tuple(per_layer.shape) != (t, d.num_layers, d.ple)):
+            return False
+        groups = [meta] if meta.window_group is None else [meta, meta.window_group]
+        if any(g.block_size != self.block_size or g.slot_mapping.numel() != t for g in groups):
+            return False
+        step = _step(meta, t)
+        for kind, (cos, sin) in rope.items():
+            if kind == FULL:
+                step.cos, step.ssin = cos.data_ptr(), sin.data_ptr()
+            else:
+                step.cos_local, step.ssin_local = cos.data_ptr(), sin.data_ptr()
+        if d.ple:
+            step.per_layer = per_layer.data_ptr()
+        window = None
+        if meta.window_group is not None:
+            window = _step(meta.window_group, t)
+            step.window = ctypes.addressof(window)
+        ck.run(self.lib, d, self.layers, step, x.data_ptr(), torch.get_num_threads())
+        self.steps += 1
+        return True
 
     def _forward(self, x, cos, sin, kv_caches, meta) -> bool:
         if not self._bound_to(kv_caches) and not self._bind_caches(kv_caches):
@@ -186,8 +288,13 @@ def _step(meta: AttentionMetadata, t: int) -> ck.Step:
 def _bind_projections(layer, c_layer, linears: list) -> bool:
     """The layer's four fused projections into its C structure (False: one has no compiled CPU kernel)."""
     attn, mlp = layer.self_attn, layer.mlp
-    for name, module in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                         ("down", mlp.down_proj)):
+    return _bind_linears(c_layer, [("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                   ("down", mlp.down_proj)], linears)
+
+
+def _bind_linears(c_layer, projections: list, linears: list) -> bool:
+    """(field, module) pairs into the C structure (False: a module has no compiled CPU kernel)."""
+    for name, module in projections:
         linear = _linear(module)
         if linear is None:
             return False
@@ -260,9 +367,9 @@ class CompiledCpuForward:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list,
                  meta: AttentionMetadata) -> torch.Tensor:
         model = self.model
-        x, cos, sin = model.embed(input_ids, positions, meta)
+        x, *inputs = model.embed(input_ids, positions, meta)  # inputs: what the layers take beside x
         if meta.bidirectional or not (x.dtype is torch.float32 and x.dim() == 2 and x.is_contiguous()
-                                      and not x.requires_grad and self.stack.forward(x, cos, sin, kv_caches, meta)):
+                                      and not x.requires_grad and self.stack.forward(x, inputs, kv_caches, meta)):
             # in place, one C call; a chunk with an image whose tokens see each other runs the modules
-            x = model.run_layers(x, cos, sin, kv_caches, meta)
+            x = model.run_layers(x, *inputs, kv_caches, meta)
         return model.model.norm(x)

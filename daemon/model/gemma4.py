@@ -22,6 +22,12 @@ What differs from Gemma 3:
   the chosen experts' per_expert_scale); each branch has its own norms and the two are summed;
 - final logit soft-capping.
 
+Which path runs what: these modules, with the ops of llmd.model.ops (RMSNorms, RoPE, GELU-tanh * up: C on the CPU
+in fp32, V's weightless norm the C RMSNorm times ones), as for Gemma 3; on the CPU with int8/int4/GGUF weights the
+dense models' layers (not 26B-A4B's) run as one C call instead (kernels/cpu_stack.c through
+llmd.model.cpu_stack.CompiledCpuForward, from `embed` / `run_layers`: the same kernel calls as these modules, so bit
+for bit the same; tests/test_cpu_stack.py holds it).
+
 Gemma 4's image-text checkpoints (Gemma4ForConditionalGeneration) load as their text model: `model.language_model.X`
 is `model.X`; the vision tower, audio tower and their embedders are left unread (`adapt_checkpoint`; the vision tower
 is llmd.model.vision.gemma4's). An image's tokens read the tower's embeddings (their per-layer embeddings are the pad
@@ -46,7 +52,7 @@ from .host_table import HostEmbedding
 from .linear import make_linear
 from .llama import CausalLM
 from .moe import Experts
-from .ops import TORCH_OPS, Ops, apply_rope
+from .ops import TORCH_OPS, Ops
 from .weights import text_model_tensors
 
 FULL = "full_attention"
@@ -56,7 +62,8 @@ _OTHER_PARTS = tuple(p + part for p in ("model.", "") for part in ("vision_tower
 
 
 class Gemma4RMSNorm(nn.Module):
-    """x / rms(x) * weight in fp32, cast back to x's dtype; without a weight (v_norm, the router's): x / rms(x)."""
+    """x / rms(x) * weight in fp32, cast back to x's dtype; without a weight (v_norm, the router's): x / rms(x), in
+    fp32 the op's RMSNorm times ones (exactly x / rms(x) in the op's arithmetic, which the C layer stack repeats)."""
 
     ops: Ops = TORCH_OPS
 
@@ -64,10 +71,18 @@ class Gemma4RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size)) if with_scale else None
         self.eps = eps
+        self.size = size
+        self._ones: torch.Tensor | None = None  # the weightless norm's multiplier (not a parameter: no checkpoint name)
+
+    def ones(self, device: torch.device) -> torch.Tensor:
+        if self._ones is None or self._ones.device != device:
+            self._ones = torch.ones(self.size, device=device)
+        return self._ones
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight is not None:
-            return self.ops.rms_norm(x if x.is_contiguous() else x.contiguous(), self.weight, self.eps)
+        if x.dtype == torch.float32:
+            weight = self.weight if self.weight is not None else self.ones(x.device)
+            return self.ops.rms_norm(x if x.is_contiguous() else x.contiguous(), weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h if self.weight is None else h * self.weight.float()).to(x.dtype)
@@ -107,6 +122,8 @@ class Gemma4Rotary(nn.Module):
 
 
 class Gemma4Attention(nn.Module):
+    ops: Ops = TORCH_OPS
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         assert config.gemma4 is not None and config.layer_types is not None
@@ -127,19 +144,22 @@ class Gemma4Attention(nn.Module):
             self.v_norm = Gemma4RMSNorm(self.head_dim, config.rms_norm_eps, with_scale=False)
 
     def forward(self, x: torch.Tensor, rope: dict, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        t, d = x.shape[0], self.head_dim
+        t, d, heads, kv_heads = x.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
         cos, sin = rope[self.kind]
-        q = apply_rope(self.q_norm(self.q_proj(x).view(t, self.num_heads, d)), cos, sin)
+        # (the normed q and k are new tensors: the C RoPE rotates them in place)
+        q = self.ops.rope(self.q_norm(self.q_proj(x).view(t, heads, d)).view(t, heads * d), cos, sin, heads, d)
         k = v = None
         if not self.shares_kv:
-            raw = self.k_proj(x).view(t, self.num_kv_heads, d)
-            v = self.v_norm(raw if self.v_proj is None else self.v_proj(x).view(t, self.num_kv_heads, d))
-            k = apply_rope(self.k_norm(raw), cos, sin)
+            raw = self.k_proj(x).view(t, kv_heads, d)
+            v = self.v_norm(raw if self.v_proj is None else self.v_proj(x).view(t, kv_heads, d))
+            k = self.ops.rope(self.k_norm(raw).view(t, kv_heads * d), cos, sin, kv_heads, d)
         out = paged_attention(q, k, v, kv_cache, meta, 1.0, window=self.window)
         return self.o_proj(out.reshape(t, self.num_heads * d))
 
 
 class Gemma4MLP(nn.Module):
+    ops: Ops = TORCH_OPS
+
     def __init__(self, config: ModelConfig, intermediate: int):
         super().__init__()
         self.gate_proj = make_linear(config.hidden_size, intermediate)
@@ -147,7 +167,7 @@ class Gemma4MLP(nn.Module):
         self.down_proj = make_linear(intermediate, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.gelu_mul_pair(self.gate_proj(x), self.up_proj(x)))
 
 
 class Gemma4Router(nn.Module):
@@ -171,6 +191,8 @@ class Gemma4Router(nn.Module):
 
 
 class Gemma4DecoderLayer(nn.Module):
+    ops: Ops = TORCH_OPS
+
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
         g, eps, hidden = config.gemma4, config.rms_norm_eps, config.hidden_size
@@ -205,7 +227,7 @@ class Gemma4DecoderLayer(nn.Module):
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
         x = x + self.post_feedforward_layernorm(h)
         if self.per_layer:
-            h = gelu_tanh(self.per_layer_input_gate(x)) * per_layer
+            h = self.ops.gelu_mul_pair(self.per_layer_input_gate(x), per_layer)
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(h))
         return x * self.layer_scalar
 
@@ -231,6 +253,7 @@ class Gemma4CausalLM(nn.Module):
     cache of the layer it reads."""
 
     graph_blocker = "Gemma's windowed attention has no CUDA-graph-safe kernel yet"
+    cpu_stack_kind = "gemma4"  # llmd.model.cpu_stack builds the dense layers as one C call
     runs_given_layers = True  # forward runs the first len(kv_caches) layers (a truncated draft: llmd.engine.spec_draft)
     awq_calibration = False
     checkpoint_parts = CausalLM.checkpoint_parts
@@ -276,18 +299,30 @@ class Gemma4CausalLM(nn.Module):
         proj = m.per_layer_model_projection(x) * self.config.hidden_size ** -0.5
         return (m.per_layer_projection_norm(proj.reshape(shape)) + table.reshape(shape)) * 2.0 ** -0.5
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None = None
+              ) -> tuple[torch.Tensor, dict, torch.Tensor | None]:
+        """The scaled token embeddings [T, hidden], the RoPE tables per layer kind (Gemma4Rotary) and the per-layer
+        inputs [T, layers, P] (None without per-layer embeddings): what the layers take (run_layers, and the C layer
+        stack of llmd.model.cpu_stack)."""
         x = self.model.embed_tokens(input_ids)
         x = with_image_embeds(x * torch.tensor(self.config.hidden_size ** 0.5).to(x.dtype), meta)
         if meta is not None and meta.input_embeds is not None and self.config.gemma4.per_layer_input_size:
             input_ids = input_ids.index_fill(0, meta.input_embeds[0], self.config.gemma4.pad_token_id)
         per_layer = self.per_layer_inputs(input_ids, x)
-        rope = self.model.rotary_emb(positions, x.dtype)
+        return x, self.model.rotary_emb(positions, x.dtype), per_layer
+
+    def run_layers(self, x: torch.Tensor, rope: dict, per_layer: torch.Tensor | None, kv_caches: list[KVCache],
+                   meta: AttentionMetadata) -> torch.Tensor:
+        """The first len(kv_caches) layers on x."""
         metas = _image_metas(meta)
         for i, (layer, cache) in enumerate(zip(self.model.layers[: len(kv_caches)], kv_caches, strict=True)):
             x = layer(x, None if per_layer is None else per_layer[:, i], rope, cache, metas[layer.self_attn.kind])
-        return self.model.norm(x)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        x, rope, per_layer = self.embed(input_ids, positions, meta)
+        return self.model.norm(self.run_layers(x, rope, per_layer, kv_caches, meta))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] fp32, soft-capped by final_logit_softcapping in the model's dtype."""

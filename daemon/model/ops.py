@@ -1,6 +1,6 @@
-"""The per-token glue ops of a decoder layer (RMSNorm, RoPE, SiLU * up, GELU-tanh * up, gpt-oss's clamped SwiGLU),
-bound once per model to the C library or to torch, so each `forward` in llmd.model.llama (and llmd.model.moe) has one
-line per op and no device branch.
+"""The per-token glue ops of a decoder layer (RMSNorm, RoPE, SiLU * up, GELU-tanh * up (fused or apart), gpt-oss's
+clamped SwiGLU), bound once per model to the C library or to torch, so each `forward` in llmd.model.llama (and
+llmd.model.moe) has one line per op and no device branch.
 
 `choose_ops(device, dtype)` picks the table when the model is prepared for its device (llmd.model.loader): `CPU_OPS`
 on the CPU with fp32 weights where the compiled ops (llmd.kernels.cpu_ops) load, else `TORCH_OPS`. A C op still
@@ -51,6 +51,10 @@ def torch_gelu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def torch_gelu_mul_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def torch_swiglu_clamped_mul(gate_up: torch.Tensor, n: int, alpha: float, limit: float) -> torch.Tensor:
     gate, up = gate_up.split(n, dim=-1)  # transformers' order of operations (gpt-oss)
     gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
@@ -78,6 +82,11 @@ def c_gelu_mul(gate_up: torch.Tensor, n: int) -> torch.Tensor:
     return y if y is not None else torch_gelu_mul(gate_up, n)
 
 
+def c_gelu_mul_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    y = cpu_ops.gelu_mul_pair(gate, up)
+    return y if y is not None else torch_gelu_mul_pair(gate, up)
+
+
 def c_swiglu_clamped_mul(gate_up: torch.Tensor, n: int, alpha: float, limit: float) -> torch.Tensor:
     y = cpu_ops.swiglu_clamped_mul(gate_up, n, alpha, limit)
     return y if y is not None else torch_swiglu_clamped_mul(gate_up, n, alpha, limit)
@@ -100,11 +109,13 @@ class Ops:
     # (gate_up [T, 2n], n, alpha, limit) -> (clamp(up, -limit, limit) + 1) * (g * sigmoid(g * alpha)) [T, n],
     # g = min(gate, limit): gpt-oss's clamped SwiGLU
     swiglu_clamped_mul: Callable[[torch.Tensor, int, float, float], torch.Tensor]
+    # (gate [T, n], up [T, n]) -> gelu_tanh(gate) * up [T, n]: gate and up apart (Gemma 4)
+    gelu_mul_pair: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 TORCH_OPS = Ops("torch", torch_rms_norm, torch_rope, torch_silu_mul, torch_gelu_mul,
-                torch_swiglu_clamped_mul)
-CPU_OPS = Ops("cpu", c_rms_norm, c_rope, c_silu_mul, c_gelu_mul, c_swiglu_clamped_mul)
+                torch_swiglu_clamped_mul, torch_gelu_mul_pair)
+CPU_OPS = Ops("cpu", c_rms_norm, c_rope, c_silu_mul, c_gelu_mul, c_swiglu_clamped_mul, c_gelu_mul_pair)
 
 
 def choose_ops(device: torch.device, dtype: torch.dtype) -> Ops:
