@@ -19,7 +19,7 @@ LATEST_INSTALL = $(MAKE) --no-print-directory torch && $(PIP) install -q --upgra
 # `python -m`/`-c` the tests start from adding it.
 export PYTHONSAFEPATH := 1
 
-.PHONY: run test lint install install-test torch clean bench-anchor lock test-latest clients test-clients
+.PHONY: run test lint install install-test torch clean bench-anchor bench-anchor-mtmd lock test-latest clients test-clients
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -93,6 +93,21 @@ bench-anchor: $(PY)
 	@$(PY) -c "import llama_cpp.server.app" 2>/dev/null || \
 	  CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} \
 	  $(PIP) install --no-binary llama-cpp-python "$(LLAMA_CPP_PYTHON)"
+
+# llama.cpp's own vision path (mtmd) for tests/benchmarks/bench_vision_encode.py: `llama-mtmd-cli` from the llama.cpp
+# that the llama-cpp-python sdist above vendors (the same version as the bench-anchor), built for ANCHOR_ISA into
+# .anchor/mtmd (ignored by git), only the target the benchmark runs. About 15 minutes on 2 busy shared cores.
+MTMD_DIR := .anchor/mtmd
+MTMD_SDIST := llama_cpp_python-$(lastword $(subst ==, ,$(LLAMA_CPP_PYTHON)))
+MTMD_CMAKE_ARGS ?= $(ANCHOR_CMAKE_$(ANCHOR_ISA)) -DCMAKE_BUILD_TYPE=Release -DGGML_BACKEND_DL=OFF \
+  -DGGML_CPU_ALL_VARIANTS=OFF -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF
+bench-anchor-mtmd: $(PY)
+	@test -x $(MTMD_DIR)/build/bin/llama-mtmd-cli || { set -e; mkdir -p $(MTMD_DIR); \
+	  test -f $(MTMD_DIR)/$(MTMD_SDIST).tar.gz || \
+	    $(PIP) download -q --no-binary :all: --no-deps "$(subst [server],,$(LLAMA_CPP_PYTHON))" -d $(MTMD_DIR); \
+	  test -d $(MTMD_DIR)/$(MTMD_SDIST) || tar xzf $(MTMD_DIR)/$(MTMD_SDIST).tar.gz -C $(MTMD_DIR); \
+	  cmake -S $(MTMD_DIR)/$(MTMD_SDIST)/vendor/llama.cpp -B $(MTMD_DIR)/build $(MTMD_CMAKE_ARGS); \
+	  CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} cmake --build $(MTMD_DIR)/build --target llama-mtmd-cli; }
 
 # The real agents and editors against one real daemon (tests/test_real_clients.py, marker `clients`; `make test`
 # never runs them). Each CLI goes into .clients/ (ignored by git) at the version pinned here, never into .venv's
