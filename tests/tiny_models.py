@@ -858,9 +858,10 @@ def llama_cpp_shape(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1) if name.endswith("shared_expert_gate.weight") else t
 
 
-def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
+def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32", chat_template: str | None = None) -> Path:
     """The HF folder's model as a GGUF file, as llama.cpp's converter writes it; matrices (2-D weights) as
-    `matrix_type` (F32, F16, or a block type the gguf package quantizes: Q8_0, Q4_0, ...), the rest F32."""
+    `matrix_type` (F32, F16, or a block type the gguf package quantizes: Q8_0, Q4_0, ...), the rest F32; with
+    `chat_template`, tokenizer.chat_template (as the converter copies it from tokenizer_config.json)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -881,6 +882,8 @@ def write_tiny_gguf(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
     gguf_hparams(w, cfg, arch)
     qtype = gguf.GGMLQuantizationType[matrix_type]
     _gguf_vocabulary(w, folder, cfg, arch)
+    if chat_template is not None:
+        w.add_chat_template(chat_template)
     if arch == "granitehybrid":
         return _write_granite_hybrid(w, folder, cfg, path, matrix_type)
 
@@ -1170,15 +1173,12 @@ def write_tiny_gemma3_vision(folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def write_tiny_gemma3_mmproj(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
-    """The folder's vision tower and projector as llama.cpp's converter writes an mmproj GGUF (general.architecture
-    "clip", projector type gemma3, clip.vision.* keys, the soft-emb norm stored as 1 + weight); names from the gguf
-    package's own mapping. matrix_type F16 stores the 2-D and 4-D weights in half precision."""
+def gemma3_mmproj_writer(path: Path, cfg: dict, pre: dict):
+    """A gguf.GGUFWriter holding the keys llama.cpp's converter writes into a Gemma 3 mmproj GGUF, from a
+    Gemma3ForConditionalGeneration config.json (`cfg`) and its preprocessor_config.json (`pre`); the tensors are
+    the caller's to add."""
     import gguf
-    from safetensors.torch import load_file
 
-    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    pre = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
     vision = cfg["vision_config"]
     w = gguf.GGUFWriter(str(path), "clip")
     w.add_type(gguf.GGUFType.MMPROJ)
@@ -1198,22 +1198,44 @@ def write_tiny_gemma3_mmproj(folder: Path, path: Path, matrix_type: str = "F32")
     scale = (vision["image_size"] // vision["patch_size"]) // int(cfg["mm_tokens_per_image"] ** 0.5)
     if scale != 4:  # as the converter: written only when not the default
         w.add_vision_projector_scale_factor(scale)
+    return w
+
+
+def gemma3_mmproj_name(names, hf_name: str) -> str | None:
+    """The mmproj GGUF's name of a Gemma3ForConditionalGeneration tensor (None: not the tower's or the projector's),
+    from the gguf package's tensor map `names` (gguf.get_tensor_name_map(MODEL_ARCH.MMPROJ, layers))."""
+    name = hf_name.removeprefix("model.")
+    if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
+        name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)  # the hub's names
+    elif not name.startswith(("vision_tower.", "multi_modal_projector.")):
+        return None
+    return names.get_name(name.replace("_weight", ".weight"), try_suffixes=(".weight", ".bias"))
+
+
+def write_tiny_gemma3_mmproj(folder: Path, path: Path, matrix_type: str = "F32") -> Path:
+    """The folder's vision tower and projector as llama.cpp's converter writes an mmproj GGUF (general.architecture
+    "clip", projector type gemma3, clip.vision.* keys, the soft-emb norm stored as 1 + weight); names from the gguf
+    package's own mapping. matrix_type F16 stores the 2-D and 4-D weights in half precision."""
+    import gguf
+    from safetensors.torch import load_file
+
+    cfg = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    pre = json.loads((folder / "preprocessor_config.json").read_text(encoding="utf-8"))
+    vision = cfg["vision_config"]
+    w = gemma3_mmproj_writer(path, cfg, pre)
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision["num_hidden_layers"])
     state: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(file))
     for name, tensor in state.items():
-        name = name.removeprefix("model.")
-        if name.startswith("vision_tower.") and not name.startswith("vision_tower.vision_model."):
-            name = name.replace("vision_tower.", "vision_tower.vision_model.", 1)  # the hub's names
-        elif not name.startswith("multi_modal_projector."):
+        gguf_name = gemma3_mmproj_name(names, name)
+        if gguf_name is None:
             continue
-        name = name.replace("_weight", ".weight")
         data = tensor.float() + (1.0 if "soft_emb_norm" in name else 0.0)
         array = np.ascontiguousarray(data.numpy())
         if matrix_type == "F16" and array.ndim >= 2 and "position_embedding" not in name:
             array = array.astype(np.float16)
-        w.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), array)
+        w.add_tensor(gguf_name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
