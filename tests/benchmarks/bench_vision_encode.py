@@ -93,7 +93,7 @@ def write_mmproj(path: Path) -> None:
         if "norm" in hf_name and hf_name.endswith("weight"):  # LayerNorms', and the soft-emb norm's 1 + 0
             data = np.ones(shape, np.float32)
         else:
-            data = (rng.standard_normal(shape, dtype=np.float32) * 0.02).astype(np.float32)
+            data = rng.standard_normal(shape, dtype=np.float32) * np.float32(0.02)
         # the converter's types (Gemma3VisionModel.tensor_force_quant, --outtype f16): the embeddings F32, the
         # input projection and the other matrices F16, vectors F32
         half = len(shape) >= 2 and ".embeddings." not in hf_name
