@@ -6,7 +6,8 @@ fp32, and decoding with dequantized fp32 weights is bound by streaming 4 bytes p
 packed weights of llmd.kernels.quant_matmul in place (no repacking), widens them in registers and uses AVX2/FMA.
 
 The shared library is built with the system C compiler into <cache>/llmd/kernels/<hash of sources + flags>.so
-($XDG_CACHE_HOME or ~/.cache), written under a temporary name and renamed, so concurrent processes are safe. SIMD
+($XDG_CACHE_HOME or ~/.cache): each file compiled by a compiler process of its own, linked under a temporary name
+and renamed, one process at a time (a lock on the folder: the others wait and load its build). SIMD
 flags are used only for features /proc/cpuinfo lists (never -march=native: some VMs advertise features that fault).
 Without a compiler, or when the build or a self-check against the torch reference fails, `load()` logs one line and
 returns None, and `int8_matmul` / `int4_matmul` return None: callers keep their torch path. LLMD_CPU_GEMM=0 turns the
@@ -22,7 +23,9 @@ ACTIVATIONS): a quantized one, where chosen, wherever K and the group are multip
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -31,6 +34,8 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -123,19 +128,41 @@ def _build(cc: str, flags: list[str]) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    log.info("compiling the CPU kernels once (a few seconds) into %s", out)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        command = [cc, *flags, *map(str, SOURCES), "-o", tmp, "-lm"]
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{Path(cc).name} failed: {proc.stderr.strip()[-500:]}")
-        os.replace(tmp, out)  # atomic: another process sees either no file or a whole one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _folder_lock(out.parent):  # processes starting together (test workers, several daemons) compile once
+        if out.exists():
+            return out
+        log.info("compiling the CPU kernels once (a minute on 2 cores) into %s", out)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            compile_flags = [f for f in flags if f != "-shared"]
+
+            def compile_one(source: Path) -> str:
+                obj = os.path.join(tmp, source.stem + ".o")
+                _run([cc, *compile_flags, "-c", str(source), "-o", obj])
+                return obj
+
+            with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one compiler process per file
+                objects = list(pool.map(compile_one, SOURCES))
+            library = os.path.join(tmp, "library.so")
+            _run([cc, *flags, *objects, "-o", library, "-lm"])
+            os.replace(library, out)  # atomic: another process sees either no file or a whole one
     return out
+
+
+def _run(command: list[str]) -> None:
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(command[0]).name} failed: {proc.stderr.strip()[-500:]}")
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive lock on the cache folder itself (no lock file left behind); released when the process ends."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _bind(path: Path) -> ctypes.CDLL:

@@ -387,7 +387,8 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
              "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "glm4_moe": "glm4moe",
              "gpt_oss": "gpt-oss", "qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
              "granitemoehybrid": "granitehybrid", "gemma4_text": "gemma4",  # (gemma4: write_gemma4_gguf)
-             "qwen3_vl_text": "qwen3vl", "qwen3_vl_moe_text": "qwen3vlmoe"}  # (tiny_qwen3_5_vl.write_text_gguf)
+             "qwen3_vl_text": "qwen3vl", "qwen3_vl_moe_text": "qwen3vlmoe",  # (tiny_qwen3_5_vl.write_text_gguf)
+             "nemotron_h": "nemotron_h"}  # (_write_nemotron_h: nemotron_h_moe where the pattern has experts)
 QWEN35_ARCHS = ("qwen35", "qwen35moe", "qwen3next")
 _GGUF_LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
