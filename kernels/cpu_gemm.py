@@ -156,7 +156,8 @@ def _run(command: list[str]) -> None:
 
 @contextlib.contextmanager
 def _folder_lock(folder: Path) -> Iterator[None]:
-    """An exclusive lock on the cache folder itself (no lock file left behind); released when the process ends."""
+    """An exclusive lock on the cache folder itself (no lock file left behind); the kernel drops it if the process
+    dies while it holds it."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
