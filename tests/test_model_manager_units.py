@@ -117,13 +117,17 @@ async def test_two_cold_models_at_once_with_one_free_place(manager):
     manager.release(second)
 
 
-def test_a_pool_holds_one_sequence_at_the_full_context_unless_set(tiny_models):
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_a_pool_holds_one_sequence_at_the_full_context_unless_set(tiny_models, tmp_path, kind):
     """A share of the budget smaller than one request of max_model_len tokens would refuse such requests: the pool
-    grows to hold one (an explicit --kv-cache-bytes is kept as given)."""
+    grows to hold one (an explicit --kv-cache-bytes is kept as given); a hybrid's too, whose recurrent states take
+    part of the budget."""
+    from tiny_models import write_tiny_model
+
     from llmd.server.daemon import build_engine
     from llmd.store.resolve import resolve
 
-    files = resolve(str(tiny_models["llama"]))
+    files = resolve(str(tiny_models[kind] if kind in tiny_models else write_tiny_model(tmp_path / kind, kind)))
     prompt = [5] * 500
     _, engine = build_engine(Settings(max_model_len=512), files, kv_cache_bytes=2**40)
     share = 4 * (engine.runner.kv_cache_bytes // engine.runner.num_blocks)  # 4 blocks: 64 tokens

@@ -91,14 +91,17 @@ def build_engine(settings: "Settings", files: "ModelFiles", kv_cache_bytes: int 
 def _useful_kv_bytes(settings: "Settings", loaded: "LoadedModel") -> tuple[int, int]:
     """The most KV cache this model can use (every running sequence at its full context: a small model gets no bigger
     pool than that, leaving the memory budget to the others), and one sequence's at its full context (the least a
-    pool must hold, or a request of max_model_len tokens would be refused)."""
+    pool must hold, or a request of max_model_len tokens would be refused). A hybrid's recurrent states take up to
+    half of the budget (llmd.engine.runner.plan_states), so its figures are twice its KV's."""
     from ..engine.runner import kv_bytes_per_block
+    from ..model.recurrent import state_bytes_per_sequence
 
     config = engine_config(settings).resolved(loaded.device.type, loaded.config.max_position_embeddings)
     per_block = kv_bytes_per_block(loaded.config, config.block_size, loaded.dtype, config.kv_cache_dtype)
     assert config.max_model_len is not None and config.max_num_seqs is not None  # resolved() fills them
     blocks_per_seq = -(-config.max_model_len // config.block_size)
-    return per_block * blocks_per_seq * config.max_num_seqs, per_block * (blocks_per_seq + 1)
+    share = 2 if state_bytes_per_sequence(loaded.config, loaded.dtype) else 1
+    return share * per_block * blocks_per_seq * config.max_num_seqs, share * per_block * (blocks_per_seq + 1)
 
 
 def load_served(entry: "Served", settings: "Settings", kv_cache_bytes: int, default: bool) -> tuple:
