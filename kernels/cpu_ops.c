@@ -703,8 +703,13 @@ int llmd_decode_attention(const float *q, int64_t ldq, const int64_t *rows, int6
 
 /* Causal attention of one sequence's chunk of q_len new tokens (positions ctx - q_len .. ctx - 1) over its paged
  * context of ctx tokens (table: its block table): query i sees tokens 0 .. ctx - q_len + i (with a window, the last
- * `window` of them; sinks [heads] or NULL). A task is one query head and a tile of PQ consecutive queries, through
- * every partition of their contexts, then merges each query's. */
+ * `window` of them; sinks [heads] or NULL). A KV head's queries are taken position by position, its query heads
+ * within one, and a task is a block of up to QBLK of them: partition by partition, every tile of PQ queries in the
+ * block that sees the partition, so each partition's K and V rows come from memory once per block and serve it
+ * from the cache (at a long context they are far larger than the caches, and a task per tile re-read all of them
+ * for every 4 queries), then each query's partitions are merged. A query's numbers are attend_part's and combine's,
+ * whatever its block, tile and thread. */
+#define QBLK 32
 int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t ctx, const llmd_kv *kv,
                            const int64_t *table, int64_t table_len, int64_t heads, float scale, int64_t window,
                            float softcap, const float *sinks, float *out, int64_t ldo, int threads) {
@@ -716,7 +721,12 @@ int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t c
     if ((ctx + bs - 1) / bs > table_len) return -1;
     for (int64_t j = lo0 / bs; j < (ctx + bs - 1) / bs; j++)
         if (table[j] < 0 || table[j] >= kv->num_blocks) return -1;
-    const int64_t nparts = parts_of(ctx), per_thread = PQ * PART + nparts * PQ * stride;
+    const int64_t group = heads / kv->kv_heads, per_head = group * q_len;
+    /* a block of QBLK queries, or fewer (a multiple of PQ) where that leaves too few tasks for the threads */
+    int64_t qblk = per_head * kv->kv_heads / (2 * (int64_t)threads) / PQ * PQ;
+    qblk = qblk < PQ ? PQ : qblk > QBLK ? QBLK : qblk;
+    const int64_t blocks = (per_head + qblk - 1) / qblk, nparts = parts_of(ctx);
+    const int64_t per_thread = PQ * PART + qblk * nparts * stride;
     int64_t *off = (int64_t *)malloc((size_t)ctx * sizeof(int64_t));
     float *work = (float *)malloc((size_t)(threads * per_thread) * sizeof(float));
     if (!off || !work) {
@@ -725,33 +735,38 @@ int llmd_prefill_attention(const float *q, int64_t ldq, int64_t q_len, int64_t c
         return -2;
     }
     token_slots(off, table, lo0, ctx, bs);
-    const int64_t group = heads / kv->kv_heads, tiles = (q_len + PQ - 1) / PQ;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < heads * tiles; task++) {
+    for (int64_t task = 0; task < kv->kv_heads * blocks; task++) {
         int tid = 0;
 #ifdef _OPENMP
         tid = omp_get_thread_num();
 #endif
-        const int64_t h = task / tiles, i0 = (task % tiles) * PQ;
-        const int nq = q_len - i0 < PQ ? (int)(q_len - i0) : PQ;
+        const int64_t kvh = task / blocks, q0 = task % blocks * qblk;
+        const int64_t nq = per_head - q0 < qblk ? per_head - q0 : qblk;
         float *scores = work + tid * per_thread, *partial = scores + PQ * PART;
-        const float *qj[PQ];
-        int64_t len[PQ], lo[PQ];
-        for (int j = 0; j < nq; j++) {
-            qj[j] = q + (i0 + j) * ldq + h * d;
-            len[j] = ctx - q_len + i0 + j + 1;
+        const float *qj[QBLK];
+        int64_t len[QBLK], lo[QBLK], hj[QBLK];
+        for (int64_t j = 0; j < nq; j++) { /* lengths, and so windows' starts, never decrease along the block */
+            const int64_t i = (q0 + j) / group;
+            hj[j] = kvh * group + (q0 + j) % group;
+            qj[j] = q + i * ldq + hj[j] * d;
+            len[j] = ctx - q_len + i + 1;
             lo[j] = window_lo(len[j], window);
         }
-        const head_view hv = head_of(kv, h / group);
-        for (int64_t p = lo[0] / PART; p < parts_of(len[nq - 1]); p++) {
-            float *pj[PQ];
-            for (int j = 0; j < nq; j++) pj[j] = partial + (p * PQ + j) * stride;
-            attend_part(qj, lo, len, nq, kv->dtype, &hv, off, d, scale, softcap, p * PART, scores, pj);
-        }
-        for (int j = 0; j < nq; j++) {
+        const head_view hv = head_of(kv, kvh);
+        for (int64_t p = lo[0] / PART; p < parts_of(len[nq - 1]); p++)
+            for (int64_t t = 0; t < nq; t += PQ) {
+                const int n = nq - t < PQ ? (int)(nq - t) : PQ;
+                if (p < lo[t] / PART || p >= parts_of(len[t + n - 1])) continue; /* no query of the tile sees it */
+                float *pj[PQ];
+                for (int j = 0; j < n; j++) pj[j] = partial + ((t + j) * nparts + p) * stride;
+                attend_part(qj + t, lo + t, len + t, n, kv->dtype, &hv, off, d, scale, softcap, p * PART, scores, pj);
+            }
+        for (int64_t j = 0; j < nq; j++) {
             const int64_t p0 = lo[j] / PART;
-            combine(partial + (p0 * PQ + j) * stride, parts_of(len[j]) - p0, PQ * stride, d, sinks ? sinks + h : NULL,
-                    out + (i0 + j) * ldo + h * d);
+            const int64_t i = (q0 + j) / group;
+            combine(partial + (j * nparts + p0) * stride, parts_of(len[j]) - p0, stride, d,
+                    sinks ? sinks + hj[j] : NULL, out + i * ldo + hj[j] * d);
         }
     }
     free(work);

@@ -320,6 +320,33 @@ def test_long_context_split_across_threads_is_bit_identical(kind, softcap):
         assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
 
 
+@pytest.mark.parametrize("window", [None, 300])
+def test_every_query_of_a_long_chunk_attends_as_if_decoded(window):
+    """A chunk of 70 new tokens over 700 (three partitions), 3 query heads a KV head: the chunk's queries are cut
+    into blocks and tiles that mix positions and heads (of other sizes at other thread counts), and each query's
+    output is bit for bit the one it gets decoded alone at its position."""
+    if not HAVE_OPS:
+        return
+    n, q_len = 700, 70
+    _, cache, tables = _long_case("fp32", [n], seed=9)
+    chunk = torch.randn(q_len, 6, 64, generator=_gen(9))
+    table = torch.tensor(tables[0])
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 4):
+            torch.set_num_threads(t)
+            outs.append(torch.empty_like(chunk))
+            assert cpu_ops.prefill_attention(chunk, cache, table, n, 0.125, outs[-1], window)
+        decoded = torch.empty_like(chunk)
+        for i in range(q_len):
+            assert cpu_ops.decode_attention(chunk[i:i + 1], cache, table[None], torch.tensor([n - q_len + i + 1]),
+                                            None, 0.125, decoded[i:i + 1], window)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], decoded) and torch.equal(outs[1], decoded)
+
+
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("kind", KV_KINDS)
 def test_soft_capped_attention_matches_the_torch_reference(kind, window):
