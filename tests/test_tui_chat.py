@@ -327,13 +327,17 @@ async def test_no_daemon_and_the_user_declines(tmp_path):
         await wait_for(pilot, lambda: not app.is_running)
 
 
-def test_tui_never_imports_torch_and_starts_fast():
-    # CPU time, not wall time: on a shared machine the wall clock mostly measures the neighbours.
-    code = ("import sys, time; t = time.process_time(); import llmd.tui.chat_app, llmd.tui.top_app, llmd.tui.launcher;"
-            " llmd.tui.launcher.make_client(); print('torch' in sys.modules, time.process_time() - t)")
+HEAVY_MODULES = ("torch", "numpy", "transformers", "tokenizers", "safetensors", "gguf", "triton", "PIL",
+                 "huggingface_hub", "llguidance")
+
+
+def test_tui_starts_without_the_engine_stack():
+    """The TUI starts fast because it imports none of the engine's libraries (torch alone is seconds of CPU); a
+    module list rather than a time limit, which a busy shared machine would trip."""
+    code = ("import sys; import llmd.tui.chat_app, llmd.tui.top_app, llmd.tui.launcher; llmd.tui.launcher.make_client();"
+            f" print(' '.join(m for m in {HEAVY_MODULES!r} if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
-    assert out[0] == "False", "the TUI pulled in torch"
-    assert float(out[1]) < 1.0, f"importing the TUI took {out[1]} s of CPU"
+    assert out == [], f"the TUI pulled in {', '.join(out)}"
 
 
 async def test_model_picker_loads_on_selection_with_progress_and_errors(fake, tmp_path):
