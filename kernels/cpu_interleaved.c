@@ -82,6 +82,27 @@ static inline void x8_scales(const uint8_t *g, uint8_t *sc, uint8_t *mn) {
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define X8_DOT(acc, u, s) DOT_U8S8_ACC(acc, u, s) /* vpdpbusd, or maddubs + madd + add (codes < 64: no saturation) */
 
+/* An accumulator kept a chain: gcc otherwise regroups a sum's unrolled terms into a tree, all live at once, which
+ * spills most of them to the stack. */
+static inline __m256i x8_chain(__m256i v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+/* A Q4_K sub-block's integer sum times its 8 columns' scales sc8 (8 bytes; int32 lanes out). With VNNI the sum is
+ * vpdpbusd's int32 lanes, then multiplied. Else the sub-block's 8 maddubs are summed in int16 lanes (a lane's 16
+ * products of 4-bit codes and int8 activations stay within 16 * 15 * 128 = 30720 < 2^15) and one vpmaddwd against
+ * the scales, each repeated in both int16 halves of its column's lane, widens and scales them at once: the same
+ * integers with 1 multiply in place of 9, in the unit (vpmaddubsw's) that bounds the decode tile where 256-bit
+ * multiplies issue as two halves (Zen 1). */
+#if GQ_OFFSET_ROWS
+#define X8_SUB_ACC(acc, u, s) DOT_U8S8_ACC(acc, u, s)
+#define X8_SUB_SCALED(acc, sc8) _mm256_mullo_epi32(acc, _mm256_cvtepu8_epi32(sc8))
+#else
+#define X8_SUB_ACC(acc, u, s) x8_chain(_mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s)))
+#define X8_SUB_SCALED(acc, sc8) _mm256_madd_epi16(acc, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8)))
+#endif
+
 /* one row's 8 outputs of a column group q (nb super-blocks) */
 static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y) {
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -100,15 +121,15 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
                 int32_t lo, hi;
                 memcpy(&lo, xb + 64 * c + 4 * k, 4);
                 memcpy(&hi, xb + 64 * c + 32 + 4 * k, 4);
-                acc[2 * c] = X8_DOT(acc[2 * c], _mm256_and_si256(w, m4), _mm256_set1_epi32(lo));
-                acc[2 * c + 1] = X8_DOT(acc[2 * c + 1], _mm256_and_si256(_mm256_srli_epi16(w, 4), m4),
-                                        _mm256_set1_epi32(hi));
+                acc[2 * c] = X8_SUB_ACC(acc[2 * c], _mm256_and_si256(w, m4), _mm256_set1_epi32(lo));
+                acc[2 * c + 1] = X8_SUB_ACC(acc[2 * c + 1], _mm256_and_si256(_mm256_srli_epi16(w, 4), m4),
+                                            _mm256_set1_epi32(hi));
             }
         }
         __m256 s = _mm256_setzero_ps(), m = _mm256_setzero_ps();
         _Pragma("GCC unroll 8") for (int j = 0; j < 8; j++) {
             const __m128i scj = _mm_loadl_epi64((const __m128i *)(sc + 8 * j));
-            const __m256 t = _mm256_cvtepi32_ps(_mm256_mullo_epi32(acc[j], _mm256_cvtepu8_epi32(scj)));
+            const __m256 t = _mm256_cvtepi32_ps(X8_SUB_SCALED(acc[j], scj));
             const __m256 dv = _mm256_set1_ps(xd[8 * b + j]);
             s = j ? _mm256_fmadd_ps(t, dv, s) : _mm256_mul_ps(t, dv);
             const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * j))));
@@ -146,17 +167,17 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
                         int32_t vl, vh;                                                                              \
                         memcpy(&vl, xb, 4);                                                                          \
                         memcpy(&vh, xb + 32, 4);                                                                     \
-                        a[0][r] = X8_DOT(a[0][r], lo, _mm256_set1_epi32(vl));                                        \
-                        a[1][r] = X8_DOT(a[1][r], hi, _mm256_set1_epi32(vh));                                        \
+                        a[0][r] = X8_SUB_ACC(a[0][r], lo, _mm256_set1_epi32(vl));                                    \
+                        a[1][r] = X8_SUB_ACC(a[1][r], hi, _mm256_set1_epi32(vh));                                    \
                     }                                                                                                \
                 }                                                                                                    \
                 _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                               \
                     const int j = 2 * c + h;                                                                         \
-                    const __m256i scj = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * j)));       \
+                    const __m128i scj = _mm_loadl_epi64((const __m128i *)(sc + 8 * j));                              \
                     const __m256 mv =                                                                                \
                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * j))));    \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
-                        const __m256 t = _mm256_cvtepi32_ps(_mm256_mullo_epi32(a[h][r], scj));                       \
+                        const __m256 t = _mm256_cvtepi32_ps(X8_SUB_SCALED(a[h][r], scj));                            \
                         const __m256 dv = _mm256_set1_ps(xd[r * nbx + 8 * b + j]);                                   \
                         const __m256 s0 = _mm256_set1_ps(S[r * lds + 16 * b + 2 * j]);                               \
                         const __m256 s1 = _mm256_set1_ps(S[r * lds + 16 * b + 2 * j + 1]);                           \
