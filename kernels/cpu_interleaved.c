@@ -255,7 +255,65 @@ X8_ROWS(4)
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
+#if GQ_OFFSET_ROWS
 Q6X8_ROWS(1)
+#else
+/* Q6_K_X8, one row, without VNNI: as Q6X8_ROWS(1), but a unit's products are summed in int16 lanes two code vectors
+ * at a time (a lane's 8 products of 6-bit codes and int8 activations stay within 8 * 63 * 128 = 64512 / 2 < 2^15) and
+ * each pair is widened and scaled by one vpmaddwd against the unit's scales (as X8_SUB_SCALED): 2 multiplies in place
+ * of 5 besides the maddubs, the same integers dot_s sc_s. */
+static void q6x8_rows_1(X8_TILE_ARGS) {
+    (void)k, (void)nbx, (void)lds, (void)C, (void)ldy;
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    __m256 out = _mm256_setzero_ps(), sa = out, ma = out;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = q + b * Q6X8_BYTES;
+        for (int p = 0; p < Q6X8_BYTES; p += 64) _mm_prefetch((const char *)(g + X8_PF * Q6X8_BYTES + p), Q6X8_HINT);
+        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
+        _Pragma("GCC unroll 2") for (int e = 0; e < 2; e++) {
+            __m256i a[4];
+            _Pragma("GCC unroll 2") for (int pair = 0; pair < 2; pair++) {
+                __m256i p[4];
+                _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
+                    const int gi = 4 * e + 2 * pair + half;
+                    const __m256i A = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + gi)));
+                    const __m256i B = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + 8 + gi)));
+                    const __m256i H = _mm256_loadu_si256((const __m256i *)(g + 1168 + 32 * (8 * h + gi)));
+                    __m256i c[4];
+                    c[0] = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
+                    c[1] = _mm256_or_si256(_mm256_and_si256(B, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
+                    c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(H, m30));
+                    c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                                           _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+                    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+                        int32_t v;
+                        memcpy(&v, xq + 256 * b + 128 * h + 32 * u + 4 * gi, 4);
+                        const __m256i prod = _mm256_maddubs_epi16(c[u], _mm256_set1_epi32(v));
+                        p[u] = half ? _mm256_add_epi16(p[u], prod) : prod;
+                    }
+                }
+                _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+                    const __m128i sc8 = _mm_loadl_epi64((const __m128i *)(g + 16 + 8 * (8 * h + 2 * u + e)));
+                    const __m256i scaled = _mm256_madd_epi16(p[u], _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc8, sc8)));
+                    a[u] = pair ? _mm256_add_epi32(a[u], scaled) : scaled;
+                }
+            }
+            _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
+                const int s = 8 * h + 2 * u + e, first = h == 0 && e == 0 && u == 0;
+                const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 16 + 8 * s))));
+                const __m256 t = _mm256_cvtepi32_ps(a[u]);
+                const __m256 dv = _mm256_set1_ps(xd[8 * b + s / 2]), sv = _mm256_set1_ps(S[16 * b + s]);
+                sa = first ? _mm256_mul_ps(t, dv) : _mm256_fmadd_ps(t, dv, sa);
+                ma = first ? _mm256_mul_ps(scf, sv) : _mm256_fmadd_ps(scf, sv, ma);
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));
+        out = _mm256_fmadd_ps(sa, d, out);
+        out = _mm256_fmadd_ps(ma, _mm256_mul_ps(d, _mm256_set1_ps(-32.0f)), out);
+    }
+    _mm256_storeu_ps(y, out);
+}
+#endif
 Q6X8_ROWS(2)
 Q6X8_ROWS(3)
 Q6X8_ROWS(4)
