@@ -418,20 +418,28 @@ void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch)
     }
 }
 
-void llmd_gx_run(const llmd_gx_job *jobs, int64_t njobs, int tid, int nth, void *scratch) {
-    /* a unit of 8 columns costs its rows plus a few for decoding the weights */
+/* The jobs' columns in units of 8, each costing its rows plus a few for decoding the weights, cut into GX_SHARES
+ * shares of equal cost per thread that the team takes as each thread comes free: a thread slowed by another process
+ * (a shared machine) leaves its shares to the others instead of holding every thread at the next barrier. A column's
+ * result does not depend on which thread computes it. */
+#define GX_SHARES 8
+void llmd_gx_run(const llmd_gx_job *jobs, int64_t njobs, int nth, void *scratch) {
     int64_t total = 0;
     for (int64_t j = 0; j < njobs; j++) total += (jobs[j].n + 7) / 8 * (jobs[j].g->m + 4);
-    const int64_t lo = total * tid / nth, hi = total * (tid + 1) / nth;
-    int64_t at = 0;
-    for (int64_t j = 0; j < njobs && at < hi; j++) {
-        const int64_t units = (jobs[j].n + 7) / 8, w = jobs[j].g->m + 4;
-        if (at + units * w > lo) { /* unit u is this thread's where its cost starts in [lo, hi) */
-            const int64_t u0 = lo > at ? (lo - at + w - 1) / w : 0;
-            const int64_t u1 = (hi - at + w - 1) / w < units ? (hi - at + w - 1) / w : units;
-            if (u0 < u1) llmd_gx_cols(&jobs[j], 8 * u0, 8 * u1 < jobs[j].n ? 8 * u1 : jobs[j].n, scratch);
+    const int64_t shares = (int64_t)nth * GX_SHARES;
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t share = 0; share < shares; share++) {
+        const int64_t lo = total * share / shares, hi = total * (share + 1) / shares;
+        int64_t at = 0;
+        for (int64_t j = 0; j < njobs && at < hi; j++) {
+            const int64_t units = (jobs[j].n + 7) / 8, w = jobs[j].g->m + 4;
+            if (at + units * w > lo) { /* unit u is this share's where its cost starts in [lo, hi) */
+                const int64_t u0 = lo > at ? (lo - at + w - 1) / w : 0;
+                const int64_t u1 = (hi - at + w - 1) / w < units ? (hi - at + w - 1) / w : units;
+                if (u0 < u1) llmd_gx_cols(&jobs[j], 8 * u0, 8 * u1 < jobs[j].n ? 8 * u1 : jobs[j].n, scratch);
+            }
+            at += units * w;
         }
-        at += units * w;
     }
 }
 
@@ -504,7 +512,7 @@ static int gx_parts_matmul(int act, const llmd_gguf_part *parts, int64_t nparts,
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < nparts; i++)
             if (plan[i].layout == i) llmd_gx_make_group(&plan[i].group, &plan[i].rows, 0, m, extra + plan[i].at);
-        llmd_gx_run(jobs, nparts, tid, nth, scratch + gx_align(sb) * (size_t)tid);
+        llmd_gx_run(jobs, nparts, nth, scratch + gx_align(sb) * (size_t)tid);
     }
     free(jobs), free(extra), free(buf), free(plan);
     return 0;

@@ -73,8 +73,9 @@ LLMD_HIDDEN void llmd_x8_cols(int type, const float *xd, const float *S, const i
 /* the same on the head path's rows of an interleaved Q6_K weight (cpu_interleaved.c) */
 LLMD_HIDDEN void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const uint8_t *xs, const uint8_t *q, float *y,
                                   int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
-/* this thread's share (tid of nth) of the jobs' columns: units of 8 columns, weighted by their rows */
-LLMD_HIDDEN void llmd_gx_run(const llmd_gx_job *jobs, int64_t njobs, int tid, int nth, void *scratch);
+/* the jobs' columns shared out among the nth threads of the enclosing parallel region (every thread calls it; no
+ * barrier at its end): units of 8 columns, weighted by their rows */
+LLMD_HIDDEN void llmd_gx_run(const llmd_gx_job *jobs, int64_t njobs, int nth, void *scratch);
 /* the first of parts [0, i] whose rows serve part i on path `act` */
 LLMD_HIDDEN int64_t llmd_gx_layout_of(int act, const llmd_gguf_part *parts, int64_t i);
 /* this thread's number and the team's size (0 and 1 outside a parallel region) */

@@ -205,7 +205,7 @@ int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T
 #pragma omp for schedule(dynamic)
         for (int64_t e = 0; e < A; e++) make_groups(&gu, e, active, start);
         /* 2. gate_up */
-        llmd_gx_run(gu.jobs, A * gu.np, tid, nth, scratch + sb * (size_t)tid);
+        llmd_gx_run(gu.jobs, A * gu.np, nth, scratch + sb * (size_t)tid);
 #pragma omp barrier
         /* 3. the bias, the activation, prepared for down */
         float *h = hidden + ldh * tid;
@@ -227,7 +227,7 @@ int llmd_moe_experts(const llmd_moe *moe, const float *x, int64_t ldx, int64_t T
 #pragma omp for schedule(dynamic)
         for (int64_t e = 0; e < A; e++) make_groups(&dn, e, active, start);
         /* 4. down */
-        llmd_gx_run(dn.jobs, A * dn.np, tid, nth, scratch + sb * (size_t)tid);
+        llmd_gx_run(dn.jobs, A * dn.np, nth, scratch + sb * (size_t)tid);
 #pragma omp barrier
         /* 5. the biases, then the weighted sum in slot order */
 #pragma omp for schedule(static)
