@@ -3,8 +3,8 @@
  *   int8 per block of 32 (quantize_row: d = amax / 127, q = round(x * (127 / amax)), ties to even): the int8 / int4
  *       layers' work buffer (quantize_rows, cpu_gemm.c) and the GGUF integer path's row data (gq_quantize_row, with
  *       the sums of each 16 and the signed blocks' C; gq_fill_lanes: the same rows in the vector lanes);
- *   int16 per block of 32 (gh_quantize_row): the output heads' (cpu_head.c); an interleaved Q6_K head reads them split
- *       into bytes (gh_split_row);
+ *   int16 per block of 32 (gh_quantize_row): the output heads' (cpu_head.c); an interleaved Q6_K head also reads the
+ *       sums of each 16 (gh_sums_row);
  *   fp32: the GGUF fp32 path's activations and sub-block sums (gg_prepare), rows transposed into the vector lanes
  *       (transpose_into). */
 #include "cpu_tiles.h"
@@ -185,13 +185,8 @@ void gh_quantize_row(const float *x, int64_t k, float *d, int16_t *xq) {
 }
 
 
-/* int16 codes [K] -> their low bytes (q & 255) [K], then their high bytes (q >> 8, signed) [K], and the sums of each 16
- * codes [K/16]: q = 256 hi + lo */
-void gh_split_row(const int16_t *xq, int64_t k, int32_t *sums, uint8_t *bytes) {
-    for (int64_t i = 0; i < k; i++) {
-        bytes[i] = (uint8_t)(xq[i] & 0xFF);
-        bytes[k + i] = (uint8_t)(int8_t)((xq[i] - (xq[i] & 0xFF)) / 256);
-    }
+/* int16 codes [K] -> the sums of each 16 codes [K/16] */
+void gh_sums_row(const int16_t *xq, int64_t k, int32_t *sums) {
     for (int64_t s = 0; s < k / 16; s++) {
         int32_t t = 0;
         for (int i = 0; i < 16; i++) t += xq[16 * s + i];

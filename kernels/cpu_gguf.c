@@ -251,8 +251,8 @@ static void gq_cols(const gguf_type *t, const float *xd, const float *xs, const 
  * region; cpu_moe.c runs a layer's experts with them. The arrays of a rows set, per path:
  *   fp32: a[0] gg_prepare's activations [kp], a[1] its sums [chunks * GG_XS] (portable: a[0] the row as given [K]);
  *   int8: a[0] d [K/32], a[1] S [gq_sums], a[2] the bytes q [K], a[3] C [K/4] (where LLMD_GX_C);
- *   int16: a[0] d [K/32], a[2] the codes q [K] (int16); for an interleaved Q6_K (LLMD_GX_SPLIT) also a[1] the sums of
- *       each 16 codes [K/16] (int32) and a[3] the codes' low bytes [K] then their high bytes [K]. */
+ *   int16: a[0] d [K/32], a[2] the codes q [K] (int16); for an interleaved Q6_K (LLMD_GX_SUMS) also a[1] the sums of
+ *       each 16 codes [K/16] (int32). */
 
 static size_t gx_align(size_t bytes) { return (bytes + 63) / 64 * 64; }
 
@@ -267,7 +267,7 @@ int llmd_gx_takes(int act, int type, int64_t k) {
 }
 
 int llmd_gx_flags(int act, int type) {
-    if (act == LLMD_ACT_I16) return LLMD_X8(type) ? LLMD_GX_SPLIT : 0;
+    if (act == LLMD_ACT_I16) return LLMD_X8(type) ? LLMD_GX_SUMS : 0;
     if (act != LLMD_ACT_I8) return 0;
     return gq_signed_type(type) ? LLMD_GX_C | LLMD_GX_LANES : type == 23 || type == LLMD_IQ4XS_X8 ? LLMD_GX_C : 0;
 }
@@ -299,7 +299,7 @@ static void gx_init(llmd_gx_rows *r, int act, int type, int flags, int64_t k) {
         r->row[3] = flags & LLMD_GX_C ? (size_t)k : 0; /* k / 4 int32 */
     } else {
         r->row[0] = (size_t)nbx * 4, r->row[2] = (size_t)k * 2;
-        if (flags & LLMD_GX_SPLIT) r->row[1] = (size_t)(k / 16) * 4, r->row[3] = (size_t)k * 2;
+        if (flags & LLMD_GX_SUMS) r->row[1] = (size_t)(k / 16) * 4;
     }
 }
 
@@ -335,8 +335,7 @@ void llmd_gx_prepare(const llmd_gx_rows *r, int64_t row, const float *x) {
                         (int32_t *)(r->a[3] + row * r->row[3]));
     } else {
         gh_quantize_row(x, r->k, (float *)a0, (int16_t *)a2);
-        if (r->flags & LLMD_GX_SPLIT)
-            gh_split_row((const int16_t *)a2, r->k, (int32_t *)a1, (uint8_t *)(r->a[3] + row * r->row[3]));
+        if (r->flags & LLMD_GX_SUMS) gh_sums_row((const int16_t *)a2, r->k, (int32_t *)a1);
     }
 }
 
@@ -387,7 +386,7 @@ void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch)
     const llmd_gx_rows *x = &g->x;
     const int64_t k = x->k, m = g->m;
     if (LLMD_X8(job->type) && x->act == LLMD_ACT_I16) {
-        llmd_x8_cols_q16((const float *)x->a[0], (const int32_t *)x->a[1], (const uint8_t *)x->a[3], job->q, job->y,
+        llmd_x8_cols_q16((const float *)x->a[0], (const int32_t *)x->a[1], (const int16_t *)x->a[2], job->q, job->y,
                          job->ldy, m, k, n0, n1);
         return;
     }

@@ -23,7 +23,7 @@
 enum { LLMD_ACT_F32 = 0, LLMD_ACT_I8 = 1, LLMD_ACT_I16 = 2 };
 /* what the row data must hold for a type (llmd_gx_flags): int8's C, int8's lane layout per group, int16's codes split
  * into bytes with their sums of 16 */
-enum { LLMD_GX_C = 1, LLMD_GX_LANES = 2, LLMD_GX_SPLIT = 4 };
+enum { LLMD_GX_C = 1, LLMD_GX_LANES = 2, LLMD_GX_SUMS = 4 };
 
 /* Prepared activation rows of one path, as arrays of rows: row r of array i at a[i] + r * row[i] (cpu_gguf.c names
  * the arrays per path). fp32 rows are laid out for one GGML type (`type`); int8 and int16 rows serve every type. */
@@ -71,7 +71,7 @@ LLMD_HIDDEN void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, vo
 LLMD_HIDDEN void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C,
                               const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
 /* the same on the head path's rows of an interleaved Q6_K weight (cpu_interleaved.c) */
-LLMD_HIDDEN void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const uint8_t *xs, const uint8_t *q, float *y,
+LLMD_HIDDEN void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const int16_t *x, const uint8_t *q, float *y,
                                   int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
 /* the jobs' columns shared out among the nth threads of the enclosing parallel region (every thread calls it; no
  * barrier at its end): units of 8 columns, weighted by their rows */

@@ -24,13 +24,7 @@ int gh_supported(int type) { return type == 8 || type == 14; }
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define GH_DOT(w0, x0, w1, x1) _mm256_dpwssd_epi32(_mm256_madd_epi16(w0, x0), w1, x1)
-#elif defined(__AVXVNNI__)
-#define GH_DOT(w0, x0, w1, x1) _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(w0, x0), w1, x1)
-#else
-#define GH_DOT(w0, x0, w1, x1) _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1))
-#endif
+#define GH_DOT(w0, x0, w1, x1) DOT_S16_ACC(_mm256_madd_epi16(w0, x0), w1, x1)
 
 /* Per type, one unit of one column: gh_T_decode keeps what its blocks share, gh_T_block gives block j's int16
  * weights w0 (elements 0-15), w1 (16-31) and its scale. */

@@ -541,28 +541,29 @@ void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, c
 
 /* ==== Q6_K_X8 on the head path: int16 activations (cpu_head.c) ====================================================
  *
- * An output head's Q6_K table interleaved as above. Each int16 activation code q = 256 hi + lo (hi = q >> 8 signed,
- * lo = q & 255 unsigned; gh_split_row), so a sub-block's integer dot product is two byte dot products against the
- * 6-bit codes u:
- *   I_s = 256 sum(u hi) + sum(u lo) - 32 Q_s   (Q_s: the row's sum of the sub-block's 16 codes; = sum((u - 32) q))
- * exactly (|I_s sc_s| <= 16 * 32 * 32767 * 128 < 2^31); a vpdpbusd each (maddubs + madd without VNNI: a pair of
- * products <= 2 * 255 * 63 fits int16). Per output (row r, column c), in this order whatever the rows, the columns'
- * range or the thread, the sub-blocks s = 8h + 2u + e taken for h, e, u:
+ * An output head's Q6_K table interleaved as above, against int16 activation codes q. The 6-bit codes u are widened
+ * to int16 lanes (unpacked with zeros: a 256-bit vector of 4 codes of 8 columns becomes columns 0, 1, 4, 5 and 2, 3,
+ * 6, 7, each as two pairs) and meet the codes q of their 4 positions in vpmaddwd (vpdpwssd with VNNI), so a
+ * sub-block's integer dot product is
+ *   I_s = sum(u q) - 32 Q_s   (Q_s: the row's sum of the sub-block's 16 codes; = sum((u - 32) q))
+ * exactly (|sum(u q)| <= 16 * 63 * 32767 and |I_s sc_s| <= 16 * 32 * 32767 * 128 < 2^31), a column's pairs summed by
+ * one vphaddd per sub-block. Per output (row r, column c), in this order whatever the rows, the columns' range or the
+ * thread, the sub-blocks s = 8h + 2u + e taken for h, e, u:
  *   per super-block b: acc = float(I_s sc_s) xd_(s/2) for the first, then acc = fma(float(I_s sc_s), xd_(s/2), acc);
  *   out = fma(acc, d, out).
  * The portable build computes the same operations in plain C. */
 
 /* a head tile's arguments: a column group's super-blocks q (nb), rows [0, R) of the head path's row data (row r: the
- * bytes lo [k] then hi [k] at xs + 2 r k, activation scales at xd + r nbx, sub-block sums at Q + r k / 16) */
+ * codes at x + r k, activation scales at xd + r nbx, sub-block sums at Q + r k / 16) */
 #define X8H_TILE_ARGS                                                                                                  \
-    const uint8_t *q, int64_t nb, const uint8_t *xs, int64_t k, const float *xd, int64_t nbx, const int32_t *Q,       \
+    const uint8_t *q, int64_t nb, const int16_t *x, int64_t k, const float *xd, int64_t nbx, const int32_t *Q,        \
         float *y, int64_t ldy
 typedef void (*x8h_tile)(X8H_TILE_ARGS);
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define Q6X8H_ROWS(R)                                                                                                  \
     static void q6x8h_rows_##R(X8H_TILE_ARGS) {                                                                        \
-        const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);                                     \
+        const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), zero = _mm256_setzero_si256();      \
         __m256 out[R], acc[R];                                                                                       \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                           \
@@ -572,28 +573,29 @@ typedef void (*x8h_tile)(X8H_TILE_ARGS);
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                                     \
             _Pragma("GCC unroll 2") for (int e = 0; e < 2; e++)                                                     \
             _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                                                   \
-                __m256i A[R], B[R];                                                                                  \
-                for (int r = 0; r < R; r++) A[r] = B[r] = _mm256_setzero_si256();                                    \
+                __m256i lo[R], hi[R]; /* columns 0, 1, 4, 5 and 2, 3, 6, 7: two int32 pairs each */                   \
+                for (int r = 0; r < R; r++) lo[r] = hi[r] = zero;                                                    \
                 _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                            \
                     const int gi = 4 * e + gg;                                                                       \
                     const __m256i L = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + 8 * (u & 1) + gi))); \
                     const __m256i H = _mm256_loadu_si256((const __m256i *)(g + 1168 + 32 * (8 * h + gi)));          \
-                    const __m256i lo = _mm256_and_si256(u < 2 ? L : _mm256_srli_epi16(L, 4), m4);                    \
-                    const __m256i hi = u == 0 ? _mm256_slli_epi16(H, 4) : u == 1 ? _mm256_slli_epi16(H, 2)           \
+                    const __m256i l4 = _mm256_and_si256(u < 2 ? L : _mm256_srli_epi16(L, 4), m4);                    \
+                    const __m256i h2 = u == 0 ? _mm256_slli_epi16(H, 4) : u == 1 ? _mm256_slli_epi16(H, 2)           \
                                      : u == 2 ? H : _mm256_srli_epi16(H, 2);                                         \
-                    const __m256i c = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));                                \
+                    const __m256i c = _mm256_or_si256(l4, _mm256_and_si256(h2, m30));                                \
+                    const __m256i c_lo = _mm256_unpacklo_epi8(c, zero), c_hi = _mm256_unpackhi_epi8(c, zero);        \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
-                        const uint8_t *xr = xs + 2 * r * k + 256 * b + 128 * h + 32 * u + 4 * gi;                    \
-                        int32_t vl, vh;                                                                              \
-                        memcpy(&vl, xr, 4), memcpy(&vh, xr + k, 4);                                                  \
-                        A[r] = DOT_U8S8_ACC(A[r], c, _mm256_set1_epi32(vh));                                         \
-                        B[r] = DOT_U8S8_ACC(B[r], _mm256_set1_epi32(vl), c);                                         \
+                        int64_t v;                                                                                   \
+                        memcpy(&v, x + r * k + 256 * b + 128 * h + 32 * u + 4 * gi, 8);                              \
+                        const __m256i xv = _mm256_set1_epi64x(v);                                                    \
+                        lo[r] = DOT_S16_ACC(lo[r], c_lo, xv);                                                        \
+                        hi[r] = DOT_S16_ACC(hi[r], c_hi, xv);                                                        \
                     }                                                                                                \
                 }                                                                                                    \
                 const int s = 8 * h + 2 * u + e, first = h == 0 && e == 0 && u == 0;                                 \
                 const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 16 + 8 * s)));        \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
-                    const __m256i I = _mm256_sub_epi32(_mm256_add_epi32(_mm256_slli_epi32(A[r], 8), B[r]),           \
+                    const __m256i I = _mm256_sub_epi32(_mm256_hadd_epi32(lo[r], hi[r]),                              \
                                                        _mm256_set1_epi32(32 * Q[r * (k / 16) + 16 * b + s]));        \
                     const __m256 t = _mm256_cvtepi32_ps(_mm256_mullo_epi32(I, sc));                                  \
                     const __m256 dv = _mm256_set1_ps(xd[r * nbx + 8 * b + s / 2]);                                   \
@@ -611,7 +613,7 @@ Q6X8H_ROWS(3)
 Q6X8H_ROWS(4)
 #else
 static void q6x8h_rows_1(X8H_TILE_ARGS) {
-    (void)ldy;
+    (void)k, (void)nbx, (void)ldy;
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = q + b * Q6X8_BYTES;
@@ -620,17 +622,16 @@ static void q6x8h_rows_1(X8H_TILE_ARGS) {
             for (int h = 0; h < 2; h++)
                 for (int e = 0; e < 2; e++)
                     for (int u = 0; u < 4; u++) {
-                        int32_t A = 0, B = 0;
+                        int32_t dot = 0;
                         for (int gg = 0; gg < 4; gg++)
                             for (int i = 0; i < 4; i++) {
                                 const int gi = 4 * e + gg, at = 32 * gi + 4 * c + i;
                                 const uint8_t L = g[144 + 512 * h + 256 * (u & 1) + at], H = g[1168 + 256 * h + at];
                                 const int code = (u < 2 ? L & 15 : L >> 4) | (H >> 2 * u & 3) << 4;
-                                const int64_t x = 256 * b + 128 * h + 32 * u + 4 * gi + i;
-                                A += code * (int8_t)xs[k + x], B += code * xs[x];
+                                dot += code * x[256 * b + 128 * h + 32 * u + 4 * gi + i];
                             }
                         const int s = 8 * h + 2 * u + e;
-                        const int32_t I = A * 256 + B - 32 * Q[16 * b + s];
+                        const int32_t I = dot - 32 * Q[16 * b + s];
                         const float t = (float)(I * (int8_t)g[16 + 8 * s + c]), dv = xd[8 * b + s / 2];
                         acc = h == 0 && e == 0 && u == 0 ? t * dv : fmaf(t, dv, acc);
                     }
@@ -642,9 +643,9 @@ static void q6x8h_rows_1(X8H_TILE_ARGS) {
 #endif
 static const x8h_tile Q6X8H_TILES[X8_MAX_ROWS] = X8_TILES(q6x8h_rows);
 
-/* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the head path's rows (xd [K/32], Q [K/16], xs [2K] per row:
- * gh_quantize_row's and gh_split_row's) and a Q6_K_X8 weight q, in chunks of rows whose bytes stay in L2. */
-void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const uint8_t *xs, const uint8_t *q, float *y, int64_t ldy,
+/* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the head path's rows (xd [K/32], Q [K/16], x [K] per row:
+ * gh_quantize_row's and gh_sums_row's) and a Q6_K_X8 weight q, in chunks of rows whose codes stay in L2. */
+void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const int16_t *x, const uint8_t *q, float *y, int64_t ldy,
                       int64_t m, int64_t k, int64_t n0, int64_t n1) {
     const int64_t nb = k / 256, nbx = k / QB, rb = nb * 210;
     const int64_t chunk = (128 * 1024) / k < 1 ? 1 : (128 * 1024) / k;
@@ -653,7 +654,7 @@ void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const uint8_t *xs, cons
         for (int64_t c0 = n0; c0 < n1; c0 += 8)
             for (int64_t r = m0; r < m1;) {
                 const int rr = m1 - r >= X8_MAX_ROWS ? X8_MAX_ROWS : (int)(m1 - r);
-                Q6X8H_TILES[rr - 1](q + c0 * rb, nb, xs + 2 * r * k, k, xd + r * nbx, nbx, Q + r * (k / 16),
+                Q6X8H_TILES[rr - 1](q + c0 * rb, nb, x + r * k, k, xd + r * nbx, nbx, Q + r * (k / 16),
                                     y + r * ldy + c0, ldy);
                 r += rr;
             }

@@ -43,6 +43,14 @@
 #elif defined(__AVXVNNI__)
 #define DOT_U8S8_ACC(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #endif
+/* acc + the int16 pairs' products summed into 8 int32 lanes: one vpdpwssd with VNNI, else madd + add */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DOT_S16_ACC(acc, a, b) _mm256_dpwssd_epi32(acc, a, b)
+#elif defined(__AVXVNNI__)
+#define DOT_S16_ACC(acc, a, b) _mm256_dpwssd_avx_epi32(acc, a, b)
+#else
+#define DOT_S16_ACC(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+#endif
 #ifdef DOT_U8S8_ACC
 #define DOT_U8S8(u, s) DOT_U8S8_ACC(_mm256_setzero_si256(), u, s)
 #else
@@ -452,7 +460,7 @@ LLMD_HIDDEN gq_lanes gq_lanes_in(const void *lanes, int64_t m, int64_t k, int64_
 /* the head path's row data of one row: d [K/32], int16 codes [K] */
 LLMD_HIDDEN void gh_quantize_row(const float *x, int64_t k, float *d, int16_t *xq);
 /* its codes split into bytes (low [K], high [K]) with their sums of 16 (an interleaved Q6_K head's rows) */
-LLMD_HIDDEN void gh_split_row(const int16_t *xq, int64_t k, int32_t *sums, uint8_t *bytes);
+LLMD_HIDDEN void gh_sums_row(const int16_t *xq, int64_t k, int32_t *sums);
 #if defined(__AVX2__) && defined(__FMA__)
 /* rows transposed per block of 16 rows (into xt, or a new buffer) */
 LLMD_HIDDEN void transpose_into(float *xt, const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, int int4);
