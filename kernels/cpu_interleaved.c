@@ -39,11 +39,12 @@
 #define X8_BYTES 1152
 #define Q6X8_BYTES 1680
 #define IQX8_BYTES 1088
-#ifndef X8_PF
-#define X8_PF 2 /* super-blocks prefetched ahead */
-#endif
-/* Q6_K's 27 lines a super-block prefetched into L2 (into L1 they streamed at half the rate: more lines than its miss
- * buffers); Q4_K's 18 into L1 (faster so) */
+/* Super-blocks prefetched ahead, and how. Q6_K's 27 lines a super-block into L2, 2 ahead (into L1 they streamed at
+ * half the rate: more lines than its miss buffers); Q4_K's 18 (and IQ4_XS's 17) 4 ahead as non-temporal (into L1,
+ * kept out of the outer caches: 5-7 % faster at one row on Zen 1 than into L1 2 ahead, the weights are read once) */
+#define X8_PF 4
+#define X8_HINT _MM_HINT_NTA
+#define Q6X8_PF 2
 #define Q6X8_HINT _MM_HINT_T1
 
 /* Every tile's arguments: a column group's super-blocks q (nb of them), then rows [0, R) of the integer path's row data
@@ -110,7 +111,7 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = q + b * X8_BYTES;
         const int8_t *xb = xq + 256 * b;
-        for (int p = 0; p < X8_BYTES; p += 64) _mm_prefetch((const char *)(g + X8_PF * X8_BYTES + p), _MM_HINT_T0);
+        for (int p = 0; p < X8_BYTES; p += 64) _mm_prefetch((const char *)(g + X8_PF * X8_BYTES + p), X8_HINT);
         uint8_t sc[64], mn[64];
         x8_scales(g, sc, mn);
         __m256i acc[8];
@@ -153,7 +154,7 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
         for (int64_t b = 0; b < nb; b++) {                                                                           \
             const uint8_t *g = q + b * X8_BYTES;                                                                     \
             for (int p = 0; p < X8_BYTES; p += 64)                                                                   \
-                _mm_prefetch((const char *)(g + X8_PF * X8_BYTES + p), _MM_HINT_T0);                                \
+                _mm_prefetch((const char *)(g + X8_PF * X8_BYTES + p), X8_HINT);                                \
             uint8_t sc[64], mn[64];                                                                                  \
             x8_scales(g, sc, mn);                                                                                    \
             _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                                                   \
@@ -209,7 +210,7 @@ X8_ROWS(4)
         for (int64_t b = 0; b < nb; b++) {                                                                           \
             const uint8_t *g = q + b * Q6X8_BYTES;                                                                   \
             for (int p = 0; p < Q6X8_BYTES; p += 64)                                                                 \
-                _mm_prefetch((const char *)(g + X8_PF * Q6X8_BYTES + p), Q6X8_HINT);                                \
+                _mm_prefetch((const char *)(g + Q6X8_PF * Q6X8_BYTES + p), Q6X8_HINT);                                \
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                                     \
             _Pragma("GCC unroll 2") for (int e = 0; e < 2; e++) {                                                   \
                 __m256i a[4][R];                                                                                     \
@@ -268,7 +269,7 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
     __m256 out = _mm256_setzero_ps(), sa = out, ma = out;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = q + b * Q6X8_BYTES;
-        for (int p = 0; p < Q6X8_BYTES; p += 64) _mm_prefetch((const char *)(g + X8_PF * Q6X8_BYTES + p), Q6X8_HINT);
+        for (int p = 0; p < Q6X8_BYTES; p += 64) _mm_prefetch((const char *)(g + Q6X8_PF * Q6X8_BYTES + p), Q6X8_HINT);
         _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)
         _Pragma("GCC unroll 2") for (int e = 0; e < 2; e++) {
             __m256i a[4];
@@ -359,7 +360,7 @@ INLINE void iqx8_scales(const uint8_t *g, int8_t *sc) {
         for (int64_t b = 0; b < nb; b++) {                                                                           \
             const uint8_t *g = q + b * IQX8_BYTES;                                                                   \
             for (int p = 0; p < IQX8_BYTES; p += 64)                                                                 \
-                _mm_prefetch((const char *)(g + X8_PF * IQX8_BYTES + p), _MM_HINT_T0);                              \
+                _mm_prefetch((const char *)(g + X8_PF * IQX8_BYTES + p), X8_HINT);                              \
             int8_t sc[64];                                                                                           \
             iqx8_scales(g, sc);                                                                                      \
             _Pragma("GCC unroll 8") for (int j0 = 0; j0 < 8; j0 += (P)) {                                           \
@@ -569,7 +570,7 @@ typedef void (*x8h_tile)(X8H_TILE_ARGS);
         for (int64_t b = 0; b < nb; b++) {                                                                           \
             const uint8_t *g = q + b * Q6X8_BYTES;                                                                   \
             for (int p = 0; p < Q6X8_BYTES; p += 64)                                                                 \
-                _mm_prefetch((const char *)(g + X8_PF * Q6X8_BYTES + p), Q6X8_HINT);                                \
+                _mm_prefetch((const char *)(g + Q6X8_PF * Q6X8_BYTES + p), Q6X8_HINT);                                \
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                                     \
             _Pragma("GCC unroll 2") for (int e = 0; e < 2; e++)                                                     \
             _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                                                   \
