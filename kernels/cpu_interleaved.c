@@ -21,6 +21,10 @@
  *   out = fma(s, d, out); out = fma(-m, dmin, out).
  * The portable build computes the same operations in plain C (fmaf).
  *
+ * Q5_K likewise ("Q5_K_X8", 1013; gguf_blocks.q5k_x8_pack), 1408 bytes: Q4_K_X8's 1152 bytes of its d, dmin,
+ * scales, mins and low 4 bits, then the fifth bits in runs of 4 bytes per column (32 bytes at 1152 + 32g: qh bytes
+ * 4g .. 4g + 3, bit j of a byte sub-block j's): codes 0..31, the same operations per output as Q4_K_X8.
+ *
  * Q6_K the same way ("Q6_K_X8", 1014; gguf_blocks.q6k_x8_pack): a group's super-block (1680 bytes) holds d of the 8
  * columns (fp16, [0, 16)), the 16 int8 scales as byte 16 + 8s + c, the low 4 bits in runs of 4 bytes per column
  * (32 bytes at 144 + 32 (16h + 8p + g): ql bytes 64h + 32p + 4g ..) and the high 2 bits (32 bytes at
@@ -37,6 +41,7 @@
 #include "cpu_tiles.h"
 
 #define X8_BYTES 1152
+#define Q5X8_BYTES 1408
 #define Q6X8_BYTES 1680
 #define IQX8_BYTES 1088
 /* Super-blocks prefetched ahead, and how. Q6_K's 27 lines a super-block into L2, 2 ahead (into L1 they streamed at
@@ -143,26 +148,40 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
     _mm256_storeu_ps(y, out);
 }
 
-/* R rows (2..4) of a column group: each 32 bytes of codes loaded and split once for all rows; a chunk of 64 codes at
- * a time (units 2c, 2c + 1), so 2R integer sums are live. The same operations per output as x8_row. */
-#define X8_ROWS(R)                                                                                                     \
-    static void x8_rows_##R(X8_TILE_ARGS) {                                                                            \
+/* Q5_K's fifth bit of sub-block j's codes, from a run of its high-bit bytes v (bit j of each byte), as bit 4 of each
+ * byte (a 16-bit shift moves no other byte's bit into bit 4) */
+INLINE __m256i q5_bit4(__m256i v, int j) {
+    const __m256i at = j <= 4 ? _mm256_slli_epi16(v, 4 - j) : _mm256_srli_epi16(v, j - 4);
+    return _mm256_and_si256(at, _mm256_set1_epi8(0x10));
+}
+
+/* R rows of a Q4_K (QH 0: 2..4 rows) or Q5_K (QH 1: 1..4 rows) column group: each 32 bytes of codes loaded and split
+ * once for all rows; a chunk of 64 codes at a time (units 2c, 2c + 1), so 2R integer sums are live. Q5_K's codes
+ * reach 31, so without VNNI its int16 sums are scaled and widened every 4 code vectors (4 * 2 * 31 * 128 < 2^15), its
+ * integers dot_j sc_j the same. The same operations per output as x8_row. */
+#define X8K_ROWS(NAME, R, QH)                                                                                          \
+    static void NAME##_##R(X8_TILE_ARGS) {                                                                             \
         (void)C;                                                                                                       \
+        const int64_t bytes = QH ? Q5X8_BYTES : X8_BYTES;                                                            \
+        const int halves = QH && !GQ_OFFSET_ROWS; /* Q5_K's int16 sums scaled twice a sub-block */                  \
         const __m256i m4 = _mm256_set1_epi8(0x0F);                                                                   \
         __m256 out[R], s[R], m[R];                                                                                   \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                           \
-            const uint8_t *g = q + b * X8_BYTES;                                                                     \
-            for (int p = 0; p < X8_BYTES; p += 64)                                                                   \
-                _mm_prefetch((const char *)(g + X8_PF * X8_BYTES + p), X8_HINT);                                \
+            const uint8_t *g = q + b * bytes;                                                                        \
+            for (int p = 0; p < bytes; p += 64) _mm_prefetch((const char *)(g + X8_PF * bytes + p), X8_HINT);       \
             uint8_t sc[64], mn[64];                                                                                  \
             x8_scales(g, sc, mn);                                                                                    \
             _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                                                   \
-                __m256i a[2][R];                                                                                     \
+                __m256i a[2][R], dot[2][R];                                                                          \
                 for (int r = 0; r < R; r++) a[0][r] = a[1][r] = _mm256_setzero_si256();                              \
                 _Pragma("GCC unroll 8") for (int kk = 0; kk < 8; kk++) {                                            \
                     const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 128 + 32 * (8 * c + kk)));            \
-                    const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);  \
+                    __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);        \
+                    if (QH) {                                                                                        \
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(g + X8_BYTES + 32 * kk));             \
+                        lo = _mm256_or_si256(lo, q5_bit4(v, 2 * c)), hi = _mm256_or_si256(hi, q5_bit4(v, 2 * c + 1)); \
+                    }                                                                                                \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
                         const int8_t *xb = xq + r * k + 256 * b + 64 * c + 4 * kk;                                   \
                         int32_t vl, vh;                                                                              \
@@ -171,14 +190,22 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
                         a[0][r] = X8_SUB_ACC(a[0][r], lo, _mm256_set1_epi32(vl));                                    \
                         a[1][r] = X8_SUB_ACC(a[1][r], hi, _mm256_set1_epi32(vh));                                    \
                     }                                                                                                \
+                    if (kk == 7 || (halves && kk == 3))                                                              \
+                        _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                       \
+                            const __m128i scj = _mm_loadl_epi64((const __m128i *)(sc + 8 * (2 * c + h)));            \
+                            for (int r = 0; r < R; r++) {                                                            \
+                                const __m256i part = X8_SUB_SCALED(a[h][r], scj);                                    \
+                                dot[h][r] = halves && kk == 7 ? _mm256_add_epi32(dot[h][r], part) : part;            \
+                                a[h][r] = _mm256_setzero_si256();                                                    \
+                            }                                                                                        \
+                        }                                                                                            \
                 }                                                                                                    \
                 _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                               \
                     const int j = 2 * c + h;                                                                         \
-                    const __m128i scj = _mm_loadl_epi64((const __m128i *)(sc + 8 * j));                              \
                     const __m256 mv =                                                                                \
                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * j))));    \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
-                        const __m256 t = _mm256_cvtepi32_ps(X8_SUB_SCALED(a[h][r], scj));                            \
+                        const __m256 t = _mm256_cvtepi32_ps(dot[h][r]);                                              \
                         const __m256 dv = _mm256_set1_ps(xd[r * nbx + 8 * b + j]);                                   \
                         const __m256 s0 = _mm256_set1_ps(S[r * lds + 16 * b + 2 * j]);                               \
                         const __m256 s1 = _mm256_set1_ps(S[r * lds + 16 * b + 2 * j + 1]);                           \
@@ -196,9 +223,13 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
-X8_ROWS(2)
-X8_ROWS(3)
-X8_ROWS(4)
+X8K_ROWS(x8_rows, 2, 0)
+X8K_ROWS(x8_rows, 3, 0)
+X8K_ROWS(x8_rows, 4, 0)
+X8K_ROWS(q5x8_rows, 1, 1)
+X8K_ROWS(q5x8_rows, 2, 1)
+X8K_ROWS(q5x8_rows, 3, 1)
+X8K_ROWS(q5x8_rows, 4, 1)
 
 /* Q6_K_X8: R rows (1..4) of a column group; per (h, e) the 4 units' sums of 16 codes are live per row */
 #define Q6X8_ROWS(R)                                                                                                   \
@@ -301,7 +332,8 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
             }
             _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
                 const int s = 8 * h + 2 * u + e, first = h == 0 && e == 0 && u == 0;
-                const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(g + 16 + 8 * s))));
+                const __m128i sc8 = _mm_loadl_epi64((const __m128i *)(g + 16 + 8 * s));
+                const __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
                 const __m256 t = _mm256_cvtepi32_ps(a[u]);
                 const __m256 dv = _mm256_set1_ps(xd[8 * b + s / 2]), sv = _mm256_set1_ps(S[16 * b + s]);
                 sa = first ? _mm256_mul_ps(t, dv) : _mm256_fmadd_ps(t, dv, sa);
@@ -467,10 +499,11 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
     memcpy(y, out, sizeof out);
 }
 
-static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y) {
+/* one row of a Q4_K (qh 0) or Q5_K (qh 1) column group */
+static void x8k_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y, int qh) {
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *g = q + b * X8_BYTES;
+        const uint8_t *g = q + b * (qh ? Q5X8_BYTES : X8_BYTES);
         const int8_t *xb = xq + 256 * b;
         uint8_t sc[64], mn[64];
         x8_scales(g, sc, mn);
@@ -480,8 +513,9 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
                 for (int k = 0; k < 8; k++)
                     for (int e = 0; e < 4; e++) {
                         const uint8_t v = g[128 + 32 * (8 * u + k) + 4 * c + e];
-                        dot[2 * u] += (v & 15) * xb[64 * u + 4 * k + e];
-                        dot[2 * u + 1] += (v >> 4) * xb[64 * u + 32 + 4 * k + e];
+                        const uint8_t h = qh ? g[X8_BYTES + 32 * k + 4 * c + e] : 0;
+                        dot[2 * u] += ((v & 15) | (h >> 2 * u & 1) << 4) * xb[64 * u + 4 * k + e];
+                        dot[2 * u + 1] += ((v >> 4) | (h >> (2 * u + 1) & 1) << 4) * xb[64 * u + 32 + 4 * k + e];
                     }
             float s = 0.0f, m = 0.0f;
             for (int j = 0; j < 8; j++) {
@@ -494,6 +528,15 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
         }
     }
     memcpy(y, out, sizeof out);
+}
+
+static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y) {
+    x8k_row(q, nb, xq, xd, S, y, 0);
+}
+
+static void q5x8_rows_1(X8_TILE_ARGS) {
+    (void)k, (void)nbx, (void)lds, (void)C, (void)ldy;
+    x8k_row(q, nb, xq, xd, S, y, 1);
 }
 #endif
 
@@ -516,6 +559,7 @@ static const struct {
     int64_t bytes;
     x8_tile tiles[X8_MAX_ROWS];
 } X8_TYPES[] = {{LLMD_Q4K_X8, 144, X8_TILES(x8_rows)},
+                {LLMD_Q5K_X8, 176, X8_TILES(q5x8_rows)},
                 {LLMD_Q6K_X8, 210, X8_TILES(q6x8_rows)},
                 {LLMD_IQ4XS_X8, 136, X8_TILES(iqx8_rows)}};
 
@@ -666,7 +710,8 @@ void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const int16_t *x, const
 
 /* one group of 8 rows' super-block b: src = the 8 rows (row stride rb), dst = its X8 block */
 static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst) {
-    if (type == LLMD_Q4K_X8) {
+    if (type == LLMD_Q4K_X8 || type == LLMD_Q5K_X8) {
+        const int codes = type == LLMD_Q5K_X8 ? 48 : 16; /* Q5_K's fifth bits sit between the scales and the codes */
         uint8_t sc[8][8], mn[8][8]; /* [column][sub-block] */
         for (int c = 0; c < 8; c++) {
             const uint8_t *s = src + c * rb;
@@ -676,7 +721,9 @@ static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst
                 sc[c][j] = (uint8_t)(j < 4 ? b[j] & 63 : (b[j + 4] & 15) | (b[j - 4] >> 6) << 4);
                 mn[c][j] = (uint8_t)(j < 4 ? b[j + 4] & 63 : (b[j + 4] >> 4) | (b[j] >> 6) << 4);
             }
-            for (int r = 0; r < 32; r++) memcpy(dst + 128 + 32 * r + 4 * c, s + 16 + 4 * r, 4); /* run r = 8c' + g */
+            for (int r = 0; r < 32; r++) memcpy(dst + 128 + 32 * r + 4 * c, s + codes + 4 * r, 4); /* r = 8c' + g */
+            if (type == LLMD_Q5K_X8)
+                for (int r = 0; r < 8; r++) memcpy(dst + X8_BYTES + 32 * r + 4 * c, s + 16 + 4 * r, 4);
         }
         for (int j = 0; j < 4; j++)
             for (int c = 0; c < 8; c++) {

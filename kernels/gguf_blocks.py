@@ -64,8 +64,8 @@ BLOCKS: dict[str, tuple[int, int]] = {
     "IQ4_XS": (QK_K, 136),
 }
 PACKED_TYPES = tuple(BLOCKS)
-X8_OF = {"Q4_K_X8": "Q4_K", "Q6_K_X8": "Q6_K", "IQ4_XS_X8": "IQ4_XS"}  # llmd's interleaved layouts (x8_pack) -> the
-# file's type
+# llmd's interleaved layouts (x8_pack) -> the file's type
+X8_OF = {"Q4_K_X8": "Q4_K", "Q5_K_X8": "Q5_K", "Q6_K_X8": "Q6_K", "IQ4_XS_X8": "IQ4_XS"}
 IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 codes' values, doubled
 
@@ -299,12 +299,14 @@ def _x8_groups(blocks: torch.Tensor, type_name: str) -> tuple[int, int]:
 
 def x8_pack(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     """Rows of X8_OF[layout]'s blocks [N, row bytes] (N % 8 == 0) -> the same bits in the interleaved `layout`."""
-    return {"Q4_K_X8": q4k_x8_pack, "Q6_K_X8": q6k_x8_pack, "IQ4_XS_X8": iq4xs_x8_pack}[layout](blocks)
+    return {"Q4_K_X8": q4k_x8_pack, "Q5_K_X8": q5k_x8_pack, "Q6_K_X8": q6k_x8_pack,
+            "IQ4_XS_X8": iq4xs_x8_pack}[layout](blocks)
 
 
 def x8_unpack(packed: torch.Tensor, layout: str) -> torch.Tensor:
     """The interleaved `layout` -> the file's rows (x8_pack's inverse)."""
-    return {"Q4_K_X8": q4k_x8_unpack, "Q6_K_X8": q6k_x8_unpack, "IQ4_XS_X8": iq4xs_x8_unpack}[layout](packed)
+    return {"Q4_K_X8": q4k_x8_unpack, "Q5_K_X8": q5k_x8_unpack, "Q6_K_X8": q6k_x8_unpack,
+            "IQ4_XS_X8": iq4xs_x8_unpack}[layout](packed)
 
 
 def _runs(code_bytes: torch.Tensor) -> torch.Tensor:
@@ -352,6 +354,29 @@ def q4k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
     out = torch.cat([p[..., 0:16].reshape(groups, nb, 8, 2), p[..., 16:32].reshape(groups, nb, 8, 2), scales, codes],
                     dim=-1)  # [G, nb, column, 144]
     return out.transpose(1, 2).reshape(packed.shape)
+
+
+# Q5_K's group of 8 rows' super-block (8 x 176 bytes): Q4_K_X8's 1152 bytes of its d, dmin, scales, mins and low 4
+# bits, then its fifth bits in runs of 4 bytes per column (run g: qh bytes 4g .. 4g + 3; bit j is sub-block j's).
+
+
+def q5k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
+    """Q5_K rows [N, nb * 176] (N % 8 == 0) -> the same bits in the Q5_K_X8 layout."""
+    groups, nb = _x8_groups(blocks, "Q5_K_X8")
+    b = blocks.reshape(groups, 8, nb, 176)
+    q4 = q4k_x8_pack(torch.cat([b[..., :16], b[..., 48:]], dim=-1).reshape(groups * 8, nb * 144))
+    high = _runs(b.transpose(1, 2)[..., 16:48]).permute(0, 1, 3, 2)  # [G, nb, run, column]
+    out = torch.cat([q4.reshape(groups, nb, 1152), high.contiguous().view(torch.uint8).reshape(groups, nb, 256)], -1)
+    return out.reshape(blocks.shape)
+
+
+def q5k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The Q5_K_X8 layout -> the file's Q5_K rows (q5k_x8_pack's inverse)."""
+    groups, nb = _x8_groups(packed, "Q5_K_X8")
+    p = packed.reshape(groups, nb, 1408)
+    q4 = q4k_x8_unpack(p[..., :1152].reshape(groups * 8, nb * 144)).reshape(groups, 8, nb, 144)
+    high = p[..., 1152:].reshape(groups, nb, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(groups, 8, nb, 32)
+    return torch.cat([q4[..., :16], high, q4[..., 16:]], dim=-1).reshape(packed.shape)
 
 
 # Q6_K's group of 8 rows' super-block (8 x 210 bytes): d [8] (fp16), the 16 int8 scales as byte 8s + c, then the low
