@@ -291,7 +291,7 @@ X8K_ROWS(q5x8_rows, 4, 1)
 Q6X8_ROWS(1)
 #else
 /* Q6_K_X8, one row, without VNNI: as Q6X8_ROWS(1), but a unit's products are summed in int16 lanes two code vectors
- * at a time (a lane's 8 products of 6-bit codes and int8 activations stay within 8 * 63 * 128 = 64512 / 2 < 2^15) and
+ * at a time (a lane's 4 products of 6-bit codes and int8 activations stay within 4 * 63 * 128 = 32256 < 2^15) and
  * each pair is widened and scaled by one vpmaddwd against the unit's scales (as X8_SUB_SCALED): 2 multiplies in place
  * of 5 besides the maddubs, the same integers dot_s sc_s. */
 static void q6x8_rows_1(X8_TILE_ARGS) {
