@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -344,8 +345,8 @@ async def test_model_picker_loads_on_selection_with_progress_and_errors(fake, tm
     from llmd.tui.screens import ModelPicker
 
     fake.behaviour.models = ["fake-model", "other-model", "broken-model"]
-    fake.behaviour.load_delay_s = 0.6
     fake.behaviour.load_errors = {"broken-model": "not enough memory"}
+    fake.behaviour.load_gate = loaded = threading.Event()  # each load waits for the test to have seen its progress
     app = make_app(fake, tmp_path)
     async with app.run_test(size=SIZE) as pilot:
         await connected(pilot)
@@ -358,11 +359,14 @@ async def test_model_picker_loads_on_selection_with_progress_and_errors(fake, tm
         options.highlighted = 2
         await pilot.press("enter")
         await wait_for(pilot, lambda: "loading broken-model" in str(picker.query_one("#progress").render()))
+        loaded.set()
         await wait_for(pilot, lambda: "did not load" in str(picker.query_one("#error").render()))
         assert "not enough memory" in str(picker.query_one("#error").render()) and app.screen is picker
         options.highlighted = 1
+        loaded.clear()
         await pilot.press("enter")
         await wait_for(pilot, lambda: "loading other-model" in str(picker.query_one("#progress").render()))
+        loaded.set()
         await wait_for(pilot, lambda: "other-model" in app.sub_title)
         assert app.default_model == "other-model" and not isinstance(app.screen, ModelPicker)
         await send(pilot, "hi")

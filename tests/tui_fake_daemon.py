@@ -72,6 +72,7 @@ class Behaviour:
     loaded: set[str] = field(default_factory=lambda: {"fake-model"})  # /v1/models marks these; /api/generate adds
     load_delay_s: float = 0.0  # how long loading a model takes (POST /api/generate with an empty prompt)
     load_errors: dict[str, str] = field(default_factory=dict)  # model -> the daemon's reason it cannot load
+    load_gate: threading.Event | None = None  # a load answers only once this is set (a test watches it loading)
     spec: bool = False
     stats_interval_s: float = 0.2
 
@@ -117,6 +118,8 @@ class FakeDaemon:
         name = (await request.json()).get("model")
         b = self.behaviour
         await asyncio.sleep(b.load_delay_s)
+        while b.load_gate is not None and not b.load_gate.is_set():
+            await asyncio.sleep(0.01)
         if name in b.load_errors:
             return web.json_response({"error": f"model {name!r} failed to load: {b.load_errors[name]}"}, status=503)
         if name not in b.models:
