@@ -231,11 +231,23 @@ X8K_ROWS(q5x8_rows, 2, 1)
 X8K_ROWS(q5x8_rows, 3, 1)
 X8K_ROWS(q5x8_rows, 4, 1)
 
+/* Q6_K_X8's codes of units 0..3 (u = q + 32, 0..63) at run gi of half h of a group's super-block g */
+INLINE void q6x8_codes(const uint8_t *g, int h, int gi, __m256i c[4]) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
+    const __m256i A = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + gi)));
+    const __m256i B = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + 8 + gi)));
+    const __m256i H = _mm256_loadu_si256((const __m256i *)(g + 1168 + 32 * (8 * h + gi)));
+    c[0] = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
+    c[1] = _mm256_or_si256(_mm256_and_si256(B, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
+    c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(H, m30));
+    c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+}
+
 /* Q6_K_X8: R rows (1..4) of a column group; per (h, e) the 4 units' sums of 16 codes are live per row */
 #define Q6X8_ROWS(R)                                                                                                   \
     static void q6x8_rows_##R(X8_TILE_ARGS) {                                                                          \
         (void)C;                                                                                                       \
-        const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);                                     \
         __m256 out[R], sa[R], ma[R];                                                                                 \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                           \
@@ -249,15 +261,8 @@ X8K_ROWS(q5x8_rows, 4, 1)
                     for (int r = 0; r < R; r++) a[u][r] = _mm256_setzero_si256();                                    \
                 _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                            \
                     const int gi = 4 * e + gg;                                                                       \
-                    const __m256i A = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + gi)));          \
-                    const __m256i B = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + 8 + gi)));      \
-                    const __m256i H = _mm256_loadu_si256((const __m256i *)(g + 1168 + 32 * (8 * h + gi)));          \
                     __m256i c[4];                                                                                    \
-                    c[0] = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30)); \
-                    c[1] = _mm256_or_si256(_mm256_and_si256(B, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30)); \
-                    c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(H, m30)); \
-                    c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),                           \
-                                           _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));                          \
+                    q6x8_codes(g, h, gi, c);                                                                         \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                             \
                     _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                                           \
                         int32_t v;                                                                                   \
@@ -296,7 +301,6 @@ Q6X8_ROWS(1)
  * of 5 besides the maddubs, the same integers dot_s sc_s. */
 static void q6x8_rows_1(X8_TILE_ARGS) {
     (void)k, (void)nbx, (void)lds, (void)C, (void)ldy;
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
     __m256 out = _mm256_setzero_ps(), sa = out, ma = out;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = q + b * Q6X8_BYTES;
@@ -308,15 +312,8 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
                 __m256i p[4];
                 _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) {
                     const int gi = 4 * e + 2 * pair + half;
-                    const __m256i A = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + gi)));
-                    const __m256i B = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + 8 + gi)));
-                    const __m256i H = _mm256_loadu_si256((const __m256i *)(g + 1168 + 32 * (8 * h + gi)));
                     __m256i c[4];
-                    c[0] = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
-                    c[1] = _mm256_or_si256(_mm256_and_si256(B, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
-                    c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(H, m30));
-                    c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
-                                           _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+                    q6x8_codes(g, h, gi, c);
                     _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
                         int32_t v;
                         memcpy(&v, xq + 256 * b + 128 * h + 32 * u + 4 * gi, 4);
