@@ -16,6 +16,7 @@ from ..errors import ModelFileError
 from .calibrate import quantize_calibrated
 from .config import ModelConfig
 from .host_table import host_weight_bytes
+from .huge_pages import place_packed_on_huge_pages
 from .linear import transposed_tied_head, use_transposed_weights
 from .moe import Experts
 from .ops import bind_ops, choose_ops
@@ -130,6 +131,8 @@ class LoadPipeline:
                                          self.source.raw_types(self.spec.method))
         self._final_form(model)
         model = model.to_empty(device=self.device)
+        if self.device.type == "cpu":
+            place_packed_on_huge_pages(model)
         model.init_buffers(self.device)
         return model
 

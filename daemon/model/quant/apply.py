@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ...errors import ModelFileError
+from ..huge_pages import place_packed_on_huge_pages
 from . import layers
 from .gguf_blocks import _fill_packed
 from .layers import Int4Linear, empty_quantized, quantize_linear
@@ -204,5 +205,7 @@ def build_empty_quantized(config, dtype: torch.dtype, device, spec: QuantSpec, i
     model = model.to(dtype=dtype)  # before the swap: scales and zeros stay fp32
     swapped = swap_in_quantized(model, spec, include_lm_head, dtype=dtype, device="meta", gguf_types=gguf_types)
     model = model.to_empty(device=device)
+    if torch.device(device).type == "cpu":
+        place_packed_on_huge_pages(model)
     model.init_buffers(device)
     return model.eval().requires_grad_(False), swapped
