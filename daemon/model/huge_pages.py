@@ -67,7 +67,7 @@ def place_packed_on_huge_pages(model: nn.Module) -> int:
     views = {id(t): arena[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
              for t, at in zip(placed, offsets, strict=True)}
     for owner in model.modules():  # every module holding one of them (a table two modules share stays one tensor)
-        for key, t in owner._buffers.items():
-            if t is not None and id(t) in views:
-                owner._buffers[key] = views[id(t)]
+        for key, buf in owner._buffers.items():
+            if buf is not None and id(buf) in views:
+                owner._buffers[key] = views[id(buf)]
     return total
