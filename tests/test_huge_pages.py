@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from llmd.model.attention import allocate_kv_cache
 from llmd.model.huge_pages import HUGE_PAGE, huge_page_buffer, packed_tensors
 from llmd.model.loader import load_model
 from test_gguf_kquant import write_kquant_gguf
@@ -72,3 +73,15 @@ def test_gguf_model_on_cpu_has_its_packed_weights_in_one_advised_mapping(tmp_pat
     if thp_offered():
         assert region["THPeligible"] == "1"
 
+
+
+def test_cpu_kv_caches_are_zeroed_separate_and_advised():
+    caches = allocate_kv_cache(3, 64, 16, 2, 64, torch.float32, "cpu")
+    tensors = [t for kv in caches for t in kv]
+    assert all(t.shape == (64, 16, 2, 64) and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    assert all(int(t.count_nonzero()) == 0 for t in tensors)
+    caches[1][0][5].fill_(1.0)  # one layer's K block: nothing else moves
+    assert [int(t.count_nonzero()) for t in tensors] == [0, 0, 16 * 2 * 64, 0, 0, 0]
+    assert tensors[0].data_ptr() % HUGE_PAGE == 0
+    if thp_offered():
+        assert mapping_of(tensors[-1].data_ptr())["THPeligible"] == "1"
