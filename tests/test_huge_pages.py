@@ -73,6 +73,10 @@ def test_gguf_model_on_cpu_has_its_packed_weights_in_one_advised_mapping(tmp_pat
     if thp_offered():
         assert region["THPeligible"] == "1"
 
+    del loaded, tensors  # unloading unmaps it
+    gc.collect()
+    assert all(line.split()[0] != region["range"] for line in Path("/proc/self/maps").read_text().splitlines())
+
 
 
 def test_cpu_kv_caches_are_zeroed_separate_and_advised():
