@@ -40,7 +40,7 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     try:
         mapping.madvise(mmap.MADV_HUGEPAGE, skip, span)
     except (AttributeError, OSError) as e:  # no THP in this kernel (or not Linux): ordinary pages
-        log.debug("huge pages not available for weights: %s", e)
+        log.debug("no huge pages: %s", e)
     return whole[skip:skip + nbytes]
 
 
@@ -54,9 +54,9 @@ def packed_tensors(model: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
-def place_packed_on_huge_pages(model: nn.Module) -> int:
-    """Re-home the quantized layers' unfilled CPU buffers (packed_tensors) into one huge-page buffer, each at a
-    64-byte aligned offset with its shape and dtype; returns the bytes placed. Their contents are not kept: call it
+def place_packed_on_huge_pages(model: nn.Module) -> None:
+    """Re-home the quantized layers' unfilled host buffers (packed_tensors on the CPU; those on a GPU stay) into one
+    huge-page buffer, each at a 64-byte aligned offset with its shape and dtype. Their contents are not kept: call it
     between allocating the skeleton and filling it."""
     placed = [t for t in packed_tensors(model) if t.device.type == "cpu"]
     offsets, total = [], 0
@@ -64,7 +64,7 @@ def place_packed_on_huge_pages(model: nn.Module) -> int:
         offsets.append(total)
         total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     if not placed:
-        return 0
+        return
     arena = huge_page_buffer(total)
     views = {id(t): arena[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
              for t, at in zip(placed, offsets, strict=True)}
@@ -72,4 +72,3 @@ def place_packed_on_huge_pages(model: nn.Module) -> int:
         for key, buf in owner._buffers.items():
             if buf is not None and id(buf) in views:
                 owner._buffers[key] = views[id(buf)]
-    return total

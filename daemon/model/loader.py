@@ -131,8 +131,7 @@ class LoadPipeline:
                                          self.source.raw_types(self.spec.method))
         self._final_form(model)
         model = model.to_empty(device=self.device)
-        if self.device.type == "cpu":
-            place_packed_on_huge_pages(model)
+        place_packed_on_huge_pages(model)
         model.init_buffers(self.device)
         return model
 

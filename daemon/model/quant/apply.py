@@ -205,7 +205,6 @@ def build_empty_quantized(config, dtype: torch.dtype, device, spec: QuantSpec, i
     model = model.to(dtype=dtype)  # before the swap: scales and zeros stay fp32
     swapped = swap_in_quantized(model, spec, include_lm_head, dtype=dtype, device="meta", gguf_types=gguf_types)
     model = model.to_empty(device=device)
-    if torch.device(device).type == "cpu":
-        place_packed_on_huge_pages(model)
+    place_packed_on_huge_pages(model)
     model.init_buffers(device)
     return model.eval().requires_grad_(False), swapped
