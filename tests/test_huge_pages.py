@@ -89,3 +89,14 @@ def test_cpu_kv_caches_are_zeroed_separate_and_advised():
     assert tensors[0].data_ptr() % HUGE_PAGE == 0
     if thp_offered():
         assert mapping_of(tensors[-1].data_ptr())["THPeligible"] == "1"
+
+
+def test_cpu_int8_kv_caches_codes_and_scales_are_zeroed_and_advised():
+    (cache,) = allocate_kv_cache(1, 32, 16, 2, 64, torch.float32, "cpu", kv_cache_dtype="int8")
+    assert [t.dtype for t in cache] == [torch.int8, torch.int8, torch.float32, torch.float32]
+    assert [tuple(t.shape) for t in cache] == [(32, 16, 2, 64)] * 2 + [(32, 16, 2)] * 2
+    assert all(int(t.count_nonzero()) == 0 and t.data_ptr() % 64 == 0 for t in cache)
+    cache.k_scale.fill_(0.5)
+    assert [int(t.count_nonzero()) for t in cache] == [0, 0, 32 * 16 * 2, 0]
+    if thp_offered():
+        assert mapping_of(cache.v_scale.data_ptr())["THPeligible"] == "1"

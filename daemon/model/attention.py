@@ -27,14 +27,13 @@ functions here are the reference and the torch backend's code.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from .huge_pages import huge_page_buffer
+from .huge_pages import huge_page_tensors
 from .kv_int8 import KV_CACHE_DTYPES, Int8KVCache, allocate_int8, cache_dtype, gather_blocks, kv_parts, write_int8
 
 if TYPE_CHECKING:
@@ -348,9 +347,8 @@ def allocate_kv_cache(
     dtype = cache_dtype(kv_cache_dtype, dtype)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if torch.device(device).type == "cpu":  # zeroed huge pages (llmd.model.huge_pages), faulted in as blocks fill
-        pools = huge_page_buffer(2 * num_layers * math.prod(shape) * dtype.itemsize).view(dtype)
-        pools = pools.view(num_layers, 2, *shape)
-        return [(pools[i, 0], pools[i, 1]) for i in range(num_layers)]
+        kv = huge_page_tensors([(shape, dtype)] * (2 * num_layers))
+        return [(kv[2 * i], kv[2 * i + 1]) for i in range(num_layers)]
     return [
         (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
         for _ in range(num_layers)

@@ -6,9 +6,9 @@ matmul tiles stream 16 GB/s where 2 MiB pages let them reach 18-19 (Zen 1, two c
 huge pages where the process asks (madvise, the default of /sys/kernel/mm/transparent_hugepage/enabled), and only in
 2 MiB-aligned spans, so the quantized layers' tensors (their codes, scales and zeros: what the matmuls read) are laid
 side by side in one anonymous mapping that starts on a 2 MiB boundary and is advised before anything touches it;
-the CPU's KV caches likewise (llmd.model.attention.allocate_kv_cache), whose pages are then faulted in as blocks fill
-rather than zeroed up front. Elsewhere (a kernel without THP, or set to never) the advice is refused and the same
-mapping has ordinary pages: nothing else changes.
+the CPU's KV caches likewise (llmd.model.attention.allocate_kv_cache, int8 ones included), whose pages are then
+faulted in as blocks fill rather than zeroed up front. Elsewhere (a kernel without THP, or set to never) the advice
+is refused and the same mapping has ordinary pages: nothing else changes.
 
 The weights are placed while they are unfilled (right after the skeleton is allocated), so placing copies nothing;
 a mapping is freed with the last tensor that views it. fp weights are left where they are: the CPU loader replaces
@@ -18,7 +18,9 @@ them by transposed copies after filling, which would strand their bytes in the m
 from __future__ import annotations
 
 import logging
+import math
 import mmap
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -54,20 +56,26 @@ def packed_tensors(model: nn.Module) -> list[torch.Tensor]:
     return list(found.values())
 
 
+def huge_page_tensors(specs: Sequence[tuple[Sequence[int], torch.dtype]]) -> list[torch.Tensor]:
+    """Zeroed host tensors of these (shape, dtype)s side by side, each 64-byte aligned, in one huge_page_buffer."""
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs]
+    starts, total = [], 0
+    for size in sizes:
+        starts.append(total)
+        total += -(-size // _ALIGN) * _ALIGN
+    arena = huge_page_buffer(total)
+    return [arena[at:at + size].view(dtype).view(tuple(shape))
+            for (shape, dtype), at, size in zip(specs, starts, sizes, strict=True)]
+
+
 def place_packed_on_huge_pages(model: nn.Module) -> None:
     """Re-home the quantized layers' unfilled host buffers (packed_tensors on the CPU; those on a GPU stay) into one
-    huge-page buffer, each at a 64-byte aligned offset with its shape and dtype. Their contents are not kept: call it
-    between allocating the skeleton and filling it."""
+    huge-page buffer (huge_page_tensors). Their contents are not kept: call it between allocating the skeleton and
+    filling it."""
     placed = [t for t in packed_tensors(model) if t.device.type == "cpu"]
-    offsets, total = [], 0
-    for t in placed:
-        offsets.append(total)
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     if not placed:
         return
-    arena = huge_page_buffer(total)
-    views = {id(t): arena[at:at + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-             for t, at in zip(placed, offsets, strict=True)}
+    views = dict(zip((id(t) for t in placed), huge_page_tensors([(t.shape, t.dtype) for t in placed]), strict=True))
     for owner in model.modules():  # every module holding one of them (a table two modules share stays one tensor)
         for key, buf in owner._buffers.items():
             if buf is not None and id(buf) in views:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 from ..engine.types import KvCacheDtype, choices
+from .huge_pages import huge_page_tensors
 
 KV_CACHE_DTYPES = choices(KvCacheDtype)  # the engine's vocabulary (llmd.engine.types), not a second list
 SCALE_DTYPE = torch.float32
@@ -95,6 +96,8 @@ def bytes_per_token(num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cac
 def allocate_int8(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                   device: torch.device | str) -> Int8KVCache:
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":  # zeroed huge pages (llmd.model.huge_pages), faulted in as blocks fill
+        return Int8KVCache(*huge_page_tensors([(shape, torch.int8)] * 2 + [(shape[:3], SCALE_DTYPE)] * 2))
 
     def zeros(*s, dtype):
         return torch.zeros(s, dtype=dtype, device=device)
