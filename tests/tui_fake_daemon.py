@@ -70,7 +70,6 @@ class Behaviour:
     loading_until: float = 0.0    # /health says "loading" until this time.time()
     models: list[str] = field(default_factory=lambda: ["fake-model", "other-model"])
     loaded: set[str] = field(default_factory=lambda: {"fake-model"})  # /v1/models marks these; /api/generate adds
-    load_delay_s: float = 0.0  # how long loading a model takes (POST /api/generate with an empty prompt)
     load_errors: dict[str, str] = field(default_factory=dict)  # model -> the daemon's reason it cannot load
     load_gate: threading.Event | None = None  # a load answers only once this is set (a test watches it loading)
     spec: bool = False
@@ -117,7 +116,6 @@ class FakeDaemon:
         """Ollama's load request (an empty prompt), as llmd answers it."""
         name = (await request.json()).get("model")
         b = self.behaviour
-        await asyncio.sleep(b.load_delay_s)
         while b.load_gate is not None and not b.load_gate.is_set():
             await asyncio.sleep(0.01)
         if name in b.load_errors:
