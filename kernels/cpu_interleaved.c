@@ -40,6 +40,8 @@
  * output s = fma(float(dot_j (sc_j - 32)), xd_j, s) from the first product, out = fma(s, d, out). */
 #include "cpu_tiles.h"
 
+#define Q2X8_BYTES 672
+#define Q3X8_BYTES 880
 #define X8_BYTES 1152
 #define Q5X8_BYTES 1408
 #define Q6X8_BYTES 1680
@@ -348,6 +350,97 @@ Q6X8_ROWS(2)
 Q6X8_ROWS(3)
 Q6X8_ROWS(4)
 
+/* Q2_K_X8's and Q3_K_X8's sub-block s: the 8 columns' scales (Q2_K: 4 bits; Q3_K: 6 bits minus 32, signed) and
+ * Q2_K's mins as 8 bytes */
+INLINE __m128i lowk_scales(const uint8_t *g, int s, int q3) {
+    uint64_t v, hi;
+    if (!q3) {
+        memcpy(&v, g + 32 + 8 * s, 8);
+        return _mm_cvtsi64_si128((long long)(v & 0x0F0F0F0F0F0F0F0FULL));
+    }
+    memcpy(&v, g + 16 + 8 * (s % 8), 8);
+    memcpy(&hi, g + 80 + 8 * (s % 4), 8);
+    v = (v >> 4 * (s / 8) & 0x0F0F0F0F0F0F0F0FULL) | (hi >> 2 * (s / 4) & 0x0303030303030303ULL) << 4;
+    return _mm_sub_epi8(_mm_cvtsi64_si128((long long)v), _mm_set1_epi8(32));
+}
+
+INLINE __m128i lowk_mins(const uint8_t *g, int s) {
+    uint64_t v;
+    memcpy(&v, g + 32 + 8 * s, 8);
+    return _mm_cvtsi64_si128((long long)(v >> 4 & 0x0F0F0F0F0F0F0F0FULL));
+}
+
+/* Q2_K_X8 (Q3 0) and Q3_K_X8 (Q3 1): R rows (1..4) of a column group. Unit j = 4h + t is bits 2t of the code runs
+ * (h, g) (positions 128h + 32t + 4g ..; Q3_K's third bit is bit 4h + t of high-bit run g): its sub-block 2j from
+ * runs g < 4, 2j + 1 from g >= 4, each summed in int16 lanes (a lane's 8 products of codes < 8 and int8 activations
+ * stay within 8 * 7 * 128 < 2^15) and scaled by one vpmaddwd. */
+#define X8LOW_ROWS(NAME, R, Q3)                                                                                        \
+    static void NAME##_##R(X8_TILE_ARGS) {                                                                             \
+        (void)C;                                                                                                       \
+        const int64_t bytes = Q3 ? Q3X8_BYTES : Q2X8_BYTES;                                                          \
+        const int codes = Q3 ? 368 : 160;                                                                            \
+        const __m256i m3 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);                                            \
+        __m256 out[R], s[R], m[R];                                                                                   \
+        for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * bytes;                                                                        \
+            for (int p = 0; p < bytes; p += 64) _mm_prefetch((const char *)(g + X8_PF * bytes + p), X8_HINT);       \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                                     \
+            _Pragma("GCC unroll 4") for (int t = 0; t < 4; t++) {                                                   \
+                const int j = 4 * h + t;                                                                             \
+                __m256i a[2][R];                                                                                     \
+                for (int r = 0; r < R; r++) a[0][r] = a[1][r] = _mm256_setzero_si256();                              \
+                _Pragma("GCC unroll 8") for (int gg = 0; gg < 8; gg++) {                                            \
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(g + codes + 32 * (8 * h + gg)));          \
+                    __m256i u = _mm256_and_si256(t ? _mm256_srli_epi16(w, 2 * t) : w, m3);                           \
+                    if (Q3) {                                                                                        \
+                        const __m256i hm = _mm256_loadu_si256((const __m256i *)(g + 112 + 32 * gg));                 \
+                        const int bit = 4 * h + t;                                                                   \
+                        const __m256i at = bit >= 2 ? _mm256_srli_epi16(hm, bit - 2) : _mm256_slli_epi16(hm, 2 - bit); \
+                        u = _mm256_or_si256(u, _mm256_and_si256(at, b2));                                            \
+                    }                                                                                                \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
+                        int32_t v;                                                                                   \
+                        memcpy(&v, xq + r * k + 256 * b + 128 * h + 32 * t + 4 * gg, 4);                             \
+                        a[gg / 4][r] = x8_chain(_mm256_add_epi16(a[gg / 4][r],                                       \
+                                                                 _mm256_maddubs_epi16(u, _mm256_set1_epi32(v))));    \
+                    }                                                                                                \
+                }                                                                                                    \
+                const __m128i sc0 = lowk_scales(g, 2 * j, Q3), sc1 = lowk_scales(g, 2 * j + 1, Q3);                  \
+                const __m128i mn0 = Q3 ? sc0 : lowk_mins(g, 2 * j), mn1 = Q3 ? sc1 : lowk_mins(g, 2 * j + 1);        \
+                const __m256i p0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc0, sc0));                                \
+                const __m256i p1 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sc1, sc1));                                \
+                const __m256 mv0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn0));                                    \
+                const __m256 mv1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mn1));                                    \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
+                    const __m256 tt = _mm256_cvtepi32_ps(                                                            \
+                        _mm256_add_epi32(_mm256_madd_epi16(a[0][r], p0), _mm256_madd_epi16(a[1][r], p1)));            \
+                    const __m256 dv = _mm256_set1_ps(xd[r * nbx + 8 * b + j]);                                       \
+                    const __m256 s0 = _mm256_set1_ps(S[r * lds + 16 * b + 2 * j]);                                   \
+                    const __m256 s1 = _mm256_set1_ps(S[r * lds + 16 * b + 2 * j + 1]);                               \
+                    s[r] = j ? _mm256_fmadd_ps(tt, dv, s[r]) : _mm256_mul_ps(tt, dv);                                \
+                    m[r] = _mm256_fmadd_ps(mv1, s1, j ? _mm256_fmadd_ps(mv0, s0, m[r]) : _mm256_mul_ps(mv0, s0));    \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
+            const __m256 dm = Q3 ? _mm256_mul_ps(d, _mm256_set1_ps(-4.0f))                                           \
+                                 : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));                      \
+            for (int r = 0; r < R; r++) {                                                                            \
+                out[r] = _mm256_fmadd_ps(s[r], d, out[r]);                                                           \
+                out[r] = Q3 ? _mm256_fmadd_ps(m[r], dm, out[r]) : _mm256_fnmadd_ps(m[r], dm, out[r]);                \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
+    }
+X8LOW_ROWS(q2x8_rows, 1, 0)
+X8LOW_ROWS(q2x8_rows, 2, 0)
+X8LOW_ROWS(q2x8_rows, 3, 0)
+X8LOW_ROWS(q2x8_rows, 4, 0)
+X8LOW_ROWS(q3x8_rows, 1, 1)
+X8LOW_ROWS(q3x8_rows, 2, 1)
+X8LOW_ROWS(q3x8_rows, 3, 1)
+X8LOW_ROWS(q3x8_rows, 4, 1)
+
 /* IQ4_XS's signed codes in a dot product: with VNNI the table + 128 (unsigned) and the row's C added after (IQ_C);
  * else |w| against x with w's sign (maddubs on (w + 128) x would saturate its int16 pairs). The same integers. */
 #if GQ_OFFSET_ROWS /* VNNI (cpu_tiles.h defines DOT_U8S8_ACC either way) */
@@ -496,6 +589,57 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
     memcpy(y, out, sizeof out);
 }
 
+/* one row of a Q2_K (q3 0) or Q3_K (q3 1) column group */
+static void x8low_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y,
+                      int q3) {
+    const int codes = q3 ? 368 : 160;
+    float out[8] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = q + b * (q3 ? Q3X8_BYTES : Q2X8_BYTES);
+        const int8_t *xb = xq + 256 * b;
+        for (int c = 0; c < 8; c++) {
+            float s = 0.0f, m = 0.0f;
+            for (int j = 0; j < 8; j++) {
+                const int h = j / 4, t = j % 4;
+                int32_t dot[2] = {0, 0}, sc[2], mn[2];
+                for (int gg = 0; gg < 8; gg++)
+                    for (int i = 0; i < 4; i++) {
+                        int u = g[codes + 32 * (8 * h + gg) + 4 * c + i] >> 2 * t & 3;
+                        if (q3) u |= (g[112 + 32 * gg + 4 * c + i] >> j & 1) << 2;
+                        dot[gg / 4] += u * xb[128 * h + 32 * t + 4 * gg + i];
+                    }
+                for (int e = 0; e < 2; e++) {
+                    const int sub = 2 * j + e;
+                    if (q3) {
+                        const int lo = g[16 + 8 * (sub % 8) + c] >> 4 * (sub / 8) & 15;
+                        sc[e] = mn[e] = (lo | (g[80 + 8 * (sub % 4) + c] >> 2 * (sub / 4) & 3) << 4) - 32;
+                    } else {
+                        sc[e] = g[32 + 8 * sub + c] & 15, mn[e] = g[32 + 8 * sub + c] >> 4;
+                    }
+                }
+                const float tt = (float)(dot[0] * sc[0] + dot[1] * sc[1]);
+                const float s0 = S[16 * b + 2 * j], s1 = S[16 * b + 2 * j + 1];
+                s = j ? fmaf(tt, xd[8 * b + j], s) : tt * xd[8 * b + j];
+                m = fmaf((float)mn[1], s1, j ? fmaf((float)mn[0], s0, m) : (float)mn[0] * s0);
+            }
+            const float d = gguf_f16(g + 2 * c);
+            out[c] = fmaf(s, d, out[c]);
+            out[c] = q3 ? fmaf(m, d * -4.0f, out[c]) : fmaf(-m, gguf_f16(g + 16 + 2 * c), out[c]);
+        }
+    }
+    memcpy(y, out, sizeof out);
+}
+
+static void q2x8_rows_1(X8_TILE_ARGS) {
+    (void)k, (void)nbx, (void)lds, (void)C, (void)ldy;
+    x8low_row(q, nb, xq, xd, S, y, 0);
+}
+
+static void q3x8_rows_1(X8_TILE_ARGS) {
+    (void)k, (void)nbx, (void)lds, (void)C, (void)ldy;
+    x8low_row(q, nb, xq, xd, S, y, 1);
+}
+
 /* one row of a Q4_K (qh 0) or Q5_K (qh 1) column group */
 static void x8k_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y, int qh) {
     float out[8] = {0};
@@ -555,7 +699,9 @@ static const struct {
     int type;
     int64_t bytes;
     x8_tile tiles[X8_MAX_ROWS];
-} X8_TYPES[] = {{LLMD_Q4K_X8, 144, X8_TILES(x8_rows)},
+} X8_TYPES[] = {{LLMD_Q2K_X8, 84, X8_TILES(q2x8_rows)},
+                {LLMD_Q3K_X8, 110, X8_TILES(q3x8_rows)},
+                {LLMD_Q4K_X8, 144, X8_TILES(x8_rows)},
                 {LLMD_Q5K_X8, 176, X8_TILES(q5x8_rows)},
                 {LLMD_Q6K_X8, 210, X8_TILES(q6x8_rows)},
                 {LLMD_IQ4XS_X8, 136, X8_TILES(iqx8_rows)}};
@@ -729,6 +875,20 @@ static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst
                 dst[96 + 8 * j + c] = (uint8_t)(sc[c][j] >> 4 | (sc[c][j + 4] >> 4) << 2 | (mn[c][j] >> 4) << 4 |
                                                 (mn[c][j + 4] >> 4) << 6);
             }
+    } else if (type == LLMD_Q2K_X8 || type == LLMD_Q3K_X8) {
+        const int q3 = type == LLMD_Q3K_X8;
+        for (int c = 0; c < 8; c++) {
+            const uint8_t *s = src + c * rb;
+            if (q3) {
+                memcpy(dst + 2 * c, s + 108, 2);
+                for (int i = 0; i < 12; i++) dst[16 + 8 * i + c] = s[96 + i];
+                for (int r = 0; r < 8; r++) memcpy(dst + 112 + 32 * r + 4 * c, s + 4 * r, 4); /* hmask: g */
+            } else {
+                memcpy(dst + 2 * c, s + 80, 2), memcpy(dst + 16 + 2 * c, s + 82, 2);
+                for (int i = 0; i < 16; i++) dst[32 + 8 * i + c] = s[i];
+            }
+            for (int r = 0; r < 16; r++) memcpy(dst + (q3 ? 368 : 160) + 32 * r + 4 * c, s + (q3 ? 32 : 16) + 4 * r, 4);
+        }
     } else if (type == LLMD_Q6K_X8) {
         for (int c = 0; c < 8; c++) {
             const uint8_t *s = src + c * rb;

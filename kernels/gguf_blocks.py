@@ -65,7 +65,8 @@ BLOCKS: dict[str, tuple[int, int]] = {
 }
 PACKED_TYPES = tuple(BLOCKS)
 # llmd's interleaved layouts (x8_pack) -> the file's type
-X8_OF = {"Q4_K_X8": "Q4_K", "Q5_K_X8": "Q5_K", "Q6_K_X8": "Q6_K", "IQ4_XS_X8": "IQ4_XS"}
+X8_OF = {"Q2_K_X8": "Q2_K", "Q3_K_X8": "Q3_K", "Q4_K_X8": "Q4_K", "Q5_K_X8": "Q5_K", "Q6_K_X8": "Q6_K",
+         "IQ4_XS_X8": "IQ4_XS"}
 IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 codes' values, doubled
 
@@ -299,14 +300,14 @@ def _x8_groups(blocks: torch.Tensor, type_name: str) -> tuple[int, int]:
 
 def x8_pack(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     """Rows of X8_OF[layout]'s blocks [N, row bytes] (N % 8 == 0) -> the same bits in the interleaved `layout`."""
-    return {"Q4_K_X8": q4k_x8_pack, "Q5_K_X8": q5k_x8_pack, "Q6_K_X8": q6k_x8_pack,
-            "IQ4_XS_X8": iq4xs_x8_pack}[layout](blocks)
+    return {"Q2_K_X8": q2k_x8_pack, "Q3_K_X8": q3k_x8_pack, "Q4_K_X8": q4k_x8_pack, "Q5_K_X8": q5k_x8_pack,
+            "Q6_K_X8": q6k_x8_pack, "IQ4_XS_X8": iq4xs_x8_pack}[layout](blocks)
 
 
 def x8_unpack(packed: torch.Tensor, layout: str) -> torch.Tensor:
     """The interleaved `layout` -> the file's rows (x8_pack's inverse)."""
-    return {"Q4_K_X8": q4k_x8_unpack, "Q5_K_X8": q5k_x8_unpack, "Q6_K_X8": q6k_x8_unpack,
-            "IQ4_XS_X8": iq4xs_x8_unpack}[layout](packed)
+    return {"Q2_K_X8": q2k_x8_unpack, "Q3_K_X8": q3k_x8_unpack, "Q4_K_X8": q4k_x8_unpack,
+            "Q5_K_X8": q5k_x8_unpack, "Q6_K_X8": q6k_x8_unpack, "IQ4_XS_X8": iq4xs_x8_unpack}[layout](packed)
 
 
 def _runs(code_bytes: torch.Tensor) -> torch.Tensor:
@@ -354,6 +355,63 @@ def q4k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
     out = torch.cat([p[..., 0:16].reshape(groups, nb, 8, 2), p[..., 16:32].reshape(groups, nb, 8, 2), scales, codes],
                     dim=-1)  # [G, nb, column, 144]
     return out.transpose(1, 2).reshape(packed.shape)
+
+
+# Q2_K's and Q3_K's groups of 8 rows' super-block hold each field of the 8 columns side by side: fp16 values as 8
+# fp16s, other bytes column-interleaved (byte i of column c at 8i + c), codes in runs of 4 bytes per column:
+#   Q2_K (8 x 84 bytes): d [8] and dmin [8] (fp16), the 16 scale bytes (scale | min << 4 of sub-block s at 32 + 8s + c),
+#       then run (h, g) of the 2-bit codes (qs bytes 32h + 4g ..) at 160 + 32 (8h + g);
+#   Q3_K (8 x 110 bytes): d [8] (fp16), the 12 scale bytes (at 16 + 8i + c), run g of the high bits (hmask bytes
+#       4g ..) at 112 + 32g, then run (h, g) of the low 2 bits (qs bytes 32h + 4g ..) at 368 + 32 (8h + g).
+
+
+_UNIT_DTYPES = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def _x8_fields(blocks: torch.Tensor, layout: str, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    """the file's rows -> `layout`: each span (lo, hi, w) of a block's bytes as units of w bytes, unit u of column c
+    at (8u + c) w (a byte field, fp16 values side by side, runs of 4 code bytes)"""
+    groups, nb = _x8_groups(blocks, layout)
+    b = blocks.reshape(groups, 8, nb, -1).transpose(1, 2)  # [G, nb, column, bytes]
+    parts = [b[..., lo:hi].contiguous().view(_UNIT_DTYPES[w]).transpose(2, 3).reshape(groups, nb, -1)
+             .view(torch.uint8) for lo, hi, w in spans]
+    return torch.cat(parts, dim=-1).reshape(blocks.shape)
+
+
+def _x8_fields_back(packed: torch.Tensor, layout: str, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    """_x8_fields' inverse"""
+    groups, nb = _x8_groups(packed, layout)
+    p = packed.reshape(groups, nb, -1)
+    at, fields = 0, {}
+    for lo, hi, w in spans:
+        units = p[..., at:at + 8 * (hi - lo)].contiguous().view(_UNIT_DTYPES[w]).reshape(groups, nb, -1, 8)
+        fields[lo] = units.transpose(2, 3).reshape(groups, nb, -1).view(torch.uint8).reshape(groups, nb, 8, hi - lo)
+        at += 8 * (hi - lo)
+    return torch.cat([fields[lo] for lo in sorted(fields)], dim=-1).transpose(1, 2).reshape(packed.shape)
+
+
+Q2K_X8_SPANS = [(80, 82, 2), (82, 84, 2), (0, 16, 1), (16, 80, 4)]  # d, dmin, scales, codes
+Q3K_X8_SPANS = [(108, 110, 2), (96, 108, 1), (0, 32, 4), (32, 96, 4)]  # d, scales, high bits, low bits
+
+
+def q2k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
+    """Q2_K rows [N, nb * 84] (N % 8 == 0) -> the same bits in the Q2_K_X8 layout."""
+    return _x8_fields(blocks, "Q2_K_X8", Q2K_X8_SPANS)
+
+
+def q2k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The Q2_K_X8 layout -> the file's Q2_K rows (q2k_x8_pack's inverse)."""
+    return _x8_fields_back(packed, "Q2_K_X8", Q2K_X8_SPANS)
+
+
+def q3k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
+    """Q3_K rows [N, nb * 110] (N % 8 == 0) -> the same bits in the Q3_K_X8 layout."""
+    return _x8_fields(blocks, "Q3_K_X8", Q3K_X8_SPANS)
+
+
+def q3k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """The Q3_K_X8 layout -> the file's Q3_K rows (q3k_x8_pack's inverse)."""
+    return _x8_fields_back(packed, "Q3_K_X8", Q3K_X8_SPANS)
 
 
 # Q5_K's group of 8 rows' super-block (8 x 176 bytes): Q4_K_X8's 1152 bytes of its d, dmin, scales, mins and low 4

@@ -334,7 +334,7 @@ def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
             head = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, act="int16")
             vector = cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, act="int16")
             assert torch.equal(_bits(head(x, 2)), _bits(vector(x, 2)))
-    for layout in ("Q4_K_X8", "Q5_K_X8", "Q6_K_X8", "IQ4_XS_X8"):  # the interleaved layouts in plain C: the vector build's very bits
+    for layout in gb.X8_OF:  # the interleaved layouts in plain C: the vector build's very bits
         q, k = _weights(gb.X8_OF[layout], n=16)
         packed, x = gb.x8_pack(q, layout), _x(5, k)
         plain = cpu_gemm.GGUFKernel(lib, [(packed, layout)], k, act="int8")(x, 2)
@@ -363,7 +363,7 @@ def test_avx2_build_equals_the_default_build_bit_for_bit(tmp_path, monkeypatch):
             assert torch.equal(_bits(mine(x, 2)), _bits(full))
             for m in (1, 2, 3, 5, 9, 15):  # the row counts each build routes through other paths
                 assert torch.equal(_bits(mine(x[:m], 1)), _bits(full[:m]))
-    for layout in ("Q4_K_X8", "Q5_K_X8", "Q6_K_X8", "IQ4_XS_X8"):
+    for layout in gb.X8_OF:
         q, k = _weights(gb.X8_OF[layout], n=16, k=512)
         packed = gb.x8_pack(q, layout)
         for act in ("int8", "int16") if layout == "Q6_K_X8" else ("int8",):

@@ -17,7 +17,7 @@ from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
 
-LAYOUTS = ["Q4_K_X8", "Q5_K_X8", "Q6_K_X8", "IQ4_XS_X8"]
+LAYOUTS = ["Q2_K_X8", "Q3_K_X8", "Q4_K_X8", "Q5_K_X8", "Q6_K_X8", "IQ4_XS_X8"]
 
 
 def test_packing_is_a_rearrangement_of_the_files_bytes():
