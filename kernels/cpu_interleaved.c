@@ -37,7 +37,19 @@
  * low 4 bits as Q4_K's ([16, 48)), their top 2 bits (byte 8p + c, bits 2k: sub-block 4p + k, [48, 64)), then the codes
  * in runs of 4 bytes per column (32 bytes at 64 + 32 (4j + g): qs bytes 16j + 4g ..: low nibbles elements 32j + 4g..,
  * high ones 32j + 16 + 4g..). Its codes are signed table values (the exact integer dot product: IQ_DOT), then per
- * output s = fma(float(dot_j (sc_j - 32)), xd_j, s) from the first product, out = fma(s, d, out). */
+ * output s = fma(float(dot_j (sc_j - 32)), xd_j, s) from the first product, out = fma(s, d, out).
+ *
+ * Q2_K and Q3_K ("Q2_K_X8", 1010, 672 bytes; "Q3_K_X8", 1011, 880 bytes; gguf_blocks.q2k_x8_pack, q3k_x8_pack): each
+ * field of the 8 columns side by side, fp16s as 8 fp16s and other bytes column-interleaved (byte i of column c at
+ * 8i + c). Q2_K: d [0, 16), dmin [16, 32), the 16 scale bytes (scale | min << 4 of sub-block s, [32, 160)), then the
+ * 2-bit codes in runs of 4 bytes per column (32 bytes at 160 + 32 (8h + g): qs bytes 32h + 4g ..). Q3_K: d [0, 16),
+ * the 12 scale bytes [16, 112), the high bits in runs (32 bytes at 112 + 32g: hmask bytes 4g ..), then the low 2 bits
+ * as Q2_K's codes from 368. Unit j = 4h + t is bits 2t of runs (h, g) (Q3_K: plus bit j of the hmask runs as bit 2:
+ * u = q + 4, 0..7), its sub-blocks 2j (g < 4) and 2j + 1; per output and super-block, with sc Q3_K's scales minus 32
+ * and mn Q2_K's mins or Q3_K's sc:
+ *   s = fma(float(dot_2j sc_2j + dot_2j+1 sc_2j+1), xd_j, s) from the product for j = 0;
+ *   m = fma(mn_s, S_s, m) for s = 0..15 from mn_0 S_0;   out = fma(s, d, out); out = fma(-m, dmin, out) (Q3_K:
+ *   out = fma(m, -4 d, out)). */
 #include "cpu_tiles.h"
 
 #define Q2X8_BYTES 672

@@ -1,4 +1,4 @@
-"""Q4_K, Q5_K, Q6_K and IQ4_XS with 8 columns interleaved (Q4_K_X8, Q5_K_X8, Q6_K_X8, IQ4_XS_X8:
+"""The K-quants and IQ4_XS with 8 columns interleaved (Q2_K_X8 .. Q6_K_X8, IQ4_XS_X8:
 kernels/cpu_interleaved.c), the CPU integer path's layouts for them: the same bits rearranged (packing and unpacking
 give the file's bytes back, dequantizing gives the file's values), the kernel's products match the integer path's
 torch reference, a row's result is bitwise the same whatever the batch, its position, the thread count and the parts
