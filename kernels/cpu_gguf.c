@@ -260,7 +260,7 @@ void llmd_thread_id(int *tid, int *nth) { thread_id(tid, nth); }
 
 int llmd_gx_takes(int act, int type, int64_t k) {
     if (LLMD_X8(type)) return (act == LLMD_ACT_I8 || (act == LLMD_ACT_I16 && type == LLMD_Q6K_X8)) && k > 0 &&
-                              k % 256 == 0;
+                              k % LLMD_X8_ELEMS(type) == 0;
     if (!gguf_type_of(type, k)) return 0;
     if (act == LLMD_ACT_F32) return 1;
     return k % QB == 0 && (act == LLMD_ACT_I8 || (act == LLMD_ACT_I16 && gh_supported(type)));
@@ -269,7 +269,7 @@ int llmd_gx_takes(int act, int type, int64_t k) {
 int llmd_gx_flags(int act, int type) {
     if (act == LLMD_ACT_I16) return LLMD_X8(type) ? LLMD_GX_SUMS : 0;
     if (act != LLMD_ACT_I8) return 0;
-    return gq_signed_type(type) ? LLMD_GX_C | LLMD_GX_LANES : type == 23 || type == LLMD_IQ4XS_X8 ? LLMD_GX_C : 0;
+    return gq_signed_type(type) ? LLMD_GX_C | LLMD_GX_LANES : type == 23 || type == LLMD_IQ4XS_X8 || type == LLMD_Q40_X8 ? LLMD_GX_C : 0;
 }
 
 /* 1 where rows prepared for type a serve type b on path `act` */

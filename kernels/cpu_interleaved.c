@@ -52,6 +52,7 @@
  *   out = fma(m, -4 d, out)). */
 #include "cpu_tiles.h"
 
+#define Q40X8_BYTES 144
 #define Q2X8_BYTES 672
 #define Q3X8_BYTES 880
 #define X8_BYTES 1152
@@ -60,9 +61,11 @@
 #define IQX8_BYTES 1088
 /* Super-blocks prefetched ahead, and how. Q6_K's 27 lines a super-block into L2, 2 ahead (into L1 they streamed at
  * half the rate: more lines than its miss buffers); Q4_K's 18 (and IQ4_XS's 17) 4 ahead as non-temporal (into L1,
- * kept out of the outer caches: 5-7 % faster at one row on Zen 1 than into L1 2 ahead, the weights are read once) */
+ * kept out of the outer caches: 5-7 % faster at one row on Zen 1 than into L1 2 ahead, the weights are read once);
+ * Q4_0's blocks the same distance in bytes */
 #define X8_PF 4
 #define X8_HINT _MM_HINT_NTA
+#define Q40X8_PF 32
 #define Q6X8_PF 2
 #define Q6X8_HINT _MM_HINT_T1
 
@@ -362,6 +365,48 @@ Q6X8_ROWS(2)
 Q6X8_ROWS(3)
 Q6X8_ROWS(4)
 
+/* Q4_0_X8: R rows of a column group, a block of 32 elements at a time: its 8 maddubs per row summed in int16 lanes
+ * (8 * 2 * 15 * 128 < 2^15), widened by one vpmaddwd and offset by -8 times the block's activation sum (the row
+ * data's C: -128 times the sums of 4) */
+#define Q40X8_ROWS(R)                                                                                                  \
+    static void q40x8_rows_##R(X8_TILE_ARGS) {                                                                         \
+        (void)S, (void)lds;                                                                                            \
+        const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                      \
+        __m256 out[R];                                                                                               \
+        for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * Q40X8_BYTES;                                                                  \
+            for (int p = 0; p < Q40X8_BYTES; p += 64)                                                                \
+                _mm_prefetch((const char *)(g + Q40X8_PF * Q40X8_BYTES + p), X8_HINT);                               \
+            __m256i a[R];                                                                                            \
+            for (int r = 0; r < R; r++) a[r] = _mm256_setzero_si256();                                               \
+            _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                                \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 16 + 32 * gg));                           \
+                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);      \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
+                    int32_t vl, vh;                                                                                  \
+                    memcpy(&vl, xq + r * k + 32 * b + 4 * gg, 4);                                                    \
+                    memcpy(&vh, xq + r * k + 32 * b + 16 + 4 * gg, 4);                                               \
+                    a[r] = _mm256_add_epi16(a[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(vl)));                  \
+                    a[r] = _mm256_add_epi16(a[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(vh)));                  \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
+                const int32_t *c = C + r * (k / 4) + 8 * b;                                                          \
+                const int32_t corr = (c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]) / 16;                  \
+                const __m256i I = _mm256_add_epi32(_mm256_madd_epi16(a[r], ones), _mm256_set1_epi32(corr));          \
+                out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nbx + b])),   \
+                                         out[r]);                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
+    }
+Q40X8_ROWS(1)
+Q40X8_ROWS(2)
+Q40X8_ROWS(3)
+Q40X8_ROWS(4)
+
 /* Q2_K_X8's and Q3_K_X8's sub-block s: the 8 columns' scales (Q2_K: 4 bits; Q3_K: 6 bits minus 32, signed) and
  * Q2_K's mins as 8 bytes */
 INLINE __m128i lowk_scales(const uint8_t *g, int s, int q3) {
@@ -601,6 +646,28 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
     memcpy(y, out, sizeof out);
 }
 
+/* Q4_0_X8, one row */
+static void q40x8_rows_1(X8_TILE_ARGS) {
+    (void)k, (void)S, (void)lds, (void)nbx, (void)ldy;
+    float out[8] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = q + b * Q40X8_BYTES;
+        const int8_t *xb = xq + 32 * b;
+        const int32_t *c = C + 8 * b;
+        const int32_t corr = (c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]) / 16;
+        for (int col = 0; col < 8; col++) {
+            int32_t dot = 0;
+            for (int gg = 0; gg < 4; gg++)
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t v = g[16 + 32 * gg + 4 * col + i];
+                    dot += (v & 15) * xb[4 * gg + i] + (v >> 4) * xb[16 + 4 * gg + i];
+                }
+            out[col] = fmaf((float)(dot + corr), gguf_f16(g + 2 * col) * xd[b], out[col]);
+        }
+    }
+    memcpy(y, out, sizeof out);
+}
+
 /* one row of a Q2_K (q3 0) or Q3_K (q3 1) column group */
 static void x8low_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y,
                       int q3) {
@@ -711,7 +778,8 @@ static const struct {
     int type;
     int64_t bytes;
     x8_tile tiles[X8_MAX_ROWS];
-} X8_TYPES[] = {{LLMD_Q2K_X8, 84, X8_TILES(q2x8_rows)},
+} X8_TYPES[] = {{LLMD_Q40_X8, 18, X8_TILES(q40x8_rows)},
+                {LLMD_Q2K_X8, 84, X8_TILES(q2x8_rows)},
                 {LLMD_Q3K_X8, 110, X8_TILES(q3x8_rows)},
                 {LLMD_Q4K_X8, 144, X8_TILES(x8_rows)},
                 {LLMD_Q5K_X8, 176, X8_TILES(q5x8_rows)},
@@ -725,7 +793,7 @@ void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, c
                   float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
     int t = 0;
     while (X8_TYPES[t].type != type) t++; /* llmd_gx_takes admits only these types */
-    const int64_t nb = k / 256, nbx = k / QB, lds = gq_sums(k), rb = nb * X8_TYPES[t].bytes;
+    const int64_t nb = k / LLMD_X8_ELEMS(type), nbx = k / QB, lds = gq_sums(k), rb = nb * X8_TYPES[t].bytes;
     const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
@@ -887,6 +955,11 @@ static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst
                 dst[96 + 8 * j + c] = (uint8_t)(sc[c][j] >> 4 | (sc[c][j + 4] >> 4) << 2 | (mn[c][j] >> 4) << 4 |
                                                 (mn[c][j + 4] >> 4) << 6);
             }
+    } else if (type == LLMD_Q40_X8) {
+        for (int c = 0; c < 8; c++) {
+            memcpy(dst + 2 * c, src + c * rb, 2);
+            for (int r = 0; r < 4; r++) memcpy(dst + 16 + 32 * r + 4 * c, src + c * rb + 2 + 4 * r, 4);
+        }
     } else if (type == LLMD_Q2K_X8 || type == LLMD_Q3K_X8) {
         const int q3 = type == LLMD_Q3K_X8;
         for (int c = 0; c < 8; c++) {
