@@ -1,4 +1,5 @@
-/* Q4_K repacked for the CPU's integer path: 8 output columns interleaved ("Q4_K_X8", llmd's own type id 1012).
+/* Q4_K repacked for the CPU's integer path: 8 output columns interleaved ("Q4_K_X8", llmd's own type id 1012), and the
+ * other K-quants, IQ4_XS and Q4_0 likewise.
  *
  * In the file's layout one column's super-block is one 144-byte block, so a vector holds 32 codes of one column: its
  * dot product ends in a horizontal sum and each sub-block's scale costs a conversion per column. Interleaved, a vector
@@ -49,11 +50,14 @@
  * and mn Q2_K's mins or Q3_K's sc:
  *   s = fma(float(dot_2j sc_2j + dot_2j+1 sc_2j+1), xd_j, s) from the product for j = 0;
  *   m = fma(mn_s, S_s, m) for s = 0..15 from mn_0 S_0;   out = fma(s, d, out); out = fma(-m, dmin, out) (Q3_K:
- *   out = fma(m, -4 d, out)). */
+ *   out = fma(m, -4 d, out)).
+ *
+ * Q4_0 ("Q4_0_X8", 1002; gguf_blocks.q40_x8_pack), 144 bytes a block of 32: d [0, 16), then the codes in runs of 4
+ * bytes per column (32 bytes at 16 + 32g: qs bytes 4g ..: low nibbles elements 4g.., high ones 16 + 4g..). Per
+ * output, for each block b: out = fma(float(dot_b - 8 sum(q_b)), d xd_b, out) (sum(q_b): the row's codes). */
 #include "cpu_tiles.h"
 
 #define Q40X8_BYTES 144
-#define Q41X8_BYTES 160
 #define Q2X8_BYTES 672
 #define Q3X8_BYTES 880
 #define X8_BYTES 1152
@@ -63,10 +67,10 @@
 /* Super-blocks prefetched ahead, and how. Q6_K's 27 lines a super-block into L2, 2 ahead (into L1 they streamed at
  * half the rate: more lines than its miss buffers); Q4_K's 18 (and IQ4_XS's 17) 4 ahead as non-temporal (into L1,
  * kept out of the outer caches: 5-7 % faster at one row on Zen 1 than into L1 2 ahead, the weights are read once);
- * Q4_0's and Q4_1's blocks about the same distance in bytes */
+ * Q4_0's blocks the same distance in bytes */
 #define X8_PF 4
 #define X8_HINT _MM_HINT_NTA
-#define Q4X8_PF 32
+#define Q40X8_PF 32
 #define Q6X8_PF 2
 #define Q6X8_HINT _MM_HINT_T1
 
@@ -366,22 +370,23 @@ Q6X8_ROWS(2)
 Q6X8_ROWS(3)
 Q6X8_ROWS(4)
 
-/* Q4_0_X8 (M 0) and Q4_1_X8 (M 1): R rows of a column group, a block of 32 elements at a time: its 8 maddubs per row
- * summed in int16 lanes (8 * 2 * 15 * 128 < 2^15) and widened by one vpmaddwd; Q4_0's offset by -8 times the block's
- * activation sum (the row data's C: -128 times the sums of 4), Q4_1's m times its two sums of 16 (S) */
-#define Q4X8_ROWS(NAME, R, M)                                                                                          \
-    static void NAME##_##R(X8_TILE_ARGS) {                                                                             \
-        const int64_t bytes = M ? Q41X8_BYTES : Q40X8_BYTES, codes = M ? 32 : 16;                                    \
+/* Q4_0_X8: R rows of a column group, a block of 32 elements at a time: its 8 maddubs per row summed in int16 lanes
+ * (8 * 2 * 15 * 128 < 2^15), widened by one vpmaddwd and offset by -8 times the block's activation sum (the row
+ * data's C: -128 times the sums of 4) */
+#define Q40X8_ROWS(R)                                                                                                  \
+    static void q40x8_rows_##R(X8_TILE_ARGS) {                                                                         \
+        (void)S, (void)lds;                                                                                            \
         const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                      \
         __m256 out[R];                                                                                               \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                           \
-            const uint8_t *g = q + b * bytes;                                                                        \
-            for (int p = 0; p < bytes; p += 64) _mm_prefetch((const char *)(g + Q4X8_PF * bytes + p), X8_HINT);     \
+            const uint8_t *g = q + b * Q40X8_BYTES;                                                                  \
+            for (int p = 0; p < Q40X8_BYTES; p += 64)                                                                \
+                _mm_prefetch((const char *)(g + Q40X8_PF * Q40X8_BYTES + p), X8_HINT);                               \
             __m256i a[R];                                                                                            \
             for (int r = 0; r < R; r++) a[r] = _mm256_setzero_si256();                                               \
             _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                                \
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + codes + 32 * gg));                        \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 16 + 32 * gg));                           \
                 const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);      \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
                     int32_t vl, vh;                                                                                  \
@@ -393,31 +398,19 @@ Q6X8_ROWS(4)
             }                                                                                                        \
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
-                __m256i I = _mm256_madd_epi16(a[r], ones);                                                           \
-                if (!M) {                                                                                            \
-                    const int32_t *c = C + r * (k / 4) + 8 * b;                                                      \
-                    I = _mm256_add_epi32(I, _mm256_set1_epi32((c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] +     \
-                                                               c[7]) / 16));                                         \
-                }                                                                                                    \
+                const int32_t *c = C + r * (k / 4) + 8 * b;                                                          \
+                const int32_t corr = (c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]) / 16;                  \
+                const __m256i I = _mm256_add_epi32(_mm256_madd_epi16(a[r], ones), _mm256_set1_epi32(corr));          \
                 out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nbx + b])),   \
                                          out[r]);                                                                    \
-                if (M) {                                                                                             \
-                    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));                   \
-                    out[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(S[r * lds + 2 * b]), out[r]);                        \
-                    out[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(S[r * lds + 2 * b + 1]), out[r]);                    \
-                }                                                                                                    \
             }                                                                                                        \
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
-Q4X8_ROWS(q40x8_rows, 1, 0)
-Q4X8_ROWS(q40x8_rows, 2, 0)
-Q4X8_ROWS(q40x8_rows, 3, 0)
-Q4X8_ROWS(q40x8_rows, 4, 0)
-Q4X8_ROWS(q41x8_rows, 1, 1)
-Q4X8_ROWS(q41x8_rows, 2, 1)
-Q4X8_ROWS(q41x8_rows, 3, 1)
-Q4X8_ROWS(q41x8_rows, 4, 1)
+Q40X8_ROWS(1)
+Q40X8_ROWS(2)
+Q40X8_ROWS(3)
+Q40X8_ROWS(4)
 
 /* Q2_K_X8's and Q3_K_X8's sub-block s: the 8 columns' scales (Q2_K: 4 bits; Q3_K: 6 bits minus 32, signed) and
  * Q2_K's mins as 8 bytes */
@@ -658,40 +651,26 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
     memcpy(y, out, sizeof out);
 }
 
-/* one row of a Q4_0 (m 0) or Q4_1 (m 1) column group */
-static void q4x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, const int32_t *C,
-                     float *y, int m) {
+/* Q4_0_X8, one row */
+static void q40x8_rows_1(X8_TILE_ARGS) {
+    (void)k, (void)S, (void)lds, (void)nbx, (void)ldy;
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *g = q + b * (m ? Q41X8_BYTES : Q40X8_BYTES);
+        const uint8_t *g = q + b * Q40X8_BYTES;
         const int8_t *xb = xq + 32 * b;
         const int32_t *c = C + 8 * b;
-        const int32_t corr = m ? 0 : (c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]) / 16;
+        const int32_t corr = (c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]) / 16;
         for (int col = 0; col < 8; col++) {
             int32_t dot = 0;
             for (int gg = 0; gg < 4; gg++)
                 for (int i = 0; i < 4; i++) {
-                    const uint8_t v = g[(m ? 32 : 16) + 32 * gg + 4 * col + i];
+                    const uint8_t v = g[16 + 32 * gg + 4 * col + i];
                     dot += (v & 15) * xb[4 * gg + i] + (v >> 4) * xb[16 + 4 * gg + i];
                 }
             out[col] = fmaf((float)(dot + corr), gguf_f16(g + 2 * col) * xd[b], out[col]);
-            if (m) {
-                out[col] = fmaf(gguf_f16(g + 16 + 2 * col), S[2 * b], out[col]);
-                out[col] = fmaf(gguf_f16(g + 16 + 2 * col), S[2 * b + 1], out[col]);
-            }
         }
     }
     memcpy(y, out, sizeof out);
-}
-
-static void q40x8_rows_1(X8_TILE_ARGS) {
-    (void)k, (void)lds, (void)nbx, (void)ldy;
-    q4x8_row(q, nb, xq, xd, S, C, y, 0);
-}
-
-static void q41x8_rows_1(X8_TILE_ARGS) {
-    (void)k, (void)lds, (void)nbx, (void)ldy;
-    q4x8_row(q, nb, xq, xd, S, C, y, 1);
 }
 
 /* one row of a Q2_K (q3 0) or Q3_K (q3 1) column group */
@@ -805,7 +784,6 @@ static const struct {
     int64_t bytes;
     x8_tile tiles[X8_MAX_ROWS];
 } X8_TYPES[] = {{LLMD_Q40_X8, 18, X8_TILES(q40x8_rows)},
-                {LLMD_Q41_X8, 20, X8_TILES(q41x8_rows)},
                 {LLMD_Q2K_X8, 84, X8_TILES(q2x8_rows)},
                 {LLMD_Q3K_X8, 110, X8_TILES(q3x8_rows)},
                 {LLMD_Q4K_X8, 144, X8_TILES(x8_rows)},
@@ -982,12 +960,10 @@ static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst
                 dst[96 + 8 * j + c] = (uint8_t)(sc[c][j] >> 4 | (sc[c][j + 4] >> 4) << 2 | (mn[c][j] >> 4) << 4 |
                                                 (mn[c][j + 4] >> 4) << 6);
             }
-    } else if (type == LLMD_Q40_X8 || type == LLMD_Q41_X8) {
-        const int m = type == LLMD_Q41_X8; /* Q4_1's m follows d */
+    } else if (type == LLMD_Q40_X8) {
         for (int c = 0; c < 8; c++) {
             memcpy(dst + 2 * c, src + c * rb, 2);
-            if (m) memcpy(dst + 16 + 2 * c, src + c * rb + 2, 2);
-            for (int r = 0; r < 4; r++) memcpy(dst + 16 * (1 + m) + 32 * r + 4 * c, src + c * rb + 2 + 2 * m + 4 * r, 4);
+            for (int r = 0; r < 4; r++) memcpy(dst + 16 + 32 * r + 4 * c, src + c * rb + 2 + 4 * r, 4);
         }
     } else if (type == LLMD_Q2K_X8 || type == LLMD_Q3K_X8) {
         const int q3 = type == LLMD_Q3K_X8;

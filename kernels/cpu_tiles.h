@@ -8,7 +8,7 @@
  *   cpu_blocks32.c  GGUF blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4
  *   cpu_kquants.c   GGUF super-blocks of 256: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS
  *   cpu_head.c      the output heads' path: Q8_0 and Q6_K blocks with int16 activations
- *   cpu_interleaved.c  the K-quants and IQ4_XS with 8 columns interleaved (the int8 path's layout for them, made
+ *   cpu_interleaved.c  Q4_0, the K-quants and IQ4_XS with 8 columns interleaved (the int8 path's layout for them, made
  *                   at load)
  *   cpu_gguf.c      the GGUF type table, each path's loop over a thread's columns, the steps of cpu_gguf.h and the
  *                   exported GGUF entries

@@ -65,8 +65,8 @@ BLOCKS: dict[str, tuple[int, int]] = {
 }
 PACKED_TYPES = tuple(BLOCKS)
 # llmd's interleaved layouts (x8_pack) -> the file's type
-X8_OF = {"Q4_0_X8": "Q4_0", "Q4_1_X8": "Q4_1", "Q2_K_X8": "Q2_K", "Q3_K_X8": "Q3_K", "Q4_K_X8": "Q4_K", "Q5_K_X8": "Q5_K", "Q6_K_X8": "Q6_K",
-         "IQ4_XS_X8": "IQ4_XS"}
+X8_OF = {"Q4_0_X8": "Q4_0", "Q2_K_X8": "Q2_K", "Q3_K_X8": "Q3_K", "Q4_K_X8": "Q4_K", "Q5_K_X8": "Q5_K",
+         "Q6_K_X8": "Q6_K", "IQ4_XS_X8": "IQ4_XS"}
 IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 codes' values, doubled
 
@@ -300,13 +300,13 @@ def _x8_groups(blocks: torch.Tensor, type_name: str) -> tuple[int, int]:
 
 def x8_pack(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     """Rows of X8_OF[layout]'s blocks [N, row bytes] (N % 8 == 0) -> the same bits in the interleaved `layout`."""
-    return {"Q4_0_X8": q40_x8_pack, "Q4_1_X8": q41_x8_pack, "Q2_K_X8": q2k_x8_pack, "Q3_K_X8": q3k_x8_pack, "Q4_K_X8": q4k_x8_pack, "Q5_K_X8": q5k_x8_pack,
-            "Q6_K_X8": q6k_x8_pack, "IQ4_XS_X8": iq4xs_x8_pack}[layout](blocks)
+    return {"Q4_0_X8": q40_x8_pack, "Q2_K_X8": q2k_x8_pack, "Q3_K_X8": q3k_x8_pack, "Q4_K_X8": q4k_x8_pack,
+            "Q5_K_X8": q5k_x8_pack, "Q6_K_X8": q6k_x8_pack, "IQ4_XS_X8": iq4xs_x8_pack}[layout](blocks)
 
 
 def x8_unpack(packed: torch.Tensor, layout: str) -> torch.Tensor:
     """The interleaved `layout` -> the file's rows (x8_pack's inverse)."""
-    return {"Q4_0_X8": q40_x8_unpack, "Q4_1_X8": q41_x8_unpack, "Q2_K_X8": q2k_x8_unpack, "Q3_K_X8": q3k_x8_unpack, "Q4_K_X8": q4k_x8_unpack,
+    return {"Q4_0_X8": q40_x8_unpack, "Q2_K_X8": q2k_x8_unpack, "Q3_K_X8": q3k_x8_unpack, "Q4_K_X8": q4k_x8_unpack,
             "Q5_K_X8": q5k_x8_unpack, "Q6_K_X8": q6k_x8_unpack, "IQ4_XS_X8": iq4xs_x8_unpack}[layout](packed)
 
 
@@ -357,11 +357,10 @@ def q4k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
     return out.transpose(1, 2).reshape(packed.shape)
 
 
-# Q4_0's, Q4_1's, Q2_K's and Q3_K's groups of 8 rows' (super-)block hold each field of the 8 columns side by side: fp16
+# Q4_0's, Q2_K's and Q3_K's groups of 8 rows' (super-)block hold each field of the 8 columns side by side: fp16
 # values as 8 fp16s, other bytes column-interleaved (byte i of column c at 8i + c), codes in runs of 4 bytes per
 # column:
-#   Q4_0 (8 x 18 bytes): d [8] (fp16), then run g of the codes (qs bytes 4g ..) at 16 + 32g; Q4_1 (8 x 20): d [8]
-#       and m [8] (fp16), then its codes likewise from 32;
+#   Q4_0 (8 x 18 bytes): d [8] (fp16), then run g of the codes (qs bytes 4g ..) at 16 + 32g;
 #   Q2_K (8 x 84 bytes): d [8] and dmin [8] (fp16), the 16 scale bytes (scale | min << 4 of sub-block s at 32 + 8s + c),
 #       then run (h, g) of the 2-bit codes (qs bytes 32h + 4g ..) at 160 + 32 (8h + g);
 #   Q3_K (8 x 110 bytes): d [8] (fp16), the 12 scale bytes (at 16 + 8i + c), run g of the high bits (hmask bytes
@@ -394,7 +393,6 @@ def _x8_fields_back(packed: torch.Tensor, layout: str, spans: list[tuple[int, in
 
 
 Q40_X8_SPANS = [(0, 2, 2), (2, 18, 4)]  # d, codes
-Q41_X8_SPANS = [(0, 2, 2), (2, 4, 2), (4, 20, 4)]  # d, m, codes
 Q2K_X8_SPANS = [(80, 82, 2), (82, 84, 2), (0, 16, 1), (16, 80, 4)]  # d, dmin, scales, codes
 Q3K_X8_SPANS = [(108, 110, 2), (96, 108, 1), (0, 32, 4), (32, 96, 4)]  # d, scales, high bits, low bits
 
@@ -407,16 +405,6 @@ def q40_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
 def q40_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
     """The Q4_0_X8 layout -> the file's Q4_0 rows (q40_x8_pack's inverse)."""
     return _x8_fields_back(packed, "Q4_0_X8", Q40_X8_SPANS)
-
-
-def q41_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_1 rows [N, nb * 20] (N % 8 == 0) -> the same bits in the Q4_1_X8 layout."""
-    return _x8_fields(blocks, "Q4_1_X8", Q41_X8_SPANS)
-
-
-def q41_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The Q4_1_X8 layout -> the file's Q4_1 rows (q41_x8_pack's inverse)."""
-    return _x8_fields_back(packed, "Q4_1_X8", Q41_X8_SPANS)
 
 
 def q2k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:

@@ -122,7 +122,7 @@ def test_packed_gguf_matches_its_dequantized_weights(kind, matrix_type, tiny_mod
     path = write_tiny_gguf(tiny_models[kind], tmp_path / f"{kind}-{matrix_type}.gguf", matrix_type)
     prompt, decode = prompt_ids(ORIGINAL_CONTEXT + 8, seed=6), prompt_ids(8, seed=7)
     packed = load_model(path, dtype=torch.float32, device="cpu", quant="gguf")
-    # Q8_0 and (on the CPU) Q4_0 stay GGUF blocks
+    # on the CPU Q8_0 and Q4_0 stay GGUF blocks
     assert any(type(m).__name__ == "GGUFLinear" and m.file_type == matrix_type for m in packed.model.modules())
     dequantized = load_model(path, dtype=torch.float32, device="cpu", quant="none")
     got, want = our_logits(packed, prompt, decode), our_logits(dequantized, prompt, decode)

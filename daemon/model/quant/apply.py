@@ -30,10 +30,11 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
     """Replace the model's linear layers by unfilled quantized ones (call before the weights load).
 
     For spec "gguf" the layer follows each tensor's GGML type (gguf_types: weight name -> type), the output head
-    included: Q4_1, and Q4_0 unless the model runs on the CPU (`cpu`), -> int4 g32 (an exact byte rearrangement, for
-    the tuned int4 kernels), every other packed type (llmd.kernels.gguf_blocks: Q4_K, Q6_K, Q5_0, Q8_0, ...) -> a
-    GGUFLinear keeping the file's blocks (on the CPU Q4_0 too: the integer path's interleaved tiles are 2.7 times the
-    int4 kernel's speed at one row), float types stay a plain linear; a packed token table becomes a GGUFEmbedding.
+    included: Q4_1, and Q4_0 off the CPU, -> int4 g32 (an exact byte rearrangement, for the tuned int4 kernels; Q4_1
+    on the CPU keeps its fp32 activations there: the bundled 135M model's answers change with int8 ones); every
+    other packed type (llmd.kernels.gguf_blocks: Q4_K, Q6_K, Q5_0, Q8_0, ...), and Q4_0 where the model runs on the
+    CPU (`cpu`: the integer path's interleaved tiles, 2.7 times the int4 kernel's speed at one row), -> a GGUFLinear
+    keeping the file's blocks; float types stay a plain linear; a packed token table becomes a GGUFEmbedding.
     Returns {module name: new layer}.
     """
     from llmd.kernels.gguf_blocks import BLOCKS
