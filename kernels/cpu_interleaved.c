@@ -40,7 +40,7 @@
  * high ones 32j + 16 + 4g..). Its codes are signed table values (the exact integer dot product: IQ_DOT), then per
  * output s = fma(float(dot_j (sc_j - 32)), xd_j, s) from the first product, out = fma(s, d, out).
  *
- * Q2_K and Q3_K ("Q2_K_X8", 1010, 672 bytes; "Q3_K_X8", 1011, 880 bytes; gguf_blocks.q2k_x8_pack, q3k_x8_pack): each
+ * Q2_K and Q3_K ("Q2_K_X8", 1010, 672 bytes; "Q3_K_X8", 1011, 880 bytes; gguf_blocks.X8_FIELDS): each
  * field of the 8 columns side by side, fp16s as 8 fp16s and other bytes column-interleaved (byte i of column c at
  * 8i + c). Q2_K: d [0, 16), dmin [16, 32), the 16 scale bytes (scale | min << 4 of sub-block s, [32, 160)), then the
  * 2-bit codes in runs of 4 bytes per column (32 bytes at 160 + 32 (8h + g): qs bytes 32h + 4g ..). Q3_K: d [0, 16),
@@ -52,7 +52,7 @@
  *   m = fma(mn_s, S_s, m) for s = 0..15 from mn_0 S_0;   out = fma(s, d, out); out = fma(-m, dmin, out) (Q3_K:
  *   out = fma(m, -4 d, out)).
  *
- * Q4_0 ("Q4_0_X8", 1002; gguf_blocks.q40_x8_pack), 144 bytes a block of 32: d [0, 16), then the codes in runs of 4
+ * Q4_0 ("Q4_0_X8", 1002; gguf_blocks.X8_FIELDS), 144 bytes a block of 32: d [0, 16), then the codes in runs of 4
  * bytes per column (32 bytes at 16 + 32g: qs bytes 4g ..: low nibbles elements 4g.., high ones 16 + 4g..). Per
  * output, for each block b: out = fma(float(dot_b - 8 sum(q_b)), d xd_b, out) (sum(q_b): the row's codes). */
 #include "cpu_tiles.h"

@@ -300,14 +300,18 @@ def _x8_groups(blocks: torch.Tensor, type_name: str) -> tuple[int, int]:
 
 def x8_pack(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     """Rows of X8_OF[layout]'s blocks [N, row bytes] (N % 8 == 0) -> the same bits in the interleaved `layout`."""
-    return {"Q4_0_X8": q40_x8_pack, "Q2_K_X8": q2k_x8_pack, "Q3_K_X8": q3k_x8_pack, "Q4_K_X8": q4k_x8_pack,
-            "Q5_K_X8": q5k_x8_pack, "Q6_K_X8": q6k_x8_pack, "IQ4_XS_X8": iq4xs_x8_pack}[layout](blocks)
+    if layout in X8_FIELDS:
+        return _x8_fields(blocks, layout, X8_FIELDS[layout])
+    return {"Q4_K_X8": q4k_x8_pack, "Q5_K_X8": q5k_x8_pack, "Q6_K_X8": q6k_x8_pack,
+            "IQ4_XS_X8": iq4xs_x8_pack}[layout](blocks)
 
 
 def x8_unpack(packed: torch.Tensor, layout: str) -> torch.Tensor:
     """The interleaved `layout` -> the file's rows (x8_pack's inverse)."""
-    return {"Q4_0_X8": q40_x8_unpack, "Q2_K_X8": q2k_x8_unpack, "Q3_K_X8": q3k_x8_unpack, "Q4_K_X8": q4k_x8_unpack,
-            "Q5_K_X8": q5k_x8_unpack, "Q6_K_X8": q6k_x8_unpack, "IQ4_XS_X8": iq4xs_x8_unpack}[layout](packed)
+    if layout in X8_FIELDS:
+        return _x8_fields_back(packed, layout, X8_FIELDS[layout])
+    return {"Q4_K_X8": q4k_x8_unpack, "Q5_K_X8": q5k_x8_unpack, "Q6_K_X8": q6k_x8_unpack,
+            "IQ4_XS_X8": iq4xs_x8_unpack}[layout](packed)
 
 
 def _runs(code_bytes: torch.Tensor) -> torch.Tensor:
@@ -392,39 +396,10 @@ def _x8_fields_back(packed: torch.Tensor, layout: str, spans: list[tuple[int, in
     return torch.cat([fields[lo] for lo in sorted(fields)], dim=-1).transpose(1, 2).reshape(packed.shape)
 
 
-Q40_X8_SPANS = [(0, 2, 2), (2, 18, 4)]  # d, codes
-Q2K_X8_SPANS = [(80, 82, 2), (82, 84, 2), (0, 16, 1), (16, 80, 4)]  # d, dmin, scales, codes
-Q3K_X8_SPANS = [(108, 110, 2), (96, 108, 1), (0, 32, 4), (32, 96, 4)]  # d, scales, high bits, low bits
-
-
-def q40_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_0 rows [N, nb * 18] (N % 8 == 0) -> the same bits in the Q4_0_X8 layout."""
-    return _x8_fields(blocks, "Q4_0_X8", Q40_X8_SPANS)
-
-
-def q40_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The Q4_0_X8 layout -> the file's Q4_0 rows (q40_x8_pack's inverse)."""
-    return _x8_fields_back(packed, "Q4_0_X8", Q40_X8_SPANS)
-
-
-def q2k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
-    """Q2_K rows [N, nb * 84] (N % 8 == 0) -> the same bits in the Q2_K_X8 layout."""
-    return _x8_fields(blocks, "Q2_K_X8", Q2K_X8_SPANS)
-
-
-def q2k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The Q2_K_X8 layout -> the file's Q2_K rows (q2k_x8_pack's inverse)."""
-    return _x8_fields_back(packed, "Q2_K_X8", Q2K_X8_SPANS)
-
-
-def q3k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
-    """Q3_K rows [N, nb * 110] (N % 8 == 0) -> the same bits in the Q3_K_X8 layout."""
-    return _x8_fields(blocks, "Q3_K_X8", Q3K_X8_SPANS)
-
-
-def q3k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """The Q3_K_X8 layout -> the file's Q3_K rows (q3k_x8_pack's inverse)."""
-    return _x8_fields_back(packed, "Q3_K_X8", Q3K_X8_SPANS)
+# the layouts made of whole fields: each one's spans of the file's block in the interleaved block's order
+X8_FIELDS = {"Q4_0_X8": [(0, 2, 2), (2, 18, 4)],  # d, codes
+             "Q2_K_X8": [(80, 82, 2), (82, 84, 2), (0, 16, 1), (16, 80, 4)],  # d, dmin, scales, codes
+             "Q3_K_X8": [(108, 110, 2), (96, 108, 1), (0, 32, 4), (32, 96, 4)]}  # d, scales, high bits, low bits
 
 
 # Q5_K's group of 8 rows' super-block (8 x 176 bytes): Q4_K_X8's 1152 bytes of its d, dmin, scales, mins and low 4
