@@ -128,7 +128,7 @@ class LoadPipeline:
         """run()'s model, its tensors allocated (once) but not filled: the layers, tied head and layout are settled
         on the meta device, where quantizing or transposing a weight costs nothing."""
         model, _ = build_empty_quantized(self.source.config, self.dtype, "meta", self.spec, self.quantize_head,
-                                         self.source.raw_types(self.spec.method))
+                                         self.source.raw_types(self.spec.method), runs_on=self.device)
         self._final_form(model)
         model = model.to_empty(device=self.device)
         place_packed_on_huge_pages(model)

@@ -198,16 +198,17 @@ def quantize_tied_head(model: nn.Module, spec: QuantSpec) -> None:
 
 
 def build_empty_quantized(config, dtype: torch.dtype, device, spec: QuantSpec, include_lm_head: bool = False,
-                          gguf_types: dict[str, str] | None = None):
+                          gguf_types: dict[str, str] | None = None, runs_on=None):
     """Like llmd.model.weights.build_empty, with quantized layers swapped in while the model is still on the meta
-    device, so no full-precision copy of the swapped weights is ever allocated. Returns (model, swapped layers)."""
+    device, so no full-precision copy of the swapped weights is ever allocated. runs_on: the device the model will
+    compute on, which picks some layers (default: device). Returns (model, swapped layers)."""
     from ..registry import build_model
 
     with torch.device("meta"):
         model = build_model(config)
     model = model.to(dtype=dtype)  # before the swap: scales and zeros stay fp32
     swapped = swap_in_quantized(model, spec, include_lm_head, dtype=dtype, device="meta", gguf_types=gguf_types,
-                                cpu=torch.device(device).type == "cpu")
+                                cpu=torch.device(runs_on or device).type == "cpu")
     model = model.to_empty(device=device)
     place_packed_on_huge_pages(model)
     model.init_buffers(device)
