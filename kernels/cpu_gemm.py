@@ -475,8 +475,8 @@ def layer_kernel(kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
 # GGML type ids (gguf.GGMLQuantizationType) of the types the C kernels take (cpu_gguf.c's type table)
 GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
                  "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "MXFP4": 39,
-                 "Q4_0_X8": 1002, "Q2_K_X8": 1010, "Q3_K_X8": 1011, "Q4_K_X8": 1012, "Q5_K_X8": 1013, "Q6_K_X8": 1014,
-                 "IQ4_XS_X8": 1023}  # llmd's own: 8 columns interleaved
+                 "Q4_0_X8": 1002, "Q8_0_X8": 1008, "Q2_K_X8": 1010, "Q3_K_X8": 1011, "Q4_K_X8": 1012, "Q5_K_X8": 1013,
+                 "Q6_K_X8": 1014, "IQ4_XS_X8": 1023}  # llmd's own: 8 columns interleaved
 # (gguf_blocks.x8_pack)
 
 

@@ -270,7 +270,8 @@ int llmd_gx_flags(int act, int type) {
     if (act == LLMD_ACT_I16) return LLMD_X8(type) ? LLMD_GX_SUMS : 0;
     if (act != LLMD_ACT_I8) return 0;
     if (gq_signed_type(type)) return LLMD_GX_C | LLMD_GX_LANES;
-    return type == 23 || type == LLMD_IQ4XS_X8 || type == LLMD_Q40_X8 ? LLMD_GX_C : 0; /* IQ4_XS's and Q4_0_X8's sums */
+    /* IQ4_XS's and Q4_0_X8's sums; Q8_0_X8's offset with VNNI */
+    return type == 23 || type == LLMD_IQ4XS_X8 || type == LLMD_Q40_X8 || type == LLMD_Q80_X8 ? LLMD_GX_C : 0;
 }
 
 /* 1 where rows prepared for type a serve type b on path `act` */

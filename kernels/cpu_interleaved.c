@@ -1,5 +1,5 @@
 /* Q4_K repacked for the CPU's integer path: 8 output columns interleaved ("Q4_K_X8", llmd's own type id 1012), and the
- * other K-quants, IQ4_XS and Q4_0 likewise.
+ * other K-quants, IQ4_XS, Q4_0 and Q8_0 likewise.
  *
  * In the file's layout one column's super-block is one 144-byte block, so a vector holds 32 codes of one column: its
  * dot product ends in a horizontal sum and each sub-block's scale costs a conversion per column. Interleaved, a vector
@@ -54,10 +54,16 @@
  *
  * Q4_0 ("Q4_0_X8", 1002; gguf_blocks.X8_FIELDS), 144 bytes a block of 32: d [0, 16), then the codes in runs of 4
  * bytes per column (32 bytes at 16 + 32g: qs bytes 4g ..: low nibbles elements 4g.., high ones 16 + 4g..). Per
- * output, for each block b: out = fma(float(dot_b - 8 sum(q_b)), d xd_b, out) (sum(q_b): the row's codes). */
+ * output, for each block b: out = fma(float(dot_b - 8 sum(q_b)), d xd_b, out) (sum(q_b): the row's codes).
+ *
+ * Q8_0 ("Q8_0_X8", 1008; gguf_blocks.X8_FIELDS), 272 bytes a block of 32: d [0, 16), then the codes in runs of 4 bytes
+ * per column (32 bytes at 16 + 32g: qs bytes 4g ..). Per output the file layout's tiles' order (cpu_blocks32.c, the
+ * signed blocks), so the results are theirs bit for bit: a_(b % 2) = fma(float(D_b), d xd_b, a_(b % 2)) for the blocks
+ * b in order (D_b: the block's exact integer dot product), out = a_0 + a_1. */
 #include "cpu_tiles.h"
 
 #define Q40X8_BYTES 144
+#define Q80X8_BYTES 272
 #define Q2X8_BYTES 672
 #define Q3X8_BYTES 880
 #define X8_BYTES 1152
@@ -67,10 +73,11 @@
 /* Super-blocks prefetched ahead, and how. Q6_K's 27 lines a super-block into L2, 2 ahead (into L1 they streamed at
  * half the rate: more lines than its miss buffers); Q4_K's 18 (and IQ4_XS's 17) 4 ahead as non-temporal (into L1,
  * kept out of the outer caches: 5-7 % faster at one row on Zen 1 than into L1 2 ahead, the weights are read once);
- * Q4_0's blocks the same distance in bytes */
+ * Q4_0's and Q8_0's blocks the same distance in bytes */
 #define X8_PF 4
 #define X8_HINT _MM_HINT_NTA
 #define Q40X8_PF 32
+#define Q80X8_PF 17
 #define Q6X8_PF 2
 #define Q6X8_HINT _MM_HINT_T1
 
@@ -412,6 +419,47 @@ Q40X8_ROWS(2)
 Q40X8_ROWS(3)
 Q40X8_ROWS(4)
 
+/* Q8_0_X8: R rows of a column group, a block of 32 elements at a time: per run of 4 codes, the 8 columns' |w| against
+ * the broadcast activations signed by w (maddubs: 2 * 128 * 127 < 2^15, then madd), or with VNNI w + 128 against them
+ * from the block's offset (the sum of its C, -128 times its sums of 4); the same integers D_b either way */
+#define Q80X8_ROWS(R)                                                                                                  \
+    static void q80x8_rows_##R(X8_TILE_ARGS) {                                                                         \
+        (void)S, (void)lds;                                                                                            \
+        __m256 acc[R][2];                                                                                            \
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                                     \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * Q80X8_BYTES;                                                                  \
+            for (int p = 0; p < Q80X8_BYTES; p += 64)                                                                \
+                _mm_prefetch((const char *)(g + Q80X8_PF * Q80X8_BYTES + p), X8_HINT);                               \
+            __m256i D[R];                                                                                            \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
+                const int32_t *c = C + r * (k / 4) + 8 * b;                                                          \
+                D[r] = GQ_OFFSET_ROWS ? _mm256_set1_epi32(c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7])     \
+                                      : _mm256_setzero_si256();                                                      \
+            }                                                                                                        \
+            _Pragma("GCC unroll 8") for (int gg = 0; gg < 8; gg++) {                                                \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 16 + 32 * gg));                           \
+                const __m256i u = GQ_SIGNED_W(w, GQ_OFFSET_ROWS);                                                    \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
+                    int32_t v;                                                                                       \
+                    memcpy(&v, xq + r * k + 32 * b + 4 * gg, 4);                                                     \
+                    const __m256i xv = _mm256_set1_epi32(v);                                                         \
+                    D[r] = GQ_OFFSET_ROWS ? DOT_U8S8_ACC(D[r], u, xv)                                                \
+                                          : _mm256_add_epi32(D[r], DOT_U8S8(u, _mm256_sign_epi8(xv, w)));            \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                     \
+                acc[r][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nbx + b])), \
+                                                acc[r][b & 1]);                                                      \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r][0], acc[r][1]));              \
+    }
+Q80X8_ROWS(1)
+Q80X8_ROWS(2)
+Q80X8_ROWS(3)
+Q80X8_ROWS(4)
+
 /* Q2_K_X8's and Q3_K_X8's sub-block s: the 8 columns' scales (Q2_K: 4 bits; Q3_K: 6 bits minus 32, signed) and
  * Q2_K's mins as 8 bytes */
 INLINE __m128i lowk_scales(const uint8_t *g, int s, int q3) {
@@ -673,6 +721,21 @@ static void q40x8_rows_1(X8_TILE_ARGS) {
     memcpy(y, out, sizeof out);
 }
 
+/* Q8_0_X8, one row */
+static void q80x8_rows_1(X8_TILE_ARGS) {
+    (void)k, (void)S, (void)lds, (void)nbx, (void)ldy, (void)C;
+    float acc[2][8] = {{0}};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = q + b * Q80X8_BYTES;
+        for (int col = 0; col < 8; col++) {
+            int32_t dot = 0;
+            for (int i = 0; i < 32; i++) dot += (int8_t)g[16 + 32 * (i / 4) + 4 * col + i % 4] * xq[32 * b + i];
+            acc[b & 1][col] = fmaf((float)dot, gguf_f16(g + 2 * col) * xd[b], acc[b & 1][col]);
+        }
+    }
+    for (int col = 0; col < 8; col++) y[col] = acc[0][col] + acc[1][col];
+}
+
 /* one row of a Q2_K (q3 0) or Q3_K (q3 1) column group */
 static void x8low_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y,
                       int q3) {
@@ -784,6 +847,7 @@ static const struct {
     int64_t bytes;
     x8_tile tiles[X8_MAX_ROWS];
 } X8_TYPES[] = {{LLMD_Q40_X8, 18, X8_TILES(q40x8_rows)},
+                {LLMD_Q80_X8, 34, X8_TILES(q80x8_rows)},
                 {LLMD_Q2K_X8, 84, X8_TILES(q2x8_rows)},
                 {LLMD_Q3K_X8, 110, X8_TILES(q3x8_rows)},
                 {LLMD_Q4K_X8, 144, X8_TILES(x8_rows)},
@@ -960,10 +1024,11 @@ static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst
                 dst[96 + 8 * j + c] = (uint8_t)(sc[c][j] >> 4 | (sc[c][j + 4] >> 4) << 2 | (mn[c][j] >> 4) << 4 |
                                                 (mn[c][j + 4] >> 4) << 6);
             }
-    } else if (type == LLMD_Q40_X8) {
+    } else if (type == LLMD_Q40_X8 || type == LLMD_Q80_X8) {
+        const int runs = type == LLMD_Q80_X8 ? 8 : 4;
         for (int c = 0; c < 8; c++) {
             memcpy(dst + 2 * c, src + c * rb, 2);
-            for (int r = 0; r < 4; r++) memcpy(dst + 16 + 32 * r + 4 * c, src + c * rb + 2 + 4 * r, 4);
+            for (int r = 0; r < runs; r++) memcpy(dst + 16 + 32 * r + 4 * c, src + c * rb + 2 + 4 * r, 4);
         }
     } else if (type == LLMD_Q2K_X8 || type == LLMD_Q3K_X8) {
         const int q3 = type == LLMD_Q3K_X8;

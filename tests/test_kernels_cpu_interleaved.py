@@ -1,4 +1,4 @@
-"""Q4_0, the K-quants and IQ4_XS with 8 columns interleaved (Q4_0_X8, Q2_K_X8 .. Q6_K_X8, IQ4_XS_X8:
+"""Q4_0, Q8_0, the K-quants and IQ4_XS with 8 columns interleaved (Q4_0_X8, Q8_0_X8, Q2_K_X8 .. Q6_K_X8, IQ4_XS_X8:
 kernels/cpu_interleaved.c), the CPU integer path's layouts for them: the same bits rearranged (packing and unpacking
 give the file's bytes back, dequantizing gives the file's values), the kernel's products match the integer path's
 torch reference, a row's result is bitwise the same whatever the batch, its position, the thread count and the parts
@@ -17,7 +17,7 @@ from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
 
-LAYOUTS = ["Q4_0_X8", "Q2_K_X8", "Q3_K_X8", "Q4_K_X8", "Q5_K_X8", "Q6_K_X8", "IQ4_XS_X8"]
+LAYOUTS = ["Q4_0_X8", "Q8_0_X8", "Q2_K_X8", "Q3_K_X8", "Q4_K_X8", "Q5_K_X8", "Q6_K_X8", "IQ4_XS_X8"]
 
 
 def test_packing_is_a_rearrangement_of_the_files_bytes():
@@ -70,6 +70,23 @@ def test_rows_do_not_depend_on_batch_threads_or_parts(layout):
             assert torch.equal(kernel(x[:m], threads), full[:m])
     both = fused(x, 2)
     assert torch.equal(both[:, 11:59], full) and torch.equal(both[:, :11], both[:, 59:])
+
+
+def test_interleaved_q8_0_gives_the_file_layouts_very_bits():
+    """Q8_0_X8 keeps the file layout's order of operations per output, so a Q8_0 model's outputs do not move; codes
+    of -128 against activations of +-127 (the largest products) stay exact."""
+    if not HAVE_KERNEL:
+        return
+    lib = cpu_gemm.load()
+    q, k = _weights("Q8_0", n=40, k=768)
+    q.view(40, 24, 34)[:8, :, 2:] = 128  # -128: |w| = 128, the pairs' sums at their largest
+    interleaved = cpu_gemm.GGUFKernel(lib, [(gb.x8_pack(q, "Q8_0_X8"), "Q8_0_X8")], k, act="int8")
+    file_layout = cpu_gemm.GGUFKernel(lib, [(q, "Q8_0")], k, act="int8")
+    x = _x(9, k)
+    x[0] = x[0].sign() * 10.0  # every int8 activation of row 0 at +-127
+    for m in (1, 2, 4, 9):
+        assert torch.equal(interleaved(x[:m]), file_layout(x[:m]))
+    torch.testing.assert_close(interleaved(x), cpu_gemm.gguf_matmul_q8_ref(x, q, "Q8_0"), rtol=1e-5, atol=1e-3)
 
 
 def test_an_interleaved_q6_k_head_matches_the_head_paths_reference_whatever_the_batch():
