@@ -394,17 +394,18 @@ def int4_matmul_q8_ref(x, qweight, scales, zeros, group_size):
 
 # Which activations each kind of layer takes when LLMD_CPU_GEMM_ACT is unset (or "auto"), read when a layer's kernel
 # is prepared; "fp32" or "int8" choose one path for every kind.
-# - int8 / int4 (llmd's own quantization of HF weights, and GGUF Q4_0/Q4_1 repacked): fp32 activations, so the
-#   layer computes exactly its weights (the dequantized model's logits up to summation order). The integer path is
-#   ~1.2x faster at batch 1 and ~1.5x at 16 on SmolLM2 but moves logits by ~0.3 (perplexity +0.6 %), enough to flip
-#   near-ties: SmolLM2 then answers "What is the capital of France?" as llama.cpp does ("L'Étoile, ...").
+# - int8 / int4 (llmd's own quantization of HF weights): fp32 activations, so the layer computes exactly its weights
+#   (the dequantized model's logits up to summation order).
+# - gguf_q4_1 (a file's Q4_1 blocks): int16 activations. On the int8 path SmolLM2's Q4_1 layers move its logits by
+#   ~0.3 (perplexity +0.6 %), enough to flip near-ties: it then answers "What is the capital of France?" as llama.cpp
+#   does ("L'Étoile, ..."); int16 is 256 times finer, and 1.6 times the speed of fp32 activations at one row.
 # - gguf (a file's K-quant, Q5_0/Q5_1, Q8_0 and IQ4 blocks kept packed): the integer path, activations quantized to
 #   int8 per block of 32 as llama.cpp computes these files (LLMD_CPU_GEMM_ACT=fp32: the file's exact weights).
 # - gguf_head (a packed output head, tied or not): int16 activations where the head is Q8_0 or Q6_K (as nearly every
 #   file's is), else fp32. The head picks the token: on the int8 path SmolLM2's tied Q8_0 head alone turns "The
 #   capital of France is Paris." into llama.cpp's "L'Étoile, ..."; int16 is 256 times finer, and a Q8_0 head then
 #   runs as fast as on int8 (read at memory speed: Gemma 3's 178 MB table 4.7 ms instead of 8.7 ms with fp32).
-ACTIVATIONS = {"int4": "fp32", "int8": "fp32", "gguf": "int8", "gguf_head": "int16"}
+ACTIVATIONS = {"int4": "fp32", "int8": "fp32", "gguf": "int8", "gguf_q4_1": "int16", "gguf_head": "int16"}
 
 
 def activations(kind: str) -> str:
@@ -523,7 +524,7 @@ class GGUFKernel:
     operation order per output, so a row's result never depends on the batch. Several parts of different types (a
     fused q/k/v) fill their own columns side by side. act, the activation path for every M: "fp32"; "int8"
     (quantized per block of 32, integer dot products: gguf_matmul_q8_ref's values); "int16" (per block of 32 to
-    int16, where every part is Q8_0 or Q6_K, else fp32: gguf_matmul_q16_ref's values); None: as LLMD_CPU_GEMM_ACT
+    int16, where every part is Q8_0, Q6_K or Q4_1, else fp32: gguf_matmul_q16_ref's values); None: as LLMD_CPU_GEMM_ACT
     says for a layer."""
 
     kind = "gguf"
@@ -628,4 +629,5 @@ def gguf_kernel(parts: list[tuple[torch.Tensor, str]], k: int, head: bool = Fals
     head: the output head's (its activations chosen as ACTIVATIONS["gguf_head"] says)."""
     lib = load()
     ok = lib is not None and all(t in GGUF_TYPE_IDS for _, t in parts)
-    return GGUFKernel(lib, parts, k, activations("gguf_head" if head else "gguf")) if ok else None
+    kind = "gguf_head" if head else "gguf_q4_1" if any(t == "Q4_1" for _, t in parts) else "gguf"
+    return GGUFKernel(lib, parts, k, activations(kind)) if ok else None

@@ -267,7 +267,7 @@ int llmd_gx_takes(int act, int type, int64_t k) {
 }
 
 int llmd_gx_flags(int act, int type) {
-    if (act == LLMD_ACT_I16) return LLMD_X8(type) ? LLMD_GX_SUMS : 0;
+    if (act == LLMD_ACT_I16) return LLMD_X8(type) || type == 3 ? LLMD_GX_SUMS : 0; /* Q4_1: its minimum's sums */
     if (act != LLMD_ACT_I8) return 0;
     if (gq_signed_type(type)) return LLMD_GX_C | LLMD_GX_LANES;
     /* IQ4_XS's and Q4_0_X8's sums; Q8_0_X8's offset with VNNI */
@@ -414,8 +414,8 @@ void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch)
         gq_cols(t, (const float *)x->a[0], (const float *)x->a[1], (const int8_t *)x->a[2], (const int32_t *)x->a[3],
                 g->extra, job->q, job->y, job->ldy, m, k, n0, n1, (float *)scratch);
     } else {
-        gh_cols((int)job->type, (const float *)x->a[0], (const int16_t *)x->a[2], job->q, job->y, job->ldy, m, k, n0,
-                n1);
+        gh_cols((int)job->type, (const float *)x->a[0], x->row[1] ? (const int32_t *)x->a[1] : NULL,
+                (const int16_t *)x->a[2], job->q, job->y, job->ldy, m, k, n0, n1);
     }
 }
 

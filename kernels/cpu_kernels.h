@@ -28,6 +28,9 @@ int llmd_gguf_matmul_q8(int type, const float *x, int64_t ldx, const uint8_t *q,
                         int64_t n, int64_t k, int nthreads);
 int llmd_gguf_parts_matmul_q8(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
                               int64_t ldy, int64_t m, int64_t k, int nthreads);
+/* and with int16-quantized activations (cpu_head.c: output heads and Q4_1 layers) */
+int llmd_gguf_parts_matmul_q16(const llmd_gguf_part *parts, int64_t nparts, const float *x, int64_t ldx, float *y,
+                               int64_t ldy, int64_t m, int64_t k, int nthreads);
 
 /* A mixture-of-experts layer's packed experts (cpu_moe.c): gate_up [experts][gate_up_parts] (each expert's gate rows
  * then up rows, 2 * inter columns over K = hidden; the up rows alone, inter columns, for LLMD_MOE_RELU2) and down

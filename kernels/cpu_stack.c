@@ -16,8 +16,8 @@
 
 #include "cpu_kernels.h"
 
-/* GGUF: q -> `group` parts (llmd_gguf_part); GGUF_Q8: the same on the integer path */
-enum { LIN_INT8 = 0, LIN_INT4 = 1, LIN_INT8_Q8 = 2, LIN_INT4_Q8 = 3, LIN_GGUF = 4, LIN_GGUF_Q8 = 5 };
+/* GGUF: q -> `group` parts (llmd_gguf_part); GGUF_Q8, GGUF_Q16: the same on the int8 and int16 paths */
+enum { LIN_INT8 = 0, LIN_INT4 = 1, LIN_INT8_Q8 = 2, LIN_INT4_Q8 = 3, LIN_GGUF = 4, LIN_GGUF_Q8 = 5, LIN_GGUF_Q16 = 6 };
 
 typedef struct {
     int64_t kind, n, k, group;
@@ -93,6 +93,8 @@ static int linear(const llmd_linear *l, const float *x, int64_t ldx, float *y, i
         rc = llmd_gguf_parts_matmul((const llmd_gguf_part *)l->q, l->group, x, ldx, y, l->n, m, l->k, nth);
     else if (l->kind == LIN_GGUF_Q8)
         rc = llmd_gguf_parts_matmul_q8((const llmd_gguf_part *)l->q, l->group, x, ldx, y, l->n, m, l->k, nth);
+    else if (l->kind == LIN_GGUF_Q16)
+        rc = llmd_gguf_parts_matmul_q16((const llmd_gguf_part *)l->q, l->group, x, ldx, y, l->n, m, l->k, nth);
     else {
         const int64_t bytes = llmd_q8_work_bytes(m, l->k, l->group);
         void *work = bytes > 0 ? aligned_alloc(64, ((size_t)bytes + 63) / 64 * 64) : NULL;

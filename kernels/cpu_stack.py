@@ -11,8 +11,9 @@ from . import cpu_ops
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 # llmd_linear.kind
+# gguf: q points to the kernel's llmd_gguf_part array, group is its length
 KINDS = {("int8", "fp32"): 0, ("int4", "fp32"): 1, ("int8", "int8"): 2, ("int4", "int8"): 3,
-         ("gguf", "fp32"): 4, ("gguf", "int8"): 5}  # gguf: q points to the kernel's llmd_gguf_part array, group is its length
+         ("gguf", "fp32"): 4, ("gguf", "int8"): 5, ("gguf", "int16"): 6}
 
 
 # llmd_dims.act: the gated MLP's activation

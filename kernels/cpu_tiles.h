@@ -478,6 +478,6 @@ LLMD_HIDDEN void gq_signed_cols(const gguf_type *t, const float *xd, const int8_
 
 /* ---- cpu_head.c: the int16 path ---------------------------------------------------------------------------------- */
 LLMD_HIDDEN int gh_supported(int type);
-LLMD_HIDDEN void gh_cols(int type, const float *xd, const int16_t *xq, const uint8_t *q, float *y, int64_t ldy,
-                         int64_t m, int64_t k, int64_t n0, int64_t n1);
+LLMD_HIDDEN void gh_cols(int type, const float *xd, const int32_t *Q, const int16_t *xq, const uint8_t *q, float *y,
+                         int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
 #endif

@@ -171,7 +171,7 @@ def test_bad_shapes_raise():
         cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, "Q6_K")], k, act="int4")
 
 
-HEAD_TYPES = ["Q8_0", "Q6_K"]  # the output head's int16 path
+HEAD_TYPES = ["Q8_0", "Q6_K", "Q4_1"]  # the int16 path (output heads; Q4_1 layers)
 
 
 @pytest.mark.parametrize("act,type_name", [("int8", t) for t in TYPES] + [("int16", t) for t in HEAD_TYPES])
@@ -287,9 +287,9 @@ def test_head_path_rows_do_not_depend_on_batch_or_threads(type_name):
         assert torch.equal(kernel(x, threads), full) and torch.equal(kernel(x[:7], threads), full[:7])
 
 
-def test_head_path_is_chosen_for_q8_0_and_q6_k_heads(monkeypatch):
-    """By default a Q8_0 or Q6_K head takes int16 activations and any other head fp32; layers stay on int8;
-    LLMD_CPU_GEMM_ACT=fp32 or int8 chooses that path for the heads too."""
+def test_int16_path_is_chosen_for_q8_0_and_q6_k_heads_and_q4_1_layers(monkeypatch):
+    """By default a Q8_0, Q6_K or Q4_1 head takes int16 activations and any other head fp32; Q4_1 layers take int16
+    too, other layers int8; LLMD_CPU_GEMM_ACT=fp32 or int8 chooses that path for the heads too."""
     if not HAVE_KERNEL:
         return
     monkeypatch.delenv("LLMD_CPU_GEMM_ACT", raising=False)
@@ -297,7 +297,7 @@ def test_head_path_is_chosen_for_q8_0_and_q6_k_heads(monkeypatch):
         q, k = _weights(type_name, n=8, k=512)
         want = "int16" if type_name in HEAD_TYPES else "fp32"
         assert cpu_gemm.gguf_kernel([(q, type_name)], k, head=True).act == want, type_name
-        assert cpu_gemm.gguf_kernel([(q, type_name)], k).act == "int8"
+        assert cpu_gemm.gguf_kernel([(q, type_name)], k).act == ("int16" if type_name == "Q4_1" else "int8")
         assert cpu_gemm.GGUFKernel(cpu_gemm.load(), [(q, type_name)], k, act="int16").act == want
     q, k = _weights("Q8_0", n=8, k=512)
     for mode in ("fp32", "int8"):

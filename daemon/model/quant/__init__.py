@@ -3,8 +3,8 @@
 Modes: none | int8 | int4 (group 64; int4-g32 / int4-g64 / int4-g128 pick the group) | bnb-int8 | bnb-nf4 | gguf.
 - int8: per-output-channel symmetric scales, w = q * scale.
 - int4: group-wise asymmetric, two values packed per byte, w = (q - 8) * scale + zero (llmd.kernels.quant_matmul).
-- gguf: a GGUF file's tensors as it has them: Q4_1 (and Q4_0 on a GPU) rearranged into int4 g32, every other packed
-  type kept as the file's blocks (llmd.kernels.gguf_blocks).
+- gguf: a GGUF file's tensors as it has them: on a GPU Q4_0 and Q4_1 rearranged into int4 g32, every other packed
+  type (on the CPU every packed type) kept as the file's blocks (llmd.kernels.gguf_blocks).
 
   modes.py        QuantSpec, parse_quant
   quantize.py     the int8 / int4 quantizers (clip search, least-squares refit; AWQ and GPTQ use them)

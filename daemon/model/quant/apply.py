@@ -30,12 +30,11 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
     """Replace the model's linear layers by unfilled quantized ones (call before the weights load).
 
     For spec "gguf" the layer follows each tensor's GGML type (gguf_types: weight name -> type), the output head
-    included: Q4_1 -> int4 g32 (an exact byte rearrangement, for the tuned int4 kernels, whose fp32 activations keep
-    the bundled 135M model's answers: with int8 ones they change); Q4_0 likewise, except where the model runs on the
-    CPU (`cpu`): there it stays packed, as every other packed type (llmd.kernels.gguf_blocks: Q4_K, Q6_K, Q5_0,
-    Q8_0, ...) does in a GGUFLinear (the integer path's interleaved Q4_0 tiles: 2.7 times the int4 kernel's speed at
-    one row); float types stay a plain linear; a packed token table becomes a GGUFEmbedding. Returns {module name:
-    new layer}.
+    included: off the CPU, Q4_0 and Q4_1 -> int4 g32 (an exact byte rearrangement, for the tuned Triton int4
+    kernels); on the CPU (`cpu`) they stay packed, as every other packed type (llmd.kernels.gguf_blocks: Q4_K, Q6_K,
+    Q5_0, Q8_0, ...) does in a GGUFLinear (the integer path's interleaved Q4_0 tiles: 2.7 times the int4 kernel's
+    speed at one row; Q4_1 on the int16 path, 1.6 times: llmd.kernels.cpu_gemm.ACTIVATIONS); float types stay a
+    plain linear; a packed token table becomes a GGUFEmbedding. Returns {module name: new layer}.
     """
     from llmd.kernels.gguf_blocks import BLOCKS
 
@@ -105,8 +104,8 @@ def _swap_in_packed_experts(model: nn.Module, gguf_types: dict[str, str], dtype,
 
 def _gguf_layer(linear: nn.Module, parts: list[tuple[str, slice]], name: str, gguf_types: dict[str, str],
                dtype, device, cpu: bool) -> nn.Module | None:
-    """The layer keeping a (fused) projection's GGUF blocks, by its parts' types: int4 g32 for Q4_1 (and Q4_0 off the
-    CPU) alike, one GGUFLinear for one packed type, a GGUFConcat of GGUFLinears for several (Q4_K_M's q/k in Q4_K, v
+    """The layer keeping a (fused) projection's GGUF blocks, by its parts' types: int4 g32 for Q4_0 and Q4_1 off the
+    CPU, one GGUFLinear for one packed type, a GGUFConcat of GGUFLinears for several (Q4_K_M's q/k in Q4_K, v
     in Q6_K); None (a plain fp layer, the parts dequantized) where a part is not packed."""
     from llmd.kernels.gguf_blocks import BLOCKS
 
@@ -115,7 +114,7 @@ def _gguf_layer(linear: nn.Module, parts: list[tuple[str, slice]], name: str, gg
     whole = gguf_types.get(f"{name}.weight")  # a file that stores the fused projection as such
     kinds = [whole] if whole is not None else [gguf_types.get(f"{part}.weight") for part, _ in parts]
     bias = linear.bias is not None
-    if all(k in (("Q4_1",) if cpu else ("Q4_0", "Q4_1")) for k in kinds):
+    if not cpu and all(k in ("Q4_0", "Q4_1") for k in kinds):
         return Int4Linear(linear.in_features, linear.out_features, bias, 32, dtype=dtype, device=device)
     if not all(k in BLOCKS for k in kinds):
         return None

@@ -1,4 +1,4 @@
-"""GGUF blocks into llmd's layers without dequantizing: Q4_1 (and Q4_0 on a GPU) rearranged into int4 g32, Q8_0
+"""GGUF blocks into llmd's layers without dequantizing: Q4_0 and Q4_1 on a GPU rearranged into int4 g32, Q8_0
 linear layers into int8 g32, every other packed type (and every token table, tied or not) kept as the file's bytes
 (gguf_layers)."""
 

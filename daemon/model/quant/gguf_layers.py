@@ -7,7 +7,7 @@ file's own block bytes, uint8 [N, row bytes], beside its GGML type name: residen
 - CUDA with Triton: the fused dequantize + matmul kernels of llmd.kernels.gguf_matmul;
 - otherwise (no C compiler, other dtypes): the rows of the weight are dequantized with the torch reference in
   bounded chunks per call and multiplied, so no fp32 copy is ever kept.
-Q4_1 linear layers (and Q4_0 ones on a GPU) load into llmd's int4 layers instead (an exact byte rearrangement,
+On a GPU, Q4_0 and Q4_1 linear layers load into llmd's int4 layers instead (an exact byte rearrangement,
 llmd.model.quant.gguf_blocks), whose tuned kernels they share with --quant int4; a tied token table of any type
 (Q8_0 included) is also the head (tie_gguf_head).
 The parts of a fused projection (q/k/v, gate/up) that differ in type, as Q4_K_M files have them (attn_v Q6_K next to
