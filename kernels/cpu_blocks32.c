@@ -342,18 +342,6 @@ GQM_TILE(q5_1, 8, 24)
  * one column for a pair of blocks (gqf_T, fewer rows): the rows' activation bytes XT against broadcast weight bytes,
  * a vpdpbusd per 4 elements of each lane's row. */
 
-INLINE __m256i gq_pair_sums(__m256i a, __m256i b) { /* per 128-bit half: a0+a2, b0+b2, a1+a3, b1+b3 */
-    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
-}
-/* 8 vectors of int32 lanes -> one vector whose lane j is the sum of v[j]'s lanes (exact) */
-INLINE __m256i gq_lane_sums(const __m256i *v) {
-    const __m256i p01 = gq_pair_sums(v[0], v[1]), p23 = gq_pair_sums(v[2], v[3]);
-    const __m256i p45 = gq_pair_sums(v[4], v[5]), p67 = gq_pair_sums(v[6], v[7]);
-    /* per half: vectors 0-3 (4-7), each the sum of its half's 4 lanes */
-    const __m256i q0 = _mm256_add_epi32(_mm256_unpacklo_epi64(p01, p23), _mm256_unpackhi_epi64(p01, p23));
-    const __m256i q1 = _mm256_add_epi32(_mm256_unpacklo_epi64(p45, p67), _mm256_unpackhi_epi64(p45, p67));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
-}
 
 /* the signed codes of one block at qb: Q4_0's nibble - 8, Q5_0's 5-bit code - 16, Q8_0's byte, IQ4_NL's and MXFP4's
  * table values (MXFP4's E2M1 values doubled, as llama.cpp's integer dot product takes them) */
@@ -391,18 +379,6 @@ INLINE __m256 gqs_e8m0_scales(__m256i dwords) { /* gguf_e8m0_half of the low byt
 #define GQS_SCALES_q8_0 gqs_f16_scales
 #define GQS_SCALES_iq4_nl gqs_f16_scales
 #define GQS_SCALES_mxfp4 gqs_e8m0_scales
-
-/* the first dwords of the blocks at q + c rb for the columns c < cols (0 past them) in lane c: 8 loads rather than a
- * gather, which Zen 1 runs in microcode (a third of a Q8_0 decode matmul's time there) */
-INLINE __m256i gq_block_starts(const uint8_t *q, int64_t rb, int cols) {
-    if (cols == 8)
-        return _mm256_setr_epi32((int)gguf_u32(q), (int)gguf_u32(q + rb), (int)gguf_u32(q + 2 * rb),
-                                 (int)gguf_u32(q + 3 * rb), (int)gguf_u32(q + 4 * rb), (int)gguf_u32(q + 5 * rb),
-                                 (int)gguf_u32(q + 6 * rb), (int)gguf_u32(q + 7 * rb));
-    int32_t v[8] = {0};
-    for (int c = 0; c < cols; c++) v[c] = (int32_t)gguf_u32(q + c * rb);
-    return _mm256_loadu_si256((const __m256i *)v);
-}
 
 /* R rows (1-4), up to 8 columns (cols) in the lanes; block b of every column at a time, its codes decoded once for
  * the R rows. The accumulators of the even and odd blocks trade places after each block (y = a_0 + a_1 either way). */

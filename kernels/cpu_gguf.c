@@ -267,7 +267,7 @@ int llmd_gx_takes(int act, int type, int64_t k) {
 }
 
 int llmd_gx_flags(int act, int type) {
-    if (act == LLMD_ACT_I16) return LLMD_X8(type) || type == 3 ? LLMD_GX_SUMS : 0; /* Q4_1: its minimum's sums */
+    if (act == LLMD_ACT_I16) return LLMD_X8(type) ? LLMD_GX_SUMS : type == 3 ? LLMD_GX_SUMS | LLMD_GX_LANES : 0;
     if (act != LLMD_ACT_I8) return 0;
     if (gq_signed_type(type)) return LLMD_GX_C | LLMD_GX_LANES;
     /* IQ4_XS's and Q4_0_X8's sums; Q8_0_X8's offset with VNNI */
@@ -352,6 +352,7 @@ size_t llmd_gx_group_bytes(const llmd_gx_rows *r, int64_t m) {
         return gx_align((size_t)((m + 15) / 16 * 16) * (r->row[0] + r->row[1]));
 #endif
     if (r->act == LLMD_ACT_I8 && (r->flags & LLMD_GX_LANES)) return gx_align(gq_lanes_bytes(m, r->k));
+    if (r->act == LLMD_ACT_I16 && (r->flags & LLMD_GX_LANES)) return gx_align(gh41_lanes_bytes(m, r->k));
     return 0;
 }
 
@@ -370,7 +371,12 @@ void llmd_gx_make_group(llmd_gx_group *g, const llmd_gx_rows *r, int64_t r0, int
         return;
     }
 #endif
-    gq_fill_lanes(extra, (const float *)g->x.a[0], (const int8_t *)g->x.a[2], (const int32_t *)g->x.a[3], m, g->x.k);
+    if (r->act == LLMD_ACT_I16)
+        gh41_fill_lanes(extra, (const float *)g->x.a[0], (const int32_t *)g->x.a[1], (const int16_t *)g->x.a[2], m,
+                        g->x.k);
+    else
+        gq_fill_lanes(extra, (const float *)g->x.a[0], (const int8_t *)g->x.a[2], (const int32_t *)g->x.a[3], m,
+                      g->x.k);
 }
 
 size_t llmd_gx_scratch_bytes(int act, int type, int64_t k, int64_t m) {
@@ -415,7 +421,7 @@ void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch)
                 g->extra, job->q, job->y, job->ldy, m, k, n0, n1, (float *)scratch);
     } else {
         gh_cols((int)job->type, (const float *)x->a[0], x->row[1] ? (const int32_t *)x->a[1] : NULL,
-                (const int16_t *)x->a[2], job->q, job->y, job->ldy, m, k, n0, n1);
+                (const int16_t *)x->a[2], g->extra, job->q, job->y, job->ldy, m, k, n0, n1);
     }
 }
 

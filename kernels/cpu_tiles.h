@@ -154,6 +154,31 @@ INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(a);
 }
 
+INLINE __m256i gq_pair_sums(__m256i a, __m256i b) { /* per 128-bit half: a0+a2, b0+b2, a1+a3, b1+b3 */
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+/* 8 vectors of int32 lanes -> one vector whose lane j is the sum of v[j]'s lanes (exact) */
+INLINE __m256i gq_lane_sums(const __m256i *v) {
+    const __m256i p01 = gq_pair_sums(v[0], v[1]), p23 = gq_pair_sums(v[2], v[3]);
+    const __m256i p45 = gq_pair_sums(v[4], v[5]), p67 = gq_pair_sums(v[6], v[7]);
+    /* per half: vectors 0-3 (4-7), each the sum of its half's 4 lanes */
+    const __m256i q0 = _mm256_add_epi32(_mm256_unpacklo_epi64(p01, p23), _mm256_unpackhi_epi64(p01, p23));
+    const __m256i q1 = _mm256_add_epi32(_mm256_unpacklo_epi64(p45, p67), _mm256_unpackhi_epi64(p45, p67));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
+}
+
+/* the first dwords of the blocks at q + c rb for the columns c < cols (0 past them) in lane c: 8 loads rather than a
+ * gather, which Zen 1 runs in microcode (a third of a Q8_0 decode matmul's time there) */
+INLINE __m256i gq_block_starts(const uint8_t *q, int64_t rb, int cols) {
+    if (cols == 8)
+        return _mm256_setr_epi32((int)gguf_u32(q), (int)gguf_u32(q + rb), (int)gguf_u32(q + 2 * rb),
+                                 (int)gguf_u32(q + 3 * rb), (int)gguf_u32(q + 4 * rb), (int)gguf_u32(q + 5 * rb),
+                                 (int)gguf_u32(q + 6 * rb), (int)gguf_u32(q + 7 * rb));
+    int32_t v[8] = {0};
+    for (int c = 0; c < cols; c++) v[c] = (int32_t)gguf_u32(q + c * rb);
+    return _mm256_loadu_si256((const __m256i *)v);
+}
+
 /* Tiles of R rows x C columns are generated per shape (the sizes must be compile-time constants so that the
  * accumulators live in registers). */
 
@@ -478,6 +503,10 @@ LLMD_HIDDEN void gq_signed_cols(const gguf_type *t, const float *xd, const int8_
 
 /* ---- cpu_head.c: the int16 path ---------------------------------------------------------------------------------- */
 LLMD_HIDDEN int gh_supported(int type);
-LLMD_HIDDEN void gh_cols(int type, const float *xd, const int32_t *Q, const int16_t *xq, const uint8_t *q, float *y,
-                         int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
+LLMD_HIDDEN void gh_cols(int type, const float *xd, const int32_t *Q, const int16_t *xq, const void *lanes,
+                         const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
+/* Q4_1's lane layout of m rows (0 bytes under 8 rows, which take the per-row tile): cpu_gguf.c's group step */
+LLMD_HIDDEN size_t gh41_lanes_bytes(int64_t m, int64_t k);
+LLMD_HIDDEN void gh41_fill_lanes(void *lanes, const float *xd, const int32_t *Q, const int16_t *xq, int64_t m,
+                                 int64_t k);
 #endif

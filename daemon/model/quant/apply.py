@@ -33,7 +33,7 @@ def swap_in_quantized(model: nn.Module, spec: QuantSpec, include_lm_head: bool =
     included: off the CPU, Q4_0 and Q4_1 -> int4 g32 (an exact byte rearrangement, for the tuned Triton int4
     kernels); on the CPU (`cpu`) they stay packed, as every other packed type (llmd.kernels.gguf_blocks: Q4_K, Q6_K,
     Q5_0, Q8_0, ...) does in a GGUFLinear (the integer path's interleaved Q4_0 tiles: 2.7 times the int4 kernel's
-    speed at one row; Q4_1 on the int16 path, 1.6 times: llmd.kernels.cpu_gemm.ACTIVATIONS); float types stay a
+    speed at one row; Q4_1 on the int16 path, twice: llmd.kernels.cpu_gemm.ACTIVATIONS); float types stay a
     plain linear; a packed token table becomes a GGUFEmbedding. Returns {module name: new layer}.
     """
     from llmd.kernels.gguf_blocks import BLOCKS
