@@ -398,7 +398,8 @@ def int4_matmul_q8_ref(x, qweight, scales, zeros, group_size):
 #   (the dequantized model's logits up to summation order).
 # - gguf_q4_1 (a file's Q4_1 blocks): int16 activations. On the int8 path SmolLM2's Q4_1 layers move its logits by
 #   ~0.3 (perplexity +0.6 %), enough to flip near-ties: it then answers "What is the capital of France?" as llama.cpp
-#   does ("L'Étoile, ..."); int16 is 256 times finer, twice the speed of fp32 activations at one row and as fast from 8 rows on.
+#   does ("L'Étoile, ..."); int16 is 256 times finer, twice the speed of fp32 activations at one row and as fast
+#   from 8 rows on.
 # - gguf (a file's K-quant, Q5_0/Q5_1, Q8_0 and IQ4 blocks kept packed): the integer path, activations quantized to
 #   int8 per block of 32 as llama.cpp computes these files (LLMD_CPU_GEMM_ACT=fp32: the file's exact weights).
 # - gguf_head (a packed output head, tied or not): int16 activations where the head is Q8_0 or Q6_K (as nearly every
