@@ -7,7 +7,7 @@ For each layer shape (hidden 576, intermediate 1536, vocab 49152), row count M a
 call (best of repeated calls) and the weight bytes streamed per second (GB/s) for:
   fp32        torch x @ w_t with w_t [K, N] contiguous, as llmd stores CPU fp weights
   int8 llmd   llmd.kernels.cpu_gemm, int8 per output channel (llmd's --quant int8)
-  int4 llmd   llmd.kernels.cpu_gemm, int4 group 32 (the layout GGUF Q4_1 loads into)
+  int4 llmd   llmd.kernels.cpu_gemm, int4 group 32 (the layout GGUF Q4_1 loads into on a GPU)
   int8 q8 / int4 q8   the same weights on llmd's integer path (activations quantized to int8 per block of 32),
               called as the layers call it (a prepared per-layer kernel)
   int8 torch  torch._weight_int8pack_mm (per channel)
