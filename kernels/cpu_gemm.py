@@ -402,8 +402,8 @@ def int4_matmul_q8_ref(x, qweight, scales, zeros, group_size):
 #   from 8 rows on.
 # - gguf (a file's K-quant, Q5_0/Q5_1, Q8_0 and IQ4 blocks kept packed): the integer path, activations quantized to
 #   int8 per block of 32 as llama.cpp computes these files (LLMD_CPU_GEMM_ACT=fp32: the file's exact weights).
-# - gguf_head (a packed output head, tied or not): int16 activations where the head is Q8_0 or Q6_K (as nearly every
-#   file's is), else fp32. The head picks the token: on the int8 path SmolLM2's tied Q8_0 head alone turns "The
+# - gguf_head (a packed output head, tied or not): int16 activations where the head is Q8_0, Q6_K (as nearly every
+#   file's is) or Q4_1, else fp32. The head picks the token: on the int8 path SmolLM2's tied Q8_0 head alone turns "The
 #   capital of France is Paris." into llama.cpp's "L'Étoile, ..."; int16 is 256 times finer, and a Q8_0 head then
 #   runs as fast as on int8 (read at memory speed: Gemma 3's 178 MB table 4.7 ms instead of 8.7 ms with fp32).
 ACTIVATIONS = {"int4": "fp32", "int8": "fp32", "gguf": "int8", "gguf_q4_1": "int16", "gguf_head": "int16"}
@@ -525,8 +525,8 @@ class GGUFKernel:
     operation order per output, so a row's result never depends on the batch. Several parts of different types (a
     fused q/k/v) fill their own columns side by side. act, the activation path for every M: "fp32"; "int8"
     (quantized per block of 32, integer dot products: gguf_matmul_q8_ref's values); "int16" (per block of 32 to
-    int16, where every part is Q8_0, Q6_K or Q4_1, else fp32: gguf_matmul_q16_ref's values); None: as LLMD_CPU_GEMM_ACT
-    says for a layer."""
+    int16, where every part is Q8_0, Q6_K or Q4_1, else fp32: gguf_matmul_q16_ref's values); None: as
+    LLMD_CPU_GEMM_ACT says for a layer."""
 
     kind = "gguf"
 

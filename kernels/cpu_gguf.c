@@ -245,14 +245,14 @@ static void gq_cols(const gguf_type *t, const float *xd, const float *xs, const 
 /* ==== The GGUF matmuls in steps (cpu_gguf.h) ====================================================================
  *
  * Each path's activation rows are prepared once (plain C, row by row: a row's data never depends on the other rows),
- * a group of consecutive rows adds what a matmul over exactly those rows reads (the int8 lane layout, the fp32 rows
- * transposed), and each thread computes ranges of output columns with the column loops above, which choose tiles
+ * a group of consecutive rows adds what a matmul over exactly those rows reads (the int8 and Q4_1's int16 lane layouts,
+ * the fp32 rows transposed), and each thread computes ranges of output columns with the column loops above, which choose tiles
  * by the group's row count as the whole-matrix entries always did. The entries below are these steps in one parallel
  * region; cpu_moe.c runs a layer's experts with them. The arrays of a rows set, per path:
  *   fp32: a[0] gg_prepare's activations [kp], a[1] its sums [chunks * GG_XS] (portable: a[0] the row as given [K]);
  *   int8: a[0] d [K/32], a[1] S [gq_sums], a[2] the bytes q [K], a[3] C [K/4] (where LLMD_GX_C);
- *   int16: a[0] d [K/32], a[2] the codes q [K] (int16); for an interleaved Q6_K (LLMD_GX_SUMS) also a[1] the sums of
- *       each 16 codes [K/16] (int32). */
+ *   int16: a[0] d [K/32], a[2] the codes q [K] (int16); for an interleaved Q6_K and Q4_1 (LLMD_GX_SUMS) also a[1]
+ *       the sums of each 16 codes [K/16] (int32). */
 
 static size_t gx_align(size_t bytes) { return (bytes + 63) / 64 * 64; }
 

@@ -29,8 +29,8 @@
 
 /* activation paths: fp32 (the weights' exact values), int8 and int16 per block of 32 (cpu_act.c) */
 enum { LLMD_ACT_F32 = 0, LLMD_ACT_I8 = 1, LLMD_ACT_I16 = 2 };
-/* what the row data must hold for a type (llmd_gx_flags): int8's C, int8's lane layout per group, int16's codes split
- * into bytes with their sums of 16 */
+/* what the row data must hold for a type (llmd_gx_flags): int8's C, a lane layout per group (int8's signed blocks,
+ * int16's Q4_1), int16's sums of 16 */
 enum { LLMD_GX_C = 1, LLMD_GX_LANES = 2, LLMD_GX_SUMS = 4 };
 
 /* Prepared activation rows of one path, as arrays of rows: row r of array i at a[i] + r * row[i] (cpu_gguf.c names

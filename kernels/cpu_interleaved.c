@@ -449,9 +449,10 @@ Q40X8_ROWS(4)
                 }                                                                                                    \
             }                                                                                                        \
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                                     \
-                acc[r][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nbx + b])), \
-                                                acc[r][b & 1]);                                                      \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
+                const __m256 P = _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nbx + b]));                                  \
+                acc[r][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D[r]), P, acc[r][b & 1]);                         \
+            }                                                                                                        \
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r][0], acc[r][1]));              \
     }

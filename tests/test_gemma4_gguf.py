@@ -160,7 +160,7 @@ def test_q8_0_stays_packed(packed_e, ggufs):
     assert isinstance(m.embed_tokens, GGUFEmbedding) and isinstance(m.embed_tokens_per_layer, GGUFEmbedding)
     assert m.embed_tokens_per_layer.type_name == "Q8_0"
     layer = m.layers[0]
-    assert all(isinstance(p, GGUFLinear) and p.type_name == "Q8_0" for p in
+    assert all(isinstance(p, GGUFLinear) and p.file_type == "Q8_0" for p in
                (layer.self_attn.q_proj, layer.mlp.gate_proj, layer.per_layer_input_gate, m.per_layer_model_projection))
     fp = load_model(ggufs["gemma4_e", "Q8_0"], dtype=torch.float32, device="cpu", quant="none").model.model
     table = fp.embed_tokens_per_layer.weight

@@ -195,7 +195,7 @@ def test_a_type_without_kernel_converts_to_q8_0_with_one_warning(tmp_path, caplo
     lines = [r.getMessage() for r in caplog.records if "TQ2_0" in r.getMessage()]
     assert len(lines) == 1 and "Q8_0" in lines[0] and "relative RMS change" in lines[0]
     mlp = lm.model.model.layers[0].mlp
-    assert isinstance(mlp.gate_up_proj, GGUFLinear) and mlp.gate_up_proj.type_name == "Q8_0"
+    assert isinstance(mlp.gate_up_proj, GGUFLinear) and mlp.gate_up_proj.file_type == "Q8_0"
     torch.testing.assert_close(prefill_logits(lm, IDS), _reference_logits(path, IDS), rtol=0.05, atol=0.05)
 
 

@@ -69,7 +69,7 @@ def test_gguf_matches_transformers(kind, t, quant, ggufs, expected, monkeypatch)
     layers = lm.model.model.layers
     if t == "Q8_0" and quant == "gguf":
         deltanet = layers[0].linear_attn
-        assert all(isinstance(p, GGUFLinear) and p.type_name == "Q8_0"
+        assert all(isinstance(p, GGUFLinear) and p.file_type == "Q8_0"
                    for p in (deltanet.in_proj_qkv, deltanet.in_proj_z, deltanet.in_proj_b, deltanet.out_proj))
         if kind == "qwen3_5_moe":
             assert isinstance(layers[0].mlp.experts.gate_up_proj, GGUFExpertLinear)

@@ -363,7 +363,7 @@ def test_gguf_q8_0_stays_packed_and_matches_its_dequantized_weights(kind, mamba2
         packed = load_model(path, dtype=torch.float32, device="cpu", quant="gguf")
     layer = packed.model.model.layers[0]
     mixer = layer.mamba if kind.startswith("granite") else layer.mixer
-    assert isinstance(mixer.in_proj, GGUFLinear) and mixer.in_proj.type_name == "Q8_0"
+    assert isinstance(mixer.in_proj, GGUFLinear) and mixer.in_proj.file_type == "Q8_0"
 
 
 @pytest.mark.parametrize("head_count_kv, words", [
