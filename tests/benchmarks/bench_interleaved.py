@@ -19,8 +19,8 @@ import torch
 from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
-SCALE_AT = {"Q4_0": (0,), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
-            "IQ4_XS": (0,)}  # fp16 scale fields set to a finite value
+SCALE_AT = {"Q4_0": (0,), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+            "Q6_K": (208,), "IQ4_XS": (0,)}  # fp16 scale fields set to a finite value
 
 
 def blocks(type_name: str, n: int, k: int) -> torch.Tensor:

@@ -4,7 +4,8 @@ distributions against the unquantized model.
     python tests/benchmarks/quality.py [MODEL] [--modes none,gguf,int8,int4-g32,int4-g64]
 
 MODEL defaults to the bundled SmolLM2-135M GGUF (Q4_1); its unquantized reference is the dequantized weights in fp32,
-"gguf" runs the file's own Q4_1 blocks (on the CPU: packed, int16 activations), and int8 / int4-gN re-quantize the dequantized weights.
+"gguf" runs the file's own Q4_1 blocks (on the CPU: packed, int16 activations), and int8 / int4-gN re-quantize the
+dequantized weights.
 Budgets: int8 within 1% perplexity, int4 g32/g64 within 8%. On a K-quant file (tests/benchmarks/kquant_files.py),
 "gguf" keeps every tensor packed and must give the dequantized model's logits up to summation order (KL ~ 0).
 """

@@ -161,8 +161,8 @@ echo "== CPU interleaved GGUF tiles on this host's ISA ($(grep -o -m1 'avx512_vn
   | tee -a "$OUT/summary.txt"
 t0=$SECONDS
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_cpu_interleaved.py tests/test_kernels_cpu_gguf.py \
-  -k "interleav or products or rows_do_not or avx2_build or portable or head_path" 2>&1 | tee "$OUT/pytest_cpuisa.txt" | tail -2 \
-  | tee -a "$OUT/summary.txt" || status=1
+  -k "interleav or products or rows_do_not or avx2_build or portable or head_path" 2>&1 \
+  | tee "$OUT/pytest_cpuisa.txt" | tail -2 | tee -a "$OUT/summary.txt" || status=1
 took cpuisa "$t0"
 fi
 exit $status
