@@ -364,10 +364,6 @@ GQM_TILE(q5_1, 8, 24)
 #define GQS_D_q8_0 gguf_f16
 #define GQS_D_iq4_nl gguf_f16
 #define GQS_D_mxfp4 GG_E8M0
-INLINE __m256 gqs_f16_scales(__m256i dwords) {
-    const __m256i h = _mm256_and_si256(dwords, _mm256_set1_epi32(0xFFFF));
-    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-}
 INLINE __m256 gqs_e8m0_scales(__m256i dwords) { /* gguf_e8m0_half of the low bytes */
     const __m256i e = _mm256_and_si256(dwords, _mm256_set1_epi32(0xFF));
     const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);

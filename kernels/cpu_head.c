@@ -155,14 +155,6 @@ void gh41_fill_lanes(void *lanes, const float *xd, const int32_t *Q, const int16
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-/* fp16 pairs (low, high halves of each dword) -> two float vectors */
-INLINE void gh41_f16_pairs(__m256i dwords, __m256 *lo, __m256 *hi) {
-    const __m256i mask = _mm256_set1_epi32(0xFFFF), l = _mm256_and_si256(dwords, mask);
-    const __m256i h = _mm256_srli_epi32(dwords, 16);
-    *lo = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(l), _mm256_extracti128_si256(l, 1)));
-    *hi = _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
-}
-
 /* one row (codes x, scales dx, sums of 16 Q) against up to 8 columns (cols) */
 static void gh41_row(const uint8_t *q, int64_t rb, int cols, const int16_t *x, const float *dx, const int32_t *Q,
                      int64_t nb, float *y) {
@@ -182,8 +174,8 @@ static void gh41_row(const uint8_t *q, int64_t rb, int cols, const int16_t *x, c
                                         _mm256_madd_epi16(_mm256_srli_epi16(w, 4), x1));
             }
         }
-        __m256 d, m;
-        gh41_f16_pairs(gq_block_starts(q + b * GH_Q4_1_BYTES, rb, cols), &d, &m);
+        const __m256i dm = gq_block_starts(q + b * GH_Q4_1_BYTES, rb, cols); /* d and m of the 8 columns */
+        const __m256 d = gqs_f16_scales(dm), m = gqs_f16_scales(_mm256_srli_epi32(dm, 16));
         out = _mm256_fmadd_ps(_mm256_cvtepi32_ps(gq_lane_sums(v)), _mm256_mul_ps(d, _mm256_set1_ps(dx[b])), out);
         mins = _mm256_fmadd_ps(m, _mm256_set1_ps(dx[b] * (float)(Q[2 * b] + Q[2 * b + 1])), mins);
     }

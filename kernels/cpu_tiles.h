@@ -167,6 +167,12 @@ INLINE __m256i gq_lane_sums(const __m256i *v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(q0, q1, 0x20), _mm256_permute2x128_si256(q0, q1, 0x31));
 }
 
+/* the fp16s in the low halves of 8 dwords (8 blocks' scales, from gq_block_starts) as floats */
+INLINE __m256 gqs_f16_scales(__m256i dwords) {
+    const __m256i h = _mm256_and_si256(dwords, _mm256_set1_epi32(0xFFFF));
+    return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1)));
+}
+
 /* the first dwords of the blocks at q + c rb for the columns c < cols (0 past them) in lane c: 8 loads rather than a
  * gather, which Zen 1 runs in microcode (a third of a Q8_0 decode matmul's time there) */
 INLINE __m256i gq_block_starts(const uint8_t *q, int64_t rb, int cols) {
