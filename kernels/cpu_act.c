@@ -143,6 +143,11 @@ void gq_quantize_row(const float *x, int64_t k, int with_c, float *d, float *S, 
         for (int i = 0; i < 16; i++) sum += xq[16 * s + i];
         S[s] = d[s / 2] * (float)sum;
     }
+    for (int64_t b = 0; b < k / 32; b++) {
+        int sum = 0;
+        for (int i = 0; i < 32; i++) sum += xq[32 * b + i];
+        S[gq_sums32_at(k) + b] = d[b] * (float)sum;
+    }
     for (int64_t i = 0; with_c && i < k / 4; i++) {
         const int8_t *v = xq + 4 * i;
         C[i] = -128 * (v[0] + v[1] + v[2] + v[3]);
@@ -172,6 +177,12 @@ void gq_fill_lanes(void *lanes, const float *d, const int8_t *xq, const int32_t 
                 dt[s * 8 + l] = real ? d[r * nb + b] : 0.0f;
             }
     }
+}
+
+/* A row's bytes q [K] broadcast for the interleaved one-row tiles: each 4 bytes 8 times, xb [8 K] */
+void gq_broadcast_row(const int8_t *xq, int64_t k, int8_t *xb) {
+    for (int64_t i = 0; i < k; i += 4)
+        for (int l = 0; l < 8; l++) memcpy(xb + 8 * i + 4 * l, xq + i, 4);
 }
 
 /* One row's data (plain C): d [K/32], the codes q [K] (int16). */

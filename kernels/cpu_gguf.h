@@ -30,8 +30,8 @@
 /* activation paths: fp32 (the weights' exact values), int8 and int16 per block of 32 (cpu_act.c) */
 enum { LLMD_ACT_F32 = 0, LLMD_ACT_I8 = 1, LLMD_ACT_I16 = 2 };
 /* what the row data must hold for a type (llmd_gx_flags): int8's C, a lane layout per group (int8's signed blocks,
- * int16's Q4_1), int16's sums of 16 */
-enum { LLMD_GX_C = 1, LLMD_GX_LANES = 2, LLMD_GX_SUMS = 4 };
+ * int16's Q4_1), int16's sums of 16, a one-row group's broadcast copy (int8's interleaved types, vector builds) */
+enum { LLMD_GX_C = 1, LLMD_GX_LANES = 2, LLMD_GX_SUMS = 4, LLMD_GX_BROADCAST = 8 };
 
 /* Prepared activation rows of one path, as arrays of rows: row r of array i at a[i] + r * row[i] (cpu_gguf.c names
  * the arrays per path). fp32 rows are laid out for one GGML type (`type`); int8 and int16 rows serve every type. */
@@ -75,9 +75,11 @@ LLMD_HIDDEN void llmd_gx_make_group(llmd_gx_group *g, const llmd_gx_rows *r, int
 LLMD_HIDDEN size_t llmd_gx_scratch_bytes(int act, int type, int64_t k, int64_t m);
 /* columns [n0, n1) of one job (n0 a multiple of 8) */
 LLMD_HIDDEN void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch);
-/* columns [n0, n1) (multiples of 8) of an interleaved weight (LLMD_X8) on the int8 path's rows (cpu_interleaved.c) */
+/* columns [n0, n1) (multiples of 8) of an interleaved weight (LLMD_X8) on the int8 path's rows, one row from its
+ * broadcast copy xb where given (cpu_interleaved.c) */
 LLMD_HIDDEN void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C,
-                              const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
+                              const int8_t *xb, const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k,
+                              int64_t n0, int64_t n1);
 /* the same on the head path's rows of an interleaved Q6_K weight (cpu_interleaved.c) */
 LLMD_HIDDEN void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const int16_t *x, const uint8_t *q, float *y,
                                   int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);

@@ -17,8 +17,8 @@
  * Per output (row r, column c), in this order whatever the rows, the columns' range or the thread:
  *   for each super-block b: dot_j = sum of the 32 codes times the int8 activations of unit j (exact integers);
  *   s = float(dot_0 sc_0) xd_0, then s = fma(float(dot_j sc_j), xd_j, s) for j = 1..7;
- *   m = mn_0 S_0, then m = fma(mn_j, S_2j, m) and fma(mn_j, S_2j+1, m) (S: the row's sums of 16 dequantized
- *   activations);
+ *   m = mn_0 S_0, then m = fma(mn_j, S_j, m) (S_j: the row's sum of unit j's dequantized activations, xd_j times
+ *   the sum of its codes);
  *   out = fma(s, d, out); out = fma(-m, dmin, out).
  * The portable build computes the same operations in plain C (fmaf).
  *
@@ -124,6 +124,17 @@ static inline __m256i x8_chain(__m256i v) {
     return v;
 }
 
+/* The 4 activation bytes of row r at element off in all 8 lanes: broadcast from the row's bytes, or, in a one-row
+ * tile given the row's broadcast copy (BC: xq holds each 4 bytes 8 times, gq_broadcast_row), one plain load that
+ * the multiply takes as its memory operand (6-12 % faster at one row on Zen 1, whose broadcasts cost vector ops) */
+INLINE __m256i x8_bcast(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+#define X8_XV(BC, r, off) \
+    ((BC) ? _mm256_loadu_si256((const __m256i *)(xq + 8 * (off))) : x8_bcast(xq + (r) * k + (off)))
+
 /* A Q4_K sub-block's integer sum times its 8 columns' scales sc8 (8 bytes; int32 lanes out). With VNNI the sum is
  * vpdpbusd's int32 lanes, then multiplied. Else the sub-block's 8 maddubs are summed in int16 lanes (a lane's 16
  * products of 4-bit codes and int8 activations stay within 16 * 15 * 128 = 30720 < 2^15) and one vpmaddwd against
@@ -138,27 +149,26 @@ static inline __m256i x8_chain(__m256i v) {
 #define X8_SUB_SCALED(acc, sc8) _mm256_madd_epi16(acc, _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8)))
 #endif
 
-/* one row's 8 outputs of a column group q (nb super-blocks) */
-static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y) {
+/* one row's 8 outputs of a column group q (nb super-blocks); bc: xq is the row's broadcast copy */
+INLINE void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S32, float *y,
+                   const int bc) {
+    const int64_t k = 0; /* one row: X8_XV's row offset */
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256 out = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = q + b * X8_BYTES;
-        const int8_t *xb = xq + 256 * b;
         for (int p = 0; p < X8_BYTES; p += 64) _mm_prefetch((const char *)(g + X8_PF * X8_BYTES + p), X8_HINT);
         uint8_t sc[64], mn[64];
         x8_scales(g, sc, mn);
         __m256i acc[8];
         for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_si256();
-        _Pragma("GCC unroll 8") for (int k = 0; k < 8; k++) {
+        _Pragma("GCC unroll 8") for (int kk = 0; kk < 8; kk++) {
             _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 128 + 32 * (8 * c + k)));
-                int32_t lo, hi;
-                memcpy(&lo, xb + 64 * c + 4 * k, 4);
-                memcpy(&hi, xb + 64 * c + 32 + 4 * k, 4);
-                acc[2 * c] = X8_SUB_ACC(acc[2 * c], _mm256_and_si256(w, m4), _mm256_set1_epi32(lo));
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 128 + 32 * (8 * c + kk)));
+                const int64_t at = 256 * b + 64 * c + 4 * kk;
+                acc[2 * c] = X8_SUB_ACC(acc[2 * c], _mm256_and_si256(w, m4), X8_XV(bc, 0, at));
                 acc[2 * c + 1] = X8_SUB_ACC(acc[2 * c + 1], _mm256_and_si256(_mm256_srli_epi16(w, 4), m4),
-                                            _mm256_set1_epi32(hi));
+                                            X8_XV(bc, 0, at + 32));
             }
         }
         __m256 s = _mm256_setzero_ps(), m = _mm256_setzero_ps();
@@ -168,8 +178,8 @@ static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *
             const __m256 dv = _mm256_set1_ps(xd[8 * b + j]);
             s = j ? _mm256_fmadd_ps(t, dv, s) : _mm256_mul_ps(t, dv);
             const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 8 * j))));
-            const __m256 s0 = _mm256_set1_ps(S[16 * b + 2 * j]), s1 = _mm256_set1_ps(S[16 * b + 2 * j + 1]);
-            m = _mm256_fmadd_ps(mv, s1, j ? _mm256_fmadd_ps(mv, s0, m) : _mm256_mul_ps(mv, s0));
+            const __m256 sj = _mm256_set1_ps(S32[8 * b + j]);
+            m = j ? _mm256_fmadd_ps(mv, sj, m) : _mm256_mul_ps(mv, sj);
         }
         out = _mm256_fmadd_ps(s, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g)), out);
         out = _mm256_fnmadd_ps(m, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))), out);
@@ -188,8 +198,8 @@ INLINE __m256i q5_bit4(__m256i v, int j) {
  * once for all rows; a chunk of 64 codes at a time (units 2c, 2c + 1), so 2R integer sums are live. Q5_K's codes
  * reach 31, so without VNNI its int16 sums are scaled and widened every 4 code vectors (4 * 2 * 31 * 128 < 2^15), its
  * integers dot_j sc_j the same. The same operations per output as x8_row. */
-#define X8K_ROWS(NAME, R, QH)                                                                                          \
-    static void NAME##_##R(X8_TILE_ARGS) {                                                                             \
+#define X8K_ROWS(NAME, R, QH, BC, SUFFIX)                                                                              \
+    static void NAME##_##R##SUFFIX(X8_TILE_ARGS) {                                                                     \
         (void)C;                                                                                                       \
         const int64_t bytes = QH ? Q5X8_BYTES : X8_BYTES;                                                            \
         const int halves = QH && !GQ_OFFSET_ROWS; /* Q5_K's int16 sums scaled twice a sub-block */                  \
@@ -212,12 +222,9 @@ INLINE __m256i q5_bit4(__m256i v, int j) {
                         lo = _mm256_or_si256(lo, q5_bit4(v, 2 * c)), hi = _mm256_or_si256(hi, q5_bit4(v, 2 * c + 1)); \
                     }                                                                                                \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
-                        const int8_t *xb = xq + r * k + 256 * b + 64 * c + 4 * kk;                                   \
-                        int32_t vl, vh;                                                                              \
-                        memcpy(&vl, xb, 4);                                                                          \
-                        memcpy(&vh, xb + 32, 4);                                                                     \
-                        a[0][r] = X8_SUB_ACC(a[0][r], lo, _mm256_set1_epi32(vl));                                    \
-                        a[1][r] = X8_SUB_ACC(a[1][r], hi, _mm256_set1_epi32(vh));                                    \
+                        const int64_t at = 256 * b + 64 * c + 4 * kk;                                                \
+                        a[0][r] = X8_SUB_ACC(a[0][r], lo, X8_XV(BC, r, at));                                         \
+                        a[1][r] = X8_SUB_ACC(a[1][r], hi, X8_XV(BC, r, at + 32));                                    \
                     }                                                                                                \
                     if (kk == 7 || (halves && kk == 3))                                                              \
                         _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                       \
@@ -236,10 +243,9 @@ INLINE __m256i q5_bit4(__m256i v, int j) {
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
                         const __m256 t = _mm256_cvtepi32_ps(dot[h][r]);                                              \
                         const __m256 dv = _mm256_set1_ps(xd[r * nbx + 8 * b + j]);                                   \
-                        const __m256 s0 = _mm256_set1_ps(S[r * lds + 16 * b + 2 * j]);                               \
-                        const __m256 s1 = _mm256_set1_ps(S[r * lds + 16 * b + 2 * j + 1]);                           \
+                        const __m256 sj = _mm256_set1_ps(S[r * lds + 2 * nbx + 8 * b + j]);                          \
                         s[r] = j ? _mm256_fmadd_ps(t, dv, s[r]) : _mm256_mul_ps(t, dv);                              \
-                        m[r] = _mm256_fmadd_ps(mv, s1, j ? _mm256_fmadd_ps(mv, s0, m[r]) : _mm256_mul_ps(mv, s0));   \
+                        m[r] = j ? _mm256_fmadd_ps(mv, sj, m[r]) : _mm256_mul_ps(mv, sj);                            \
                     }                                                                                                \
                 }                                                                                                    \
             }                                                                                                        \
@@ -252,13 +258,14 @@ INLINE __m256i q5_bit4(__m256i v, int j) {
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
-X8K_ROWS(x8_rows, 2, 0)
-X8K_ROWS(x8_rows, 3, 0)
-X8K_ROWS(x8_rows, 4, 0)
-X8K_ROWS(q5x8_rows, 1, 1)
-X8K_ROWS(q5x8_rows, 2, 1)
-X8K_ROWS(q5x8_rows, 3, 1)
-X8K_ROWS(q5x8_rows, 4, 1)
+X8K_ROWS(x8_rows, 2, 0, 0, )
+X8K_ROWS(x8_rows, 3, 0, 0, )
+X8K_ROWS(x8_rows, 4, 0, 0, )
+X8K_ROWS(q5x8_rows, 1, 1, 0, )
+X8K_ROWS(q5x8_rows, 1, 1, 1, b)
+X8K_ROWS(q5x8_rows, 2, 1, 0, )
+X8K_ROWS(q5x8_rows, 3, 1, 0, )
+X8K_ROWS(q5x8_rows, 4, 1, 0, )
 
 /* Q6_K_X8's codes of units 0..3 (u = q + 32, 0..63) at run gi of half h of a group's super-block g */
 INLINE void q6x8_codes(const uint8_t *g, int h, int gi, __m256i c[4]) {
@@ -274,8 +281,8 @@ INLINE void q6x8_codes(const uint8_t *g, int h, int gi, __m256i c[4]) {
 }
 
 /* Q6_K_X8: R rows (1..4) of a column group; per (h, e) the 4 units' sums of 16 codes are live per row */
-#define Q6X8_ROWS(R)                                                                                                   \
-    static void q6x8_rows_##R(X8_TILE_ARGS) {                                                                          \
+#define Q6X8_ROWS(R, BC, SUFFIX)                                                                                       \
+    static void q6x8_rows_##R##SUFFIX(X8_TILE_ARGS) {                                                                  \
         (void)C;                                                                                                       \
         __m256 out[R], sa[R], ma[R];                                                                                 \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
@@ -293,11 +300,8 @@ INLINE void q6x8_codes(const uint8_t *g, int h, int gi, __m256i c[4]) {
                     __m256i c[4];                                                                                    \
                     q6x8_codes(g, h, gi, c);                                                                         \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++)                                             \
-                    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                                           \
-                        int32_t v;                                                                                   \
-                        memcpy(&v, xq + r * k + 256 * b + 128 * h + 32 * u + 4 * gi, 4);                             \
-                        a[u][r] = X8_DOT(a[u][r], c[u], _mm256_set1_epi32(v));                                       \
-                    }                                                                                                \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++)                                             \
+                        a[u][r] = X8_DOT(a[u][r], c[u], X8_XV(BC, r, 256 * b + 128 * h + 32 * u + 4 * gi));          \
                 }                                                                                                    \
                 _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                                               \
                     const int s = 8 * h + 2 * u + e, first = h == 0 && e == 0 && u == 0;                             \
@@ -322,14 +326,15 @@ INLINE void q6x8_codes(const uint8_t *g, int h, int gi, __m256i c[4]) {
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
 #if GQ_OFFSET_ROWS
-Q6X8_ROWS(1)
+Q6X8_ROWS(1, 0, )
+Q6X8_ROWS(1, 1, b)
 #else
 /* Q6_K_X8, one row, without VNNI: as Q6X8_ROWS(1), but a unit's products are summed in int16 lanes two code vectors
  * at a time (a lane's 4 products of 6-bit codes and int8 activations stay within 4 * 63 * 128 = 32256 < 2^15) and
  * each pair is widened and scaled by one vpmaddwd against the unit's scales (as X8_SUB_SCALED): 2 multiplies in place
  * of 5 besides the maddubs, the same integers dot_s sc_s. */
-static void q6x8_rows_1(X8_TILE_ARGS) {
-    (void)k, (void)nbx, (void)lds, (void)C, (void)ldy;
+INLINE void q6x8_row(X8_TILE_ARGS, const int bc) {
+    (void)nbx, (void)lds, (void)C, (void)ldy;
     __m256 out = _mm256_setzero_ps(), sa = out, ma = out;
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = q + b * Q6X8_BYTES;
@@ -344,9 +349,8 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
                     __m256i c[4];
                     q6x8_codes(g, h, gi, c);
                     _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {
-                        int32_t v;
-                        memcpy(&v, xq + 256 * b + 128 * h + 32 * u + 4 * gi, 4);
-                        const __m256i prod = _mm256_maddubs_epi16(c[u], _mm256_set1_epi32(v));
+                        const __m256i xv = X8_XV(bc, 0, 256 * b + 128 * h + 32 * u + 4 * gi);
+                        const __m256i prod = _mm256_maddubs_epi16(c[u], xv);
                         p[u] = half ? _mm256_add_epi16(p[u], prod) : prod;
                     }
                 }
@@ -372,16 +376,18 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
     }
     _mm256_storeu_ps(y, out);
 }
+static void q6x8_rows_1(X8_TILE_ARGS) { q6x8_row(q, nb, xq, k, xd, nbx, S, lds, C, y, ldy, 0); }
+static void q6x8_rows_1b(X8_TILE_ARGS) { q6x8_row(q, nb, xq, k, xd, nbx, S, lds, C, y, ldy, 1); }
 #endif
-Q6X8_ROWS(2)
-Q6X8_ROWS(3)
-Q6X8_ROWS(4)
+Q6X8_ROWS(2, 0, )
+Q6X8_ROWS(3, 0, )
+Q6X8_ROWS(4, 0, )
 
 /* Q4_0_X8: R rows of a column group, a block of 32 elements at a time: its 8 maddubs per row summed in int16 lanes
  * (8 * 2 * 15 * 128 < 2^15), widened by one vpmaddwd and offset by -8 times the block's activation sum (the row
  * data's C: -128 times the sums of 4) */
-#define Q40X8_ROWS(R)                                                                                                  \
-    static void q40x8_rows_##R(X8_TILE_ARGS) {                                                                         \
+#define Q40X8_ROWS(R, BC, SUFFIX)                                                                                      \
+    static void q40x8_rows_##R##SUFFIX(X8_TILE_ARGS) {                                                                 \
         (void)S, (void)lds;                                                                                            \
         const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                      \
         __m256 out[R];                                                                                               \
@@ -396,11 +402,8 @@ Q6X8_ROWS(4)
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 16 + 32 * gg));                           \
                 const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);      \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
-                    int32_t vl, vh;                                                                                  \
-                    memcpy(&vl, xq + r * k + 32 * b + 4 * gg, 4);                                                    \
-                    memcpy(&vh, xq + r * k + 32 * b + 16 + 4 * gg, 4);                                               \
-                    a[r] = _mm256_add_epi16(a[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(vl)));                  \
-                    a[r] = _mm256_add_epi16(a[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(vh)));                  \
+                    a[r] = _mm256_add_epi16(a[r], _mm256_maddubs_epi16(lo, X8_XV(BC, r, 32 * b + 4 * gg)));          \
+                    a[r] = _mm256_add_epi16(a[r], _mm256_maddubs_epi16(hi, X8_XV(BC, r, 32 * b + 16 + 4 * gg)));     \
                 }                                                                                                    \
             }                                                                                                        \
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
@@ -414,16 +417,17 @@ Q6X8_ROWS(4)
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
-Q40X8_ROWS(1)
-Q40X8_ROWS(2)
-Q40X8_ROWS(3)
-Q40X8_ROWS(4)
+Q40X8_ROWS(1, 0, )
+Q40X8_ROWS(1, 1, b)
+Q40X8_ROWS(2, 0, )
+Q40X8_ROWS(3, 0, )
+Q40X8_ROWS(4, 0, )
 
 /* Q8_0_X8: R rows of a column group, a block of 32 elements at a time: per run of 4 codes, the 8 columns' |w| against
  * the broadcast activations signed by w (maddubs: 2 * 128 * 127 < 2^15, then madd), or with VNNI w + 128 against them
  * from the block's offset (the sum of its C, -128 times its sums of 4); the same integers D_b either way */
-#define Q80X8_ROWS(R)                                                                                                  \
-    static void q80x8_rows_##R(X8_TILE_ARGS) {                                                                         \
+#define Q80X8_ROWS(R, BC, SUFFIX)                                                                                      \
+    static void q80x8_rows_##R##SUFFIX(X8_TILE_ARGS) {                                                                 \
         (void)S, (void)lds;                                                                                            \
         __m256 acc[R][2];                                                                                            \
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();                                     \
@@ -441,9 +445,7 @@ Q40X8_ROWS(4)
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 16 + 32 * gg));                           \
                 const __m256i u = GQ_SIGNED_W(w, GQ_OFFSET_ROWS);                                                    \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
-                    int32_t v;                                                                                       \
-                    memcpy(&v, xq + r * k + 32 * b + 4 * gg, 4);                                                     \
-                    const __m256i xv = _mm256_set1_epi32(v);                                                         \
+                    const __m256i xv = X8_XV(BC, r, 32 * b + 4 * gg);                                                \
                     D[r] = GQ_OFFSET_ROWS ? DOT_U8S8_ACC(D[r], u, xv)                                                \
                                           : _mm256_add_epi32(D[r], DOT_U8S8(u, _mm256_sign_epi8(xv, w)));            \
                 }                                                                                                    \
@@ -456,10 +458,11 @@ Q40X8_ROWS(4)
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r][0], acc[r][1]));              \
     }
-Q80X8_ROWS(1)
-Q80X8_ROWS(2)
-Q80X8_ROWS(3)
-Q80X8_ROWS(4)
+Q80X8_ROWS(1, 0, )
+Q80X8_ROWS(1, 1, b)
+Q80X8_ROWS(2, 0, )
+Q80X8_ROWS(3, 0, )
+Q80X8_ROWS(4, 0, )
 
 /* Q2_K_X8's and Q3_K_X8's sub-block s: the 8 columns' scales (Q2_K: 4 bits; Q3_K: 6 bits minus 32, signed) and
  * Q2_K's mins as 8 bytes */
@@ -485,8 +488,8 @@ INLINE __m128i lowk_mins(const uint8_t *g, int s) {
  * (h, g) (positions 128h + 32t + 4g ..; Q3_K's third bit is bit 4h + t of high-bit run g): its sub-block 2j from
  * runs g < 4, 2j + 1 from g >= 4, each summed in int16 lanes (a lane's 8 products of codes < 8 and int8 activations
  * stay within 8 * 7 * 128 < 2^15) and scaled by one vpmaddwd. */
-#define X8LOW_ROWS(NAME, R, Q3)                                                                                        \
-    static void NAME##_##R(X8_TILE_ARGS) {                                                                             \
+#define X8LOW_ROWS(NAME, R, Q3, BC, SUFFIX)                                                                            \
+    static void NAME##_##R##SUFFIX(X8_TILE_ARGS) {                                                                     \
         (void)C;                                                                                                       \
         const int64_t bytes = Q3 ? Q3X8_BYTES : Q2X8_BYTES;                                                          \
         const int codes = Q3 ? 368 : 160;                                                                            \
@@ -511,10 +514,8 @@ INLINE __m128i lowk_mins(const uint8_t *g, int s) {
                         u = _mm256_or_si256(u, _mm256_and_si256(at, b2));                                            \
                     }                                                                                                \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
-                        int32_t v;                                                                                   \
-                        memcpy(&v, xq + r * k + 256 * b + 128 * h + 32 * t + 4 * gg, 4);                             \
-                        a[gg / 4][r] = x8_chain(_mm256_add_epi16(a[gg / 4][r],                                       \
-                                                                 _mm256_maddubs_epi16(u, _mm256_set1_epi32(v))));    \
+                        const __m256i xv = X8_XV(BC, r, 256 * b + 128 * h + 32 * t + 4 * gg);                        \
+                        a[gg / 4][r] = x8_chain(_mm256_add_epi16(a[gg / 4][r], _mm256_maddubs_epi16(u, xv)));        \
                     }                                                                                                \
                 }                                                                                                    \
                 const __m128i sc0 = lowk_scales(g, 2 * j, Q3), sc1 = lowk_scales(g, 2 * j + 1, Q3);                  \
@@ -543,14 +544,16 @@ INLINE __m128i lowk_mins(const uint8_t *g, int s) {
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
-X8LOW_ROWS(q2x8_rows, 1, 0)
-X8LOW_ROWS(q2x8_rows, 2, 0)
-X8LOW_ROWS(q2x8_rows, 3, 0)
-X8LOW_ROWS(q2x8_rows, 4, 0)
-X8LOW_ROWS(q3x8_rows, 1, 1)
-X8LOW_ROWS(q3x8_rows, 2, 1)
-X8LOW_ROWS(q3x8_rows, 3, 1)
-X8LOW_ROWS(q3x8_rows, 4, 1)
+X8LOW_ROWS(q2x8_rows, 1, 0, 0, )
+X8LOW_ROWS(q2x8_rows, 1, 0, 1, b)
+X8LOW_ROWS(q2x8_rows, 2, 0, 0, )
+X8LOW_ROWS(q2x8_rows, 3, 0, 0, )
+X8LOW_ROWS(q2x8_rows, 4, 0, 0, )
+X8LOW_ROWS(q3x8_rows, 1, 1, 0, )
+X8LOW_ROWS(q3x8_rows, 1, 1, 1, b)
+X8LOW_ROWS(q3x8_rows, 2, 1, 0, )
+X8LOW_ROWS(q3x8_rows, 3, 1, 0, )
+X8LOW_ROWS(q3x8_rows, 4, 1, 0, )
 
 /* IQ4_XS's signed codes in a dot product: with VNNI the table + 128 (unsigned) and the row's C added after (IQ_C);
  * else |w| against x with w's sign (maddubs on (w + 128) x would saturate its int16 pairs). The same integers. */
@@ -584,8 +587,8 @@ INLINE void iqx8_scales(const uint8_t *g, int8_t *sc) {
 
 /* IQ4_XS_X8: R rows of a column group, P units' sums live per row at a time (P = 8 for one row: 8 independent
  * chains; 2 for more rows, whose sums are chains of their own) */
-#define IQX8_ROWS(R, P)                                                                                                \
-    static void iqx8_rows_##R(X8_TILE_ARGS) {                                                                          \
+#define IQX8_ROWS(R, P, BC, SUFFIX)                                                                                    \
+    static void iqx8_rows_##R##SUFFIX(X8_TILE_ARGS) {                                                                  \
         (void)S, (void)lds;                                                                                            \
         const __m256i m4 = _mm256_set1_epi8(0x0F);                                                                   \
         __m256 out[R], sa[R];                                                                                        \
@@ -607,11 +610,8 @@ INLINE void iqx8_scales(const uint8_t *g, int8_t *sc) {
                     const __m256i lo = IQ_LUT(_mm256_and_si256(w, m4));                                              \
                     const __m256i hi = IQ_LUT(_mm256_and_si256(_mm256_srli_epi16(w, 4), m4));                        \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
-                        const int8_t *xb = xq + r * k + 256 * b + 32 * j + 4 * gg;                                   \
-                        int32_t vl, vh;                                                                              \
-                        memcpy(&vl, xb, 4);                                                                          \
-                        memcpy(&vh, xb + 16, 4);                                                                     \
-                        a[u][r] = IQ_DOT(IQ_DOT(a[u][r], lo, _mm256_set1_epi32(vl)), hi, _mm256_set1_epi32(vh));      \
+                        const int64_t at = 256 * b + 32 * j + 4 * gg;                                                \
+                        a[u][r] = IQ_DOT(IQ_DOT(a[u][r], lo, X8_XV(BC, r, at)), hi, X8_XV(BC, r, at + 16));          \
                     }                                                                                                \
                 }                                                                                                    \
                 _Pragma("GCC unroll 8") for (int u = 0; u < (P); u++) {                                             \
@@ -632,10 +632,11 @@ INLINE void iqx8_scales(const uint8_t *g, int8_t *sc) {
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
-IQX8_ROWS(1, 8)
-IQX8_ROWS(2, 2)
-IQX8_ROWS(3, 2)
-IQX8_ROWS(4, 2)
+IQX8_ROWS(1, 8, 0, )
+IQX8_ROWS(1, 8, 1, b)
+IQX8_ROWS(2, 2, 0, )
+IQX8_ROWS(3, 2, 0, )
+IQX8_ROWS(4, 2, 0, )
 #else
 /* IQ4_XS_X8, one row (the vector build's iqx8_rows_R arguments) */
 static void iqx8_rows_1(X8_TILE_ARGS) {
@@ -789,7 +790,8 @@ static void q3x8_rows_1(X8_TILE_ARGS) {
 }
 
 /* one row of a Q4_K (qh 0) or Q5_K (qh 1) column group */
-static void x8k_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y, int qh) {
+static void x8k_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S32, float *y,
+                    int qh) {
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = q + b * (qh ? Q5X8_BYTES : X8_BYTES);
@@ -810,7 +812,7 @@ static void x8k_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float 
             for (int j = 0; j < 8; j++) {
                 const float t = (float)(dot[j] * sc[8 * j + c]), mv = (float)mn[8 * j + c];
                 s = j ? fmaf(t, xd[8 * b + j], s) : t * xd[8 * b + j];
-                m = fmaf(mv, S[16 * b + 2 * j + 1], j ? fmaf(mv, S[16 * b + 2 * j], m) : mv * S[16 * b + 2 * j]);
+                m = j ? fmaf(mv, S32[8 * b + j], m) : mv * S32[8 * b + j];
             }
             out[c] = fmaf(s, gguf_f16(g + 2 * c), out[c]);
             out[c] = fmaf(-m, gguf_f16(g + 16 + 2 * c), out[c]);
@@ -819,51 +821,66 @@ static void x8k_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float 
     memcpy(y, out, sizeof out);
 }
 
-static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S, float *y) {
-    x8k_row(q, nb, xq, xd, S, y, 0);
+static void x8_row(const uint8_t *q, int64_t nb, const int8_t *xq, const float *xd, const float *S32, float *y,
+                   int bc) {
+    (void)bc; /* the portable build has no broadcast rows */
+    x8k_row(q, nb, xq, xd, S32, y, 0);
 }
 
 static void q5x8_rows_1(X8_TILE_ARGS) {
-    (void)k, (void)nbx, (void)lds, (void)C, (void)ldy;
-    x8k_row(q, nb, xq, xd, S, y, 1);
+    (void)k, (void)lds, (void)C, (void)ldy;
+    x8k_row(q, nb, xq, xd, S + 2 * nbx, y, 1);
 }
 #endif
 
-/* Q4_K_X8's one-row tile, in every tile's arguments */
+/* Q4_K_X8's one-row tiles, in every tile's arguments */
 static void x8_rows_1(X8_TILE_ARGS) {
-    (void)k, (void)nbx, (void)lds, (void)C, (void)ldy;
-    x8_row(q, nb, xq, xd, S, y);
+    (void)k, (void)lds, (void)C, (void)ldy;
+    x8_row(q, nb, xq, xd, S + 2 * nbx, y, 0);
 }
 
-/* Each type's bytes per row and super-block and its tiles of 1..X8_MAX_ROWS rows */
+/* Each type's bytes per row and super-block, its tiles of 1..X8_MAX_ROWS rows and (vector builds) its one-row tile
+ * on a broadcast row */
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static void x8_rows_1b(X8_TILE_ARGS) {
+    (void)k, (void)lds, (void)C, (void)ldy;
+    x8_row(q, nb, xq, xd, S + 2 * nbx, y, 1);
+}
 #define X8_MAX_ROWS 4
 #define X8_TILES(f) {f##_1, f##_2, f##_3, f##_4}
+#define X8_ROW_TILES(f) X8_TILES(f), f##_1b
 #else
 #define X8_MAX_ROWS 1
 #define X8_TILES(f) {f##_1}
+#define X8_ROW_TILES(f) X8_TILES(f), NULL
 #endif
 static const struct {
     int type;
     int64_t bytes;
     x8_tile tiles[X8_MAX_ROWS];
-} X8_TYPES[] = {{LLMD_Q40_X8, 18, X8_TILES(q40x8_rows)},
-                {LLMD_Q80_X8, 34, X8_TILES(q80x8_rows)},
-                {LLMD_Q2K_X8, 84, X8_TILES(q2x8_rows)},
-                {LLMD_Q3K_X8, 110, X8_TILES(q3x8_rows)},
-                {LLMD_Q4K_X8, 144, X8_TILES(x8_rows)},
-                {LLMD_Q5K_X8, 176, X8_TILES(q5x8_rows)},
-                {LLMD_Q6K_X8, 210, X8_TILES(q6x8_rows)},
-                {LLMD_IQ4XS_X8, 136, X8_TILES(iqx8_rows)}};
+    x8_tile broadcast_row;
+} X8_TYPES[] = {{LLMD_Q40_X8, 18, X8_ROW_TILES(q40x8_rows)},
+                {LLMD_Q80_X8, 34, X8_ROW_TILES(q80x8_rows)},
+                {LLMD_Q2K_X8, 84, X8_ROW_TILES(q2x8_rows)},
+                {LLMD_Q3K_X8, 110, X8_ROW_TILES(q3x8_rows)},
+                {LLMD_Q4K_X8, 144, X8_ROW_TILES(x8_rows)},
+                {LLMD_Q5K_X8, 176, X8_ROW_TILES(q5x8_rows)},
+                {LLMD_Q6K_X8, 210, X8_ROW_TILES(q6x8_rows)},
+                {LLMD_IQ4XS_X8, 136, X8_ROW_TILES(iqx8_rows)}};
 
 /* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the integer path's rows (xd [K/32], S [gq_sums(K)], xq [K] and
  * C [K/4] per row) and an interleaved weight q of `type`: per group of 8 columns, the rows in tiles of up to 4, in
- * chunks of rows whose activations stay in L2. */
-void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C, const uint8_t *q,
-                  float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
+ * chunks of rows whose activations stay in L2; one row from its broadcast copy xb where given (gq_broadcast_row). */
+void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C, const int8_t *xb,
+                  const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
     int t = 0;
     while (X8_TYPES[t].type != type) t++; /* llmd_gx_takes admits only these types */
     const int64_t nb = k / LLMD_X8_ELEMS(type), nbx = k / QB, lds = gq_sums(k), rb = nb * X8_TYPES[t].bytes;
+    if (m == 1 && xb && X8_TYPES[t].broadcast_row) {
+        for (int64_t c0 = n0; c0 < n1; c0 += 8)
+            X8_TYPES[t].broadcast_row(q + c0 * rb, nb, xb, k, xd, nbx, S, lds, C, y + c0, ldy);
+        return;
+    }
     const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;

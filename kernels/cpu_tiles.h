@@ -129,8 +129,10 @@ static inline uint32_t gguf_u32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* The GGUF integer path's row data (cpu_act.c): per row gq_sums(K) sums of 16 activations (16 per chunk of 256). */
-static inline int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 16; }
+/* The GGUF integer path's row data (cpu_act.c): per row gq_sums(K) sums of activations: 16 of each 16 per chunk of
+ * 256, then (from gq_sums32_at(K)) 8 of each 32 per chunk. */
+static inline int64_t gq_sums32_at(int64_t k) { return (k + 255) / 256 * 16; }
+static inline int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 24; }
 /* the signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4): their own order, the lane layout */
 static inline int gq_signed_type(int type) { return type == 2 || type == 6 || type == 8 || type == 20 || type == 39; }
 #define GQS_MIN_ROWS 4 /* with VNNI, from 4 rows the signed blocks take the rows-in-lanes paths (see gq_cols) */
@@ -489,6 +491,8 @@ LLMD_HIDDEN void gq_quantize_row(const float *x, int64_t k, int with_c, float *d
 LLMD_HIDDEN size_t gq_lanes_bytes(int64_t m, int64_t k);
 LLMD_HIDDEN void gq_fill_lanes(void *lanes, const float *d, const int8_t *xq, const int32_t *C, int64_t m, int64_t k);
 LLMD_HIDDEN gq_lanes gq_lanes_in(const void *lanes, int64_t m, int64_t k, int64_t g);
+/* a row's bytes with each 4 of them 8 times, xb [8 K] (the interleaved types' one-row tiles) */
+LLMD_HIDDEN void gq_broadcast_row(const int8_t *xq, int64_t k, int8_t *xb);
 /* the head path's row data of one row: d [K/32], int16 codes [K] */
 LLMD_HIDDEN void gh_quantize_row(const float *x, int64_t k, float *d, int16_t *xq);
 /* its codes split into bytes (low [K], high [K]) with their sums of 16 (an interleaved Q6_K head's rows) */
