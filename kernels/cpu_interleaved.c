@@ -27,9 +27,11 @@
  * 4g .. 4g + 3, bit j of a byte sub-block j's): codes 0..31, the same operations per output as Q4_K_X8.
  *
  * Q6_K the same way ("Q6_K_X8", 1014; gguf_blocks.q6k_x8_pack): a group's super-block (1680 bytes) holds d of the 8
- * columns (fp16, [0, 16)), the 16 int8 scales as byte 16 + 8s + c, the low 4 bits in runs of 4 bytes per column
- * (32 bytes at 144 + 32 (16h + 8p + g): ql bytes 64h + 32p + 4g ..) and the high 2 bits (32 bytes at
- * 1168 + 32 (8h + g): qh bytes 32h + 4g ..). Its sub-blocks are 16 codes (u = q + 32, 0..63), taken in the order
+ * columns (fp16, [0, 16)), the 16 int8 scales as byte 16 + 8s + c, then the codes re-coded so that two of every four
+ * are whole bytes: position (h, g, c, i) (elements 128h + 32t + 4g + i of column c for the 4 units t) is byte
+ * o = 256h + 32g + 4c + i of three runs, X at 144 + o: unit 0's code | unit 2's top 2 bits << 6; Y at 656 + o: unit
+ * 1's | unit 3's top 2 bits << 6; Z at 1168 + o: unit 2's low 4 bits | unit 3's << 4 (the file's ql bytes 64h + 4g + i
+ * and 64h + 32 + 4g + i and qh byte 32h + 4g + i hold the same 24 bits). Its sub-blocks are 16 codes (u = q + 32, 0..63), taken in the order
  * s = 8h + 2u + e for h, e (the half of unit u), u: per output and super-block,
  *   s_acc = fma(float(dot_s sc_s), xd_(s/2), s_acc) from float(dot_s sc_s) xd_(s/2) for the first;
  *   m_acc = fma(float(sc_s), S_s, m_acc) likewise;   out = fma(s_acc, d, out); out = fma(m_acc, -32 d, out).
@@ -80,6 +82,12 @@
 #define Q80X8_PF 17
 #define Q6X8_PF 2
 #define Q6X8_HINT _MM_HINT_T1
+
+/* Q6_K_X8's code of unit u at position o (see above) of a group's super-block g */
+static inline int q6x8_code(const uint8_t *g, int64_t o, int u) {
+    const uint8_t X = g[144 + o], Y = g[656 + o], Z = g[1168 + o];
+    return u == 0 ? X & 63 : u == 1 ? Y & 63 : u == 2 ? (Z & 15) | (X >> 6) << 4 : (Z >> 4) | (Y >> 6) << 4;
+}
 
 /* Every tile's arguments: a column group's super-blocks q (nb of them), then rows [0, R) of the integer path's row data
  * (row r's bytes at xq + r k, activation scales at xd + r nbx, sums at S + r lds, C at C + r k / 4; each type reads
@@ -267,17 +275,20 @@ X8K_ROWS(q5x8_rows, 2, 1, 0, )
 X8K_ROWS(q5x8_rows, 3, 1, 0, )
 X8K_ROWS(q5x8_rows, 4, 1, 0, )
 
-/* Q6_K_X8's codes of units 0..3 (u = q + 32, 0..63) at run gi of half h of a group's super-block g */
-INLINE void q6x8_codes(const uint8_t *g, int h, int gi, __m256i c[4]) {
+/* Q6_K_X8's code of unit u (q + 32, 0..63) at run gi of half h of a group's super-block g (16-bit shifts: the bits
+ * masked in come from the byte itself) */
+INLINE __m256i q6x8_unit(const uint8_t *g, int h, int gi, int u) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
-    const __m256i A = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + gi)));
-    const __m256i B = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + 8 + gi)));
-    const __m256i H = _mm256_loadu_si256((const __m256i *)(g + 1168 + 32 * (8 * h + gi)));
-    c[0] = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_and_si256(_mm256_slli_epi16(H, 4), m30));
-    c[1] = _mm256_or_si256(_mm256_and_si256(B, m4), _mm256_and_si256(_mm256_slli_epi16(H, 2), m30));
-    c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_and_si256(H, m30));
-    c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4),
-                           _mm256_and_si256(_mm256_srli_epi16(H, 2), m30));
+    const __m256i W = _mm256_loadu_si256((const __m256i *)(g + 144 + 512 * (u & 1) + 32 * (8 * h + gi)));
+    if (u < 2) return _mm256_and_si256(W, _mm256_set1_epi8(0x3F));
+    const __m256i Z = _mm256_loadu_si256((const __m256i *)(g + 1168 + 32 * (8 * h + gi)));
+    return _mm256_or_si256(_mm256_and_si256(u == 2 ? Z : _mm256_srli_epi16(Z, 4), m4),
+                           _mm256_and_si256(_mm256_srli_epi16(W, 2), m30));
+}
+
+/* the codes of units 0..3 at run gi of half h */
+INLINE void q6x8_codes(const uint8_t *g, int h, int gi, __m256i c[4]) {
+    for (int u = 0; u < 4; u++) c[u] = q6x8_unit(g, h, gi, u);
 }
 
 /* Q6_K_X8: R rows (1..4) of a column group; per (h, e) the 4 units' sums of 16 codes are live per row */
@@ -681,11 +692,9 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
                         int32_t dot = 0;
                         for (int gg = 0; gg < 4; gg++)
                             for (int i = 0; i < 4; i++) {
-                                const int gi = 4 * e + gg, at = 32 * gi + 4 * c + i;
-                                const uint8_t A = g[144 + 512 * h + at], B = g[144 + 512 * h + 256 + at];
-                                const uint8_t H = g[1168 + 256 * h + at];
-                                const int lo = u == 0 ? A & 15 : u == 1 ? B & 15 : u == 2 ? A >> 4 : B >> 4;
-                                dot += (lo | (H >> 2 * u & 3) << 4) * xb[128 * h + 32 * u + 4 * gi + i];
+                                const int gi = 4 * e + gg;
+                                dot += q6x8_code(g, 256 * h + 32 * gi + 4 * c + i, u) *
+                                       xb[128 * h + 32 * u + 4 * gi + i];
                             }
                         const int s = 8 * h + 2 * u + e, sc = (int8_t)g[16 + 8 * s + c];
                         const float t = (float)(dot * sc), dv = xd[8 * b + s / 2], sv = S[16 * b + s];
@@ -918,7 +927,7 @@ typedef void (*x8h_tile)(X8H_TILE_ARGS);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define Q6X8H_ROWS(R)                                                                                                  \
     static void q6x8h_rows_##R(X8H_TILE_ARGS) {                                                                        \
-        const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30), zero = _mm256_setzero_si256();      \
+        const __m256i zero = _mm256_setzero_si256();                                                                 \
         __m256 out[R], acc[R];                                                                                       \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                           \
@@ -932,12 +941,7 @@ typedef void (*x8h_tile)(X8H_TILE_ARGS);
                 for (int r = 0; r < R; r++) lo[r] = hi[r] = zero;                                                    \
                 _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                            \
                     const int gi = 4 * e + gg;                                                                       \
-                    const __m256i L = _mm256_loadu_si256((const __m256i *)(g + 144 + 32 * (16 * h + 8 * (u & 1) + gi))); \
-                    const __m256i H = _mm256_loadu_si256((const __m256i *)(g + 1168 + 32 * (8 * h + gi)));          \
-                    const __m256i l4 = _mm256_and_si256(u < 2 ? L : _mm256_srli_epi16(L, 4), m4);                    \
-                    const __m256i h2 = u == 0 ? _mm256_slli_epi16(H, 4) : u == 1 ? _mm256_slli_epi16(H, 2)           \
-                                     : u == 2 ? H : _mm256_srli_epi16(H, 2);                                         \
-                    const __m256i c = _mm256_or_si256(l4, _mm256_and_si256(h2, m30));                                \
+                    const __m256i c = q6x8_unit(g, h, gi, u);                                                        \
                     const __m256i c_lo = _mm256_unpacklo_epi8(c, zero), c_hi = _mm256_unpackhi_epi8(c, zero);        \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
                         int64_t v;                                                                                   \
@@ -980,10 +984,9 @@ static void q6x8h_rows_1(X8H_TILE_ARGS) {
                         int32_t dot = 0;
                         for (int gg = 0; gg < 4; gg++)
                             for (int i = 0; i < 4; i++) {
-                                const int gi = 4 * e + gg, at = 32 * gi + 4 * c + i;
-                                const uint8_t L = g[144 + 512 * h + 256 * (u & 1) + at], H = g[1168 + 256 * h + at];
-                                const int code = (u < 2 ? L & 15 : L >> 4) | (H >> 2 * u & 3) << 4;
-                                dot += code * x[256 * b + 128 * h + 32 * u + 4 * gi + i];
+                                const int gi = 4 * e + gg;
+                                dot += q6x8_code(g, 256 * h + 32 * gi + 4 * c + i, u) *
+                                       x[256 * b + 128 * h + 32 * u + 4 * gi + i];
                             }
                         const int s = 8 * h + 2 * u + e;
                         const int32_t I = dot - 32 * Q[16 * b + s];
@@ -1067,8 +1070,14 @@ static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst
             const uint8_t *s = src + c * rb;
             memcpy(dst + 2 * c, s + 208, 2);
             for (int j = 0; j < 16; j++) dst[16 + 8 * j + c] = s[192 + j];
-            for (int r = 0; r < 32; r++) memcpy(dst + 144 + 32 * r + 4 * c, s + 4 * r, 4);       /* ql: (h, p, g) */
-            for (int r = 0; r < 16; r++) memcpy(dst + 1168 + 32 * r + 4 * c, s + 128 + 4 * r, 4); /* qh: (h, g) */
+            for (int h = 0; h < 2; h++)
+                for (int at = 0; at < 32; at++) { /* at = 4g + i */
+                    const uint8_t A = s[64 * h + at], B = s[64 * h + 32 + at], H = s[128 + 32 * h + at];
+                    const int o = 256 * h + 32 * (at / 4) + 4 * c + at % 4;
+                    dst[144 + o] = (uint8_t)((A & 15) | (H & 3) << 4 | (H >> 4 & 3) << 6);
+                    dst[656 + o] = (uint8_t)((B & 15) | (H >> 2 & 3) << 4 | (H >> 6) << 6);
+                    dst[1168 + o] = (uint8_t)(A >> 4 | (B >> 4) << 4);
+                }
         }
     } else { /* IQ4_XS */
         memset(dst + 16, 0, 48);
@@ -1118,8 +1127,15 @@ int llmd_x8_rows(int type, const uint8_t *q, int64_t n, int64_t rb, const int64_
             uint8_t *d = out + i * rb + b * 210;
             memcpy(d + 208, g + 2 * c, 2);
             for (int j = 0; j < 16; j++) d[192 + j] = g[16 + 8 * j + c];
-            for (int r = 0; r < 32; r++) memcpy(d + 4 * r, g + 144 + 32 * r + 4 * c, 4);
-            for (int r = 0; r < 16; r++) memcpy(d + 128 + 4 * r, g + 1168 + 32 * r + 4 * c, 4);
+            for (int h = 0; h < 2; h++)
+                for (int at = 0; at < 32; at++) {
+                    const int64_t o = 256 * h + 32 * (at / 4) + 4 * c + at % 4;
+                    int u[4];
+                    for (int t = 0; t < 4; t++) u[t] = q6x8_code(g, o, t);
+                    d[64 * h + at] = (uint8_t)((u[0] & 15) | (u[2] & 15) << 4);
+                    d[64 * h + 32 + at] = (uint8_t)((u[1] & 15) | (u[3] & 15) << 4);
+                    d[128 + 32 * h + at] = (uint8_t)(u[0] >> 4 | (u[1] >> 4) << 2 | (u[2] >> 4) << 4 | (u[3] >> 4) << 6);
+                }
         }
     }
     return 0;

@@ -426,9 +426,10 @@ def q5k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([q4[..., :16], high, q4[..., 16:]], dim=-1).reshape(packed.shape)
 
 
-# Q6_K's group of 8 rows' super-block (8 x 210 bytes): d [8] (fp16), the 16 int8 scales as byte 8s + c, then the low
-# 4 bits in runs of 4 bytes per column (run (h, p, g): ql bytes 64h + 32p + 4g ..), then the high 2 bits likewise
-# (run (h, g): qh bytes 32h + 4g ..).
+# Q6_K's group of 8 rows' super-block (8 x 210 bytes): d [8] (fp16), the 16 int8 scales as byte 8s + c, then the
+# codes in three runs of 512 bytes, byte o = 256h + 32g + 4c + i of each for the 4 units' codes at elements
+# 128h + 32t + 4g + i of column c: X (unit 0's code | unit 2's top 2 bits << 6), Y (unit 1's | unit 3's top bits << 6),
+# Z (unit 2's low 4 bits | unit 3's << 4): two of every four codes whole bytes (cpu_interleaved.c).
 
 
 def x8_rows(packed: torch.Tensor, ids: torch.Tensor, layout: str) -> torch.Tensor:
@@ -444,11 +445,16 @@ def q6k_x8_pack(blocks: torch.Tensor) -> torch.Tensor:
     """Q6_K rows [N, nb * 210] (N % 8 == 0) -> the same bits in the Q6_K_X8 layout."""
     groups, nb = _x8_groups(blocks, "Q6_K_X8")
     b = blocks.reshape(groups, 8, nb, 210).transpose(1, 2)  # [G, nb, column, 210]
-    ql = _runs(b[..., 0:128]).reshape(groups, nb, 8, 2, 2, 8).permute(0, 1, 3, 4, 5, 2)
+    ql = _runs(b[..., 0:128]).reshape(groups, nb, 8, 2, 2, 8).permute(0, 1, 3, 4, 5, 2)  # [G, nb, h, p, g, column]
     qh = _runs(b[..., 128:192]).reshape(groups, nb, 8, 2, 8).permute(0, 1, 3, 4, 2)
+    ql = ql.contiguous().view(torch.uint8).reshape(groups, nb, 2, 2, 256)
+    low, high = ql[:, :, :, 0], ql[:, :, :, 1]  # units 0 | 2 << 4 and 1 | 3 << 4 at each position o of half h
+    top = qh.contiguous().view(torch.uint8).reshape(groups, nb, 2, 256)
+    x = (low & 15) | (top & 3) << 4 | (top >> 4 & 3) << 6
+    y = (high & 15) | (top >> 2 & 3) << 4 | (top >> 6) << 6
+    z = low >> 4 | (high >> 4) << 4
     out = torch.cat([b[..., 208:210].reshape(groups, nb, 16), b[..., 192:208].transpose(2, 3).reshape(groups, nb, 128),
-                     ql.contiguous().view(torch.uint8).reshape(groups, nb, 1024),
-                     qh.contiguous().view(torch.uint8).reshape(groups, nb, 512)], dim=-1)
+                     x.reshape(groups, nb, 512), y.reshape(groups, nb, 512), z.reshape(groups, nb, 512)], dim=-1)
     return out.reshape(blocks.shape)
 
 
@@ -456,8 +462,12 @@ def q6k_x8_unpack(packed: torch.Tensor) -> torch.Tensor:
     """The Q6_K_X8 layout -> the file's Q6_K rows (q6k_x8_pack's inverse)."""
     groups, nb = _x8_groups(packed, "Q6_K_X8")
     p = packed.reshape(groups, nb, 1680)
-    ql = p[..., 144:1168].reshape(groups, nb, 2, 2, 8, 8, 4).permute(0, 1, 5, 2, 3, 4, 6).reshape(groups, nb, 8, 128)
-    qh = p[..., 1168:].reshape(groups, nb, 2, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(groups, nb, 8, 64)
+    x, y, z = (p[..., at:at + 512].reshape(groups, nb, 2, 256) for at in (144, 656, 1168))
+    low, high = (x & 15) | (z & 15) << 4, (y & 15) | (z >> 4) << 4
+    top = (x >> 4 & 3) | (y >> 4 & 3) << 2 | (x >> 6) << 4 | (y >> 6) << 6
+    ql = torch.stack([low, high], dim=3).reshape(groups, nb, 2, 2, 8, 8, 4).permute(0, 1, 5, 2, 3, 4, 6)
+    ql = ql.reshape(groups, nb, 8, 128)
+    qh = top.reshape(groups, nb, 2, 8, 8, 4).permute(0, 1, 4, 2, 3, 5).reshape(groups, nb, 8, 64)
     scales = p[..., 16:144].reshape(groups, nb, 16, 8).transpose(2, 3)
     out = torch.cat([ql, qh, scales, p[..., 0:16].reshape(groups, nb, 8, 2)], dim=-1)  # [G, nb, column, 210]
     return out.transpose(1, 2).reshape(packed.shape)

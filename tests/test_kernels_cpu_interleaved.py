@@ -20,14 +20,19 @@ from llmd.kernels import gguf_blocks as gb
 LAYOUTS = ["Q4_0_X8", "Q8_0_X8", "Q2_K_X8", "Q3_K_X8", "Q4_K_X8", "Q5_K_X8", "Q6_K_X8", "IQ4_XS_X8"]
 
 
-def test_packing_is_a_rearrangement_of_the_files_bytes():
+def test_packing_keeps_the_files_bits():
     q, k = _weights("Q4_K", n=24, k=768)
     packed = gb.q4k_x8_pack(q)
     assert packed.shape == q.shape and not torch.equal(packed, q)
     assert torch.equal(torch.sort(packed.view(3, 3, 1152)[:, :, 128:].reshape(3, -1)).values,  # codes: moved
                        torch.sort(q.view(3, 8, 3, 144)[..., 16:].reshape(3, -1)).values)
     q6, _ = _weights("Q6_K", n=24, k=768)
-    assert torch.equal(torch.sort(gb.q6k_x8_pack(q6).view(3, -1)).values, torch.sort(q6.view(3, -1)).values)
+    file6, packed6 = q6.view(3, 8, 3, 210), gb.q6k_x8_pack(q6).view(3, 3, 1680)  # [group, column / block, bytes]
+    assert torch.equal(torch.sort(packed6[..., :144].reshape(3, -1)).values,  # d and scales: moved
+                       torch.sort(file6[..., 192:].reshape(3, -1)).values)
+    unit0 = (file6[..., 0:32] & 15) | (file6[..., 128:160] & 3) << 4  # codes re-coded: unit 0's, whole bytes of X
+    assert torch.equal(packed6[..., 144:400].reshape(3, 3, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(3, 8, 3, 32) & 63,
+                       unit0)
     for layout in LAYOUTS:
         q, _ = _weights(gb.X8_OF[layout], n=24, k=768)
         packed = gb.x8_pack(q, layout)
