@@ -185,6 +185,12 @@ void gq_broadcast_row(const int8_t *xq, int64_t k, int8_t *xb) {
         for (int l = 0; l < 8; l++) memcpy(xb + 8 * i + 4 * l, xq + i, 4);
 }
 
+/* A row's int16 codes broadcast for the interleaved one-row head tiles: each 4 codes 4 times, xb [4 K] */
+void gh_broadcast_row(const int16_t *xq, int64_t k, int16_t *xb) {
+    for (int64_t i = 0; i < k; i += 4)
+        for (int l = 0; l < 4; l++) memcpy(xb + 4 * i + 4 * l, xq + i, 8);
+}
+
 /* One row's data (plain C): d [K/32], the codes q [K] (int16). */
 void gh_quantize_row(const float *x, int64_t k, float *d, int16_t *xq) {
     for (int64_t b = 0; b < k / QB; b++) {

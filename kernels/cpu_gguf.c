@@ -266,17 +266,20 @@ int llmd_gx_takes(int act, int type, int64_t k) {
     return k % QB == 0 && (act == LLMD_ACT_I8 || (act == LLMD_ACT_I16 && gh_supported(type)));
 }
 
+/* the interleaved types' one-row tiles read a broadcast copy of the row (vector builds) */
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define X8_BROADCAST LLMD_GX_BROADCAST
+#else
+#define X8_BROADCAST 0
+#endif
+
 int llmd_gx_flags(int act, int type) {
-    if (act == LLMD_ACT_I16) return LLMD_X8(type) ? LLMD_GX_SUMS : type == 3 ? LLMD_GX_SUMS | LLMD_GX_LANES : 0;
+    if (act == LLMD_ACT_I16) return LLMD_X8(type) ? LLMD_GX_SUMS | X8_BROADCAST : type == 3 ? LLMD_GX_SUMS | LLMD_GX_LANES : 0;
     if (act != LLMD_ACT_I8) return 0;
     if (gq_signed_type(type)) return LLMD_GX_C | LLMD_GX_LANES;
     /* IQ4_XS's and Q4_0_X8's sums; Q8_0_X8's offset with VNNI */
     const int c = type == 23 || type == LLMD_IQ4XS_X8 || type == LLMD_Q40_X8 || type == LLMD_Q80_X8 ? LLMD_GX_C : 0;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-    return LLMD_X8(type) ? c | LLMD_GX_BROADCAST : c;
-#else
-    return c;
-#endif
+    return LLMD_X8(type) ? c | X8_BROADCAST : c;
 }
 
 /* 1 where rows prepared for type a serve type b on path `act` */
@@ -351,12 +354,14 @@ void llmd_gx_copy(const llmd_gx_rows *dst, int64_t to, const llmd_gx_rows *src, 
         if (dst->row[i]) memcpy(dst->a[i] + to * dst->row[i], src->a[i] + from * src->row[i], dst->row[i]);
 }
 
-/* an int8 group's extra: its lane layout, then (one row) its broadcast copy */
+/* an int8 or int16 group's extra: its lane layout, then (one row) its broadcast copy (8 bytes an element either way:
+ * 4 bytes or 4 int16 codes 8 or 4 times) */
 static size_t gx_lanes_bytes(const llmd_gx_rows *r, int64_t m) {
-    return r->flags & LLMD_GX_LANES ? gx_align(gq_lanes_bytes(m, r->k)) : 0;
+    if (!(r->flags & LLMD_GX_LANES)) return 0;
+    return gx_align(r->act == LLMD_ACT_I16 ? gh41_lanes_bytes(m, r->k) : gq_lanes_bytes(m, r->k));
 }
 static size_t gx_broadcast_bytes(const llmd_gx_rows *r, int64_t m) {
-    return r->act == LLMD_ACT_I8 && (r->flags & LLMD_GX_BROADCAST) && m == 1 ? gx_align((size_t)r->k * 8) : 0;
+    return (r->flags & LLMD_GX_BROADCAST) && m == 1 ? gx_align((size_t)r->k * 8) : 0;
 }
 
 size_t llmd_gx_group_bytes(const llmd_gx_rows *r, int64_t m) {
@@ -364,14 +369,12 @@ size_t llmd_gx_group_bytes(const llmd_gx_rows *r, int64_t m) {
     if (r->act == LLMD_ACT_F32 && m >= RP_MIN_ROWS) /* the rows and their sums transposed */
         return gx_align((size_t)((m + 15) / 16 * 16) * (r->row[0] + r->row[1]));
 #endif
-    if (r->act == LLMD_ACT_I8) return gx_lanes_bytes(r, m) + gx_broadcast_bytes(r, m);
-    if (r->act == LLMD_ACT_I16 && (r->flags & LLMD_GX_LANES)) return gx_align(gh41_lanes_bytes(m, r->k));
-    return 0;
+    return r->act == LLMD_ACT_F32 ? 0 : gx_lanes_bytes(r, m) + gx_broadcast_bytes(r, m);
 }
 
 /* a one-row group's broadcast copy in its extra (after the lanes), or NULL */
-static const int8_t *gx_broadcast_row(const llmd_gx_group *g) {
-    return gx_broadcast_bytes(&g->x, g->m) ? (const int8_t *)g->extra + gx_lanes_bytes(&g->x, g->m) : NULL;
+static const void *gx_broadcast_row(const llmd_gx_group *g) {
+    return gx_broadcast_bytes(&g->x, g->m) ? (const char *)g->extra + gx_lanes_bytes(&g->x, g->m) : NULL;
 }
 
 void llmd_gx_make_group(llmd_gx_group *g, const llmd_gx_rows *r, int64_t r0, int64_t m, void *extra) {
@@ -389,10 +392,13 @@ void llmd_gx_make_group(llmd_gx_group *g, const llmd_gx_rows *r, int64_t r0, int
         return;
     }
 #endif
-    if (r->act == LLMD_ACT_I16)
-        gh41_fill_lanes(extra, (const float *)g->x.a[0], (const int32_t *)g->x.a[1], (const int16_t *)g->x.a[2], m,
-                        g->x.k);
-    else {
+    if (r->act == LLMD_ACT_I16) {
+        if (r->flags & LLMD_GX_LANES)
+            gh41_fill_lanes(extra, (const float *)g->x.a[0], (const int32_t *)g->x.a[1], (const int16_t *)g->x.a[2], m,
+                            g->x.k);
+        if (gx_broadcast_bytes(r, m))
+            gh_broadcast_row((const int16_t *)g->x.a[2], g->x.k, (int16_t *)((char *)extra + gx_lanes_bytes(r, m)));
+    } else {
         if (r->flags & LLMD_GX_LANES)
             gq_fill_lanes(extra, (const float *)g->x.a[0], (const int8_t *)g->x.a[2], (const int32_t *)g->x.a[3], m,
                           g->x.k);
@@ -416,8 +422,8 @@ void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch)
     const llmd_gx_rows *x = &g->x;
     const int64_t k = x->k, m = g->m;
     if (LLMD_X8(job->type) && x->act == LLMD_ACT_I16) {
-        llmd_x8_cols_q16((const float *)x->a[0], (const int32_t *)x->a[1], (const int16_t *)x->a[2], job->q, job->y,
-                         job->ldy, m, k, n0, n1);
+        llmd_x8_cols_q16((const float *)x->a[0], (const int32_t *)x->a[1], (const int16_t *)x->a[2],
+                         gx_broadcast_row(g), job->q, job->y, job->ldy, m, k, n0, n1);
         return;
     }
     if (LLMD_X8(job->type)) {

@@ -30,7 +30,7 @@
 /* activation paths: fp32 (the weights' exact values), int8 and int16 per block of 32 (cpu_act.c) */
 enum { LLMD_ACT_F32 = 0, LLMD_ACT_I8 = 1, LLMD_ACT_I16 = 2 };
 /* what the row data must hold for a type (llmd_gx_flags): int8's C, a lane layout per group (int8's signed blocks,
- * int16's Q4_1), int16's sums of 16, a one-row group's broadcast copy (int8's interleaved types, vector builds) */
+ * int16's Q4_1), int16's sums of 16, a one-row group's broadcast copy (the interleaved types, vector builds) */
 enum { LLMD_GX_C = 1, LLMD_GX_LANES = 2, LLMD_GX_SUMS = 4, LLMD_GX_BROADCAST = 8 };
 
 /* Prepared activation rows of one path, as arrays of rows: row r of array i at a[i] + r * row[i] (cpu_gguf.c names
@@ -81,8 +81,9 @@ LLMD_HIDDEN void llmd_x8_cols(int type, const float *xd, const float *S, const i
                               const int8_t *xb, const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k,
                               int64_t n0, int64_t n1);
 /* the same on the head path's rows of an interleaved Q6_K weight (cpu_interleaved.c) */
-LLMD_HIDDEN void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const int16_t *x, const uint8_t *q, float *y,
-                                  int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1);
+LLMD_HIDDEN void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const int16_t *x, const int16_t *xb,
+                                  const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0,
+                                  int64_t n1);
 /* the jobs' columns shared out among the nth threads of the enclosing parallel region (every thread calls it; no
  * barrier at its end): units of 8 columns, weighted by their rows */
 LLMD_HIDDEN void llmd_gx_run(const llmd_gx_job *jobs, int64_t njobs, int nth, void *scratch);

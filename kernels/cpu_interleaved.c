@@ -925,8 +925,18 @@ void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, c
 typedef void (*x8h_tile)(X8H_TILE_ARGS);
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#define Q6X8H_ROWS(R)                                                                                                  \
-    static void q6x8h_rows_##R(X8H_TILE_ARGS) {                                                                        \
+/* the 4 int16 codes of row r at element off in each 64-bit lane: broadcast, or (BC: one row's broadcast copy x, each 4
+ * codes 4 times, gh_broadcast_row) loaded */
+INLINE __m256i x8h_bcast(const int16_t *p) {
+    int64_t v;
+    memcpy(&v, p, 8);
+    return _mm256_set1_epi64x(v);
+}
+#define X8H_XV(BC, r, off) \
+    ((BC) ? _mm256_loadu_si256((const __m256i *)(x + 4 * (off))) : x8h_bcast(x + (r) * k + (off)))
+
+#define Q6X8H_ROWS(R, BC, SUFFIX)                                                                                      \
+    static void q6x8h_rows_##R##SUFFIX(X8H_TILE_ARGS) {                                                                \
         const __m256i zero = _mm256_setzero_si256();                                                                 \
         __m256 out[R], acc[R];                                                                                       \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
@@ -944,9 +954,7 @@ typedef void (*x8h_tile)(X8H_TILE_ARGS);
                     const __m256i c = q6x8_unit(g, h, gi, u);                                                        \
                     const __m256i c_lo = _mm256_unpacklo_epi8(c, zero), c_hi = _mm256_unpackhi_epi8(c, zero);        \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
-                        int64_t v;                                                                                   \
-                        memcpy(&v, x + r * k + 256 * b + 128 * h + 32 * u + 4 * gi, 8);                              \
-                        const __m256i xv = _mm256_set1_epi64x(v);                                                    \
+                        const __m256i xv = X8H_XV(BC, r, 256 * b + 128 * h + 32 * u + 4 * gi);                       \
                         lo[r] = DOT_S16_ACC(lo[r], c_lo, xv);                                                        \
                         hi[r] = DOT_S16_ACC(hi[r], c_hi, xv);                                                        \
                     }                                                                                                \
@@ -966,10 +974,12 @@ typedef void (*x8h_tile)(X8H_TILE_ARGS);
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
-Q6X8H_ROWS(1)
-Q6X8H_ROWS(2)
-Q6X8H_ROWS(3)
-Q6X8H_ROWS(4)
+Q6X8H_ROWS(1, 0, )
+Q6X8H_ROWS(1, 1, b)
+Q6X8H_ROWS(2, 0, )
+Q6X8H_ROWS(3, 0, )
+Q6X8H_ROWS(4, 0, )
+#define Q6X8H_BROADCAST_ROW q6x8h_rows_1b
 #else
 static void q6x8h_rows_1(X8H_TILE_ARGS) {
     (void)k, (void)nbx, (void)ldy;
@@ -998,14 +1008,21 @@ static void q6x8h_rows_1(X8H_TILE_ARGS) {
     }
     memcpy(y, out, sizeof out);
 }
+#define Q6X8H_BROADCAST_ROW NULL
 #endif
 static const x8h_tile Q6X8H_TILES[X8_MAX_ROWS] = X8_TILES(q6x8h_rows);
 
 /* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the head path's rows (xd [K/32], Q [K/16], x [K] per row:
- * gh_quantize_row's and gh_sums_row's) and a Q6_K_X8 weight q, in chunks of rows whose codes stay in L2. */
-void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const int16_t *x, const uint8_t *q, float *y, int64_t ldy,
-                      int64_t m, int64_t k, int64_t n0, int64_t n1) {
+ * gh_quantize_row's and gh_sums_row's) and a Q6_K_X8 weight q, in chunks of rows whose codes stay in L2; one row from
+ * its broadcast copy xb where given (gh_broadcast_row). */
+void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const int16_t *x, const int16_t *xb, const uint8_t *q,
+                      float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
     const int64_t nb = k / 256, nbx = k / QB, rb = nb * 210;
+    const x8h_tile broadcast_row = Q6X8H_BROADCAST_ROW;
+    if (m == 1 && xb && broadcast_row) {
+        for (int64_t c0 = n0; c0 < n1; c0 += 8) broadcast_row(q + c0 * rb, nb, xb, k, xd, nbx, Q, y + c0, ldy);
+        return;
+    }
     const int64_t chunk = (128 * 1024) / k < 1 ? 1 : (128 * 1024) / k;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;

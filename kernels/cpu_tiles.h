@@ -495,8 +495,9 @@ LLMD_HIDDEN gq_lanes gq_lanes_in(const void *lanes, int64_t m, int64_t k, int64_
 LLMD_HIDDEN void gq_broadcast_row(const int8_t *xq, int64_t k, int8_t *xb);
 /* the head path's row data of one row: d [K/32], int16 codes [K] */
 LLMD_HIDDEN void gh_quantize_row(const float *x, int64_t k, float *d, int16_t *xq);
-/* its codes split into bytes (low [K], high [K]) with their sums of 16 (an interleaved Q6_K head's rows) */
+/* its codes' sums of 16 (an interleaved Q6_K head's rows), and its codes with each 4 of them 4 times, xb [4 K] */
 LLMD_HIDDEN void gh_sums_row(const int16_t *xq, int64_t k, int32_t *sums);
+LLMD_HIDDEN void gh_broadcast_row(const int16_t *xq, int64_t k, int16_t *xb);
 #if defined(__AVX2__) && defined(__FMA__)
 /* rows transposed per block of 16 rows (into xt, or a new buffer) */
 LLMD_HIDDEN void transpose_into(float *xt, const float *x, int64_t ldx, int64_t m, int64_t k, int64_t kp, int int4);
