@@ -279,7 +279,7 @@ int llmd_gx_flags(int act, int type) {
     if (gq_signed_type(type)) return LLMD_GX_C | LLMD_GX_LANES;
     /* IQ4_XS's and Q4_0_X8's sums; Q8_0_X8's offset with VNNI */
     const int c = type == 23 || type == LLMD_IQ4XS_X8 || type == LLMD_Q40_X8 || type == LLMD_Q80_X8 ? LLMD_GX_C : 0;
-    return LLMD_X8(type) ? c | X8_BROADCAST : c;
+    return LLMD_X8(type) && type != LLMD_Q80_X8 ? c | X8_BROADCAST : c; /* Q8_0: see X8_TYPES */
 }
 
 /* 1 where rows prepared for type a serve type b on path `act` */
