@@ -31,7 +31,8 @@
  * are whole bytes: position (h, g, c, i) (elements 128h + 32t + 4g + i of column c for the 4 units t) is byte
  * o = 256h + 32g + 4c + i of three runs, X at 144 + o: unit 0's code | unit 2's top 2 bits << 6; Y at 656 + o: unit
  * 1's | unit 3's top 2 bits << 6; Z at 1168 + o: unit 2's low 4 bits | unit 3's << 4 (the file's ql bytes 64h + 4g + i
- * and 64h + 32 + 4g + i and qh byte 32h + 4g + i hold the same 24 bits). Its sub-blocks are 16 codes (u = q + 32, 0..63), taken in the order
+ * and 64h + 32 + 4g + i and qh byte 32h + 4g + i hold the same 24 bits). Its sub-blocks are 16 codes (u = q + 32,
+ * 0..63), taken in the order
  * s = 8h + 2u + e for h, e (the half of unit u), u: per output and super-block,
  *   s_acc = fma(float(dot_s sc_s), xd_(s/2), s_acc) from float(dot_s sc_s) xd_(s/2) for the first;
  *   m_acc = fma(float(sc_s), S_s, m_acc) likewise;   out = fma(s_acc, d, out); out = fma(m_acc, -32 d, out).
@@ -134,7 +135,8 @@ static inline __m256i x8_chain(__m256i v) {
 
 /* The 4 activation bytes of row r at element off in all 8 lanes: broadcast from the row's bytes, or, in a one-row
  * tile given the row's broadcast copy (BC: xq holds each 4 bytes 8 times, gq_broadcast_row), one plain load that
- * the multiply takes as its memory operand (6-12 % faster at one row on Zen 1, whose broadcasts cost vector ops) */
+ * the multiply takes as its memory operand (Zen 1's broadcasts cost vector ops: the compute-bound one-row tiles gain
+ * 3-10 %; not Q8_0's, see X8_TYPES) */
 INLINE __m256i x8_bcast(const int8_t *p) {
     int32_t v;
     memcpy(&v, p, 4);
@@ -1151,7 +1153,8 @@ int llmd_x8_rows(int type, const uint8_t *q, int64_t n, int64_t rb, const int64_
                     for (int t = 0; t < 4; t++) u[t] = q6x8_code(g, o, t);
                     d[64 * h + at] = (uint8_t)((u[0] & 15) | (u[2] & 15) << 4);
                     d[64 * h + 32 + at] = (uint8_t)((u[1] & 15) | (u[3] & 15) << 4);
-                    d[128 + 32 * h + at] = (uint8_t)(u[0] >> 4 | (u[1] >> 4) << 2 | (u[2] >> 4) << 4 | (u[3] >> 4) << 6);
+                    d[128 + 32 * h + at] =
+                        (uint8_t)(u[0] >> 4 | (u[1] >> 4) << 2 | (u[2] >> 4) << 4 | (u[3] >> 4) << 6);
                 }
         }
     }

@@ -130,7 +130,7 @@ static inline uint32_t gguf_u32(const uint8_t *p) {
 }
 
 /* The GGUF integer path's row data (cpu_act.c): per row gq_sums(K) sums of activations: 16 of each 16 per chunk of
- * 256, then (from gq_sums32_at(K)) 8 of each 32 per chunk. */
+ * 256, then (from gq_sums32_at(K)) 8 of each 32 per chunk (Q4_K_X8's and Q5_K_X8's mins). */
 static inline int64_t gq_sums32_at(int64_t k) { return (k + 255) / 256 * 16; }
 static inline int64_t gq_sums(int64_t k) { return (k + 255) / 256 * 24; }
 /* the signed blocks of 32 (Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4): their own order, the lane layout */
