@@ -138,15 +138,13 @@ void gq_quantize_row(const float *x, int64_t k, int with_c, float *d, float *S, 
     float D; /* the whole row's sum (quantize_row's group sum), unused */
     quantize_row(x, k, k, 0, xq, d, &D);
     memset(S, 0, (size_t)gq_sums(k) * 4);
-    for (int64_t s = 0; s < k / 16; s++) {
+    float *S32 = S + gq_sums32_at(k);
+    for (int64_t s = 0, first = 0; s < k / 16; s++) { /* first: the previous sum of 16, the block's first half */
         int sum = 0;
         for (int i = 0; i < 16; i++) sum += xq[16 * s + i];
         S[s] = d[s / 2] * (float)sum;
-    }
-    for (int64_t b = 0; b < k / 32; b++) {
-        int sum = 0;
-        for (int i = 0; i < 32; i++) sum += xq[32 * b + i];
-        S[gq_sums32_at(k) + b] = d[b] * (float)sum;
+        if (s % 2) S32[s / 2] = d[s / 2] * (float)(first + sum);
+        first = sum;
     }
     for (int64_t i = 0; with_c && i < k / 4; i++) {
         const int8_t *v = xq + 4 * i;
