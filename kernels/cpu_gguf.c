@@ -259,8 +259,9 @@ static size_t gx_align(size_t bytes) { return (bytes + 63) / 64 * 64; }
 void llmd_thread_id(int *tid, int *nth) { thread_id(tid, nth); }
 
 int llmd_gx_takes(int act, int type, int64_t k) {
-    if (LLMD_X8(type)) return (act == LLMD_ACT_I8 || (act == LLMD_ACT_I16 && type == LLMD_Q6K_X8)) && k > 0 &&
-                              k % LLMD_X8_ELEMS(type) == 0;
+    if (LLMD_X8(type))
+        return (act == LLMD_ACT_I8 || (act == LLMD_ACT_I16 && (type == LLMD_Q6K_X8 || type == LLMD_Q41_X8))) && k > 0 &&
+               k % LLMD_X8_ELEMS(type) == 0;
     if (!gguf_type_of(type, k)) return 0;
     if (act == LLMD_ACT_F32) return 1;
     return k % QB == 0 && (act == LLMD_ACT_I8 || (act == LLMD_ACT_I16 && gh_supported(type)));
@@ -423,7 +424,7 @@ void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, void *scratch)
     const llmd_gx_rows *x = &g->x;
     const int64_t k = x->k, m = g->m;
     if (LLMD_X8(job->type) && x->act == LLMD_ACT_I16) {
-        llmd_x8_cols_q16((const float *)x->a[0], (const int32_t *)x->a[1], (const int16_t *)x->a[2],
+        llmd_x8_cols_q16((int)job->type, (const float *)x->a[0], (const int32_t *)x->a[1], (const int16_t *)x->a[2],
                          gx_broadcast_row(g), job->q, job->y, job->ldy, m, k, n0, n1);
         return;
     }

@@ -12,9 +12,11 @@
 
 #define LLMD_HIDDEN __attribute__((visibility("hidden")))
 
-/* llmd's own type ids of Q4_0, Q8_0, the K-quants and IQ4_XS with 8 columns interleaved (cpu_interleaved.c): the int8
- * path (and Q6_K_X8 the int16 one, as output heads), N % 8 == 0, K a multiple of LLMD_X8_ELEMS */
+/* llmd's own type ids of Q4_0, Q4_1, Q8_0, the K-quants and IQ4_XS with 8 columns interleaved (cpu_interleaved.c):
+ * the int8 path (Q6_K_X8 and Q4_1_X8 the int16 one too: output heads, Q4_1 layers), N % 8 == 0, K a multiple of
+ * LLMD_X8_ELEMS */
 #define LLMD_Q40_X8 1002
+#define LLMD_Q41_X8 1003
 #define LLMD_Q80_X8 1008
 #define LLMD_Q2K_X8 1010
 #define LLMD_Q3K_X8 1011
@@ -23,9 +25,11 @@
 #define LLMD_Q6K_X8 1014
 #define LLMD_IQ4XS_X8 1023
 #define LLMD_X8(type)                                                                                                  \
-    ((type) == LLMD_Q40_X8 || (type) == LLMD_Q80_X8 || (type) == LLMD_Q2K_X8 || (type) == LLMD_Q3K_X8 ||             \
-     (type) == LLMD_Q4K_X8 || (type) == LLMD_Q5K_X8 || (type) == LLMD_Q6K_X8 || (type) == LLMD_IQ4XS_X8)
-#define LLMD_X8_ELEMS(type) ((type) == LLMD_Q40_X8 || (type) == LLMD_Q80_X8 ? 32 : 256) /* elements per block */
+    ((type) == LLMD_Q40_X8 || (type) == LLMD_Q41_X8 || (type) == LLMD_Q80_X8 || (type) == LLMD_Q2K_X8 ||             \
+     (type) == LLMD_Q3K_X8 || (type) == LLMD_Q4K_X8 || (type) == LLMD_Q5K_X8 || (type) == LLMD_Q6K_X8 ||             \
+     (type) == LLMD_IQ4XS_X8)
+#define LLMD_X8_ELEMS(type) /* elements per block */                                                                \
+    ((type) == LLMD_Q40_X8 || (type) == LLMD_Q41_X8 || (type) == LLMD_Q80_X8 ? 32 : 256)
 
 /* activation paths: fp32 (the weights' exact values), int8 and int16 per block of 32 (cpu_act.c) */
 enum { LLMD_ACT_F32 = 0, LLMD_ACT_I8 = 1, LLMD_ACT_I16 = 2 };
@@ -80,8 +84,8 @@ LLMD_HIDDEN void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, vo
 LLMD_HIDDEN void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C,
                               const int8_t *xb, const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k,
                               int64_t n0, int64_t n1);
-/* the same on the head path's rows of an interleaved Q6_K weight (cpu_interleaved.c) */
-LLMD_HIDDEN void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const int16_t *x, const int16_t *xb,
+/* the same on the int16 path's rows of an interleaved Q6_K or Q4_1 weight (cpu_interleaved.c) */
+LLMD_HIDDEN void llmd_x8_cols_q16(int type, const float *xd, const int32_t *Q, const int16_t *x, const int16_t *xb,
                                   const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0,
                                   int64_t n1);
 /* the jobs' columns shared out among the nth threads of the enclosing parallel region (every thread calls it; no

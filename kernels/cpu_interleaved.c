@@ -1,5 +1,5 @@
 /* Q4_K repacked for the CPU's integer path: 8 output columns interleaved ("Q4_K_X8", llmd's own type id 1012), and the
- * other K-quants, IQ4_XS, Q4_0 and Q8_0 likewise.
+ * other K-quants, IQ4_XS, Q4_0, Q4_1 and Q8_0 likewise.
  *
  * In the file's layout one column's super-block is one 144-byte block, so a vector holds 32 codes of one column: its
  * dot product ends in a horizontal sum and each sub-block's scale costs a conversion per column. Interleaved, a vector
@@ -58,6 +58,9 @@
  * Q4_0 ("Q4_0_X8", 1002; gguf_blocks.X8_FIELDS), 144 bytes a block of 32: d [0, 16), then the codes in runs of 4
  * bytes per column (32 bytes at 16 + 32g: qs bytes 4g ..: low nibbles elements 4g.., high ones 16 + 4g..). Per
  * output, for each block b: out = fma(float(dot_b - 8 sum(q_b)), d xd_b, out) (sum(q_b): the row's codes).
+ * Q4_1 ("Q4_1_X8", 1003), 160 bytes: d [0, 16), m [16, 32), then the codes as Q4_0_X8's from 32. Per output, for each
+ * block b: out = fma(float(dot_b), d xd_b, out); out = fma(m, S_b, out) (S_b: the row's sum of the block's dequantized
+ * activations).
  *
  * Q8_0 ("Q8_0_X8", 1008; gguf_blocks.X8_FIELDS), 272 bytes a block of 32: d [0, 16), then the codes in runs of 4 bytes
  * per column (32 bytes at 16 + 32g: qs bytes 4g ..). Per output the file layout's tiles' order (cpu_blocks32.c, the
@@ -66,6 +69,7 @@
 #include "cpu_tiles.h"
 
 #define Q40X8_BYTES 144
+#define Q41X8_BYTES 160
 #define Q80X8_BYTES 272
 #define Q2X8_BYTES 672
 #define Q3X8_BYTES 880
@@ -76,10 +80,11 @@
 /* Super-blocks prefetched ahead, and how. Q6_K's 27 lines a super-block into L2, 2 ahead (into L1 they streamed at
  * half the rate: more lines than its miss buffers); Q4_K's 18 (and IQ4_XS's 17) 4 ahead as non-temporal (into L1,
  * kept out of the outer caches: 5-7 % faster at one row on Zen 1 than into L1 2 ahead, the weights are read once);
- * Q4_0's and Q8_0's blocks the same distance in bytes */
+ * Q4_0's, Q4_1's and Q8_0's blocks the same distance in bytes */
 #define X8_PF 4
 #define X8_HINT _MM_HINT_NTA
 #define Q40X8_PF 32
+#define Q41X8_PF 29
 #define Q80X8_PF 17
 #define Q6X8_PF 2
 #define Q6X8_HINT _MM_HINT_T1
@@ -396,23 +401,24 @@ Q6X8_ROWS(2, 0, )
 Q6X8_ROWS(3, 0, )
 Q6X8_ROWS(4, 0, )
 
-/* Q4_0_X8: R rows of a column group, a block of 32 elements at a time: its 8 maddubs per row summed in int16 lanes
- * (8 * 2 * 15 * 128 < 2^15), widened by one vpmaddwd and offset by -8 times the block's activation sum (the row
- * data's C: -128 times the sums of 4) */
-#define Q40X8_ROWS(R, BC, SUFFIX)                                                                                      \
-    static void q40x8_rows_##R##SUFFIX(X8_TILE_ARGS) {                                                                 \
-        (void)S, (void)lds;                                                                                            \
+/* Q4_0_X8 (MIN 0) and Q4_1_X8 (MIN 1): R rows of a column group, a block of 32 elements at a time: its 8 maddubs per
+ * row summed in int16 lanes (8 * 2 * 15 * 128 < 2^15) and widened by one vpmaddwd; Q4_0's offset by -8 times the
+ * block's activation sum (the row data's C: -128 times the sums of 4), Q4_1's minimum times the block's sum of
+ * dequantized activations (the row data's sums of 32) */
+#define X8B_ROWS(NAME, R, MIN, BC, SUFFIX)                                                                             \
+    static void NAME##_##R##SUFFIX(X8_TILE_ARGS) {                                                                     \
+        (void)S, (void)lds, (void)C;                                                                                   \
+        const int64_t bytes = MIN ? Q41X8_BYTES : Q40X8_BYTES, pf = MIN ? Q41X8_PF : Q40X8_PF;                      \
         const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                      \
         __m256 out[R];                                                                                               \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                           \
-            const uint8_t *g = q + b * Q40X8_BYTES;                                                                  \
-            for (int p = 0; p < Q40X8_BYTES; p += 64)                                                                \
-                _mm_prefetch((const char *)(g + Q40X8_PF * Q40X8_BYTES + p), X8_HINT);                               \
+            const uint8_t *g = q + b * bytes;                                                                        \
+            for (int p = 0; p < bytes; p += 64) _mm_prefetch((const char *)(g + pf * bytes + p), X8_HINT);           \
             __m256i a[R];                                                                                            \
             for (int r = 0; r < R; r++) a[r] = _mm256_setzero_si256();                                               \
             _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                                \
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 16 + 32 * gg));                           \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + (MIN ? 32 : 16) + 32 * gg));              \
                 const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);      \
                 _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
                     a[r] = _mm256_add_epi16(a[r], _mm256_maddubs_epi16(lo, X8_XV(BC, r, 32 * b + 4 * gg)));          \
@@ -421,20 +427,31 @@ Q6X8_ROWS(4, 0, )
             }                                                                                                        \
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
-                const int32_t *c = C + r * (k / 4) + 8 * b;                                                          \
-                const int32_t corr = (c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]) / 16;                  \
-                const __m256i I = _mm256_add_epi32(_mm256_madd_epi16(a[r], ones), _mm256_set1_epi32(corr));          \
+                __m256i I = _mm256_madd_epi16(a[r], ones);                                                           \
+                if (!MIN) {                                                                                          \
+                    const int32_t *c = C + r * (k / 4) + 8 * b;                                                      \
+                    I = _mm256_add_epi32(I, _mm256_set1_epi32((c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] +      \
+                                                               c[7]) / 16));                                         \
+                }                                                                                                    \
                 out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nbx + b])),   \
                                          out[r]);                                                                    \
+                if (MIN)                                                                                             \
+                    out[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))),            \
+                                             _mm256_set1_ps(S[r * lds + gq_sums32_at(k) + b]), out[r]);              \
             }                                                                                                        \
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
-Q40X8_ROWS(1, 0, )
-Q40X8_ROWS(1, 1, b)
-Q40X8_ROWS(2, 0, )
-Q40X8_ROWS(3, 0, )
-Q40X8_ROWS(4, 0, )
+X8B_ROWS(q40x8_rows, 1, 0, 0, )
+X8B_ROWS(q40x8_rows, 1, 0, 1, b)
+X8B_ROWS(q40x8_rows, 2, 0, 0, )
+X8B_ROWS(q40x8_rows, 3, 0, 0, )
+X8B_ROWS(q40x8_rows, 4, 0, 0, )
+X8B_ROWS(q41x8_rows, 1, 1, 0, )
+X8B_ROWS(q41x8_rows, 1, 1, 1, b)
+X8B_ROWS(q41x8_rows, 2, 1, 0, )
+X8B_ROWS(q41x8_rows, 3, 1, 0, )
+X8B_ROWS(q41x8_rows, 4, 1, 0, )
 
 /* Q8_0_X8: R rows of a column group, a block of 32 elements at a time: per run of 4 codes, the 8 columns' |w| against
  * the broadcast activations signed by w (maddubs: 2 * 128 * 127 < 2^15, then madd), or with VNNI w + 128 against them
@@ -711,27 +728,31 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
     memcpy(y, out, sizeof out);
 }
 
-/* Q4_0_X8, one row */
-static void q40x8_rows_1(X8_TILE_ARGS) {
-    (void)k, (void)S, (void)lds, (void)nbx, (void)ldy;
+/* Q4_0_X8 and Q4_1_X8 (min), one row */
+static void x8b_row(X8_TILE_ARGS, const int min) {
+    (void)nbx, (void)lds, (void)ldy;
+    const int64_t bytes = min ? Q41X8_BYTES : Q40X8_BYTES;
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *g = q + b * Q40X8_BYTES;
+        const uint8_t *g = q + b * bytes, *codes = g + (min ? 32 : 16);
         const int8_t *xb = xq + 32 * b;
         const int32_t *c = C + 8 * b;
-        const int32_t corr = (c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]) / 16;
+        const int32_t corr = min ? 0 : (c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]) / 16;
         for (int col = 0; col < 8; col++) {
             int32_t dot = 0;
             for (int gg = 0; gg < 4; gg++)
                 for (int i = 0; i < 4; i++) {
-                    const uint8_t v = g[16 + 32 * gg + 4 * col + i];
+                    const uint8_t v = codes[32 * gg + 4 * col + i];
                     dot += (v & 15) * xb[4 * gg + i] + (v >> 4) * xb[16 + 4 * gg + i];
                 }
             out[col] = fmaf((float)(dot + corr), gguf_f16(g + 2 * col) * xd[b], out[col]);
+            if (min) out[col] = fmaf(gguf_f16(g + 16 + 2 * col), S[gq_sums32_at(k) + b], out[col]);
         }
     }
     memcpy(y, out, sizeof out);
 }
+static void q40x8_rows_1(X8_TILE_ARGS) { x8b_row(q, nb, xq, k, xd, nbx, S, lds, C, y, ldy, 0); }
+static void q41x8_rows_1(X8_TILE_ARGS) { x8b_row(q, nb, xq, k, xd, nbx, S, lds, C, y, ldy, 1); }
 
 /* Q8_0_X8, one row */
 static void q80x8_rows_1(X8_TILE_ARGS) {
@@ -871,6 +892,7 @@ static const struct {
     x8_tile tiles[X8_MAX_ROWS];
     x8_tile broadcast_row;
 } X8_TYPES[] = {{LLMD_Q40_X8, 18, X8_ROW_TILES(q40x8_rows)},
+                {LLMD_Q41_X8, 20, X8_ROW_TILES(q41x8_rows)},
                 {LLMD_Q80_X8, 34, X8_TILES(q80x8_rows), NULL},
                 {LLMD_Q2K_X8, 84, X8_ROW_TILES(q2x8_rows)},
                 {LLMD_Q3K_X8, 110, X8_ROW_TILES(q3x8_rows)},
@@ -981,7 +1003,51 @@ Q6X8H_ROWS(1, 1, b)
 Q6X8H_ROWS(2, 0, )
 Q6X8H_ROWS(3, 0, )
 Q6X8H_ROWS(4, 0, )
-#define Q6X8H_BROADCAST_ROW q6x8h_rows_1b
+
+/* Q4_1_X8 on the int16 path: each 32 bytes of codes widened to int16 lanes as Q6_K_X8's units, then split into their
+ * low and high nibbles */
+#define Q41X8H_ROWS(R, BC, SUFFIX)                                                                                     \
+    static void q41x8h_rows_##R##SUFFIX(X8H_TILE_ARGS) {                                                               \
+        const __m256i zero = _mm256_setzero_si256(), m4 = _mm256_set1_epi16(0x0F);                                   \
+        __m256 out[R];                                                                                               \
+        for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * Q41X8_BYTES;                                                                  \
+            for (int p = 0; p < Q41X8_BYTES; p += 64)                                                                \
+                _mm_prefetch((const char *)(g + Q41X8_PF * Q41X8_BYTES + p), X8_HINT);                               \
+            __m256i lo[R], hi[R]; /* columns 0, 1, 4, 5 and 2, 3, 6, 7: two int32 pairs each */                       \
+            for (int r = 0; r < R; r++) lo[r] = hi[r] = zero;                                                        \
+            _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                                \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 32 + 32 * gg));                           \
+                const __m256i w_lo = _mm256_unpacklo_epi8(w, zero), w_hi = _mm256_unpackhi_epi8(w, zero);            \
+                _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) { /* the low, then the high nibbles */ \
+                    const __m256i c_lo = half ? _mm256_srli_epi16(w_lo, 4) : _mm256_and_si256(w_lo, m4);             \
+                    const __m256i c_hi = half ? _mm256_srli_epi16(w_hi, 4) : _mm256_and_si256(w_hi, m4);             \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
+                        const __m256i xv = X8H_XV(BC, r, 32 * b + 16 * half + 4 * gg);                               \
+                        lo[r] = x8_chain(DOT_S16_ACC(lo[r], c_lo, xv));                                              \
+                        hi[r] = x8_chain(DOT_S16_ACC(hi[r], c_hi, xv));                                              \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
+            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));                           \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
+                const float xdb = xd[r * nbx + b];                                                                   \
+                const int32_t *Qb = Q + r * (k / 16) + 2 * b;                                                        \
+                const __m256 t = _mm256_cvtepi32_ps(_mm256_hadd_epi32(lo[r], hi[r]));                                \
+                out[r] = _mm256_fmadd_ps(t, _mm256_mul_ps(d, _mm256_set1_ps(xdb)), out[r]);                          \
+                out[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xdb * (float)(Qb[0] + Qb[1])), out[r]);                  \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
+    }
+Q41X8H_ROWS(1, 0, )
+Q41X8H_ROWS(1, 1, b)
+Q41X8H_ROWS(2, 0, )
+Q41X8H_ROWS(3, 0, )
+Q41X8H_ROWS(4, 0, )
+#define X8H_ROW_TILES(f) X8_TILES(f), f##_1b
 #else
 static void q6x8h_rows_1(X8H_TILE_ARGS) {
     (void)k, (void)nbx, (void)ldy;
@@ -1010,19 +1076,48 @@ static void q6x8h_rows_1(X8H_TILE_ARGS) {
     }
     memcpy(y, out, sizeof out);
 }
-#define Q6X8H_BROADCAST_ROW NULL
+
+static void q41x8h_rows_1(X8H_TILE_ARGS) {
+    (void)nbx, (void)ldy;
+    float out[8] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = q + b * Q41X8_BYTES;
+        const float xdb = xd[b], S = xdb * (float)(Q[2 * b] + Q[2 * b + 1]);
+        for (int c = 0; c < 8; c++) {
+            int32_t dot = 0;
+            for (int gg = 0; gg < 4; gg++)
+                for (int i = 0; i < 4; i++) {
+                    const uint8_t v = g[32 + 32 * gg + 4 * c + i];
+                    dot += (v & 15) * x[32 * b + 4 * gg + i] + (v >> 4) * x[32 * b + 16 + 4 * gg + i];
+                }
+            out[c] = fmaf((float)dot, gguf_f16(g + 2 * c) * xdb, out[c]);
+            out[c] = fmaf(gguf_f16(g + 16 + 2 * c), S, out[c]);
+        }
+    }
+    (void)k;
+    memcpy(y, out, sizeof out);
+}
+#define X8H_ROW_TILES(f) X8_TILES(f), NULL
 #endif
-static const x8h_tile Q6X8H_TILES[X8_MAX_ROWS] = X8_TILES(q6x8h_rows);
+/* the types the head path takes interleaved, with their file blocks' bytes and tiles */
+static const struct {
+    int type;
+    int64_t bytes;
+    x8h_tile tiles[X8_MAX_ROWS];
+    x8h_tile broadcast_row;
+} X8H_TYPES[] = {{LLMD_Q6K_X8, 210, X8H_ROW_TILES(q6x8h_rows)}, {LLMD_Q41_X8, 20, X8H_ROW_TILES(q41x8h_rows)}};
 
 /* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the head path's rows (xd [K/32], Q [K/16], x [K] per row:
- * gh_quantize_row's and gh_sums_row's) and a Q6_K_X8 weight q, in chunks of rows whose codes stay in L2; one row from
- * its broadcast copy xb where given (gh_broadcast_row). */
-void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const int16_t *x, const int16_t *xb, const uint8_t *q,
-                      float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
-    const int64_t nb = k / 256, nbx = k / QB, rb = nb * 210;
-    const x8h_tile broadcast_row = Q6X8H_BROADCAST_ROW;
-    if (m == 1 && xb && broadcast_row) {
-        for (int64_t c0 = n0; c0 < n1; c0 += 8) broadcast_row(q + c0 * rb, nb, xb, k, xd, nbx, Q, y + c0, ldy);
+ * gh_quantize_row's and gh_sums_row's) and an interleaved weight q of `type` (X8H_TYPES), in chunks of rows whose
+ * codes stay in L2; one row from its broadcast copy xb where given (gh_broadcast_row). */
+void llmd_x8_cols_q16(int type, const float *xd, const int32_t *Q, const int16_t *x, const int16_t *xb,
+                      const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
+    int t = 0;
+    while (X8H_TYPES[t].type != type) t++; /* llmd_gx_takes admits only these types */
+    const int64_t nb = k / LLMD_X8_ELEMS(type), nbx = k / QB, rb = nb * X8H_TYPES[t].bytes;
+    if (m == 1 && xb && X8H_TYPES[t].broadcast_row) {
+        for (int64_t c0 = n0; c0 < n1; c0 += 8)
+            X8H_TYPES[t].broadcast_row(q + c0 * rb, nb, xb, k, xd, nbx, Q, y + c0, ldy);
         return;
     }
     const int64_t chunk = (128 * 1024) / k < 1 ? 1 : (128 * 1024) / k;
@@ -1031,8 +1126,8 @@ void llmd_x8_cols_q16(const float *xd, const int32_t *Q, const int16_t *x, const
         for (int64_t c0 = n0; c0 < n1; c0 += 8)
             for (int64_t r = m0; r < m1;) {
                 const int rr = m1 - r >= X8_MAX_ROWS ? X8_MAX_ROWS : (int)(m1 - r);
-                Q6X8H_TILES[rr - 1](q + c0 * rb, nb, x + r * k, k, xd + r * nbx, nbx, Q + r * (k / 16),
-                                    y + r * ldy + c0, ldy);
+                X8H_TYPES[t].tiles[rr - 1](q + c0 * rb, nb, x + r * k, k, xd + r * nbx, nbx, Q + r * (k / 16),
+                                           y + r * ldy + c0, ldy);
                 r += rr;
             }
     }
@@ -1064,11 +1159,12 @@ static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst
                 dst[96 + 8 * j + c] = (uint8_t)(sc[c][j] >> 4 | (sc[c][j + 4] >> 4) << 2 | (mn[c][j] >> 4) << 4 |
                                                 (mn[c][j + 4] >> 4) << 6);
             }
-    } else if (type == LLMD_Q40_X8 || type == LLMD_Q80_X8) {
-        const int runs = type == LLMD_Q80_X8 ? 8 : 4;
+    } else if (type == LLMD_Q40_X8 || type == LLMD_Q41_X8 || type == LLMD_Q80_X8) {
+        const int runs = type == LLMD_Q80_X8 ? 8 : 4, fp16s = type == LLMD_Q41_X8 ? 2 : 1; /* d (and Q4_1's m) */
         for (int c = 0; c < 8; c++) {
-            memcpy(dst + 2 * c, src + c * rb, 2);
-            for (int r = 0; r < runs; r++) memcpy(dst + 16 + 32 * r + 4 * c, src + c * rb + 2 + 4 * r, 4);
+            for (int f = 0; f < fp16s; f++) memcpy(dst + 16 * f + 2 * c, src + c * rb + 2 * f, 2);
+            for (int r = 0; r < runs; r++)
+                memcpy(dst + 16 * fp16s + 32 * r + 4 * c, src + c * rb + 2 * fp16s + 4 * r, 4);
         }
     } else if (type == LLMD_Q2K_X8 || type == LLMD_Q3K_X8) {
         const int q3 = type == LLMD_Q3K_X8;

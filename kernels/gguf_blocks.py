@@ -65,8 +65,8 @@ BLOCKS: dict[str, tuple[int, int]] = {
 }
 PACKED_TYPES = tuple(BLOCKS)
 # llmd's interleaved layouts (x8_pack) -> the file's type
-X8_OF = {"Q4_0_X8": "Q4_0", "Q8_0_X8": "Q8_0", "Q2_K_X8": "Q2_K", "Q3_K_X8": "Q3_K", "Q4_K_X8": "Q4_K",
-         "Q5_K_X8": "Q5_K", "Q6_K_X8": "Q6_K", "IQ4_XS_X8": "IQ4_XS"}
+X8_OF = {"Q4_0_X8": "Q4_0", "Q4_1_X8": "Q4_1", "Q8_0_X8": "Q8_0", "Q2_K_X8": "Q2_K", "Q3_K_X8": "Q3_K",
+         "Q4_K_X8": "Q4_K", "Q5_K_X8": "Q5_K", "Q6_K_X8": "Q6_K", "IQ4_XS_X8": "IQ4_XS"}
 IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 codes' values, doubled
 
@@ -398,6 +398,7 @@ def _x8_fields_back(packed: torch.Tensor, layout: str, spans: list[tuple[int, in
 
 # the layouts made of whole fields: each one's spans of the file's block in the interleaved block's order
 X8_FIELDS = {"Q4_0_X8": [(0, 2, 2), (2, 18, 4)],  # d, codes
+             "Q4_1_X8": [(0, 2, 2), (2, 4, 2), (4, 20, 4)],  # d, m, codes
              "Q8_0_X8": [(0, 2, 2), (2, 34, 4)],  # d, codes
              "Q2_K_X8": [(80, 82, 2), (82, 84, 2), (0, 16, 1), (16, 80, 4)],  # d, dmin, scales, codes
              "Q3_K_X8": [(108, 110, 2), (96, 108, 1), (0, 32, 4), (32, 96, 4)]}  # d, scales, high bits, low bits

@@ -1,5 +1,5 @@
-"""Q4_0, Q8_0, the K-quants and IQ4_XS with 8 columns interleaved (Q4_0_X8, Q8_0_X8, Q2_K_X8 .. Q6_K_X8, IQ4_XS_X8:
-kernels/cpu_interleaved.c), the CPU integer path's layouts for them: the same bits rearranged (packing and unpacking
+"""Q4_0, Q4_1, Q8_0, the K-quants and IQ4_XS with 8 columns interleaved (Q4_0_X8, Q4_1_X8, Q8_0_X8, Q2_K_X8 ..
+Q6_K_X8, IQ4_XS_X8: kernels/cpu_interleaved.c), the CPU integer path's layouts for them: the same bits rearranged (packing and unpacking
 give the file's bytes back, dequantizing gives the file's values), the kernel's products match the integer path's
 torch reference, a row's result is bitwise the same whatever the batch, its position, the thread count and the parts
 beside it, and a packed layer takes the layout on the CPU only where nothing else reads its blocks in the file's
@@ -17,7 +17,7 @@ from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
 
-LAYOUTS = ["Q4_0_X8", "Q8_0_X8", "Q2_K_X8", "Q3_K_X8", "Q4_K_X8", "Q5_K_X8", "Q6_K_X8", "IQ4_XS_X8"]
+LAYOUTS = ["Q4_0_X8", "Q4_1_X8", "Q8_0_X8", "Q2_K_X8", "Q3_K_X8", "Q4_K_X8", "Q5_K_X8", "Q6_K_X8", "IQ4_XS_X8"]
 
 
 def test_packing_keeps_the_files_bits():
@@ -50,7 +50,8 @@ def test_packing_keeps_the_files_bits():
 def test_products_match_the_integer_paths_reference(layout):
     if not HAVE_KERNEL:
         return
-    for k in (256, 768):
+    blocks_of_32 = gb.BLOCKS[gb.X8_OF[layout]][0] == 32  # K need not fill a chunk of 256 of the row data's sums
+    for k in (256, 768) + ((96,) if blocks_of_32 else ()):
         q, _ = _weights(gb.X8_OF[layout], n=40, k=k, seed=k)
         kernel = cpu_gemm.GGUFKernel(cpu_gemm.load(), [(gb.x8_pack(q, layout), layout)], k, act="int8")
         for m in ROWS:
@@ -94,27 +95,34 @@ def test_interleaved_q8_0_gives_the_file_layouts_very_bits():
     torch.testing.assert_close(interleaved(x), cpu_gemm.gguf_matmul_q8_ref(x, q, "Q8_0"), rtol=1e-5, atol=1e-3)
 
 
-def test_an_interleaved_q6_k_head_matches_the_head_paths_reference_whatever_the_batch():
-    """Q6_K_X8 on the output head's int16 path: each activation split into bytes, two byte dot products per sub-block
-    (cpu_interleaved.c), close to the head path's reference and to the file layout's head, a row's bits the same
-    whatever the rows and threads beside it."""
+@pytest.mark.parametrize("layout", ["Q6_K_X8", "Q4_1_X8"])
+def test_the_int16_paths_interleaved_tiles_match_its_reference_whatever_the_batch(layout):
+    """Q6_K_X8 (output heads) and Q4_1_X8 (Q4_1 layers) on the int16 path: the codes widened to int16 against the
+    activations' int16 codes (cpu_interleaved.c), close to the path's reference and to the file layout's kernel, a
+    row's bits the same whatever the rows and threads beside it."""
     if not HAVE_KERNEL:
         return
-    lib = cpu_gemm.load()
-    for k in (256, 768):
-        q, _ = _weights("Q6_K", n=40, k=k, seed=k)
-        head = cpu_gemm.GGUFKernel(lib, [(gb.x8_pack(q, "Q6_K_X8"), "Q6_K_X8")], k, act="int16")
+    lib, type_name = cpu_gemm.load(), gb.X8_OF[layout]
+    for k in (256, 768) + ((96,) if layout == "Q4_1_X8" else ()):
+        q, _ = _weights(type_name, n=40, k=k, seed=k)
+        head = cpu_gemm.GGUFKernel(lib, [(gb.x8_pack(q, layout), layout)], k, act="int16")
         assert head.act == "int16"
-        file_layout = cpu_gemm.GGUFKernel(lib, [(q, "Q6_K")], k, act="int16")
+        file_layout = cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, act="int16")
         x = _x(70, k, seed=k) * torch.logspace(-3, 3, k)  # activations of very different sizes per block
         full = _rows_independent_of_the_batch(head, x)
-        ref = cpu_gemm.gguf_matmul_q16_ref(x, q, "Q6_K")
+        ref = cpu_gemm.gguf_matmul_q16_ref(x, q, type_name)
         torch.testing.assert_close(full, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
         torch.testing.assert_close(full, file_layout(x), rtol=1e-5, atol=1e-5 * ref.abs().max().item())
         for threads in (1, 3):
             for m in (1, 2, 3, 4, 5, 7):
                 assert torch.equal(head(x[:m], threads), full[:m])
     x = torch.full((1, 256), 1e4)  # every code at its extreme: the integer sums stay exact (|I sc| < 2^31)
+    if layout == "Q4_1_X8":
+        q = torch.full((8, 160), 255, dtype=torch.uint8)  # codes 15 against activation codes 32767
+        q.view(8, 8, 20)[..., :4] = torch.tensor([1.0, -2.0], dtype=torch.float16).view(torch.uint8)  # d 1, m -2
+        extreme = cpu_gemm.GGUFKernel(lib, [(gb.x8_pack(q, layout), layout)], 256, act="int16")(x)
+        torch.testing.assert_close(extreme, torch.full((1, 8), 256 * (15 - 2) * 1e4), rtol=1e-6, atol=0)
+        return
     q = torch.zeros(8, 210, dtype=torch.uint8)
     q[:, 192:208] = torch.tensor([-128 % 256] * 16, dtype=torch.uint8)
     q[:, 208:210] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
@@ -159,6 +167,13 @@ def test_a_layer_interleaves_on_the_cpu_where_nothing_else_reads_its_blocks():
         assert kept.type_name == "Q4_K" and torch.equal(kept.qweight, q[:kept.out_features])
     plain.prepare(torch.device("meta"), torch.float32)  # another device: the file's layout back
     assert plain.type_name == "Q4_K"
+    q41, _ = _weights("Q4_1", n=16, k=k)  # a Q4_1 layer interleaves for the int16 path it computes on
+    layer41 = GGUFLinear(k, 16, "Q4_1")
+    layer41.fill(q41, "w", "test")
+    layer41.prepare(torch.device("cpu"), torch.float32)
+    assert layer41.type_name == "Q4_1_X8" and cpu_gemm.gguf_kernel(layer41.cpu_parts(), k).act == "int16"
+    ref = cpu_gemm.gguf_matmul_q16_ref(x, q41, "Q4_1")
+    torch.testing.assert_close(layer41(x), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_a_tied_q6_k_head_interleaves_its_table_and_the_embedding_still_reads_the_files_rows():
