@@ -477,8 +477,9 @@ def layer_kernel(kind: str, qweight: torch.Tensor, scales: torch.Tensor, zeros: 
 # GGML type ids (gguf.GGMLQuantizationType) of the types the C kernels take (cpu_gguf.c's type table)
 GGUF_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
                  "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23, "MXFP4": 39,
-                 "Q4_0_X8": 1002, "Q4_1_X8": 1003, "Q8_0_X8": 1008, "Q2_K_X8": 1010, "Q3_K_X8": 1011,
-                 "Q4_K_X8": 1012, "Q5_K_X8": 1013, "Q6_K_X8": 1014, "IQ4_XS_X8": 1023}  # llmd's own: 8 columns interleaved
+                 "Q4_0_X8": 1002, "Q4_1_X8": 1003, "Q5_0_X8": 1006, "Q5_1_X8": 1007, "Q8_0_X8": 1008,
+                 "Q2_K_X8": 1010, "Q3_K_X8": 1011, "Q4_K_X8": 1012, "Q5_K_X8": 1013, "Q6_K_X8": 1014,
+                 "IQ4_NL_X8": 1020, "IQ4_XS_X8": 1023}  # llmd's own: 8 columns interleaved
 # (gguf_blocks.x8_pack)
 
 
@@ -592,7 +593,7 @@ def interleaved_type(type_name: str, n: int, k: int, head: bool = False) -> str 
     layout = next((x8 for x8, t in gb.X8_OF.items() if t == type_name), None)
     if layout is None or lib is None or n % 8:
         return None
-    act = activations(_kind([type_name], head))
+    act = activations(activation_kind([type_name], head))
     return layout if act != "fp32" and gguf_act(lib, [type_name, layout], k, act) == act else None
 
 
@@ -630,9 +631,9 @@ def gguf_kernel(parts: list[tuple[torch.Tensor, str]], k: int, head: bool = Fals
     head: the output head's (its activations chosen as ACTIVATIONS["gguf_head"] says)."""
     lib = load()
     ok = lib is not None and all(t in GGUF_TYPE_IDS for _, t in parts)
-    return GGUFKernel(lib, parts, k, activations(_kind([t for _, t in parts], head))) if ok else None
+    return GGUFKernel(lib, parts, k, activations(activation_kind([t for _, t in parts], head))) if ok else None
 
 
-def _kind(types: list[str], head: bool) -> str:
+def activation_kind(types: list[str], head: bool = False) -> str:
     """The ACTIVATIONS kind of a GGUF weight of `types` (file types or their interleaved layouts)."""
     return "gguf_head" if head else "gguf_q4_1" if "Q4_1" in (gb.X8_OF.get(t, t) for t in types) else "gguf"

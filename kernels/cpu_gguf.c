@@ -279,8 +279,11 @@ int llmd_gx_flags(int act, int type) {
         return LLMD_X8(type) ? LLMD_GX_SUMS | X8_BROADCAST : type == 3 ? LLMD_GX_SUMS | LLMD_GX_LANES : 0;
     if (act != LLMD_ACT_I8) return 0;
     if (gq_signed_type(type)) return LLMD_GX_C | LLMD_GX_LANES;
-    /* IQ4_XS's and Q4_0_X8's sums; Q8_0_X8's offset with VNNI */
-    const int c = type == 23 || type == LLMD_IQ4XS_X8 || type == LLMD_Q40_X8 || type == LLMD_Q80_X8 ? LLMD_GX_C : 0;
+    /* IQ4_XS's, Q4_0_X8's and Q5_0_X8's sums; Q8_0_X8's and the IQ4s' offsets with VNNI */
+    const int c = type == 23 || type == LLMD_IQ4XS_X8 || type == LLMD_IQ4NL_X8 || type == LLMD_Q40_X8 ||
+                          type == LLMD_Q50_X8 || type == LLMD_Q80_X8
+                      ? LLMD_GX_C
+                      : 0;
     return LLMD_X8(type) && type != LLMD_Q80_X8 ? c | X8_BROADCAST : c; /* Q8_0: see X8_TYPES */
 }
 

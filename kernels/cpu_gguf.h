@@ -12,24 +12,29 @@
 
 #define LLMD_HIDDEN __attribute__((visibility("hidden")))
 
-/* llmd's own type ids of Q4_0, Q4_1, Q8_0, the K-quants and IQ4_XS with 8 columns interleaved (cpu_interleaved.c):
+/* llmd's own type ids of the blocks of 32, the K-quants and the IQ4s with 8 columns interleaved (cpu_interleaved.c):
  * the int8 path (Q6_K_X8 and Q4_1_X8 the int16 one too: output heads, Q4_1 layers), N % 8 == 0, K a multiple of
  * LLMD_X8_ELEMS */
 #define LLMD_Q40_X8 1002
 #define LLMD_Q41_X8 1003
+#define LLMD_Q50_X8 1006
+#define LLMD_Q51_X8 1007
 #define LLMD_Q80_X8 1008
 #define LLMD_Q2K_X8 1010
 #define LLMD_Q3K_X8 1011
 #define LLMD_Q4K_X8 1012
 #define LLMD_Q5K_X8 1013
 #define LLMD_Q6K_X8 1014
+#define LLMD_IQ4NL_X8 1020
 #define LLMD_IQ4XS_X8 1023
 #define LLMD_X8(type)                                                                                                  \
-    ((type) == LLMD_Q40_X8 || (type) == LLMD_Q41_X8 || (type) == LLMD_Q80_X8 || (type) == LLMD_Q2K_X8 ||             \
-     (type) == LLMD_Q3K_X8 || (type) == LLMD_Q4K_X8 || (type) == LLMD_Q5K_X8 || (type) == LLMD_Q6K_X8 ||             \
-     (type) == LLMD_IQ4XS_X8)
-#define LLMD_X8_ELEMS(type) /* elements per block */                                                                \
-    ((type) == LLMD_Q40_X8 || (type) == LLMD_Q41_X8 || (type) == LLMD_Q80_X8 ? 32 : 256)
+    (LLMD_X8_ELEMS(type) == 32 || (type) == LLMD_Q2K_X8 || (type) == LLMD_Q3K_X8 || (type) == LLMD_Q4K_X8 ||         \
+     (type) == LLMD_Q5K_X8 || (type) == LLMD_Q6K_X8 || (type) == LLMD_IQ4XS_X8)
+#define LLMD_X8_ELEMS(type) /* elements per block: 32 for the interleaved blocks of 32 */                          \
+    ((type) == LLMD_Q40_X8 || (type) == LLMD_Q41_X8 || (type) == LLMD_Q50_X8 || (type) == LLMD_Q51_X8 ||             \
+             (type) == LLMD_Q80_X8 || (type) == LLMD_IQ4NL_X8                                                        \
+         ? 32                                                                                                        \
+         : 256)
 
 /* activation paths: fp32 (the weights' exact values), int8 and int16 per block of 32 (cpu_act.c) */
 enum { LLMD_ACT_F32 = 0, LLMD_ACT_I8 = 1, LLMD_ACT_I16 = 2 };

@@ -89,6 +89,21 @@
 #define Q6X8_PF 2
 #define Q6X8_HINT _MM_HINT_T1
 
+/* The blocks of 32 interleaved: per kind its bytes (8 columns' blocks), where its fields start (Q4_1's and Q5_1's
+ * minima, Q5_0's and Q5_1's fifth bits; 0: none) and its codes, the code offset's divisor of the row data's C sums
+ * (Q4_0: -8 times the activation sum, Q5_0: -16 times; 0: none) and the blocks prefetched ahead */
+enum { B32_Q4_0, B32_Q4_1, B32_Q5_0, B32_Q5_1, B32_IQ4_NL };
+/* IQ4_NL's and IQ4_XS's code values (the portable tiles') */
+__attribute__((unused)) static const int8_t IQ4_CODES[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                             1,    13,   25,  38,  53,  69,  89,  113};
+static const struct {
+    int64_t bytes, mins, qh, codes, offset, pf;
+} B32[] = {{Q40X8_BYTES, 0, 0, 16, 16, Q40X8_PF},
+           {Q41X8_BYTES, 16, 0, 32, 0, Q41X8_PF},
+           {176, 0, 16, 48, 8, 26},
+           {192, 16, 32, 64, 0, 24},
+           {Q40X8_BYTES, 0, 0, 16, 0, Q40X8_PF}};
+
 /* Q6_K_X8's code of unit u at position o (see above) of a group's super-block g */
 static inline int q6x8_code(const uint8_t *g, int64_t o, int u) {
     const uint8_t X = g[144 + o], Y = g[656 + o], Z = g[1168 + o];
@@ -401,57 +416,6 @@ Q6X8_ROWS(2, 0, )
 Q6X8_ROWS(3, 0, )
 Q6X8_ROWS(4, 0, )
 
-/* Q4_0_X8 (MIN 0) and Q4_1_X8 (MIN 1): R rows of a column group, a block of 32 elements at a time: its 8 maddubs per
- * row summed in int16 lanes (8 * 2 * 15 * 128 < 2^15) and widened by one vpmaddwd; Q4_0's offset by -8 times the
- * block's activation sum (the row data's C: -128 times the sums of 4), Q4_1's minimum times the block's sum of
- * dequantized activations (the row data's sums of 32) */
-#define X8B_ROWS(NAME, R, MIN, BC, SUFFIX)                                                                             \
-    static void NAME##_##R##SUFFIX(X8_TILE_ARGS) {                                                                     \
-        (void)S, (void)lds, (void)C;                                                                                   \
-        const int64_t bytes = MIN ? Q41X8_BYTES : Q40X8_BYTES, pf = MIN ? Q41X8_PF : Q40X8_PF;                      \
-        const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);                                      \
-        __m256 out[R];                                                                                               \
-        for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
-        for (int64_t b = 0; b < nb; b++) {                                                                           \
-            const uint8_t *g = q + b * bytes;                                                                        \
-            for (int p = 0; p < bytes; p += 64) _mm_prefetch((const char *)(g + pf * bytes + p), X8_HINT);           \
-            __m256i a[R];                                                                                            \
-            for (int r = 0; r < R; r++) a[r] = _mm256_setzero_si256();                                               \
-            _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                                \
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + (MIN ? 32 : 16) + 32 * gg));              \
-                const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);      \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
-                    a[r] = _mm256_add_epi16(a[r], _mm256_maddubs_epi16(lo, X8_XV(BC, r, 32 * b + 4 * gg)));          \
-                    a[r] = _mm256_add_epi16(a[r], _mm256_maddubs_epi16(hi, X8_XV(BC, r, 32 * b + 16 + 4 * gg)));     \
-                }                                                                                                    \
-            }                                                                                                        \
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
-                __m256i I = _mm256_madd_epi16(a[r], ones);                                                           \
-                if (!MIN) {                                                                                          \
-                    const int32_t *c = C + r * (k / 4) + 8 * b;                                                      \
-                    I = _mm256_add_epi32(I, _mm256_set1_epi32((c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] +      \
-                                                               c[7]) / 16));                                         \
-                }                                                                                                    \
-                out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nbx + b])),   \
-                                         out[r]);                                                                    \
-                if (MIN)                                                                                             \
-                    out[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))),            \
-                                             _mm256_set1_ps(S[r * lds + gq_sums32_at(k) + b]), out[r]);              \
-            }                                                                                                        \
-        }                                                                                                            \
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
-    }
-X8B_ROWS(q40x8_rows, 1, 0, 0, )
-X8B_ROWS(q40x8_rows, 1, 0, 1, b)
-X8B_ROWS(q40x8_rows, 2, 0, 0, )
-X8B_ROWS(q40x8_rows, 3, 0, 0, )
-X8B_ROWS(q40x8_rows, 4, 0, 0, )
-X8B_ROWS(q41x8_rows, 1, 1, 0, )
-X8B_ROWS(q41x8_rows, 1, 1, 1, b)
-X8B_ROWS(q41x8_rows, 2, 1, 0, )
-X8B_ROWS(q41x8_rows, 3, 1, 0, )
-X8B_ROWS(q41x8_rows, 4, 1, 0, )
 
 /* Q8_0_X8: R rows of a column group, a block of 32 elements at a time: per run of 4 codes, the 8 columns' |w| against
  * the broadcast activations signed by w (maddubs: 2 * 128 * 127 < 2^15, then madd), or with VNNI w + 128 against them
@@ -666,10 +630,71 @@ IQX8_ROWS(1, 8, 1, b)
 IQX8_ROWS(2, 2, 0, )
 IQX8_ROWS(3, 2, 0, )
 IQX8_ROWS(4, 2, 0, )
+
+/* The blocks of 32 (B32 kinds): R rows of a column group, a block at a time. Q4_0's and Q4_1's 8 maddubs per row are
+ * summed in int16 lanes (8 * 2 * 15 * 127 < 2^15), Q5_0's and Q5_1's (codes to 31) in two, 4 each, widened by
+ * vpmaddwd; IQ4_NL's signed table values as IQ4_XS_X8's (IQ_DOT). Q4_0 and Q5_0 offset the block by -8 or -16 times
+ * its activation sum, IQ4_NL with VNNI its table's +128 (the row data's C: -128 times the sums of 4); Q4_1 and Q5_1
+ * add the minimum times the block's sum of dequantized activations (the row data's sums of 32). */
+#define X8B_ROWS(NAME, R, KIND, BC, SUFFIX)                                                                            \
+    static void NAME##_##R##SUFFIX(X8_TILE_ARGS) {                                                                     \
+        (void)S, (void)lds, (void)C;                                                                                   \
+        const int64_t bytes = B32[KIND].bytes, pf = B32[KIND].pf;                                                    \
+        const int q5 = B32[KIND].qh > 0, iq = KIND == B32_IQ4_NL;                                                    \
+        const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), zero = _mm256_setzero_si256();       \
+        __m256 out[R];                                                                                               \
+        for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * bytes;                                                                        \
+            for (int p = 0; p < bytes; p += 64) _mm_prefetch((const char *)(g + pf * bytes + p), X8_HINT);           \
+            __m256i a[2][R]; /* int16 sums: the low and high nibbles' (one for both but in Q5_*); IQ4_NL int32 */    \
+            for (int r = 0; r < R; r++) a[0][r] = a[1][r] = zero;                                                    \
+            const __m256i v = q5 ? _mm256_loadu_si256((const __m256i *)(g + B32[KIND].qh)) : zero;                    \
+            _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                                \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + B32[KIND].codes + 32 * gg));              \
+                __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);            \
+                if (q5) lo = _mm256_or_si256(lo, q5_bit4(v, gg)), hi = _mm256_or_si256(hi, q5_bit4(v, 4 + gg));      \
+                if (iq) lo = IQ_LUT(lo), hi = IQ_LUT(hi);                                                            \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
+                    const __m256i xl = X8_XV(BC, r, 32 * b + 4 * gg), xh = X8_XV(BC, r, 32 * b + 16 + 4 * gg);       \
+                    if (iq) {                                                                                        \
+                        a[0][r] = IQ_DOT(IQ_DOT(a[0][r], lo, xl), hi, xh);                                           \
+                    } else {                                                                                         \
+                        a[0][r] = _mm256_add_epi16(a[0][r], _mm256_maddubs_epi16(lo, xl));                           \
+                        a[q5][r] = _mm256_add_epi16(a[q5][r], _mm256_maddubs_epi16(hi, xh));                         \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
+                __m256i I = iq ? a[0][r] : _mm256_madd_epi16(a[0][r], ones);                                         \
+                if (q5) I = _mm256_add_epi32(I, _mm256_madd_epi16(a[1][r], ones));                                  \
+                if (B32[KIND].offset || (iq && IQ_C)) {                                                              \
+                    const int32_t *c = C + r * (k / 4) + 8 * b;                                                      \
+                    const int32_t sum = c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7];                       \
+                    I = _mm256_add_epi32(I, _mm256_set1_epi32(iq ? sum : sum / B32[KIND].offset));                   \
+                }                                                                                                    \
+                out[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(I), _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nbx + b])),   \
+                                         out[r]);                                                                    \
+                if (B32[KIND].mins)                                                                                  \
+                    out[r] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16))),            \
+                                             _mm256_set1_ps(S[r * lds + gq_sums32_at(k) + b]), out[r]);              \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
+    }
+#define X8B_TILES(NAME, KIND)                                                                                          \
+    X8B_ROWS(NAME, 1, KIND, 0, )                                                                                       \
+    X8B_ROWS(NAME, 1, KIND, 1, b) X8B_ROWS(NAME, 2, KIND, 0, ) X8B_ROWS(NAME, 3, KIND, 0, ) X8B_ROWS(NAME, 4, KIND, 0, )
+X8B_TILES(q40x8_rows, B32_Q4_0)
+X8B_TILES(q41x8_rows, B32_Q4_1)
+X8B_TILES(q50x8_rows, B32_Q5_0)
+X8B_TILES(q51x8_rows, B32_Q5_1)
+X8B_TILES(nlx8_rows, B32_IQ4_NL)
 #else
 /* IQ4_XS_X8, one row (the vector build's iqx8_rows_R arguments) */
 static void iqx8_rows_1(X8_TILE_ARGS) {
-    static const int8_t kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+    const int8_t *kv = IQ4_CODES;
     (void)k, (void)nbx, (void)ldy, (void)S, (void)lds, (void)C;
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
@@ -728,31 +753,39 @@ static void q6x8_rows_1(X8_TILE_ARGS) {
     memcpy(y, out, sizeof out);
 }
 
-/* Q4_0_X8 and Q4_1_X8 (min), one row */
-static void x8b_row(X8_TILE_ARGS, const int min) {
+/* a blocks-of-32 kind, one row: each block's exact integer dot product (IQ4_NL's from its signed values; the others'
+ * from their codes, plus the offset) */
+static void x8b_row(X8_TILE_ARGS, const int kind) {
     (void)nbx, (void)lds, (void)ldy;
-    const int64_t bytes = min ? Q41X8_BYTES : Q40X8_BYTES;
+    const int64_t bytes = B32[kind].bytes;
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *g = q + b * bytes, *codes = g + (min ? 32 : 16);
+        const uint8_t *g = q + b * bytes, *codes = g + B32[kind].codes;
         const int8_t *xb = xq + 32 * b;
         const int32_t *c = C + 8 * b;
-        const int32_t corr = min ? 0 : (c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]) / 16;
+        const int32_t corr =
+            B32[kind].offset ? (c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]) / B32[kind].offset : 0;
         for (int col = 0; col < 8; col++) {
+            const uint32_t qh = B32[kind].qh ? gguf_u32(g + B32[kind].qh + 4 * col) : 0; /* x8_q5_bits' order */
             int32_t dot = 0;
             for (int gg = 0; gg < 4; gg++)
                 for (int i = 0; i < 4; i++) {
                     const uint8_t v = codes[32 * gg + 4 * col + i];
-                    dot += (v & 15) * xb[4 * gg + i] + (v >> 4) * xb[16 + 4 * gg + i];
+                    int lo = (v & 15) | (qh >> (8 * i + gg) & 1) << 4, hi = (v >> 4) | (qh >> (8 * i + 4 + gg) & 1) << 4;
+                    if (kind == B32_IQ4_NL) lo = IQ4_CODES[lo], hi = IQ4_CODES[hi];
+                    dot += lo * xb[4 * gg + i] + hi * xb[16 + 4 * gg + i];
                 }
             out[col] = fmaf((float)(dot + corr), gguf_f16(g + 2 * col) * xd[b], out[col]);
-            if (min) out[col] = fmaf(gguf_f16(g + 16 + 2 * col), S[gq_sums32_at(k) + b], out[col]);
+            if (B32[kind].mins) out[col] = fmaf(gguf_f16(g + 16 + 2 * col), S[gq_sums32_at(k) + b], out[col]);
         }
     }
     memcpy(y, out, sizeof out);
 }
-static void q40x8_rows_1(X8_TILE_ARGS) { x8b_row(q, nb, xq, k, xd, nbx, S, lds, C, y, ldy, 0); }
-static void q41x8_rows_1(X8_TILE_ARGS) { x8b_row(q, nb, xq, k, xd, nbx, S, lds, C, y, ldy, 1); }
+static void q40x8_rows_1(X8_TILE_ARGS) { x8b_row(q, nb, xq, k, xd, nbx, S, lds, C, y, ldy, B32_Q4_0); }
+static void q41x8_rows_1(X8_TILE_ARGS) { x8b_row(q, nb, xq, k, xd, nbx, S, lds, C, y, ldy, B32_Q4_1); }
+static void q50x8_rows_1(X8_TILE_ARGS) { x8b_row(q, nb, xq, k, xd, nbx, S, lds, C, y, ldy, B32_Q5_0); }
+static void q51x8_rows_1(X8_TILE_ARGS) { x8b_row(q, nb, xq, k, xd, nbx, S, lds, C, y, ldy, B32_Q5_1); }
+static void nlx8_rows_1(X8_TILE_ARGS) { x8b_row(q, nb, xq, k, xd, nbx, S, lds, C, y, ldy, B32_IQ4_NL); }
 
 /* Q8_0_X8, one row */
 static void q80x8_rows_1(X8_TILE_ARGS) {
@@ -893,6 +926,9 @@ static const struct {
     x8_tile broadcast_row;
 } X8_TYPES[] = {{LLMD_Q40_X8, 18, X8_ROW_TILES(q40x8_rows)},
                 {LLMD_Q41_X8, 20, X8_ROW_TILES(q41x8_rows)},
+                {LLMD_Q50_X8, 22, X8_ROW_TILES(q50x8_rows)},
+                {LLMD_Q51_X8, 24, X8_ROW_TILES(q51x8_rows)},
+                {LLMD_IQ4NL_X8, 18, X8_ROW_TILES(nlx8_rows)},
                 {LLMD_Q80_X8, 34, X8_TILES(q80x8_rows), NULL},
                 {LLMD_Q2K_X8, 84, X8_ROW_TILES(q2x8_rows)},
                 {LLMD_Q3K_X8, 110, X8_ROW_TILES(q3x8_rows)},
@@ -927,7 +963,7 @@ void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, c
     }
 }
 
-/* ==== Q6_K_X8 on the head path: int16 activations (cpu_head.c) ====================================================
+/* ==== Q6_K_X8 and Q4_1_X8 on the int16 path (output heads, Q4_1 layers; cpu_head.c) ==================================
  *
  * An output head's Q6_K table interleaved as above, against int16 activation codes q. The 6-bit codes u are widened
  * to int16 lanes (unpacked with zeros: a 256-bit vector of 4 codes of 8 columns becomes columns 0, 1, 4, 5 and 2, 3,
@@ -939,6 +975,8 @@ void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, c
  * thread, the sub-blocks s = 8h + 2u + e taken for h, e, u:
  *   per super-block b: acc = float(I_s sc_s) xd_(s/2) for the first, then acc = fma(float(I_s sc_s), xd_(s/2), acc);
  *   out = fma(acc, d, out).
+ * Q4_1_X8 (a Q4_1 layer, or head) the same way, its codes 0..15: per block b, I = sum(u q) (exact: |I| <= 32 * 15 *
+ * 32767), out = fma(float(I), d xd_b, out); out = fma(m, xd_b float(Q_2b + Q_2b+1), out).
  * The portable build computes the same operations in plain C. */
 
 /* a head tile's arguments: a column group's super-blocks q (nb), rows [0, R) of the head path's row data (row r: the
@@ -1135,6 +1173,16 @@ void llmd_x8_cols_q16(int type, const float *xd, const int32_t *Q, const int16_t
 
 /* ==== Packing: the file's rows -> the interleaved layout, in place (gguf_blocks.x8_pack is the reference) ========= */
 
+/* Q5_0's or Q5_1's 32 fifth bits (bit e: element e's) in the order its tiles read them: byte i's bit j is element
+ * 4j + i's for j < 4 (the low nibbles of run j), 16 + 4 (j - 4) + i's after (the high ones): run g's bits are then
+ * bits g and 4 + g of each byte, moved to bit 4 by one shift (q5_bit4) */
+static uint32_t x8_q5_bits(uint32_t qh) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 8; j++) v |= (qh >> (j < 4 ? 4 * j + i : 16 + 4 * (j - 4) + i) & 1u) << (8 * i + j);
+    return v;
+}
+
 /* one group of 8 rows' super-block b: src = the 8 rows (row stride rb), dst = its X8 block */
 static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst) {
     if (type == LLMD_Q4K_X8 || type == LLMD_Q5K_X8) {
@@ -1159,12 +1207,18 @@ static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst
                 dst[96 + 8 * j + c] = (uint8_t)(sc[c][j] >> 4 | (sc[c][j + 4] >> 4) << 2 | (mn[c][j] >> 4) << 4 |
                                                 (mn[c][j + 4] >> 4) << 6);
             }
-    } else if (type == LLMD_Q40_X8 || type == LLMD_Q41_X8 || type == LLMD_Q80_X8) {
-        const int runs = type == LLMD_Q80_X8 ? 8 : 4, fp16s = type == LLMD_Q41_X8 ? 2 : 1; /* d (and Q4_1's m) */
+    } else if (LLMD_X8_ELEMS(type) == 32) { /* d (and m) as 8 fp16s, the fifth bits and codes in runs of 4 bytes */
+        const int fp16s = type == LLMD_Q41_X8 || type == LLMD_Q51_X8 ? 2 : 1;
+        const int runs = (type == LLMD_Q80_X8 ? 8 : 4) + (type == LLMD_Q50_X8 || type == LLMD_Q51_X8);
         for (int c = 0; c < 8; c++) {
             for (int f = 0; f < fp16s; f++) memcpy(dst + 16 * f + 2 * c, src + c * rb + 2 * f, 2);
             for (int r = 0; r < runs; r++)
                 memcpy(dst + 16 * fp16s + 32 * r + 4 * c, src + c * rb + 2 * fp16s + 4 * r, 4);
+            if (runs == 5) { /* Q5_0, Q5_1: the fifth bits in the tiles' order */
+                uint8_t *qh = dst + 16 * fp16s + 4 * c;
+                const uint32_t v = x8_q5_bits(gguf_u32(qh));
+                for (int i = 0; i < 4; i++) qh[i] = (uint8_t)(v >> 8 * i);
+            }
         }
     } else if (type == LLMD_Q2K_X8 || type == LLMD_Q3K_X8) {
         const int q3 = type == LLMD_Q3K_X8;

@@ -65,8 +65,9 @@ BLOCKS: dict[str, tuple[int, int]] = {
 }
 PACKED_TYPES = tuple(BLOCKS)
 # llmd's interleaved layouts (x8_pack) -> the file's type
-X8_OF = {"Q4_0_X8": "Q4_0", "Q4_1_X8": "Q4_1", "Q8_0_X8": "Q8_0", "Q2_K_X8": "Q2_K", "Q3_K_X8": "Q3_K",
-         "Q4_K_X8": "Q4_K", "Q5_K_X8": "Q5_K", "Q6_K_X8": "Q6_K", "IQ4_XS_X8": "IQ4_XS"}
+X8_OF = {"Q4_0_X8": "Q4_0", "Q4_1_X8": "Q4_1", "Q5_0_X8": "Q5_0", "Q5_1_X8": "Q5_1", "Q8_0_X8": "Q8_0",
+         "IQ4_NL_X8": "IQ4_NL", "Q2_K_X8": "Q2_K", "Q3_K_X8": "Q3_K", "Q4_K_X8": "Q4_K", "Q5_K_X8": "Q5_K",
+         "Q6_K_X8": "Q6_K", "IQ4_XS_X8": "IQ4_XS"}
 IQ4_KVALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1 codes' values, doubled
 
@@ -301,7 +302,7 @@ def _x8_groups(blocks: torch.Tensor, type_name: str) -> tuple[int, int]:
 def x8_pack(blocks: torch.Tensor, layout: str) -> torch.Tensor:
     """Rows of X8_OF[layout]'s blocks [N, row bytes] (N % 8 == 0) -> the same bits in the interleaved `layout`."""
     if layout in X8_FIELDS:
-        return _x8_fields(blocks, layout, X8_FIELDS[layout])
+        return _x8_fields(_q5_bits(blocks, layout, _Q5_BITS), layout, X8_FIELDS[layout])
     return {"Q4_K_X8": q4k_x8_pack, "Q5_K_X8": q5k_x8_pack, "Q6_K_X8": q6k_x8_pack,
             "IQ4_XS_X8": iq4xs_x8_pack}[layout](blocks)
 
@@ -309,7 +310,7 @@ def x8_pack(blocks: torch.Tensor, layout: str) -> torch.Tensor:
 def x8_unpack(packed: torch.Tensor, layout: str) -> torch.Tensor:
     """The interleaved `layout` -> the file's rows (x8_pack's inverse)."""
     if layout in X8_FIELDS:
-        return _x8_fields_back(packed, layout, X8_FIELDS[layout])
+        return _q5_bits(_x8_fields_back(packed, layout, X8_FIELDS[layout]), layout, _Q5_BITS.argsort())
     return {"Q4_K_X8": q4k_x8_unpack, "Q5_K_X8": q5k_x8_unpack, "Q6_K_X8": q6k_x8_unpack,
             "IQ4_XS_X8": iq4xs_x8_unpack}[layout](packed)
 
@@ -399,9 +400,32 @@ def _x8_fields_back(packed: torch.Tensor, layout: str, spans: list[tuple[int, in
 # the layouts made of whole fields: each one's spans of the file's block in the interleaved block's order
 X8_FIELDS = {"Q4_0_X8": [(0, 2, 2), (2, 18, 4)],  # d, codes
              "Q4_1_X8": [(0, 2, 2), (2, 4, 2), (4, 20, 4)],  # d, m, codes
+             "Q5_0_X8": [(0, 2, 2), (2, 22, 4)],  # d, fifth bits (re-ordered: _q5_bits), codes
+             "Q5_1_X8": [(0, 2, 2), (2, 4, 2), (4, 24, 4)],  # d, m, fifth bits, codes
+             "IQ4_NL_X8": [(0, 2, 2), (2, 18, 4)],  # d, codes
              "Q8_0_X8": [(0, 2, 2), (2, 34, 4)],  # d, codes
              "Q2_K_X8": [(80, 82, 2), (82, 84, 2), (0, 16, 1), (16, 80, 4)],  # d, dmin, scales, codes
              "Q3_K_X8": [(108, 110, 2), (96, 108, 1), (0, 32, 4), (32, 96, 4)]}  # d, scales, high bits, low bits
+
+
+# Q5_0_X8's and Q5_1_X8's fifth bits: bit 8i + j of the interleaved word is bit _Q5_BITS[8i + j] of the file's qh
+# (element 4j + i for j < 4, 16 + 4 (j - 4) + i after), so that each run of codes' bits sit at one bit of every byte
+_Q5_BITS = torch.tensor([4 * j + i if j < 4 else 16 + 4 * (j - 4) + i for i in range(4) for j in range(8)])
+_QH_AT = {"Q5_0_X8": 2, "Q5_1_X8": 4}
+
+
+def _q5_bits(blocks: torch.Tensor, layout: str, order: torch.Tensor) -> torch.Tensor:
+    """Q5_0 / Q5_1 rows with each block's fifth bits re-ordered (bit b of the result: bit order[b]); others as given"""
+    if layout not in _QH_AT:
+        return blocks
+    at, nbytes = _QH_AT[layout], BLOCKS[X8_OF[layout]][1]
+    out = blocks.clone()
+    qh = out.view(-1, nbytes)[:, at:at + 4].to(torch.int64)
+    word = qh[:, 0] | qh[:, 1] << 8 | qh[:, 2] << 16 | qh[:, 3] << 24
+    bits = (word[:, None] >> order) & 1
+    word = (bits << torch.arange(32)).sum(-1)
+    out.view(-1, nbytes)[:, at:at + 4] = torch.stack([(word >> 8 * i) & 255 for i in range(4)], -1).to(torch.uint8)
+    return out
 
 
 # Q5_K's group of 8 rows' super-block (8 x 176 bytes): Q4_K_X8's 1152 bytes of its d, dmin, scales, mins and low 4

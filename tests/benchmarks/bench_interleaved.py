@@ -1,13 +1,13 @@
 """The CPU integer path's GGUF matmuls in the file's layout against the interleaved one (kernels/cpu_interleaved.c),
 streaming a model's worth of weights from memory, as a decode step does.
 
-    python tests/benchmarks/bench_interleaved.py [--types Q4_0,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_XS] [--rows 1,4,16]
-        [--threads 1,2] [--hidden 2048] [--intermediate 8192] [--kv 512] [--layers 16]
+    python tests/benchmarks/bench_interleaved.py [--types Q4_0,Q4_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_XS]
+        [--rows 1,4,16] [--threads 1,2] [--hidden 2048] [--intermediate 8192] [--kv 512] [--layers 16]
 
 Per type: one layer's q, k, v, o, gate, up and down matrices (Llama-3.2-1B's shapes by default) repeated --layers
 times, each its own random blocks (so they stream from memory, not cache), called one after another with M rows on
-the integer path (GGUFKernel(act="int8")). Prints the best of 4 rounds per layout: ms per pass and GB/s of the type's
-bytes, and the speedup. Random codes: speed does not depend on their values.
+the integer path the type's layers take (int8; Q4_1's int16). Prints the best of 4 rounds per layout: ms per pass
+and GB/s of the type's bytes, and the speedup. Random codes: speed does not depend on their values.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
-SCALE_AT = {"Q4_0": (0,), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+SCALE_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
             "Q6_K": (208,), "IQ4_XS": (0,)}  # fp16 scale fields set to a finite value
 
 
@@ -33,7 +33,7 @@ def blocks(type_name: str, n: int, k: int) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--types", default="Q4_0,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_XS")
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_XS")
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--hidden", type=int, default=2048)
@@ -48,16 +48,17 @@ def main() -> None:
     shapes = [(h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i)]
     for type_name in args.types.split(","):
         layout = next(x8 for x8, t in gb.X8_OF.items() if t == type_name)
+        act = cpu_gemm.activations(cpu_gemm.activation_kind([type_name]))
         kernels: dict[str, list] = {"file": [], "interleaved": []}
         total = 0
         for _ in range(args.layers):
             for n, k in shapes:
                 q = blocks(type_name, n, k)
                 total += q.numel()
-                kernels["file"].append((cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, act="int8"), k))
+                kernels["file"].append((cpu_gemm.GGUFKernel(lib, [(q, type_name)], k, act=act), k))
                 kernels["interleaved"].append((cpu_gemm.GGUFKernel(lib, [(gb.x8_pack(q, layout), layout)], k,
-                                                                   act="int8"), k))
-        print(f"{type_name}: {total / 1e6:.0f} MB of blocks, {len(kernels['file'])} matmuls a pass")
+                                                                   act=act), k))
+        print(f"{type_name} ({act}): {total / 1e6:.0f} MB of blocks, {len(kernels['file'])} matmuls a pass")
         for m in map(int, args.rows.split(",")):
             for threads in map(int, args.threads.split(",")):
                 xs = {k: torch.randn(m, k) for k in (h, i)}
