@@ -1,7 +1,7 @@
 """The CPU integer path's GGUF matmuls in the file's layout against the interleaved one (kernels/cpu_interleaved.c),
 streaming a model's worth of weights from memory, as a decode step does.
 
-    python tests/benchmarks/bench_interleaved.py [--types Q4_0,Q4_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_XS]
+    python tests/benchmarks/bench_interleaved.py [--types Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,IQ4_NL,Q2_K,..,Q6_K,IQ4_XS]
         [--rows 1,4,16] [--threads 1,2] [--hidden 2048] [--intermediate 8192] [--kv 512] [--layers 16]
 
 Per type: one layer's q, k, v, o, gate, up and down matrices (Llama-3.2-1B's shapes by default) repeated --layers
@@ -19,8 +19,9 @@ import torch
 from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
-SCALE_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-            "Q6_K": (208,), "IQ4_XS": (0,)}  # fp16 scale fields set to a finite value
+SCALE_AT = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "IQ4_NL": (0,),
+            "Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,),
+            "IQ4_XS": (0,)}  # fp16 scale fields set to a finite value
 
 
 def blocks(type_name: str, n: int, k: int) -> torch.Tensor:
@@ -33,7 +34,7 @@ def blocks(type_name: str, n: int, k: int) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--types", default="Q4_0,Q4_1,Q8_0,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_XS")
+    ap.add_argument("--types", default="Q4_0,Q4_1,Q5_0,Q5_1,Q8_0,IQ4_NL,Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,IQ4_XS")
     ap.add_argument("--rows", default="1,4,16")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--hidden", type=int, default=2048)
