@@ -1,5 +1,5 @@
 /* Q4_K repacked for the CPU's integer path: 8 output columns interleaved ("Q4_K_X8", llmd's own type id 1012), and the
- * other K-quants, IQ4_XS, Q4_0, Q4_1 and Q8_0 likewise.
+ * other K-quants, IQ4_XS and the blocks of 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) likewise.
  *
  * In the file's layout one column's super-block is one 144-byte block, so a vector holds 32 codes of one column: its
  * dot product ends in a horizontal sum and each sub-block's scale costs a conversion per column. Interleaved, a vector
@@ -60,7 +60,10 @@
  * output, for each block b: out = fma(float(dot_b - 8 sum(q_b)), d xd_b, out) (sum(q_b): the row's codes).
  * Q4_1 ("Q4_1_X8", 1003), 160 bytes: d [0, 16), m [16, 32), then the codes as Q4_0_X8's from 32. Per output, for each
  * block b: out = fma(float(dot_b), d xd_b, out); out = fma(m, S_b, out) (S_b: the row's sum of the block's dequantized
- * activations).
+ * activations). Q5_0 ("Q5_0_X8", 1006; 176 bytes) and Q5_1 ("Q5_1_X8", 1007; 192 bytes): Q4_0_X8's and Q4_1_X8's
+ * fields with the fifth bits before the codes, a 4-byte run per column re-ordered (x8_q5_bits), codes 0..31; Q5_0 as
+ * Q4_0 with -16 sum(q_b), Q5_1 as Q4_1. IQ4_NL ("IQ4_NL_X8", 1020): Q4_0_X8's layout, its codes signed table values
+ * (IQ4_XS_X8's dot products): out = fma(float(dot_b), d xd_b, out).
  *
  * Q8_0 ("Q8_0_X8", 1008; gguf_blocks.X8_FIELDS), 272 bytes a block of 32: d [0, 16), then the codes in runs of 4 bytes
  * per column (32 bytes at 16 + 32g: qs bytes 4g ..). Per output the file layout's tiles' order (cpu_blocks32.c, the
@@ -100,8 +103,8 @@ static const struct {
     int64_t bytes, mins, qh, codes, offset, pf;
 } B32[] = {{Q40X8_BYTES, 0, 0, 16, 16, Q40X8_PF},
            {Q41X8_BYTES, 16, 0, 32, 0, Q41X8_PF},
-           {176, 0, 16, 48, 8, 26},
-           {192, 16, 32, 64, 0, 24},
+           {176, 0, 16, 48, 8, 26},  /* Q5_0 */
+           {192, 16, 32, 64, 0, 24}, /* Q5_1 */
            {Q40X8_BYTES, 0, 0, 16, 0, Q40X8_PF}};
 
 /* Q6_K_X8's code of unit u at position o (see above) of a group's super-block g */
@@ -415,7 +418,6 @@ static void q6x8_rows_1b(X8_TILE_ARGS) { q6x8_row(q, nb, xq, k, xd, nbx, S, lds,
 Q6X8_ROWS(2, 0, )
 Q6X8_ROWS(3, 0, )
 Q6X8_ROWS(4, 0, )
-
 
 /* Q8_0_X8: R rows of a column group, a block of 32 elements at a time: per run of 4 codes, the 8 columns' |w| against
  * the broadcast activations signed by w (maddubs: 2 * 128 * 127 < 2^15, then madd), or with VNNI w + 128 against them
@@ -771,7 +773,8 @@ static void x8b_row(X8_TILE_ARGS, const int kind) {
             for (int gg = 0; gg < 4; gg++)
                 for (int i = 0; i < 4; i++) {
                     const uint8_t v = codes[32 * gg + 4 * col + i];
-                    int lo = (v & 15) | (qh >> (8 * i + gg) & 1) << 4, hi = (v >> 4) | (qh >> (8 * i + 4 + gg) & 1) << 4;
+                    int lo = (v & 15) | (qh >> (8 * i + gg) & 1) << 4;
+                    int hi = (v >> 4) | (qh >> (8 * i + 4 + gg) & 1) << 4;
                     if (kind == B32_IQ4_NL) lo = IQ4_CODES[lo], hi = IQ4_CODES[hi];
                     dot += lo * xb[4 * gg + i] + hi * xb[16 + 4 * gg + i];
                 }
@@ -1116,7 +1119,7 @@ static void q6x8h_rows_1(X8H_TILE_ARGS) {
 }
 
 static void q41x8h_rows_1(X8H_TILE_ARGS) {
-    (void)nbx, (void)ldy;
+    (void)k, (void)nbx, (void)ldy;
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *g = q + b * Q41X8_BYTES;
@@ -1132,7 +1135,6 @@ static void q41x8h_rows_1(X8H_TILE_ARGS) {
             out[c] = fmaf(gguf_f16(g + 16 + 2 * c), S, out[c]);
         }
     }
-    (void)k;
     memcpy(y, out, sizeof out);
 }
 #define X8H_ROW_TILES(f) X8_TILES(f), NULL
