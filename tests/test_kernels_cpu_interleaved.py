@@ -1,9 +1,9 @@
 """The blocks of 32, the K-quants and the IQ4s with 8 columns interleaved (Q4_0_X8 .. Q8_0_X8, IQ4_NL_X8, Q2_K_X8 ..
-Q6_K_X8, IQ4_XS_X8: kernels/cpu_interleaved.c), the CPU integer path's layouts for them: the same bits rearranged (packing and unpacking
-give the file's bytes back, dequantizing gives the file's values), the kernel's products match the integer path's
-torch reference, a row's result is bitwise the same whatever the batch, its position, the thread count and the parts
-beside it, and a packed layer takes the layout on the CPU only where nothing else reads its blocks in the file's
-layout.
+Q6_K_X8, IQ4_XS_X8: kernels/cpu_interleaved.c), the CPU integer paths' layouts for them: the same bits rearranged
+(packing and unpacking give the file's bytes back, dequantizing gives the file's values), the kernel's products match
+the integer path's torch reference, a row's result is bitwise the same whatever the batch, its position, the thread
+count and the parts beside it, and a packed layer takes the layout on the CPU only where nothing else reads its blocks
+in the file's layout.
 
 Where no C compiler exists the layer keeps the file's layout; the tests check that branch instead of skipping."""
 
@@ -17,7 +17,8 @@ from llmd.kernels import cpu_gemm
 from llmd.kernels import gguf_blocks as gb
 
 
-LAYOUTS = ["Q4_0_X8", "Q4_1_X8", "Q5_0_X8", "Q5_1_X8", "IQ4_NL_X8", "Q8_0_X8", "Q2_K_X8", "Q3_K_X8", "Q4_K_X8", "Q5_K_X8", "Q6_K_X8", "IQ4_XS_X8"]
+LAYOUTS = ["Q4_0_X8", "Q4_1_X8", "Q5_0_X8", "Q5_1_X8", "IQ4_NL_X8", "Q8_0_X8", "Q2_K_X8", "Q3_K_X8", "Q4_K_X8",
+           "Q5_K_X8", "Q6_K_X8", "IQ4_XS_X8"]
 
 
 def test_packing_keeps_the_files_bits():
