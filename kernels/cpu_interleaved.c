@@ -1039,11 +1039,9 @@ INLINE __m256i x8h_bcast(const int16_t *p) {
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
-Q6X8H_ROWS(1, 0, )
-Q6X8H_ROWS(1, 1, b)
-Q6X8H_ROWS(2, 0, )
-Q6X8H_ROWS(3, 0, )
-Q6X8H_ROWS(4, 0, )
+/* a head tile macro's instances: 1 to 4 rows, and one row from its broadcast copy */
+#define X8H_TILE_SET(ROWS) ROWS(1, 0, ) ROWS(1, 1, b) ROWS(2, 0, ) ROWS(3, 0, ) ROWS(4, 0, )
+X8H_TILE_SET(Q6X8H_ROWS)
 
 /* Q4_1_X8 on the int16 path: each 32 bytes of codes widened to int16 lanes as Q6_K_X8's units, then split into their
  * low and high nibbles */
@@ -1083,11 +1081,7 @@ Q6X8H_ROWS(4, 0, )
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
-Q41X8H_ROWS(1, 0, )
-Q41X8H_ROWS(1, 1, b)
-Q41X8H_ROWS(2, 0, )
-Q41X8H_ROWS(3, 0, )
-Q41X8H_ROWS(4, 0, )
+X8H_TILE_SET(Q41X8H_ROWS)
 #define X8H_ROW_TILES(f) X8_TILES(f), f##_1b
 #else
 static void q6x8h_rows_1(X8H_TILE_ARGS) {
