@@ -260,7 +260,7 @@ void llmd_thread_id(int *tid, int *nth) { thread_id(tid, nth); }
 
 int llmd_gx_takes(int act, int type, int64_t k) {
     if (LLMD_X8(type))
-        return (act == LLMD_ACT_I8 || (act == LLMD_ACT_I16 && (type == LLMD_Q6K_X8 || type == LLMD_Q41_X8))) && k > 0 &&
+        return (act == LLMD_ACT_I8 || (act == LLMD_ACT_I16 && llmd_gguf_q16_type(type))) && k > 0 &&
                k % LLMD_X8_ELEMS(type) == 0;
     if (!gguf_type_of(type, k)) return 0;
     if (act == LLMD_ACT_F32) return 1;

@@ -13,8 +13,8 @@
 #define LLMD_HIDDEN __attribute__((visibility("hidden")))
 
 /* llmd's own type ids of the blocks of 32, the K-quants and the IQ4s with 8 columns interleaved (cpu_interleaved.c):
- * the int8 path (Q6_K_X8 and Q4_1_X8 the int16 one too: output heads, Q4_1 layers), N % 8 == 0, K a multiple of
- * LLMD_X8_ELEMS */
+ * the int8 path (Q6_K_X8, Q4_1_X8 and Q8_0_X8 the int16 one too: output heads, Q4_1 layers), N % 8 == 0, K a
+ * multiple of LLMD_X8_ELEMS */
 #define LLMD_Q40_X8 1002
 #define LLMD_Q41_X8 1003
 #define LLMD_Q50_X8 1006
@@ -67,6 +67,8 @@ typedef struct {
     float *y;
 } llmd_gx_job;
 
+/* 1 where the int16 path takes blocks of `type` (cpu_head.c; exported) */
+int llmd_gguf_q16_type(int type);
 /* 1 where path `act` takes blocks of `type` for this K */
 LLMD_HIDDEN int llmd_gx_takes(int act, int type, int64_t k);
 /* LLMD_GX_* that rows for blocks of `type` need on path `act` */
@@ -89,7 +91,7 @@ LLMD_HIDDEN void llmd_gx_cols(const llmd_gx_job *job, int64_t n0, int64_t n1, vo
 LLMD_HIDDEN void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C,
                               const int8_t *xb, const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k,
                               int64_t n0, int64_t n1);
-/* the same on the int16 path's rows of an interleaved Q6_K or Q4_1 weight (cpu_interleaved.c) */
+/* the same on the int16 path's rows of an interleaved Q6_K, Q4_1 or Q8_0 weight (cpu_interleaved.c) */
 LLMD_HIDDEN void llmd_x8_cols_q16(int type, const float *xd, const int32_t *Q, const int16_t *x, const int16_t *xb,
                                   const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0,
                                   int64_t n1);

@@ -323,8 +323,8 @@ void gh_cols(int type, const float *xd, const int32_t *Q, const int16_t *xq, con
 #endif
 }
 
-/* 1 where the head path takes GGUF blocks of `type` (a GGML type id, or Q6_K_X8 and Q4_1_X8: cpu_interleaved.c's
- * int16 tiles). */
+/* 1 where the head path takes GGUF blocks of `type` (a GGML type id, or Q6_K_X8, Q4_1_X8 and Q8_0_X8:
+ * cpu_interleaved.c's int16 tiles). */
 int llmd_gguf_q16_type(int type) {
-    return gh_supported(type) || type == LLMD_Q6K_X8 || type == LLMD_Q41_X8;
+    return gh_supported(type) || type == LLMD_Q6K_X8 || type == LLMD_Q41_X8 || type == LLMD_Q80_X8;
 }

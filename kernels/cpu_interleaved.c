@@ -966,7 +966,7 @@ void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, c
     }
 }
 
-/* ==== Q6_K_X8 and Q4_1_X8 on the int16 path (output heads, Q4_1 layers; cpu_head.c) ==================================
+/* ==== Q6_K_X8, Q4_1_X8 and Q8_0_X8 on the int16 path (output heads, Q4_1 layers; cpu_head.c) =====================
  *
  * An output head's Q6_K table interleaved as above, against int16 activation codes q. The 6-bit codes u are widened
  * to int16 lanes (unpacked with zeros: a 256-bit vector of 4 codes of 8 columns becomes columns 0, 1, 4, 5 and 2, 3,
@@ -979,7 +979,8 @@ void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, c
  *   per super-block b: acc = float(I_s sc_s) xd_(s/2) for the first, then acc = fma(float(I_s sc_s), xd_(s/2), acc);
  *   out = fma(acc, d, out).
  * Q4_1_X8 (a Q4_1 layer, or head) the same way, its codes 0..15: per block b, I = sum(u q) (exact: |I| <= 32 * 15 *
- * 32767), out = fma(float(I), d xd_b, out); out = fma(m, xd_b float(Q_2b + Q_2b+1), out).
+ * 32767), out = fma(float(I), d xd_b, out); out = fma(m, xd_b float(Q_2b + Q_2b+1), out). Q8_0_X8 (a head): per
+ * block b, I = sum(w q) (exact: |I| <= 32 * 128 * 32767), out = fma(float(I), d xd_b, out).
  * The portable build computes the same operations in plain C. */
 
 /* a head tile's arguments: a column group's super-blocks q (nb), rows [0, R) of the head path's row data (row r: the
@@ -1082,6 +1083,39 @@ X8H_TILE_SET(Q6X8H_ROWS)
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
 X8H_TILE_SET(Q41X8H_ROWS)
+
+/* Q8_0_X8 on the int16 path: each 32 bytes of codes widened to int16 lanes (unpacked with their signs) as above */
+#define Q80X8H_ROWS(R, BC, SUFFIX)                                                                                     \
+    static void q80x8h_rows_##R##SUFFIX(X8H_TILE_ARGS) {                                                               \
+        (void)Q;                                                                                                       \
+        const __m256i zero = _mm256_setzero_si256();                                                                 \
+        __m256 out[R];                                                                                               \
+        for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * Q80X8_BYTES;                                                                  \
+            for (int p = 0; p < Q80X8_BYTES; p += 64)                                                                \
+                _mm_prefetch((const char *)(g + Q80X8_PF * Q80X8_BYTES + p), X8_HINT);                               \
+            __m256i lo[R], hi[R]; /* columns 0, 1, 4, 5 and 2, 3, 6, 7: two int32 pairs each */                       \
+            for (int r = 0; r < R; r++) lo[r] = hi[r] = zero;                                                        \
+            _Pragma("GCC unroll 8") for (int gg = 0; gg < 8; gg++) {                                                \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 16 + 32 * gg));                           \
+                const __m256i sign = _mm256_cmpgt_epi8(zero, w);                                                     \
+                const __m256i c_lo = _mm256_unpacklo_epi8(w, sign), c_hi = _mm256_unpackhi_epi8(w, sign);            \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
+                    const __m256i xv = X8H_XV(BC, r, 32 * b + 4 * gg);                                               \
+                    lo[r] = x8_chain(DOT_S16_ACC(lo[r], c_lo, xv));                                                  \
+                    hi[r] = x8_chain(DOT_S16_ACC(hi[r], c_hi, xv));                                                  \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
+                const __m256 t = _mm256_cvtepi32_ps(_mm256_hadd_epi32(lo[r], hi[r]));                                \
+                out[r] = _mm256_fmadd_ps(t, _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nbx + b])), out[r]);              \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
+    }
+X8H_TILE_SET(Q80X8H_ROWS)
 #define X8H_ROW_TILES(f) X8_TILES(f), f##_1b
 #else
 static void q6x8h_rows_1(X8H_TILE_ARGS) {
@@ -1107,6 +1141,21 @@ static void q6x8h_rows_1(X8H_TILE_ARGS) {
                         acc = h == 0 && e == 0 && u == 0 ? t * dv : fmaf(t, dv, acc);
                     }
             out[c] = fmaf(acc, gguf_f16(g + 2 * c), out[c]);
+        }
+    }
+    memcpy(y, out, sizeof out);
+}
+
+static void q80x8h_rows_1(X8H_TILE_ARGS) {
+    (void)k, (void)nbx, (void)ldy, (void)Q;
+    float out[8] = {0};
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *g = q + b * Q80X8_BYTES;
+        for (int c = 0; c < 8; c++) {
+            int32_t dot = 0;
+            for (int gg = 0; gg < 8; gg++)
+                for (int i = 0; i < 4; i++) dot += (int8_t)g[16 + 32 * gg + 4 * c + i] * x[32 * b + 4 * gg + i];
+            out[c] = fmaf((float)dot, gguf_f16(g + 2 * c) * xd[b], out[c]);
         }
     }
     memcpy(y, out, sizeof out);
@@ -1139,7 +1188,9 @@ static const struct {
     int64_t bytes;
     x8h_tile tiles[X8_MAX_ROWS];
     x8h_tile broadcast_row;
-} X8H_TYPES[] = {{LLMD_Q6K_X8, 210, X8H_ROW_TILES(q6x8h_rows)}, {LLMD_Q41_X8, 20, X8H_ROW_TILES(q41x8h_rows)}};
+} X8H_TYPES[] = {{LLMD_Q6K_X8, 210, X8H_ROW_TILES(q6x8h_rows)},
+                 {LLMD_Q41_X8, 20, X8H_ROW_TILES(q41x8h_rows)},
+                 {LLMD_Q80_X8, 34, X8H_ROW_TILES(q80x8h_rows)}};
 
 /* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the head path's rows (xd [K/32], Q [K/16], x [K] per row:
  * gh_quantize_row's and gh_sums_row's) and an interleaved weight q of `type` (X8H_TYPES), in chunks of rows whose

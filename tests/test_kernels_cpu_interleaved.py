@@ -96,15 +96,15 @@ def test_interleaved_q8_0_gives_the_file_layouts_very_bits():
     torch.testing.assert_close(interleaved(x), cpu_gemm.gguf_matmul_q8_ref(x, q, "Q8_0"), rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("layout", ["Q6_K_X8", "Q4_1_X8"])
+@pytest.mark.parametrize("layout", ["Q6_K_X8", "Q4_1_X8", "Q8_0_X8"])
 def test_the_int16_paths_interleaved_tiles_match_its_reference_whatever_the_batch(layout):
-    """Q6_K_X8 (output heads) and Q4_1_X8 (Q4_1 layers) on the int16 path: the codes widened to int16 against the
-    activations' int16 codes (cpu_interleaved.c), close to the path's reference and to the file layout's kernel, a
-    row's bits the same whatever the rows and threads beside it."""
+    """Q6_K_X8 and Q8_0_X8 (output heads) and Q4_1_X8 (Q4_1 layers) on the int16 path: the codes widened to int16
+    against the activations' int16 codes (cpu_interleaved.c), close to the path's reference and to the file layout's
+    kernel, a row's bits the same whatever the rows and threads beside it."""
     if not HAVE_KERNEL:
         return
     lib, type_name = cpu_gemm.load(), gb.X8_OF[layout]
-    for k in (256, 768) + ((96,) if layout == "Q4_1_X8" else ()):
+    for k in (256, 768) + ((96,) if layout != "Q6_K_X8" else ()):
         q, _ = _weights(type_name, n=40, k=k, seed=k)
         head = cpu_gemm.GGUFKernel(lib, [(gb.x8_pack(q, layout), layout)], k, act="int16")
         assert head.act == "int16"
@@ -123,6 +123,12 @@ def test_the_int16_paths_interleaved_tiles_match_its_reference_whatever_the_batc
         q.view(8, 8, 20)[..., :4] = torch.tensor([1.0, -2.0], dtype=torch.float16).view(torch.uint8)  # d 1, m -2
         extreme = cpu_gemm.GGUFKernel(lib, [(gb.x8_pack(q, layout), layout)], 256, act="int16")(x)
         torch.testing.assert_close(extreme, torch.full((1, 8), 256 * (15 - 2) * 1e4), rtol=1e-6, atol=0)
+        return
+    if layout == "Q8_0_X8":
+        q = torch.full((8, 272), 128, dtype=torch.uint8)  # codes -128 against activation codes 32767
+        q.view(8, 8, 34)[..., :2] = torch.tensor([1.0], dtype=torch.float16).view(torch.uint8)
+        extreme = cpu_gemm.GGUFKernel(lib, [(gb.x8_pack(q, layout), layout)], 256, act="int16")(x)
+        torch.testing.assert_close(extreme, torch.full((1, 8), 256 * -128 * 1e4), rtol=1e-6, atol=0)
         return
     q = torch.zeros(8, 210, dtype=torch.uint8)
     q[:, 192:208] = torch.tensor([-128 % 256] * 16, dtype=torch.uint8)
@@ -175,6 +181,14 @@ def test_a_layer_interleaves_on_the_cpu_where_nothing_else_reads_its_blocks():
     assert layer41.type_name == "Q4_1_X8" and cpu_gemm.gguf_kernel(layer41.cpu_parts(), k).act == "int16"
     ref = cpu_gemm.gguf_matmul_q16_ref(x, q41, "Q4_1")
     torch.testing.assert_close(layer41(x), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    q80, _ = _weights("Q8_0", n=16, k=k)  # and a Q8_0 output head for its int16 path
+    head80 = GGUFLinear(k, 16, "Q8_0")
+    head80.output_head = True
+    head80.fill(q80, "w", "test")
+    head80.prepare(torch.device("cpu"), torch.float32)
+    assert head80.type_name == "Q8_0_X8" and cpu_gemm.gguf_kernel(head80.cpu_parts(), k, head=True).act == "int16"
+    ref = cpu_gemm.gguf_matmul_q16_ref(x, q80, "Q8_0")
+    torch.testing.assert_close(head80(x), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_a_tied_q6_k_head_interleaves_its_table_and_the_embedding_still_reads_the_files_rows():
