@@ -339,7 +339,7 @@ def test_portable_build_computes_the_same_values(tmp_path, monkeypatch):
         packed, x = gb.x8_pack(q, layout), _x(5, k)
         plain = cpu_gemm.GGUFKernel(lib, [(packed, layout)], k, act="int8")(x, 2)
         assert torch.equal(_bits(plain), _bits(cpu_gemm.GGUFKernel(cpu_gemm.load(), [(packed, layout)], k)(x, 2)))
-        if layout == "Q6_K_X8":  # and as an output head (int16 activations)
+        if lib.llmd_gguf_q16_type(cpu_gemm.GGUF_TYPE_IDS[layout]):  # and on the int16 path (heads, Q4_1 layers)
             plain, vector = (cpu_gemm.GGUFKernel(b, [(packed, layout)], k, act="int16")(x, 2)
                              for b in (lib, cpu_gemm.load()))
             assert torch.equal(_bits(plain), _bits(vector))
