@@ -1044,25 +1044,26 @@ INLINE __m256i x8h_bcast(const int16_t *p) {
 #define X8H_TILE_SET(ROWS) ROWS(1, 0, ) ROWS(1, 1, b) ROWS(2, 0, ) ROWS(3, 0, ) ROWS(4, 0, )
 X8H_TILE_SET(Q6X8H_ROWS)
 
-/* Q4_1_X8 on the int16 path: each 32 bytes of codes widened to int16 lanes as Q6_K_X8's units, then split into their
- * low and high nibbles */
-#define Q41X8H_ROWS(R, BC, SUFFIX)                                                                                     \
-    static void q41x8h_rows_##R##SUFFIX(X8H_TILE_ARGS) {                                                               \
+/* Q4_1_X8 (Q8 0) and Q8_0_X8 (Q8 1) on the int16 path: each 32 bytes of codes widened to int16 lanes as Q6_K_X8's
+ * units (Q8_0's unpacked with their signs), Q4_1's then split into their low and high nibbles */
+#define X8H32_ROWS(NAME, R, Q8, BC, SUFFIX)                                                                            \
+    static void NAME##_##R##SUFFIX(X8H_TILE_ARGS) {                                                                    \
+        const int64_t bytes = Q8 ? Q80X8_BYTES : Q41X8_BYTES, pf = Q8 ? Q80X8_PF : Q41X8_PF;                         \
         const __m256i zero = _mm256_setzero_si256(), m4 = _mm256_set1_epi16(0x0F);                                   \
         __m256 out[R];                                                                                               \
         for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                           \
-            const uint8_t *g = q + b * Q41X8_BYTES;                                                                  \
-            for (int p = 0; p < Q41X8_BYTES; p += 64)                                                                \
-                _mm_prefetch((const char *)(g + Q41X8_PF * Q41X8_BYTES + p), X8_HINT);                               \
+            const uint8_t *g = q + b * bytes;                                                                        \
+            for (int p = 0; p < bytes; p += 64) _mm_prefetch((const char *)(g + pf * bytes + p), X8_HINT);           \
             __m256i lo[R], hi[R]; /* columns 0, 1, 4, 5 and 2, 3, 6, 7: two int32 pairs each */                       \
             for (int r = 0; r < R; r++) lo[r] = hi[r] = zero;                                                        \
-            _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                                \
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 32 + 32 * gg));                           \
-                const __m256i w_lo = _mm256_unpacklo_epi8(w, zero), w_hi = _mm256_unpackhi_epi8(w, zero);            \
-                _Pragma("GCC unroll 2") for (int half = 0; half < 2; half++) { /* the low, then the high nibbles */ \
-                    const __m256i c_lo = half ? _mm256_srli_epi16(w_lo, 4) : _mm256_and_si256(w_lo, m4);             \
-                    const __m256i c_hi = half ? _mm256_srli_epi16(w_hi, 4) : _mm256_and_si256(w_hi, m4);             \
+            _Pragma("GCC unroll 8") for (int gg = 0; gg < (Q8 ? 8 : 4); gg++) {                                     \
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + (Q8 ? 16 : 32) + 32 * gg));               \
+                const __m256i fill = Q8 ? _mm256_cmpgt_epi8(zero, w) : zero;                                         \
+                const __m256i w_lo = _mm256_unpacklo_epi8(w, fill), w_hi = _mm256_unpackhi_epi8(w, fill);            \
+                _Pragma("GCC unroll 2") for (int half = 0; half < (Q8 ? 1 : 2); half++) { /* Q4_1: low, high */     \
+                    const __m256i c_lo = Q8 ? w_lo : half ? _mm256_srli_epi16(w_lo, 4) : _mm256_and_si256(w_lo, m4); \
+                    const __m256i c_hi = Q8 ? w_hi : half ? _mm256_srli_epi16(w_hi, 4) : _mm256_and_si256(w_hi, m4); \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
                         const __m256i xv = X8H_XV(BC, r, 32 * b + 16 * half + 4 * gg);                               \
                         lo[r] = x8_chain(DOT_S16_ACC(lo[r], c_lo, xv));                                              \
@@ -1071,50 +1072,22 @@ X8H_TILE_SET(Q6X8H_ROWS)
                 }                                                                                                    \
             }                                                                                                        \
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
-            const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));                           \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
                 const float xdb = xd[r * nbx + b];                                                                   \
-                const int32_t *Qb = Q + r * (k / 16) + 2 * b;                                                        \
                 const __m256 t = _mm256_cvtepi32_ps(_mm256_hadd_epi32(lo[r], hi[r]));                                \
                 out[r] = _mm256_fmadd_ps(t, _mm256_mul_ps(d, _mm256_set1_ps(xdb)), out[r]);                          \
-                out[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xdb * (float)(Qb[0] + Qb[1])), out[r]);                  \
-            }                                                                                                        \
-        }                                                                                                            \
-        for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
-    }
-X8H_TILE_SET(Q41X8H_ROWS)
-
-/* Q8_0_X8 on the int16 path: each 32 bytes of codes widened to int16 lanes (unpacked with their signs) as above */
-#define Q80X8H_ROWS(R, BC, SUFFIX)                                                                                     \
-    static void q80x8h_rows_##R##SUFFIX(X8H_TILE_ARGS) {                                                               \
-        (void)Q;                                                                                                       \
-        const __m256i zero = _mm256_setzero_si256();                                                                 \
-        __m256 out[R];                                                                                               \
-        for (int r = 0; r < R; r++) out[r] = _mm256_setzero_ps();                                                    \
-        for (int64_t b = 0; b < nb; b++) {                                                                           \
-            const uint8_t *g = q + b * Q80X8_BYTES;                                                                  \
-            for (int p = 0; p < Q80X8_BYTES; p += 64)                                                                \
-                _mm_prefetch((const char *)(g + Q80X8_PF * Q80X8_BYTES + p), X8_HINT);                               \
-            __m256i lo[R], hi[R]; /* columns 0, 1, 4, 5 and 2, 3, 6, 7: two int32 pairs each */                       \
-            for (int r = 0; r < R; r++) lo[r] = hi[r] = zero;                                                        \
-            _Pragma("GCC unroll 8") for (int gg = 0; gg < 8; gg++) {                                                \
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(g + 16 + 32 * gg));                           \
-                const __m256i sign = _mm256_cmpgt_epi8(zero, w);                                                     \
-                const __m256i c_lo = _mm256_unpacklo_epi8(w, sign), c_hi = _mm256_unpackhi_epi8(w, sign);            \
-                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
-                    const __m256i xv = X8H_XV(BC, r, 32 * b + 4 * gg);                                               \
-                    lo[r] = x8_chain(DOT_S16_ACC(lo[r], c_lo, xv));                                                  \
-                    hi[r] = x8_chain(DOT_S16_ACC(hi[r], c_hi, xv));                                                  \
+                if (!Q8) {                                                                                           \
+                    const int32_t *Qb = Q + r * (k / 16) + 2 * b;                                                    \
+                    const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(g + 16)));                   \
+                    out[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xdb * (float)(Qb[0] + Qb[1])), out[r]);              \
                 }                                                                                                    \
             }                                                                                                        \
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)g));                                   \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
-                const __m256 t = _mm256_cvtepi32_ps(_mm256_hadd_epi32(lo[r], hi[r]));                                \
-                out[r] = _mm256_fmadd_ps(t, _mm256_mul_ps(d, _mm256_set1_ps(xd[r * nbx + b])), out[r]);              \
-            }                                                                                                        \
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
+#define Q41X8H_ROWS(R, BC, SUFFIX) X8H32_ROWS(q41x8h_rows, R, 0, BC, SUFFIX)
+#define Q80X8H_ROWS(R, BC, SUFFIX) X8H32_ROWS(q80x8h_rows, R, 1, BC, SUFFIX)
+X8H_TILE_SET(Q41X8H_ROWS)
 X8H_TILE_SET(Q80X8H_ROWS)
 #define X8H_ROW_TILES(f) X8_TILES(f), f##_1b
 #else
@@ -1146,40 +1119,29 @@ static void q6x8h_rows_1(X8H_TILE_ARGS) {
     memcpy(y, out, sizeof out);
 }
 
-static void q80x8h_rows_1(X8H_TILE_ARGS) {
-    (void)k, (void)nbx, (void)ldy, (void)Q;
-    float out[8] = {0};
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *g = q + b * Q80X8_BYTES;
-        for (int c = 0; c < 8; c++) {
-            int32_t dot = 0;
-            for (int gg = 0; gg < 8; gg++)
-                for (int i = 0; i < 4; i++) dot += (int8_t)g[16 + 32 * gg + 4 * c + i] * x[32 * b + 4 * gg + i];
-            out[c] = fmaf((float)dot, gguf_f16(g + 2 * c) * xd[b], out[c]);
-        }
-    }
-    memcpy(y, out, sizeof out);
-}
-
-static void q41x8h_rows_1(X8H_TILE_ARGS) {
+/* Q4_1_X8 (q8 0) and Q8_0_X8 (q8 1) on the int16 path, one row */
+static void x8h32_row(X8H_TILE_ARGS, const int q8) {
     (void)k, (void)nbx, (void)ldy;
     float out[8] = {0};
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *g = q + b * Q41X8_BYTES;
-        const float xdb = xd[b], S = xdb * (float)(Q[2 * b] + Q[2 * b + 1]);
+        const uint8_t *g = q + b * (q8 ? Q80X8_BYTES : Q41X8_BYTES);
+        const float xdb = xd[b], S = q8 ? 0.0f : xdb * (float)(Q[2 * b] + Q[2 * b + 1]);
         for (int c = 0; c < 8; c++) {
             int32_t dot = 0;
-            for (int gg = 0; gg < 4; gg++)
+            for (int gg = 0; gg < (q8 ? 8 : 4); gg++)
                 for (int i = 0; i < 4; i++) {
-                    const uint8_t v = g[32 + 32 * gg + 4 * c + i];
-                    dot += (v & 15) * x[32 * b + 4 * gg + i] + (v >> 4) * x[32 * b + 16 + 4 * gg + i];
+                    const uint8_t v = g[(q8 ? 16 : 32) + 32 * gg + 4 * c + i];
+                    const int16_t *xb = x + 32 * b + 4 * gg + i;
+                    dot += q8 ? (int8_t)v * xb[0] : (v & 15) * xb[0] + (v >> 4) * xb[16];
                 }
             out[c] = fmaf((float)dot, gguf_f16(g + 2 * c) * xdb, out[c]);
-            out[c] = fmaf(gguf_f16(g + 16 + 2 * c), S, out[c]);
+            if (!q8) out[c] = fmaf(gguf_f16(g + 16 + 2 * c), S, out[c]);
         }
     }
     memcpy(y, out, sizeof out);
 }
+static void q41x8h_rows_1(X8H_TILE_ARGS) { x8h32_row(q, nb, x, k, xd, nbx, Q, y, ldy, 0); }
+static void q80x8h_rows_1(X8H_TILE_ARGS) { x8h32_row(q, nb, x, k, xd, nbx, Q, y, ldy, 1); }
 #define X8H_ROW_TILES(f) X8_TILES(f), NULL
 #endif
 /* the types the head path takes interleaved, with their file blocks' bytes and tiles */
