@@ -256,11 +256,12 @@ def test_smollm2_runs_from_its_q4_1_blocks(smollm2_gguf):
     if cpu_gemm.available():
         q4_1[0].prepare(torch.device("cpu"), torch.float32)
         assert q4_1[0].kernel.act == "int16"
-    # The tied Q8_0 token table is kept once, as the file's blocks, serving as both the embeddings (the file's exact
-    # values) and the head (a GGUFLinear over the same bytes). It used to be rearranged into an int8 head, whose
-    # fp32 scales put the model over the 1.15x memory budget below.
+    # The tied Q8_0 token table is kept once, the file's blocks (interleaved in place where the head's int16 kernel
+    # takes them), serving as both the embeddings (the file's exact values) and the head (a GGUFLinear over the same
+    # bytes). It used to be rearranged into an int8 head, whose fp32 scales put the model over the 1.15x memory
+    # budget below.
     head, emb = lm.model.lm_head, lm.model.model.embed_tokens
-    assert isinstance(head, quant.GGUFLinear) and head.type_name == "Q8_0"
+    assert isinstance(head, quant.GGUFLinear) and head.type_name == ("Q8_0_X8" if cpu_gemm.available() else "Q8_0")
     assert isinstance(emb, quant.GGUFEmbedding) and head.qweight.data_ptr() == emb.qweight.data_ptr()
     raw = next(t for t in quant.gguf_raw_tensors(smollm2_gguf) if t.name == "model.embed_tokens.weight")
     ids = torch.tensor([0, 1, 504, 49151, 504])
