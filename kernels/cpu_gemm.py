@@ -615,7 +615,8 @@ def x8_rows(blocks: torch.Tensor, ids: torch.Tensor, layout: str) -> torch.Tenso
     """Rows `ids` of an interleaved table [N, row bytes] in the file's layout (gguf_blocks.x8_rows' bytes), in C where
     the library loads and takes the layout."""
     lib = load()
-    if lib is None or layout != "Q6_K_X8" or not blocks.is_contiguous() or blocks.device.type != "cpu":
+    in_c = layout == "Q6_K_X8" or gb.BLOCKS[gb.X8_OF[layout]][0] == 32  # llmd_x8_rows' layouts
+    if lib is None or not in_c or not blocks.is_contiguous() or blocks.device.type != "cpu":
         return gb.x8_rows(blocks, ids, layout)
     ids = ids.to(torch.int64).contiguous()
     out = torch.empty(ids.numel(), blocks.shape[1], dtype=torch.uint8)

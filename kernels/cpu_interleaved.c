@@ -1273,12 +1273,18 @@ static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst
     }
 }
 
+/* X8_TYPES' entry of `type`, or -1 */
+static int x8_entry(int type) {
+    for (int t = 0; t < (int)(sizeof X8_TYPES / sizeof X8_TYPES[0]); t++)
+        if (X8_TYPES[t].type == type) return t;
+    return -1;
+}
+
 /* rows [n, rb] of the file's type (n % 8 == 0) rearranged in place into `type`'s layout: 0, -1 for a type or shape
  * it does not take, -2 out of memory (one group's bytes of scratch) */
 int llmd_x8_pack(int type, uint8_t *q, int64_t n, int64_t rb) {
-    int t = 0;
-    while (t < (int)(sizeof X8_TYPES / sizeof X8_TYPES[0]) && X8_TYPES[t].type != type) t++;
-    if (t == (int)(sizeof X8_TYPES / sizeof X8_TYPES[0]) || n % 8 || rb % X8_TYPES[t].bytes) return -1;
+    const int t = x8_entry(type);
+    if (t < 0 || n % 8 || rb % X8_TYPES[t].bytes) return -1;
     const int64_t bytes = X8_TYPES[t].bytes, nb = rb / bytes;
     uint8_t *group = (uint8_t *)malloc((size_t)(8 * rb));
     if (!group) return -2;
@@ -1291,31 +1297,53 @@ int llmd_x8_pack(int type, uint8_t *q, int64_t n, int64_t rb) {
     return 0;
 }
 
-/* rows ids[0..count) of a Q6_K_X8 table q [n, rb] in the file's layout into out [count, rb] (x8_pack_block's inverse for
- * one column: a tied embedding's lookup in a table its head interleaved); -1 for another type or an id out of range */
+/* x8_q5_bits' inverse: the file's qh word of a column's run */
+static uint32_t x8_q5_file_bits(uint32_t v) {
+    uint32_t qh = 0;
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 8; j++) qh |= (v >> (8 * i + j) & 1u) << (j < 4 ? 4 * j + i : 16 + 4 * (j - 4) + i);
+    return qh;
+}
+
+/* column c of a group's block g of a blocks-of-32 layout, or of Q6_K_X8, into the file's block d (x8_pack_block's
+ * inverse) */
+static void x8_unpack_column(int type, const uint8_t *g, int64_t c, uint8_t *d) {
+    if (type == LLMD_Q6K_X8) {
+        memcpy(d + 208, g + 2 * c, 2);
+        for (int j = 0; j < 16; j++) d[192 + j] = g[16 + 8 * j + c];
+        for (int h = 0; h < 2; h++)
+            for (int at = 0; at < 32; at++) {
+                const int64_t o = 256 * h + 32 * (at / 4) + 4 * c + at % 4;
+                int u[4];
+                for (int t = 0; t < 4; t++) u[t] = q6x8_code(g, o, t);
+                d[64 * h + at] = (uint8_t)((u[0] & 15) | (u[2] & 15) << 4);
+                d[64 * h + 32 + at] = (uint8_t)((u[1] & 15) | (u[3] & 15) << 4);
+                d[128 + 32 * h + at] = (uint8_t)(u[0] >> 4 | (u[1] >> 4) << 2 | (u[2] >> 4) << 4 | (u[3] >> 4) << 6);
+            }
+        return;
+    }
+    const int fp16s = type == LLMD_Q41_X8 || type == LLMD_Q51_X8 ? 2 : 1;
+    const int runs = (type == LLMD_Q80_X8 ? 8 : 4) + (type == LLMD_Q50_X8 || type == LLMD_Q51_X8);
+    for (int f = 0; f < fp16s; f++) memcpy(d + 2 * f, g + 16 * f + 2 * c, 2);
+    for (int r = 0; r < runs; r++) memcpy(d + 2 * fp16s + 4 * r, g + 16 * fp16s + 32 * r + 4 * c, 4);
+    if (runs == 5) { /* Q5_0, Q5_1: the fifth bits back in the file's order */
+        const uint32_t qh = x8_q5_file_bits(gguf_u32(d + 2 * fp16s));
+        for (int i = 0; i < 4; i++) d[2 * fp16s + i] = (uint8_t)(qh >> 8 * i);
+    }
+}
+
+/* rows ids[0..count) of a Q6_K_X8 or blocks-of-32 interleaved table q [n, rb] in the file's layout into out [count, rb]
+ * (a tied embedding's lookup in a table its head interleaved); -1 for another type or an id out of range */
 int llmd_x8_rows(int type, const uint8_t *q, int64_t n, int64_t rb, const int64_t *ids, int64_t count, uint8_t *out) {
-    if (type != LLMD_Q6K_X8 || n % 8 || rb % 210) return -1;
+    const int t = x8_entry(type);
+    if (t < 0 || (type != LLMD_Q6K_X8 && LLMD_X8_ELEMS(type) != 32) || n % 8 || rb % X8_TYPES[t].bytes) return -1;
     for (int64_t i = 0; i < count; i++)
         if (ids[i] < 0 || ids[i] >= n) return -1;
+    const int64_t bytes = X8_TYPES[t].bytes;
     for (int64_t i = 0; i < count; i++) {
-        const int64_t c = ids[i] % 8;
         const uint8_t *group = q + ids[i] / 8 * 8 * rb;
-        for (int64_t b = 0; b < rb / 210; b++) {
-            const uint8_t *g = group + b * Q6X8_BYTES;
-            uint8_t *d = out + i * rb + b * 210;
-            memcpy(d + 208, g + 2 * c, 2);
-            for (int j = 0; j < 16; j++) d[192 + j] = g[16 + 8 * j + c];
-            for (int h = 0; h < 2; h++)
-                for (int at = 0; at < 32; at++) {
-                    const int64_t o = 256 * h + 32 * (at / 4) + 4 * c + at % 4;
-                    int u[4];
-                    for (int t = 0; t < 4; t++) u[t] = q6x8_code(g, o, t);
-                    d[64 * h + at] = (uint8_t)((u[0] & 15) | (u[2] & 15) << 4);
-                    d[64 * h + 32 + at] = (uint8_t)((u[1] & 15) | (u[3] & 15) << 4);
-                    d[128 + 32 * h + at] =
-                        (uint8_t)(u[0] >> 4 | (u[1] >> 4) << 2 | (u[2] >> 4) << 4 | (u[3] >> 4) << 6);
-                }
-        }
+        for (int64_t b = 0; b < rb / bytes; b++)
+            x8_unpack_column(type, group + 8 * b * bytes, ids[i] % 8, out + i * rb + b * bytes);
     }
     return 0;
 }

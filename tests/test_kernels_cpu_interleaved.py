@@ -38,6 +38,8 @@ def test_packing_keeps_the_files_bits():
         q, _ = _weights(gb.X8_OF[layout], n=24, k=768)
         packed = gb.x8_pack(q, layout)
         assert torch.equal(gb.x8_unpack(packed, layout), q)
+        ids = torch.tensor([23, 0, 9, 9, 16])  # a tied table's lookup (C for Q6_K_X8 and the blocks of 32)
+        assert torch.equal(cpu_gemm.x8_rows(packed, ids, layout), q[ids])
         in_place = q.clone()
         cpu_gemm.x8_pack_(in_place, layout)  # the loader's packing (C where the library loads): the reference's bytes
         assert torch.equal(in_place, packed)
