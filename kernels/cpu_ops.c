@@ -357,6 +357,28 @@ INLINE __m256 load8(const void *p, int64_t i, const int DT) {
 }
 #endif
 
+/* AVX-512 (a full-width unit on Zen 5 and Intel's server cores): attention's dot products and weighted sums 16 lanes
+ * at a time, half the instructions of the 8-lane loops they precede */
+#if SIMD && defined(__AVX512F__)
+#define SIMD512 1
+/* elements i .. i + 15 as fp32 (int8 unscaled) */
+INLINE __m512 load16(const void *p, int64_t i, const int DT) {
+    if (DT == KV_F32) return _mm512_loadu_ps((const float *)p + i);
+    if (DT == KV_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    if (DT == KV_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* lane l + lane l + 8, l < 8 */
+INLINE __m256 fold16(__m512 v) {
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+#else
+#define SIMD512 0
+#endif
+
 static int kv_ok(const llmd_kv *kv) {
     return kv && kv->k && kv->v && kv->dtype >= KV_F32 && kv->dtype <= KV_I8 && kv->num_blocks > 0 &&
            kv->block_size > 0 && kv->kv_heads > 0 && kv->d > 0 && (kv->dtype != KV_I8 || (kv->k_scale && kv->v_scale));
@@ -479,6 +501,19 @@ INLINE void attend_part_p(const float *const *q, const int64_t *lo, const int64_
 #if SIMD
         __m256 a0[PQ], a1[PQ];
         for (int j = 0; j < P; j++) a0[j] = a1[j] = _mm256_setzero_ps();
+#if SIMD512 /* 16 lanes, folded into the 8-lane sums (lane l + lane l + 8) before the rest of the head's values */
+        __m512 w0[PQ], w1[PQ];
+        for (int j = 0; j < P; j++) w0[j] = w1[j] = _mm512_setzero_ps();
+        for (; c + 16 <= d; c += 16) {
+            const __m512 kv0 = load16(hv->k, r0 + c, DT), kv1 = load16(hv->k, r1 + c, DT);
+            for (int j = 0; j < P; j++) {
+                const __m512 qv = _mm512_loadu_ps(q[j] + c);
+                w0[j] = _mm512_fmadd_ps(qv, kv0, w0[j]);
+                w1[j] = _mm512_fmadd_ps(qv, kv1, w1[j]);
+            }
+        }
+        for (int j = 0; j < P; j++) a0[j] = fold16(w0[j]), a1[j] = fold16(w1[j]);
+#endif
         for (; c + 8 <= d; c += 8) {
             const __m256 kv0 = load8(hv->k, r0 + c, DT), kv1 = load8(hv->k, r1 + c, DT);
             for (int j = 0; j < P; j++) {
@@ -514,6 +549,26 @@ INLINE void attend_part_p(const float *const *q, const int64_t *lo, const int64_
             for (int64_t i = aj[j]; i < nj[j]; i++) sj[i] = sj[i] * hv->vs[off[t0 + i] * hv->srow];
     }
     int64_t c = 0;
+#if SIMD512 /* each output lane the same sum in the same order as the 8-lane loop's */
+    for (; c + 32 <= d; c += 32) {
+        __m512 o0[PQ], o1[PQ];
+        for (int j = 0; j < P; j++) o0[j] = o1[j] = _mm512_setzero_ps();
+        for (int64_t i = i0; i < n; i++) {
+            const int64_t r = off[t0 + i] * row;
+            const __m512 v0 = load16(hv->v, r + c, DT), v1 = load16(hv->v, r + c + 16, DT);
+            for (int j = 0; j < P; j++) {
+                const __m512 p = _mm512_set1_ps(s[j * PART + i]);
+                o0[j] = _mm512_fmadd_ps(p, v0, o0[j]);
+                o1[j] = _mm512_fmadd_ps(p, v1, o1[j]);
+            }
+        }
+        for (int j = 0; j < P; j++)
+            if (nj[j] > aj[j]) {
+                _mm512_storeu_ps(part[j] + 2 + c, o0[j]);
+                _mm512_storeu_ps(part[j] + 2 + c + 16, o1[j]);
+            }
+    }
+#endif
 #if SIMD
     for (; c + 16 <= d; c += 16) {
         __m256 o0[PQ], o1[PQ];
