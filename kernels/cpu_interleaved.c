@@ -300,6 +300,84 @@ X8K_ROWS(q5x8_rows, 2, 1, 0, )
 X8K_ROWS(q5x8_rows, 3, 1, 0, )
 X8K_ROWS(q5x8_rows, 4, 1, 0, )
 
+/* Where 512-bit VNNI is built in (Zen 4 and 5, Intel's AVX-512 cores): R rows (2..4) of two neighbouring Q4_K column
+ * groups at once, the first group's 8 columns in lanes 0..7 and the next one's (nb super-blocks on) in 8..15, so each
+ * vpdpbusd serves 16 columns. Each lane's operations are x8_rows_R's, so every output is theirs bit for bit; prompts
+ * and batched decode (compute-bound) gain, a one-row decode (memory-bound) keeps its 8-lane tile. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define X16_PAIRS 1
+/* 8 bytes at a and 8 at b, widened to 16 int32 lanes */
+INLINE __m512i x16_bytes(const uint8_t *a, const uint8_t *b) {
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b)));
+}
+/* 8 fp16s at a and 8 at b as 16 floats */
+INLINE __m512 x16_halves(const uint8_t *a, const uint8_t *b) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
+                                                   _mm_loadu_si128((const __m128i *)b), 1));
+}
+#define X16K_ROWS(R)                                                                                                   \
+    static void x16_rows_##R(X8_TILE_ARGS) {                                                                           \
+        (void)C;                                                                                                       \
+        const uint8_t *q2 = q + nb * X8_BYTES;                                                                         \
+        const __m512i m4 = _mm512_set1_epi8(0x0F);                                                                   \
+        __m512 out[R], s[R], m[R];                                                                                   \
+        for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * X8_BYTES, *g2 = q2 + b * X8_BYTES;                                            \
+            for (int p = 0; p < X8_BYTES; p += 64) {                                                                 \
+                _mm_prefetch((const char *)(g + X8_PF * X8_BYTES + p), X8_HINT);                                     \
+                _mm_prefetch((const char *)(g2 + X8_PF * X8_BYTES + p), X8_HINT);                                    \
+            }                                                                                                        \
+            uint8_t sc[64], mn[64], sc2[64], mn2[64];                                                                \
+            x8_scales(g, sc, mn), x8_scales(g2, sc2, mn2);                                                           \
+            _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                                                   \
+                __m512i a[2][R];                                                                                     \
+                for (int r = 0; r < R; r++) a[0][r] = a[1][r] = _mm512_setzero_si512();                              \
+                _Pragma("GCC unroll 8") for (int kk = 0; kk < 8; kk++) {                                            \
+                    const int64_t at = 128 + 32 * (8 * c + kk);                                                      \
+                    const __m512i w = _mm512_inserti64x4(                                                            \
+                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(g + at))),                       \
+                        _mm256_loadu_si256((const __m256i *)(g2 + at)), 1);                                          \
+                    const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);  \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
+                        const int8_t *x = xq + r * k + 256 * b + 64 * c + 4 * kk;                                    \
+                        int32_t x0, x1;                                                                              \
+                        memcpy(&x0, x, 4), memcpy(&x1, x + 32, 4);                                                   \
+                        a[0][r] = _mm512_dpbusd_epi32(a[0][r], lo, _mm512_set1_epi32(x0));                          \
+                        a[1][r] = _mm512_dpbusd_epi32(a[1][r], hi, _mm512_set1_epi32(x1));                          \
+                    }                                                                                                \
+                }                                                                                                    \
+                _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++) {                                               \
+                    const int j = 2 * c + h;                                                                         \
+                    const __m512i scj = x16_bytes(sc + 8 * j, sc2 + 8 * j);                                          \
+                    const __m512 mv = _mm512_cvtepi32_ps(x16_bytes(mn + 8 * j, mn2 + 8 * j));                         \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
+                        const __m512 t = _mm512_cvtepi32_ps(_mm512_mullo_epi32(a[h][r], scj));                       \
+                        const __m512 dv = _mm512_set1_ps(xd[r * nbx + 8 * b + j]);                                   \
+                        const __m512 sj = _mm512_set1_ps(S[r * lds + 2 * nbx + 8 * b + j]);                          \
+                        s[r] = j ? _mm512_fmadd_ps(t, dv, s[r]) : _mm512_mul_ps(t, dv);                              \
+                        m[r] = j ? _mm512_fmadd_ps(mv, sj, m[r]) : _mm512_mul_ps(mv, sj);                            \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m512 d = x16_halves(g, g2), dmin = x16_halves(g + 16, g2 + 16);                                  \
+            for (int r = 0; r < R; r++) {                                                                            \
+                out[r] = _mm512_fmadd_ps(s[r], d, out[r]);                                                           \
+                out[r] = _mm512_fnmadd_ps(m[r], dmin, out[r]);                                                       \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) {                                                                                \
+            _mm256_storeu_ps(y + r * ldy, _mm512_castps512_ps256(out[r]));                                           \
+            _mm256_storeu_ps(y + r * ldy + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out[r]), 1)));  \
+        }                                                                                                            \
+    }
+X16K_ROWS(2)
+X16K_ROWS(3)
+X16K_ROWS(4)
+#else
+#define X16_PAIRS 0
+#endif
+
 /* Q6_K_X8's code of unit u (q + 32, 0..63) at run gi of half h of a group's super-block g (16-bit shifts: the bits
  * masked in come from the byte itself) */
 INLINE __m256i q6x8_unit(const uint8_t *g, int h, int gi, int u) {
@@ -927,6 +1005,7 @@ static const struct {
     int64_t bytes;
     x8_tile tiles[X8_MAX_ROWS];
     x8_tile broadcast_row;
+    x8_tile pairs[X8_MAX_ROWS]; /* where given: 2..X8_MAX_ROWS rows of two column groups (16 lanes) */
 } X8_TYPES[] = {{LLMD_Q40_X8, 18, X8_ROW_TILES(q40x8_rows)},
                 {LLMD_Q41_X8, 20, X8_ROW_TILES(q41x8_rows)},
                 {LLMD_Q50_X8, 22, X8_ROW_TILES(q50x8_rows)},
@@ -935,7 +1014,11 @@ static const struct {
                 {LLMD_Q80_X8, 34, X8_TILES(q80x8_rows), NULL},
                 {LLMD_Q2K_X8, 84, X8_ROW_TILES(q2x8_rows)},
                 {LLMD_Q3K_X8, 110, X8_ROW_TILES(q3x8_rows)},
+#if X16_PAIRS
+                {LLMD_Q4K_X8, 144, X8_ROW_TILES(x8_rows), {NULL, x16_rows_2, x16_rows_3, x16_rows_4}},
+#else
                 {LLMD_Q4K_X8, 144, X8_ROW_TILES(x8_rows)},
+#endif
                 {LLMD_Q5K_X8, 176, X8_ROW_TILES(q5x8_rows)},
                 {LLMD_Q6K_X8, 210, X8_ROW_TILES(q6x8_rows)},
                 {LLMD_IQ4XS_X8, 136, X8_ROW_TILES(iqx8_rows)}};
@@ -956,13 +1039,18 @@ void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, c
     const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-        for (int64_t c0 = n0; c0 < n1; c0 += 8)
+        for (int64_t c0 = n0; c0 < n1;) {
+            const int64_t groups = c0 + 16 <= n1 && X8_TYPES[t].pairs[X8_MAX_ROWS - 1] ? 2 : 1;
             for (int64_t r = m0; r < m1;) {
                 const int rr = m1 - r >= X8_MAX_ROWS ? X8_MAX_ROWS : (int)(m1 - r);
-                X8_TYPES[t].tiles[rr - 1](q + c0 * rb, nb, xq + r * k, k, xd + r * nbx, nbx, S + r * lds, lds,
-                                          C + r * (k / 4), y + r * ldy + c0, ldy);
+                const x8_tile pair = groups == 2 ? X8_TYPES[t].pairs[rr - 1] : NULL;
+                for (int64_t c = c0; c < c0 + 8 * groups; c += pair ? 16 : 8)
+                    (pair ? pair : X8_TYPES[t].tiles[rr - 1])(q + c * rb, nb, xq + r * k, k, xd + r * nbx, nbx,
+                                                              S + r * lds, lds, C + r * (k / 4), y + r * ldy + c, ldy);
                 r += rr;
             }
+            c0 += 8 * groups;
+        }
     }
 }
 
