@@ -308,7 +308,13 @@ X8K_ROWS(q5x8_rows, 4, 1, 0, )
 #define X16_PAIRS 1
 /* 8 bytes at a and 8 at b, widened to 16 int32 lanes */
 INLINE __m512i x16_bytes(const uint8_t *a, const uint8_t *b) {
-    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)a), _mm_loadl_epi64((const __m128i *)b)));
+    const __m128i lo = _mm_loadl_epi64((const __m128i *)a), hi = _mm_loadl_epi64((const __m128i *)b);
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi));
+}
+/* lanes 0..7 to y, 8..15 to y + 8 */
+INLINE void x16_store(float *y, __m512 v) {
+    _mm256_storeu_ps(y, _mm512_castps512_ps256(v));
+    _mm256_storeu_ps(y + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
 }
 /* 8 fp16s at a and 8 at b as 16 floats */
 INLINE __m512 x16_halves(const uint8_t *a, const uint8_t *b) {
@@ -366,10 +372,7 @@ INLINE __m512 x16_halves(const uint8_t *a, const uint8_t *b) {
                 out[r] = _mm512_fnmadd_ps(m[r], dmin, out[r]);                                                       \
             }                                                                                                        \
         }                                                                                                            \
-        for (int r = 0; r < R; r++) {                                                                                \
-            _mm256_storeu_ps(y + r * ldy, _mm512_castps512_ps256(out[r]));                                           \
-            _mm256_storeu_ps(y + r * ldy + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(out[r]), 1)));  \
-        }                                                                                                            \
+        for (int r = 0; r < R; r++) x16_store(y + r * ldy, out[r]);                                                  \
     }
 X16K_ROWS(2)
 X16K_ROWS(3)
@@ -439,6 +442,76 @@ INLINE void q6x8_codes(const uint8_t *g, int h, int gi, __m256i c[4]) {
         }                                                                                                            \
         for (int r = 0; r < R; r++) _mm256_storeu_ps(y + r * ldy, out[r]);                                           \
     }
+#if X16_PAIRS
+/* Q6_K_X8's unit u at run gi of half h for two column groups' super-blocks g (lanes 0..7) and g2 (8..15) */
+INLINE __m512i q6x16_unit(const uint8_t *g, const uint8_t *g2, int h, int gi, int u) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
+    const int64_t w = 144 + 512 * (u & 1) + 32 * (8 * h + gi), z = 1168 + 32 * (8 * h + gi);
+    const __m512i W = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(g + w))),
+                                         _mm256_loadu_si256((const __m256i *)(g2 + w)), 1);
+    if (u < 2) return _mm512_and_si512(W, _mm512_set1_epi8(0x3F));
+    const __m512i Z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(g + z))),
+                                         _mm256_loadu_si256((const __m256i *)(g2 + z)), 1);
+    return _mm512_or_si512(_mm512_and_si512(u == 2 ? Z : _mm512_srli_epi16(Z, 4), m4),
+                           _mm512_and_si512(_mm512_srli_epi16(W, 2), m30));
+}
+
+/* Q6_K_X8: R rows (2..4) of two column groups at once, as X16K_ROWS: each lane's operations Q6X8_ROWS(R)'s */
+#define Q6X16_ROWS(R)                                                                                                  \
+    static void q6x16_rows_##R(X8_TILE_ARGS) {                                                                         \
+        (void)C;                                                                                                       \
+        const uint8_t *q2 = q + nb * Q6X8_BYTES;                                                                       \
+        __m512 out[R], sa[R], ma[R];                                                                                 \
+        for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                                    \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * Q6X8_BYTES, *g2 = q2 + b * Q6X8_BYTES;                                        \
+            for (int p = 0; p < Q6X8_BYTES; p += 64) {                                                               \
+                _mm_prefetch((const char *)(g + Q6X8_PF * Q6X8_BYTES + p), Q6X8_HINT);                                \
+                _mm_prefetch((const char *)(g2 + Q6X8_PF * Q6X8_BYTES + p), Q6X8_HINT);                               \
+            }                                                                                                        \
+            _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                                     \
+            _Pragma("GCC unroll 2") for (int e = 0; e < 2; e++) {                                                   \
+                __m512i a[4][R];                                                                                     \
+                for (int u = 0; u < 4; u++)                                                                          \
+                    for (int r = 0; r < R; r++) a[u][r] = _mm512_setzero_si512();                                    \
+                _Pragma("GCC unroll 4") for (int gg = 0; gg < 4; gg++) {                                            \
+                    const int gi = 4 * e + gg;                                                                       \
+                    _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                                           \
+                        const __m512i c = q6x16_unit(g, g2, h, gi, u);                                               \
+                        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                       \
+                            int32_t x;                                                                               \
+                            memcpy(&x, xq + r * k + 256 * b + 128 * h + 32 * u + 4 * gi, 4);                         \
+                            a[u][r] = _mm512_dpbusd_epi32(a[u][r], c, _mm512_set1_epi32(x));                        \
+                        }                                                                                            \
+                    }                                                                                                \
+                }                                                                                                    \
+                _Pragma("GCC unroll 4") for (int u = 0; u < 4; u++) {                                               \
+                    const int s = 8 * h + 2 * u + e, first = h == 0 && e == 0 && u == 0;                             \
+                    const __m512i sc = _mm512_cvtepi8_epi32(_mm_unpacklo_epi64(                                      \
+                        _mm_loadl_epi64((const __m128i *)(g + 16 + 8 * s)),                                          \
+                        _mm_loadl_epi64((const __m128i *)(g2 + 16 + 8 * s))));                                       \
+                    const __m512 scf = _mm512_cvtepi32_ps(sc);                                                       \
+                    _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
+                        const __m512 t = _mm512_cvtepi32_ps(_mm512_mullo_epi32(a[u][r], sc));                        \
+                        const __m512 dv = _mm512_set1_ps(xd[r * nbx + 8 * b + s / 2]);                               \
+                        const __m512 sv = _mm512_set1_ps(S[r * lds + 16 * b + s]);                                   \
+                        sa[r] = first ? _mm512_mul_ps(t, dv) : _mm512_fmadd_ps(t, dv, sa[r]);                        \
+                        ma[r] = first ? _mm512_mul_ps(scf, sv) : _mm512_fmadd_ps(scf, sv, ma[r]);                    \
+                    }                                                                                                \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m512 d = x16_halves(g, g2), dm = _mm512_mul_ps(d, _mm512_set1_ps(-32.0f));                       \
+            for (int r = 0; r < R; r++) {                                                                            \
+                out[r] = _mm512_fmadd_ps(sa[r], d, out[r]);                                                          \
+                out[r] = _mm512_fmadd_ps(ma[r], dm, out[r]);                                                         \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) x16_store(y + r * ldy, out[r]);                                                  \
+    }
+Q6X16_ROWS(2)
+Q6X16_ROWS(3)
+Q6X16_ROWS(4)
+#endif
 #if GQ_OFFSET_ROWS
 Q6X8_ROWS(1, 0, )
 Q6X8_ROWS(1, 1, b)
@@ -999,6 +1072,9 @@ static void x8_rows_1b(X8_TILE_ARGS) {
 #define X8_TILES(f) {f##_1}
 #define X8_ROW_TILES(f) X8_TILES(f), NULL
 #endif
+/* the two-group tiles from 8 rows on: below, the tiles stream at memory speed, and two streams at once read slower
+ * (Q6_K at 2-4 rows: 10-15 % on Zen 5) */
+#define X16_MIN_ROWS 8
 /* Q8_0 streams at memory speed from one row on: there the broadcast copy only adds cache traffic (8 % slower) */
 static const struct {
     int type;
@@ -1020,12 +1096,16 @@ static const struct {
                 {LLMD_Q4K_X8, 144, X8_ROW_TILES(x8_rows)},
 #endif
                 {LLMD_Q5K_X8, 176, X8_ROW_TILES(q5x8_rows)},
+#if X16_PAIRS
+                {LLMD_Q6K_X8, 210, X8_ROW_TILES(q6x8_rows), {NULL, q6x16_rows_2, q6x16_rows_3, q6x16_rows_4}},
+#else
                 {LLMD_Q6K_X8, 210, X8_ROW_TILES(q6x8_rows)},
+#endif
                 {LLMD_IQ4XS_X8, 136, X8_ROW_TILES(iqx8_rows)}};
 
 /* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the integer path's rows (xd [K/32], S [gq_sums(K)], xq [K] and
- * C [K/4] per row) and an interleaved weight q of `type`: per group of 8 columns, the rows in tiles of up to 4, in
- * chunks of rows whose activations stay in L2; one row from its broadcast copy xb where given (gq_broadcast_row). */
+ * C [K/4] per row) and an interleaved weight q of `type`: per group of 8 columns (two groups at once from X16_MIN_ROWS
+ * rows where the type has such tiles), the rows in tiles of up to 4, in chunks of rows whose activations stay in L2; one row from its broadcast copy xb where given (gq_broadcast_row). */
 void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C, const int8_t *xb,
                   const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
     int t = 0;
@@ -1037,10 +1117,11 @@ void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, c
         return;
     }
     const int64_t chunk = (256 * 1024) / k < 1 ? 1 : (256 * 1024) / k;
+    const int pairs = m >= X16_MIN_ROWS && X8_TYPES[t].pairs[X8_MAX_ROWS - 1];
     for (int64_t m0 = 0; m0 < m; m0 += chunk) {
         const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
         for (int64_t c0 = n0; c0 < n1;) {
-            const int64_t groups = c0 + 16 <= n1 && X8_TYPES[t].pairs[X8_MAX_ROWS - 1] ? 2 : 1;
+            const int64_t groups = pairs && c0 + 16 <= n1 ? 2 : 1;
             for (int64_t r = m0; r < m1;) {
                 const int rr = m1 - r >= X8_MAX_ROWS ? X8_MAX_ROWS : (int)(m1 - r);
                 const x8_tile pair = groups == 2 ? X8_TYPES[t].pairs[rr - 1] : NULL;
