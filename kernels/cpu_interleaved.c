@@ -21,6 +21,8 @@
  *   the sum of its codes);
  *   out = fma(s, d, out); out = fma(-m, dmin, out).
  * The portable build computes the same operations in plain C (fmaf).
+ * Where 512-bit VNNI is built in, Q4_K's, Q5_K's and Q6_K's prompt tiles (X16_MIN_ROWS rows and more) take two
+ * neighbouring column groups at once, 16 lanes, each lane's operations the 8-lane tile's: the same results.
  *
  * Q5_K likewise ("Q5_K_X8", 1013; gguf_blocks.q5k_x8_pack), 1408 bytes: Q4_K_X8's 1152 bytes of its d, dmin,
  * scales, mins and low 4 bits, then the fifth bits in runs of 4 bytes per column (32 bytes at 1152 + 32g: qh bytes
@@ -311,6 +313,16 @@ INLINE __m512i x16_bytes(const uint8_t *a, const uint8_t *b) {
     const __m128i lo = _mm_loadl_epi64((const __m128i *)a), hi = _mm_loadl_epi64((const __m128i *)b);
     return _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi));
 }
+/* 32 bytes at g + at (lanes 0..7) and at g2 + at (8..15) */
+INLINE __m512i x16_load(const uint8_t *g, const uint8_t *g2, int64_t at) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(g + at))),
+                              _mm256_loadu_si256((const __m256i *)(g2 + at)), 1);
+}
+/* q5_bit4 on 16 lanes */
+INLINE __m512i q5_bit4_16(__m512i v, int j) {
+    const __m512i at = j <= 4 ? _mm512_slli_epi16(v, 4 - j) : _mm512_srli_epi16(v, j - 4);
+    return _mm512_and_si512(at, _mm512_set1_epi8(0x10));
+}
 /* lanes 0..7 to y, 8..15 to y + 8 */
 INLINE void x16_store(float *y, __m512 v) {
     _mm256_storeu_ps(y, _mm512_castps512_ps256(v));
@@ -321,18 +333,19 @@ INLINE __m512 x16_halves(const uint8_t *a, const uint8_t *b) {
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
                                                    _mm_loadu_si128((const __m128i *)b), 1));
 }
-#define X16K_ROWS(R)                                                                                                   \
-    static void x16_rows_##R(X8_TILE_ARGS) {                                                                           \
+#define X16K_ROWS(NAME, R, QH)                                                                                         \
+    static void NAME##_##R(X8_TILE_ARGS) {                                                                             \
         (void)C;                                                                                                       \
-        const uint8_t *q2 = q + nb * X8_BYTES;                                                                         \
+        const int64_t bytes = QH ? Q5X8_BYTES : X8_BYTES;                                                            \
+        const uint8_t *q2 = q + nb * bytes;                                                                            \
         const __m512i m4 = _mm512_set1_epi8(0x0F);                                                                   \
         __m512 out[R], s[R], m[R];                                                                                   \
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                           \
-            const uint8_t *g = q + b * X8_BYTES, *g2 = q2 + b * X8_BYTES;                                            \
-            for (int p = 0; p < X8_BYTES; p += 64) {                                                                 \
-                _mm_prefetch((const char *)(g + X8_PF * X8_BYTES + p), X8_HINT);                                     \
-                _mm_prefetch((const char *)(g2 + X8_PF * X8_BYTES + p), X8_HINT);                                    \
+            const uint8_t *g = q + b * bytes, *g2 = q2 + b * bytes;                                                  \
+            for (int p = 0; p < bytes; p += 64) {                                                                    \
+                _mm_prefetch((const char *)(g + X8_PF * bytes + p), X8_HINT);                                        \
+                _mm_prefetch((const char *)(g2 + X8_PF * bytes + p), X8_HINT);                                       \
             }                                                                                                        \
             uint8_t sc[64], mn[64], sc2[64], mn2[64];                                                                \
             x8_scales(g, sc, mn), x8_scales(g2, sc2, mn2);                                                           \
@@ -340,11 +353,13 @@ INLINE __m512 x16_halves(const uint8_t *a, const uint8_t *b) {
                 __m512i a[2][R];                                                                                     \
                 for (int r = 0; r < R; r++) a[0][r] = a[1][r] = _mm512_setzero_si512();                              \
                 _Pragma("GCC unroll 8") for (int kk = 0; kk < 8; kk++) {                                            \
-                    const int64_t at = 128 + 32 * (8 * c + kk);                                                      \
-                    const __m512i w = _mm512_inserti64x4(                                                            \
-                        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(g + at))),                       \
-                        _mm256_loadu_si256((const __m256i *)(g2 + at)), 1);                                          \
-                    const __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);  \
+                    const __m512i w = x16_load(g, g2, 128 + 32 * (8 * c + kk));                                      \
+                    __m512i lo = _mm512_and_si512(w, m4), hi = _mm512_and_si512(_mm512_srli_epi16(w, 4), m4);        \
+                    if (QH) {                                                                                        \
+                        const __m512i v = x16_load(g, g2, X8_BYTES + 32 * kk);                                       \
+                        lo = _mm512_or_si512(lo, q5_bit4_16(v, 2 * c));                                              \
+                        hi = _mm512_or_si512(hi, q5_bit4_16(v, 2 * c + 1));                                          \
+                    }                                                                                                \
                     _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                           \
                         const int8_t *x = xq + r * k + 256 * b + 64 * c + 4 * kk;                                    \
                         int32_t x0, x1;                                                                              \
@@ -374,9 +389,12 @@ INLINE __m512 x16_halves(const uint8_t *a, const uint8_t *b) {
         }                                                                                                            \
         for (int r = 0; r < R; r++) x16_store(y + r * ldy, out[r]);                                                  \
     }
-X16K_ROWS(2)
-X16K_ROWS(3)
-X16K_ROWS(4)
+X16K_ROWS(x16_rows, 2, 0)
+X16K_ROWS(x16_rows, 3, 0)
+X16K_ROWS(x16_rows, 4, 0)
+X16K_ROWS(q5x16_rows, 2, 1)
+X16K_ROWS(q5x16_rows, 3, 1)
+X16K_ROWS(q5x16_rows, 4, 1)
 #else
 #define X16_PAIRS 0
 #endif
@@ -447,11 +465,9 @@ INLINE void q6x8_codes(const uint8_t *g, int h, int gi, __m256i c[4]) {
 INLINE __m512i q6x16_unit(const uint8_t *g, const uint8_t *g2, int h, int gi, int u) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const int64_t w = 144 + 512 * (u & 1) + 32 * (8 * h + gi), z = 1168 + 32 * (8 * h + gi);
-    const __m512i W = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(g + w))),
-                                         _mm256_loadu_si256((const __m256i *)(g2 + w)), 1);
+    const __m512i W = x16_load(g, g2, w);
     if (u < 2) return _mm512_and_si512(W, _mm512_set1_epi8(0x3F));
-    const __m512i Z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(g + z))),
-                                         _mm256_loadu_si256((const __m256i *)(g2 + z)), 1);
+    const __m512i Z = x16_load(g, g2, z);
     return _mm512_or_si512(_mm512_and_si512(u == 2 ? Z : _mm512_srli_epi16(Z, 4), m4),
                            _mm512_and_si512(_mm512_srli_epi16(W, 2), m30));
 }
@@ -1095,7 +1111,11 @@ static const struct {
 #else
                 {LLMD_Q4K_X8, 144, X8_ROW_TILES(x8_rows)},
 #endif
+#if X16_PAIRS
+                {LLMD_Q5K_X8, 176, X8_ROW_TILES(q5x8_rows), {NULL, q5x16_rows_2, q5x16_rows_3, q5x16_rows_4}},
+#else
                 {LLMD_Q5K_X8, 176, X8_ROW_TILES(q5x8_rows)},
+#endif
 #if X16_PAIRS
                 {LLMD_Q6K_X8, 210, X8_ROW_TILES(q6x8_rows), {NULL, q6x16_rows_2, q6x16_rows_3, q6x16_rows_4}},
 #else
@@ -1105,7 +1125,8 @@ static const struct {
 
 /* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the integer path's rows (xd [K/32], S [gq_sums(K)], xq [K] and
  * C [K/4] per row) and an interleaved weight q of `type`: per group of 8 columns (two groups at once from X16_MIN_ROWS
- * rows where the type has such tiles), the rows in tiles of up to 4, in chunks of rows whose activations stay in L2; one row from its broadcast copy xb where given (gq_broadcast_row). */
+ * rows where the type has such tiles), the rows in tiles of up to 4, in chunks of rows whose activations stay in L2;
+ * one row from its broadcast copy xb where given (gq_broadcast_row). */
 void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C, const int8_t *xb,
                   const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
     int t = 0;
