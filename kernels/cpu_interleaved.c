@@ -1082,11 +1082,17 @@ static void x8_rows_1b(X8_TILE_ARGS) {
 }
 #define X8_MAX_ROWS 4
 #define X8_TILES(f) {f##_1, f##_2, f##_3, f##_4}
-#define X8_ROW_TILES(f) X8_TILES(f), f##_1b
+#define X8_ROW_TILES(f) X8_TILES(f), f##_1b, {NULL}
 #else
 #define X8_MAX_ROWS 1
 #define X8_TILES(f) {f##_1}
-#define X8_ROW_TILES(f) X8_TILES(f), NULL
+#define X8_ROW_TILES(f) X8_TILES(f), NULL, {NULL}
+#endif
+/* X8_ROW_TILES with the two-group tiles p##_2 .. p##_4 where built */
+#if X16_PAIRS
+#define X8_PAIR_TILES(f, p) X8_TILES(f), f##_1b, {NULL, p##_2, p##_3, p##_4}
+#else
+#define X8_PAIR_TILES(f, p) X8_ROW_TILES(f)
 #endif
 /* the two-group tiles from 8 rows on: below, the tiles stream at memory speed, and two streams at once read slower
  * (Q6_K at 2-4 rows: 10-15 % on Zen 5) */
@@ -1103,24 +1109,12 @@ static const struct {
                 {LLMD_Q50_X8, 22, X8_ROW_TILES(q50x8_rows)},
                 {LLMD_Q51_X8, 24, X8_ROW_TILES(q51x8_rows)},
                 {LLMD_IQ4NL_X8, 18, X8_ROW_TILES(nlx8_rows)},
-                {LLMD_Q80_X8, 34, X8_TILES(q80x8_rows), NULL},
+                {LLMD_Q80_X8, 34, X8_TILES(q80x8_rows), NULL, {NULL}},
                 {LLMD_Q2K_X8, 84, X8_ROW_TILES(q2x8_rows)},
                 {LLMD_Q3K_X8, 110, X8_ROW_TILES(q3x8_rows)},
-#if X16_PAIRS
-                {LLMD_Q4K_X8, 144, X8_ROW_TILES(x8_rows), {NULL, x16_rows_2, x16_rows_3, x16_rows_4}},
-#else
-                {LLMD_Q4K_X8, 144, X8_ROW_TILES(x8_rows)},
-#endif
-#if X16_PAIRS
-                {LLMD_Q5K_X8, 176, X8_ROW_TILES(q5x8_rows), {NULL, q5x16_rows_2, q5x16_rows_3, q5x16_rows_4}},
-#else
-                {LLMD_Q5K_X8, 176, X8_ROW_TILES(q5x8_rows)},
-#endif
-#if X16_PAIRS
-                {LLMD_Q6K_X8, 210, X8_ROW_TILES(q6x8_rows), {NULL, q6x16_rows_2, q6x16_rows_3, q6x16_rows_4}},
-#else
-                {LLMD_Q6K_X8, 210, X8_ROW_TILES(q6x8_rows)},
-#endif
+                {LLMD_Q4K_X8, 144, X8_PAIR_TILES(x8_rows, x16_rows)},
+                {LLMD_Q5K_X8, 176, X8_PAIR_TILES(q5x8_rows, q5x16_rows)},
+                {LLMD_Q6K_X8, 210, X8_PAIR_TILES(q6x8_rows, q6x16_rows)},
                 {LLMD_IQ4XS_X8, 136, X8_ROW_TILES(iqx8_rows)}};
 
 /* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the integer path's rows (xd [K/32], S [gq_sums(K)], xq [K] and
