@@ -8,9 +8,10 @@
 # shapes, gguf, long, moe, hybrid, encoder, ple; default all nine, in that order). summary.txt gets each stage's
 # seconds, to size the limits from. A tenth stage, gemma4 (the shapes section at Gemma 4 E4B's and 31B's shapes,
 # 240 s), runs only when named, in a call of its own: STAGES=gemma4 tests/gpu/run_gpu_checks.sh. So does cpuisa (the
-# CPU kernels' interleaved GGUF tiles and int16 path on the host's CPU, whose AVX-512/VNNI build no development
-# machine runs: their products, batch independence and the AVX2 and portable builds' bits against it, 240 s; the gguf
-# wheel must be on PYTHONPATH, e.g. carried in shared/).
+# CPU kernels' interleaved GGUF tiles, int16 path and attention on the host's CPU, whose AVX-512/VNNI build an AVX2
+# development machine does not run: their products, batch independence, the 16-lane tiles and attention against the
+# 8-lane ones' invariants, and the AVX2 and portable builds' bits against it, 240 s; the gguf wheel must be on
+# PYTHONPATH, e.g. carried in shared/).
 # Writes under $OUT (default ./gpu-results): summary.txt, pytest logs, gpu_bench.json/.txt, gpu_shapes.json/.txt,
 # gguf_bench.json/.txt, gpu_long_context.json/.txt, moe_bench.json/.txt, moe_models.json/.txt, hybrid_bench.json/.txt,
 # hybrid_models.json/.txt, encoders.json/.txt, pytest_ple.txt, ple.json/.txt (and gpu_shapes_gemma4.json/.txt,
@@ -161,7 +162,8 @@ echo "== CPU interleaved GGUF tiles on this host's ISA ($(grep -o -m1 'avx512_vn
   | tee -a "$OUT/summary.txt"
 t0=$SECONDS
 timeout 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_kernels_cpu_interleaved.py tests/test_kernels_cpu_gguf.py \
-  -k "interleav or products or rows_do_not or avx2_build or portable or head_path" 2>&1 \
+  tests/test_kernels_cpu_ops.py -k "interleav or products or rows_do_not or avx2_build or portable or head_path or attention \
+  or attends" 2>&1 \
   | tee "$OUT/pytest_cpuisa.txt" | tail -2 | tee -a "$OUT/summary.txt" || status=1
 took cpuisa "$t0"
 fi
