@@ -21,7 +21,7 @@
  *   the sum of its codes);
  *   out = fma(s, d, out); out = fma(-m, dmin, out).
  * The portable build computes the same operations in plain C (fmaf).
- * Where 512-bit VNNI is built in, Q4_K's, Q5_K's and Q6_K's prompt tiles (X16_MIN_ROWS rows and more) take two
+ * Where 512-bit VNNI is built in, Q4_K's, Q5_K's, Q6_K's and Q8_0's prompt tiles (X16_MIN_ROWS rows and more) take two
  * neighbouring column groups at once, 16 lanes, each lane's operations the 8-lane tile's: the same results.
  *
  * Q5_K likewise ("Q5_K_X8", 1013; gguf_blocks.q5k_x8_pack), 1408 bytes: Q4_K_X8's 1152 bytes of its d, dmin,
@@ -625,6 +625,45 @@ Q80X8_ROWS(1)
 Q80X8_ROWS(2)
 Q80X8_ROWS(3)
 Q80X8_ROWS(4)
+#if X16_PAIRS
+/* Q8_0_X8: R rows (2..4) of two column groups at once, as X16K_ROWS: each lane's operations Q80X8_ROWS(R)'s */
+#define Q80X16_ROWS(R)                                                                                                 \
+    static void q80x16_rows_##R(X8_TILE_ARGS) {                                                                        \
+        (void)S, (void)lds;                                                                                            \
+        const uint8_t *q2 = q + nb * Q80X8_BYTES;                                                                      \
+        __m512 acc[R][2];                                                                                            \
+        for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                                     \
+        for (int64_t b = 0; b < nb; b++) {                                                                           \
+            const uint8_t *g = q + b * Q80X8_BYTES, *g2 = q2 + b * Q80X8_BYTES;                                      \
+            for (int p = 0; p < Q80X8_BYTES; p += 64) {                                                              \
+                _mm_prefetch((const char *)(g + Q80X8_PF * Q80X8_BYTES + p), X8_HINT);                               \
+                _mm_prefetch((const char *)(g2 + Q80X8_PF * Q80X8_BYTES + p), X8_HINT);                              \
+            }                                                                                                        \
+            __m512i D[R];                                                                                            \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
+                const int32_t *c = C + r * (k / 4) + 8 * b;                                                          \
+                D[r] = _mm512_set1_epi32(c[0] + c[1] + c[2] + c[3] + c[4] + c[5] + c[6] + c[7]);                     \
+            }                                                                                                        \
+            _Pragma("GCC unroll 8") for (int gg = 0; gg < 8; gg++) {                                                \
+                const __m512i u = _mm512_xor_si512(x16_load(g, g2, 16 + 32 * gg), _mm512_set1_epi8((char)0x80));     \
+                _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                               \
+                    int32_t x;                                                                                       \
+                    memcpy(&x, xq + r * k + 32 * b + 4 * gg, 4);                                                     \
+                    D[r] = _mm512_dpbusd_epi32(D[r], u, _mm512_set1_epi32(x));                                      \
+                }                                                                                                    \
+            }                                                                                                        \
+            const __m512 d = x16_halves(g, g2);                                                                      \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
+                const __m512 P = _mm512_mul_ps(d, _mm512_set1_ps(xd[r * nbx + b]));                                  \
+                acc[r][b & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(D[r]), P, acc[r][b & 1]);                         \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < R; r++) x16_store(y + r * ldy, _mm512_add_ps(acc[r][0], acc[r][1]));                     \
+    }
+Q80X16_ROWS(2)
+Q80X16_ROWS(3)
+Q80X16_ROWS(4)
+#endif
 
 /* Q2_K_X8's and Q3_K_X8's sub-block s: the 8 columns' scales (Q2_K: 4 bits; Q3_K: 6 bits minus 32, signed) and
  * Q2_K's mins as 8 bytes */
@@ -1109,7 +1148,11 @@ static const struct {
                 {LLMD_Q50_X8, 22, X8_ROW_TILES(q50x8_rows)},
                 {LLMD_Q51_X8, 24, X8_ROW_TILES(q51x8_rows)},
                 {LLMD_IQ4NL_X8, 18, X8_ROW_TILES(nlx8_rows)},
+#if X16_PAIRS
+                {LLMD_Q80_X8, 34, X8_TILES(q80x8_rows), NULL, {NULL, q80x16_rows_2, q80x16_rows_3, q80x16_rows_4}},
+#else
                 {LLMD_Q80_X8, 34, X8_TILES(q80x8_rows), NULL, {NULL}},
+#endif
                 {LLMD_Q2K_X8, 84, X8_ROW_TILES(q2x8_rows)},
                 {LLMD_Q3K_X8, 110, X8_ROW_TILES(q3x8_rows)},
                 {LLMD_Q4K_X8, 144, X8_PAIR_TILES(x8_rows, x16_rows)},
