@@ -105,11 +105,12 @@ def test_gguf_matches_transformers(kind, t, quant, ggufs, expected, monkeypatch)
     assert diff < TOLERANCE, f"{kind} {t} ({quant}): max |logit difference| {diff:.2e}"
 
 
+@pytest.mark.anchor  # llama-cpp-python from `make bench-anchor`: `pytest -m anchor`
 @pytest.mark.parametrize("kind", list(GEMMA4_VARIANTS))
 def test_llama_cpp_reads_the_files_as_llmd_does(kind, ggufs):
     """llama.cpp's own loader takes the writer's files (names, shapes, metadata) and computes the same logits
     within its own rounding (its CPU GELU reads an fp16 table: about 1e-2 here), the same greedy token everywhere."""
-    llama_cpp = pytest.importorskip("llama_cpp")  # optional: `make bench-anchor`
+    import llama_cpp
     prompt = prompt_ids(40)
     llm = llama_cpp.Llama(str(ggufs[kind, "F32"]), n_ctx=64, logits_all=True, verbose=False, n_threads=1,
                           type_k=0, type_v=0)  # an F32 cache
