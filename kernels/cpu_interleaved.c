@@ -302,10 +302,11 @@ X8K_ROWS(q5x8_rows, 2, 1, 0, )
 X8K_ROWS(q5x8_rows, 3, 1, 0, )
 X8K_ROWS(q5x8_rows, 4, 1, 0, )
 
-/* Where 512-bit VNNI is built in (Zen 4 and 5, Intel's AVX-512 cores): R rows (2..4) of two neighbouring Q4_K column
- * groups at once, the first group's 8 columns in lanes 0..7 and the next one's (nb super-blocks on) in 8..15, so each
- * vpdpbusd serves 16 columns. Each lane's operations are x8_rows_R's, so every output is theirs bit for bit; prompts
- * and batched decode (compute-bound) gain, a one-row decode (memory-bound) keeps its 8-lane tile. */
+/* Where 512-bit VNNI is built in (Zen 4 and 5, Intel's AVX-512 cores): R rows (2..4) of two neighbouring Q4_K (QH 0)
+ * or Q5_K (QH 1) column groups at once, the first group's 8 columns in lanes 0..7 and the next one's (nb super-blocks
+ * on) in 8..15, so each vpdpbusd serves 16 columns. Each lane's operations are X8K_ROWS(R)'s, so every output is
+ * theirs bit for bit; prompts and batched decode (compute-bound) gain, a one-row decode (memory-bound) keeps its 8-lane
+ * tile. */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define X16_PAIRS 1
 /* 8 bytes at a and 8 at b, widened to 16 int32 lanes */
