@@ -84,7 +84,9 @@ def daemon_requests_done(daemon) -> list:
 
 async def test_escape_aborts_the_request_on_the_real_daemon(daemon, tmp_path):
     aborts_before = daemon.stats().get("server", {}).get("aborts", {}).get("disconnect", 0)
-    app = chat_app(daemon, tmp_path, temperature=0.0, max_tokens=400)
+    # far more tokens than the daemon makes before the Escape lands (400 were done first on a 2-core Zen 5 under the
+    # suite's load); greedy, this prompt runs past 6,000 tokens without an end of turn
+    app = chat_app(daemon, tmp_path, temperature=0.0, max_tokens=4000)
     async with app.run_test(size=SIZE) as pilot:
         await wait_for(pilot, lambda: "connected" in str(app.query_one("#status").render()))
         await ask(pilot, "Write a very long story about a dragon.")
