@@ -276,7 +276,8 @@ int llmd_gx_takes(int act, int type, int64_t k) {
 
 int llmd_gx_flags(int act, int type) {
     if (act == LLMD_ACT_I16)
-        return LLMD_X8(type) ? LLMD_GX_SUMS | X8_BROADCAST : type == 3 ? LLMD_GX_SUMS | LLMD_GX_LANES : 0;
+        return LLMD_X8(type) ? (type == LLMD_Q80_X8 ? 0 : LLMD_GX_SUMS) | X8_BROADCAST /* Q8_0: no minima */
+                             : type == 3 ? LLMD_GX_SUMS | LLMD_GX_LANES : 0;
     if (act != LLMD_ACT_I8) return 0;
     if (gq_signed_type(type)) return LLMD_GX_C | LLMD_GX_LANES;
     /* IQ4_XS's, Q4_0_X8's and Q5_0_X8's sums; Q8_0_X8's and the IQ4s' offsets with VNNI */

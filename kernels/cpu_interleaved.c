@@ -334,6 +334,12 @@ INLINE __m512 x16_halves(const uint8_t *a, const uint8_t *b) {
     return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)a)),
                                                    _mm_loadu_si128((const __m128i *)b), 1));
 }
+/* super-block b's bytes of both column groups, `pf` super-blocks ahead (the 8-lane tiles' distance and hint) */
+#define X16_PREFETCH(g, g2, bytes, pf, hint)                                                                          \
+    for (int p = 0; p < (bytes); p += 64) {                                                                          \
+        _mm_prefetch((const char *)((g) + (pf) * (bytes) + p), hint);                                                \
+        _mm_prefetch((const char *)((g2) + (pf) * (bytes) + p), hint);                                               \
+    }
 #define X16K_ROWS(NAME, R, QH)                                                                                         \
     static void NAME##_##R(X8_TILE_ARGS) {                                                                             \
         (void)C;                                                                                                       \
@@ -344,10 +350,7 @@ INLINE __m512 x16_halves(const uint8_t *a, const uint8_t *b) {
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                           \
             const uint8_t *g = q + b * bytes, *g2 = q2 + b * bytes;                                                  \
-            for (int p = 0; p < bytes; p += 64) {                                                                    \
-                _mm_prefetch((const char *)(g + X8_PF * bytes + p), X8_HINT);                                        \
-                _mm_prefetch((const char *)(g2 + X8_PF * bytes + p), X8_HINT);                                       \
-            }                                                                                                        \
+            X16_PREFETCH(g, g2, bytes, X8_PF, X8_HINT);                                                              \
             uint8_t sc[64], mn[64], sc2[64], mn2[64];                                                                \
             x8_scales(g, sc, mn), x8_scales(g2, sc2, mn2);                                                           \
             _Pragma("GCC unroll 4") for (int c = 0; c < 4; c++) {                                                   \
@@ -482,10 +485,7 @@ INLINE __m512i q6x16_unit(const uint8_t *g, const uint8_t *g2, int h, int gi, in
         for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();                                                    \
         for (int64_t b = 0; b < nb; b++) {                                                                           \
             const uint8_t *g = q + b * Q6X8_BYTES, *g2 = q2 + b * Q6X8_BYTES;                                        \
-            for (int p = 0; p < Q6X8_BYTES; p += 64) {                                                               \
-                _mm_prefetch((const char *)(g + Q6X8_PF * Q6X8_BYTES + p), Q6X8_HINT);                                \
-                _mm_prefetch((const char *)(g2 + Q6X8_PF * Q6X8_BYTES + p), Q6X8_HINT);                               \
-            }                                                                                                        \
+            X16_PREFETCH(g, g2, Q6X8_BYTES, Q6X8_PF, Q6X8_HINT);                                                     \
             _Pragma("GCC unroll 2") for (int h = 0; h < 2; h++)                                                     \
             _Pragma("GCC unroll 2") for (int e = 0; e < 2; e++) {                                                   \
                 __m512i a[4][R];                                                                                     \
@@ -636,10 +636,7 @@ Q80X8_ROWS(4)
         for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                                     \
         for (int64_t b = 0; b < nb; b++) {                                                                           \
             const uint8_t *g = q + b * Q80X8_BYTES, *g2 = q2 + b * Q80X8_BYTES;                                      \
-            for (int p = 0; p < Q80X8_BYTES; p += 64) {                                                              \
-                _mm_prefetch((const char *)(g + Q80X8_PF * Q80X8_BYTES + p), X8_HINT);                               \
-                _mm_prefetch((const char *)(g2 + Q80X8_PF * Q80X8_BYTES + p), X8_HINT);                              \
-            }                                                                                                        \
+            X16_PREFETCH(g, g2, Q80X8_BYTES, Q80X8_PF, X8_HINT);                                                     \
             __m512i D[R];                                                                                            \
             _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                   \
                 const int32_t *c = C + r * (k / 4) + 8 * b;                                                          \
@@ -1161,14 +1158,20 @@ static const struct {
                 {LLMD_Q6K_X8, 210, X8_PAIR_TILES(q6x8_rows, q6x16_rows)},
                 {LLMD_IQ4XS_X8, 136, X8_ROW_TILES(iqx8_rows)}};
 
+/* X8_TYPES' entry of `type`, or -1 */
+static int x8_entry(int type) {
+    for (int t = 0; t < (int)(sizeof X8_TYPES / sizeof X8_TYPES[0]); t++)
+        if (X8_TYPES[t].type == type) return t;
+    return -1;
+}
+
 /* Columns [n0, n1) (multiples of 8) of y [m, ldy] from the integer path's rows (xd [K/32], S [gq_sums(K)], xq [K] and
  * C [K/4] per row) and an interleaved weight q of `type`: per group of 8 columns (two groups at once from X16_MIN_ROWS
  * rows where the type has such tiles), the rows in tiles of up to 4, in chunks of rows whose activations stay in L2;
  * one row from its broadcast copy xb where given (gq_broadcast_row). */
 void llmd_x8_cols(int type, const float *xd, const float *S, const int8_t *xq, const int32_t *C, const int8_t *xb,
                   const uint8_t *q, float *y, int64_t ldy, int64_t m, int64_t k, int64_t n0, int64_t n1) {
-    int t = 0;
-    while (X8_TYPES[t].type != type) t++; /* llmd_gx_takes admits only these types */
+    const int t = x8_entry(type); /* llmd_gx_takes admits only these types */
     const int64_t nb = k / LLMD_X8_ELEMS(type), nbx = k / QB, lds = gq_sums(k), rb = nb * X8_TYPES[t].bytes;
     if (m == 1 && xb && X8_TYPES[t].broadcast_row) {
         for (int64_t c0 = n0; c0 < n1; c0 += 8)
@@ -1499,13 +1502,6 @@ static void x8_pack_block(int type, const uint8_t *src, int64_t rb, uint8_t *dst
             for (int r = 0; r < 32; r++) memcpy(dst + 64 + 32 * r + 4 * c, s + 8 + 4 * r, 4);
         }
     }
-}
-
-/* X8_TYPES' entry of `type`, or -1 */
-static int x8_entry(int type) {
-    for (int t = 0; t < (int)(sizeof X8_TYPES / sizeof X8_TYPES[0]); t++)
-        if (X8_TYPES[t].type == type) return t;
-    return -1;
 }
 
 /* rows [n, rb] of the file's type (n % 8 == 0) rearranged in place into `type`'s layout: 0, -1 for a type or shape
